@@ -1,0 +1,36 @@
+"""The detector registry: one grep for ``@register`` finds every detector.
+
+A detector is ``detect(run: Run, cfg: Config) -> list[Finding]``: it reads the
+aligned run (and the matched collectives on it), returns data, never prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from distdiag.findings import Finding
+
+Detector = Callable[[Any, Any], "list[Finding]"]
+
+#: name -> detector, in the order they run. Filled by @register at import of
+#: the modules listed in _MODULES.
+DETECTORS: dict[str, Detector] = {}
+
+
+def register(name: str) -> Callable[[Detector], Detector]:
+    def deco(fn: Detector) -> Detector:
+        DETECTORS[name] = fn
+        return fn
+
+    return deco
+
+
+_MODULES = ("straggler",)
+
+
+def load_all() -> dict[str, Detector]:
+    import importlib
+
+    for m in _MODULES:
+        importlib.import_module(f"distdiag.detectors.{m}")
+    return DETECTORS

@@ -1,0 +1,42 @@
+"""Finding: the one type every detector returns (see the JSON contract in README)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Finding:
+    """One cause of lost wall-clock.
+
+    ``cost_s`` is the wall-clock the job would save if this cause were removed;
+    ``fraction`` is ``cost_s`` over the run's wall-clock. Detectors fill
+    ``fraction`` with 0.0; the pipeline sets it once the wall-clock is known.
+    """
+
+    kind: str
+    cost_s: float
+    summary: str
+    ranks: list[int] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
+    links: list[list[str]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    #: what to do about it, one sentence
+    advice: str = ""
+    fraction: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "cost_s": float(self.cost_s),
+            "fraction": float(self.fraction),
+            "ranks": [int(r) for r in self.ranks],
+            "hosts": list(self.hosts),
+            "links": [list(link) for link in self.links],
+            "paths": list(self.paths),
+            "summary": self.summary,
+            "advice": self.advice,
+            "evidence": self.evidence,
+        }
