@@ -1,0 +1,138 @@
+"""Shim settings: ``ShimConfig``, filled from ``configs/default.toml`` [shim],
+then an optional ``--config FILE`` [shim] table, then ``DISTDIAG_*`` variables.
+
+Environment: every field has a variable named ``DISTDIAG_`` + the field name in
+upper case (``DISTDIAG_FLUSH_INTERVAL_S=0.2``, ``DISTDIAG_PROBE_LINKS=1``).
+Hooks are switched with ``DISTDIAG_HOOKS="mpi4py=1,fileio=0"`` (short module
+names as in ``distdiag.shim.hooks.HOOKS``). Variables the config does not know
+(``DISTDIAG_DIR``, ``DISTDIAG_HOST``) are left to their owners.
+
+To add a setting: add a typed field with its default here and (optionally) a
+line in configs/default.toml. The loader converts by the field's type
+(bool, int, float, str, dict[str, bool]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclasses.dataclass
+class ShimConfig:
+    #: seconds between background flushes: a SIGKILL loses at most this much
+    flush_interval_s: float = 1.0
+    #: rows per recorder chunk (one chunk = chunk_rows * 69 bytes per thread)
+    chunk_rows: int = 16384
+    #: full chunks waiting for the flusher before new ones are dropped (counted as lost)
+    max_pending_chunks: int = 64
+    #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
+    sync_interval_s: float = 60.0
+    sync_exchanges: int = 10
+    exit_sync_wait_s: float = 2.0
+    #: measure point-to-point links at start (distdiag-wrap --probe-links)
+    probe_links: bool = False
+    #: NVML sampling interval
+    gpu_interval_s: float = 1.0
+    #: hook short name -> enabled; absent names use the HOOKS registry default
+    hooks: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_config_path() -> Path | None:
+    """configs/default.toml next to the package (source checkout or installed package data)."""
+    here = Path(__file__).resolve().parent.parent  # distdiag/
+    for p in (here.parent / "configs" / "default.toml", here / "configs" / "default.toml"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            log.debug("distdiag: no TOML reader; %s ignored", path)
+            return {}
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _convert(field: dataclasses.Field[Any], raw: Any) -> Any:
+    typ = str(field.type)
+    if typ.startswith("dict"):
+        if isinstance(raw, Mapping):
+            return {str(k): _to_bool(v) for k, v in raw.items()}
+        out: dict[str, bool] = {}
+        for item in str(raw).split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, _, val = item.partition("=")
+            out[name.strip()] = _to_bool(val.strip() or "1")
+        return out
+    if typ == "bool":
+        return _to_bool(raw)
+    if typ == "int":
+        return int(raw)
+    if typ == "float":
+        return float(raw)
+    return str(raw)
+
+
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {v!r}")
+
+
+def _apply(cfg: ShimConfig, values: Mapping[str, Any], source: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    for k, raw in values.items():
+        f = fields.get(k)
+        if f is None:
+            log.debug("distdiag: unknown shim setting %r in %s ignored", k, source)
+            continue
+        try:
+            val = _convert(f, raw)
+        except (TypeError, ValueError) as e:
+            log.warning("distdiag: bad value for %s in %s (%s); default kept", k, source, e)
+            continue
+        if isinstance(val, dict):
+            getattr(cfg, k).update(val)  # hooks: merge, so the file and env combine
+        else:
+            setattr(cfg, k, val)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> ShimConfig:
+    """Defaults <- configs/default.toml [shim] <- ``path`` [shim] <- DISTDIAG_* env. Never raises."""
+    env = os.environ if environ is None else environ
+    cfg = ShimConfig()
+    files = [p for p in (default_config_path(), Path(path) if path else None) if p is not None]
+    for p in files:
+        try:
+            _apply(cfg, _read_toml(p).get("shim", {}), str(p))
+        except Exception as e:  # a broken config never breaks the job
+            log.warning("distdiag: cannot read config %s: %s", p, e)
+    prefix = "DISTDIAG_"
+    from_env = {k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)}
+    _apply(cfg, {f.name: from_env[f.name] for f in dataclasses.fields(cfg) if f.name in from_env}, "environment")
+    return cfg
