@@ -177,3 +177,214 @@ def write_rank_file(
         if gpu is not None:
             _append(f["gpu"], np.asarray(gpu, dtype=GPU_DTYPE))
         _set_attrs(f, full)
+
+
+class Writer:
+    """The shim's incremental writer for one rank.
+
+    ``Writer(path, rec, cfg, attrs)`` creates the file (layout + attributes) or
+    raises ``OSError`` (the wrapper then runs the job without recording).
+    ``start()`` launches the background flusher; ``flush()`` and ``close()``
+    may be called from any thread. After a write error (full disk, vanished
+    directory) the writer prints one line on stderr, stops writing and tells
+    the recorder to drop its chunks, so memory stays bounded; the job goes on.
+
+    What a flush writes (in this order, then ``file.flush()``):
+
+    1. the recorder's full chunks (``rec.full``), from the offset already
+       flushed while each was still a thread's current chunk;
+    2. for every thread buffer, the rows published since the last flush. The
+       buffer is read before its count (``buf = tb.buf; n = tb.n``): if the
+       thread rotates in between, ``n`` belongs to the new chunk, is at most
+       ``cap``, and every row of the old chunk below ``cap`` is complete, so
+       rows ``[offset, n)`` of ``buf`` are always whole rows;
+    3. new strings, clock-sync and GPU rows handed over since the last flush;
+    4. ``/inflight`` replaced by ``rec.inflight_rows()``;
+    5. attrs ``last_flush_mono_ns`` and ``lost_events`` (and a ``Kind.LOST``
+       row with ``aux`` = newly lost events when that count grew).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], rec: Any, cfg: Any, attrs: dict[str, Any]) -> None:
+        import h5py
+
+        self.path = Path(path)
+        self.rec = rec
+        self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.failed = False
+        # id(buf) -> (buf, rows already written). The buffer object is kept in
+        # the value so its id cannot be reused while the entry exists.
+        self._offsets: dict[int, tuple[bytearray, int]] = {}
+        self._strings_done = 0
+        self._lost_done = 0
+        self._sync: list[np.ndarray] = []
+        self._gpu: list[np.ndarray] = []
+        self.rows_written = 0
+        self.flushes = 0
+        self._f = h5py.File(self.path, "w")
+        try:
+            _create_layout(self._f)
+            _set_attrs(self._f, {**attrs, "closed_cleanly": False})
+            self._f.flush()
+        except Exception:
+            self._f.close()
+            raise
+
+    # -- handing rows over (any thread) -----------------------------------------
+    def add_sync(self, rows: np.ndarray) -> None:
+        """Queue SYNC_DTYPE rows; written at the next flush."""
+        with self._lock:
+            self._sync.append(np.asarray(rows, dtype=SYNC_DTYPE).copy())
+
+    def add_gpu(self, rows: np.ndarray) -> None:
+        """Queue GPU_DTYPE rows; written at the next flush."""
+        with self._lock:
+            self._gpu.append(np.asarray(rows, dtype=GPU_DTYPE).copy())
+
+    def set_attr(self, name: str, value: Any) -> None:
+        """Set a root attribute now (dicts/lists are stored as JSON text)."""
+        with self._lock:
+            if self._closed or self.failed:
+                return
+            try:
+                _set_attrs(self._f, {name: value})
+            except Exception as e:
+                self._fail(e)
+
+    # -- the background flusher ---------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="distdiag-flusher", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    # -- flushing ---------------------------------------------------------------
+    def _collect_events(self) -> np.ndarray:
+        from distdiag.shim.recorder import as_events
+
+        rec = self.rec
+        parts: list[np.ndarray] = []
+        while True:
+            try:
+                buf, n = rec.full.popleft()
+            except IndexError:
+                break
+            entry = self._offsets.pop(id(buf), None)
+            start = entry[1] if entry is not None and entry[0] is buf else 0
+            if n > start:
+                parts.append(as_events(buf, start, n))
+        for tb in list(rec.buffers):
+            buf = tb.buf  # buffer first, then count: see the class docstring
+            n = tb.n
+            entry = self._offsets.get(id(buf))
+            start = entry[1] if entry is not None and entry[0] is buf else 0
+            if n > start:
+                parts.append(as_events(buf, start, n))
+                self._offsets[id(buf)] = (buf, n)
+        # Forget chunks that are neither current nor queued (dropped as lost):
+        # holding them would leak a chunk each time the flusher falls behind.
+        live = {id(tb.buf) for tb in list(rec.buffers)} | {id(b) for b, _ in list(rec.full)}
+        for k in [k for k in self._offsets if k not in live]:
+            del self._offsets[k]
+        lost = int(rec.lost_events)
+        if lost > self._lost_done:
+            from distdiag.shim.recorder import now_ns
+
+            t = now_ns()
+            row = np.zeros(1, EVENT_DTYPE)
+            row["t0_ns"] = row["t1_ns"] = t
+            row["kind"] = Kind.LOST
+            row["name_id"] = rec.intern("lost_events")
+            row["aux"] = lost - self._lost_done
+            row["seq"] = row["peer"] = -1
+            parts.append(row)
+            self._lost_done = lost
+        if not parts:
+            return np.zeros(0, EVENT_DTYPE)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def flush(self) -> None:
+        """Write everything recorded so far and flush the file. Never raises."""
+        with self._lock:
+            if self._closed or self.failed:
+                return
+            try:
+                self._flush_locked()
+            except Exception as e:
+                self._fail(e)
+
+    def _flush_locked(self) -> None:
+        from distdiag.shim.recorder import now_ns
+
+        f = self._f
+        events = self._collect_events()
+        _append(f["events"], events)
+        self.rows_written += len(events)
+        strings = self.rec.strings.strings
+        n_str = len(strings)  # append-only list: read the length once
+        if n_str > self._strings_done:
+            _append(f["strings"], strings[self._strings_done : n_str])
+            self._strings_done = n_str
+        if self._sync:
+            sync, self._sync = self._sync, []
+            _append(f["clock_sync"], np.concatenate(sync))
+        if self._gpu:
+            gpu, self._gpu = self._gpu, []
+            _append(f["gpu"], np.concatenate(gpu))
+        _replace(f["inflight"], self.rec.inflight_rows())
+        f.attrs["last_flush_mono_ns"] = now_ns()
+        f.attrs["lost_events"] = int(self.rec.lost_events)
+        f.flush()
+        self.flushes += 1
+
+    def _fail(self, e: BaseException) -> None:
+        """Stop writing after an error; keep the job running with bounded memory."""
+        if self.failed:
+            return
+        self.failed = True
+        self._stop.set()
+        try:
+            sys.stderr.write(f"distdiag: cannot write {self.path}: {e}; the job runs without recording\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+        # From now on every full chunk is dropped (counted as lost) instead of queued.
+        self.rec.max_pending_chunks = 0
+        self.rec.full.clear()
+        self._offsets.clear()
+        try:
+            self._f.close()
+        except Exception:
+            pass
+
+    def close(self, exit_code: int | None) -> None:
+        """Final flush; write end_mono_ns, exit_code, closed_cleanly=True. Idempotent, never raises."""
+        from distdiag.shim.recorder import now_ns
+
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=max(5.0, 2 * self.interval_s))
+        with self._lock:
+            if self._closed or self.failed:
+                self._closed = True
+                return
+            try:
+                self._flush_locked()
+                _set_attrs(
+                    self._f,
+                    {"end_mono_ns": now_ns(), "exit_code": exit_code, "closed_cleanly": True},
+                )
+                self._f.close()
+            except Exception as e:
+                self._fail(e)
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
