@@ -69,6 +69,9 @@ class Kind(enum.IntEnum):
     MARK = 60  # instant user mark
     LOST = 61  # events dropped because the shim could not keep up: aux = how many
     SHIM = 62  # the shim's own milestones: name_id in {"target_start", "target_end", ...}
+    # network ------------------------------------------------------------------
+    PROBE = 70  # active link probe (distdiag.shim.probe): name_id "probe_bw" | "probe_lat" | "probe";
+    #            peer = partner rank, nbytes = bytes each way, aux = round; "probe" spans the whole probe
 
 
 COMM_KINDS = frozenset({Kind.COLL, Kind.COLL_ASYNC})
