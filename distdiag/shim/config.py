@@ -40,6 +40,10 @@ class ShimConfig:
     exit_sync_wait_s: float = 2.0
     #: measure point-to-point links at start (distdiag-wrap --probe-links)
     probe_links: bool = False
+    #: the probe's time budget, its most rounds, and the wait for a peer that never answers
+    probe_budget_s: float = 3.0
+    probe_max_rounds: int = 15
+    probe_timeout_s: float = 30.0
     #: NVML sampling interval
     gpu_interval_s: float = 1.0
     #: hook short name -> enabled; absent names use the HOOKS registry default
