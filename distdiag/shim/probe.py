@@ -1,0 +1,394 @@
+"""Active link probe: a short, bounded pairwise bandwidth/latency measurement.
+
+Enabled by ``distdiag-wrap --probe-links`` (``ShimConfig.probe_links``). It runs
+once per process, over the job's own transport, right after that transport is
+up:
+
+* torch.distributed: right after ``init_process_group`` returns, on the
+  default process group, calling the ProcessGroup's own ``send``/``recv`` (not
+  the ``torch.distributed`` functions, so the torch hook does not record the
+  probe's traffic as the program's, and the program's sequence numbers stay
+  untouched);
+* MPI: when ``mpi4py.MPI`` has been imported (MPI_Init happens at import), on
+  a private ``Dup`` of a plain handle to COMM_WORLD, so a late probe message
+  can never match one of the program's receives.
+
+Who probes whom. When ranks sit on more than one host only the first rank of
+each host (its "leader") probes: the question is which *node pair* is slow,
+and several ranks of one node would share and contend for the same NIC. With a
+single host every rank probes. Among the m participants the rounds are XOR
+masks: in round ``mask`` participant i exchanges with ``i ^ mask`` (skipped
+when that is >= m). The masks 1, 2, 4, ... come first (a hypercube: every
+participant meets log2(m) partners, so a slow node shows within O(log m)
+rounds); the remaining masks follow while ``probe_max_rounds`` allows, and with
+all P-1 masks (P = next power of two >= m) every pair is covered exactly once.
+Worked example, m = 4: masks 1, 2, 3 give (0,1)(2,3), (0,2)(1,3), (0,3)(1,2).
+
+Each exchange is symmetric: both partners post a send and a receive of the same
+size at once, so both see the same transfer and can take the same decisions
+without a coordinator. Per pair and round:
+
+1. latency: a few 8-byte exchanges, the fastest kept ("probe_lat");
+2. bandwidth: sizes 16 KiB, 64 KiB, ... up to 4 MiB ("probe_bw"); after each
+   size the partners swap their measured times in an 8-byte exchange and both
+   continue only while the slower of the two stayed under 1/8 of the round's
+   share of the budget. Sizes grow 4x, so the next step stays under about half
+   the share and the round under the share: the probe ends within the budget
+   (a link so slow that 16 KiB alone overruns it ends after that one step).
+
+Rows (``Kind.PROBE``): peer = partner's global rank, nbytes = bytes sent each
+way, t0/t1 around the exchange on this rank's clock, aux = round index; one
+"probe" row spans the whole probe (aux = rounds, nbytes = participants). The
+analyzer (``distdiag.links``) turns them into a node x node matrix.
+
+The probe is a guest like every hook: any failure is logged and swallowed, and
+every wait has a deadline, so a peer that never answers costs at most
+``probe_timeout_s`` once, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import os
+import socket
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from distdiag.schema import Kind
+from distdiag.shim.recorder import now_ns
+
+log = logging.getLogger(__name__)
+
+#: bytes each way per bandwidth step; 4x growth keeps the time bound simple
+SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+LAT_SAMPLES = 3
+#: tag of the probe's torch messages (the program's default tag is 0)
+TORCH_TAG = 0x0D1A6
+MPI_TAG = 0x0D1A6
+DEFAULT_BUDGET_S = 3.0
+DEFAULT_MAX_ROUNDS = 15
+HOST_BYTES = 64
+
+
+class Transport(Protocol):
+    rank: int
+    world_size: int
+    name: str
+
+    def exchange(self, peer: int, nbytes: int) -> None: ...
+
+    def exchange_float(self, peer: int, value: float) -> float: ...
+
+    def allgather_host(self, host: str) -> list[str]: ...
+
+
+@dataclass
+class ProbeResult:
+    participants: list[int]
+    rounds: int
+    #: (round, peer, nbytes, t0_ns, t1_ns) of every bandwidth step
+    bw_steps: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    #: (round, peer, best round-trip ns) per pair
+    latency: list[tuple[int, int, int]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+def plan_masks(m: int, max_rounds: int) -> list[int]:
+    """XOR masks for m participants: powers of two first, then the rest."""
+    if m < 2:
+        return []
+    p = 1 << (m - 1).bit_length()
+    powers = [1 << k for k in range(p.bit_length() - 1)]
+    rest = [x for x in range(1, p) if x & (x - 1)]
+    return (powers + rest)[: max(1, max_rounds)]
+
+
+def participants_of(hosts: list[str]) -> list[int]:
+    """Ranks that probe: the first rank of each host, or every rank on one host."""
+    if len(set(hosts)) <= 1:
+        return list(range(len(hosts)))
+    first: dict[str, int] = {}
+    for r, h in enumerate(hosts):
+        first.setdefault(h, r)
+    return sorted(first.values())
+
+
+def run_probe(
+    tr: Transport,
+    host: str,
+    rec: Any,
+    budget_s: float = DEFAULT_BUDGET_S,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+) -> ProbeResult | None:
+    """Run the probe on this rank; every rank of the transport must call it."""
+    start_ns = now_ns()
+    hosts = tr.allgather_host(host)
+    members = participants_of(hosts)
+    if tr.rank not in members:
+        return None
+    me = members.index(tr.rank)
+    masks = plan_masks(len(members), max_rounds)
+    res = ProbeResult(participants=members, rounds=len(masks))
+    share_s = budget_s / max(len(masks), 1)
+    # both partners hold the same two times, so both stop at the same step
+    grow_limit_s = share_s / 8
+    intern = rec.intern if rec is not None else (lambda s: 0)
+    bw_id, lat_id, span_id = intern("probe_bw"), intern("probe_lat"), intern("probe")
+    comm_id = intern(f"probe:{tr.name}")
+    for rnd, mask in enumerate(masks):
+        j = me ^ mask
+        if j >= len(members):
+            continue
+        peer = members[j]
+        best_rtt = -1
+        best_t0 = 0
+        for _ in range(LAT_SAMPLES):
+            t0 = now_ns()
+            tr.exchange_float(peer, 0.0)
+            t1 = now_ns()
+            if best_rtt < 0 or t1 - t0 < best_rtt:
+                best_rtt, best_t0 = t1 - t0, t0
+        res.latency.append((rnd, peer, best_rtt))
+        if rec is not None:
+            rec.add(best_t0, best_t0 + best_rtt, Kind.PROBE, lat_id, comm_id, -1, peer, 8, rnd)
+        for nbytes in SIZES:
+            t0 = now_ns()
+            tr.exchange(peer, nbytes)
+            t1 = now_ns()
+            res.bw_steps.append((rnd, peer, nbytes, t0, t1))
+            if rec is not None:
+                rec.add(t0, t1, Kind.PROBE, bw_id, comm_id, -1, peer, nbytes, rnd)
+            mine_s = (t1 - t0) / 1e9
+            theirs_s = tr.exchange_float(peer, mine_s)
+            if max(mine_s, theirs_s) >= grow_limit_s:
+                break
+    end_ns = now_ns()
+    res.elapsed_s = (end_ns - start_ns) / 1e9
+    if rec is not None:
+        rec.add(start_ns, end_ns, Kind.PROBE, span_id, comm_id, -1, -1, len(members), len(masks), 0, budget_s)
+    return res
+
+
+# -- transports ----------------------------------------------------------------
+
+
+class TorchTransport:
+    """Probe over a torch.distributed ProcessGroup (gloo, nccl on CUDA tensors)."""
+
+    name = "torch"
+
+    def __init__(self, pg: Any, timeout_s: float) -> None:
+        import torch
+
+        self._torch = torch
+        self.pg = pg
+        self.rank = pg.rank()
+        self.world_size = pg.size()
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._dev = torch.device("cpu")
+        if pg.name().lower() == "nccl" and torch.cuda.is_available():
+            self._dev = torch.device("cuda", torch.cuda.current_device())
+        self._bufs: dict[int, tuple[Any, Any]] = {}
+
+    def _pair(self, nbytes: int) -> tuple[Any, Any]:
+        b = self._bufs.get(nbytes)
+        if b is None:
+            z = self._torch.zeros
+            b = (z(nbytes, dtype=self._torch.uint8, device=self._dev), z(nbytes, dtype=self._torch.uint8, device=self._dev))
+            self._bufs[nbytes] = b
+        return b
+
+    def _sendrecv(self, send: Any, recv: Any, peer: int) -> None:
+        ws = self.pg.send([send], peer, TORCH_TAG)
+        wr = self.pg.recv([recv], peer, TORCH_TAG)
+        wr.wait(self._timeout)
+        ws.wait(self._timeout)
+        if self._dev.type == "cuda":
+            self._torch.cuda.synchronize(self._dev)
+
+    def exchange(self, peer: int, nbytes: int) -> None:
+        s, r = self._pair(nbytes)
+        self._sendrecv(s, r, peer)
+
+    def exchange_float(self, peer: int, value: float) -> float:
+        s = self._torch.tensor([value], dtype=self._torch.float64, device=self._dev)
+        r = self._torch.zeros(1, dtype=self._torch.float64, device=self._dev)
+        self._sendrecv(s, r, peer)
+        return float(r.item())
+
+    def allgather_host(self, host: str) -> list[str]:
+        t = self._torch
+        raw = host.encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
+        mine = t.tensor(list(raw), dtype=t.uint8, device=self._dev)
+        out = [t.zeros(HOST_BYTES, dtype=t.uint8, device=self._dev) for _ in range(self.world_size)]
+        w = self.pg.allgather([out], [mine])
+        w.wait(self._timeout)
+        return [bytes(o.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for o in out]
+
+
+class MpiTransport:
+    """Probe over a private duplicate of MPI_COMM_WORLD (mpi4py)."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any, mpi: Any, timeout_s: float) -> None:
+        import numpy as np
+
+        self._np = np
+        self._mpi = mpi
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.world_size = comm.Get_size()
+        self._timeout_s = timeout_s
+        self._bufs: dict[int, tuple[Any, Any]] = {}
+
+    def _wait(self, reqs: list[Any]) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        while not self._mpi.Request.Testall(reqs):
+            if time.monotonic() > deadline:
+                raise TimeoutError("distdiag probe: peer did not answer")
+
+    def exchange(self, peer: int, nbytes: int) -> None:
+        b = self._bufs.get(nbytes)
+        if b is None:
+            b = (self._np.zeros(nbytes, self._np.uint8), self._np.zeros(nbytes, self._np.uint8))
+            self._bufs[nbytes] = b
+        self._wait([self.comm.Irecv(b[1], peer, MPI_TAG), self.comm.Isend(b[0], peer, MPI_TAG)])
+
+    def exchange_float(self, peer: int, value: float) -> float:
+        s = self._np.array([value], self._np.float64)
+        r = self._np.zeros(1, self._np.float64)
+        self._wait([self.comm.Irecv(r, peer, MPI_TAG + 1), self.comm.Isend(s, peer, MPI_TAG + 1)])
+        return float(r[0])
+
+    def allgather_host(self, host: str) -> list[str]:
+        return [str(h) for h in self.comm.allgather(host)]
+
+    def close(self) -> None:
+        self.comm.Free()
+
+
+# -- installation ----------------------------------------------------------------
+
+_rec: Any = None
+_cfg: Any = None
+_done = False
+_patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+#: the last probe's result in this process (tests and the wrapper's log read it)
+LAST: ProbeResult | None = None
+
+
+def _host() -> str:
+    try:
+        from distdiag.shim import session
+
+        s = getattr(session, "SESSION", None)
+        if s is not None and getattr(s, "host", None):
+            return str(s.host)
+    except Exception:
+        pass
+    return os.environ.get("DISTDIAG_HOST") or socket.gethostname()
+
+
+def _settings() -> tuple[float, int, float]:
+    budget_s = float(getattr(_cfg, "probe_budget_s", DEFAULT_BUDGET_S))
+    max_rounds = int(getattr(_cfg, "probe_max_rounds", DEFAULT_MAX_ROUNDS))
+    # generous: only a peer that never joins hits it, and then once
+    timeout_s = float(getattr(_cfg, "probe_timeout_s", 30.0))
+    return budget_s, max_rounds, timeout_s
+
+
+def _run(make: Callable[[float], Transport]) -> None:
+    global _done, LAST
+    if _done:
+        return
+    _done = True
+    try:
+        budget_s, max_rounds, timeout_s = _settings()
+        tr = make(timeout_s)
+        if tr.world_size < 2:
+            return
+        try:
+            LAST = run_probe(tr, _host(), _rec, budget_s, max_rounds)
+        finally:
+            close = getattr(tr, "close", None)
+            if close is not None:
+                close()
+        if LAST is not None:
+            log.info("distdiag: link probe over %s: %d rounds in %.2f s", tr.name, LAST.rounds, LAST.elapsed_s)
+    except Exception as e:  # never into the user's program
+        log.warning("distdiag: link probe failed: %s", e)
+
+
+def _probe_torch() -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    pg = distributed_c10d._get_default_group()
+    if not dist.is_initialized() or pg is None:
+        return
+    _run(lambda timeout_s: TorchTransport(pg, timeout_s))
+
+
+def _patch_torch(mod: types.ModuleType) -> None:
+    orig = getattr(mod, "init_process_group", None)
+    if orig is None or getattr(orig, "_distdiag_probe", False):
+        return
+
+    @functools.wraps(orig)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        try:
+            _probe_torch()
+        except Exception as e:
+            log.warning("distdiag: link probe skipped: %s", e)
+        return out
+
+    init_process_group._distdiag_probe = True  # type: ignore[attr-defined]
+    owners = [mod]
+    c10d = getattr(mod, "distributed_c10d", None)
+    if c10d is not None and getattr(c10d, "init_process_group", None) is orig:
+        owners.append(c10d)
+    for owner in owners:
+        _patched.append((owner, "init_process_group", orig))
+        setattr(owner, "init_process_group", init_process_group)
+
+
+def _on_mpi(mpi: types.ModuleType) -> None:
+    M: Any = mpi
+    if _done or not M.Is_initialized() or M.Is_finalized():
+        return
+
+    def make(timeout_s: float) -> Transport:
+        # A plain handle to COMM_WORLD (the mpi4py hook may have replaced
+        # MPI.COMM_WORLD with a recording wrapper), then a private Dup: the
+        # probe's messages live in their own context and are never recorded.
+        base = M.Intracomm(M.COMM_WORLD)
+        return MpiTransport(base.Dup(), M, timeout_s)
+
+    _run(make)
+
+
+def install(rec: Any, cfg: Any) -> None:
+    global _rec, _cfg
+    if not getattr(cfg, "probe_links", False):
+        return
+    _rec, _cfg = rec, cfg
+    from distdiag.shim.hooks import when_imported
+
+    when_imported("torch.distributed", _patch_torch)
+    when_imported("mpi4py.MPI", _on_mpi)
+
+
+def uninstall() -> None:
+    global _rec, _cfg, _done, LAST
+    for owner, attr, orig in reversed(_patched):
+        setattr(owner, attr, orig)
+    _patched.clear()
+    _rec = _cfg = None
+    _done = False
+    LAST = None
