@@ -1,0 +1,84 @@
+"""``distdiag``: argument parsing only; the work is in the library.
+
+    distdiag analyze RUN_DIR [--format text|json] [-o FILE] [--config FILE] [-v]
+    distdiag demo [ARGS...]
+
+Expected mistakes (a wrong path, a file that is not a rank file, a bad config)
+print one line, ``distdiag: <message>``, and exit with code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from distdiag.render import RENDERERS
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distdiag", description="Why is my distributed job slow?")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    a = sub.add_parser("analyze", help="analyze a run directory written by distdiag-wrap")
+    a.add_argument("run_dir", metavar="RUN_DIR", help="the directory holding rank-*.h5")
+    a.add_argument("--format", "-f", choices=sorted(RENDERERS), default="text", help="output format (default: text)")
+    a.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    a.add_argument("--config", metavar="FILE", help="TOML file whose [analyze] table overrides the defaults")
+    a.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
+    d = sub.add_parser("demo", help="run a built-in 4-rank MPI job with one slow rank, then analyze it", add_help=False)
+    d.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _analyze(ns: argparse.Namespace) -> int:
+    from distdiag.config import load_config
+    from distdiag.pipeline import analyze
+    from distdiag.render import render
+
+    cfg = load_config(ns.config)
+    report = analyze(ns.run_dir, cfg)
+    out = render(report, ns.format)
+    if ns.output:
+        try:
+            Path(ns.output).write_text(out)
+        except OSError as e:
+            print(f"distdiag: cannot write '{ns.output}': {e.strerror or e}", file=sys.stderr)
+            return EXIT_USAGE
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from distdiag.run import DistdiagError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        # The demo owns its arguments (and its --help).
+        from distdiag.demo import main as demo_main
+
+        return int(demo_main(argv[1:]) or 0)
+    p = _parser()
+    ns = p.parse_args(argv)
+    if ns.command is None:
+        p.print_help(sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(2, getattr(ns, "verbose", 0)),
+        format="distdiag: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return _analyze(ns)
+    except DistdiagError as e:
+        print(f"distdiag: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `distdiag analyze ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Straggler: a rank the others keep waiting for at collectives.
+
+For every complete collective group, the last member to arrive holds everyone
+else back. Had it arrived together with the second-to-last, the collective
+(and so the job, when collectives synchronize it) would have finished
+``last - second_to_last`` earlier, and no earlier: then the second-to-last
+would be the one everybody waits for. So that difference is what the last
+arriver costs at that collective, and the sum over the groups a rank arrived
+last at is what removing its lateness saves. Each group is charged to exactly
+one rank, so the costs of different ranks never double-count.
+
+Worked example: arrivals at 10.0, 10.1, 10.2 and 13.0 ms (rank 3 last): the
+others waited until 13.0, but removing rank 3's lateness only brings the
+collective forward to 10.2, so rank 3 is charged 2.8 ms, not 3.0 and not the
+sum of the three waits (8.7 ms).
+
+A healthy job has ranks arriving in random order with small jitter: every
+rank is last now and then, each charge is tiny, and no rank's sum comes near
+the threshold (``[analyze.straggler] min_fraction`` of the wall-clock).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from distdiag.detectors import register
+from distdiag.findings import Finding
+from distdiag.match import MatchState, collectives_of
+
+log = logging.getLogger(__name__)
+
+
+@register("straggler")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    colls = collectives_of(run)
+    if len(colls) == 0:
+        return []
+    min_fraction = float(cfg.value("straggler", "min_fraction", 0.02))
+    top_sites = int(cfg.value("straggler", "top_sites", 5))
+    wall_s = run.wall_s
+    if wall_s <= 0:
+        return []
+
+    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
+    g_idx = np.flatnonzero(ok)
+    if len(g_idx) == 0:
+        return []
+    wait_ns = (colls.g_last_ns - colls.g_second_ns)[g_idx]
+    last = colls.g_last_rank[g_idx].astype(np.int64)
+    n = int(max(run.world_size, colls.m_rank.max() + 1))
+    cost_ns = np.bincount(last, weights=wait_ns, minlength=n)
+    n_last = np.bincount(last, minlength=n)
+    # Complete groups each rank took part in: the denominator of "last at x%".
+    member_ok = ok[colls.m_group]
+    n_member = np.bincount(colls.m_rank[member_ok].astype(np.int64), minlength=n)
+
+    # The last arriver's own member row of each group: its op and call site.
+    last_row = colls.g_start[1:][g_idx] - 1
+    ops = colls.m_op[last_row]
+    sites = colls.m_site[last_row]
+
+    findings = []
+    for r in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):  # ranks over threshold: few
+        r = int(r)
+        mine = last == r
+        cost_s = float(cost_ns[r]) / 1e9
+        frac_last = float(n_last[r]) / max(1, int(n_member[r]))
+        per_op = _breakdown(ops[mine], wait_ns[mine], run, limit=10)
+        by_site = _breakdown(sites[mine], wait_ns[mine], run, limit=top_sites)
+        w = wait_ns[mine]
+        my_ops = np.unique(colls.m_op[member_ok & (colls.m_rank == r)])
+        op_word = f"{run.s(int(my_ops[0]))} calls" if len(my_ops) == 1 else "collectives"
+        summary = (
+            f"rank {r} arrived last at {frac_last:.0%} of {int(n_member[r])} {op_word}; "
+            f"the others waited {cost_s:.3g} s"
+        )
+        host = run.host_of(r)
+        where = f" (top call site {next(iter(by_site))})" if by_site and next(iter(by_site)) else ""
+        findings.append(
+            Finding(
+                kind="straggler",
+                cost_s=cost_s,
+                summary=summary,
+                ranks=[r],
+                hosts=[host] if host else [],
+                evidence={
+                    "count": int(n_last[r]),
+                    "collectives": int(n_member[r]),
+                    "fraction_last": round(frac_last, 4),
+                    "wait_s": cost_s,
+                    "median_wait_ms": float(np.median(w)) / 1e6,
+                    "max_wait_ms": float(w.max()) / 1e6,
+                    "per_op": per_op,
+                    "top_sites": by_site,
+                },
+                advice=(
+                    f"Find what rank {r}{' on ' + host if host else ''} does before its collectives{where} "
+                    "that the others do not: uneven data or work split, extra I/O or logging on that rank, "
+                    "or a slower/busier node."
+                ),
+            )
+        )
+    return findings
+
+
+def _breakdown(ids: np.ndarray, wait_ns: np.ndarray, run: Any, limit: int) -> dict[str, dict[str, float]]:
+    """string id -> {count, wait_s}, largest wait first, at most ``limit`` entries."""
+    if len(ids) == 0:
+        return {}
+    uniq, inv = np.unique(ids, return_inverse=True)
+    tot = np.bincount(inv, weights=wait_ns)
+    cnt = np.bincount(inv)
+    order = np.argsort(-tot)[:limit]
+    return {run.s(int(uniq[i])) or "?": {"count": int(cnt[i]), "wait_s": float(tot[i]) / 1e9} for i in order}

@@ -1,0 +1,291 @@
+"""Collective matching across ranks: by (communicator key, sequence number), never by time.
+
+Every collective a hook records carries ``comm_id`` (the communicator key, the
+same string on every rank that shares the communicator) and ``seq`` (that
+communicator's collective counter on this rank: 0, 1, 2, ...). The n-th
+collective on a communicator is the same call on every member rank, whatever
+the clocks say, so grouping rows by (comm key, seq) matches them exactly,
+like the PyTorch flight recorder does. Timestamps only describe each match.
+
+Members of a communicator: the set of ranks that ever used its key (in any
+event or in flight). A group with fewer members than that is incomplete: some
+rank never reached it (``MISSING_RANKS``) or a rank was still inside it when
+its file ended (``IN_FLIGHT``).
+
+Everything here is columnar: one row per group (``Collectives.g_*``) and one
+row per (group, member) (``Collectives.m_*``), members of group ``g`` at
+``m_*[g_start[g]:g_start[g+1]]`` sorted by arrival.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distdiag.run import RUN_EVENT_DTYPE, Run
+from distdiag.schema import COMM_KINDS
+
+log = logging.getLogger(__name__)
+
+
+class MatchState(enum.IntEnum):
+    """How a collective group matched; ``describe()`` says it in words."""
+
+    COMPLETE = 0
+    MISSING_RANKS = 1
+    IN_FLIGHT = 2
+    OP_MISMATCH = 3
+    SIZE_MISMATCH = 4
+    ROOT_MISMATCH = 5
+
+    def describe(self) -> str:
+        return _STATE_TEXT[self]
+
+
+_STATE_TEXT = {
+    MatchState.COMPLETE: "every member rank of the communicator entered and left it",
+    MatchState.MISSING_RANKS: "some member ranks of the communicator never entered it",
+    MatchState.IN_FLIGHT: "some member ranks were still inside it when their record ends",
+    MatchState.OP_MISMATCH: "member ranks called different operations at this sequence number",
+    MatchState.SIZE_MISMATCH: "member ranks passed different byte counts to an operation that needs equal ones",
+    MatchState.ROOT_MISMATCH: "member ranks named different roots",
+}
+
+#: Ops whose members must pass equal byte counts (the v/w variants, gathers of
+#: pickled objects and broadcasts legitimately differ, so they are not checked).
+SIZE_CHECKED_OPS = frozenset(
+    {
+        "Allreduce", "Iallreduce", "Reduce", "Ireduce", "Allgather", "Iallgather",
+        "Alltoall", "Ialltoall", "Reduce_scatter_block", "Ireduce_scatter_block",
+        "Scan", "Iscan", "Exscan", "Iexscan", "Gather", "Igather",
+        "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
+    }
+)  # fmt: skip
+
+
+@dataclass
+class Collectives:
+    """Matched collectives, columnar. Times are on the run's timeline (aligned if the run was)."""
+
+    # one row per group ---------------------------------------------------------
+    g_comm: np.ndarray  # i4 global string id of the communicator key
+    g_seq: np.ndarray  # i8
+    g_op: np.ndarray  # i4 string id of the op (the most common name among members)
+    g_state: np.ndarray  # i1 MatchState
+    g_n_members: np.ndarray  # i4 ranks that entered it
+    g_n_expected: np.ndarray  # i4 ranks that ever used the communicator
+    g_first_ns: np.ndarray  # i8 first arrival
+    g_last_ns: np.ndarray  # i8 last arrival (t0 of the last arriver)
+    g_second_ns: np.ndarray  # i8 second-to-last arrival (== last when one member)
+    g_last_rank: np.ndarray  # i4 the last arriver
+    g_exit_ns: np.ndarray  # i8 last exit among members (-1 when one is still in flight)
+    g_start: np.ndarray  # i8 [n_groups + 1]: member rows of group g are g_start[g]:g_start[g+1]
+    # one row per (group, member), sorted by (group, arrival) -----------------------
+    m_group: np.ndarray  # i8
+    m_rank: np.ndarray  # i4
+    m_t0_ns: np.ndarray  # i8 arrival
+    m_t1_ns: np.ndarray  # i8 exit, -1 when still inside (in flight)
+    m_op: np.ndarray  # i4
+    m_nbytes: np.ndarray  # i8
+    m_peer: np.ndarray  # i4 root for rooted collectives
+    m_site: np.ndarray  # i4
+    m_kind: np.ndarray  # u1
+    #: comm key id -> sorted member ranks
+    comm_members: dict[int, np.ndarray]
+    strings: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.g_seq)
+
+    @property
+    def complete(self) -> np.ndarray:
+        return self.g_state == MatchState.COMPLETE
+
+    def members(self, g: int) -> slice:
+        return slice(int(self.g_start[g]), int(self.g_start[g + 1]))
+
+    def member_ranks(self, g: int) -> np.ndarray:
+        return self.m_rank[self.members(g)]
+
+    def missing_ranks(self, g: int) -> np.ndarray:
+        """Ranks of the communicator that never entered group ``g``."""
+        return np.setdiff1d(self.comm_members.get(int(self.g_comm[g]), np.zeros(0, np.int32)), self.member_ranks(g))
+
+    def op_name(self, g: int) -> str:
+        return str(self.strings[self.g_op[g]])
+
+    def comm_name(self, g: int) -> str:
+        return str(self.strings[self.g_comm[g]])
+
+    def to_frame(self) -> Any:
+        """One row per group as a pandas DataFrame (for notebooks)."""
+        import pandas as pd
+
+        st = np.asarray(self.strings, dtype=object)
+        return pd.DataFrame(
+            {
+                "comm": st[self.g_comm],
+                "seq": self.g_seq,
+                "op": st[self.g_op],
+                "state": [MatchState(s).name for s in self.g_state],
+                "n_members": self.g_n_members,
+                "n_expected": self.g_n_expected,
+                "first_ns": self.g_first_ns,
+                "second_last_ns": self.g_second_ns,
+                "last_ns": self.g_last_ns,
+                "last_rank": self.g_last_rank,
+                "exit_ns": self.g_exit_ns,
+            }
+        )
+
+
+def _empty(strings: np.ndarray) -> Collectives:
+    z = np.zeros(0, np.int64)
+    return Collectives(
+        g_comm=z.astype(np.int32), g_seq=z, g_op=z.astype(np.int32), g_state=z.astype(np.int8),
+        g_n_members=z.astype(np.int32), g_n_expected=z.astype(np.int32), g_first_ns=z, g_last_ns=z,
+        g_second_ns=z, g_last_rank=z.astype(np.int32), g_exit_ns=z, g_start=np.zeros(1, np.int64),
+        m_group=z, m_rank=z.astype(np.int32), m_t0_ns=z, m_t1_ns=z, m_op=z.astype(np.int32), m_nbytes=z,
+        m_peer=z.astype(np.int32), m_site=z.astype(np.int32), m_kind=z.astype(np.uint8),
+        comm_members={}, strings=strings,
+    )  # fmt: skip
+
+
+def match_collectives(run: Run) -> Collectives:
+    """Group every collective row (finished or in flight) by (comm key, seq)."""
+    kinds = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
+    ev = run.events[np.isin(run.events["kind"], kinds)]
+    inf = run.inflight[np.isin(run.inflight["kind"], kinds)] if len(run.inflight) else run.inflight
+    rows = np.concatenate([ev, inf.astype(RUN_EVENT_DTYPE)]) if len(inf) else ev
+    rows = rows[rows["seq"] >= 0]  # a collective without a sequence number cannot be matched
+    if len(rows) == 0:
+        return _empty(run.strings)
+
+    # Communicator membership: every rank that ever used the key.
+    cr = np.unique(np.stack([rows["comm_id"].astype(np.int64), rows["rank"].astype(np.int64)], axis=1), axis=0)
+    comm_ids, cstart = np.unique(cr[:, 0], return_index=True)
+    comm_members = {int(c): m[:, 1].astype(np.int32) for c, m in zip(comm_ids, np.split(cr, cstart[1:]))}
+    comm_size = np.diff(np.append(cstart, len(cr)))
+
+    # A rank can appear twice in one (comm, seq) only through a damaged file or
+    # a hook bug; keep its first row so every member counts once.
+    order = np.lexsort((rows["t0_ns"], rows["rank"], rows["seq"], rows["comm_id"]))
+    rows = rows[order]
+    dup = np.zeros(len(rows), bool)
+    dup[1:] = (
+        (rows["comm_id"][1:] == rows["comm_id"][:-1])
+        & (rows["seq"][1:] == rows["seq"][:-1])
+        & (rows["rank"][1:] == rows["rank"][:-1])
+    )
+    if dup.any():
+        run.warnings.append(f"{int(dup.sum())} collective rows repeat a (communicator, seq, rank): counted once")
+        rows = rows[~dup]
+
+    # Group boundaries, then order members of each group by arrival.
+    newg = np.ones(len(rows), bool)
+    newg[1:] = (rows["comm_id"][1:] != rows["comm_id"][:-1]) | (rows["seq"][1:] != rows["seq"][:-1])
+    gid = np.cumsum(newg) - 1
+    order = np.lexsort((rows["rank"], rows["t0_ns"], gid))
+    rows, gid = rows[order], gid[order]
+    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    n_g = len(starts)
+    g_start = np.append(starts, len(rows)).astype(np.int64)
+    n_mem = np.diff(g_start).astype(np.int32)
+    last_idx = g_start[1:] - 1
+    second_idx = np.maximum(last_idx - 1, starts)
+
+    g_comm = rows["comm_id"][starts].astype(np.int32)
+    g_seq = rows["seq"][starts].astype(np.int64)
+    n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
+
+    # Op: the most common name among members; mismatch when any member differs.
+    op = rows["name_id"]
+    op_min = np.minimum.reduceat(op, starts)
+    op_max = np.maximum.reduceat(op, starts)
+    op_mismatch = op_min != op_max
+    g_op = op[starts].astype(np.int64)
+    if op_mismatch.any():  # rare: only then pay for a per-group mode
+        sel = op_mismatch[gid]
+        g_op[op_mismatch] = _mode_per_group(op[sel], gid[sel], n_g)[op_mismatch]
+
+    # Root: rooted collectives carry the root in peer (>= 0 on every member).
+    peer = rows["peer"]
+    rooted = np.maximum.reduceat(peer, starts) >= 0
+    root_mismatch = rooted & (np.minimum.reduceat(peer, starts) != np.maximum.reduceat(peer, starts))
+
+    # Size: only for ops that require equal counts on every member.
+    checked_ids = np.array([run.sid(n) for n in SIZE_CHECKED_OPS if run.sid(n) >= 0], np.int64)
+    nb = rows["nbytes"]
+    size_mismatch = (
+        np.isin(g_op, checked_ids)
+        & (np.minimum.reduceat(nb, starts) != np.maximum.reduceat(nb, starts))
+        & ~op_mismatch
+    )
+
+    t1 = rows["t1_ns"]
+    in_flight = np.minimum.reduceat(t1, starts) < 0
+    missing = n_mem < n_exp
+
+    state = np.full(n_g, MatchState.COMPLETE, np.int8)
+    # Incompleteness first, mismatches override it: a mismatch explains why a
+    # group never completed, the reverse is not true.
+    state[missing] = MatchState.MISSING_RANKS
+    state[in_flight] = MatchState.IN_FLIGHT
+    state[root_mismatch] = MatchState.ROOT_MISMATCH
+    state[size_mismatch] = MatchState.SIZE_MISMATCH
+    state[op_mismatch] = MatchState.OP_MISMATCH
+
+    exit_ns = np.maximum.reduceat(t1, starts)
+    exit_ns[in_flight] = -1
+
+    return Collectives(
+        g_comm=g_comm,
+        g_seq=g_seq,
+        g_op=g_op.astype(np.int32),
+        g_state=state,
+        g_n_members=n_mem,
+        g_n_expected=n_exp,
+        g_first_ns=rows["t0_ns"][starts].astype(np.int64),
+        g_last_ns=rows["t0_ns"][last_idx].astype(np.int64),
+        g_second_ns=rows["t0_ns"][second_idx].astype(np.int64),
+        g_last_rank=rows["rank"][last_idx].astype(np.int32),
+        g_exit_ns=exit_ns.astype(np.int64),
+        g_start=g_start,
+        m_group=gid.astype(np.int64),
+        m_rank=rows["rank"].astype(np.int32),
+        m_t0_ns=rows["t0_ns"].astype(np.int64),
+        m_t1_ns=t1.astype(np.int64),
+        m_op=op.astype(np.int32),
+        m_nbytes=nb.astype(np.int64),
+        m_peer=peer.astype(np.int32),
+        m_site=rows["site_id"].astype(np.int32),
+        m_kind=rows["kind"].astype(np.uint8),
+        comm_members=comm_members,
+        strings=run.strings,
+    )
+
+
+def _mode_per_group(values: np.ndarray, gid: np.ndarray, n_g: int) -> np.ndarray:
+    """The most frequent value per group (ties: the smallest), vectorized."""
+    pairs = np.stack([gid.astype(np.int64), values.astype(np.int64)], axis=1)
+    uniq, counts = np.unique(pairs, axis=0, return_counts=True)
+    # sort by (group, -count, value): the first row per group is its mode
+    order = np.lexsort((uniq[:, 1], -counts, uniq[:, 0]))
+    uniq = uniq[order]
+    first = np.r_[True, uniq[1:, 0] != uniq[:-1, 0]]
+    out = np.zeros(n_g, np.int64)
+    out[uniq[first, 0]] = uniq[first, 1]
+    return out
+
+
+def collectives_of(run: Run) -> Collectives:
+    """The run's matched collectives, computed once and cached on the run."""
+    c = run.cache.get("collectives")
+    if c is None:
+        c = match_collectives(run)
+        run.cache["collectives"] = c
+    return c  # type: ignore[no-any-return]

@@ -1,0 +1,139 @@
+"""The analysis pipeline: ``load_run -> align -> match -> detectors -> Report``.
+
+Each stage is a function of its inputs (see STYLE.md); this module only wires
+them together, runs every registered detector (one failing detector becomes a
+warning, never a lost report), sets each finding's ``fraction`` of the
+wall-clock and ranks the findings by ``cost_s``: the first one is the verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from distdiag import clocks
+from distdiag.breakdown import COLUMNS, breakdown
+from distdiag.config import Config, load_config
+from distdiag.detectors import load_all
+from distdiag.findings import Finding
+from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.run import Run, _ranges, load_run
+
+log = logging.getLogger(__name__)
+
+REPORT_SCHEMA = "distdiag.report/1"
+
+
+@dataclass
+class Report:
+    """Everything a renderer needs: the aligned run, the ranked findings, the breakdown."""
+
+    run: Run
+    findings: list[Finding]
+    breakdown: pd.DataFrame
+    collectives: Collectives
+    config: Config = field(default_factory=Config)
+
+    @property
+    def verdict(self) -> Finding | None:
+        """The binding constraint: the costliest finding, or None for a healthy job."""
+        return self.findings[0] if self.findings else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable JSON contract (DESIGN.md, "The JSON report")."""
+        run = self.run
+        per_rank = []
+        for row in self.breakdown.itertuples(index=False):  # one per rank
+            d = {"rank": int(row.rank), "host": str(row.host), "wall_s": float(row.wall_s)}
+            d.update({c: float(getattr(row, c)) for c in COLUMNS})
+            per_rank.append(d)
+        return {
+            "schema": REPORT_SCHEMA,
+            "run": {
+                "ranks": int(run.world_size),
+                "hosts": run.hosts,
+                "job_id": run.job_id,
+                "wall_s": float(run.wall_s),
+                "missing_ranks": [int(r) for r in run.missing_ranks],
+                "warnings": list(run.warnings),
+            },
+            "findings": [_jsonable(f.to_json()) for f in self.findings],
+            "breakdown": {"per_rank": per_rank},
+        }
+
+
+def _jsonable(x: Any) -> Any:
+    """Evidence may hold numpy scalars/arrays: make it plain JSON types."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
+def _incomplete_warnings(run: Run, colls: Collectives, limit: int = 3) -> list[str]:
+    """One line per collective that never completed (a rank hung or died in it)."""
+    bad = np.flatnonzero(colls.g_state == MatchState.IN_FLIGHT)
+    out = []
+    for g in bad[:limit]:  # a handful
+        sl = colls.members(int(g))
+        inside = colls.m_rank[sl][colls.m_t1_ns[sl] < 0]
+        never = colls.missing_ranks(int(g))
+        line = (
+            f"{colls.op_name(int(g))} #{int(colls.g_seq[g])} on communicator '{colls.comm_name(int(g))}' never "
+            f"completed: rank(s) {_ranges(inside.tolist())} were inside it (in flight) when their record ends"
+        )
+        if len(never):
+            line += f"; rank(s) {_ranges(never.tolist())} never entered it"
+        out.append(line)
+    if len(bad) > limit:
+        out.append(f"... and {len(bad) - limit} more collectives in flight")
+    return out
+
+
+def analyze_run(run: Run, cfg: Config | None = None) -> Report:
+    """Align, match, detect and rank on an already loaded run."""
+    cfg = cfg or Config()
+    run = clocks.align(run)
+    colls = collectives_of(run)
+    run.warnings.extend(_incomplete_warnings(run, colls))
+    dets = load_all()
+    names = cfg.detectors or list(dets)
+    unknown = [n for n in names if n not in dets]
+    if unknown:
+        run.warnings.append(f"config names unknown detectors {unknown} (known: {sorted(dets)}); skipped")
+    findings: list[Finding] = []
+    for name in names:  # one per detector
+        fn = dets.get(name)
+        if fn is None:
+            continue
+        try:
+            got = fn(run, cfg)
+        except Exception as e:  # one broken detector must not cost the whole report
+            log.debug("detector %s failed", name, exc_info=True)
+            run.warnings.append(f"detector '{name}' failed ({type(e).__name__}: {e}); its findings are missing")
+            continue
+        findings.extend(got)
+    wall_s = run.wall_s
+    for f in findings:
+        f.fraction = float(f.cost_s) / wall_s if wall_s > 0 else 0.0
+    findings.sort(key=lambda f: -float(f.cost_s))
+    return Report(run=run, findings=findings, breakdown=breakdown(run, colls), collectives=colls, config=cfg)
+
+
+def analyze(run_dir: str | Path, cfg: Config | None = None) -> Report:
+    """Load the run directory and analyze it. Raises DistdiagError when nothing can be analyzed."""
+    if cfg is None:
+        cfg = load_config()
+    return analyze_run(load_run(run_dir), cfg)

@@ -1,0 +1,184 @@
+"""The terminal report: the verdict first, then the ranked findings, the per-rank breakdown, warnings.
+
+The first lines answer the user's question on their own: which cause binds,
+what it costs (seconds and share of wall-clock), the evidence, what to do. A
+healthy job says so plainly and shows where the time went instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from distdiag.breakdown import COLUMNS
+
+#: a per-rank table longer than this shows the ranks the findings name plus min/median/max
+MAX_RANK_ROWS = 16
+
+_LABELS = {
+    "compute_s": "compute",
+    "comm_wait_s": "waiting in collectives",
+    "comm_transfer_s": "collective transfer",
+    "io_s": "file I/O",
+    "input_wait_s": "input wait",
+    "h2d_s": "host-to-device",
+    "other_s": "other calls",
+}
+
+
+def _fmt_s(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f} s"
+    if x >= 1:
+        return f"{x:.2f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x * 1e6:.0f} µs"
+
+
+def _fmt_val(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        items = []
+        for k, sub in list(v.items())[:3]:
+            if isinstance(sub, dict):
+                items.append(f"{k} (" + ", ".join(f"{a} {_fmt_val(b)}" for a, b in sub.items()) + ")")
+            else:
+                items.append(f"{k} {_fmt_val(sub)}")
+        more = f", +{len(v) - 3} more" if len(v) > 3 else ""
+        return "; ".join(items) + more
+    if isinstance(v, (list, tuple)):
+        more = f", +{len(v) - 3} more" if len(v) > 3 else ""
+        return ", ".join(_fmt_val(x) for x in v[:3]) + more
+    return str(v)
+
+
+def _evidence_lines(ev: dict[str, Any], indent: str) -> list[str]:
+    scalars = [f"{k} {_fmt_val(v)}" for k, v in ev.items() if not isinstance(v, (dict, list, tuple))]
+    out = []
+    if scalars:
+        out.append(indent + "evidence: " + ", ".join(scalars))
+    for k, v in ev.items():
+        if isinstance(v, (dict, list, tuple)) and len(v):
+            out.append(indent + f"  {k}: {_fmt_val(v)}")
+    return out
+
+
+class TextRenderer:
+    def __init__(self, max_findings: int | None = None) -> None:
+        self.max_findings = max_findings
+
+    def render(self, report: Any) -> str:
+        run = report.run
+        lines: list[str] = []
+        hosts = run.hosts
+        host_txt = f"{len(hosts)} host{'s' if len(hosts) != 1 else ''}" + (
+            f" ({', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''})" if hosts else ""
+        )
+        job = f"job {run.job_id}, " if run.job_id else ""
+        present = len(run.ranks)
+        ranks_txt = f"{run.world_size} ranks" if present == run.world_size else f"{present} of {run.world_size} ranks"
+        lines.append(f"distdiag: {job}{ranks_txt} on {host_txt}, wall-clock {_fmt_s(run.wall_s)}  [{run.path}]")
+        lines.append("")
+        lines += self._verdict(report)
+        lines.append("")
+        if report.findings:
+            lines += self._findings(report)
+            lines.append("")
+        lines += self._breakdown(report)
+        if run.warnings:
+            lines.append("")
+            lines.append(f"WARNINGS ({len(run.warnings)})")
+            lines += [f"  - {w}" for w in run.warnings]
+        return "\n".join(lines) + "\n"
+
+    # -- sections -------------------------------------------------------------------
+    def _verdict(self, report: Any) -> list[str]:
+        f = report.verdict
+        run = report.run
+        if f is None:
+            thr = report.config.min_fraction
+            out = [
+                f"VERDICT: healthy. No cause costs more than {thr:.0%} of the {_fmt_s(run.wall_s)} wall-clock "
+                "(no straggler, no other finding)."
+            ]
+            out.append("  time went to: " + self._shares(report))
+            return out
+        out = [f"VERDICT: {f.kind} -- {f.summary}"]
+        out.append(
+            f"  cost: {_fmt_s(f.cost_s)} = {f.fraction:.0%} of the wall-clock (what the job would save without it)"
+        )
+        where = []
+        if f.ranks:
+            where.append(f"ranks {_short_list(f.ranks)}")
+        if f.hosts:
+            where.append(f"hosts {_short_list(f.hosts)}")
+        if f.links:
+            where.append("links " + _short_list(["-".join(map(str, link)) for link in f.links]))
+        if f.paths:
+            where.append(f"paths {_short_list(f.paths)}")
+        if where:
+            out.append("  where: " + "; ".join(where))
+        out += _evidence_lines(f.evidence, "  ")
+        if f.advice:
+            out.append(f"  what to do: {f.advice}")
+        return out
+
+    def _shares(self, report: Any) -> str:
+        df = report.breakdown
+        if len(df) == 0:
+            return "no rank recorded any time"
+        tot = {c: float(df[c].sum()) for c in COLUMNS}
+        wall = float(df["wall_s"].sum()) or 1.0
+        parts = [f"{_LABELS[c]} {v / wall:.0%}" for c, v in sorted(tot.items(), key=lambda kv: -kv[1]) if v / wall >= 0.005]
+        return ", ".join(parts) + " (of all ranks' time)"
+
+    def _findings(self, report: Any) -> list[str]:
+        limit = self.max_findings or report.config.max_findings
+        fs = report.findings[:limit]
+        out = ["FINDINGS (ranked by the wall-clock each costs)"]
+        out.append(f"  {'#':>2}  {'kind':<20} {'cost':>9} {'share':>6}  {'ranks':<10} summary")
+        for i, f in enumerate(fs, 1):
+            out.append(
+                f"  {i:>2}  {f.kind:<20} {_fmt_s(f.cost_s):>9} {f.fraction:>6.1%}  {_short_list(f.ranks):<10} {f.summary}"
+            )
+        if len(report.findings) > limit:
+            out.append(f"  ... {len(report.findings) - limit} more (see --format json)")
+        return out
+
+    def _breakdown(self, report: Any) -> list[str]:
+        df = report.breakdown
+        out = ["PER-RANK BREAKDOWN (seconds)"]
+        cols = ["wall_s", *COLUMNS]
+        heads = ["wall", "compute", "comm_wait", "comm_xfer", "io", "input_wait", "h2d", "other"]
+        out.append(f"  {'rank':>6} {'host':<12} " + " ".join(f"{h:>10}" for h in heads))
+        if len(df) == 0:
+            out.append("  (no rank)")
+            return out
+
+        def row(label: str, host: str, vals: Any) -> str:
+            return f"  {label:>6} {host[:12]:<12} " + " ".join(f"{float(v):>10.3f}" for v in vals)
+
+        if len(df) <= MAX_RANK_ROWS:
+            for r in df.itertuples(index=False):
+                out.append(row(str(r.rank), str(r.host), [getattr(r, c) for c in cols]))
+            return out
+        named = sorted({int(x) for f in report.findings for x in f.ranks})
+        sub = df[df["rank"].isin(named)].head(MAX_RANK_ROWS)
+        for r in sub.itertuples(index=False):
+            out.append(row(str(r.rank), str(r.host), [getattr(r, c) for c in cols]))
+        arr = df[cols].to_numpy()
+        for label, vals in (("min", arr.min(axis=0)), ("median", np.median(arr, axis=0)), ("max", arr.max(axis=0))):
+            out.append(row(label, f"({len(df)} ranks)", vals))
+        return out
+
+
+def _short_list(xs: list[Any], limit: int = 6) -> str:
+    if not xs:
+        return "-"
+    s = ",".join(str(x) for x in xs[:limit])
+    return s + (f",+{len(xs) - limit}" if len(xs) > limit else "")

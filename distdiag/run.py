@@ -1,0 +1,578 @@
+"""The analyzer's core data model: :class:`Run` and :func:`load_run`.
+
+A run directory holds one ``rank-NNNNN.h5`` per rank (see :mod:`distdiag.schema`).
+:func:`load_run` reads them all into one :class:`Run`:
+
+* ``run.events``: the events of every rank as ONE columnar structured array
+  (``RUN_EVENT_DTYPE`` = the on-disk ``EVENT_DTYPE`` plus a ``rank`` column),
+  sorted by (rank, t0_ns). String ids (``name_id``, ``comm_id``, ``site_id``)
+  are remapped from each rank's own table onto one global table
+  (``run.strings``, ``run.s(id)``), so the same communicator key or op name has
+  the same id on every rank and can be compared with ``==`` on integer columns.
+* ``run.sync``, ``run.inflight``, ``run.gpu``: the other tables, with a rank column.
+* ``run.ranks``: per-rank metadata (:class:`RankInfo`), ``run.warnings`` and
+  ``run.missing_ranks`` for everything that was wrong but not fatal.
+
+Bad input never raises a traceback at the user: a problem that leaves nothing
+to analyze raises :class:`DistdiagError` (the CLI prints its message and exits
+2); anything else becomes one line in ``run.warnings`` and the analysis goes on
+with what is there.
+
+Timestamps stay in each rank's own clock until :func:`distdiag.clocks.align`
+maps them onto rank 0's timeline (``run.aligned`` says which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from distdiag.schema import (
+    EVENT_DTYPE,
+    GPU_DTYPE,
+    RANK_FILE_RE,
+    SCHEMA_ATTR,
+    SCHEMA_VERSION,
+    SYNC_DTYPE,
+    Kind,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DistdiagError(Exception):
+    """A problem the user must fix; the message is one line meant for them (no traceback)."""
+
+
+def _with_rank(dt: np.dtype) -> np.dtype:
+    return np.dtype(list(dt.descr) + [("rank", "<i4")])
+
+
+RUN_EVENT_DTYPE = _with_rank(EVENT_DTYPE)
+RUN_SYNC_DTYPE = _with_rank(SYNC_DTYPE)
+RUN_GPU_DTYPE = _with_rank(GPU_DTYPE)
+
+#: Columns that hold string ids and are remapped onto the global table.
+STRING_COLUMNS = ("name_id", "comm_id", "site_id")
+
+#: Events are read in blocks of this many rows so that a file truncated in the
+#: middle of its events still yields every row before the damage.
+_READ_BLOCK_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank file says about its rank. Times are in ns of ``run``'s timeline
+    (the rank's own clock before alignment, rank 0's after)."""
+
+    rank: int
+    path: Path
+    host: str
+    local_rank: int
+    world_size: int
+    job_id: str
+    launch_id: str
+    pid: int
+    #: first instant the rank was observed: the shim's start (or its first event)
+    start_ns: int
+    #: last instant: the shim's close, else the last flush, else the last event
+    end_ns: int
+    closed_cleanly: bool
+    exit_code: int | None
+    lost_events: int
+    n_events: int
+    wall_ns_at_start: int | None
+    mono_ns_at_start: int | None
+    distdiag_version: str = ""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dur_s(self) -> float:
+        return max(0, self.end_ns - self.start_ns) / 1e9
+
+
+@dataclass
+class Run:
+    """Every rank of one launch, as columnar arrays (see the module docstring)."""
+
+    path: Path
+    #: rank -> metadata, for the ranks whose file could be read
+    ranks: dict[int, RankInfo]
+    events: np.ndarray  # RUN_EVENT_DTYPE, sorted by (rank, t0_ns)
+    strings: np.ndarray  # object array of str; id 0 is ""
+    sync: np.ndarray  # RUN_SYNC_DTYPE, raw (each rank's own clock, never aligned)
+    inflight: np.ndarray  # RUN_EVENT_DTYPE, t1_ns == -1
+    gpu: np.ndarray  # RUN_GPU_DTYPE
+    world_size: int
+    job_id: str
+    warnings: list[str] = field(default_factory=list)
+    missing_ranks: list[int] = field(default_factory=list)
+    #: True once distdiag.clocks.align mapped every timestamp onto rank 0's clock
+    aligned: bool = False
+    #: per-rank offset (ns) that align() added, indexed by rank; None before
+    offset_ns: np.ndarray | None = None
+    #: stage results cached on the run (e.g. "collectives" from distdiag.match)
+    cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    _string_ids: dict[str, int] | None = field(default=None, repr=False)
+
+    # -- strings ----------------------------------------------------------------
+    def s(self, sid: int) -> str:
+        """The string with global id ``sid`` ("" for 0 or an id out of range)."""
+        if 0 <= sid < len(self.strings):
+            return str(self.strings[sid])
+        return ""
+
+    def sid(self, text: str) -> int:
+        """The global id of ``text``, or -1 when no rank used it."""
+        if self._string_ids is None:
+            self._string_ids = {str(v): i for i, v in enumerate(self.strings)}
+        return self._string_ids.get(text, -1)
+
+    # -- ranks --------------------------------------------------------------------
+    @property
+    def rank_ids(self) -> np.ndarray:
+        """The ranks present, ascending."""
+        return np.array(sorted(self.ranks), dtype=np.int64)
+
+    @property
+    def hosts(self) -> list[str]:
+        return sorted({r.host for r in self.ranks.values()})
+
+    def host_of(self, rank: int) -> str:
+        info = self.ranks.get(int(rank))
+        return info.host if info is not None else ""
+
+    def hosts_of(self, ranks: Iterable[int]) -> list[str]:
+        return sorted({self.host_of(r) for r in ranks} - {""})
+
+    @property
+    def start_ns(self) -> int:
+        """First shim start across ranks (meaningful on the aligned timeline)."""
+        return min((r.start_ns for r in self.ranks.values()), default=0)
+
+    @property
+    def end_ns(self) -> int:
+        return max((r.end_ns for r in self.ranks.values()), default=0)
+
+    @property
+    def wall_s(self) -> float:
+        """First shim start to last shim end across ranks, in seconds."""
+        return max(0, self.end_ns - self.start_ns) / 1e9
+
+    def rank_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start_ns, end_ns) arrays indexed by rank (size world_size; 0 for absent ranks)."""
+        n = max(self.world_size, max(self.ranks, default=-1) + 1)
+        start = np.zeros(n, np.int64)
+        end = np.zeros(n, np.int64)
+        for r, info in self.ranks.items():  # one per rank
+            start[r] = info.start_ns
+            end[r] = info.end_ns
+        return start, end
+
+    # -- events -------------------------------------------------------------------
+    def events_of(self, kinds: Iterable[int]) -> np.ndarray:
+        """The events whose kind is in ``kinds`` (a copy, same order)."""
+        ks = np.fromiter((int(k) for k in kinds), dtype=np.uint8)
+        return self.events[np.isin(self.events["kind"], ks)]
+
+    def rank_slices(self) -> dict[int, slice]:
+        """rank -> slice of ``events`` holding that rank's rows."""
+        r = self.events["rank"]
+        out = {}
+        for rank in self.ranks:
+            lo, hi = np.searchsorted(r, [rank, rank + 1])
+            out[rank] = slice(int(lo), int(hi))
+        return out
+
+    def replace(self, **changes: Any) -> Run:
+        """A shallow copy with ``changes`` (stages return new runs, never mutate)."""
+        new = dataclasses.replace(self, **changes)
+        new.warnings = list(new.warnings)
+        new.cache = {}
+        return new
+
+    def to_frame(self) -> Any:
+        """The events as a pandas DataFrame with string columns decoded (for notebooks)."""
+        import pandas as pd
+
+        df = pd.DataFrame(self.events)
+        strings = np.asarray(self.strings, dtype=object)
+        for col in STRING_COLUMNS:
+            df[col.removesuffix("_id")] = strings[np.clip(self.events[col], 0, len(strings) - 1)]
+        names = {int(k): k.name for k in Kind}
+        df["kind_name"] = df["kind"].map(lambda k: names.get(int(k), str(k)))
+        return df
+
+
+# ----------------------------------------------------------------------------------
+# loading
+
+
+@dataclass
+class _RankData:
+    info: RankInfo
+    events: np.ndarray
+    strings: np.ndarray
+    sync: np.ndarray
+    inflight: np.ndarray
+    gpu: np.ndarray
+
+
+def _open_h5(path: Path) -> Any:
+    """Open a rank file read-only, also while its writer still has it open (SWMR)."""
+    import h5py
+
+    try:
+        return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
+    except OSError:
+        # Files not written in SWMR mode open in the default mode.
+        return h5py.File(path, "r", locking=False)
+
+
+def _attr(attrs: Any, name: str, default: Any = None) -> Any:
+    v = attrs.get(name, default)
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    if isinstance(v, np.generic):
+        v = v.item()
+    return v
+
+
+def _json_attr(attrs: Any, name: str, default: Any) -> Any:
+    v = _attr(attrs, name)
+    if v is None:
+        return default
+    try:
+        return json.loads(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _read_table(f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[str]) -> np.ndarray:
+    """A dataset as ``dtype``; rows up to the first unreadable block if damaged."""
+    if name not in f:
+        return np.zeros(0, dtype)
+    ds = f[name]
+    try:
+        ds.refresh()  # SWMR: see rows appended since open
+    except Exception:
+        pass
+    n = int(ds.shape[0]) if ds.shape else 0
+    parts = []
+    got = 0
+    for lo in range(0, n, _READ_BLOCK_ROWS):  # one iteration per million rows
+        hi = min(n, lo + _READ_BLOCK_ROWS)
+        try:
+            block = ds[lo:hi]
+        except (OSError, ValueError, RuntimeError) as e:
+            # Try smaller pieces so we keep every row before the damage.
+            block = _salvage(ds, lo, hi)
+            warnings.append(
+                f"{fname}: /{name} is damaged after row {lo + len(block)} of {n} ({_short(e)}); "
+                f"analyzing the {lo + len(block)} rows before it"
+            )
+            parts.append(block)
+            got += len(block)
+            break
+        parts.append(block)
+        got += len(block)
+    if not parts:
+        return np.zeros(0, dtype)
+    raw = np.concatenate(parts)
+    if raw.dtype == dtype:
+        return raw
+    out = np.zeros(len(raw), dtype)
+    for col in dtype.names or ():
+        if raw.dtype.names and col in raw.dtype.names:
+            out[col] = raw[col]
+    return out
+
+
+def _salvage(ds: Any, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, k) for the largest k that reads, by bisection (log2 reads)."""
+    good = lo
+    bad = hi
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        try:
+            ds[good:mid]
+            good = mid
+        except (OSError, ValueError, RuntimeError):
+            bad = mid
+    try:
+        return np.asarray(ds[lo:good])
+    except (OSError, ValueError, RuntimeError):
+        return np.zeros(0, ds.dtype)
+
+
+def _short(e: BaseException) -> str:
+    s = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return s[:160]
+
+
+def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
+    """One rank file, or a one-line reason why it cannot be used."""
+    fname = path.name
+    try:
+        f = _open_h5(path)
+    except OSError as e:
+        return f"{fname} cannot be opened as HDF5 (truncated or corrupt: {_short(e)}); skipped"
+    try:
+        with f:
+            attrs = f.attrs
+            try:
+                version = _attr(attrs, SCHEMA_ATTR)
+            except (OSError, RuntimeError) as e:
+                return f"{fname} has unreadable attributes (corrupt: {_short(e)}); skipped"
+            if version is None:
+                return f"{fname} is an HDF5 file but not a distdiag rank file (no '{SCHEMA_ATTR}' attribute); skipped"
+            try:
+                version = int(version)
+            except (TypeError, ValueError):
+                return f"{fname} has a malformed schema version {version!r}; skipped"
+            if version != SCHEMA_VERSION:
+                writer = _attr(attrs, "distdiag_version", "?")
+                return (
+                    f"{fname} was written with rank-file schema {version} (distdiag {writer}); this distdiag reads "
+                    f"schema {SCHEMA_VERSION}: analyze it with distdiag {writer} (pip install 'distdiag=={writer}')"
+                )
+            m = RANK_FILE_RE.match(fname)
+            name_rank = int(m.group(1)) if m else -1
+            rank = _attr(attrs, "rank", name_rank)
+            try:
+                rank = int(rank)
+            except (TypeError, ValueError):
+                rank = name_rank
+            if rank < 0:
+                return f"{fname} names no rank; skipped"
+            if "events" not in f or "strings" not in f:
+                return f"{fname} lacks the /events or /strings table (corrupt, or killed before its first flush); skipped"
+
+            events = _read_table(f, "events", EVENT_DTYPE, fname, warnings)
+            try:
+                strings = np.asarray(f["strings"].asstr()[...], dtype=object)
+            except (OSError, ValueError, RuntimeError, TypeError) as e:
+                return f"{fname}: its string table cannot be read ({_short(e)}); skipped"
+            if len(strings) == 0:
+                strings = np.array([""], dtype=object)
+            sync = _read_table(f, "clock_sync", SYNC_DTYPE, fname, warnings)
+            inflight = _read_table(f, "inflight", EVENT_DTYPE, fname, warnings)
+            gpu = _read_table(f, "gpu", GPU_DTYPE, fname, warnings)
+
+            mono0 = _attr(attrs, "mono_ns_at_start")
+            wall0 = _attr(attrs, "wall_ns_at_start")
+            end = _attr(attrs, "end_mono_ns")
+            last_flush = _attr(attrs, "last_flush_mono_ns")
+            closed = bool(_attr(attrs, "closed_cleanly", False))
+            has_ev = len(events) > 0
+            ev_t0 = int(events["t0_ns"].min()) if has_ev else None
+            ev_t1 = int(max(events["t1_ns"].max(), events["t0_ns"].max())) if has_ev else None
+            starts = [int(x) for x in (mono0, ev_t0) if x is not None]
+            start_ns = min(starts) if starts else 0
+            ends = [int(x) for x in (end, last_flush, ev_t1) if x is not None]
+            if len(inflight):
+                ends.append(int(inflight["t0_ns"].max()))
+            end_ns = max(ends) if ends else start_ns
+            if end is not None and closed:
+                end_ns = max(int(end), ev_t1 or 0)
+            exit_code = _attr(attrs, "exit_code")
+            info = RankInfo(
+                rank=rank,
+                path=path,
+                host=str(_attr(attrs, "host", "") or ""),
+                local_rank=int(_attr(attrs, "local_rank", -1)),
+                world_size=int(_attr(attrs, "world_size", 0) or 0),
+                job_id=str(_attr(attrs, "job_id", "") or ""),
+                launch_id=str(_attr(attrs, "launch_id", "") or ""),
+                pid=int(_attr(attrs, "pid", -1)),
+                start_ns=start_ns,
+                end_ns=end_ns,
+                closed_cleanly=closed,
+                exit_code=None if exit_code is None else int(exit_code),
+                lost_events=int(_attr(attrs, "lost_events", 0) or 0),
+                n_events=len(events),
+                wall_ns_at_start=None if wall0 is None else int(wall0),
+                mono_ns_at_start=None if mono0 is None else int(mono0),
+                distdiag_version=str(_attr(attrs, "distdiag_version", "") or ""),
+                argv=_json_attr(attrs, "argv", []),
+                env=_json_attr(attrs, "env", {}),
+                config=_json_attr(attrs, "config", {}),
+            )
+            return _RankData(info, events, strings, sync, inflight, gpu)
+    except OSError as e:
+        return f"{fname} cannot be read (truncated or corrupt: {_short(e)}); skipped"
+
+
+def _global_strings(tables: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One sorted global string table and, per rank, local id -> global id.
+
+    Vectorized: all local tables are concatenated and ``np.unique`` gives every
+    string its global id; the inverse, cut back into per-rank pieces, is the
+    lookup array. "" sorts first, so it keeps id 0.
+    """
+    if not tables:
+        return np.array([""], dtype=object), []
+    allstr = np.concatenate([np.array([""], dtype=object), *tables])
+    # np.unique on object arrays of str sorts with Python comparisons: fine at
+    # the scale of string tables (paths, op names, sites), not events.
+    uniq, inv = np.unique(allstr.astype(str), return_inverse=True)
+    lookups = []
+    off = 1
+    for t in tables:
+        lookups.append(inv[off : off + len(t)].astype(np.int32))
+        off += len(t)
+    return uniq.astype(object), lookups
+
+
+def _remap(arr: np.ndarray, lookup: np.ndarray) -> int:
+    """Remap the string-id columns of ``arr`` in place; returns how many ids were out of range."""
+    bad = 0
+    for col in STRING_COLUMNS:
+        ids = arr[col]
+        oob = (ids < 0) | (ids >= len(lookup))
+        bad += int(oob.sum())
+        arr[col] = np.where(oob, 0, lookup[np.clip(ids, 0, len(lookup) - 1)])
+    return bad
+
+
+def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int) -> np.ndarray:
+    out = np.empty(len(arr), dtype)
+    for col in arr.dtype.names or ():
+        out[col] = arr[col]
+    out["rank"] = rank
+    return out
+
+
+def load_run(path: str | Path) -> Run:
+    """Read every rank file of a run directory into one :class:`Run`.
+
+    Raises :class:`DistdiagError` only when nothing can be analyzed; every other
+    problem is one line in ``run.warnings``.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise DistdiagError(f"run dir '{path}' does not exist")
+    if not p.is_dir():
+        raise DistdiagError(f"'{path}' is not a directory (pass the run dir that holds the rank-*.h5 files)")
+    files = sorted(q for q in p.iterdir() if RANK_FILE_RE.match(q.name) and q.is_file())
+    if not files:
+        raise DistdiagError(f"run dir '{path}' holds no rank-*.h5 files (did the job run under distdiag-wrap?)")
+
+    warnings: list[str] = []
+    problems: list[str] = []
+    loaded: dict[int, _RankData] = {}
+    for fp in files:  # one per rank file
+        got = _read_rank(fp, warnings)
+        if isinstance(got, str):
+            problems.append(got)
+            continue
+        r = got.info.rank
+        if r in loaded:
+            prev = loaded[r]
+            # Keep the file whose name matches the rank it claims.
+            keep, drop = (got, prev) if _name_rank(fp) == r and _name_rank(prev.info.path) != r else (prev, got)
+            loaded[r] = keep
+            problems.append(
+                f"rank {r} appears in both {prev.info.path.name} and {fp.name} (two launches in one dir?); "
+                f"using {keep.info.path.name}, skipping {drop.info.path.name}"
+            )
+            continue
+        loaded[r] = got
+    if not loaded:
+        if len(problems) == 1:
+            raise DistdiagError(problems[0].removesuffix("; skipped"))
+        raise DistdiagError(
+            f"none of the {len(files)} rank files in '{path}' can be analyzed: " + problems[0].removesuffix("; skipped")
+            + f" (and {len(problems) - 1} more)"
+        )
+    warnings = problems + warnings
+
+    ranks = sorted(loaded)
+    infos = {r: loaded[r].info for r in ranks}
+    sizes = {i.world_size for i in infos.values() if i.world_size > 0}
+    world_size = max(sizes | {ranks[-1] + 1})
+    if len(sizes) > 1:
+        warnings.append(f"rank files disagree on the world size ({sorted(sizes)}); assuming {world_size}")
+    launches = {i.launch_id for i in infos.values() if i.launch_id}
+    if len(launches) > 1:
+        warnings.append(f"rank files come from {len(launches)} different launches ({', '.join(sorted(launches))})")
+    missing = sorted(set(range(world_size)) - set(ranks))
+    if missing:
+        warnings.append(
+            f"{len(missing)} of {world_size} ranks have no usable file: {_ranges(missing)} "
+            "(analyzing the others; collectives they joined count as incomplete)"
+        )
+    for r in ranks:  # per rank: a handful of checks
+        i = infos[r]
+        if not i.closed_cleanly:
+            what = ""
+            inf = loaded[r].inflight
+            if len(inf):
+                names = sorted({str(loaded[r].strings[n]) if 0 <= n < len(loaded[r].strings) else "?" for n in inf["name_id"]})
+                what = f"; it was inside {', '.join(names)} (in flight) at its last flush"
+            warnings.append(
+                f"rank {r} did not close its file (killed?): its record ends at its last flush{what}"
+            )
+        if i.lost_events:
+            warnings.append(f"rank {r} dropped {i.lost_events} events (the shim could not keep up); its totals are low")
+        if i.exit_code not in (None, 0):
+            warnings.append(f"rank {r} exited with code {i.exit_code}")
+
+    gstrings, lookups = _global_strings([loaded[r].strings for r in ranks])
+    ev_parts, sync_parts, inf_parts, gpu_parts = [], [], [], []
+    bad_ids = 0
+    for r, lookup in zip(ranks, lookups):  # per rank, vectorized inside
+        d = loaded[r]
+        ev = _attach_rank(d.events, RUN_EVENT_DTYPE, r)
+        bad_ids += _remap(ev, lookup)
+        inf = _attach_rank(d.inflight, RUN_EVENT_DTYPE, r)
+        bad_ids += _remap(inf, lookup)
+        ev_parts.append(ev)
+        inf_parts.append(inf)
+        sync_parts.append(_attach_rank(d.sync, RUN_SYNC_DTYPE, r))
+        gpu_parts.append(_attach_rank(d.gpu, RUN_GPU_DTYPE, r))
+    if bad_ids:
+        warnings.append(f"{bad_ids} string ids point outside their file's string table (corrupt rows); shown as ''")
+    events = np.concatenate(ev_parts) if ev_parts else np.zeros(0, RUN_EVENT_DTYPE)
+    # Threads flush chunks out of time order: sort once, by (rank, t0).
+    order = np.lexsort((events["t0_ns"], events["rank"]))
+    events = events[order]
+    job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
+    return Run(
+        path=p,
+        ranks=infos,
+        events=events,
+        strings=gstrings,
+        sync=np.concatenate(sync_parts),
+        inflight=np.concatenate(inf_parts),
+        gpu=np.concatenate(gpu_parts),
+        world_size=world_size,
+        job_id=job_ids[0] if job_ids else "",
+        warnings=warnings,
+        missing_ranks=missing,
+    )
+
+
+def _name_rank(path: Path) -> int:
+    m = RANK_FILE_RE.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2, 5, 7-8' (ranks lists stay one line at 1,024 ranks)."""
+    if not xs:
+        return ""
+    a = np.asarray(sorted(xs))
+    breaks = np.flatnonzero(np.diff(a) != 1) + 1
+    out = []
+    for seg in np.split(a, breaks):
+        out.append(str(seg[0]) if len(seg) == 1 else f"{seg[0]}-{seg[-1]}")
+    return ", ".join(out)

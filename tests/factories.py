@@ -1,0 +1,231 @@
+"""Real rank files for analyzer tests, written through the shim's own writer.
+
+:func:`make_run` simulates a bulk-synchronous job (compute, then one
+all-reduce per iteration on "world") on a true timeline, then writes what each
+rank's shim would have recorded: its own monotonic clock (a per-rank offset
+from the true time), clock-sync samples against rank 0, and the events. The
+files go through :func:`distdiag.shim.writer.write_rank_file`, so they have
+exactly the layout the shim writes.
+
+The simulation knows the truth (who arrived last, how long the others waited,
+how much compute each rank did), and returns it in :class:`Truth` for the
+tests to check the analyzer against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from distdiag.schema import EVENT_DTYPE, SYNC_DTYPE, Kind, SyncTag, rank_file_name
+from distdiag.shim.writer import write_rank_file
+
+MS = 1_000_000  # ns
+
+
+@dataclass
+class Truth:
+    """What really happened in a simulated run (true timeline = rank 0's clock)."""
+
+    run_dir: Path
+    world_size: int
+    iters: int
+    #: per iteration: the last arriver and (last - second-to-last arrival) in ns
+    last_rank: np.ndarray
+    wait_ns: np.ndarray
+    #: per rank: offset added to its clock (true = local + offset_ns)
+    offset_ns: np.ndarray
+    #: per rank: total ns waiting in the all-reduce before the last arrived
+    comm_wait_ns: np.ndarray
+    #: per rank: total ns in the all-reduce after the last arrived
+    comm_transfer_ns: np.ndarray
+    #: per rank: compute ns (time outside any recorded call)
+    compute_ns: np.ndarray
+    io_ns: np.ndarray
+    wall_ns: int
+    files: dict[int, Path] = field(default_factory=dict)
+
+    def straggler_cost_s(self, rank: int) -> float:
+        return float(self.wait_ns[self.last_rank == rank].sum()) / 1e9
+
+
+def make_run(
+    run_dir: Path,
+    *,
+    world_size: int = 4,
+    iters: int = 100,
+    compute_ms: float = 5.0,
+    jitter_ms: float = 0.2,
+    transfer_ms: float = 0.3,
+    slow_rank: int | None = None,
+    slow_ms: float = 0.0,
+    slow_every: int = 1,
+    io_ms: float = 0.0,
+    seed: int = 0,
+    hosts: Sequence[str] | None = None,
+    clock_offsets_ms: Sequence[float] | None = None,
+    sync: bool = True,
+    skip_ranks: Sequence[int] = (),
+    killed_ranks: Sequence[int] = (),
+    job_id: str = "4242",
+    comm: str = "world",
+    op: str = "Allreduce",
+) -> Truth:
+    """Simulate and write one run; see the module docstring.
+
+    ``slow_rank`` computes ``slow_ms`` longer every ``slow_every``-th iteration.
+    ``io_ms`` adds a FILE_READ of that length at the start of every iteration on
+    every rank. ``killed_ranks`` stop recording half-way through, with the
+    all-reduce they were inside of left in flight and no clean close.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    n = world_size
+    hosts = list(hosts) if hosts is not None else [f"node{r // 2}" for r in range(n)]
+    if clock_offsets_ms is None:
+        # Different nodes boot at different times: offsets of seconds are normal.
+        offsets = np.concatenate([[0], rng.integers(-5_000, 5_000, n - 1) * MS]).astype(np.int64)
+    else:
+        offsets = (np.asarray(clock_offsets_ms, dtype=np.float64) * MS).astype(np.int64)
+    t_true0 = 10_000 * MS
+
+    # --- the simulation, on the true timeline, vectorized over ranks ---------
+    comp = compute_ms * MS + rng.uniform(-jitter_ms, jitter_ms, (iters, n)) * MS
+    if slow_rank is not None:
+        comp[::slow_every, slow_rank] += slow_ms * MS
+    comp = comp.astype(np.int64)
+    io = np.full((iters, n), int(io_ms * MS), np.int64)
+    start = np.zeros((iters, n), np.int64)
+    arrive = np.zeros((iters, n), np.int64)
+    exit_ = np.zeros((iters, n), np.int64)
+    t = np.full(n, t_true0 + 2 * MS, np.int64)
+    xfer = int(transfer_ms * MS)
+    for i in range(iters):  # the iteration is the simulation's time step
+        start[i] = t
+        arrive[i] = t + io[i] + comp[i]
+        last = arrive[i].max()
+        exit_[i] = last + xfer + rng.integers(0, 20_000, n)  # ranks see completion a few µs apart
+        t = exit_[i]
+    t_end = int(exit_[-1].max()) + 2 * MS
+
+    srt = np.sort(arrive, axis=1)
+    last_rank = np.argmax(arrive, axis=1)
+    wait_ns = srt[:, -1] - srt[:, -2]
+    last_t = arrive.max(axis=1, keepdims=True)
+    comm_wait = (last_t - arrive).sum(axis=0)
+    comm_xfer = (exit_ - last_t).sum(axis=0)
+
+    strings = ["", op, comm, "train.py:42", "/data/shard-000.bin", "target_start"]
+    sid = {s: i for i, s in enumerate(strings)}
+    files: dict[int, Path] = {}
+    for r in range(n):  # one file per rank
+        if r in skip_ranks:
+            continue
+        killed = r in killed_ranks
+        n_it = iters // 2 if killed else iters
+        rows: list[np.ndarray] = []
+        coll = np.zeros(n_it, EVENT_DTYPE)
+        coll["t0_ns"] = arrive[:n_it, r]
+        coll["t1_ns"] = exit_[:n_it, r]
+        coll["kind"] = Kind.COLL
+        coll["name_id"] = sid[op]
+        coll["comm_id"] = sid[comm]
+        coll["seq"] = np.arange(n_it)
+        coll["peer"] = -1
+        coll["nbytes"] = 8192
+        coll["site_id"] = sid["train.py:42"]
+        rows.append(coll)
+        if io_ms > 0:
+            rd = np.zeros(n_it, EVENT_DTYPE)
+            rd["t0_ns"] = start[:n_it, r]
+            rd["t1_ns"] = start[:n_it, r] + io[:n_it, r]
+            rd["kind"] = Kind.FILE_READ
+            rd["name_id"] = sid["/data/shard-000.bin"]
+            rd["seq"] = -1
+            rd["peer"] = -1
+            rd["nbytes"] = 1 << 20
+            rows.append(rd)
+        ev = np.concatenate(rows)
+        ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
+        ev["t0_ns"] -= offsets[r]  # true -> this rank's clock
+        ev["t1_ns"] -= offsets[r]
+        attrs: dict[str, Any] = dict(
+            rank=r,
+            world_size=n,
+            local_rank=r % 2,
+            host=hosts[r],
+            job_id=job_id,
+            launch_id=f"launch-{job_id}",
+            mono_ns_at_start=int(t_true0 - offsets[r]),
+            wall_ns_at_start=int(1_700_000_000 * 10**9 + t_true0),
+        )
+        inflight = None
+        if killed:
+            inflight = np.zeros(1, EVENT_DTYPE)
+            inflight[0] = (arrive[n_it, r] - offsets[r], -1, Kind.COLL, sid[op], sid[comm], n_it, -1, 8192, 0,
+                           sid["train.py:42"], 0, 0.0)  # fmt: skip
+            attrs.update(closed_cleanly=False, exit_code=None, end_mono_ns=None,
+                         last_flush_mono_ns=int(arrive[n_it, r] - offsets[r] + MS))  # fmt: skip
+        else:
+            attrs.update(end_mono_ns=int(t_end - offsets[r]), last_flush_mono_ns=int(t_end - offsets[r]))
+        sync_rows = None
+        if sync and r != 0:
+            k = 5
+            rtt = rng.integers(20_000, 200_000, k)  # 20-200 µs round trips
+            t_send_true = t_true0 + np.arange(k) * 100_000
+            s = np.zeros(k, SYNC_DTYPE)
+            s["t_send_ns"] = t_send_true - offsets[r]
+            s["t_recv_ns"] = t_send_true + rtt - offsets[r]
+            s["t_ref_ns"] = t_send_true + rtt // 2  # rank 0's clock is the true clock
+            s["ref_rank"] = 0
+            s["tag"] = SyncTag.START
+            sync_rows = s
+        path = run_dir / rank_file_name(r)
+        write_rank_file(path, attrs, ev, strings, sync=sync_rows, inflight=inflight)
+        files[r] = path
+
+    io_total = io.sum(axis=0)
+    wall = t_end - t_true0
+    compute = np.full(n, wall, np.int64) - comm_wait - comm_xfer - io_total
+    return Truth(
+        run_dir=run_dir,
+        world_size=n,
+        iters=iters,
+        last_rank=last_rank,
+        wait_ns=wait_ns,
+        offset_ns=offsets,
+        comm_wait_ns=comm_wait,
+        comm_transfer_ns=comm_xfer,
+        compute_ns=compute,
+        io_ns=io_total,
+        wall_ns=wall,
+        files=files,
+    )
+
+
+def truncate_copy(src: Path, dst: Path, nbytes: int) -> Path:
+    """``dst`` = the first ``nbytes`` bytes of ``src`` (a file cut off mid-write)."""
+    dst.write_bytes(src.read_bytes()[:nbytes])
+    return dst
+
+
+def write_foreign_h5(path: Path) -> Path:
+    """A valid HDF5 file that is not a distdiag rank file."""
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.create_dataset("temperature", data=np.arange(10.0))
+        f.attrs["creator"] = "someone else"
+    return path
+
+
+def set_attr(path: Path, name: str, value: Any) -> None:
+    """Change one root attribute of an existing rank file."""
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        f.attrs[name] = value
