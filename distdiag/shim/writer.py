@@ -385,6 +385,13 @@ class Writer:
                 self._fail(e)
             self._closed = True
 
+    def detach(self) -> None:
+        """In a forked child: stop touching the inherited file (never write, never close it)."""
+        self._stop.set()
+        self._thread = None
+        self._closed = True
+        self._lock = threading.RLock()  # the parent's lock may have been held at fork time
+
     @property
     def closed(self) -> bool:
         return self._closed

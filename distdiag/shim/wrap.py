@@ -1,0 +1,690 @@
+"""``distdiag-wrap``: run a Python program unchanged, with the per-rank shim.
+
+::
+
+    distdiag-wrap [--dir DIR] [--probe-links] [--config FILE] [--] python script.py args...
+    distdiag-wrap [...] python -m module args...
+    distdiag-wrap [...] script.py args...
+    python -m distdiag.wrap script.py args...        # for torchrun -m distdiag.wrap
+
+The target runs in this process (no child), so the program sees what it would
+see under ``python`` itself: ``sys.argv`` (``argv[0]`` as typed for a script,
+the module's file for ``-m``), ``sys.path[0]`` (the script's directory, or the
+working directory for ``-m``), a fresh ``__main__`` module that stays in
+``sys.modules`` (so classes defined in the script pickle, also from threads and
+``atexit`` handlers), the same stdout/stderr, exit code and traceback. The
+interpreter is the one running the wrapper, whatever ``python`` names.
+
+Exit handling mirrors the interpreter's: ``SystemExit`` and
+``KeyboardInterrupt`` propagate unchanged (so ``sys.exit("msg")`` prints,
+``Ctrl-C`` ends by SIGINT); an uncaught exception goes to ``sys.excepthook``
+(the user's, if they set one) with the wrapper's frames cut off, exit code 1.
+
+Sequence: rank info -> config -> run dir -> Recorder -> Writer -> SESSION ->
+hooks -> clock sync -> SHIM "shim_start"/"target_start" rows -> target ->
+"target_end" -> clock stop -> (atexit) writer close. The file is closed from an
+``atexit`` handler registered before the target runs, so it runs after the
+program's own atexit handlers and after its non-daemon threads finished: their
+events are kept. SIGTERM closes the file at once (see :class:`_SigtermChain`).
+
+Recording never breaks the job: if the run dir or file cannot be created the
+wrapper prints one line (``distdiag: ...; the job runs without recording``)
+and runs the program as is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import dataclasses
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from distdiag.schema import Kind, allowed_env, rank_file_name
+
+log = logging.getLogger(__name__)
+
+PROG = "distdiag-wrap"
+USAGE = (
+    f"usage: {PROG} [--dir DIR] [--probe-links] [--config FILE] [--] python script.py args...\n"
+    f"       {PROG} [--dir DIR] [--probe-links] [--config FILE] [--] python -m module args...\n"
+    "Runs the Python program unchanged and records this rank into DIR/rank-NNNNN.h5\n"
+    "(DIR: --dir, else $DISTDIAG_DIR, else distdiag-<jobid> under Slurm,\n"
+    "else distdiag-<YYYYmmdd-HHMMSS>-<launchhash> in the working directory)."
+)
+#: How long ranks other than 0 look for rank 0's run dir before making their own.
+FIND_DIR_WAIT_S = 3.0
+_PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
+
+
+class UsageError(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Options:
+    dir: str | None = None
+    probe_links: bool = False
+    config: str | None = None
+
+
+@dataclasses.dataclass
+class Target:
+    kind: str  # "script" | "module" | "code"
+    value: str  # script path as typed, module name, or code text
+    args: list[str]
+    unbuffered: bool = False
+    warnoptions: list[str] = dataclasses.field(default_factory=list)
+    dont_write_bytecode: bool = False
+
+    @property
+    def argv(self) -> list[str]:
+        """sys.argv as the interpreter sets it before the code runs."""
+        if self.kind == "module":
+            return ["-m"] + self.args  # runpy puts the module's file in argv[0]
+        if self.kind == "code":
+            return ["-c"] + self.args
+        return [self.value] + self.args
+
+
+# -- command line ------------------------------------------------------------------
+def _is_python(tok: str) -> bool:
+    if _PYTHON_RE.match(os.path.basename(tok)):
+        return True
+    try:
+        found = shutil.which(tok) if os.sep not in tok else tok
+        return bool(found) and os.path.realpath(found) == os.path.realpath(sys.executable)  # type: ignore[arg-type]
+    except Exception:
+        return False
+
+
+def _looks_like_script(tok: str) -> bool:
+    if tok.endswith((".py", ".pyw")):
+        return True
+    try:
+        with open(tok, "rb") as f:
+            first = f.readline(200)
+        return first.startswith(b"#!") and b"python" in first
+    except OSError:
+        return False
+
+
+def _cannot_wrap(tok: str) -> UsageError:
+    return UsageError(
+        f"can only wrap Python programs ('python script.py' or 'python -m module'), got {tok!r}"
+    )
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Options, Target]:
+    """Split distdiag-wrap's own options from the target command."""
+    opts = Options()
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            i += 1
+            break
+        if a in ("-h", "--help"):
+            raise UsageError("help")
+        if a == "--probe-links":
+            opts.probe_links = True
+        elif a in ("--dir", "--config"):
+            if i + 1 >= len(argv):
+                raise UsageError(f"{a} needs a value")
+            setattr(opts, a[2:], argv[i + 1])
+            i += 1
+        elif a.startswith(("--dir=", "--config=")):
+            k, _, v = a[2:].partition("=")
+            setattr(opts, k, v)
+        elif a.startswith("-"):
+            raise UsageError(f"unknown option {a!r}")
+        else:
+            break
+        i += 1
+    rest = argv[i:]
+    if not rest:
+        raise UsageError("no program to run")
+    head = rest[0]
+    if not _is_python(head):
+        if _looks_like_script(head):
+            return opts, Target("script", head, rest[1:])
+        raise _cannot_wrap(head)
+    return opts, _parse_python_args(rest[1:])
+
+
+def _parse_python_args(args: list[str]) -> Target:
+    """Interpreter options that can be honoured in-process, then the program."""
+    unbuffered = dont_write = False
+    warnopts: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "-u":
+            unbuffered = True
+        elif a == "-B":
+            dont_write = True
+        elif a.startswith("-W"):
+            if a == "-W":
+                if i + 1 >= len(args):
+                    raise UsageError("python -W needs a value")
+                warnopts.append(args[i + 1])
+                i += 1
+            else:
+                warnopts.append(a[2:])
+        elif a.startswith("-m") or a.startswith("-c"):
+            kind = "module" if a[1] == "m" else "code"
+            if len(a) > 2:
+                value, rest = a[2:], args[i + 1 :]
+            elif i + 1 < len(args):
+                value, rest = args[i + 1], args[i + 2 :]
+            else:
+                raise UsageError(f"python {a} needs an argument")
+            return Target(kind, value, rest, unbuffered, warnopts, dont_write)
+        elif a == "--":
+            i += 1
+            break
+        elif a.startswith("-") and a != "-":
+            raise UsageError(
+                f"python option {a!r} cannot be applied in-process; "
+                "supported: -u, -B, -W, -m, -c (set PYTHON* environment variables instead)"
+            )
+        else:
+            break
+        i += 1
+    if i >= len(args):
+        raise UsageError("no Python program given (interactive python cannot be wrapped)")
+    if args[i] == "-":
+        raise UsageError("cannot wrap a program read from stdin ('python -')")
+    return Target("script", args[i], args[i + 1 :], unbuffered, warnopts, dont_write)
+
+
+# -- run dir -------------------------------------------------------------------------
+def resolve_run_dir(
+    opt_dir: str | None,
+    info: Any,
+    environ: dict[str, str] | os._Environ[str] | None = None,
+    cwd: Path | None = None,
+    wait_s: float = FIND_DIR_WAIT_S,
+) -> Path:
+    """The run directory, created if needed. Raises OSError when it cannot be.
+
+    ``--dir``, else ``$DISTDIAG_DIR``, else ``distdiag-<jobid>`` under Slurm
+    (``distdiag-<jobid>.<step>`` for steps other than 0), else
+    ``distdiag-<YYYYmmdd-HHMMSS>-<launchhash>``: rank 0 creates it; the other
+    ranks look for ``distdiag-*-<launchhash>`` for up to ``wait_s`` seconds and
+    create their own when none appears (e.g. a node without a shared cwd).
+    """
+    env = os.environ if environ is None else environ
+    base = Path.cwd() if cwd is None else cwd
+    if opt_dir:
+        d = Path(opt_dir)
+    elif env.get("DISTDIAG_DIR"):
+        d = Path(env["DISTDIAG_DIR"])
+    elif info.job_id:
+        d = base / f"distdiag-{info.launch_id}"
+    else:
+        d = _find_or_make_launch_dir(base, info.rank, info.launch_hash, wait_s)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _find_or_make_launch_dir(base: Path, rank: int, lhash: str, wait_s: float) -> Path:
+    if rank != 0:
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = _find_launch_dir(base, lhash)
+            if found is not None:
+                return found
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        log.debug("distdiag: no run dir of launch %s found; rank %d makes its own", lhash, rank)
+    return base / f"distdiag-{time.strftime('%Y%m%d-%H%M%S')}-{lhash}"
+
+
+def _find_launch_dir(base: Path, lhash: str, max_age_s: float = 600.0) -> Path | None:
+    """The newest ``distdiag-*-<lhash>`` made recently (older ones belong to another launch)."""
+    now = time.time()
+    best: Path | None = None
+    try:
+        for p in base.glob(f"distdiag-*-{lhash}"):
+            try:
+                if p.is_dir() and now - p.stat().st_mtime < max_age_s and (best is None or p.name > best.name):
+                    best = p
+            except OSError:
+                continue
+    except OSError:
+        return None
+    return best
+
+
+# -- the shim's state ------------------------------------------------------------------
+class _Shim:
+    """Everything wrap set up, and its orderly teardown."""
+
+    def __init__(self, rec: Any, writer: Any, clock: Any) -> None:
+        self.rec = rec
+        self.writer = writer
+        self.clock = clock
+        self.pid = os.getpid()
+        self.exit_code: int | None = None
+        self.target_ended = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self.sigterm: _SigtermChain | None = None
+
+    def shim_row(self, name: str, t_ns: int | None = None) -> None:
+        from distdiag.shim.recorder import now_ns
+
+        try:
+            t = now_ns() if t_ns is None else t_ns
+            self.rec.add(t, t, Kind.SHIM, self.rec.intern(name))
+        except Exception:
+            log.debug("distdiag: shim row %s not recorded", name, exc_info=True)
+
+    def target_end(self, exit_code: int) -> None:
+        """The target finished (any way): mark it, finish the clock exchanges."""
+        if self.target_ended or os.getpid() != self.pid:
+            return
+        self.target_ended = True
+        self.exit_code = exit_code
+        self.shim_row("target_end")
+        self._stop_clock()
+
+    def _stop_clock(self) -> None:
+        clock, self.clock = self.clock, None
+        if clock is not None:
+            try:
+                clock.stop()
+            except Exception:
+                log.debug("distdiag: clock sync stop failed", exc_info=True)
+
+    def flush(self) -> None:
+        if os.getpid() == self.pid:
+            self.writer.flush()
+
+    def close(self, exit_code: int | None = None) -> None:
+        """Final flush and close. Idempotent; a forked child never touches the parent's file."""
+        if os.getpid() != self.pid:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if exit_code is not None:
+            self.exit_code = exit_code
+        try:
+            from distdiag.shim import hooks
+
+            hooks.cancel_all()
+        except Exception:
+            pass
+        self.writer.close(self.exit_code)
+        if self.sigterm is not None:
+            self.sigterm.restore()
+
+    def _after_fork_in_child(self) -> None:
+        # The child inherits the open HDF5 handle: it must never write or close
+        # it (closing flushes HDF5 metadata into the parent's file).
+        self.writer.detach()
+        try:
+            from distdiag.shim import recorder, session
+
+            session.SESSION = None
+            recorder.RECORDER = None
+        except Exception:
+            pass
+
+
+class _SigtermChain:
+    """SIGTERM (Slurm time limit, scancel) closes the file, then does what the program wanted.
+
+    Our handler is the one installed at the OS level. ``signal.signal`` and
+    ``signal.getsignal`` are wrapped for SIGTERM only: a handler the program
+    installs is remembered and called after our flush (the program may go on,
+    e.g. write a checkpoint), ``getsignal`` returns it, and ``SIG_IGN`` keeps
+    the job running. With no program handler (the default action) we close the
+    file with exit_code -15 and re-deliver SIGTERM with the default action, so
+    the process dies by the signal exactly as it would unwrapped.
+
+    Limitation: Python runs signal handlers in the main thread between
+    bytecodes, so a rank blocked inside a C call (a hung MPI collective) acts
+    on SIGTERM only when that call returns; until then the periodic flushes
+    (and the in-flight row) are what the file holds.
+    """
+
+    def __init__(self, shim: _Shim) -> None:
+        self.shim = shim
+        self._orig_signal = signal.signal
+        self._orig_getsignal = signal.getsignal
+        self.user: Any = self._orig_getsignal(signal.SIGTERM)
+        self._orig_signal(signal.SIGTERM, self._handler)
+        signal.signal = self._signal  # type: ignore[assignment]
+        signal.getsignal = self._getsignal  # type: ignore[assignment]
+        self._restored = False
+
+    def _signal(self, signalnum: Any, handler: Any) -> Any:
+        if signalnum != signal.SIGTERM or self._restored:
+            return self._orig_signal(signalnum, handler)
+        if threading.current_thread() is not threading.main_thread():
+            return self._orig_signal(signalnum, handler)  # raises ValueError, as unwrapped
+        if not (callable(handler) or handler in (signal.SIG_DFL, signal.SIG_IGN)):
+            raise TypeError("signal handler must be signal.SIG_IGN, signal.SIG_DFL, or a callable object")
+        prev, self.user = self.user, handler
+        return prev
+
+    def _getsignal(self, signalnum: Any) -> Any:
+        if signalnum == signal.SIGTERM and not self._restored:
+            return self.user
+        return self._orig_getsignal(signalnum)
+
+    def _handler(self, signum: int, frame: Any) -> Any:
+        user = self.user
+        if os.getpid() != self.shim.pid:  # a forked child that kept our handler
+            return self._act_as(user, signum, frame)
+        if callable(user) and user not in (signal.SIG_DFL, signal.SIG_IGN):
+            self.shim.shim_row("sigterm")
+            self.shim.flush()
+            return user(signum, frame)
+        if user == signal.SIG_IGN:
+            self.shim.shim_row("sigterm_ignored")
+            self.shim.flush()
+            return None
+        self.shim.shim_row("sigterm")
+        self.shim.close(-int(signal.SIGTERM))
+        self._die(signum)
+        return None
+
+    def _act_as(self, user: Any, signum: int, frame: Any) -> Any:
+        if callable(user) and user not in (signal.SIG_DFL, signal.SIG_IGN):
+            return user(signum, frame)
+        if user == signal.SIG_IGN:
+            return None
+        self._die(signum)
+        return None
+
+    def _die(self, signum: int) -> None:
+        self._orig_signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the default action ends the process; never return into user code first
+
+    def restore(self) -> None:
+        """Put the program's SIGTERM disposition back (called at close, main thread)."""
+        if self._restored:
+            return
+        self._restored = True
+        signal.signal = self._orig_signal
+        signal.getsignal = self._orig_getsignal
+        if threading.current_thread() is threading.main_thread() and os.getpid() == self.shim.pid:
+            try:
+                self._orig_signal(signal.SIGTERM, self.user)
+            except Exception:
+                log.debug("distdiag: SIGTERM handler not restored", exc_info=True)
+
+
+def _note(msg: str) -> None:
+    try:
+        sys.stderr.write(f"distdiag: {msg}; the job runs without recording\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) -> _Shim | None:
+    """Rank info -> config -> run dir -> recorder -> writer -> SESSION -> hooks -> clock.
+
+    Returns None (after one stderr line) when recording cannot start."""
+    from distdiag.shim import hooks, recorder, session
+    from distdiag.shim.config import load_config
+    from distdiag.shim.rankinfo import detect
+    from distdiag.shim.writer import Writer, base_attrs
+
+    info = detect()
+    cfg = load_config(opts.config)
+    if opts.probe_links:
+        cfg.probe_links = True
+    try:
+        run_dir = resolve_run_dir(opts.dir, info)
+    except OSError as e:
+        _note(f"cannot create run dir: {e}")
+        return None
+    rec = recorder.Recorder(chunk_rows=cfg.chunk_rows, max_pending_chunks=cfg.max_pending_chunks)
+    attrs = base_attrs(info.rank, info.world_size, info.local_rank, info.host, info.job_id or info.launch_id, info.launch_id)
+    attrs.update(
+        argv=json.dumps(target.argv if target.kind != "script" else [target.value] + target.args),
+        env=json.dumps(allowed_env(dict(os.environ))),
+        wall_ns_at_start=wall_start_ns,
+        mono_ns_at_start=t_start_ns,
+        last_flush_mono_ns=t_start_ns,
+        config=json.dumps(cfg.as_dict()),
+        launcher=info.launcher,
+    )
+    path = run_dir / rank_file_name(info.rank)
+    try:
+        writer = Writer(path, rec, cfg, attrs)
+    except Exception as e:
+        _note(f"cannot write {path}: {e}")
+        return None
+    recorder.RECORDER = rec
+    writer.start()
+    shim = _Shim(rec, writer, None)
+    session.SESSION = session.Session(
+        rec=rec,
+        writer=writer,
+        cfg=cfg,
+        rank=info.rank,
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+        host=info.host,
+        job_id=info.job_id or info.launch_id,
+        launch_id=info.launch_id,
+        run_dir=run_dir,
+    )
+    shim.shim_row("shim_start", t_start_ns)
+    try:
+        installed = hooks.install_all(rec, cfg, cfg.hooks)
+        writer.set_attr("hooks", json.dumps(installed))
+    except Exception:
+        log.debug("distdiag: hooks not installed", exc_info=True)
+    try:
+        from distdiag.shim.clock import ClockSync
+
+        clock = ClockSync(info.rank, info.world_size, run_dir, cfg, writer.add_sync)
+        clock.start()
+        shim.clock = clock
+    except Exception:
+        log.debug("distdiag: clock sync not started", exc_info=True)
+    try:
+        shim.sigterm = _SigtermChain(shim)
+    except Exception:
+        log.debug("distdiag: SIGTERM handler not installed", exc_info=True)
+    try:
+        os.register_at_fork(after_in_child=shim._after_fork_in_child)
+    except Exception:
+        pass
+    atexit.register(shim.close)
+    return shim
+
+
+# -- running the target ---------------------------------------------------------------
+def _apply_python_options(t: Target) -> None:
+    if t.dont_write_bytecode:
+        sys.dont_write_bytecode = True
+    if t.warnoptions:
+        import warnings
+
+        sys.warnoptions.extend(t.warnoptions)
+        try:
+            warnings._processoptions(t.warnoptions)  # type: ignore[attr-defined]
+        except Exception:
+            log.debug("distdiag: -W options not applied", exc_info=True)
+    if t.unbuffered:
+        # python -u: unbuffered binary layer, text written straight through
+        for name in ("stdout", "stderr"):
+            s = getattr(sys, name)
+            try:
+                s.flush()
+                raw = open(s.fileno(), "wb", buffering=0, closefd=False)
+                setattr(sys, name, io.TextIOWrapper(raw, encoding=s.encoding, errors=s.errors, write_through=True))
+            except Exception:
+                log.debug("distdiag: -u not applied to %s", name, exc_info=True)
+
+
+def _fresh_main() -> types.ModuleType:
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    return main
+
+
+def _cant_open(path: str, e: OSError) -> SystemExit:
+    sys.stderr.write(f"{sys.executable}: can't open file {os.path.abspath(path)!r}: [Errno {e.errno}] {e.strerror}\n")
+    return SystemExit(2)
+
+
+def _run_target(t: Target) -> None:
+    """Run the program exactly as ``python`` would. Tracebacks are cut at this frame."""
+    import runpy
+
+    sys.argv = t.argv
+    if t.kind == "module":
+        sys.path[0] = os.getcwd()
+        _fresh_main()
+        runpy._run_module_as_main(t.value, alter_argv=True)  # type: ignore[attr-defined]
+        return
+    if t.kind == "code":
+        sys.path[0] = ""
+        main = _fresh_main()
+        code = compile(t.value, "<string>", "exec")
+        exec(code, main.__dict__)
+        return
+    path = t.value
+    abspath = os.path.abspath(path)
+    if os.path.isdir(path) or (os.path.isfile(path) and not path.endswith(".py") and _is_zip(path)):
+        # a directory or zip with __main__.py, as `python dir/` runs it
+        sys.path[0] = abspath
+        _fresh_main()
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
+        return
+    try:
+        with io.open_code(abspath) as f:
+            source = f.read()
+    except OSError as e:
+        raise _cant_open(path, e) from None
+    sys.path[0] = os.path.dirname(abspath)
+    main = _fresh_main()
+    from importlib.machinery import SourceFileLoader
+
+    main.__dict__.update(
+        __file__=abspath,
+        __cached__=None,
+        __loader__=SourceFileLoader("__main__", abspath),
+        __spec__=None,
+        __package__=None,
+        __annotations__={},
+    )
+    code = compile(source, abspath, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    try:
+        return zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
+_MARKER_CODE = _run_target.__code__
+
+
+def strip_wrapper_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback below :func:`_run_target`: what an unwrapped run would show."""
+    cut = None
+    t = tb
+    while t is not None:
+        if t.tb_frame.f_code is _MARKER_CODE:
+            cut = t
+        t = t.tb_next
+    return cut.tb_next if cut is not None else tb
+
+
+def _install_excepthook_stripper() -> None:
+    """Let the uncaught exception reach sys.excepthook (the user's, if set) without our frames."""
+    user_hook: Callable[..., Any] = sys.excepthook
+
+    def hook(etype: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+        tb = strip_wrapper_frames(tb)
+        try:
+            value = value.with_traceback(tb)
+        except Exception:
+            pass
+        sys.excepthook = user_hook  # what the user set, for anything that reads it later
+        user_hook(etype, value, tb)
+
+    sys.excepthook = hook
+
+
+def _exit_code_of(e: SystemExit) -> int:
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from distdiag.shim.recorder import now_ns
+
+    t_start_ns, wall_start_ns = now_ns(), time.time_ns()
+    try:
+        opts, target = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        if str(e) == "help":
+            print(USAGE)
+            return 0
+        sys.stderr.write(f"{PROG}: {e}\n")
+        if "can only wrap" not in str(e):
+            sys.stderr.write(USAGE.splitlines()[0] + "\n")
+        return 2
+    shim: _Shim | None = None
+    try:
+        shim = setup(opts, target, t_start_ns, wall_start_ns)
+    except Exception as e:  # never stop the user's job for our sake
+        _note(f"setup failed: {e}")
+    _apply_python_options(target)
+    if shim is not None:
+        shim.shim_row("target_start")
+    try:
+        _run_target(target)
+    except SystemExit as e:
+        if shim is not None:
+            shim.target_end(_exit_code_of(e))
+        raise
+    except KeyboardInterrupt:
+        if shim is not None:
+            shim.target_end(-int(signal.SIGINT))
+        _install_excepthook_stripper()
+        raise
+    except BaseException:
+        if shim is not None:
+            shim.target_end(1)
+        _install_excepthook_stripper()
+        raise
+    if shim is not None:
+        shim.target_end(0)
+    return 0
