@@ -1,0 +1,964 @@
+"""mpi4py capture: hand the program wrapped communicators.
+
+mpi4py's ``Comm`` types are immutable C types: ``setattr(MPI.Comm, ...)``
+raises ``TypeError`` and ``sys.setprofile`` never sees their methods. What
+*is* allowed is a Python subclass of ``MPI.Intracomm`` built on an existing
+communicator (``Sub(MPI.COMM_WORLD)`` is a second handle to the same
+communicator) and rebinding module attributes. So when the program imports
+``mpi4py.MPI`` we
+
+* replace ``MPI.COMM_WORLD`` / ``MPI.COMM_SELF`` with instances of
+  ``WIntracomm``, whose collective and point-to-point methods record a row and
+  call the original C method;
+* make every communicator constructor (``Dup``, ``Clone``, ``Split``,
+  ``Split_type``, ``Create``, ``Create_group``, ``Create_cart``, ``Sub``,
+  ``Create_graph``, ``Create_dist_graph*``, ``Create_intercomm``, ``Merge``,
+  ``Idup``) return a wrapped communicator too, with a key that is the same on
+  every rank that shares it (see :func:`_adopt`);
+* replace ``MPI.Request`` with ``WRequest`` (a subclass whose metaclass keeps
+  ``isinstance(plain_request, MPI.Request)`` true), so the completion of a
+  non-blocking call is seen in ``Wait``/``Test``/``Waitall``/``Waitany``/
+  ``Testall``/``Waitsome``/... and their lower-case twins.
+
+Names the program bound before the hook ran (``from mpi4py.MPI import
+COMM_WORLD`` before ``distdiag-wrap`` installed us) keep the plain objects and
+are not recorded: ``distdiag-wrap`` installs hooks before the program starts,
+so that only happens when someone installs the hook late.
+
+Rows (see ``distdiag.schema``)
+------------------------------
+* collectives: ``Kind.COLL`` (blocking, via ``rec.enter``/``rec.leave`` so a
+  killed rank shows the collective it was inside of) or ``Kind.COLL_ASYNC``
+  (t0 = post, t1 = completion seen); ``comm_id`` = communicator key,
+  ``seq`` = per-communicator collective counter (0, 1, 2, ... counted on each
+  rank; MPI requires every member to call collectives on a communicator in
+  the same order, so equal ``(comm key, seq)`` is the same collective on every
+  rank), ``peer`` = root of rooted collectives (a rank *in that
+  communicator*), ``nbytes`` = bytes of the send buffer (scatter: of the
+  receive buffer, the rank's share; object methods: ``len`` of bytes / numpy
+  ``nbytes``, else 0: we never pickle twice), ``aux`` = string id of the
+  datatype name (``"MPI_DOUBLE"``; ``"object"`` for pickled objects).
+* point-to-point: ``SEND``/``RECV``/``SEND_ASYNC``/``RECV_ASYNC`` with ``peer`` =
+  destination / source (for ``ANY_SOURCE`` the actual source from the status
+  for blocking receives); ``Sendrecv`` gives a SEND and a RECV row with the
+  same times.
+* ``WAIT``: time blocked in ``Wait``/``Waitall``/``Waitany``/``Waitsome``.
+* ``COMM_CREATE``: ``name_id`` = new key, ``comm_id`` = parent key, ``peer`` =
+  this rank's rank in the new communicator, ``aux`` = its size. Together the
+  members' rows map communicator ranks to world ranks (each file is one world
+  rank), which the analyzer needs for roots and p2p peers on sub-communicators.
+
+Cost: measured by ``benchmarks/bench_intercept.py``. Bookkeeping never raises
+into the program; results and exceptions of the MPI calls pass through.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from typing import Any, Callable
+
+from distdiag.schema import Kind
+from distdiag.shim import hooks as _hooks
+from distdiag.shim.recorder import now_ns
+
+log = logging.getLogger(__name__)
+
+_MODULE = "mpi4py.MPI"
+
+#: the Recorder while installed; every wrapper reads it first and passes
+#: straight through when it is None (after uninstall()).
+_rec: Any = None
+#: the mpi4py.MPI module we patched, and the attributes we replaced
+_mpi: Any = None
+_saved: dict[str, Any] = {}
+#: wrapper classes, built once per process (they do not depend on the recorder)
+_classes: dict[str, type] | None = None
+#: plain mpi4py communicator type -> our wrapped subclass
+_wrap_of: dict[type, type] = {}
+_ours: tuple[type, ...] = ()
+_orig_request: Any = None
+_world_group: Any = None
+_lock = threading.Lock()
+
+COLL = int(Kind.COLL)
+COLL_ASYNC = int(Kind.COLL_ASYNC)
+SEND = int(Kind.SEND)
+RECV = int(Kind.RECV)
+SEND_ASYNC = int(Kind.SEND_ASYNC)
+RECV_ASYNC = int(Kind.RECV_ASYNC)
+WAIT = int(Kind.WAIT)
+COMM_CREATE = int(Kind.COMM_CREATE)
+
+
+# -- string ids that depend on the recorder ------------------------------------
+class _Ids:
+    """Name ids interned in the current recorder; rebound at every install."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, int] = {}
+        self.obj = 0  # aux for pickled objects
+        self.byte = 0  # aux for raw bytes
+        #: datatype caches: MPI datatype handle / numpy dtype -> (extent, name id)
+        self.dt: dict[int, tuple[int, int]] = {}
+        self.np: dict[Any, tuple[int, int]] = {}
+
+    def bind(self, rec: Any) -> None:
+        self.names = {}
+        self.dt = {}
+        self.np = {}
+        self.obj = rec.intern("object")
+        self.byte = rec.intern("MPI_BYTE")
+
+
+_ids = _Ids()
+
+
+def _nid(name: str) -> int:
+    """Id of an op name in the current recorder (cached)."""
+    i = _ids.names.get(name)
+    if i is None:
+        i = _ids.names[name] = _rec.intern(name)
+    return i
+
+
+_warned: set[str] = set()
+
+
+def _oops(where: str) -> None:
+    """Bookkeeping failed: log once per place, never raise into the program."""
+    if where not in _warned:
+        _warned.add(where)
+        log.debug("distdiag: mpi4py hook bookkeeping failed in %s", where, exc_info=True)
+
+
+# -- per-communicator state ------------------------------------------------------
+class _CommState:
+    """What we know about one communicator on this rank."""
+
+    __slots__ = ("key", "kid", "rec", "seq", "ncreate", "nsub")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.kid = 0
+        self.rec: Any = None
+        self.seq = 0  # next collective sequence number
+        self.ncreate = 0  # communicators created from this one (collective over it)
+        #: counters for creations that are collective over a subgroup only
+        #: (Create_group, Create_intercomm): keyed by the subgroup's identity
+        self.nsub: dict[str, int] = {}
+
+    def bind(self, rec: Any) -> int:
+        self.kid = rec.intern(self.key)
+        self.rec = rec
+        return self.kid
+
+
+def _kid(st: _CommState, rec: Any) -> int:
+    return st.kid if st.rec is rec else st.bind(rec)
+
+
+# -- payload size and datatype ---------------------------------------------------
+def _dt_info(dt: Any) -> tuple[int, int]:
+    """(extent, name id) of an MPI datatype, cached by handle."""
+    h = dt.handle
+    r = _ids.dt.get(h)
+    if r is None:
+        name = dt.Get_name() or f"MPI_Datatype:{h:x}"
+        r = _ids.dt[h] = (dt.extent, _rec.intern(name))
+    return r
+
+
+def _np_info(dtype: Any) -> int:
+    """Name id of the MPI datatype mpi4py uses for a numpy dtype."""
+    r = _ids.np.get(dtype)
+    if r is None:
+        mdt = _mpi._typedict.get(dtype.char)
+        name = mdt.Get_name() if mdt is not None else f"numpy:{dtype.str}"
+        r = _ids.np[dtype] = (dtype.itemsize, _rec.intern(name))
+    return r[1]
+
+
+def _plain_buf(buf: Any) -> tuple[int, int]:
+    """(nbytes, aux) of a bare buffer object: numpy array, bytes, memoryview, tensor."""
+    t = type(buf)
+    if t is bytes or t is bytearray:
+        return len(buf), _ids.byte
+    nb = getattr(buf, "nbytes", None)
+    if type(nb) is int:
+        dtype = getattr(buf, "dtype", None)
+        if dtype is not None and hasattr(dtype, "char"):
+            return nb, _np_info(dtype)
+        if t is memoryview:
+            mdt = _mpi._typedict.get(buf.format)
+            return nb, (_dt_info(mdt)[1] if mdt is not None else _ids.byte)
+        return nb, (_rec.intern(str(dtype)) if dtype is not None else 0)
+    try:
+        return memoryview(buf).nbytes, _ids.byte
+    except TypeError:
+        return 0, 0
+
+
+def _spec_info(spec: Any, v: bool) -> tuple[int, int]:
+    """(nbytes, aux) of an mpi4py buffer spec.
+
+    Specs: ``buf``, ``[buf, dt]``, ``[buf, count, dt]``, ``[buf, (count, displ), dt]``,
+    ``[buf, count, displ, dt]`` and for v-variants (``v=True``) ``[buf, counts,
+    displs, dt]`` / ``[buf, (counts, displs), dt]``; ``dt`` is an
+    ``MPI.Datatype`` or a type code string. Anything we do not understand
+    gives the whole buffer's size or 0: an estimate, never an error.
+    """
+    t = type(spec)
+    if t is not list and t is not tuple:
+        if spec is None or spec is _mpi.IN_PLACE or spec is _mpi.BOTTOM:
+            return 0, 0
+        return _plain_buf(spec)
+    n = len(spec)
+    if n == 0:
+        return 0, 0
+    buf = spec[0]
+    dt = spec[-1] if n >= 2 else None
+    if isinstance(dt, str):
+        dt = _mpi._typedict.get(dt)
+    if not isinstance(dt, _mpi.Datatype):
+        # [buf, count] / [buf, counts, displs] / Alltoallw's list of types
+        nb, aux = _plain_buf(buf)
+        return nb, aux
+    ext, aux = _dt_info(dt)
+    if n == 2:
+        return _plain_buf(buf)[0], aux
+    c = spec[1]
+    if type(c) is int:
+        return c * ext, aux
+    if c is None:
+        return _plain_buf(buf)[0], aux
+    if isinstance(c, (tuple, list)):
+        if v:
+            counts = c[0] if n == 3 else c  # [buf, (counts, displs), dt] or [buf, counts, displs, dt]
+            if isinstance(counts, int):
+                return counts * ext, aux
+            return sum(counts) * ext, aux
+        return int(c[0]) * ext, aux  # (count, displ)
+    return _plain_buf(buf)[0], aux
+
+
+def _obj_nbytes(o: Any) -> int:
+    """Bytes of a Python object sent by a lower-case method, without pickling it."""
+    t = type(o)
+    if t is int or t is float or o is None:
+        return 0
+    if t is bytes or t is bytearray or t is str:
+        return len(o)
+    nb = getattr(o, "nbytes", None)
+    return nb if type(nb) is int else 0
+
+
+# -- argument access ---------------------------------------------------------------
+_MISSING = object()
+
+
+def _arg(args: tuple[Any, ...], kw: dict[str, Any], i: int, name: str, default: Any) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kw.get(name, default) if kw else default
+
+
+# A collective's spec: (primary buffer (index, kwname, is_v) or None,
+# fallback buffer when the primary is IN_PLACE/None, root (index, kwname) or None,
+# object-mode?)
+_B = tuple[int, str, bool]
+_CollSpec = tuple["_B | None", "_B | None", "tuple[int, str] | None", bool]
+
+_SEND0: _B = (0, "sendbuf", False)
+_SEND0V: _B = (0, "sendbuf", True)
+_RECV1: _B = (1, "recvbuf", False)
+_RECV1V: _B = (1, "recvbuf", True)
+
+_COLL_SPECS: dict[str, _CollSpec] = {
+    "Barrier": (None, None, None, False),
+    "Bcast": ((0, "buf", False), None, (1, "root"), False),
+    "Gather": (_SEND0, _RECV1, (2, "root"), False),
+    "Gatherv": (_SEND0, _RECV1V, (2, "root"), False),
+    "Scatter": (_RECV1, _SEND0, (2, "root"), False),
+    "Scatterv": (_RECV1, _SEND0V, (2, "root"), False),
+    "Allgather": (_SEND0, _RECV1, None, False),
+    "Allgatherv": (_SEND0, _RECV1V, None, False),
+    "Alltoall": (_SEND0, _RECV1, None, False),
+    "Alltoallv": (_SEND0V, _RECV1V, None, False),
+    "Alltoallw": (_SEND0, _RECV1, None, False),
+    "Reduce": (_SEND0, _RECV1, (3, "root"), False),
+    "Allreduce": (_SEND0, _RECV1, None, False),
+    "Reduce_scatter_block": (_SEND0, _RECV1, None, False),
+    "Reduce_scatter": (_SEND0, _RECV1, None, False),
+    "Scan": (_SEND0, _RECV1, None, False),
+    "Exscan": (_SEND0, _RECV1, None, False),
+    "Neighbor_allgather": (_SEND0, _RECV1, None, False),
+    "Neighbor_allgatherv": (_SEND0, _RECV1V, None, False),
+    "Neighbor_alltoall": (_SEND0, _RECV1, None, False),
+    "Neighbor_alltoallv": (_SEND0V, _RECV1V, None, False),
+    "Neighbor_alltoallw": (_SEND0, _RECV1, None, False),
+    # object (pickle) methods
+    "barrier": (None, None, None, True),
+    "bcast": ((0, "obj", False), None, (1, "root"), True),
+    "gather": ((0, "sendobj", False), None, (1, "root"), True),
+    "scatter": ((0, "sendobj", False), None, (1, "root"), True),
+    "allgather": ((0, "sendobj", False), None, None, True),
+    "alltoall": ((0, "sendobj", False), None, None, True),
+    "reduce": ((0, "sendobj", False), None, (2, "root"), True),
+    "allreduce": ((0, "sendobj", False), None, None, True),
+    "scan": ((0, "sendobj", False), None, None, True),
+    "exscan": ((0, "sendobj", False), None, None, True),
+    "neighbor_allgather": ((0, "sendobj", False), None, None, True),
+    "neighbor_alltoall": ((0, "sendobj", False), None, None, True),
+}
+#: non-blocking twins: "I" + name (Ibarrier, Iallreduce, Ineighbor_alltoall, ...)
+def _iname(name: str) -> str:
+    # mpi4py spells the non-blocking twins "I" + lower case: Iallreduce, Ibarrier, Ineighbor_alltoall
+    return "I" + name.lower()
+
+
+_ICOLL_SPECS: dict[str, _CollSpec] = {_iname(k): v for k, v in _COLL_SPECS.items() if k[0].isupper()}
+_ICOLL_SPECS["ibarrier"] = (None, None, None, True)
+
+
+def _payload(spec: _CollSpec, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[int, int, int]:
+    """(nbytes, aux, root) of a collective call."""
+    prim, alt, root_at, obj = spec
+    root = _arg(args, kw, root_at[0], root_at[1], 0) if root_at is not None else -1
+    if prim is None:
+        return 0, 0, root
+    if obj:
+        return _obj_nbytes(_arg(args, kw, prim[0], prim[1], None)), _ids.obj, root
+    b = _arg(args, kw, prim[0], prim[1], None)
+    if (b is None or b is _mpi.IN_PLACE) and alt is not None:
+        nb, aux = _spec_info(_arg(args, kw, alt[0], alt[1], None), alt[2])
+    else:
+        nb, aux = _spec_info(b, prim[2])
+    return nb, aux, root
+
+
+# -- wrapper factories ---------------------------------------------------------------
+def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[..., Any]:
+    """A blocking collective: enter/leave so a killed rank shows it in flight."""
+    light = spec[0] is None and spec[2] is None  # Barrier: nothing to look at
+
+    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        rec = _rec
+        if rec is None:
+            return orig(self, *args, **kw)
+        try:
+            st = self._dd
+            seq = st.seq
+            st.seq = seq + 1
+            nid = _ids.names.get(name) or _nid(name)
+            if light:
+                rec.enter(COLL, nid, _kid(st, rec), seq, -1, 0, 0, rec.site(2))
+            else:
+                nb, aux, root = _payload(spec, args, kw)
+                rec.enter(COLL, nid, _kid(st, rec), seq, root, nb, aux, rec.site(2))
+        except Exception:
+            _oops(name)
+        try:
+            return orig(self, *args, **kw)
+        finally:
+            try:
+                rec.leave()
+            except Exception:
+                _oops(name)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _mk_icoll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[..., Any]:
+    """A non-blocking collective: the returned request carries the row to finish."""
+
+    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        rec = _rec
+        if rec is None:
+            return orig(self, *args, **kw)
+        info = None
+        try:
+            st = self._dd
+            seq = st.seq
+            st.seq = seq + 1
+            nb, aux, root = _payload(spec, args, kw)
+            info = [COLL_ASYNC, _ids.names.get(name) or _nid(name), _kid(st, rec), seq, root, nb, aux, rec.site(2), 0]
+        except Exception:
+            _oops(name)
+        t0 = now_ns()
+        req = orig(self, *args, **kw)
+        if info is None:
+            return req
+        return _track(req, info, t0)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _track(req: Any, info: list[Any], t0: int) -> Any:
+    """Wrap a fresh request so its completion finishes the row in ``info``."""
+    try:
+        w = _classes["WRequest"](req)  # type: ignore[index]
+        info[8] = t0
+        w._dd = info
+        return w
+    except Exception:
+        _oops("track")
+        return req
+
+
+# p2p specs: name -> (kind, buffer (index, kwname) or None, peer (index, kwname),
+# object-mode?, status index or -1)
+_P2P_SPECS: dict[str, tuple[int, tuple[int, str] | None, tuple[int, str], bool, int]] = {
+    "Send": (SEND, (0, "buf"), (1, "dest"), False, -1),
+    "Ssend": (SEND, (0, "buf"), (1, "dest"), False, -1),
+    "Bsend": (SEND, (0, "buf"), (1, "dest"), False, -1),
+    "Rsend": (SEND, (0, "buf"), (1, "dest"), False, -1),
+    "Recv": (RECV, (0, "buf"), (1, "source"), False, 3),
+    "send": (SEND, (0, "obj"), (1, "dest"), True, -1),
+    "ssend": (SEND, (0, "obj"), (1, "dest"), True, -1),
+    "bsend": (SEND, (0, "obj"), (1, "dest"), True, -1),
+    "recv": (RECV, None, (1, "source"), True, 3),
+    "Isend": (SEND_ASYNC, (0, "buf"), (1, "dest"), False, -1),
+    "Issend": (SEND_ASYNC, (0, "buf"), (1, "dest"), False, -1),
+    "Ibsend": (SEND_ASYNC, (0, "buf"), (1, "dest"), False, -1),
+    "Irsend": (SEND_ASYNC, (0, "buf"), (1, "dest"), False, -1),
+    "Irecv": (RECV_ASYNC, (0, "buf"), (1, "source"), False, -1),
+    "isend": (SEND_ASYNC, (0, "obj"), (1, "dest"), True, -1),
+    "issend": (SEND_ASYNC, (0, "obj"), (1, "dest"), True, -1),
+    "ibsend": (SEND_ASYNC, (0, "obj"), (1, "dest"), True, -1),
+    "irecv": (RECV_ASYNC, None, (1, "source"), True, -1),
+}
+
+
+def _p2p_size(bspec: tuple[int, str] | None, obj: bool, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[int, int]:
+    if bspec is None:
+        return 0, (_ids.obj if obj else 0)
+    b = _arg(args, kw, bspec[0], bspec[1], None)
+    if obj:
+        return _obj_nbytes(b), _ids.obj
+    return _spec_info(b, False)
+
+
+def _finish(rec: Any, t0: int, kind: int, nid: int, kid: int, peer: int, nb: int, aux: int, site: int) -> None:
+    """Like ``rec.leave()`` but with the peer / size learned only after the call.
+
+    The Recorder's ``leave`` writes the row ``enter`` opened; a receive from
+    ANY_SOURCE learns its source (and a pickled receive its size) only on
+    return, so we drop the open row and add the finished one.
+    """
+    try:
+        rec._local.tb.cur = None
+    except AttributeError:
+        pass
+    rec.add(t0, now_ns(), kind, nid, kid, -1, peer, nb, aux, site)
+
+
+def _mk_p2p(name: str, orig: Callable[..., Any], spec: tuple[int, tuple[int, str] | None, tuple[int, str], bool, int]) -> Callable[..., Any]:
+    kind, bspec, pspec, obj, st_at = spec
+    is_async = kind in (SEND_ASYNC, RECV_ASYNC)
+    is_recv = kind == RECV
+
+    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        rec = _rec
+        if rec is None:
+            return orig(self, *args, **kw)
+        info = None
+        try:
+            st = self._dd
+            nid = _ids.names.get(name) or _nid(name)
+            kid = _kid(st, rec)
+            peer = _arg(args, kw, pspec[0], pspec[1], _any_source)
+            nb, aux = _p2p_size(bspec, obj, args, kw)
+            site = rec.site(2)
+            if is_async:
+                info = [kind, nid, kid, -1, peer, nb, aux, site, 0]
+            else:
+                t0 = rec.enter(kind, nid, kid, -1, peer, nb, aux, site)
+                info = [t0, nid, kid, peer, nb, aux, site]
+        except Exception:
+            _oops(name)
+        if is_async:
+            t0 = now_ns()
+            req = orig(self, *args, **kw)
+            return req if info is None else _track(req, info, t0)
+        if not is_recv or info is None:
+            try:
+                return orig(self, *args, **kw)
+            finally:
+                try:
+                    rec.leave()
+                except Exception:
+                    _oops(name)
+        # a blocking receive: learn the actual source of ANY_SOURCE from a status
+        status = None
+        if info[3] == _any_source:
+            try:
+                status = _arg(args, kw, st_at, "status", None)
+                if status is None and len(args) <= st_at:
+                    status = _mpi.Status()
+                    kw = dict(kw, status=status)
+            except Exception:
+                _oops(name)
+        ok = False
+        try:
+            result = orig(self, *args, **kw)
+            ok = True
+            return result
+        finally:
+            try:
+                peer = info[3]
+                if status is not None and ok:
+                    peer = status.Get_source()
+                nb = info[4]
+                if obj and ok:
+                    nb = _obj_nbytes(result)
+                _finish(rec, info[0], RECV, info[1], info[2], peer, nb, info[5], info[6])
+            except Exception:
+                _oops(name)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _mk_sendrecv(name: str, orig: Callable[..., Any], obj: bool, replace: bool) -> Callable[..., Any]:
+    """Sendrecv / sendrecv / Sendrecv_replace: a SEND and a RECV row, same times."""
+    # positions: (sendbuf, dest, sendtag, recvbuf, source, recvtag, status);
+    # Sendrecv_replace: (buf, dest, sendtag, source, recvtag, status)
+    src_at = 3 if replace else 4
+    st_at = 5 if replace else 6
+
+    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        rec = _rec
+        if rec is None:
+            return orig(self, *args, **kw)
+        info = None
+        status = None
+        try:
+            st = self._dd
+            nid = _ids.names.get(name) or _nid(name)
+            kid = _kid(st, rec)
+            dest = _arg(args, kw, 1, "dest", -1)
+            source = _arg(args, kw, src_at, "source", _any_source)
+            if obj:
+                nb, aux = _obj_nbytes(_arg(args, kw, 0, "sendobj", None)), _ids.obj
+            else:
+                nb, aux = _spec_info(_arg(args, kw, 0, "buf" if replace else "sendbuf", None), False)
+            site = rec.site(2)
+            if source == _any_source:
+                status = _arg(args, kw, st_at, "status", None)
+                if status is None and len(args) <= st_at:
+                    status = _mpi.Status()
+                    kw = dict(kw, status=status)
+            t0 = rec.enter(SEND, nid, kid, -1, dest, nb, aux, site)
+            info = (t0, nid, kid, source, nb, aux, site)
+        except Exception:
+            _oops(name)
+        ok = False
+        try:
+            result = orig(self, *args, **kw)
+            ok = True
+            return result
+        finally:
+            if info is not None:
+                try:
+                    t1 = now_ns()
+                    rec.leave(t1)
+                    src = status.Get_source() if (status is not None and ok) else info[3]
+                    rnb = _obj_nbytes(result) if (obj and ok) else info[4]
+                    rec.add(info[0], t1, RECV, info[1], info[2], -1, src, rnb, info[5], info[6])
+                except Exception:
+                    _oops(name)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+# -- communicator creation -----------------------------------------------------------
+def _leader(comm: Any) -> int:
+    """World rank of ``comm``'s rank 0: a local call (group translation)."""
+    g = comm.Get_group()
+    try:
+        return int(_mpi.Group.Translate_ranks(g, [0], _world_grp())[0])
+    finally:
+        g.Free()
+
+
+def _world_grp() -> Any:
+    global _world_group
+    if _world_group is None:
+        _world_group = _saved["COMM_WORLD"].Get_group()
+    return _world_group
+
+
+def _members_crc(group: Any) -> tuple[int, int]:
+    """(leader world rank, crc of all member world ranks) of a group: local calls."""
+    n = group.Get_size()
+    ranks = _mpi.Group.Translate_ranks(group, list(range(n)), _world_grp())
+    return int(ranks[0]) if n else -1, zlib.crc32(",".join(map(str, ranks)).encode())
+
+
+def _creation_key(parent: _CommState, op: str, new: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> str:
+    """A key for a new communicator that every member computes alike.
+
+    Creation calls are collective over the parent (except Create_group and
+    Create_intercomm), so a per-parent counter advances the same on every
+    rank: ``world.dup0``. Where one call makes several disjoint communicators,
+    a suffix tells them apart: Split's color (``world.split1.c3``), else the
+    world rank of the new communicator's rank 0 (``world.splittype2.r4``),
+    which is the same for all its members and differs between disjoint ones.
+    Create_group is collective over the group alone, so its counter runs per
+    (parent, member set, tag).
+    """
+    pk = parent.key
+    if op in ("Create_group",):
+        group = _arg(args, kw, 0, "group", None)
+        tag = _arg(args, kw, 1, "tag", 0)
+        lead, crc = _members_crc(group)
+        sub = f"group.t{tag}.r{lead}.h{crc:08x}"
+        m = parent.nsub.get(sub, 0)
+        parent.nsub[sub] = m + 1
+        return f"{pk}.{sub}.{m}"
+    if op == "Create_intercomm":
+        local = _leader(new)
+        rg = new.Get_remote_group()
+        try:
+            remote = int(_mpi.Group.Translate_ranks(rg, [0], _world_grp())[0])
+        finally:
+            rg.Free()
+        tag = _arg(args, kw, 3, "tag", 0)
+        a, b = sorted((local, remote))
+        sub = f"inter.r{a}-r{b}.t{tag}"
+        m = parent.nsub.get(sub, 0)
+        parent.nsub[sub] = m + 1
+        return f"{sub}.{m}"  # both groups compute the same name, whatever their parents
+    n = parent.ncreate
+    parent.ncreate = n + 1
+    if op in ("Dup", "Clone", "Dup_with_info", "Idup", "Idup_with_info"):
+        return f"{pk}.dup{n}"
+    if op == "Split":
+        return f"{pk}.split{n}.c{_arg(args, kw, 0, 'color', 0)}"
+    if op == "Create_cart":
+        return f"{pk}.cart{n}"
+    if op == "Create_graph":
+        return f"{pk}.graph{n}"
+    if op in ("Create_dist_graph", "Create_dist_graph_adjacent"):
+        return f"{pk}.distgraph{n}"
+    if op == "Merge":
+        return f"{pk}.merge{n}"
+    # Split_type, Create, Sub: possibly several disjoint results
+    return f"{pk}.{op.lower().replace('_', '')}{n}.r{_leader(new)}"
+
+
+def _adopt(new: Any, key: str) -> Any:
+    """``new`` as a wrapped communicator with state for ``key``."""
+    if isinstance(new, _ours):
+        obj = new  # Dup/Clone/Idup build type(self): already our class
+    else:
+        cls = _wrap_of.get(type(new))
+        if cls is None:
+            return new
+        obj = cls(new)  # a second handle to the same communicator
+    obj._dd = _CommState(key)
+    return obj
+
+
+def _mk_create(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    returns_pair = name.startswith("Idup")
+
+    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        rec = _rec
+        if rec is None:
+            return orig(self, *args, **kw)
+        t0 = now_ns()
+        out = orig(self, *args, **kw)
+        t1 = now_ns()
+        try:
+            new = out[0] if returns_pair else out
+            st = self._dd
+            if new == _mpi.COMM_NULL:
+                # not a member: still advance the counter like the members do
+                if name not in ("Create_group", "Create_intercomm"):
+                    st.ncreate += 1
+                return out
+            key = _creation_key(st, name, new, args, kw)
+            wrapped = _adopt(new, key)
+            try:
+                rank, size = wrapped.Get_rank(), wrapped.Get_size()
+            except Exception:
+                rank, size = -1, 0
+            rec.add(t0, t1, COMM_CREATE, rec.intern(key), _kid(st, rec), -1, rank, 0, size, rec.site(2))
+            return (wrapped,) + tuple(out[1:]) if returns_pair else wrapped
+        except Exception:
+            _oops(name)
+            return out
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+_CREATE_NAMES = (
+    "Dup",
+    "Clone",
+    "Dup_with_info",
+    "Idup",
+    "Idup_with_info",
+    "Split",
+    "Split_type",
+    "Create",
+    "Create_group",
+    "Create_cart",
+    "Create_graph",
+    "Create_dist_graph",
+    "Create_dist_graph_adjacent",
+    "Create_intercomm",
+    "Sub",
+    "Merge",
+)
+
+
+# -- requests --------------------------------------------------------------------------
+def _complete(req: Any, t1: int, status: Any = None, result: Any = _MISSING) -> None:
+    """Write the row of a tracked request that has completed."""
+    info = req._dd
+    req._dd = None
+    peer = info[4]
+    if status is not None and peer == _any_source and info[0] == RECV_ASYNC:
+        try:
+            peer = status.Get_source()
+        except Exception:
+            pass
+    nb = info[5]
+    if result is not _MISSING and info[0] == RECV_ASYNC and nb == 0:
+        nb = _obj_nbytes(result)
+    _rec.add(info[8], t1, info[0], info[1], info[2], info[3], peer, nb, info[6], info[7])
+
+
+def _scan(requests: Any, t1: int) -> None:
+    """After a multi-request completion call: finish every tracked request now null."""
+    for r in requests:  # one per request the program handed us: the events themselves
+        info = getattr(r, "_dd", None)
+        if info is not None and not r:
+            _complete(r, t1)
+
+
+def _wait_cm(rec: Any, name: str, requests: Any) -> int:
+    """Open a WAIT row (comm of the first tracked request)."""
+    kid = 0
+    try:
+        for r in requests[:1]:
+            info = getattr(r, "_dd", None)
+            if info is not None:
+                kid = info[2]
+    except Exception:
+        pass
+    return rec.enter(WAIT, _ids.names.get(name) or _nid(name), kid, -1, -1, 0, 0, rec.site(3))  # type: ignore[no-any-return]
+
+
+def _build_request_class(MPI: Any) -> type:
+    R = MPI.Request
+
+    class _RequestMeta(type):
+        # MPI.Request is rebound to WRequest; keep isinstance/issubclass true
+        # for the plain requests mpi4py and un-wrapped calls hand out.
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, R)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, R)
+
+    def single(name: str, blocking: bool, lower: bool) -> Callable[..., Any]:
+        orig = getattr(R, name)
+
+        def method(self: Any, status: Any = None) -> Any:
+            rec = _rec
+            info = getattr(self, "_dd", None)
+            if rec is None or info is None:
+                return orig(self, status)
+            if blocking:
+                try:
+                    rec.enter(WAIT, _ids.names.get(name) or _nid(name), info[2], -1, -1, 0, 0, rec.site(2))
+                except Exception:
+                    _oops(name)
+            try:
+                if info[0] == RECV_ASYNC and info[4] == _any_source and status is None:
+                    status = _mpi.Status()  # to learn the actual source; mpi4py fills it
+                out = orig(self, status)
+            finally:
+                if blocking:
+                    try:
+                        rec.leave()
+                    except Exception:
+                        _oops(name)
+            try:
+                t1 = now_ns()
+                if not self:  # completed (a non-persistent request turns null)
+                    res = _MISSING
+                    if lower:
+                        res = out if blocking else out[1]
+                    _complete(self, t1, status, res)
+            except Exception:
+                _oops(name)
+            return out
+
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = orig.__doc__
+        return method
+
+    def multi(name: str, blocking: bool) -> Any:
+        orig = getattr(R, name)
+
+        def method(cls: Any, requests: Any, *args: Any, **kw: Any) -> Any:
+            rec = _rec
+            if rec is None:
+                return orig(requests, *args, **kw)
+            if blocking:
+                try:
+                    _wait_cm(rec, name, requests)
+                except Exception:
+                    _oops(name)
+            try:
+                return orig(requests, *args, **kw)
+            finally:
+                try:
+                    t1 = now_ns()
+                    if blocking:
+                        rec.leave(t1)
+                    _scan(requests, t1)
+                except Exception:
+                    _oops(name)
+
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = orig.__doc__
+        return classmethod(method)
+
+    ns: dict[str, Any] = {"__slots__": ("_dd",), "__module__": __name__, "__doc__": R.__doc__}
+    for nm, blocking in (("Wait", True), ("Test", False)):
+        ns[nm] = single(nm, blocking, False)
+        ns[nm.lower()] = single(nm.lower(), blocking, True)
+    for nm, blocking in (
+        ("Waitany", True),
+        ("Waitall", True),
+        ("Waitsome", True),
+        ("Testany", False),
+        ("Testall", False),
+        ("Testsome", False),
+    ):
+        for n2 in (nm, nm.lower()):
+            if hasattr(R, n2):
+                ns[n2] = multi(n2, blocking)
+    W = _RequestMeta("Request", (R,), ns)
+    W.__qualname__ = "WRequest"
+    return W
+
+
+# -- class construction ---------------------------------------------------------------------
+def _build_classes(MPI: Any) -> dict[str, type]:
+    out: dict[str, type] = {"WRequest": _build_request_class(MPI)}
+    for wname, base in (
+        ("WIntracomm", MPI.Intracomm),
+        ("WCartcomm", MPI.Cartcomm),
+        ("WGraphcomm", MPI.Graphcomm),
+        ("WDistgraphcomm", MPI.Distgraphcomm),
+        ("WIntercomm", MPI.Intercomm),
+    ):
+        ns: dict[str, Any] = {"__slots__": ("_dd",), "__module__": __name__, "__doc__": base.__doc__}
+        for name, spec in _COLL_SPECS.items():
+            if hasattr(base, name):
+                ns[name] = _mk_coll(name, getattr(base, name), spec)
+        for name, spec in _ICOLL_SPECS.items():
+            if hasattr(base, name):
+                ns[name] = _mk_icoll(name, getattr(base, name), spec)
+        for name, pspec in _P2P_SPECS.items():
+            if hasattr(base, name):
+                ns[name] = _mk_p2p(name, getattr(base, name), pspec)
+        for name, obj, replace in (("Sendrecv", False, False), ("sendrecv", True, False), ("Sendrecv_replace", False, True)):
+            if hasattr(base, name):
+                ns[name] = _mk_sendrecv(name, getattr(base, name), obj, replace)
+        for name in _CREATE_NAMES:
+            if hasattr(base, name):
+                ns[name] = _mk_create(name, getattr(base, name))
+        cls = type(wname, (base,), ns)
+        out[wname] = cls
+        _wrap_of[base] = cls
+    return out
+
+
+_any_source = -2  # MPI.ANY_SOURCE, refreshed from the module when hooked
+
+
+def _on_import(MPI: Any) -> None:
+    """Post-import hook: swap in the wrapped world/self communicators and Request."""
+    global _classes, _ours, _mpi, _any_source, _orig_request
+    with _lock:
+        if _rec is None or _mpi is not None:
+            return
+        if _classes is None:
+            _classes = _build_classes(MPI)
+            _ours = tuple(c for k, c in _classes.items() if k != "WRequest")
+        _any_source = MPI.ANY_SOURCE
+        _saved.clear()
+        _saved.update(COMM_WORLD=MPI.COMM_WORLD, COMM_SELF=MPI.COMM_SELF, Request=MPI.Request)
+        _mpi = MPI
+        world = _adopt(MPI.COMM_WORLD, "world")
+        self_ = _adopt(MPI.COMM_SELF, "self")
+        MPI.COMM_WORLD = world
+        MPI.COMM_SELF = self_
+        MPI.Request = _classes["WRequest"]
+        _orig_request = _saved["Request"]
+    # communicator map rows for the predefined ones (needs MPI initialized)
+    try:
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            t = now_ns()
+            for key, c in (("world", world), ("self", self_)):
+                _rec.add(t, t, COMM_CREATE, _rec.intern(key), 0, -1, c.Get_rank(), 0, c.Get_size(), 0)
+    except Exception:
+        _oops("predefined")
+
+
+# -- the hook protocol -------------------------------------------------------------------------
+def install(rec: Any, cfg: Any = None) -> None:
+    """Start recording mpi4py calls into ``rec`` (now, or when mpi4py.MPI is imported)."""
+    global _rec
+    if _rec is not None:
+        uninstall()
+    _rec = rec
+    _ids.bind(rec)
+    _hooks.when_imported(_MODULE, _on_import)
+
+
+def uninstall() -> None:
+    """Stop recording and put back exactly what we replaced in mpi4py.MPI.
+
+    Wrapped communicators the program still holds keep working: they pass
+    every call straight to mpi4py once the recorder is gone.
+    """
+    global _rec, _mpi, _world_group
+    with _lock:
+        _rec = None
+        try:
+            waiting = _hooks._waiting.get(_MODULE)
+            if waiting is not None:
+                waiting[:] = [cb for cb in waiting if cb is not _on_import]
+                if not waiting:
+                    del _hooks._waiting[_MODULE]
+        except Exception:
+            _oops("uninstall")
+        if _mpi is not None:
+            for k, v in _saved.items():
+                setattr(_mpi, k, v)
+            _saved.clear()
+            _mpi = None
+        _world_group = None  # the group handle stays valid; we just forget it

@@ -1,0 +1,171 @@
+"""A small MPI job that drives the mpi4py hook directly (no distdiag-wrap).
+
+Usage: mpiexec -n 4 python mpi_hook_job.py OUT_DIR [--plain] [--slow-rank R --sleep-s S]
+
+Creates a Recorder, installs the hook *before* importing mpi4py (as
+distdiag-wrap does), runs a fixed mix of collectives, point-to-point calls,
+communicator creations and non-blocking calls, then saves per rank:
+
+* ``events-<rank>.npy``: the recorded EVENT_DTYPE rows (finished chunks + current)
+* ``strings-<rank>.json``: the string table
+* ``results-<rank>.json``: the values the MPI calls returned (to compare a
+  wrapped run with a ``--plain`` one)
+* ``meta-<rank>.json``: facts the test checks (types, identities after uninstall)
+
+With ``--plain`` the hook is not installed (the reference run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from distdiag.shim.recorder import Recorder, as_events
+
+
+def collect_rows(rec: Recorder) -> np.ndarray:
+    parts = [as_events(buf, 0, n) for buf, n in list(rec.full)]
+    parts += [as_events(tb.buf, 0, tb.n) for tb in rec.buffers]
+    from distdiag.schema import EVENT_DTYPE
+
+    return np.concatenate(parts) if parts else np.zeros(0, EVENT_DTYPE)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--slow-rank", type=int, default=-1)
+    ap.add_argument("--sleep-s", type=float, default=0.0)
+    a = ap.parse_args()
+
+    rec = Recorder()
+    hook = None
+    if not a.plain:
+        from distdiag.shim.hooks import mpi4py as hook
+
+        hook.install(rec, None)
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    size = comm.Get_size()
+    res: dict[str, object] = {}
+    meta: dict[str, object] = {"world_type": type(comm).__name__}
+
+    # a rank that is late to the first collective
+    if rank == a.slow_rank:
+        time.sleep(a.sleep_s)
+    comm.Barrier()  # world seq 0
+
+    res["allreduce_obj"] = comm.allreduce(rank + 1)  # seq 1
+    x = np.arange(4, dtype=np.float64) + rank
+    y = np.empty_like(x)
+    comm.Allreduce(x, y, op=MPI.SUM)  # seq 2
+    res["Allreduce"] = y.tolist()
+    b = np.zeros(3, dtype=np.int32)
+    if rank == 1:
+        b[:] = [7, 8, 9]
+    comm.Bcast([b, MPI.INT], root=1)  # seq 3, root 1
+    res["Bcast"] = b.tolist()
+    g = np.zeros(size, dtype=np.int64) if rank == 0 else None
+    comm.Gather(np.array([rank * 10], dtype=np.int64), g, root=0)  # seq 4
+    res["Gather"] = None if g is None else g.tolist()
+    res["gather_obj"] = comm.gather({"r": rank}, root=2)  # seq 5
+    res["bcast_obj"] = comm.bcast("hello" if rank == 0 else None, root=0)  # seq 6
+    z = np.empty(4)
+    comm.Allreduce(MPI.IN_PLACE, y)  # seq 7, in place
+    res["Allreduce_inplace"] = y.tolist()
+    del z
+
+    # non-blocking collective, completed by Wait after some work
+    ib = np.full(2, rank, dtype=np.float64)
+    ob = np.empty(2)
+    req = comm.Iallreduce(ib, ob)  # seq 8
+    t_post = time.perf_counter_ns()
+    time.sleep(0.01)
+    req.Wait()
+    res["Iallreduce"] = ob.tolist()
+    meta["t_post_ns"] = t_post
+    reqs = [comm.Ibarrier(), comm.Ibcast(ib, root=0)]  # seq 9, 10
+    MPI.Request.Waitall(reqs)
+    res["Ibcast"] = ib.tolist()
+
+    # point-to-point in a ring: buffer and object, blocking and non-blocking
+    right, left = (rank + 1) % size, (rank - 1) % size
+    sbuf = np.full(1000, rank, dtype=np.float32)
+    rbuf = np.empty(1000, dtype=np.float32)
+    if rank % 2 == 0:
+        comm.Send(sbuf, dest=right, tag=1)
+        comm.Recv(rbuf, source=MPI.ANY_SOURCE, tag=1)
+    else:
+        comm.Recv(rbuf, source=left, tag=1)
+        comm.Send(sbuf, dest=right, tag=1)
+    res["Recv"] = float(rbuf[0])
+    rq = [comm.Isend(sbuf, dest=left, tag=2), comm.Irecv(rbuf, source=right, tag=2)]
+    MPI.Request.Waitall(rq)
+    res["Irecv"] = float(rbuf[0])
+    sr = comm.sendrecv(b"x" * (rank + 5), dest=right, sendtag=3, source=left, recvtag=3)
+    res["sendrecv"] = len(sr)
+    r2 = comm.irecv(source=left, tag=4)
+    comm.send(b"y" * 100, dest=right, tag=4)
+    res["irecv_obj"] = len(r2.wait())
+
+    # communicator creation: Dup, Split (2 colors), Create_cart + Sub, Split_type
+    dup = comm.Dup()
+    res["dup_allreduce"] = dup.allreduce(1)  # dup seq 0
+    sub = comm.Split(color=rank % 2, key=rank)
+    res["split_allreduce"] = sub.allreduce(rank)  # split seq 0
+    res["split_allreduce2"] = sub.allreduce(rank * 2)  # split seq 1
+    sub2 = sub.Dup()
+    sub2.Barrier()
+    cart = comm.Create_cart([2, size // 2], periods=[True, True])
+    cart_sub = cart.Sub([True, False])
+    res["cart_sub_allreduce"] = cart_sub.allreduce(rank)
+    res["cart_neighbor"] = cart.neighbor_allgather(rank)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node.Barrier()
+    meta["types"] = {
+        "dup": type(dup).__name__,
+        "sub": type(sub).__name__,
+        "sub2": type(sub2).__name__,
+        "cart": type(cart).__name__,
+        "cart_sub": type(cart_sub).__name__,
+        "node": type(node).__name__,
+    }
+    meta["isinstance_plain_request"] = isinstance(MPI.REQUEST_NULL, MPI.Request)
+    for c in (node, cart_sub, cart, sub2, sub, dup):
+        c.Free()
+
+    comm.Barrier()
+    if hook is not None:
+        import mpi4py.MPI as M
+
+        hook.uninstall()
+        meta["after_uninstall_world_type"] = type(M.COMM_WORLD).__name__
+        meta["after_uninstall_request_is_base"] = M.Request.__module__ == "mpi4py.MPI"
+        meta["after_uninstall_world_is_predefined"] = M.COMM_WORLD is M.__dict__["COMM_WORLD"]
+        n_before = sum(tb.n for tb in rec.buffers)
+        M.COMM_WORLD.Barrier()
+        comm.Barrier()  # the wrapped object we still hold passes through
+        meta["rows_added_after_uninstall"] = sum(tb.n for tb in rec.buffers) - n_before
+
+    os.makedirs(a.out, exist_ok=True)
+    np.save(os.path.join(a.out, f"events-{rank}.npy"), collect_rows(rec))
+    with open(os.path.join(a.out, f"strings-{rank}.json"), "w") as f:
+        json.dump(rec.strings.strings, f)
+    with open(os.path.join(a.out, f"results-{rank}.json"), "w") as f:
+        json.dump(res, f)
+    with open(os.path.join(a.out, f"meta-{rank}.json"), "w") as f:
+        json.dump(meta, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
