@@ -1,0 +1,92 @@
+"""The active link probe on a real network: 4 namespaces, one throttled with tbf."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distdiag.shim.probe import participants_of, plan_masks
+from netns import NetnsCluster, free_port_hint, have_netns
+
+JOB = str(Path(__file__).parent / "jobs" / "net_probe.py")
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 7, 8, 13, 16])
+def test_all_masks_cover_every_pair_once(m: int) -> None:
+    seen: list[tuple[int, int]] = []
+    for mask in plan_masks(m, max_rounds=1000):
+        pairs = [(i, i ^ mask) for i in range(m) if (i ^ mask) < m]
+        assert all(b != a for a, b in pairs)
+        # a round is a matching: nobody talks to two partners at once
+        assert len({a for a, _ in pairs}) == len(pairs)
+        seen += [(min(a, b), max(a, b)) for a, b in pairs if a < b]
+    assert sorted(seen) == list(itertools.combinations(range(m), 2))
+
+
+def test_capped_rounds_start_with_the_hypercube() -> None:
+    masks = plan_masks(64, max_rounds=6)
+    assert masks == [1, 2, 4, 8, 16, 32]  # every node meets log2(64) partners
+    assert plan_masks(1, 15) == []
+
+
+def test_only_one_rank_per_host_probes_across_hosts() -> None:
+    assert participants_of(["a", "a", "b", "b", "c"]) == [0, 2, 4]
+    assert participants_of(["a", "a", "a"]) == [0, 1, 2]  # one host: rank pairs
+
+
+def _results(runs: list[subprocess.CompletedProcess[str]]) -> list[dict]:
+    out = []
+    for r in runs:
+        assert r.returncode == 0, r.stdout[-3000:]
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1]
+        out.append(json.loads(line))
+    return sorted(out, key=lambda d: d["rank"])
+
+
+@pytest.mark.netns
+@pytest.mark.torch
+@pytest.mark.skipif(have_netns() is not None, reason=str(have_netns()))
+def test_probe_over_gloo_finds_every_pair_with_the_throttled_node() -> None:
+    slow = 2
+    budget_s = 3.0
+    with NetnsCluster(4) as c:
+        c.shape(slow, "50mbit")
+        port = free_port_hint()
+        runs = c.run_all([sys.executable, JOB, "torch", str(budget_s)], lambda k: c.torch_env(k, port), timeout_s=120)
+    res = _results(runs)
+    bw = {(d["rank"], int(p)): v for d in res for p, v in d["bw"].items()}
+    # every ordered pair measured: XOR rounds 1, 2, 3 cover all 6 pairs
+    assert sorted(bw) == [(a, b) for a in range(4) for b in range(4) if a != b]
+    slow_bw = [v for (a, b), v in bw.items() if slow in (a, b)]
+    fast_bw = [v for (a, b), v in bw.items() if slow not in (a, b)]
+    # 50 Mbit/s = 6.25 MB/s; unshaped veths move hundreds of MB/s even on 2 busy cores
+    assert max(slow_bw) < 8e6, slow_bw
+    assert min(fast_bw) > 10 * max(slow_bw), (fast_bw, slow_bw)
+    for d in res:
+        assert d["elapsed_s"] < budget_s * 1.5, d  # the budget holds, also on the slow node
+        assert d["row_names"] == ["probe", "probe_bw", "probe_lat"]
+        assert d["monotone"]
+        assert len(d["peers"]) == 3
+
+
+@pytest.mark.mpi
+def test_probe_over_mpi_measures_every_rank_pair_on_one_host(tmp_path: Path) -> None:
+    env = dict(os.environ, DISTDIAG_HOST="onehost")
+    p = subprocess.run(
+        ["mpiexec", "-n", "3", sys.executable, JOB, "mpi", "1.0"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = sorted((json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")), key=lambda d: d["rank"])
+    assert [d["rank"] for d in res] == [0, 1, 2]
+    for d in res:
+        assert d["participants"] == [0, 1, 2]  # one host: every rank probes
+        assert sorted(int(k) for k in d["bw"]) == sorted({0, 1, 2} - {d["rank"]})
+        assert all(v > 1e6 for v in d["bw"].values())  # shared memory moves far more than 1 MB/s
+        assert d["elapsed_s"] < 3.0
