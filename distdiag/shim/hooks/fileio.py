@@ -1,0 +1,600 @@
+"""File I/O hook: every open, stat, listdir of the program, with its duration.
+
+What is wrapped (each original kept and restored exactly by ``uninstall``):
+
+* ``builtins.open`` / ``io.open`` (also ``pathlib.Path.open``, ``numpy.load``,
+  ``np.memmap``, which call them)                             -> FILE_OPEN
+* ``io.open_code`` (``_io.open_code``: what the import system reads ``.py`` /
+  ``.pyc`` with)                                               -> FILE_OPEN
+* ``os.open``, and ``os.close`` of the descriptors ``os.open`` returned -> FILE_OPEN / FILE_CLOSE
+* ``os.stat`` / ``os.lstat`` (``os.path.exists/isfile/isdir/getsize/...`` and
+  ``pathlib.Path.stat/exists`` call these at call time)        -> FILE_STAT
+* ``posix.stat`` / ``posix.lstat`` / ``posix.listdir``: the import system's
+  private bindings (``importlib._bootstrap_external._os`` is ``posix``), so an
+  import storm shows up as the metadata storm it is              -> FILE_STAT / FILE_LISTDIR
+* ``os.listdir`` / ``os.scandir`` (scandir: the opendir call only; the reads
+  happen while the caller iterates and stay unwrapped, so the iterator
+  keeps its exact type)                                          -> FILE_LISTDIR
+* ``h5py.File`` open and close, ``numpy.load`` / ``numpy.save`` of a path
+  (their data moves through C, not through Python file objects)   -> FILE_OPEN / FILE_CLOSE / FILE_READ / FILE_WRITE
+
+Rows: ``name_id`` = the absolute path (lexical, not resolved: resolving would
+add metadata calls), ``aux`` = string id of ``"fstype:mountpoint"``
+(``distdiag.shim.mounts``), ``site_id`` = the first call site outside the
+standard library and distdiag (for ``os.path.exists`` the user's line, for an
+import the ``import`` statement), ``value`` = errno of a call that failed (a
+failed stat is a metadata operation too: most of an import storm is misses),
+0 otherwise. ``seq``/``peer``/``comm_id`` are unused.
+
+Bytes. A pure-Python proxy around every file object would change its type and
+cost on every call; closing hooks on C file objects cannot be made safe (an
+instance ``close`` that holds the file makes a reference cycle and delays the
+close of ``open(p, "w").write(s)`` to the next GC; one that holds a weak
+reference cannot close a file the GC collects). So bytes are counted where
+they are large and cheap to count: files opened in *binary* mode get
+instance attributes ``read`` / ``readinto`` / ``write`` that call the type's
+method and count (the object's type, fd, context manager and close behaviour
+are untouched; the attributes hold only a weak reference to the file).
+A call that moves >= ``BIG_CALL_BYTES`` or blocks >= ``BIG_CALL_NS`` is its own
+FILE_READ/FILE_WRITE row (exact start and duration); smaller calls are summed
+per file into one row (``t0`` = first call, duration = time inside the calls,
+``value`` = number of calls) emitted when the sum passes those limits or when
+the file object is freed. Text-mode files (configs, logs) are not counted: their
+payloads are small and their writes are the hottest loops. ``value`` of a
+FILE_READ/FILE_WRITE row is the number of calls it sums.
+
+Skipped: paths under the run directory (the shim's own files), ``/proc``,
+``/sys``, ``/dev`` (no storage behind them), and ``stat`` of a file descriptor
+(``fstat`` is answered by the client, not the metadata server).
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno as _errno
+import functools
+import io
+import logging
+import os
+import posix
+import sys
+import sysconfig
+import threading
+import weakref
+from typing import Any, Callable
+
+import _io
+
+from distdiag.schema import Kind
+from distdiag.shim import mounts
+
+log = logging.getLogger(__name__)
+
+#: a read/write call at least this large or slow is a row of its own
+BIG_CALL_BYTES = 1 << 20
+BIG_CALL_NS = 1_000_000
+#: path-cache bound: past it, paths are tagged on every call (correct, slower)
+MAX_CACHED_PATHS = 1 << 20
+#: never recorded: pseudo file systems with no storage behind them
+PSEUDO_PREFIXES = ("/proc/", "/sys/", "/dev/")
+
+_FILE_OPEN = int(Kind.FILE_OPEN)
+_FILE_CLOSE = int(Kind.FILE_CLOSE)
+_FILE_STAT = int(Kind.FILE_STAT)
+_FILE_LISTDIR = int(Kind.FILE_LISTDIR)
+_FILE_READ = int(Kind.FILE_READ)
+_FILE_WRITE = int(Kind.FILE_WRITE)
+
+# -- state (module globals: the hot path reads them without attribute lookups) --
+_rec: Any = None
+_add: Callable[..., None] | None = None
+_intern: Callable[[str], int] | None = None
+_now: Callable[[], int] = __import__("time").perf_counter_ns
+_count_bytes = True
+#: path as the program passed it (str) -> (name_id, aux) or () when skipped
+_paths: dict[str, tuple[int, ...]] = {}
+#: absolute-path prefixes never recorded (the run dir + pseudo file systems)
+_skip: tuple[str, ...] = PSEUDO_PREFIXES
+#: fds from os.open -> (name_id, aux, site_id)
+_fds: dict[int, tuple[int, int, int]] = {}
+#: (owner object, attribute name) -> original, for uninstall
+_orig: dict[tuple[Any, str], Any] = {}
+_h5_cb: Callable[[Any], None] | None = None
+_np_cb: Callable[[Any], None] | None = None
+_lock = threading.Lock()
+
+# call sites: the first frame outside these is the program's
+_LIB_PREFIXES = tuple(
+    sorted(
+        {
+            sysconfig.get_paths()["stdlib"] + os.sep,
+            sysconfig.get_paths()["platstdlib"] + os.sep,
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+            "<frozen ",
+        }
+    )
+)
+_libcode: dict[Any, bool] = {}
+_sites: dict[tuple[Any, int], int] = {}
+_getframe = sys._getframe
+
+
+# -- helpers -----------------------------------------------------------------------
+def _site() -> int:
+    """String id of the first ``file:line`` outside the stdlib and distdiag."""
+    try:
+        f: Any = _getframe(2)
+        while True:
+            c = f.f_code
+            lib = _libcode.get(c)
+            if lib is None:
+                lib = _libcode[c] = c.co_filename.startswith(_LIB_PREFIXES)
+            if not lib or f.f_back is None:
+                break
+            f = f.f_back
+        key = (c, f.f_lineno)
+        i = _sites.get(key)
+        if i is None:
+            i = _sites[key] = _intern(f"{c.co_filename}:{f.f_lineno}")  # type: ignore[misc]
+        return i
+    except Exception:
+        return 0
+
+
+def _tag(path: Any) -> tuple[int, ...]:
+    """``(name_id, aux)`` of a path argument, or ``()`` when it is not recorded."""
+    try:
+        if isinstance(path, int) or path is None:
+            return ()
+        p = os.fspath(path)
+        if isinstance(p, bytes):
+            p = os.fsdecode(p)
+        hit = _paths.get(p)
+        if hit is not None:
+            return hit
+        ap = os.path.abspath(p)  # lexical: getcwd only, no metadata call
+        if ap.startswith(_skip) or ap in ("/proc", "/sys", "/dev"):
+            res: tuple[int, ...] = ()
+        else:
+            fstype, mnt = mounts.lookup(ap)
+            res = (_intern(ap), _intern(f"{fstype}:{mnt}"))  # type: ignore[misc]
+        if len(_paths) < MAX_CACHED_PATHS:
+            _paths[p] = res
+        return res
+    except Exception:
+        return ()
+
+
+def _errno_of(e: BaseException) -> float:
+    return float(getattr(e, "errno", None) or _errno.EIO) if isinstance(e, OSError) else float(_errno.EINVAL)
+
+
+def _record(kind: int, path: Any, t0: int, t1: int, err: float = 0.0) -> None:
+    try:
+        tag = _paths.get(path) if path.__class__ is str else None
+        if tag is None:
+            tag = _tag(path)
+        if tag:
+            _add(t0, t1, kind, tag[0], 0, -1, -1, 0, tag[1], _site(), err)  # type: ignore[misc]
+    except Exception:
+        pass
+
+
+# -- byte counting on binary file objects ------------------------------------------
+class _Acc:
+    """Sums of the small read/write calls on one binary file object."""
+
+    __slots__ = ("name_id", "aux", "site", "r_n", "r_ns", "r_t0", "r_calls", "w_n", "w_ns", "w_t0", "w_calls", "__weakref__")
+
+    def __init__(self, name_id: int, aux: int, site: int) -> None:
+        self.name_id = name_id
+        self.aux = aux
+        self.site = site
+        self.r_n = self.r_ns = self.r_t0 = self.r_calls = 0
+        self.w_n = self.w_ns = self.w_t0 = self.w_calls = 0
+
+    def emit(self) -> None:
+        add = _add
+        if add is None:
+            return
+        try:
+            if self.r_calls:
+                add(self.r_t0, self.r_t0 + self.r_ns, _FILE_READ, self.name_id, 0, -1, -1, self.r_n, self.aux, self.site, float(self.r_calls))
+                self.r_n = self.r_ns = self.r_calls = 0
+            if self.w_calls:
+                add(self.w_t0, self.w_t0 + self.w_ns, _FILE_WRITE, self.name_id, 0, -1, -1, self.w_n, self.aux, self.site, float(self.w_calls))
+                self.w_n = self.w_ns = self.w_calls = 0
+        except Exception:
+            pass
+
+
+def _count(acc: _Acc, write: bool, n: int, t0: int, t1: int) -> None:
+    """Book one read/write call: big ones are rows, small ones are summed."""
+    try:
+        dt = t1 - t0
+        if n >= BIG_CALL_BYTES or dt >= BIG_CALL_NS:
+            _add(t0, t1, _FILE_WRITE if write else _FILE_READ, acc.name_id, 0, -1, -1, n, acc.aux, acc.site, 1.0)  # type: ignore[misc]
+            return
+        if write:
+            if not acc.w_calls:
+                acc.w_t0 = t0
+            acc.w_n += n
+            acc.w_ns += dt
+            acc.w_calls += 1
+            if acc.w_n >= BIG_CALL_BYTES or acc.w_ns >= BIG_CALL_NS:
+                acc.emit()
+        else:
+            if not acc.r_calls:
+                acc.r_t0 = t0
+            acc.r_n += n
+            acc.r_ns += dt
+            acc.r_calls += 1
+            if acc.r_n >= BIG_CALL_BYTES or acc.r_ns >= BIG_CALL_NS:
+                acc.emit()
+    except Exception:
+        pass
+
+
+def _nbytes(res: Any, arg: Any = None) -> int:
+    if res is None:
+        return 0
+    if isinstance(res, int):  # readinto / write return a count
+        return res
+    try:
+        return len(res)
+    except TypeError:
+        return 0
+
+
+def _make_counters(f: Any, tag: tuple[int, ...], site: int) -> None:
+    """Give a binary file object counting ``read``/``readinto``/``write`` attributes."""
+    cls = type(f)
+    acc = _Acc(tag[0], tag[1], site)
+    ref = weakref.ref(f, lambda _r, acc=acc: acc.emit())  # the sums are written when the file is freed
+    rd = getattr(cls, "readable", None)
+    wr = getattr(cls, "writable", None)
+    if rd is not None and f.readable():
+        cls_read = cls.read
+        cls_readinto = cls.readinto
+
+        def read(*args: Any, **kwargs: Any) -> Any:
+            t0 = _now()
+            res = cls_read(ref(), *args, **kwargs)
+            _count(acc, False, _nbytes(res), t0, _now())
+            return res
+
+        def readinto(*args: Any, **kwargs: Any) -> Any:
+            t0 = _now()
+            res = cls_readinto(ref(), *args, **kwargs)
+            _count(acc, False, _nbytes(res), t0, _now())
+            return res
+
+        f.read = read
+        f.readinto = readinto
+    if wr is not None and f.writable():
+        cls_write = cls.write
+
+        def write(*args: Any, **kwargs: Any) -> Any:
+            t0 = _now()
+            res = cls_write(ref(), *args, **kwargs)
+            _count(acc, True, _nbytes(res), t0, _now())
+            return res
+
+        f.write = write
+
+
+_BINARY_TYPES = (io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO)
+
+
+# -- the wrappers --------------------------------------------------------------------
+def _wrap_open(orig: Callable[..., Any], count: bool) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def open(file: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - it is open
+        t0 = _now()
+        try:
+            f = orig(file, *args, **kwargs)
+        except BaseException as e:
+            _record(_FILE_OPEN, file, t0, _now(), _errno_of(e))
+            raise
+        t1 = _now()
+        try:
+            tag = _paths.get(file) if file.__class__ is str else None
+            if tag is None:
+                tag = _tag(file)
+            if tag:
+                site = _site()
+                _add(t0, t1, _FILE_OPEN, tag[0], 0, -1, -1, 0, tag[1], site, 0.0)  # type: ignore[misc]
+                if count and _count_bytes and f.__class__ in _BINARY_TYPES:
+                    _make_counters(f, tag, site)
+        except Exception:
+            pass
+        return f
+
+    return open
+
+
+def _wrap_path_call(orig: Callable[..., Any], kind: int) -> Callable[..., Any]:
+    """stat / lstat: ``orig(path, *, dir_fd=None, follow_symlinks=True)``."""
+
+    @functools.wraps(orig)
+    def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = _now()
+        try:
+            res = orig(path, *args, **kwargs)
+        except BaseException as e:
+            if path.__class__ is not int and not kwargs.get("dir_fd"):
+                _record(kind, path, t0, _now(), _errno_of(e))
+            raise
+        t1 = _now()
+        if path.__class__ is not int and not kwargs:
+            _record(kind, path, t0, t1)
+        elif path.__class__ is not int and kwargs.get("dir_fd") is None:
+            _record(kind, path, t0, t1)
+        return res
+
+    return wrapper
+
+
+def _wrap_dir_call(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """listdir / scandir: ``orig(path='.')``; a path of None also means '.'."""
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = _now()
+        try:
+            res = orig(*args, **kwargs)
+        except BaseException as e:
+            path = args[0] if args else kwargs.get("path")
+            _record(_FILE_LISTDIR, "." if path is None else path, t0, _now(), _errno_of(e))
+            raise
+        t1 = _now()
+        path = args[0] if args else kwargs.get("path")
+        _record(_FILE_LISTDIR, "." if path is None else path, t0, t1)
+        return res
+
+    return wrapper
+
+
+def _wrap_os_open(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = _now()
+        try:
+            fd = orig(path, *args, **kwargs)
+        except BaseException as e:
+            _record(_FILE_OPEN, path, t0, _now(), _errno_of(e))
+            raise
+        t1 = _now()
+        try:
+            if kwargs.get("dir_fd") is None and not (len(args) >= 3 and args[2] is not None):
+                tag = _paths.get(path) if path.__class__ is str else None
+                if tag is None:
+                    tag = _tag(path)
+                if tag:
+                    site = _site()
+                    _add(t0, t1, _FILE_OPEN, tag[0], 0, -1, -1, 0, tag[1], site, 0.0)  # type: ignore[misc]
+                    _fds[fd] = (tag[0], tag[1], site)
+        except Exception:
+            pass
+        return fd
+
+    return wrapper
+
+
+def _wrap_os_close(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def wrapper(fd: Any, *args: Any, **kwargs: Any) -> Any:
+        info = _fds.pop(fd, None) if fd.__class__ is int else None
+        if info is None:
+            return orig(fd, *args, **kwargs)
+        t0 = _now()
+        try:
+            res = orig(fd, *args, **kwargs)
+        except BaseException as e:
+            _add_safe(t0, _now(), _FILE_CLOSE, info, _errno_of(e))
+            raise
+        _add_safe(t0, _now(), _FILE_CLOSE, info, 0.0)
+        return res
+
+    return wrapper
+
+
+def _add_safe(t0: int, t1: int, kind: int, info: tuple[int, int, int], err: float, nbytes: int = 0) -> None:
+    try:
+        _add(t0, t1, kind, info[0], 0, -1, -1, nbytes, info[1], info[2], err)  # type: ignore[misc]
+    except Exception:
+        pass
+
+
+def _wrap_chdir(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Relative paths are cached as given; a new cwd gives them new meanings."""
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            _paths.clear()
+
+    return wrapper
+
+
+# -- h5py and numpy (hooked when the program imports them) ----------------------------
+def _hook_h5py(h5py: Any) -> None:
+    if _add is None:
+        return
+    File = h5py.File
+    orig_init = File.__init__
+    orig_close = File.close
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, name: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(name, (str, bytes, os.PathLike)):  # FileID or a Python file object
+            orig_init(self, name, *args, **kwargs)
+            return
+        t0 = _now()
+        try:
+            orig_init(self, name, *args, **kwargs)
+        except BaseException as e:
+            _record(_FILE_OPEN, name, t0, _now(), _errno_of(e))
+            raise
+        _record(_FILE_OPEN, name, t0, _now())
+
+    @functools.wraps(orig_close)
+    def close(self: Any) -> None:
+        try:
+            name = self.filename if self.id.valid else None
+        except Exception:
+            name = None
+        if name is None:
+            orig_close(self)
+            return
+        t0 = _now()
+        orig_close(self)
+        _record(_FILE_CLOSE, name, t0, _now())
+
+    _patch(File, "__init__", __init__)
+    _patch(File, "close", close)
+
+
+def _hook_numpy(np: Any) -> None:
+    if _add is None:
+        return
+    orig_load = np.load
+    orig_save = np.save
+
+    @functools.wraps(orig_load)
+    def load(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(file, (str, bytes, os.PathLike)):
+            return orig_load(file, *args, **kwargs)
+        t0 = _now()
+        res = orig_load(file, *args, **kwargs)  # the open inside is recorded by open()
+        t1 = _now()
+        try:
+            # an eager array was read in full; a memmap or an .npz reads lazily
+            if type(res) is np.ndarray:
+                tag = _tag(file)
+                if tag:
+                    _add(t0, t1, _FILE_READ, tag[0], 0, -1, -1, int(res.nbytes), tag[1], _site(), 1.0)  # type: ignore[misc]
+        except Exception:
+            pass
+        return res
+
+    @functools.wraps(orig_save)
+    def save(file: Any, arr: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(file, (str, bytes, os.PathLike)):
+            return orig_save(file, arr, *args, **kwargs)
+        t0 = _now()
+        res = orig_save(file, arr, *args, **kwargs)
+        t1 = _now()
+        try:
+            p = os.fspath(file)
+            if isinstance(p, bytes):
+                p = os.fsdecode(p)
+            if not p.endswith(".npy"):  # np.save appends the suffix
+                p += ".npy"
+            tag = _tag(p)
+            if tag:
+                _add(t0, t1, _FILE_WRITE, tag[0], 0, -1, -1, int(getattr(arr, "nbytes", 0)), tag[1], _site(), 1.0)  # type: ignore[misc]
+        except Exception:
+            pass
+        return res
+
+    _patch(np, "load", load)
+    _patch(np, "save", save)
+
+
+# -- install / uninstall ---------------------------------------------------------------
+def _patch(owner: Any, name: str, new: Any) -> None:
+    key = (owner, name)
+    if key not in _orig:
+        _orig[key] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, new)
+
+
+def _run_dir_of(cfg: Any) -> str | None:
+    try:
+        from distdiag.shim import session
+
+        if session.SESSION is not None:
+            return str(session.SESSION.run_dir)
+    except Exception:
+        pass
+    d = getattr(cfg, "run_dir", None) or os.environ.get("DISTDIAG_DIR")
+    return str(d) if d else None
+
+
+def skip_dir(path: str | os.PathLike[str]) -> None:
+    """Never record paths under ``path`` (the wrapper calls this with the run dir)."""
+    global _skip
+    p = os.path.abspath(os.fspath(path)).rstrip("/") + "/"
+    if p not in _skip:
+        _skip = (*_skip, p)
+    _paths.clear()
+
+
+def install(rec: Any, cfg: Any = None) -> None:
+    """Start recording file I/O into ``rec``. Idempotent; never imports h5py/numpy itself."""
+    global _rec, _add, _intern, _count_bytes, _h5_cb, _np_cb
+    from distdiag.shim import hooks
+
+    with _lock:
+        if _rec is not None:
+            return
+        _rec = rec
+        _add = rec.add
+        _intern = rec.intern
+        _count_bytes = bool(getattr(cfg, "fileio_count_bytes", True))
+        _paths.clear()
+        _sites.clear()
+        mounts.refresh()
+        rd = _run_dir_of(cfg)
+        if rd:
+            skip_dir(rd)
+
+        opened = _wrap_open(io.open, count=True)
+        _patch(builtins, "open", opened)
+        _patch(io, "open", opened)
+        open_code = _wrap_open(_io.open_code, count=False)  # imports: the opens, not the bytes
+        _patch(_io, "open_code", open_code)
+        _patch(io, "open_code", open_code)
+        _patch(os, "open", _wrap_os_open(os.open))
+        _patch(os, "close", _wrap_os_close(os.close))
+        _patch(os, "stat", _wrap_path_call(os.stat, _FILE_STAT))
+        _patch(os, "lstat", _wrap_path_call(os.lstat, _FILE_STAT))
+        _patch(os, "listdir", _wrap_dir_call(os.listdir))
+        _patch(os, "scandir", _wrap_dir_call(os.scandir))
+        _patch(os, "chdir", _wrap_chdir(os.chdir))
+        # the import system's own bindings (importlib._bootstrap_external._os is posix)
+        _patch(posix, "stat", _wrap_path_call(posix.stat, _FILE_STAT))
+        _patch(posix, "lstat", _wrap_path_call(posix.lstat, _FILE_STAT))
+        _patch(posix, "listdir", _wrap_dir_call(posix.listdir))
+
+        _h5_cb = _hook_h5py
+        _np_cb = _hook_numpy
+    hooks.when_imported("h5py", _h5_cb)
+    hooks.when_imported("numpy", _np_cb)
+
+
+def uninstall() -> None:
+    """Put every original back; files opened meanwhile keep counting into nothing."""
+    global _rec, _add, _intern, _h5_cb, _np_cb
+    from distdiag.shim import hooks
+
+    with _lock:
+        for (owner, name), orig in reversed(list(_orig.items())):
+            try:
+                setattr(owner, name, orig)
+            except Exception:
+                log.debug("distdiag: cannot restore %r.%s", owner, name, exc_info=True)
+        _orig.clear()
+        for modname, cb in (("h5py", _h5_cb), ("numpy", _np_cb)):
+            waiting = hooks._waiting.get(modname)
+            if waiting and cb in waiting:
+                waiting.remove(cb)
+        _h5_cb = _np_cb = None
+        _rec = None
+        _add = None
+        _intern = None
+        _paths.clear()
+        _fds.clear()
