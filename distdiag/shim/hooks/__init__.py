@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 #: module path -> enabled by default. wrap.py installs them in this order.
 HOOKS: dict[str, bool] = {
     "distdiag.shim.hooks.mpi4py": True,
+    "distdiag.shim.hooks.fileio": True,
 }
 
 _waiting: dict[str, list[Callable[[types.ModuleType], None]]] = {}
