@@ -8,3 +8,7 @@ runs without ``distdiag-wrap``.
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from distdiag.api import mark, phase, step  # noqa: E402  (after __version__: the writer reads it)
+
+__all__ = ["__version__", "mark", "phase", "step"]
