@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 HOOKS: dict[str, bool] = {
     "distdiag.shim.hooks.mpi4py": True,
     "distdiag.shim.hooks.fileio": True,
+    # a no-op unless ShimConfig.probe_links (distdiag-wrap --probe-links)
+    "distdiag.shim.probe": True,
 }
 
 _waiting: dict[str, list[Callable[[types.ModuleType], None]]] = {}
