@@ -247,8 +247,12 @@ class MpiTransport:
         self._bufs: dict[int, tuple[Any, Any]] = {}
 
     def _wait(self, reqs: list[Any]) -> None:
+        # Testall of the requests' own (plain) class: the mpi4py hook rebinds
+        # MPI.Request to a recording subclass, and the probe's waiting is not
+        # the program's.
+        testall = type(reqs[0]).Testall
         deadline = time.monotonic() + self._timeout_s
-        while not self._mpi.Request.Testall(reqs):
+        while not testall(reqs):
             if time.monotonic() > deadline:
                 raise TimeoutError("distdiag probe: peer did not answer")
 
