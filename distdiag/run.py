@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -64,6 +65,10 @@ STRING_COLUMNS = ("name_id", "comm_id", "site_id")
 #: Events are read in blocks of this many rows so that a file truncated in the
 #: middle of its events still yields every row before the damage.
 _READ_BLOCK_ROWS = 1 << 20
+
+#: What h5py raises on damaged files: OSError mostly, RuntimeError for a
+#: mangled superblock, KeyError/ValueError/TypeError for broken objects.
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,7 @@ def _open_h5(path: Path) -> Any:
 
     try:
         return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
-    except OSError:
+    except _H5_ERRORS:
         # Files not written in SWMR mode open in the default mode.
         return h5py.File(path, "r", locking=False)
 
@@ -272,7 +277,7 @@ def _read_table(f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[s
         hi = min(n, lo + _READ_BLOCK_ROWS)
         try:
             block = ds[lo:hi]
-        except (OSError, ValueError, RuntimeError) as e:
+        except _H5_ERRORS as e:
             # Try smaller pieces so we keep every row before the damage.
             block = _salvage(ds, lo, hi)
             warnings.append(
@@ -305,16 +310,21 @@ def _salvage(ds: Any, lo: int, hi: int) -> np.ndarray:
         try:
             ds[good:mid]
             good = mid
-        except (OSError, ValueError, RuntimeError):
+        except _H5_ERRORS:
             bad = mid
     try:
         return np.asarray(ds[lo:good])
-    except (OSError, ValueError, RuntimeError):
+    except _H5_ERRORS:
         return np.zeros(0, ds.dtype)
 
 
 def _short(e: BaseException) -> str:
+    """h5py's message, cut to what helps a user."""
     s = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    m = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", s)
+    if m:
+        return f"{m.group(1)} of {m.group(2)} bytes present"
+    s = s.removeprefix("Unable to synchronously open file ").removeprefix("Unable to open file ")
     return s[:160]
 
 
@@ -323,14 +333,16 @@ def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
     fname = path.name
     try:
         f = _open_h5(path)
-    except OSError as e:
-        return f"{fname} cannot be opened as HDF5 (truncated or corrupt: {_short(e)}); skipped"
+    except _H5_ERRORS as e:
+        if "signature not found" in str(e):
+            return f"{fname} is not an HDF5 file (no HDF5 signature: empty, overwritten or not a rank file); skipped"
+        return f"{fname} cannot be opened as HDF5 (truncated or corrupt: {_short(e).strip('()')}); skipped"
     try:
         with f:
             attrs = f.attrs
             try:
                 version = _attr(attrs, SCHEMA_ATTR)
-            except (OSError, RuntimeError) as e:
+            except _H5_ERRORS as e:
                 return f"{fname} has unreadable attributes (corrupt: {_short(e)}); skipped"
             if version is None:
                 return f"{fname} is an HDF5 file but not a distdiag rank file (no '{SCHEMA_ATTR}' attribute); skipped"
@@ -359,7 +371,7 @@ def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
             events = _read_table(f, "events", EVENT_DTYPE, fname, warnings)
             try:
                 strings = np.asarray(f["strings"].asstr()[...], dtype=object)
-            except (OSError, ValueError, RuntimeError, TypeError) as e:
+            except _H5_ERRORS as e:
                 return f"{fname}: its string table cannot be read ({_short(e)}); skipped"
             if len(strings) == 0:
                 strings = np.array([""], dtype=object)
@@ -407,7 +419,7 @@ def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
                 config=_json_attr(attrs, "config", {}),
             )
             return _RankData(info, events, strings, sync, inflight, gpu)
-    except OSError as e:
+    except _H5_ERRORS as e:
         return f"{fname} cannot be read (truncated or corrupt: {_short(e)}); skipped"
 
 

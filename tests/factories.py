@@ -73,6 +73,7 @@ def make_run(
     job_id: str = "4242",
     comm: str = "world",
     op: str = "Allreduce",
+    shuffle_strings: bool = False,
 ) -> Truth:
     """Simulate and write one run; see the module docstring.
 
@@ -80,6 +81,8 @@ def make_run(
     ``io_ms`` adds a FILE_READ of that length at the start of every iteration on
     every rank. ``killed_ranks`` stop recording half-way through, with the
     all-reduce they were inside of left in flight and no clean close.
+    ``shuffle_strings`` gives every rank its own order of string ids (as real
+    ranks have: ids follow the order each rank first met a string).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +188,17 @@ def make_run(
             s["tag"] = SyncTag.START
             sync_rows = s
         path = run_dir / rank_file_name(r)
-        write_rank_file(path, attrs, ev, strings, sync=sync_rows, inflight=inflight)
+        rank_strings = strings
+        if shuffle_strings:
+            perm = np.concatenate([[0], 1 + rng.permutation(len(strings) - 1)])  # new id of old id i
+            rank_strings = [""] * len(strings)
+            for old, new in enumerate(perm):
+                rank_strings[new] = strings[old]
+            for arr in (ev, inflight):
+                if arr is not None:
+                    for col in ("name_id", "comm_id", "site_id"):
+                        arr[col] = perm[arr[col]]
+        write_rank_file(path, attrs, ev, rank_strings, sync=sync_rows, inflight=inflight)
         files[r] = path
 
     io_total = io.sum(axis=0)
@@ -229,3 +242,48 @@ def set_attr(path: Path, name: str, value: Any) -> None:
 
     with h5py.File(path, "r+") as f:
         f.attrs[name] = value
+
+
+def coll(
+    t0_ms: float,
+    t1_ms: float,
+    seq: int,
+    strings: list[str],
+    op: str = "Allreduce",
+    comm: str = "world",
+    nbytes: int = 8,
+    root: int = -1,
+    kind: int = Kind.COLL,
+) -> tuple[Any, ...]:
+    """One collective row (a tuple for EVENT_DTYPE); adds its strings to ``strings``."""
+
+    def sid(s: str) -> int:
+        if s not in strings:
+            strings.append(s)
+        return strings.index(s)
+
+    t1 = -1 if t1_ms < 0 else int(t1_ms * MS)
+    return (int(t0_ms * MS), t1, int(kind), sid(op), sid(comm), seq, root, nbytes, 0, sid("job.py:7"), 0, 0.0)
+
+
+def write_rank(
+    run_dir: Path,
+    rank: int,
+    world_size: int,
+    rows: list[tuple[Any, ...]],
+    strings: list[str],
+    inflight: list[tuple[Any, ...]] | None = None,
+    host: str | None = None,
+    **attrs: Any,
+) -> Path:
+    """A rank file holding exactly ``rows`` (all ranks share one true clock: no offsets)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ev = np.array(rows, dtype=EVENT_DTYPE) if rows else np.zeros(0, EVENT_DTYPE)
+    a: dict[str, Any] = dict(rank=rank, world_size=world_size, host=host or f"node{rank // 2}", job_id="77",
+                             launch_id="launch-77", wall_ns_at_start=1_700_000_000 * 10**9, mono_ns_at_start=0)  # fmt: skip
+    a.update(attrs)
+    inf = np.array(inflight, dtype=EVENT_DTYPE) if inflight else None
+    path = run_dir / rank_file_name(rank)
+    write_rank_file(path, a, ev, list(strings), inflight=inf)
+    return path
