@@ -46,6 +46,9 @@ class ShimConfig:
     probe_timeout_s: float = 30.0
     #: NVML sampling interval
     gpu_interval_s: float = 1.0
+    #: wrap Tensor.to/.cuda/.copy_ to time host-to-device copies: "auto" (only
+    #: when an accelerator is present), "on" (always), "off"
+    h2d_copies: str = "auto"
     #: hook short name -> enabled; absent names use the HOOKS registry default
     hooks: dict[str, bool] = dataclasses.field(default_factory=dict)
 

@@ -27,6 +27,10 @@ HOOKS: dict[str, bool] = {
     "distdiag.shim.hooks.fileio": True,
     # a no-op unless ShimConfig.probe_links (distdiag-wrap --probe-links)
     "distdiag.shim.probe": True,
+    "distdiag.shim.hooks.torch_dist": True,
+    "distdiag.shim.hooks.phases": True,
+    # a GPU sampler thread; off (with a one-line reason in the file) without NVML
+    "distdiag.shim.hooks.nvml": True,
 }
 
 _waiting: dict[str, list[Callable[[types.ModuleType], None]]] = {}

@@ -1,0 +1,243 @@
+"""GPU samples from NVML (nvidia-ml-py, ``import pynvml``) on a background thread.
+
+Every ``ShimConfig.gpu_interval_s`` one ``GPU_DTYPE`` row per sampled GPU goes
+to ``SESSION.writer.add_gpu``: SM utilization, memory-controller utilization,
+SM clock, memory used, power, PCIe tx/rx (NVML reports KB/s; stored as
+bytes/s) and NVLink throughput (the sum over links of the data tx+rx counters,
+as a rate between two samples). A metric the device does not support is NaN
+(and not asked again).
+
+Which GPUs: the ones this process can see (``CUDA_VISIBLE_DEVICES``, indices or
+UUIDs, else all). When several ranks share a node and each sees every GPU (the
+torchrun default), each rank samples only GPU ``local_rank % n``, so a node's
+GPUs are sampled once each, not once per rank. The sampled GPUs' names go in the
+``gpu_names`` attribute (JSON {index: name}) for the peak-rate table.
+
+No GPU: ``nvmlInit()`` raises (``NVMLError_LibraryNotFound`` without a driver)
+or there is no pynvml; the sampler stays off and the rank file's
+``gpu_sampler`` attribute says why in one line, e.g.
+``off: NVML library not found``. It never raises into the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from distdiag.schema import GPU_DTYPE
+from distdiag.shim.recorder import now_ns
+
+log = logging.getLogger(__name__)
+
+_sampler: Sampler | None = None
+
+
+def _err_text(e: BaseException) -> str:
+    """One line for the report: 'NVML library not found', 'Driver Not Loaded', ..."""
+    try:
+        s = str(e)
+    except Exception:
+        s = ""
+    return s.strip().splitlines()[0] if s.strip() else type(e).__name__
+
+
+def _visible(nv: Any, count: int, environ: dict[str, str]) -> list[int]:
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return list(range(count))
+    out = []
+    for tok in (t.strip() for t in cvd.split(",")):
+        if not tok:
+            continue
+        if tok.isdigit():
+            i = int(tok)
+            if 0 <= i < count:
+                out.append(i)
+            continue
+        try:  # a UUID (GPU-..., MIG-...)
+            h = nv.nvmlDeviceGetHandleByUUID(tok)
+            out.append(int(nv.nvmlDeviceGetIndex(h)))
+        except Exception:
+            continue
+    return out
+
+
+def choose_devices(nv: Any, count: int, local_rank: int, local_world: int, environ: dict[str, str]) -> list[int]:
+    """NVML indices this rank samples (see the module docstring)."""
+    vis = _visible(nv, count, environ)
+    if len(vis) > 1 and local_world > 1:
+        return [vis[local_rank % len(vis)]]
+    return vis
+
+
+class Sampler:
+    """The sampling thread. ``sink`` receives GPU_DTYPE arrays (``Writer.add_gpu``)."""
+
+    def __init__(self, nv: Any, devices: list[int], interval_s: float, sink: Callable[[np.ndarray], None]) -> None:
+        self.nv = nv
+        self.devices = devices
+        self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in devices]
+        self.interval_s = max(0.01, float(interval_s))
+        self.sink = sink
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._unsupported: set[str] = set()
+        self._nvlink_prev: dict[int, tuple[int, float]] = {}  # gpu -> (t_ns, cumulative bytes)
+        self.samples = 0
+
+    # one metric, NaN when unsupported (and never asked again)
+    def _get(self, name: str, fn: Callable[[], float]) -> float:
+        if name in self._unsupported:
+            return math.nan
+        try:
+            return float(fn())
+        except Exception as e:
+            self._unsupported.add(name)
+            log.debug("distdiag: NVML %s unsupported: %s", name, e)
+            return math.nan
+
+    def _nvlink_bytes(self, h: Any) -> float:
+        nv = self.nv
+        fields = [nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX]
+        vals = nv.nvmlDeviceGetFieldValues(h, fields)
+        total = 0.0
+        for v in vals:
+            if getattr(v, "nvmlReturn", 0) != 0:
+                raise RuntimeError("NVLink field not supported")
+            total += float(v.value.ullVal) * 1024.0  # KiB counters
+        return total
+
+    def sample(self) -> np.ndarray:
+        """One row per device, now."""
+        nv = self.nv
+        rows = np.zeros(len(self.handles), GPU_DTYPE)
+        for k, (idx, h) in enumerate(zip(self.devices, self.handles)):
+            t = now_ns()
+            util = None
+            if "util" not in self._unsupported:
+                try:
+                    util = nv.nvmlDeviceGetUtilizationRates(h)
+                except Exception:
+                    self._unsupported.add("util")
+            r = rows[k]
+            r["t_ns"] = t
+            r["gpu"] = idx
+            r["sm_util_pct"] = util.gpu if util is not None else math.nan
+            r["mem_util_pct"] = util.memory if util is not None else math.nan
+            r["sm_clock_mhz"] = self._get("sm_clock", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+            mem = self._get("mem", lambda: nv.nvmlDeviceGetMemoryInfo(h).used)
+            r["mem_used_bytes"] = -1 if math.isnan(mem) else int(mem)
+            r["power_w"] = self._get("power", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
+            r["pcie_tx_bytes_per_s"] = self._get("pcie_tx", lambda: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * 1024.0)
+            r["pcie_rx_bytes_per_s"] = self._get("pcie_rx", lambda: nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1024.0)
+            cum = self._get("nvlink", lambda: self._nvlink_bytes(h))
+            rate = math.nan
+            if not math.isnan(cum):
+                prev = self._nvlink_prev.get(idx)
+                if prev is not None and t > prev[0]:
+                    rate = max(0.0, (cum - prev[1]) * 1e9 / (t - prev[0]))
+                self._nvlink_prev[idx] = (t, cum)
+            r["nvlink_bytes_per_s"] = rate
+        self.samples += 1
+        return rows
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sink(self.sample())
+            except Exception:
+                log.debug("distdiag: GPU sample failed", exc_info=True)
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="distdiag-nvml", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, 2 * self.interval_s))
+        try:  # one last sample so a short job has a row near its end
+            self.sink(self.sample())
+        except Exception:
+            pass
+
+
+def start_sampler(
+    cfg: Any,
+    sink: Callable[[np.ndarray], None],
+    set_attr: Callable[[str, Any], None],
+    local_rank: int = 0,
+    local_world: int = 1,
+    environ: dict[str, str] | None = None,
+) -> Sampler | None:
+    """Start sampling, or say in ``set_attr('gpu_sampler', ...)`` why not. Never raises."""
+    env = dict(os.environ if environ is None else environ)
+    try:
+        import pynvml as nv
+    except Exception as e:
+        set_attr("gpu_sampler", f"off: pynvml not importable ({_err_text(e)})")
+        return None
+    try:
+        nv.nvmlInit()
+    except Exception as e:
+        if getattr(e, "value", None) == 12:  # NVML_ERROR_LIBRARY_NOT_FOUND: no NVIDIA driver here
+            set_attr("gpu_sampler", "off: NVML library not found")
+        else:
+            set_attr("gpu_sampler", f"off: {_err_text(e)}")
+        return None
+    try:
+        count = int(nv.nvmlDeviceGetCount())
+        devices = choose_devices(nv, count, local_rank, local_world, env)
+        if not devices:
+            set_attr("gpu_sampler", f"off: no visible GPU ({count} on the node)")
+            return None
+        names = {}
+        for i in devices:
+            n = nv.nvmlDeviceGetName(nv.nvmlDeviceGetHandleByIndex(i))
+            names[str(i)] = n.decode() if isinstance(n, bytes) else str(n)
+        s = Sampler(nv, devices, getattr(cfg, "gpu_interval_s", 1.0), sink)
+        set_attr("gpu_names", json.dumps(names))
+        set_attr("gpu_sampler", f"on: {len(devices)} GPU(s) every {s.interval_s:g} s")
+        s.start()
+        return s
+    except Exception as e:
+        set_attr("gpu_sampler", f"off: {_err_text(e)}")
+        return None
+
+
+def install(rec: Any, cfg: Any = None) -> None:
+    """Start the sampler for the running session (the wrapper calls this after SESSION is set)."""
+    global _sampler
+    if _sampler is not None:
+        return
+    from distdiag.shim import session
+
+    sess = session.SESSION
+    if sess is None:
+        return
+    local_world = 1
+    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        try:  # SLURM_NTASKS_PER_NODE may read "4(x2)"
+            local_world = int(os.environ[var].split("(")[0])
+            break
+        except (KeyError, ValueError):
+            continue
+    _sampler = start_sampler(cfg, sess.writer.add_gpu, sess.writer.set_attr, sess.local_rank, local_world)
+
+
+def uninstall() -> None:
+    global _sampler
+    s, _sampler = _sampler, None
+    if s is not None:
+        s.stop()
+        try:
+            s.nv.nvmlShutdown()
+        except Exception:
+            pass

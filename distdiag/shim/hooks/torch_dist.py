@@ -1,0 +1,596 @@
+"""torch.distributed capture: every collective and point-to-point call, and DDP's buckets.
+
+What is recorded, and how:
+
+* **Python-level calls** (``all_reduce``, ``broadcast``, ``all_gather``, ...,
+  ``send``/``recv``/``isend``/``irecv``, ``batch_isend_irecv``, the object
+  collectives): the functions are replaced *as module attributes* of
+  ``torch.distributed`` and ``torch.distributed.distributed_c10d`` right after
+  ``torch.distributed`` finishes importing, i.e. before the user's code runs,
+  so ``from torch.distributed import all_reduce`` binds the wrapper too.
+  A blocking call is one row between ``rec.enter`` and ``rec.leave`` (a rank
+  killed inside it shows it in ``/inflight``); ``async_op=True`` records the post
+  time as t0 and the completion of the Work as t1: through the Work's future
+  callback where the backend has one (gloo and NCCL collectives), else (gloo
+  point-to-point: ``Work::getFuture not implemented``) when the program's
+  ``Work.wait()`` returns. Calls torch makes *inside* a recorded call (e.g.
+  ``all_gather_object`` -> ``all_gather``) are not recorded twice.
+
+* **DDP gradient buckets** do not pass through those Python functions: the C++
+  Reducer calls the process group directly. Measured here (torch 2.13, gloo):
+  a comm hook sees every bucket. So ``DistributedDataParallel.__init__`` is
+  wrapped to register our hook on each new DDP; it replicates the Reducer's
+  built-in default (pre-divide by the group size, sum all-reduce) so the
+  gradients are bit-identical. A hook the user registers later through
+  ``register_comm_hook`` (or ``_register_builtin_comm_hook``) is not lost: it
+  becomes the inner hook that ours times. Bucket rows are ``COLL_ASYNC`` named
+  ``ddp_bucket_allreduce`` on their own communicator key ``ddp<N>:<group key>``
+  (N = DDP construction order, the same on every rank) so their sequence numbers
+  stay consistent whatever Python-level collectives the program interleaves.
+
+Process-group key (the ``comm_id`` string, identical on every rank): ``default``
+for the world group, ``pg<name>`` for others, where ``<name>`` is torch's own
+``group_name`` (a creation counter that every rank advances in step, since every
+rank must call ``new_group``). ``seq`` counts recorded collectives per key.
+``nbytes`` is what this rank sends (the input tensor(s)); ``aux`` is the string id
+of the dtype; ``peer`` the *global* rank of the root / peer (-1 if none).
+
+Timing caveat: on NCCL the CPU-side times are enqueue times for blocking calls
+and stream-ordered completion for futures, not kernel time on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import types
+import weakref
+from typing import Any, Callable
+
+from distdiag.schema import Kind
+from distdiag.shim import hooks as _hooks
+from distdiag.shim.recorder import Recorder, now_ns
+
+log = logging.getLogger(__name__)
+
+# name -> (payload parameter or None, (global peer param, group peer param) or None, sync kind, async kind)
+_C = (Kind.COLL, Kind.COLL_ASYNC)
+_OPS: dict[str, tuple[str | None, tuple[str, str] | None, int, int]] = {
+    "all_reduce": ("tensor", None, *_C),
+    "all_reduce_coalesced": ("tensors", None, *_C),
+    "broadcast": ("tensor", ("src", "group_src"), *_C),
+    "all_gather": ("tensor", None, *_C),
+    "all_gather_into_tensor": ("input_tensor", None, *_C),
+    "_all_gather_base": ("input_tensor", None, *_C),
+    "all_gather_coalesced": ("input_tensor_list", None, *_C),
+    "reduce_scatter": ("input_list", None, *_C),
+    "reduce_scatter_tensor": ("input", None, *_C),
+    "_reduce_scatter_base": ("input", None, *_C),
+    "all_to_all": ("input_tensor_list", None, *_C),
+    "all_to_all_single": ("input", None, *_C),
+    "barrier": (None, None, *_C),
+    "monitored_barrier": (None, None, *_C),
+    "reduce": ("tensor", ("dst", "group_dst"), *_C),
+    "gather": ("tensor", ("dst", "group_dst"), *_C),
+    "scatter": ("scatter_list", ("src", "group_src"), *_C),
+    "all_gather_object": (None, None, *_C),
+    "gather_object": (None, ("dst", "group_dst"), *_C),
+    "broadcast_object_list": (None, ("src", "group_src"), *_C),
+    "scatter_object_list": (None, ("src", "group_src"), *_C),
+    "send": ("tensor", ("dst", "group_dst"), Kind.SEND, Kind.SEND_ASYNC),
+    "recv": ("tensor", ("src", "group_src"), Kind.RECV, Kind.RECV_ASYNC),
+    "isend": ("tensor", ("dst", "group_dst"), Kind.SEND_ASYNC, Kind.SEND_ASYNC),
+    "irecv": ("tensor", ("src", "group_src"), Kind.RECV_ASYNC, Kind.RECV_ASYNC),
+    "send_object_list": (None, ("dst", "group_dst"), Kind.SEND, Kind.SEND_ASYNC),
+    "recv_object_list": (None, ("src", "group_src"), Kind.RECV, Kind.RECV_ASYNC),
+}
+#: point-to-point ops carry seq -1 (they are matched by peer, not by sequence)
+_P2P = frozenset({"send", "recv", "isend", "irecv", "send_object_list", "recv_object_list"})
+#: always asynchronous, whatever the arguments say
+_ALWAYS_ASYNC = frozenset({"isend", "irecv"})
+
+BUCKET_OP = "ddp_bucket_allreduce"
+
+
+class _TLS(threading.local):
+    busy = False  # inside a recorded call: calls torch makes from within it are not recorded again
+    batch: list[tuple[Any, ...]] | None = None  # rows posted inside batch_isend_irecv without their own Work
+    batch_site = 0
+
+
+_tls = _TLS()
+_REC: Recorder | None = None
+_patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original): undone in reverse order
+_seq: dict[int, int] = {}
+_pg_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_dtype_ids: dict[Any, int] = {}
+_default_comm_id = 0
+_future_ok: dict[tuple[str, int], bool] = {}
+#: async Works whose backend has no future: recorded when the program's wait() returns
+_pending: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+_ddp_states: weakref.WeakKeyDictionary[Any, _DDPState] = weakref.WeakKeyDictionary()
+_ddp_count = 0
+_c10d: types.ModuleType | None = None
+_dist: types.ModuleType | None = None
+_installed = False
+
+
+# -- helpers ----------------------------------------------------------------------
+def _nbytes(x: Any) -> int:
+    """Bytes of a tensor or of a list of tensors; 0 for anything else."""
+    if x is None:
+        return 0
+    try:
+        if isinstance(x, (list, tuple)):
+            return sum(int(t.numel()) * int(t.element_size()) for t in x if hasattr(t, "element_size"))
+        return int(x.numel()) * int(x.element_size())
+    except Exception:
+        return 0
+
+
+def _dtype_id(rec: Recorder, x: Any) -> int:
+    if isinstance(x, (list, tuple)):
+        x = x[0] if x else None
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        return 0
+    i = _dtype_ids.get(dt)
+    if i is None:
+        i = _dtype_ids[dt] = rec.intern(str(dt))
+    return i
+
+
+def _comm_id(rec: Recorder, group: Any) -> int | None:
+    """String id of the group's key; None when this rank is not a member (torch does nothing then)."""
+    if group is None:
+        return _default_comm_id
+    try:
+        return _pg_ids[group]
+    except KeyError:
+        pass
+    except TypeError:  # an int: GroupMember.NON_GROUP_MEMBER
+        return None
+    key = "pg?"
+    try:
+        c10d = _c10d
+        if c10d is not None and c10d.is_initialized() and group is c10d._get_default_group():
+            key = "default"
+        else:
+            key = f"pg{group.group_name}"
+    except Exception:
+        log.debug("distdiag: no name for process group %r", group, exc_info=True)
+    i = rec.intern(key)
+    try:
+        _pg_ids[group] = i
+    except TypeError:
+        pass
+    return i
+
+
+def _global_peer(args: tuple[Any, ...], kwargs: dict[str, Any], idx: dict[str, int], names: tuple[str, str], group: Any) -> int:
+    g_name, l_name = names
+    v = _arg(args, kwargs, idx, g_name)
+    if v is not None:
+        return int(v)
+    v = _arg(args, kwargs, idx, l_name)
+    if v is None:
+        return -1
+    if group is None:
+        return int(v)
+    try:
+        return int(_c10d.get_global_rank(group, int(v)))  # type: ignore[union-attr]
+    except Exception:
+        return int(v)
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], idx: dict[str, int], name: str) -> Any:
+    i = idx.get(name)
+    if i is not None and i < len(args):
+        return args[i]
+    return kwargs.get(name)
+
+
+def _record_done(rec: Recorder, row: tuple[Any, ...], _fut: Any = None) -> None:
+    """Future callback: the Work completed now. Runs on a backend thread; never raises."""
+    try:
+        rec.add(row[0], now_ns(), *row[1:])
+    except Exception:
+        pass
+
+
+def _track(rec: Recorder, name: str, work: Any, row: tuple[Any, ...]) -> None:
+    """Arrange for ``row`` (t0 first, no t1) to be recorded when ``work`` completes."""
+    if work is None:
+        batch = _tls.batch
+        if batch is not None:  # coalesced inside batch_isend_irecv: completes with the batch's Work
+            batch.append(row)
+        else:
+            rec.add(row[0], now_ns(), *row[1:])
+        return
+    key = (name, row[3])
+    if _future_ok.get(key, True):
+        try:
+            fut = work.get_future()
+            fut.add_done_callback(functools.partial(_record_done, rec, row))
+            return
+        except Exception:  # gloo p2p: "Work::getFuture not implemented"
+            _future_ok[key] = False
+    try:
+        _pending[work] = row
+    except TypeError:
+        rec.add(row[0], now_ns(), *row[1:])
+
+
+# -- the wrappers -------------------------------------------------------------------
+def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    payload, peer_names, kind_sync, kind_async = _OPS[name]
+    try:
+        params = list(inspect.signature(orig).parameters)
+    except (TypeError, ValueError):
+        params = []
+    idx = {p: i for i, p in enumerate(params)}
+    has_async = "async_op" in idx
+    always_async = name in _ALWAYS_ASYNC
+    is_p2p = name in _P2P
+    name_ids: dict[int, int] = {}
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        rec = _REC
+        tls = _tls
+        if rec is None or tls.busy:
+            return orig(*args, **kwargs)
+        try:
+            group = _arg(args, kwargs, idx, "group")
+            comm = _comm_id(rec, group)
+            if comm is None:  # not a member: torch returns without communicating
+                return orig(*args, **kwargs)
+            is_async = always_async or (has_async and bool(_arg(args, kwargs, idx, "async_op")))
+            if is_p2p:
+                seq = -1
+            else:
+                seq = _seq.get(comm, 0)
+                _seq[comm] = seq + 1
+            peer = _global_peer(args, kwargs, idx, peer_names, group) if peer_names else -1
+            data = _arg(args, kwargs, idx, payload) if payload else None
+            nbytes = _nbytes(data)
+            aux = _dtype_id(rec, data) if data is not None else 0
+            site = tls.batch_site if tls.batch is not None else rec.site(2)
+            nid = name_ids.get(id(rec))
+            if nid is None:
+                nid = name_ids[id(rec)] = rec.intern(name)
+        except Exception:  # bookkeeping never breaks the call
+            log.debug("distdiag: could not describe %s", name, exc_info=True)
+            return orig(*args, **kwargs)
+        if is_async:
+            t0 = now_ns()
+            tls.busy = True
+            try:
+                work = orig(*args, **kwargs)
+            finally:
+                tls.busy = False
+            try:
+                _track(rec, name, work, (t0, kind_async, nid, comm, seq, peer, nbytes, aux, site))
+            except Exception:
+                log.debug("distdiag: could not track %s", name, exc_info=True)
+            return work
+        rec.enter(kind_sync, nid, comm, seq, peer, nbytes, aux, site)
+        tls.busy = True
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            tls.busy = False
+            rec.leave()
+
+    wrapper.__distdiag_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _make_batch_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """batch_isend_irecv: the isend/irecv it calls record themselves (one row per op).
+
+    With a coalescing backend (NCCL) those calls return no Work of their own;
+    their rows then complete with the last Work the batch returns.
+    """
+
+    @functools.wraps(orig)
+    def wrapper(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = _REC
+        tls = _tls
+        if rec is None or tls.busy or tls.batch is not None:
+            return orig(p2p_op_list, *args, **kwargs)
+        try:
+            tls.batch_site = rec.site(2)
+        except Exception:
+            tls.batch_site = 0
+        tls.batch = rows = []
+        try:
+            works = orig(p2p_op_list, *args, **kwargs)
+        finally:
+            tls.batch = None
+        if rows:
+            try:
+                last = works[-1] if works else None
+                for row in rows:
+                    _track(rec, "batch_isend_irecv", last, row)
+            except Exception:
+                log.debug("distdiag: could not track batch_isend_irecv", exc_info=True)
+        return works
+
+    wrapper.__distdiag_original__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _make_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Work.wait: completes Works whose backend has no future, and records the program's own waiting."""
+
+    @functools.wraps(orig)
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = _REC
+        if rec is None or _tls.busy:
+            return orig(self, *args, **kwargs)
+        try:
+            row = _pending.pop(self, None)
+        except TypeError:
+            row = None
+        rec.enter(Kind.WAIT, _wait_name_id(rec), row[3] if row else 0, -1, row[5] if row else -1)
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            t1 = now_ns()
+            rec.leave(t1)
+            if row is not None:
+                rec.add(row[0], t1, *row[1:])
+
+    wait.__distdiag_original__ = orig  # type: ignore[attr-defined]
+    return wait
+
+
+_wait_ids: dict[int, int] = {}
+
+
+def _wait_name_id(rec: Recorder) -> int:
+    i = _wait_ids.get(id(rec))
+    if i is None:
+        i = _wait_ids[id(rec)] = rec.intern("Work.wait")
+    return i
+
+
+# -- DDP ----------------------------------------------------------------------------
+class _DDPState:
+    """Per-DDP bookkeeping; also the ``state`` our comm hook receives."""
+
+    __slots__ = ("pg", "comm_id", "name_id", "div", "as_view", "inner", "inner_state", "seq", "user_hooked", "__weakref__")
+
+    def __init__(self, pg: Any, comm_id: int, name_id: int, div: int, as_view: bool) -> None:
+        self.pg = pg
+        self.comm_id = comm_id
+        self.name_id = name_id
+        self.div = div
+        self.as_view = as_view
+        self.inner: Callable[[Any, Any], Any] | None = None  # the user's hook, once registered
+        self.inner_state: Any = None
+        self.seq = 0
+        self.user_hooked = False
+
+
+def _default_bucket_hook(st: _DDPState, bucket: Any) -> Any:
+    """The Reducer's built-in behaviour without a hook, in Python.
+
+    Without a hook the Reducer scales each gradient by 1/world while copying it
+    into the bucket (``mul`` by the reciprocal; ``div`` when the gradient already
+    is a view of the bucket) and then sum-all-reduces the bucket; with a hook it
+    copies unscaled. Doing the same scaling here keeps the result bit-identical.
+    """
+    buf = bucket.buffer()
+    if st.as_view:
+        buf.div_(st.div)
+    else:
+        buf.mul_(1.0 / st.div)
+    work = st.pg.allreduce([buf])
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
+    rec = _REC
+    inner = st.inner
+    if rec is None:
+        return inner(st.inner_state, bucket) if inner is not None else _default_bucket_hook(st, bucket)
+    t0 = now_ns()
+    try:
+        buf = bucket.buffer()
+        nbytes = _nbytes(buf)
+        aux = _dtype_id(rec, buf)
+    except Exception:
+        nbytes, aux = 0, 0
+    seq = st.seq
+    st.seq = seq + 1
+    tls = _tls
+    was_busy = tls.busy
+    tls.busy = True  # collectives the user's hook makes are the bucket's, not rows of their own
+    try:
+        fut = inner(st.inner_state, bucket) if inner is not None else _default_bucket_hook(st, bucket)
+    finally:
+        tls.busy = was_busy
+    try:
+        fut.add_done_callback(
+            functools.partial(_record_done, rec, (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, nbytes, aux, 0))
+        )
+    except Exception:
+        log.debug("distdiag: could not time a DDP bucket", exc_info=True)
+    return fut
+
+
+def _attach_ddp(ddp: Any) -> None:
+    global _ddp_count
+    rec = _REC
+    reducer = getattr(ddp, "reducer", None)
+    if rec is None or reducer is None or _dist is None:
+        return
+    pg = ddp.process_group
+    comm = _comm_id(rec, pg)
+    if comm is None:
+        return
+    n = _ddp_count
+    _ddp_count += 1
+    st = _DDPState(
+        pg=pg,
+        comm_id=rec.intern(f"ddp{n}:{rec.strings.strings[comm]}"),
+        name_id=rec.intern(BUCKET_OP),
+        div=int(pg.size()),
+        as_view=bool(getattr(ddp, "gradient_as_bucket_view", False)),
+    )
+    _original("_register_comm_hook")(reducer, st, _bucket_hook)
+    _ddp_states[ddp] = st
+
+
+def _original(attr: str) -> Any:
+    """torch.distributed's own function, even while we swap the module attribute."""
+    for owner, name, orig in _patched:
+        if owner is _dist and name == attr:
+            return orig
+    return getattr(_dist, attr)
+
+
+class _Capture:
+    """Swaps ``torch.distributed.<attr>`` for a function that hands its arguments to ``fn``."""
+
+    def __init__(self, attr: str, fn: Callable[..., None]) -> None:
+        self.attr, self.fn = attr, fn
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_dist, self.attr)
+        setattr(_dist, self.attr, self.fn)
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(_dist, self.attr, self.saved)
+
+
+def _make_ddp_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        if _REC is not None and self not in _ddp_states:
+            try:
+                _attach_ddp(self)
+            except Exception:
+                log.debug("distdiag: DDP buckets will not be recorded", exc_info=True)
+
+    __init__.__distdiag_original__ = orig  # type: ignore[attr-defined]
+    return __init__
+
+
+def _make_register_comm_hook(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def register_comm_hook(self: Any, state: object, hook: Callable[..., Any]) -> None:
+        st = _ddp_states.get(self)
+        if st is None or st.user_hooked:  # not ours, or a second registration: torch's own answer
+            return orig(self, state, hook)
+
+        def capture(reducer: Any, s: Any, h: Any) -> None:
+            st.inner, st.inner_state, st.user_hooked = h, s, True
+
+        # torch's checks and logging run unchanged; only the final registration
+        # with the Reducer (which already holds our hook) is redirected.
+        with _Capture("_register_comm_hook", capture):
+            return orig(self, state, hook)
+
+    register_comm_hook.__distdiag_original__ = orig  # type: ignore[attr-defined]
+    return register_comm_hook
+
+
+def _make_register_builtin(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        st = _ddp_states.get(self)
+        if st is None or st.user_hooked:
+            return orig(self, comm_hook_type)
+
+        def capture(reducer: Any, t: Any) -> None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            if t == _dist.BuiltinCommHookType.FP16_COMPRESS:  # type: ignore[union-attr]
+                st.inner, st.inner_state = default_hooks.fp16_compress_hook, st.pg
+            else:
+                st.inner, st.inner_state = default_hooks.allreduce_hook, st.pg
+            st.user_hooked = True
+
+        with _Capture("_register_builtin_comm_hook", capture):
+            return orig(self, comm_hook_type)
+
+    _register_builtin_comm_hook.__distdiag_original__ = orig  # type: ignore[attr-defined]
+    return _register_builtin_comm_hook
+
+
+# -- install ------------------------------------------------------------------------
+def _patch(owner: Any, attr: str, new: Any) -> None:
+    _patched.append((owner, attr, getattr(owner, attr)))
+    setattr(owner, attr, new)
+
+
+def _on_torch_distributed(dist: types.ModuleType) -> None:
+    global _c10d, _dist, _default_comm_id
+    rec = _REC
+    if rec is None or not getattr(dist, "is_available", lambda: False)():
+        return
+    c10d = dist.distributed_c10d
+    _c10d, _dist = c10d, dist
+    _default_comm_id = rec.intern("default")
+    for name in list(_OPS) + ["batch_isend_irecv"]:
+        orig = getattr(c10d, name, None)
+        if orig is None or hasattr(orig, "__distdiag_original__"):
+            continue
+        new = _make_batch_wrapper(orig) if name == "batch_isend_irecv" else _make_wrapper(name, orig)
+        _patch(c10d, name, new)
+        if getattr(dist, name, None) is orig:
+            _patch(dist, name, new)
+    work = getattr(c10d, "Work", None)
+    if work is not None:
+        try:
+            _patch(work, "wait", _make_wait(work.wait))
+        except (TypeError, AttributeError):
+            log.debug("distdiag: Work.wait not patchable; async p2p completes unseen")
+    _hooks.when_imported("torch.nn.parallel.distributed", _on_ddp_module)
+
+
+def _on_ddp_module(mod: types.ModuleType) -> None:
+    if _REC is None:
+        return
+    ddp = mod.DistributedDataParallel
+    if hasattr(ddp.__init__, "__distdiag_original__"):
+        return
+    _patch(ddp, "__init__", _make_ddp_init(ddp.__init__))
+    _patch(ddp, "register_comm_hook", _make_register_comm_hook(ddp.register_comm_hook))
+    if hasattr(ddp, "_register_builtin_comm_hook"):
+        _patch(ddp, "_register_builtin_comm_hook", _make_register_builtin(ddp._register_builtin_comm_hook))
+
+
+def install(rec: Recorder, cfg: Any = None) -> None:
+    """Hook torch.distributed now if imported, else the moment it is. Never imports torch."""
+    global _REC, _installed
+    if _installed:
+        return
+    _REC = rec
+    _installed = True
+    _hooks.when_imported("torch.distributed", _on_torch_distributed)
+
+
+def uninstall() -> None:
+    """Restore every original attribute exactly. DDPs built meanwhile keep a pass-through hook."""
+    global _REC, _installed, _ddp_count
+    _REC = None
+    _installed = False
+    while _patched:
+        owner, attr, orig = _patched.pop()
+        try:
+            setattr(owner, attr, orig)
+        except Exception:
+            log.debug("distdiag: could not restore %r.%s", owner, attr, exc_info=True)
+    _seq.clear()
+    _pg_ids.clear()
+    _dtype_ids.clear()
+    _future_ok.clear()
+    _wait_ids.clear()
+    _ddp_count = 0

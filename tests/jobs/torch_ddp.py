@@ -1,0 +1,159 @@
+"""A small DDP training job on gloo, for distdiag's PyTorch tests.
+
+Runs under ``torchrun --nproc-per-node N`` (optionally through distdiag-wrap).
+Faults are injected for real: ``--sleep-ms`` sleeps in the Dataset's
+``__getitem__`` (per sample, in the training process: ``num_workers=0``, so
+nothing hides it), ``--slow-rank R --slow-iters K`` makes rank R do K extra
+matrix products per step before its backward. Each rank writes
+``<out>/rank<r>.json`` with its losses and what it checked.
+
+``--direct DIR`` (no wrapper): the job installs distdiag's torch hooks itself
+into a Recorder and writes ``DIR/rank-NNNNN.h5`` at the end with
+``write_rank_file``: the hooks tested on their own, before the wrapper exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--steps", type=int, default=10)
+ap.add_argument("--batch", type=int, default=8)
+ap.add_argument("--width", type=int, default=256)
+ap.add_argument("--sleep-ms", type=float, default=0.0)
+ap.add_argument("--slow-rank", type=int, default=-1)
+ap.add_argument("--slow-iters", type=int, default=0)
+ap.add_argument("--user-hook", action="store_true")
+ap.add_argument("--extras", action="store_true", help="also run async collectives, p2p, object collectives, a new group")
+ap.add_argument("--out", default="")
+ap.add_argument("--direct", default="")
+args = ap.parse_args()
+
+rec = None
+if args.direct:
+    from distdiag.shim.hooks import phases, torch_dist
+    from distdiag.shim.recorder import Recorder
+
+    rec = Recorder()
+    torch_dist.install(rec)
+    phases.install(rec)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+
+
+class SleepyData(torch.utils.data.Dataset):
+    def __init__(self, n: int, width: int, sleep_s: float) -> None:
+        g = torch.Generator().manual_seed(1000 + rank)
+        self.x = torch.randn(n, width, generator=g)
+        self.y = torch.randn(n, width, generator=g)
+        self.sleep_s = sleep_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i], self.y[i]
+
+
+model = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width))
+ddp = DDP(model)
+hook_calls = [0]
+if args.user_hook:
+
+    def counting_allreduce(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        hook_calls[0] += 1
+        t = bucket.buffer().div_(world)
+        return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, counting_allreduce)
+
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+data = SleepyData(args.steps * args.batch, args.width, args.sleep_ms / 1000.0)
+loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=0)
+extra = torch.randn(args.width, args.width)
+losses = []
+t_start = time.perf_counter()
+for x, y in loader:
+    opt.zero_grad()
+    out = ddp(x)
+    if rank == args.slow_rank:
+        z = extra
+        for _ in range(args.slow_iters):
+            z = torch.tanh(z @ extra)
+        out = out + 0.0 * z.sum()
+    loss = torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    opt.step()
+    losses.append(float(loss.detach()))
+t_loop = time.perf_counter() - t_start
+
+checks: dict[str, object] = {}
+if args.extras:
+    t = torch.full((4,), float(rank))
+    w = dist.all_reduce(t, async_op=True)
+    w.wait()
+    checks["async_all_reduce"] = t.tolist()
+    peer = rank ^ 1
+    buf = torch.full((3,), float(rank))
+    if rank % 2 == 0:
+        w = dist.isend(buf, peer)
+    else:
+        w = dist.irecv(buf, peer)
+    w.wait()
+    checks["p2p"] = buf.tolist()
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), (rank + 1) % world),
+           dist.P2POp(dist.irecv, rb := torch.zeros(2), (rank - 1) % world)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    checks["batch"] = rb.tolist()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    checks["objects"] = objs
+    g = dist.new_group([0, 1])
+    if rank in (0, 1):
+        t2 = torch.ones(2)
+        dist.all_reduce(t2, group=g)
+        checks["subgroup"] = t2.tolist()
+    dist.barrier()
+
+if rec is not None:
+    import numpy as np
+
+    from distdiag.shim import hooks as _h
+    from distdiag.shim.hooks import phases, torch_dist
+    from distdiag.shim.recorder import as_events
+    from distdiag.shim.writer import write_rank_file
+
+    dist.barrier()
+    time.sleep(0.1)  # let future callbacks on backend threads finish
+    torch_dist.uninstall()
+    phases.uninstall()
+    parts = [as_events(b, 0, n) for b, n in list(rec.full)] + [as_events(tb.buf, 0, tb.n) for tb in rec.buffers]
+    ev = np.concatenate(parts) if parts else np.zeros(0)
+    ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
+    os.makedirs(args.direct, exist_ok=True)
+    write_rank_file(
+        os.path.join(args.direct, f"rank-{rank:05d}.h5"),
+        {"rank": rank, "world_size": world, "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "host": "localhost",
+         "job_id": "direct", "launch_id": "direct"},
+        ev,
+        list(rec.strings.strings),
+    )
+
+if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "losses": losses, "hook_calls": hook_calls[0], "loop_s": t_loop, "checks": checks}, f)
+dist.destroy_process_group()
