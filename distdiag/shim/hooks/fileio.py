@@ -26,22 +26,26 @@ import the ``import`` statement), ``value`` = errno of a call that failed (a
 failed stat is a metadata operation too: most of an import storm is misses),
 0 otherwise. ``seq``/``peer``/``comm_id`` are unused.
 
-Bytes. A pure-Python proxy around every file object would change its type and
-cost on every call; closing hooks on C file objects cannot be made safe (an
-instance ``close`` that holds the file makes a reference cycle and delays the
-close of ``open(p, "w").write(s)`` to the next GC; one that holds a weak
-reference cannot close a file the GC collects). So bytes are counted where
-they are large and cheap to count: files opened in *binary* mode get
-instance attributes ``read`` / ``readinto`` / ``write`` that call the type's
-method and count (the object's type, fd, context manager and close behaviour
-are untouched; the attributes hold only a weak reference to the file).
-A call that moves >= ``BIG_CALL_BYTES`` or blocks >= ``BIG_CALL_NS`` is its own
-FILE_READ/FILE_WRITE row (exact start and duration); smaller calls are summed
-per file into one row (``t0`` = first call, duration = time inside the calls,
-``value`` = number of calls) emitted when the sum passes those limits or when
-the file object is freed. Text-mode files (configs, logs) are not counted: their
-payloads are small and their writes are the hottest loops. ``value`` of a
-FILE_READ/FILE_WRITE row is the number of calls it sums.
+Bytes and close. A pure-Python proxy around the file object would change its
+type and cost on every call; attributes set on the C file object cannot be
+made safe either (a bound ``write`` holding the file makes a reference cycle
+that delays the close of ``open(p, "wb").write(b)`` to the next GC; a weakly
+bound one lets ``open(p, "rb").read()`` free the file before the call). So
+for binary files with default buffering (``open(p, "rb")``, ``"wb"``, ``"ab"``,
+``"r+b"``, ...: checkpoints, shards, pickles) the wrapper builds what io.open
+builds, the same C ``BufferedReader/Writer/Random`` with the same buffer size,
+over :class:`FileIO`, a subclass of ``io.FileIO`` that books bytes at the raw
+layer: one booking per buffer fill or large call (a real system call), never
+per small ``f.read(4)``. Its ``close`` records FILE_CLOSE. The object the
+program holds has the exact type, mode, name, fd and behaviour; only
+``type(f.raw)`` differs. A raw call that moves >= ``BIG_CALL_BYTES`` or blocks
+>= ``BIG_CALL_NS`` is its own FILE_READ/FILE_WRITE row (exact start and
+duration); smaller calls are summed per file into one row (``t0`` = first
+call, duration = time inside the calls) emitted when the sum passes those
+limits or at close. ``value`` of a FILE_READ/FILE_WRITE row is the number of
+calls it sums. Text files, unbuffered or custom-buffered binary files and
+``open_code`` keep the original object (their opens are recorded, not their
+bytes): config and log files are small, and text writes are hot loops.
 
 Skipped: paths under the run directory (the shim's own files), ``/proc``,
 ``/sys``, ``/dev`` (no storage behind them), and ``stat`` of a file descriptor
@@ -235,55 +239,110 @@ def _count(acc: _Acc, write: bool, n: int, t0: int, t1: int) -> None:
         pass
 
 
-def _nbytes(res: Any, arg: Any = None) -> int:
-    if res is None:
-        return 0
-    if isinstance(res, int):  # readinto / write return a count
-        return res
+class FileIO(io.FileIO):
+    """The raw layer of a counted binary file: ``io.FileIO`` that books its bytes.
+
+    The buffered object the program holds (``BufferedReader`` / ``BufferedWriter``
+    / ``BufferedRandom``) is the real C type; only its ``.raw`` is this
+    subclass. The buffered layer calls ``raw.readinto`` / ``raw.readall`` /
+    ``raw.write`` once per buffer fill or large call (>= 8 KiB each, real
+    system calls), so booking there costs a few hundred ns per syscall, never
+    per small ``f.read(4)``. Closing goes through ``close`` here whether the
+    program closes, leaves a ``with`` block, or drops the object.
+    """
+
+    # (the accumulator is set as ``_dd`` right after construction; no __init__
+    # override, so the C constructor runs exactly as io.open runs it)
+
+    def readinto(self, buffer: Any) -> Any:
+        t0 = _now()
+        n = _FIO_readinto(self, buffer)
+        if n:
+            _count(self._dd, False, n, t0, _now())
+        return n
+
+    def readall(self) -> Any:
+        t0 = _now()
+        b = _FIO_readall(self)
+        if b:
+            _count(self._dd, False, len(b), t0, _now())
+        return b
+
+    def read(self, size: int = -1) -> Any:
+        t0 = _now()
+        b = _FIO_read(self, size)
+        if b:
+            _count(self._dd, False, len(b), t0, _now())
+        return b
+
+    def write(self, b: Any) -> Any:
+        t0 = _now()
+        n = _FIO_write(self, b)
+        if n:
+            _count(self._dd, True, n, t0, _now())
+        return n
+
+    def close(self) -> None:
+        if self.closed:
+            return _FIO_close(self)  # type: ignore[no-any-return]
+        t0 = _now()
+        try:
+            _FIO_close(self)
+        finally:
+            try:
+                acc = self._dd
+                acc.emit()
+                _add(t0, _now(), _FILE_CLOSE, acc.name_id, 0, -1, -1, 0, acc.aux, acc.site, 0.0)  # type: ignore[misc]
+            except Exception:
+                pass
+
+
+FileIO.__module__ = "_io"  # repr(f.raw) reads like the original's
+_FIO_readinto = io.FileIO.readinto
+_FIO_readall = io.FileIO.readall
+_FIO_read = io.FileIO.read
+_FIO_write = io.FileIO.write
+_FIO_close = io.FileIO.close
+
+#: binary modes whose io.open we rebuild with the counting raw layer; any other
+#: mode (and every invalid one) goes to the original io.open, errors included
+_BIN_MODES: dict[str, tuple[str, type]] = {}
+for _m, _raw, _cls in (
+    ("rb", "r", io.BufferedReader),
+    ("br", "r", io.BufferedReader),
+    ("wb", "w", io.BufferedWriter),
+    ("bw", "w", io.BufferedWriter),
+    ("ab", "a", io.BufferedWriter),
+    ("xb", "x", io.BufferedWriter),
+    ("rb+", "r+", io.BufferedRandom),
+    ("r+b", "r+", io.BufferedRandom),
+    ("wb+", "w+", io.BufferedRandom),
+    ("w+b", "w+", io.BufferedRandom),
+    ("ab+", "a+", io.BufferedRandom),
+    ("a+b", "a+", io.BufferedRandom),
+    ("xb+", "x+", io.BufferedRandom),
+    ("x+b", "x+", io.BufferedRandom),
+):
+    _BIN_MODES[_m] = (_raw, _cls)
+
+
+def _open_counted(file: Any, rawmode: str, cls: type, tag: tuple[int, ...], site: int) -> Any:
+    """What ``io.open(file, binary_mode)`` does (Modules/_io/_iomodule.c), with our raw layer.
+
+    Default buffering only: the buffer size is the raw file's ``_blksize``,
+    as io.open picks it for binary files (the tty check there only matters
+    for text files' line buffering).
+    """
+    raw = FileIO(os.fspath(file), rawmode)  # io.open hands FileIO the fspath, so f.name is a str
+    raw._dd = _Acc(tag[0], tag[1], site)
     try:
-        return len(res)
-    except TypeError:
-        return 0
-
-
-def _make_counters(f: Any, tag: tuple[int, ...], site: int) -> None:
-    """Give a binary file object counting ``read``/``readinto``/``write`` attributes."""
-    cls = type(f)
-    acc = _Acc(tag[0], tag[1], site)
-    ref = weakref.ref(f, lambda _r, acc=acc: acc.emit())  # the sums are written when the file is freed
-    rd = getattr(cls, "readable", None)
-    wr = getattr(cls, "writable", None)
-    if rd is not None and f.readable():
-        cls_read = cls.read
-        cls_readinto = cls.readinto
-
-        def read(*args: Any, **kwargs: Any) -> Any:
-            t0 = _now()
-            res = cls_read(ref(), *args, **kwargs)
-            _count(acc, False, _nbytes(res), t0, _now())
-            return res
-
-        def readinto(*args: Any, **kwargs: Any) -> Any:
-            t0 = _now()
-            res = cls_readinto(ref(), *args, **kwargs)
-            _count(acc, False, _nbytes(res), t0, _now())
-            return res
-
-        f.read = read
-        f.readinto = readinto
-    if wr is not None and f.writable():
-        cls_write = cls.write
-
-        def write(*args: Any, **kwargs: Any) -> Any:
-            t0 = _now()
-            res = cls_write(ref(), *args, **kwargs)
-            _count(acc, True, _nbytes(res), t0, _now())
-            return res
-
-        f.write = write
-
-
-_BINARY_TYPES = (io.BufferedReader, io.BufferedWriter, io.BufferedRandom, io.FileIO)
+        size = raw._blksize
+        if size <= 1:
+            size = io.DEFAULT_BUFFER_SIZE
+        return cls(raw, size)
+    except BaseException:
+        raw.close()
+        raise
 
 
 # -- the wrappers --------------------------------------------------------------------
@@ -291,23 +350,28 @@ def _wrap_open(orig: Callable[..., Any], count: bool) -> Callable[..., Any]:
     @functools.wraps(orig)
     def open(file: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - it is open
         t0 = _now()
+        # binary files with default buffering: counted (see FileIO above)
+        if count and _count_bytes and not kwargs and len(args) == 1 and args[0].__class__ is str:
+            rm = _BIN_MODES.get(args[0])
+            if rm is not None and (file.__class__ is str or isinstance(file, os.PathLike)):
+                tag = _paths.get(file) if file.__class__ is str else None
+                if tag is None:
+                    tag = _tag(file)
+                if tag:
+                    site = _site()
+                    try:
+                        f = _open_counted(file, rm[0], rm[1], tag, site)
+                    except BaseException as e:
+                        _add_safe(t0, _now(), _FILE_OPEN, (tag[0], tag[1], site), _errno_of(e))
+                        raise
+                    _add_safe(t0, _now(), _FILE_OPEN, (tag[0], tag[1], site), 0.0)
+                    return f
         try:
             f = orig(file, *args, **kwargs)
         except BaseException as e:
             _record(_FILE_OPEN, file, t0, _now(), _errno_of(e))
             raise
-        t1 = _now()
-        try:
-            tag = _paths.get(file) if file.__class__ is str else None
-            if tag is None:
-                tag = _tag(file)
-            if tag:
-                site = _site()
-                _add(t0, t1, _FILE_OPEN, tag[0], 0, -1, -1, 0, tag[1], site, 0.0)  # type: ignore[misc]
-                if count and _count_bytes and f.__class__ in _BINARY_TYPES:
-                    _make_counters(f, tag, site)
-        except Exception:
-            pass
+        _record(_FILE_OPEN, file, t0, _now())
         return f
 
     return open
