@@ -1,0 +1,128 @@
+"""The straggler detector: fault injected in the simulated job, healthy runs silent, the threshold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distdiag.config import Config
+from distdiag.pipeline import Report, analyze
+from factories import coll, make_run, write_rank
+
+
+def _stragglers(run_dir: Path, cfg: Config | None = None) -> tuple[list, Report]:
+    rep = analyze(run_dir, cfg or Config())
+    return [f for f in rep.findings if f.kind == "straggler"], rep
+
+
+def test_slow_rank_is_named_with_the_wall_clock_it_costs(tmp_path: Path) -> None:
+    t = make_run(tmp_path / "r", iters=100, slow_rank=3, slow_ms=2.0)
+    fs, rep = _stragglers(tmp_path / "r")
+    assert len(fs) == 1
+    f = fs[0]
+    assert f.ranks == [3] and f.hosts == ["node1"]
+    # cost = sum over collectives of (last - second-to-last arrival): the simulation's truth
+    assert f.cost_s == pytest.approx(t.straggler_cost_s(3), rel=1e-6)
+    assert f.cost_s == pytest.approx(100 * 2.0e-3, rel=0.15)  # and close to the injected delay
+    assert f.fraction == pytest.approx(f.cost_s / rep.run.wall_s)
+    assert f.evidence["count"] == 100 and f.evidence["collectives"] == 100
+    assert f.evidence["fraction_last"] == 1.0
+    assert list(f.evidence["per_op"]) == ["Allreduce"]
+    assert list(f.evidence["top_sites"]) == ["train.py:42"]
+    assert f.summary.startswith("rank 3 arrived last at 100% of 100 Allreduce calls; the others waited 0.")
+    assert rep.verdict is f
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_healthy_run_with_jitter_has_no_straggler(tmp_path: Path, seed: int) -> None:
+    # Ranks arrive in random order with ±0.2 ms jitter on 5 ms of compute.
+    make_run(tmp_path / "r", iters=200, seed=seed)
+    fs, rep = _stragglers(tmp_path / "r")
+    assert fs == []
+    assert rep.findings == [] and rep.verdict is None
+
+
+def test_healthy_run_with_large_jitter_stays_below_the_threshold(tmp_path: Path) -> None:
+    # Jitter of ±1 ms on 5 ms: each rank is last ~25% of the time; what removing
+    # one rank's lateness saves stays well below 2% of the wall-clock.
+    t = make_run(tmp_path / "r", iters=200, jitter_ms=1.0, seed=11)
+    chance_s = [t.straggler_cost_s(r) for r in range(4)]
+    assert max(chance_s) > 0.02 * t.wall_ns / 1e9  # the wall-clock threshold alone would blame a rank
+    fs, _ = _stragglers(tmp_path / "r")
+    assert fs == []
+
+
+def test_a_rank_standing_out_from_jittery_peers_is_found(tmp_path: Path) -> None:
+    # Same jitter as above, plus 1.5 ms of extra work on rank 2 every other iteration.
+    t = make_run(tmp_path / "r", iters=200, jitter_ms=1.0, seed=11, slow_rank=2, slow_ms=1.5, slow_every=2)
+    fs, _ = _stragglers(tmp_path / "r")
+    assert [f.ranks for f in fs] == [[2]]
+    assert fs[0].cost_s == pytest.approx(t.straggler_cost_s(2), rel=1e-6)
+    assert fs[0].evidence["peers_median_wait_s"] < fs[0].cost_s / 2
+
+
+def test_intermittent_straggler_is_found_with_its_true_cost(tmp_path: Path) -> None:
+    t = make_run(tmp_path / "r", iters=200, slow_rank=1, slow_ms=3.0, slow_every=4)
+    fs, _ = _stragglers(tmp_path / "r")
+    assert [f.ranks for f in fs] == [[1]]
+    assert fs[0].cost_s == pytest.approx(t.straggler_cost_s(1), rel=1e-6)
+    assert 0.24 <= fs[0].evidence["fraction_last"] <= 0.45  # last at every 4th, plus some by chance
+
+
+def test_two_stragglers_are_ranked_by_cost_and_each_collective_charged_once(tmp_path: Path) -> None:
+    # Arrivals (ms after the iteration starts): even iterations [0, 3, 0.1, 1.5]
+    # (rank 1 last, rank 3 second-to-last), odd ones [0, 0, 0.1, 1.5] (rank 3
+    # last, rank 2 second-to-last). Removing rank 1's lateness saves 3 - 1.5 ms
+    # at each even iteration, not 3 ms: rank 3 would then be last.
+    d = tmp_path / "r"
+    iters = 100
+    arrive = np.array([[0.0, 3.0 if i % 2 == 0 else 0.0, 0.1, 1.5] for i in range(iters)])
+    for r in range(4):
+        s = [""]
+        rows = []
+        t = 1.0
+        for i in range(iters):  # builds the test's rows
+            t1 = t + arrive[i].max() + 0.2
+            rows.append(coll(t + arrive[i, r], t1, i, s))
+            t = t1 + 5.0
+        write_rank(d, r, 4, rows, s)
+    rep = analyze(d, Config())
+    fs = [f for f in rep.findings if f.kind == "straggler"]
+    assert [f.ranks for f in fs] == [[1], [3]]
+    assert fs[0].cost_s == pytest.approx(50 * 1.5e-3, rel=1e-6)
+    assert fs[1].cost_s == pytest.approx(50 * 1.4e-3, rel=1e-6)
+    assert fs[0].evidence["fraction_last"] == 0.5 and fs[1].evidence["fraction_last"] == 0.5
+    # never more than the waiting that really happened (last - second-to-last, summed)
+    assert fs[0].cost_s + fs[1].cost_s == pytest.approx(50 * 1.5e-3 + 50 * 1.4e-3)
+
+
+@pytest.mark.parametrize("factor, found", [(0.5, False), (2.0, True)])
+def test_threshold_is_a_share_of_wall_clock(tmp_path: Path, factor: float, found: bool) -> None:
+    # Make the injected cost `factor` times the threshold: found only above it.
+    t = make_run(tmp_path / "r", iters=100, slow_rank=2, slow_ms=1.0, jitter_ms=0.0, seed=9)
+    frac = t.straggler_cost_s(2) / (t.wall_ns / 1e9)
+    cfg = Config()
+    cfg.sections["straggler"] = {"min_fraction": frac / factor}
+    fs, _ = _stragglers(tmp_path / "r", cfg)
+    assert bool(fs) is found
+
+
+def test_clock_offsets_do_not_fool_the_detector(tmp_path: Path) -> None:
+    # Rank 0's clock is 4 s behind the others: unaligned, every other rank would
+    # look seconds late. With the sync samples the truth comes out.
+    t = make_run(tmp_path / "r", iters=100, slow_rank=1, slow_ms=2.0, clock_offsets_ms=[0, 4000, 4000.5, 3999])
+    fs, _ = _stragglers(tmp_path / "r")
+    assert [f.ranks for f in fs] == [[1]]
+    assert fs[0].cost_s == pytest.approx(t.straggler_cost_s(1), rel=1e-6)
+
+
+def test_incomplete_collectives_are_not_charged(tmp_path: Path) -> None:
+    # Rank 3 is killed half-way, in a collective: the straggler stays rank 1, and
+    # the in-flight collective is reported as a warning.
+    make_run(tmp_path / "r", iters=100, slow_rank=1, slow_ms=2.0, killed_ranks=[3])
+    fs, rep = _stragglers(tmp_path / "r")
+    assert [f.ranks for f in fs] == [[1]]
+    assert any("Allreduce #50 on communicator 'world' never completed" in w and "in flight" in w
+               for w in rep.run.warnings), rep.run.warnings  # fmt: skip
