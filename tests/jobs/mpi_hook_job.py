@@ -143,14 +143,43 @@ def main() -> int:
     for c in (node, cart_sub, cart, sub2, sub, dup):
         c.Free()
 
+    # an MPI error passes through unchanged (mpi4py sets ERRORS_RETURN): same
+    # exception type and error class as without the hook
+    try:
+        comm.Send(sbuf, dest=size + 7, tag=9)
+        res["bad_send"] = "no error"
+    except MPI.Exception as e:
+        res["bad_send"] = [type(e).__name__, e.Get_error_class()]
+
+    # in flight: rank 1 is late to a barrier; a helper thread on rank 0 looks
+    # at what the recorder would write to /inflight while rank 0 waits
+    probe: list[object] = []
+    if rank == 0 and hook is not None:
+        import threading
+
+        def look() -> None:
+            time.sleep(0.15)
+            rows = rec.inflight_rows()
+            probe.extend([rec.strings.strings[int(r["name_id"])], rec.strings.strings[int(r["comm_id"])], int(r["seq"]), int(r["t1_ns"])] for r in rows)
+
+        th = threading.Thread(target=look)
+        th.start()
+    if rank == 1:
+        time.sleep(0.4)
+    comm.Barrier()
+    if rank == 0 and hook is not None:
+        th.join()
+    meta["inflight_probe"] = probe
+
     comm.Barrier()
     if hook is not None:
         import mpi4py.MPI as M
 
+        originals = dict(hook._saved)  # what install replaced
         hook.uninstall()
         meta["after_uninstall_world_type"] = type(M.COMM_WORLD).__name__
-        meta["after_uninstall_request_is_base"] = M.Request.__module__ == "mpi4py.MPI"
-        meta["after_uninstall_world_is_predefined"] = M.COMM_WORLD is M.__dict__["COMM_WORLD"]
+        meta["after_uninstall_restored"] = {k: getattr(M, k) is v for k, v in originals.items()}
+        meta["after_uninstall_request_type_is_builtin"] = type(M.Request) is type
         n_before = sum(tb.n for tb in rec.buffers)
         M.COMM_WORLD.Barrier()
         comm.Barrier()  # the wrapped object we still hold passes through

@@ -339,9 +339,100 @@ def _payload(spec: _CollSpec, args: tuple[Any, ...], kw: dict[str, Any]) -> tupl
 
 
 # -- wrapper factories ---------------------------------------------------------------
+def _name_cell(name: str) -> list[Any]:
+    """[name id, recorder it belongs to]: a wrapper's cached op-name id."""
+    return [0, None]
+
+
+def _bind_name(cell: list[Any], name: str, rec: Any) -> int:
+    cell[0] = rec.intern(name)
+    cell[1] = rec
+    return cell[0]  # type: ignore[no-any-return]
+
+
+def _finish_wrapper(wrapper: Callable[..., Any], name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[..., Any]:
-    """A blocking collective: enter/leave so a killed rank shows it in flight."""
-    light = spec[0] is None and spec[2] is None  # Barrier: nothing to look at
+    """A blocking collective: enter/leave so a killed rank shows it in flight.
+
+    Three shapes, because every attribute lookup here is paid on each call:
+    no arguments (Barrier), one pickled object (allreduce(1)), buffers.
+    Everything the hot path needs is a closure variable or a local.
+    """
+    cell = _name_cell(name)
+    prim, _alt, root_at, obj = spec
+
+    if prim is None and root_at is None:
+
+        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+            rec = _rec
+            if rec is None:
+                return orig(self, *args, **kw)
+            try:
+                st = self._dd
+                seq = st.seq
+                st.seq = seq + 1
+                rec.enter(
+                    COLL,
+                    cell[0] if cell[1] is rec else _bind_name(cell, name, rec),
+                    st.kid if st.rec is rec else st.bind(rec),
+                    seq,
+                    -1,
+                    0,
+                    0,
+                    rec.site(2),
+                )
+            except Exception:
+                _oops(name)
+            try:
+                return orig(self, *args, **kw)
+            finally:
+                try:
+                    rec.leave()
+                except Exception:
+                    _oops(name)
+
+        return _finish_wrapper(wrapper, name, orig)
+
+    if obj and root_at is None:
+        kwname = prim[1]
+
+        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+            rec = _rec
+            if rec is None:
+                return orig(self, *args, **kw)
+            try:
+                st = self._dd
+                seq = st.seq
+                st.seq = seq + 1
+                o = args[0] if args else kw.get(kwname)
+                t = type(o)
+                rec.enter(
+                    COLL,
+                    cell[0] if cell[1] is rec else _bind_name(cell, name, rec),
+                    st.kid if st.rec is rec else st.bind(rec),
+                    seq,
+                    -1,
+                    0 if (t is int or t is float) else _obj_nbytes(o),
+                    _ids.obj,
+                    rec.site(2),
+                )
+            except Exception:
+                _oops(name)
+            try:
+                return orig(self, *args, **kw)
+            finally:
+                try:
+                    rec.leave()
+                except Exception:
+                    _oops(name)
+
+        return _finish_wrapper(wrapper, name, orig)
 
     def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
         rec = _rec
@@ -351,12 +442,17 @@ def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[.
             st = self._dd
             seq = st.seq
             st.seq = seq + 1
-            nid = _ids.names.get(name) or _nid(name)
-            if light:
-                rec.enter(COLL, nid, _kid(st, rec), seq, -1, 0, 0, rec.site(2))
-            else:
-                nb, aux, root = _payload(spec, args, kw)
-                rec.enter(COLL, nid, _kid(st, rec), seq, root, nb, aux, rec.site(2))
+            nb, aux, root = _payload(spec, args, kw)
+            rec.enter(
+                COLL,
+                cell[0] if cell[1] is rec else _bind_name(cell, name, rec),
+                st.kid if st.rec is rec else st.bind(rec),
+                seq,
+                root,
+                nb,
+                aux,
+                rec.site(2),
+            )
         except Exception:
             _oops(name)
         try:
@@ -367,10 +463,7 @@ def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[.
             except Exception:
                 _oops(name)
 
-    wrapper.__name__ = wrapper.__qualname__ = name
-    wrapper.__doc__ = getattr(orig, "__doc__", None)
-    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wrapper
+    return _finish_wrapper(wrapper, name, orig)
 
 
 def _mk_icoll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[..., Any]:

@@ -1,0 +1,232 @@
+"""The mpi4py hook, on real ``mpiexec -n 4`` jobs.
+
+The job (tests/jobs/mpi_hook_job.py) installs the hook into its own Recorder
+before importing mpi4py, runs a fixed mix of MPI calls and saves each rank's
+rows, string table, call results and a few facts; the tests read those. One
+wrapped run and one plain run are shared by most tests (module fixtures);
+the straggler case is its own run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distdiag.schema import Kind
+
+pytestmark = pytest.mark.mpi
+
+JOBS = Path(__file__).parent / "jobs"
+NP = 4
+TIMEOUT_S = 120  # 4 busy-polling ranks on 2 shared cores: slow, but never hang
+
+
+def _run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a job in its own session; on timeout kill that session's processes (ours only)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=cwd, env=env)
+    try:
+        out, err = p.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{cmd} timed out after {TIMEOUT_S}s\n{out}\n{err}")
+    if p.returncode != 0:
+        pytest.fail(f"{cmd} exited {p.returncode}\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _mpiexec() -> str:
+    exe = Path(sys.executable).with_name("mpiexec")
+    return str(exe) if exe.exists() else "mpiexec"
+
+
+class RankOut:
+    def __init__(self, d: Path, rank: int) -> None:
+        self.rank = rank
+        self.strings: list[str] = json.loads((d / f"strings-{rank}.json").read_text())
+        ev = d / f"events-{rank}.npy"
+        self.ev = np.load(ev) if ev.exists() else None
+        self.results: dict[str, Any] = json.loads((d / f"results-{rank}.json").read_text())
+        self.meta: dict[str, Any] = json.loads((d / f"meta-{rank}.json").read_text())
+
+    def s(self, i: int) -> str:
+        return self.strings[int(i)]
+
+    def rows(self, *kinds: Kind) -> np.ndarray:
+        assert self.ev is not None
+        return self.ev[np.isin(self.ev["kind"], [int(k) for k in kinds])]
+
+    def named(self, name: str, kind: Kind | None = None) -> np.ndarray:
+        assert self.ev is not None
+        names = np.array([self.s(i) for i in self.ev["name_id"]])
+        m = names == name
+        if kind is not None:
+            m &= self.ev["kind"] == int(kind)
+        return self.ev[m]
+
+    def colls(self) -> dict[tuple[str, int], str]:
+        """(comm key, seq) -> op name of every collective row."""
+        r = self.rows(Kind.COLL, Kind.COLL_ASYNC)
+        return {(self.s(c), int(q)): self.s(n) for c, q, n in zip(r["comm_id"], r["seq"], r["name_id"])}
+
+
+def _job(tmp: Path, *args: str) -> list[RankOut]:
+    _run([_mpiexec(), "-n", str(NP), sys.executable, str(JOBS / "mpi_hook_job.py"), str(tmp), *args])
+    return [RankOut(tmp, r) for r in range(NP)]
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory: pytest.TempPathFactory) -> list[RankOut]:
+    return _job(tmp_path_factory.mktemp("wrapped"))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> list[RankOut]:
+    return _job(tmp_path_factory.mktemp("plain"), "--plain")
+
+
+# -- matching keys ------------------------------------------------------------------------
+def test_sequence_numbers_and_comm_keys_agree_across_ranks(wrapped: list[RankOut]) -> None:
+    per_rank = [r.colls() for r in wrapped]
+    # every rank's world collectives: the same ops at the same seq, 0..n-1 without gaps
+    worlds = [{q: op for (c, q), op in pr.items() if c == "world"} for pr in per_rank]
+    assert all(w == worlds[0] for w in worlds), worlds
+    assert sorted(worlds[0]) == list(range(len(worlds[0])))
+    assert worlds[0][0] == "Barrier" and worlds[0][1] == "allreduce" and worlds[0][2] == "Allreduce"
+    assert worlds[0][8] == "Iallreduce" and {worlds[0][9], worlds[0][10]} == {"Ibarrier", "Ibcast"}
+    # every communicator key: members agree on the whole (seq -> op) sequence
+    by_key: dict[str, list[dict[int, str]]] = {}
+    for pr in per_rank:
+        keys = {c for c, _ in pr}
+        for k in keys:
+            by_key.setdefault(k, []).append({q: op for (c, q), op in pr.items() if c == k})
+    for k, seqs in by_key.items():
+        assert all(s == seqs[0] for s in seqs), (k, seqs)
+        assert sorted(seqs[0]) == list(range(len(seqs[0]))), (k, seqs[0])
+
+
+def test_dup_split_cart_comms_are_wrapped_and_keyed_consistently(wrapped: list[RankOut]) -> None:
+    for r in wrapped:
+        t = r.meta["types"]
+        assert r.meta["world_type"] == "WIntracomm"
+        assert t == {"dup": "WIntracomm", "sub": "WIntracomm", "sub2": "WIntracomm", "cart": "WCartcomm", "cart_sub": "WCartcomm", "node": "WIntracomm"}
+        keys = {(r.s(c), q) for c, q in zip(r.rows(Kind.COLL)["comm_id"], r.rows(Kind.COLL)["seq"])}
+        assert ("world.dup0", 0) in keys
+        color = r.rank % 2
+        assert (f"world.split1.c{color}", 0) in keys and (f"world.split1.c{color}", 1) in keys
+        assert (f"world.split1.c{color}.dup0", 0) in keys
+        # all ranks share one host: Split_type(SHARED) gives one node comm led by world rank 0
+        assert ("world.splittype3.r0", 0) in keys
+        # COMM_CREATE rows: parent key, this rank's rank in the new comm, its size
+        cc = r.rows(Kind.COMM_CREATE)
+        made = {r.s(n): (r.s(p), int(pe), int(sz)) for n, p, pe, sz in zip(cc["name_id"], cc["comm_id"], cc["peer"], cc["aux"])}
+        assert made["world"] == ("", r.rank, NP)
+        assert made["world.dup0"] == ("world", r.rank, NP)
+        assert made[f"world.split1.c{color}"] == ("world", r.rank // 2, 2)
+        assert made["world.cart2"][0] == "world"
+    # the two split halves are different communicators with different keys
+    k0 = {c for c, _ in wrapped[0].colls()}
+    k1 = {c for c, _ in wrapped[1].colls()}
+    assert "world.split1.c0" in k0 and "world.split1.c0" not in k1
+    # Cartcomm.Sub([True, False]) on a 2x2 grid: two disjoint comms, told apart by their leaders
+    subs = {next(c for c, _ in r.colls() if ".sub0." in c) for r in wrapped}
+    assert len(subs) == 2
+
+
+def test_results_and_errors_equal_the_unwrapped_run(wrapped: list[RankOut], plain: list[RankOut]) -> None:
+    for w, p in zip(wrapped, plain):
+        assert w.results == p.results
+        assert p.results["bad_send"][0] == "Exception"  # the error case really errs
+    assert plain[0].meta["world_type"] == "Intracomm"
+
+
+# -- timing ----------------------------------------------------------------------------------
+def test_nonblocking_completion_is_seen_after_the_post(wrapped: list[RankOut]) -> None:
+    for r in wrapped:
+        ia = r.named("Iallreduce", Kind.COLL_ASYNC)
+        assert len(ia) == 1
+        # posted, then 10 ms of sleep, then Wait: completion seen at least 10 ms after the post
+        assert ia["t0_ns"][0] <= r.meta["t_post_ns"]
+        assert ia["t1_ns"][0] - ia["t0_ns"][0] >= 10_000_000
+        a = r.rows(Kind.COLL_ASYNC, Kind.SEND_ASYNC, Kind.RECV_ASYNC)
+        assert len(a) >= 6 and (a["t1_ns"] >= a["t0_ns"]).all()
+        # the Wait itself is a WAIT row inside the async span
+        wt = r.named("Wait", Kind.WAIT)
+        assert len(wt) == 1 and wt["t0_ns"][0] >= ia["t0_ns"][0] and wt["t1_ns"][0] <= ia["t1_ns"][0]
+
+
+def test_late_rank_shows_a_later_arrival(tmp_path: Path) -> None:
+    slow, sleep_s = 2, 0.3
+    ranks = _job(tmp_path, "--slow-rank", str(slow), "--sleep-s", str(sleep_s))
+    first = {r.rank: r.named("Barrier", Kind.COLL) for r in ranks}
+    t0 = {k: int(v[v["seq"] == 0]["t0_ns"][0]) for k, v in first.items()}
+    t1 = {k: int(v[v["seq"] == 0]["t1_ns"][0]) for k, v in first.items()}
+    others = [k for k in t0 if k != slow]
+    # one host: perf_counter_ns is CLOCK_MONOTONIC, comparable across these processes
+    assert t0[slow] - max(t0[k] for k in others) >= 0.8 * sleep_s * 1e9
+    for k in others:  # the punctual ranks waited in the barrier for the late one
+        assert t1[k] - t0[k] >= 0.8 * sleep_s * 1e9
+    assert t1[slow] - t0[slow] < 0.5 * sleep_s * 1e9
+
+
+def test_a_rank_waiting_in_a_collective_shows_it_in_flight(wrapped: list[RankOut]) -> None:
+    probe = wrapped[0].meta["inflight_probe"]
+    assert len(probe) == 1
+    name, comm, seq, t1 = probe[0]
+    assert (name, comm, t1) == ("Barrier", "world", -1)
+    assert wrapped[0].colls()[("world", seq)] == "Barrier"
+
+
+# -- point-to-point --------------------------------------------------------------------------
+def test_p2p_peers_and_bytes(wrapped: list[RankOut]) -> None:
+    for r in wrapped:
+        right, left = (r.rank + 1) % NP, (r.rank - 1) % NP
+        send = r.named("Send", Kind.SEND)
+        ok = send[send["peer"] == right]
+        assert len(ok) == 1 and ok["nbytes"][0] == 4000 and r.s(ok["aux"][0]) == "MPI_FLOAT"
+        recv = r.named("Recv", Kind.RECV)
+        # even ranks received from ANY_SOURCE: the row holds the actual source
+        assert len(recv) == 1 and recv["peer"][0] == left and recv["nbytes"][0] == 4000
+        isend, irecv = r.named("Isend", Kind.SEND_ASYNC), r.named("Irecv", Kind.RECV_ASYNC)
+        assert isend["peer"].tolist() == [left] and irecv["peer"].tolist() == [right]
+        sr_s, sr_r = r.named("sendrecv", Kind.SEND), r.named("sendrecv", Kind.RECV)
+        assert sr_s["peer"].tolist() == [right] and sr_s["nbytes"].tolist() == [r.rank + 5]
+        assert sr_r["peer"].tolist() == [left] and sr_r["nbytes"].tolist() == [left + 5]
+        assert (sr_s["t0_ns"] == sr_r["t0_ns"]).all()
+        assert r.named("send", Kind.SEND)["nbytes"].tolist() == [100]
+        assert r.named("irecv", Kind.RECV_ASYNC)["nbytes"].tolist() == [100]
+        # p2p rows are not collectives
+        assert (r.rows(Kind.SEND, Kind.RECV, Kind.SEND_ASYNC, Kind.RECV_ASYNC)["seq"] == -1).all()
+
+
+def test_collective_roots_bytes_datatypes_and_call_sites(wrapped: list[RankOut]) -> None:
+    for r in wrapped:
+        c = {(r.s(cm), int(q)): row for cm, q, row in zip(r.rows(Kind.COLL)["comm_id"], r.rows(Kind.COLL)["seq"], r.rows(Kind.COLL))}
+        bc = c[("world", 3)]  # Bcast([b, MPI.INT], root=1) of 3 int32
+        assert (bc["peer"], bc["nbytes"], r.s(bc["aux"])) == (1, 12, "MPI_INT")
+        ar = c[("world", 2)]  # Allreduce of 4 float64
+        assert (ar["peer"], ar["nbytes"], r.s(ar["aux"])) == (-1, 32, "MPI_DOUBLE")
+        assert c[("world", 7)]["nbytes"] == 32  # IN_PLACE: the receive buffer
+        assert c[("world", 5)]["peer"] == 2  # gather(obj, root=2)
+        assert r.s(c[("world", 1)]["aux"]) == "object"
+        site = r.s(ar["site_id"])
+        assert site.startswith(str(JOBS / "mpi_hook_job.py") + ":") and int(site.rsplit(":", 1)[1]) > 0
+
+
+# -- uninstall ---------------------------------------------------------------------------------
+def test_uninstall_restores_mpi4py_exactly(wrapped: list[RankOut]) -> None:
+    for r in wrapped:
+        m = r.meta
+        assert m["after_uninstall_world_type"] == "Intracomm"
+        assert m["after_uninstall_restored"] == {"COMM_WORLD": True, "COMM_SELF": True, "Request": True}
+        assert m["after_uninstall_request_type_is_builtin"]
+        assert m["rows_added_after_uninstall"] == 0
+        assert m["isinstance_plain_request"]  # while installed, plain requests still are MPI.Request
