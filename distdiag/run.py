@@ -36,6 +36,7 @@ import numpy as np
 
 from distdiag.schema import (
     EVENT_DTYPE,
+    FILE_KINDS,
     GPU_DTYPE,
     RANK_FILE_RE,
     SCHEMA_ATTR,
@@ -61,6 +62,8 @@ RUN_GPU_DTYPE = _with_rank(GPU_DTYPE)
 
 #: Columns that hold string ids and are remapped onto the global table.
 STRING_COLUMNS = ("name_id", "comm_id", "site_id")
+#: Kinds whose ``aux`` is a string id as well (the file system of a file event).
+_FILE_KIND_ARR = np.array(sorted(FILE_KINDS), np.uint8)
 
 #: Events are read in blocks of this many rows so that a file truncated in the
 #: middle of its events still yields every row before the damage.
@@ -452,6 +455,13 @@ def _remap(arr: np.ndarray, lookup: np.ndarray) -> int:
         oob = (ids < 0) | (ids >= len(lookup))
         bad += int(oob.sum())
         arr[col] = np.where(oob, 0, lookup[np.clip(ids, 0, len(lookup) - 1)])
+    # File events keep a string id in ``aux`` too: "fstype:mountpoint" (shim/hooks/fileio.py).
+    fk = np.isin(arr["kind"], _FILE_KIND_ARR)
+    if fk.any():
+        ids = arr["aux"][fk]
+        oob = (ids < 0) | (ids >= len(lookup))
+        bad += int(oob.sum())
+        arr["aux"][fk] = np.where(oob, 0, lookup[np.clip(ids, 0, len(lookup) - 1)])
     return bad
 
 
