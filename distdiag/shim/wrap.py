@@ -611,15 +611,49 @@ def _is_zip(path: str) -> bool:
 _MARKER_CODE = _run_target.__code__
 
 
+_SHIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def strip_wrapper_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback below :func:`_run_target`: what an unwrapped run would show."""
+    """What an unwrapped run would show: the traceback below :func:`_run_target`,
+    without the frames of the shim's hooks (a hooked ``open`` that raises
+    would otherwise show ``hooks/fileio.py`` between the user's frames)."""
     cut = None
     t = tb
     while t is not None:
         if t.tb_frame.f_code is _MARKER_CODE:
             cut = t
         t = t.tb_next
-    return cut.tb_next if cut is not None else tb
+    if cut is not None:
+        tb = cut.tb_next
+    frames = []
+    t = tb
+    while t is not None:
+        frames.append(t)
+        t = t.tb_next
+    if not any(f.tb_frame.f_code.co_filename.startswith(_SHIM_DIR) for f in frames):
+        return tb
+    out: types.TracebackType | None = None
+    for f in reversed(frames):  # rebuild the chain without our frames, innermost first
+        if not f.tb_frame.f_code.co_filename.startswith(_SHIM_DIR):
+            out = types.TracebackType(out, f.tb_frame, f.tb_lasti, f.tb_lineno)
+    return out
+
+
+def _strip_chain(value: BaseException) -> None:
+    """Strip the tracebacks of the exceptions chained to ``value`` (cause/context) too."""
+    seen: set[int] = {id(value)}
+    todo = [value.__cause__, value.__context__]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        try:
+            e.__traceback__ = strip_wrapper_frames(e.__traceback__)
+        except Exception:
+            pass
+        todo += [e.__cause__, e.__context__]
 
 
 def _install_excepthook_stripper() -> None:
@@ -630,6 +664,7 @@ def _install_excepthook_stripper() -> None:
         tb = strip_wrapper_frames(tb)
         try:
             value = value.with_traceback(tb)
+            _strip_chain(value)
         except Exception:
             pass
         sys.excepthook = user_hook  # what the user set, for anything that reads it later

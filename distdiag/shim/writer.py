@@ -179,6 +179,14 @@ def write_rank_file(
         _set_attrs(f, full)
 
 
+#: Free space a flush leaves untouched (HDF5 metadata, the close, the user's own files).
+DISK_RESERVE_BYTES = 1 << 20
+
+
+class _DiskFull(OSError):
+    pass
+
+
 class Writer:
     """The shim's incremental writer for one rank.
 
@@ -323,6 +331,7 @@ class Writer:
 
         f = self._f
         events = self._collect_events()
+        self._check_space(len(events) * EVENT_DTYPE.itemsize)
         _append(f["events"], events)
         self.rows_written += len(events)
         strings = self.rec.strings.strings
@@ -342,14 +351,35 @@ class Writer:
         f.flush()
         self.flushes += 1
 
+    def _check_space(self, batch_nbytes: int) -> None:
+        """Stop cleanly before the disk is full rather than after.
+
+        Measured with h5py 3.16: once a write inside HDF5 fails with ENOSPC the
+        file cannot be closed and the library's shutdown at process exit
+        segfaults. So every flush first checks that the batch plus a reserve
+        fits; if not, the file is closed properly (everything so far stays
+        readable) and recording stops.
+        """
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        need = 2 * batch_nbytes + DISK_RESERVE_BYTES
+        if free < need:
+            raise _DiskFull(f"only {free} bytes free on its file system (need {need})")
+
     def _fail(self, e: BaseException) -> None:
         """Stop writing after an error; keep the job running with bounded memory."""
         if self.failed:
             return
         self.failed = True
         self._stop.set()
+        msg = " ".join(str(e).split())  # HDF5 messages carry newlines: keep to one line
+        if len(msg) > 300:
+            msg = msg[:300] + "..."
         try:
-            sys.stderr.write(f"distdiag: cannot write {self.path}: {e}; the job runs without recording\n")
+            sys.stderr.write(f"distdiag: cannot write {self.path}: {msg}; the job runs without recording\n")
             sys.stderr.flush()
         except Exception:
             pass
@@ -357,6 +387,26 @@ class Writer:
         self.rec.max_pending_chunks = 0
         self.rec.full.clear()
         self._offsets.clear()
+        if isinstance(e, _DiskFull):
+            try:  # nothing failed inside HDF5: close properly, the rows so far stay readable
+                _set_attrs(self._f, {"recording_stopped": msg, "lost_events": int(self.rec.lost_events)})
+                self._f.close()
+                return
+            except Exception:
+                pass
+        # A write failed inside HDF5. Its later writes (object deallocation, the
+        # close, the library's shutdown at exit) would fail again, print
+        # errors and, measured, segfault at exit. Point the file descriptor at
+        # /dev/null so they succeed harmlessly, then close.
+        try:
+            fd = self._f.id.get_vfd_handle()
+            nul = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(nul, fd)
+            finally:
+                os.close(nul)
+        except Exception:
+            log.debug("distdiag: could not detach the failed file", exc_info=True)
         try:
             self._f.close()
         except Exception:

@@ -1,0 +1,460 @@
+"""distdiag-wrap runs the program unchanged and leaves a readable rank file, whatever happens.
+
+Every case is a real subprocess: the same program run with plain ``python``
+and under the wrapper (console script and ``python -m distdiag.wrap``) must
+give the same exit code, stdout and stderr byte for byte; killed and
+terminated runs must leave files that open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from distdiag.schema import Kind
+from distdiag.shim import rankinfo
+from distdiag.shim.wrap import UsageError, parse_args, resolve_run_dir
+
+PY = sys.executable
+_CONSOLE = Path(PY).parent / "distdiag-wrap"
+WRAP_CONSOLE = [str(_CONSOLE)] if _CONSOLE.exists() else [shutil.which("distdiag-wrap") or "distdiag-wrap"]
+WRAP_MODULE = [PY, "-m", "distdiag.wrap"]
+TIMEOUT_S = 60
+
+#: launcher variables a test must not inherit from whatever runs pytest
+_LAUNCH_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_RANK", "PMIX_NAMESPACE",
+    "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMI_KVSNAME", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURMD_NODENAME",
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("DISTDIAG_")}
+    env["PYTHONHASHSEED"] = "0"
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def rank_file(run_dir: Path, rank: int = 0) -> Path:
+    return run_dir / f"rank-{rank:05d}.h5"
+
+
+def events_of(path: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    with h5py.File(path, "r") as f:
+        return f["events"][:], f["strings"].asstr()[:], dict(f.attrs)
+
+
+def shim_names(path: Path) -> list[str]:
+    ev, s, _ = events_of(path)
+    return [s[i] for i in ev["name_id"][ev["kind"] == Kind.SHIM]]
+
+
+PROGRAMS = {
+    "raises": """
+        import sys
+        def inner(x):
+            return {}[x]
+        def outer():
+            inner("missing")
+        print("before", flush=True)
+        outer()
+    """,
+    "exit3": """
+        import sys
+        print("out")
+        print("err", file=sys.stderr)
+        sys.exit(3)
+    """,
+    "exit_msg": """
+        import sys
+        sys.exit("fatal: no input files")
+    """,
+    "argv": """
+        import os, sys
+        print(sys.argv)
+        print(__name__, __file__, __package__, __spec__, __doc__)
+        print(sys.path[0], os.getcwd())
+        print(type(__loader__).__name__, __loader__.name, __loader__.path)
+        print(sorted(k for k in globals() if k.startswith("__")))
+    """,
+    "main_pickle": '''
+        """Docstring of the program."""
+        import atexit, pickle, sys, threading
+
+        class Point:
+            def __init__(self, x):
+                self.x = x
+
+        def roundtrip(tag):
+            p = pickle.loads(pickle.dumps(Point(7)))
+            print(tag, type(p).__module__, type(p).__qualname__, p.x, flush=True)
+
+        if __name__ == "__main__":
+            print(__doc__)
+            roundtrip("main")
+            t = threading.Thread(target=roundtrip, args=("thread",))
+            t.start(); t.join()
+            atexit.register(roundtrip, "atexit")
+            print(sys.modules["__main__"].Point is Point)
+    ''',
+    "excepthook": """
+        import sys
+        def hook(t, v, tb):
+            n = 0
+            while tb is not None:
+                n += 1; tb = tb.tb_next
+            print("user hook:", t.__name__, v, "frames", n, file=sys.stderr)
+        sys.excepthook = hook
+        def f():
+            raise RuntimeError("custom")
+        f()
+    """,
+    "keyboard": """
+        print("interrupting", flush=True)
+        raise KeyboardInterrupt
+    """,
+    "syntax": """
+        def broken(:
+            pass
+    """,
+    "chained": """
+        def load():
+            try:
+                open("/nonexistent/definitely/not")
+            except OSError as e:
+                raise ValueError("could not load") from e
+        load()
+    """,
+}
+
+
+def _write(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / "prog"
+    d.mkdir(exist_ok=True)
+    p = d / f"{name}.py"
+    p.write_text(textwrap.dedent(PROGRAMS[name]))
+    return p
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+@pytest.mark.parametrize("wrapper", ["console", "module"])
+def test_wrapped_program_behaves_exactly_like_unwrapped(tmp_path: Path, name: str, wrapper: str) -> None:
+    prog = _write(tmp_path, name)
+    rel = os.path.relpath(prog, tmp_path)  # argv[0] as typed, relative to cwd
+    plain = run([PY, rel, "a1", "--flag"], cwd=tmp_path)
+    wrap = WRAP_CONSOLE if wrapper == "console" else WRAP_MODULE
+    run_dir = tmp_path / "run"
+    wrapped = run([*wrap, "--dir", str(run_dir), "python", rel, "a1", "--flag"], cwd=tmp_path)
+    assert (wrapped.returncode, wrapped.stdout, wrapped.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    # and the run was recorded, closed cleanly, with the program's exit code
+    _, _, attrs = events_of(rank_file(run_dir))
+    assert bool(attrs["closed_cleanly"]) is True
+    expected = plain.returncode if plain.returncode >= 0 else plain.returncode  # -2 for KeyboardInterrupt
+    assert int(attrs["exit_code"]) == expected
+    assert json.loads(attrs["argv"]) == [rel, "a1", "--flag"]
+
+
+def test_sanity_programs_really_differ(tmp_path: Path) -> None:
+    """The comparison above can fail: the programs' outcomes are what we think."""
+    outs = {n: run([PY, str(_write(tmp_path, n))], cwd=tmp_path) for n in ("raises", "exit3", "keyboard", "syntax")}
+    assert outs["raises"].returncode == 1 and "KeyError: 'missing'" in outs["raises"].stderr
+    assert outs["exit3"].returncode == 3
+    assert outs["keyboard"].returncode == -signal.SIGINT
+    assert outs["syntax"].returncode == 1 and "SyntaxError" in outs["syntax"].stderr
+
+
+def test_dash_m_module_behaves_like_python_dash_m(tmp_path: Path) -> None:
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tool.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            print(sys.argv, __name__, __spec__.name, __package__, sys.path[0])
+            if sys.argv[1:] == ["fail"]:
+                raise SystemExit(5)
+            raise LookupError("from module")
+            """
+        )
+    )
+    for args in (["x", "y"], ["fail"]):
+        plain = run([PY, "-m", "mypkg.tool", *args], cwd=tmp_path)
+        for wrap in (WRAP_CONSOLE, WRAP_MODULE):
+            w = run([*wrap, "--dir", str(tmp_path / "run"), "python3", "-m", "mypkg.tool", *args], cwd=tmp_path)
+            assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert "LookupError: from module" in run([PY, "-m", "mypkg.tool"], cwd=tmp_path).stderr
+    missing_plain = run([PY, "-m", "no_such_module_xyz"], cwd=tmp_path)
+    missing_wrap = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "run"), PY, "-m", "no_such_module_xyz"], cwd=tmp_path)
+    assert missing_wrap.returncode == missing_plain.returncode == 1
+    # "<sys.executable>: No module named ...": the interpreter's name may differ (python vs python3.11)
+    assert missing_wrap.stderr.split(": ", 1)[1] == missing_plain.stderr.split(": ", 1)[1]
+
+
+def test_dash_c_and_script_without_python_prefix(tmp_path: Path) -> None:
+    code = "import sys; print(sys.argv, __name__, repr(sys.path[0])); sys.exit(4)"
+    plain = run([PY, "-c", code, "z"], cwd=tmp_path)
+    w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "r"), "python", "-c", code, "z"], cwd=tmp_path)
+    assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr) and plain.returncode == 4
+    prog = _write(tmp_path, "argv")
+    plain = run([PY, str(prog), "q"], cwd=tmp_path)
+    w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "r"), str(prog), "q"], cwd=tmp_path)
+    assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+
+
+def test_missing_script_exits_2_like_python(tmp_path: Path) -> None:
+    plain = run([PY, "nope.py"], cwd=tmp_path)
+    w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "r"), "python", "nope.py"], cwd=tmp_path)
+    assert w.returncode == plain.returncode == 2
+    assert "can't open file" in w.stderr and str(tmp_path / "nope.py") in w.stderr
+
+
+@pytest.mark.parametrize("cmd", [["/bin/echo", "hi"], ["bash", "job.sh"], ["./a.out"], ["perl", "x.pl"]])
+def test_non_python_target_is_one_line_exit_2(tmp_path: Path, cmd: list[str]) -> None:
+    p = run([*WRAP_CONSOLE, *cmd], cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert p.stderr == (
+        "distdiag-wrap: can only wrap Python programs ('python script.py' or 'python -m module'), "
+        f"got '{cmd[0]}'\n"
+    )
+    assert not list(tmp_path.glob("distdiag-*")), "nothing recorded for a refused target"
+
+
+def test_parse_args_options_and_python_flags() -> None:
+    o, t = parse_args(["--dir", "D", "--probe-links", "--config=c.toml", "--", "python3.11", "-u", "-W", "ignore", "s.py", "-x"])
+    assert (o.dir, o.probe_links, o.config) == ("D", True, "c.toml")
+    assert (t.kind, t.value, t.args, t.unbuffered, t.warnoptions) == ("script", "s.py", ["-x"], True, ["ignore"])
+    o, t = parse_args([PY, "-m", "pkg.mod", "--dir", "x"])
+    assert (t.kind, t.value, t.args, o.dir) == ("module", "pkg.mod", ["--dir", "x"], None)
+    with pytest.raises(UsageError, match="cannot be applied in-process"):
+        parse_args(["python", "-O", "s.py"])
+    with pytest.raises(UsageError, match="no program"):
+        parse_args(["--dir", "x"])
+
+
+# -- crash safety ------------------------------------------------------------------------
+
+KILL_PROG = """
+import sys, time
+import distdiag
+from distdiag.schema import Kind
+from distdiag.shim import session
+
+n = int(sys.argv[1])
+for i in range(n):
+    distdiag.mark("tick")
+    if i % 100 == 0:
+        time.sleep(0.001)
+rec = session.SESSION.rec
+time.sleep(0.5)                                       # at 0.2 s per flush: the ticks are on disk
+rec.enter(Kind.COLL, rec.intern("stuck_allreduce"), comm_id=rec.intern("world"), seq=41)
+print("inside", n, flush=True)
+time.sleep(60)
+"""
+
+
+def _wait_line(p: subprocess.Popen[str], want: str, timeout_s: float = 30.0) -> str:
+    assert p.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if want in line:
+            return line
+        if not line and p.poll() is not None:
+            break
+    p.kill()
+    raise AssertionError(f"never printed {want!r}; stderr: {p.stderr.read() if p.stderr else ''}")
+
+
+def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_path: Path) -> None:
+    prog = tmp_path / "kill.py"
+    prog.write_text(KILL_PROG)
+    run_dir = tmp_path / "run"
+    env = clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.2")
+    p = subprocess.Popen([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog), "5000"], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_line(p, "inside")
+        time.sleep(0.7)  # > 2 flush intervals: the enter is on disk as in flight
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=TIMEOUT_S)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=TIMEOUT_S)
+    assert p.returncode == -signal.SIGKILL
+    path = rank_file(run_dir)
+    with h5py.File(path, "r") as f:  # opens after SIGKILL
+        ev, s, attrs = f["events"][:], f["strings"].asstr()[:], dict(f.attrs)
+        inflight = f["inflight"][:]
+    names = s[ev["name_id"]]
+    assert int(((ev["kind"] == Kind.MARK) & (names == "tick")).sum()) == 5000
+    assert bool(attrs["closed_cleanly"]) is False
+    assert "exit_code" not in attrs and "end_mono_ns" not in attrs
+    assert len(inflight) == 1
+    row = inflight[0]
+    assert (row["kind"], s[row["name_id"]], s[row["comm_id"]], row["seq"], row["t1_ns"]) == (
+        Kind.COLL, "stuck_allreduce", "world", 41, -1)
+    # the last flush was recent: within a few intervals of the kill
+    assert attrs["last_flush_mono_ns"] > row["t0_ns"]
+
+
+TERM_PROG = """
+import signal, sys, time
+import distdiag
+
+mode = sys.argv[1]
+if mode == "handler":
+    def on_term(signum, frame):
+        print("user handler ran", signum, flush=True)
+        sys.exit(7)
+    old = signal.signal(signal.SIGTERM, on_term)
+    assert signal.getsignal(signal.SIGTERM) is on_term
+    print("previous", old, flush=True)
+for i in range(3000):
+    distdiag.mark("tick")
+distdiag.step(samples=1)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "handler"])
+def test_sigterm_closes_the_file_with_every_row(tmp_path: Path, mode: str) -> None:
+    prog = tmp_path / "term.py"
+    prog.write_text(TERM_PROG)
+    run_dir = tmp_path / "run"
+    env = clean_env(DISTDIAG_FLUSH_INTERVAL_S="30")  # no periodic flush: SIGTERM must write everything
+    results = {}
+    for wrapped in (False, True):
+        cmd = [*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog), mode] if wrapped else [PY, str(prog), mode]
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_line(p, "ready")
+            p.send_signal(signal.SIGTERM)
+            out, err = p.communicate(timeout=TIMEOUT_S)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=TIMEOUT_S)
+        results[wrapped] = (p.returncode, out, err)
+    assert results[True] == results[False]
+    rc = results[True][0]
+    assert rc == (7 if mode == "handler" else -signal.SIGTERM)
+    ev, s, attrs = events_of(rank_file(run_dir))
+    assert bool(attrs["closed_cleanly"]) is True
+    assert int(attrs["exit_code"]) == rc
+    assert int((ev["kind"] == Kind.MARK).sum()) == 3000 and int((ev["kind"] == Kind.STEP).sum()) == 1
+    assert "sigterm" in shim_names(rank_file(run_dir))
+
+
+def test_unwritable_run_dir_job_still_runs_with_one_stderr_line(tmp_path: Path) -> None:
+    prog = _write(tmp_path, "exit3")
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    plain = run([PY, str(prog)], cwd=tmp_path)
+    w = run([*WRAP_CONSOLE, "--dir", str(blocker / "run"), PY, str(prog)], cwd=tmp_path)
+    assert w.returncode == plain.returncode == 3
+    assert w.stdout == plain.stdout
+    extra = w.stderr.replace(plain.stderr, "", 1)
+    assert extra.count("\n") == 1
+    assert extra.startswith("distdiag: ") and extra.endswith("; the job runs without recording\n")
+
+
+def test_full_disk_mid_run_job_finishes_with_its_exit_code(tmp_path: Path) -> None:
+    """A 3 MiB tmpfs fills while the job records 5.5 MB of events: one stderr line, the job
+    finishes with its own exit code, and the file keeps every row written before the stop."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, timeout=30)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {m.stderr!r}")
+    try:
+        prog = tmp_path / "fill.py"
+        prog.write_text(
+            "import time, distdiag\n"
+            "for i in range(40):\n"
+            "    for j in range(2000):\n"
+            "        distdiag.mark('tick')\n"
+            "    time.sleep(0.01)\n"
+            "print('finished')\n"
+            "raise SystemExit(9)\n"
+        )
+        w = run([*WRAP_CONSOLE, "--dir", str(mnt / "run"), PY, str(prog)], cwd=tmp_path,
+                env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.05"))
+        assert w.returncode == 9
+        assert w.stdout == "finished\n"
+        assert w.stderr.count("\n") == 1 and w.stderr.startswith("distdiag: cannot write ")
+        assert w.stderr.endswith("; the job runs without recording\n")
+        ev, _, attrs = events_of(rank_file(mnt / "run"))
+        assert 0 < len(ev) < 80000 and "recording_stopped" in attrs
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+
+
+# -- run dir --------------------------------------------------------------------------
+
+
+def _info(env: dict[str, str]) -> rankinfo.RankInfo:
+    return rankinfo.detect(env, ppid=4242)
+
+
+def test_run_dir_precedence_and_slurm_names(tmp_path: Path) -> None:
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "981", "SLURM_STEP_ID": "0"}
+    assert resolve_run_dir(str(tmp_path / "opt"), _info(slurm), {"DISTDIAG_DIR": str(tmp_path / "env")}, tmp_path) == tmp_path / "opt"
+    assert resolve_run_dir(None, _info(slurm), {"DISTDIAG_DIR": str(tmp_path / "env")}, tmp_path) == tmp_path / "env"
+    assert resolve_run_dir(None, _info(slurm), {}, tmp_path) == tmp_path / "distdiag-981"
+    step3 = {**slurm, "SLURM_STEP_ID": "3"}
+    assert resolve_run_dir(None, _info(step3), {}, tmp_path) == tmp_path / "distdiag-981.3"
+    assert (tmp_path / "distdiag-981.3").is_dir()
+
+
+def test_run_dir_outside_slurm_is_shared_by_the_launch(tmp_path: Path) -> None:
+    env0 = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_KVSNAME": "kvs_77_0"}
+    env1 = {**env0, "PMI_RANK": "1"}
+    other = {**env0, "PMI_KVSNAME": "kvs_78_0"}
+    d0 = resolve_run_dir(None, _info(env0), {}, tmp_path)
+    assert d0.name.startswith("distdiag-") and d0.name.endswith("-" + _info(env0).launch_hash)
+    assert resolve_run_dir(None, _info(env1), {}, tmp_path, wait_s=1.0) == d0
+    t = time.monotonic()
+    lone = resolve_run_dir(None, _info({**other, "PMI_RANK": "1"}), {}, tmp_path, wait_s=0.3)
+    assert time.monotonic() - t >= 0.3
+    assert lone != d0 and lone.name.endswith(_info(other).launch_hash)
+
+
+@pytest.mark.mpi
+def test_mpiexec_ranks_share_one_default_run_dir(tmp_path: Path) -> None:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra")
+    prog = tmp_path / "hello.py"
+    prog.write_text("import distdiag\ndistdiag.mark('hello')\n")
+    p = run([mpiexec, "-n", "2", *WRAP_CONSOLE, PY, str(prog)], cwd=tmp_path,
+            env=clean_env(DISTDIAG_HOOKS="mpi4py=0"))
+    assert p.returncode == 0, p.stderr
+    dirs = list(tmp_path.glob("distdiag-*"))
+    assert len(dirs) == 1, dirs
+    assert sorted(x.name for x in dirs[0].iterdir()) == ["rank-00000.h5", "rank-00001.h5"]
+    for r in (0, 1):
+        _, _, attrs = events_of(rank_file(dirs[0], r))
+        assert (int(attrs["rank"]), int(attrs["world_size"]), attrs["launcher"]) == (r, 2, "mpich")
