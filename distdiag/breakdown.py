@@ -115,14 +115,14 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     if len(inf):
         ik = inf["kind"]
         ir = inf["rank"].astype(np.int64)
-        for cat, m in (
+        for cat_code, m in (
             (_IO, np.isin(ik, np.array(sorted(FILE_KINDS), np.uint8))),
             (_INPUT, ik == Kind.INPUT_WAIT),
             (_H2D, ik == Kind.H2D),
             (_OTHER, np.isin(ik, np.array(_OTHER_KINDS, np.uint8))),
         ):
             parts_rank.append(ir[m])
-            parts_cat.append(np.full(int(m.sum()), cat, np.int64))
+            parts_cat.append(np.full(int(m.sum()), cat_code, np.int64))
             parts_t0.append(inf["t0_ns"][m])
             parts_t1.append(end[ir[m]])
     cr, cc, c0, c1 = _collective_intervals(colls, end)
@@ -131,15 +131,15 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     parts_t0.append(c0)
     parts_t1.append(c1)
 
-    rank = np.concatenate(parts_rank)
+    rank_of = np.concatenate(parts_rank)
     cat = np.concatenate(parts_cat)
     # Clip to the rank's record: nothing before its start or after its end counts.
-    t0 = np.clip(np.concatenate(parts_t0), start[rank], end[rank])
-    t1 = np.clip(np.concatenate(parts_t1), start[rank], end[rank])
+    t0 = np.clip(np.concatenate(parts_t0), start[rank_of], end[rank_of])
+    t1 = np.clip(np.concatenate(parts_t1), start[rank_of], end[rank_of])
     t1 = np.maximum(t0, t1)
 
-    per_cat = _union_ns(rank * _N_CAT + cat, t0, t1, n * _N_CAT).reshape(n, _N_CAT)
-    busy = _union_ns(rank, t0, t1, n)
+    per_cat = _union_ns(rank_of * _N_CAT + cat, t0, t1, n * _N_CAT).reshape(n, _N_CAT)
+    busy = _union_ns(rank_of, t0, t1, n)
     span = (end - start).astype(np.float64)
 
     present = np.array(sorted(run.ranks), np.int64)

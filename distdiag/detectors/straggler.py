@@ -74,8 +74,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
 
     findings = []
     took_part = n_member > 0
-    for r in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):  # ranks over threshold: few
-        r = int(r)
+    for r_ in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):  # ranks over threshold: few
+        r = int(r_)
         peers = took_part.copy()
         peers[r] = False
         peer_median_ns = float(np.median(cost_ns[peers])) if peers.any() else 0.0
@@ -96,7 +96,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             f"the others waited {cost_s:.3g} s"
         )
         host = run.host_of(r)
-        where = f" (top call site {next(iter(by_site))})" if by_site and next(iter(by_site)) else ""
+        top_site = next(iter(by_site.keys()), "")
+        where = f" (top call site {top_site})" if top_site and top_site != "?" else ""
         findings.append(
             Finding(
                 kind="straggler",
