@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.mpi
 
 JOBS = Path(__file__).parent / "jobs"
 NP = 4
+HOOK = "distdiag.shim.hooks.mpi4py"
 TIMEOUT_S = 120  # 4 busy-polling ranks on 2 shared cores: slow, but never hang
 
 
@@ -116,8 +118,9 @@ def test_sequence_numbers_and_comm_keys_agree_across_ranks(wrapped: list[RankOut
 def test_dup_split_cart_comms_are_wrapped_and_keyed_consistently(wrapped: list[RankOut]) -> None:
     for r in wrapped:
         t = r.meta["types"]
-        assert r.meta["world_type"] == "WIntracomm"
-        assert t == {"dup": "WIntracomm", "sub": "WIntracomm", "sub2": "WIntracomm", "cart": "WCartcomm", "cart_sub": "WCartcomm", "node": "WIntracomm"}
+        assert r.meta["world_type"] == f"{HOOK}.Intracomm"
+        intra, cart = f"{HOOK}.Intracomm", f"{HOOK}.Cartcomm"
+        assert t == {"dup": intra, "sub": intra, "sub2": intra, "cart": cart, "cart_sub": cart, "node": intra}
         keys = {(r.s(c), q) for c, q in zip(r.rows(Kind.COLL)["comm_id"], r.rows(Kind.COLL)["seq"])}
         assert ("world.dup0", 0) in keys
         color = r.rank % 2
@@ -145,7 +148,7 @@ def test_results_and_errors_equal_the_unwrapped_run(wrapped: list[RankOut], plai
     for w, p in zip(wrapped, plain):
         assert w.results == p.results
         assert p.results["bad_send"][0] == "Exception"  # the error case really errs
-    assert plain[0].meta["world_type"] == "Intracomm"
+    assert plain[0].meta["world_type"] == "mpi4py.MPI.Intracomm"
 
 
 # -- timing ----------------------------------------------------------------------------------
@@ -225,8 +228,43 @@ def test_collective_roots_bytes_datatypes_and_call_sites(wrapped: list[RankOut])
 def test_uninstall_restores_mpi4py_exactly(wrapped: list[RankOut]) -> None:
     for r in wrapped:
         m = r.meta
-        assert m["after_uninstall_world_type"] == "Intracomm"
+        assert m["after_uninstall_world_type"] == "mpi4py.MPI.Intracomm"
         assert m["after_uninstall_restored"] == {"COMM_WORLD": True, "COMM_SELF": True, "Request": True}
         assert m["after_uninstall_request_type_is_builtin"]
         assert m["rows_added_after_uninstall"] == 0
         assert m["isinstance_plain_request"]  # while installed, plain requests still are MPI.Request
+
+
+# -- end to end under distdiag-wrap --------------------------------------------------------------
+def _read_rank_file(path: Path) -> tuple[np.ndarray, list[str]]:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return f["events"][:], list(f["strings"].asstr()[:])
+
+
+def test_wrapped_program_records_into_rank_files(tmp_path: Path) -> None:
+    """``mpiexec -n 4 distdiag-wrap python job.py``: a plain mpi4py program, unchanged output."""
+    job = str(JOBS / "mpi_wrap_job.py")
+    run_dir = tmp_path / "run"
+    wrapped_out = _run([_mpiexec(), "-n", str(NP), sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable, job]).stdout
+    plain_out = _run([_mpiexec(), "-n", str(NP), sys.executable, job]).stdout
+    # mpiexec interleaves the ranks' stdout (lines are not atomic): compare the records
+    line = re.compile(r"rank \d+ total [0-9.]+ type \w+;")
+    assert sorted(line.findall(wrapped_out)) == sorted(line.findall(plain_out))
+    assert len(line.findall(plain_out)) == NP
+
+    seqs = []
+    for rank in range(NP):
+        ev, strings = _read_rank_file(run_dir / f"rank-{rank:05d}.h5")
+        coll = ev[ev["kind"] == int(Kind.COLL)]
+        # the program bound COMM_WORLD by name at import: still the wrapped one
+        seq_ops = [(strings[c], int(q), strings[n]) for c, q, n in zip(coll["comm_id"], coll["seq"], coll["name_id"])]
+        assert [q for c, q, _ in seq_ops if c == "world"] == list(range(10))
+        assert ("world.dup0", 0, "bcast") in seq_ops
+        assert (f"world.split1.c{rank % 2}", 0, "allreduce") in seq_ops
+        seqs.append([(c, q, n) for c, q, n in seq_ops if not c.startswith("world.split")])
+        recv = ev[ev["kind"] == int(Kind.RECV)]
+        assert recv["peer"].tolist() == [(rank - 1) % NP] and recv["nbytes"].tolist() == [80]
+        assert (ev[ev["kind"] == int(Kind.SEND_ASYNC)]["peer"] == (rank + 1) % NP).all()
+    assert all(s == seqs[0] for s in seqs)

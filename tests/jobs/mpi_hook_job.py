@@ -57,7 +57,10 @@ def main() -> int:
     rank = comm.Get_rank()
     size = comm.Get_size()
     res: dict[str, object] = {}
-    meta: dict[str, object] = {"world_type": type(comm).__name__}
+    def tname(o: object) -> str:
+        return f"{type(o).__module__}.{type(o).__name__}"
+
+    meta: dict[str, object] = {"world_type": tname(comm)}
 
     # a rank that is late to the first collective
     if rank == a.slow_rank:
@@ -131,14 +134,7 @@ def main() -> int:
     res["cart_neighbor"] = cart.neighbor_allgather(rank)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     node.Barrier()
-    meta["types"] = {
-        "dup": type(dup).__name__,
-        "sub": type(sub).__name__,
-        "sub2": type(sub2).__name__,
-        "cart": type(cart).__name__,
-        "cart_sub": type(cart_sub).__name__,
-        "node": type(node).__name__,
-    }
+    meta["types"] = {"dup": tname(dup), "sub": tname(sub), "sub2": tname(sub2), "cart": tname(cart), "cart_sub": tname(cart_sub), "node": tname(node)}
     meta["isinstance_plain_request"] = isinstance(MPI.REQUEST_NULL, MPI.Request)
     for c in (node, cart_sub, cart, sub2, sub, dup):
         c.Free()
@@ -177,7 +173,7 @@ def main() -> int:
 
         originals = dict(hook._saved)  # what install replaced
         hook.uninstall()
-        meta["after_uninstall_world_type"] = type(M.COMM_WORLD).__name__
+        meta["after_uninstall_world_type"] = tname(M.COMM_WORLD)
         meta["after_uninstall_restored"] = {k: getattr(M, k) is v for k, v in originals.items()}
         meta["after_uninstall_request_type_is_builtin"] = type(M.Request) is type
         n_before = sum(tb.n for tb in rec.buffers)

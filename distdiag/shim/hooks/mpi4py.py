@@ -952,9 +952,7 @@ def _build_request_class(MPI: Any) -> type:
         for n2 in (nm, nm.lower()):
             if hasattr(R, n2):
                 ns[n2] = multi(n2, blocking)
-    W = _RequestMeta("Request", (R,), ns)
-    W.__qualname__ = "WRequest"
-    return W
+    return _RequestMeta("Request", (R,), ns)
 
 
 # -- class construction ---------------------------------------------------------------------
@@ -983,7 +981,9 @@ def _build_classes(MPI: Any) -> dict[str, type]:
         for name in _CREATE_NAMES:
             if hasattr(base, name):
                 ns[name] = _mk_create(name, getattr(base, name))
-        cls = type(wname, (base,), ns)
+        # the program sees the same class name as without us (type(comm).__name__,
+        # error messages); the module tells ours apart
+        cls = type(base.__name__, (base,), ns)
         out[wname] = cls
         _wrap_of[base] = cls
     return out
