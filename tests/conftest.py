@@ -1,0 +1,127 @@
+"""Shared test fixtures. Keep each one small; add yours below the last.
+
+Markers (declared in pyproject.toml) say what a test needs; fixtures skip a test
+only when that need is truly absent on this machine, and never where CI
+promises it: ``.ci/run`` sets ``DISTDIAG_SLURM_REQUIRED=1`` after bringing up
+Slurm, so there a missing Slurm FAILS the Slurm tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --- slurm -----------------------------------------------------------------------
+
+
+def _slurm_dir() -> Path:
+    return Path(os.environ.get("DISTDIAG_SLURM_DIR", "/tmp/distdiag-slurm"))
+
+
+@dataclass
+class SlurmCluster:
+    """The single-host, two-node Slurm stood up by ``tests/slurm/up.sh``."""
+
+    dir: Path
+    conf: Path
+    nodes: list[str] = field(default_factory=lambda: ["n1", "n2"])
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """os.environ plus what srun/sbatch/sacct need to reach this cluster."""
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf)
+        # A test runs inside no allocation: drop any a developer's shell holds.
+        for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+            del env[k]
+        env.update(extra)
+        return env
+
+    def run(self, args: list[str], timeout_s: float = 60, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command (srun, sbatch, scontrol ...) with a timeout."""
+        kw.setdefault("env", self.env())
+        p = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, **kw)
+        if check and p.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} exited {p.returncode}\nstdout: {p.stdout}\nstderr: {p.stderr}")
+        return p
+
+    def sbatch(self, args: list[str], timeout_s: float = 30, **kw: Any) -> str:
+        """Submit with ``sbatch --parsable``; returns the job id."""
+        p = self.run(["sbatch", "--parsable", *args], timeout_s=timeout_s, **kw)
+        return p.stdout.strip().split(";")[0]
+
+    def wait_gone(self, job_id: str, timeout_s: float = 60) -> None:
+        """Block until the job left the queue (finished, failed or cancelled)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            p = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False, timeout_s=10)
+            if p.returncode != 0 or not p.stdout.strip():
+                return
+            time.sleep(0.3)
+        self.run(["scancel", job_id], check=False, timeout_s=10)
+        raise AssertionError(f"Slurm job {job_id} still queued/running after {timeout_s} s (cancelled)")
+
+    def sacct(self, job_id: str, timeout_s: float = 30) -> dict[str, Any]:
+        """The job's final ``sacct --json`` record.
+
+        Right after a job ends, slurmdbd first holds a placeholder row (name
+        "allocation", no eligible time) for a few seconds: poll until the row
+        is the finished job's.
+        """
+        deadline = time.monotonic() + timeout_s
+        last: Any = None
+        while time.monotonic() < deadline:
+            p = self.run(["sacct", "-j", job_id, "--json"], check=False, timeout_s=15)
+            if p.returncode == 0:
+                jobs = [j for j in json.loads(p.stdout).get("jobs", []) if str(j.get("job_id")) == job_id]
+                if jobs:
+                    last = jobs[0]
+                    t = last.get("time", {})
+                    state = last.get("state", {}).get("current", "")
+                    if t.get("eligible") and t.get("end") and state not in ("PENDING", "RUNNING"):
+                        return dict(last)
+            time.sleep(0.5)
+        raise AssertionError(f"sacct has no final record of job {job_id} after {timeout_s} s; last: {last}")
+
+
+def _slurm_problem(d: Path) -> str | None:
+    """Why the test Slurm cannot be used, or None when it answers."""
+    conf = d / "etc" / "slurm.conf"
+    if shutil.which("srun") is None:
+        return "srun not on PATH (Slurm client not installed; .ci/run installs it)"
+    if not conf.exists():
+        return f"{conf} missing (run tests/slurm/up.sh)"
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    try:
+        p = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=10, env=env)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out: slurmctld not answering (run tests/slurm/up.sh)"
+    if p.returncode != 0:
+        return f"sinfo failed: {p.stderr.strip()} (run tests/slurm/up.sh)"
+    states = dict(line.split() for line in p.stdout.splitlines() if line.strip())
+    bad = {n: s for n, s in states.items() if not s.rstrip("*").startswith(("idle", "mix", "alloc", "comp"))}
+    if len(states) < 2 or bad:
+        return f"test Slurm nodes not usable: {states}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm() -> SlurmCluster:
+    """The test Slurm; skips when it is not running, FAILS when CI requires it."""
+    d = _slurm_dir()
+    why = _slurm_problem(d)
+    if why is not None:
+        if os.environ.get("DISTDIAG_SLURM_REQUIRED") == "1":
+            pytest.fail(f"Slurm required (DISTDIAG_SLURM_REQUIRED=1) but {why}", pytrace=False)
+        pytest.skip(f"no test Slurm: {why}")
+    return SlurmCluster(dir=d, conf=d / "etc" / "slurm.conf")
