@@ -39,6 +39,8 @@ PATCHED = [
     (os, "listdir"),
     (os, "scandir"),
     (os, "chdir"),
+    (os, "fsync"),
+    (os, "fdatasync"),
     (posix, "stat"),
     (posix, "lstat"),
     (posix, "listdir"),

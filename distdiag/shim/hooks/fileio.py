@@ -7,6 +7,8 @@ What is wrapped (each original kept and restored exactly by ``uninstall``):
 * ``io.open_code`` (``_io.open_code``: what the import system reads ``.py`` /
   ``.pyc`` with)                                               -> FILE_OPEN
 * ``os.open``, and ``os.close`` of the descriptors ``os.open`` returned -> FILE_OPEN / FILE_CLOSE
+* ``os.fsync`` / ``os.fdatasync`` of a recorded file (a FILE_WRITE row with
+  no bytes: the time to make the writes durable)               -> FILE_WRITE
 * ``os.stat`` / ``os.lstat`` (``os.path.exists/isfile/isdir/getsize/...`` and
   ``pathlib.Path.stat/exists`` call these at call time)        -> FILE_STAT
 * ``posix.stat`` / ``posix.lstat`` / ``posix.listdir``: the import system's
@@ -101,6 +103,8 @@ _paths: dict[str, tuple[int, ...]] = {}
 _skip: tuple[str, ...] = PSEUDO_PREFIXES
 #: fds from os.open -> (name_id, aux, site_id)
 _fds: dict[int, tuple[int, int, int]] = {}
+#: fds of counted binary files (FileIO below) -> (name_id, aux, site_id), for fsync
+_data_fds: dict[int, tuple[int, int, int]] = {}
 #: (owner object, attribute name) -> original, for uninstall
 _orig: dict[tuple[Any, str], Any] = {}
 _h5_cb: Callable[[Any], None] | None = None
@@ -287,6 +291,10 @@ class FileIO(io.FileIO):
             return _FIO_close(self)  # type: ignore[no-any-return]
         t0 = _now()
         try:
+            _data_fds.pop(_FIO_fileno(self), None)
+        except Exception:
+            pass
+        try:
             _FIO_close(self)
         finally:
             try:
@@ -303,6 +311,7 @@ _FIO_readall = io.FileIO.readall
 _FIO_read = io.FileIO.read
 _FIO_write = io.FileIO.write
 _FIO_close = io.FileIO.close
+_FIO_fileno = io.FileIO.fileno
 
 #: binary modes whose io.open we rebuild with the counting raw layer; any other
 #: mode (and every invalid one) goes to the original io.open, errors included
@@ -335,6 +344,7 @@ def _open_counted(file: Any, rawmode: str, cls: type, tag: tuple[int, ...], site
     """
     raw = FileIO(os.fspath(file), rawmode)  # io.open hands FileIO the fspath, so f.name is a str
     raw._dd = _Acc(tag[0], tag[1], site)
+    _data_fds[_FIO_fileno(raw)] = (tag[0], tag[1], site)
     try:
         size = raw._blksize
         if size <= 1:
@@ -458,6 +468,26 @@ def _wrap_os_close(orig: Callable[..., Any]) -> Callable[..., Any]:
             _add_safe(t0, _now(), _FILE_CLOSE, info, _errno_of(e))
             raise
         _add_safe(t0, _now(), _FILE_CLOSE, info, 0.0)
+        return res
+
+    return wrapper
+
+
+def _wrap_sync(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """fsync / fdatasync of a recorded file: the time to make its writes durable
+    (a FILE_WRITE row with no bytes; part of a checkpoint's cost)."""
+
+    @functools.wraps(orig)
+    def wrapper(fd: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = _now()
+        res = orig(fd, *args, **kwargs)
+        try:
+            k = fd if fd.__class__ is int else fd.fileno()
+            info = _data_fds.get(k) or _fds.get(k)
+            if info is not None:
+                _add(t0, _now(), _FILE_WRITE, info[0], 0, -1, -1, 0, info[1], info[2], 1.0)  # type: ignore[misc]
+        except Exception:
+            pass
         return res
 
     return wrapper
@@ -629,6 +659,9 @@ def install(rec: Any, cfg: Any = None) -> None:
         _patch(os, "listdir", _wrap_dir_call(os.listdir))
         _patch(os, "scandir", _wrap_dir_call(os.scandir))
         _patch(os, "chdir", _wrap_chdir(os.chdir))
+        _patch(os, "fsync", _wrap_sync(os.fsync))
+        if hasattr(os, "fdatasync"):
+            _patch(os, "fdatasync", _wrap_sync(os.fdatasync))
         # the import system's own bindings (importlib._bootstrap_external._os is posix)
         _patch(posix, "stat", _wrap_path_call(posix.stat, _FILE_STAT))
         _patch(posix, "lstat", _wrap_path_call(posix.lstat, _FILE_STAT))
@@ -662,3 +695,4 @@ def uninstall() -> None:
         _intern = None
         _paths.clear()
         _fds.clear()
+        _data_fds.clear()

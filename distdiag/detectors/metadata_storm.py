@@ -1,0 +1,269 @@
+"""Metadata storm: many ranks hammer one file system's metadata server at once.
+
+The classic start-up failure: every rank opens thousands of small files (or
+imports a Python stack from the parallel file system) at the same moment; the
+metadata server serves them one at a time, each call waits behind everyone
+else's, and the bandwidth sits unused. Darshan counts opens per file, not
+*when* they happened across ranks; here the storm is a window on the job's
+aligned timeline.
+
+How (vectorized over events; loops only over file systems and windows):
+
+1. Metadata calls (FILE_OPEN, FILE_CLOSE, FILE_STAT, FILE_LISTDIR) are grouped
+   by file system (``aux`` = "fstype:mountpoint") and binned on the aligned
+   timeline (``bin_s``). A bin is *hot* when the job-wide rate is at least
+   ``min_rate_per_s`` and, on average, at least ``min_blocked_ranks`` ranks are
+   blocked in metadata calls during it (sum of call durations / bin length).
+   Hot bins closer than ``gap_bins`` merge into windows.
+2. The server is *saturated* when latency grows with concurrency: for each call,
+   the number of other metadata calls on the same file system in flight when
+   it started (two ``searchsorted`` over the sorted starts and ends); the
+   median latency of calls that had company over that of calls that ran
+   alone must be at least ``min_latency_ratio``, or the median latency in the
+   window at least ``slow_latency_ms`` (a metadata call that slow is a server
+   problem whatever the concurrency). Fast local disks fail both: a storm of
+   5 µs stats costs nothing.
+3. Cost: per rank, the union of its file-call intervals on that file system
+   inside the window (the small reads of a storm wait behind the same
+   server, so they count), and the finding is charged the *largest* of those:
+   ranks of a synchronous job continue together, so the job is held as long
+   as its most-blocked rank; the others' blocked time ran alongside it.
+   Worked example: 4 ranks each blocked 6.0, 6.1, 5.9, 6.0 s in one window
+   before a barrier: the job would have been ~6.1 s shorter, not 24 s.
+
+Settings (``[analyze.metadata_storm]``): ``bin_s`` (0.1), ``min_rate_per_s``
+(20: a saturated server's rate is *low*, it is its throughput; the rate only
+rules out one long call that is not a storm), ``min_blocked_ranks`` (0.5), ``gap_bins`` (2), ``min_latency_ratio``
+(2.0), ``slow_latency_ms`` (1.0), ``min_fraction`` ([analyze], 0.02), ``top`` (5).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from distdiag.detectors import register
+from distdiag.findings import Finding
+from distdiag.schema import FILE_KINDS, Kind
+
+log = logging.getLogger(__name__)
+
+META_KINDS = np.array([Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR], np.uint8)
+_FILE_KINDS = np.array(sorted(FILE_KINDS), np.uint8)
+_IMPORT_SUFFIXES = (".py", ".pyc", ".so", ".pth")
+
+ADVICE = (
+    "Take the load off the metadata server: stage the files to node-local storage (/tmp, NVMe) once per node; "
+    "pack small files into a few large ones (one HDF5/tar/WebDataset shard per rank); read once on one rank and "
+    "broadcast; for imports, install the Python environment on local disk or in a container image."
+)
+
+
+def union_per_key(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
+    """Per key, the total length of the union of the intervals [t0, t1).
+
+    Sorted by (key, t0), an interval adds only what sticks out past the
+    furthest end seen so far in its key: [0,10) [2,5) [8,12) -> 10 + 0 + 2 = 12.
+    """
+    if len(key) == 0:
+        return np.zeros(n_keys)
+    order = np.lexsort((t0, key))
+    k, a, b = key[order], t0[order], t1[order]
+    reach = pd.Series(b).groupby(k).cummax().to_numpy()
+    prev = np.empty_like(reach)
+    prev[0] = np.iinfo(np.int64).min
+    prev[1:] = reach[:-1]
+    prev[np.r_[True, k[1:] != k[:-1]]] = np.iinfo(np.int64).min
+    return np.bincount(k, weights=np.maximum(0, b - np.maximum(a, prev)).astype(np.float64), minlength=n_keys)
+
+
+def concurrency_at_start(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
+    """For each call, how many *other* calls were in flight when it started."""
+    s0 = np.sort(t0)
+    s1 = np.sort(t1)
+    started = np.searchsorted(s0, t0, side="right")  # includes itself and ties
+    ended = np.searchsorted(s1, t0, side="right")
+    return np.maximum(0, started - ended - 1)
+
+
+def _windows(hot: np.ndarray, gap_bins: int) -> list[tuple[int, int]]:
+    """Runs of hot bins ``[first, last]``, merging runs whose gap is <= gap_bins."""
+    idx = np.flatnonzero(hot)
+    if len(idx) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) > gap_bins + 1)
+    starts = np.r_[idx[0], idx[breaks + 1]]
+    ends = np.r_[idx[breaks], idx[-1]]
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def _latency_by_concurrency(dur_ns: np.ndarray, conc: np.ndarray, max_level: int = 8) -> dict[str, float]:
+    """Median latency in ms per concurrency level (0 = ran alone), for the evidence."""
+    lv = np.minimum(conc, max_level)
+    out = {}
+    for level in np.unique(lv):  # at most max_level + 1
+        out[str(int(level)) + ("+" if level == max_level else "")] = float(np.median(dur_ns[lv == level]) / 1e6)
+    return out
+
+
+def _top_paths(run: Any, name_id: np.ndarray, dur_ns: np.ndarray, top: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The directories and files that took the most blocked time (calls, seconds)."""
+    ids, inv = np.unique(name_id, return_inverse=True)
+    per_file_s = np.bincount(inv, weights=dur_ns.astype(np.float64)) / 1e9
+    per_file_n = np.bincount(inv)
+    paths = pd.Series(np.asarray(run.strings, dtype=object)[ids].astype(str))
+    dirs = paths.str.rpartition("/")[0].replace("", "/")
+    files = pd.DataFrame({"path": paths, "dir": dirs, "calls": per_file_n, "blocked_s": per_file_s})
+    by_dir = (
+        files.groupby("dir", sort=False)
+        .agg(calls=("calls", "sum"), files=("path", "size"), blocked_s=("blocked_s", "sum"))
+        .sort_values("blocked_s", ascending=False)
+        .head(top)
+    )
+    top_dirs = [
+        {"dir": str(d), "calls": int(r.calls), "files": int(r.files), "blocked_s": float(r.blocked_s)}
+        for d, r in by_dir.iterrows()
+    ]
+    top_files = [
+        {"path": str(r.path), "calls": int(r.calls), "blocked_s": float(r.blocked_s)}
+        for r in files.sort_values("blocked_s", ascending=False).head(top).itertuples()
+    ]
+    return top_dirs, top_files
+
+
+@register("metadata_storm")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    sec = "metadata_storm"
+    bin_s = float(cfg.value(sec, "bin_s", 0.1))
+    min_rate = float(cfg.value(sec, "min_rate_per_s", 20.0))
+    min_blocked = float(cfg.value(sec, "min_blocked_ranks", 0.5))
+    gap_bins = int(cfg.value(sec, "gap_bins", 2))
+    min_ratio = float(cfg.value(sec, "min_latency_ratio", 2.0))
+    slow_ms = float(cfg.value(sec, "slow_latency_ms", 1.0))
+    min_fraction = float(cfg.value(sec, "min_fraction", 0.02))
+    top = int(cfg.value(sec, "top", 5))
+    wall_s = run.wall_s
+    if wall_s <= 0:
+        return []
+
+    ev = run.events
+    is_file = np.isin(ev["kind"], _FILE_KINDS) & (ev["aux"] > 0) & (ev["t1_ns"] >= ev["t0_ns"])
+    fev = ev[is_file]
+    if len(fev) == 0:
+        return []
+    is_meta = np.isin(fev["kind"], META_KINDS)
+    bin_ns = int(bin_s * 1e9)
+    n_ranks_all = int(max(run.world_size, int(fev["rank"].max()) + 1))
+
+    findings = []
+    for fs_id in np.unique(fev["aux"][is_meta]):  # one per file system: a handful
+        fs_all = fev[fev["aux"] == fs_id]
+        meta = fs_all[np.isin(fs_all["kind"], META_KINDS)]
+        t0 = meta["t0_ns"]
+        dur = meta["t1_ns"] - t0
+        base = int(t0.min())
+        b = (t0 - base) // bin_ns
+        n_bins = int(b.max()) + 1
+        calls = np.bincount(b, minlength=n_bins)
+        busy_ns = np.bincount(b, weights=dur.astype(np.float64), minlength=n_bins)
+        hot = (calls / bin_s >= min_rate) & (busy_ns / bin_ns >= min_blocked)
+        wins = _windows(hot, gap_bins)
+        if not wins:
+            continue
+        conc = concurrency_at_start(t0, meta["t1_ns"])
+        alone = dur[conc == 0]  # the server's own service time, measured on this fs
+        lat_alone_ms = float(np.median(alone) / 1e6) if len(alone) else float("nan")
+
+        fs_name = run.s(int(fs_id))
+        fstype, _, mount = fs_name.partition(":")
+        w_rows = []
+        total_cost_ns = 0.0
+        all_ranks: set[int] = set()
+        sel_all = np.zeros(len(meta), bool)
+        for lo, hi in wins:  # storm windows: few
+            in_w = (b >= lo) & (b <= hi)
+            w0 = int(t0[in_w].min())
+            w1 = int(meta["t1_ns"][in_w].max())
+            d_w = dur[in_w]
+            c_w = conc[in_w]
+            lat_ms = float(np.median(d_w) / 1e6)
+            crowd = d_w[c_w >= 1]
+            lat_crowd_ms = float(np.median(crowd) / 1e6) if len(crowd) else lat_ms
+            ratio = lat_crowd_ms / lat_alone_ms if lat_alone_ms > 0 else float("inf")
+            if not (ratio >= min_ratio or lat_ms >= slow_ms):
+                continue  # busy but fast: the server keeps up
+            # every file call on this fs inside the window blocks its rank
+            fa = fs_all[(fs_all["t1_ns"] > w0) & (fs_all["t0_ns"] < w1)]
+            r = fa["rank"].astype(np.int64)
+            blocked = union_per_key(r, np.maximum(fa["t0_ns"], w0), np.minimum(fa["t1_ns"], w1), n_ranks_all)
+            cost_ns = float(blocked.max())
+            ranks = np.flatnonzero(blocked > 0)
+            all_ranks.update(int(x) for x in ranks)
+            total_cost_ns += cost_ns
+            sel_all |= in_w
+            n_calls = int(in_w.sum())
+            w_rows.append(
+                {
+                    "t0_ns": w0,
+                    "t1_ns": w1,
+                    "start_s": (w0 - run.start_ns) / 1e9,
+                    "dur_s": (w1 - w0) / 1e9,
+                    "calls": n_calls,
+                    "rate_per_s": n_calls / max((w1 - w0) / 1e9, bin_s),
+                    "ranks": ranks.tolist(),
+                    "blocked_s_per_rank": {str(int(x)): float(blocked[x] / 1e9) for x in ranks},
+                    "cost_s": cost_ns / 1e9,
+                    "latency_ms_median": lat_ms,
+                    "latency_ms_with_company": lat_crowd_ms,
+                    "mean_calls_in_flight": float(c_w.mean()),
+                    "failed_calls": int((meta["value"][in_w] != 0).sum()),
+                }
+            )
+        if not w_rows or total_cost_ns < min_fraction * wall_s * 1e9:
+            continue
+        sel = meta[sel_all]
+        top_dirs, top_files = _top_paths(run, sel["name_id"], sel["t1_ns"] - sel["t0_ns"], top)
+        names = np.asarray(run.strings, dtype=object)[np.unique(sel["name_id"])].astype(str)
+        import_share = float(pd.Series(names).str.endswith(_IMPORT_SUFFIXES).mean()) if len(names) else 0.0
+        kinds = {Kind(int(k)).name.removeprefix("FILE_").lower(): int((sel["kind"] == k).sum()) for k in np.unique(sel["kind"])}
+        w_rows.sort(key=lambda w: -w["cost_s"])
+        w = w_rows[0]
+        lat_txt = (
+            f"median latency {w['latency_ms_with_company']:.2f} ms with other calls in flight vs {lat_alone_ms:.2f} ms alone"
+            if np.isfinite(lat_alone_ms)
+            else f"median latency {w['latency_ms_median']:.2f} ms"
+        )
+        what = "imports" if import_share >= 0.5 else "metadata calls"
+        summary = (
+            f"metadata storm on {fstype} at {mount}: {int(sel_all.sum())} {what} from {len(all_ranks)} ranks"
+            f" at {w['rate_per_s']:.0f}/s in {len(w_rows)} window(s) (largest {w['start_s']:.1f}-{w['start_s'] + w['dur_s']:.1f} s);"
+            f" {lat_txt}; the most-blocked rank lost {total_cost_ns / 1e9:.2f} s"
+        )
+        findings.append(
+            Finding(
+                kind="metadata_storm",
+                cost_s=total_cost_ns / 1e9,
+                summary=summary,
+                ranks=sorted(all_ranks),
+                hosts=run.hosts_of(sorted(all_ranks)),
+                paths=[d["dir"] for d in top_dirs],
+                advice=ADVICE,
+                evidence={
+                    "fs": fs_name,
+                    "fstype": fstype,
+                    "mount": mount,
+                    "windows": w_rows[:top],
+                    "n_windows": len(w_rows),
+                    "calls_by_kind": kinds,
+                    "latency_ms_alone": lat_alone_ms,
+                    "latency_ms_by_calls_in_flight": _latency_by_concurrency(sel["t1_ns"] - sel["t0_ns"], conc[sel_all]),
+                    "top_dirs": top_dirs,
+                    "top_files": top_files,
+                    "import_share": import_share,
+                },
+            )
+        )
+    return findings

@@ -1,0 +1,103 @@
+"""Test job: a start-up metadata storm, a packed-file start, or a checkpoint that stalls the job.
+
+Run under ``mpiexec -n 4 distdiag-wrap python tests/jobs/io_storm.py ...``. Each mode
+loads data, then trains briefly (compute + ``Allreduce`` per iteration), and
+prints what it measured itself, one ``IOSTORM {json}`` line per rank, so the
+test can hold the analyzer to the truth:
+
+* ``--mode files``: every rank opens and reads ``--nfiles`` small files from
+  ``--data`` (a directory, e.g. on the slow FUSE mount), as a data loader that
+  keeps one sample per file does. ``blocked_s`` = time inside open/read/close.
+* ``--mode packed``: every rank reads the same samples from one packed file
+  (``--data`` is that file).
+* ``--mode ckpt``: rank ``--ckpt-rank`` writes ``--ckpt-mb`` MiB to ``--ckpt-path``
+  halfway through training (and fsyncs it), while the others go on to the next
+  ``Allreduce`` and wait there. ``blocked_s`` = time the writer spent writing.
+
+``t0_ns``/``t1_ns`` are ``time.perf_counter_ns()`` at the start and end of the
+loading (or writing) phase: the clock the shim stamps its events with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+
+def load_files(data: str, nfiles: int) -> int:
+    nbytes = 0
+    for i in range(nfiles):
+        with open(os.path.join(data, f"s{i:05d}.bin"), "rb") as f:
+            nbytes += len(f.read())
+    return nbytes
+
+
+def load_packed(path: str) -> int:
+    with open(path, "rb") as f:
+        return len(f.read())
+
+
+def train(comm: MPI.Intracomm, iters: int, compute_s: float, ckpt: tuple[int, int, str] | None = None) -> dict[str, float]:
+    rank = comm.Get_rank()
+    buf = np.ones(1024, np.float64)
+    out = np.empty_like(buf)
+    a = np.random.default_rng(rank).random((64, 64))
+    measured: dict[str, float] = {}
+    for it in range(iters):
+        t_end = time.perf_counter() + compute_s
+        while time.perf_counter() < t_end:  # compute: a fixed amount of time, not of work
+            a = a @ a
+            a /= np.abs(a).max() + 1.0
+        if ckpt is not None and it == iters // 2 and rank == ckpt[0]:
+            t0 = time.perf_counter_ns()
+            chunk = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8).tobytes()
+            with open(ckpt[2], "wb") as f:
+                left = ckpt[1] << 20
+                while left > 0:
+                    n = min(left, len(chunk))
+                    f.write(chunk[:n])
+                    left -= n
+                f.flush()
+                os.fsync(f.fileno())
+            t1 = time.perf_counter_ns()
+            measured = {"t0_ns": t0, "t1_ns": t1, "blocked_s": (t1 - t0) / 1e9, "nbytes": ckpt[1] << 20}
+        comm.Allreduce(buf, out)
+    return measured
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("files", "packed", "ckpt"), required=True)
+    ap.add_argument("--data", default="")
+    ap.add_argument("--nfiles", type=int, default=500)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compute-s", type=float, default=0.005)
+    ap.add_argument("--ckpt-rank", type=int, default=0)
+    ap.add_argument("--ckpt-mb", type=int, default=256)
+    ap.add_argument("--ckpt-path", default="")
+    a = ap.parse_args()
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    comm.Barrier()  # everyone starts loading together, as ranks of a real job do
+    rec: dict[str, float] = {"rank": rank}
+    if a.mode in ("files", "packed"):
+        t0 = time.perf_counter_ns()
+        nbytes = load_files(a.data, a.nfiles) if a.mode == "files" else load_packed(a.data)
+        t1 = time.perf_counter_ns()
+        rec.update(t0_ns=t0, t1_ns=t1, blocked_s=(t1 - t0) / 1e9, nbytes=nbytes)
+        comm.Barrier()
+        train(comm, a.iters, a.compute_s)
+    else:
+        rec.update(train(comm, a.iters, a.compute_s, (a.ckpt_rank, a.ckpt_mb, a.ckpt_path)))
+    comm.Barrier()
+    print("IOSTORM " + json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
