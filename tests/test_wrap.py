@@ -458,3 +458,42 @@ def test_mpiexec_ranks_share_one_default_run_dir(tmp_path: Path) -> None:
     for r in (0, 1):
         _, _, attrs = events_of(rank_file(dirs[0], r))
         assert (int(attrs["rank"]), int(attrs["world_size"]), attrs["launcher"]) == (r, 2, "mpich")
+
+
+FORK_PROG = """
+import os, signal, sys, time
+import distdiag
+distdiag.mark("parent_before")
+pid = os.fork()
+if pid == 0:
+    for i in range(1000):
+        distdiag.mark("child")
+    time.sleep(0.3)         # the parent's flusher runs meanwhile; the child has none
+    sys.exit(0)             # runs atexit in the child: it must not touch the parent's file
+os.waitpid(pid, 0)
+r, w = os.pipe()
+pid2 = os.fork()
+if pid2 == 0:
+    os.write(w, b"x")
+    time.sleep(30)
+    os._exit(0)
+os.read(r, 1)                   # the child runs: SIGTERM must kill it as it would unwrapped
+os.kill(pid2, signal.SIGTERM)
+_, status = os.waitpid(pid2, 0)
+print("child2", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM)
+distdiag.mark("parent_after")
+"""
+
+
+def test_forked_children_never_write_the_parents_file(tmp_path: Path) -> None:
+    prog = tmp_path / "fork.py"
+    prog.write_text(FORK_PROG)
+    run_dir = tmp_path / "run"
+    p = run([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], cwd=tmp_path,
+            env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.1"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "child2 True\n" and p.stderr == ""
+    ev, s, attrs = events_of(rank_file(run_dir))
+    names = list(s[ev["name_id"][ev["kind"] == Kind.MARK]])
+    assert names == ["parent_before", "parent_after"]
+    assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == 0

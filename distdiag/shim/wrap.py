@@ -339,6 +339,10 @@ class _Shim:
         # The child inherits the open HDF5 handle: it must never write or close
         # it (closing flushes HDF5 metadata into the parent's file).
         self.writer.detach()
+        if self.sigterm is not None:
+            # The child gets the program's own SIGTERM disposition back (the
+            # kernel's default kills it at once, not at the next bytecode).
+            self.sigterm.restore(in_child=True)
         try:
             from distdiag.shim import recorder, session
 
@@ -420,14 +424,14 @@ class _SigtermChain:
         os.kill(os.getpid(), signum)
         time.sleep(5)  # the default action ends the process; never return into user code first
 
-    def restore(self) -> None:
-        """Put the program's SIGTERM disposition back (called at close, main thread)."""
+    def restore(self, in_child: bool = False) -> None:
+        """Put the program's SIGTERM disposition back (at close, or in a forked child)."""
         if self._restored:
             return
         self._restored = True
         signal.signal = self._orig_signal
         signal.getsignal = self._orig_getsignal
-        if threading.current_thread() is threading.main_thread() and os.getpid() == self.shim.pid:
+        if threading.current_thread() is threading.main_thread() and (in_child or os.getpid() == self.shim.pid):
             try:
                 self._orig_signal(signal.SIGTERM, self.user)
             except Exception:

@@ -235,6 +235,11 @@ class Writer:
         self._f = h5py.File(self.path, "w")
         try:
             _create_layout(self._f)
+            # Keep the dataset objects open for the file's life: a dataset
+            # closed after each append flushes its chunk cache on close, and a
+            # failure there is only printed by h5py ("Exception ignored"), never
+            # raised; with them open, write errors surface in file.flush().
+            self._ds = {name: self._f[name] for name in _DATASETS}
             _set_attrs(self._f, {**attrs, "closed_cleanly": False})
             self._f.flush()
         except Exception:
@@ -330,22 +335,23 @@ class Writer:
         from distdiag.shim.recorder import now_ns
 
         f = self._f
+        ds = self._ds
         events = self._collect_events()
         self._check_space(len(events) * EVENT_DTYPE.itemsize)
-        _append(f["events"], events)
+        _append(ds["events"], events)
         self.rows_written += len(events)
         strings = self.rec.strings.strings
         n_str = len(strings)  # append-only list: read the length once
         if n_str > self._strings_done:
-            _append(f["strings"], strings[self._strings_done : n_str])
+            _append(ds["strings"], strings[self._strings_done : n_str])
             self._strings_done = n_str
         if self._sync:
             sync, self._sync = self._sync, []
-            _append(f["clock_sync"], np.concatenate(sync))
+            _append(ds["clock_sync"], np.concatenate(sync))
         if self._gpu:
             gpu, self._gpu = self._gpu, []
-            _append(f["gpu"], np.concatenate(gpu))
-        _replace(f["inflight"], self.rec.inflight_rows())
+            _append(ds["gpu"], np.concatenate(gpu))
+        _replace(ds["inflight"], self.rec.inflight_rows())
         f.attrs["last_flush_mono_ns"] = now_ns()
         f.attrs["lost_events"] = int(self.rec.lost_events)
         f.flush()
@@ -390,6 +396,7 @@ class Writer:
         if isinstance(e, _DiskFull):
             try:  # nothing failed inside HDF5: close properly, the rows so far stay readable
                 _set_attrs(self._f, {"recording_stopped": msg, "lost_events": int(self.rec.lost_events)})
+                self._ds = {}
                 self._f.close()
                 return
             except Exception:
@@ -407,6 +414,7 @@ class Writer:
                 os.close(nul)
         except Exception:
             log.debug("distdiag: could not detach the failed file", exc_info=True)
+        self._ds = {}
         try:
             self._f.close()
         except Exception:
@@ -430,6 +438,7 @@ class Writer:
                     self._f,
                     {"end_mono_ns": now_ns(), "exit_code": exit_code, "closed_cleanly": True},
                 )
+                self._ds = {}
                 self._f.close()
             except Exception as e:
                 self._fail(e)
