@@ -25,7 +25,7 @@ def register(name: str) -> Callable[[Detector], Detector]:
     return deco
 
 
-_MODULES = ("straggler", "input_bound", "metadata_storm", "io_bandwidth")
+_MODULES = ("straggler", "input_bound", "metadata_storm", "io_bandwidth", "slow_link")
 
 
 def load_all() -> dict[str, Detector]:
