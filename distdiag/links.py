@@ -1,0 +1,337 @@
+"""Link bandwidth: which pair of nodes moves bytes slowly, measured three ways.
+
+1. **Probe** (``distdiag-wrap --probe-links``, :mod:`distdiag.shim.probe`):
+   ``Kind.PROBE`` rows named "probe_bw" are symmetric exchanges of a known size
+   between two ranks; bandwidth = bytes each way / duration. Per pair the
+   *fastest* of its steps of at least ``MIN_BW_BYTES`` counts: on busy shared
+   cores noise only ever slows a transfer down, never speeds it up, and small
+   steps are dominated by latency. "probe_lat" rows give the best round trip.
+2. **Point-to-point** (passive): every send matched with its receive by
+   (communicator, source, destination, n-th message), MPI's non-overtaking
+   order. The transfer runs from the moment both sides were in the call
+   (``max(send.t0, recv.t0)``) to the receive's return; bandwidth = bytes /
+   that. Only messages of at least ``MIN_BW_BYTES`` make a matrix entry (an
+   8-byte message measures latency, not bandwidth).
+3. **Collectives** (passive): per matched collective, the transfer phase is the
+   time after its last member arrived (median member exit minus last arrival):
+   before that everyone waited for a rank, after it for the network. Bus
+   bandwidth = bus bytes / transfer phase, where bus bytes is what each rank
+   moves over its link in a ring: all-reduce ``2(n-1)/n * S``, all-gather
+   ``(n-1) * s`` (``s`` = each rank's piece), reduce-scatter and all-to-all
+   ``(n-1)/n * S``, broadcast / reduce ``S`` (NCCL-tests' convention). A
+   collective that is slow in its transfer phase while everyone arrived on
+   time points at the network, not at a rank.
+
+Units: hosts when the run spans more than one host (links are node pairs);
+else ranks (links are rank pairs on one node), labelled ``rank N``.
+
+Everything is vectorized over events; the matrices are units x units (small).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.run import Run
+from distdiag.schema import Kind
+
+log = logging.getLogger(__name__)
+
+#: transfers smaller than this measure latency, not bandwidth
+MIN_BW_BYTES = 64 << 10
+
+#: bus bytes per byte of the recorded nbytes, as a function of the group size n
+_ALLREDUCE = ("allreduce", "all_reduce", "iallreduce", "ddp_bucket_allreduce", "all_reduce_coalesced")
+_ALLGATHER = ("allgather", "all_gather", "iallgather", "all_gather_into_tensor", "_all_gather_base", "allgatherv")
+_REDSCAT = ("reduce_scatter", "reduce_scatter_block", "ireduce_scatter_block", "reduce_scatter_tensor",
+            "_reduce_scatter_base", "ireduce_scatter")  # fmt: skip
+_ALLTOALL = ("alltoall", "all_to_all", "all_to_all_single", "ialltoall", "alltoallv")
+_ZERO = ("barrier", "ibarrier", "monitored_barrier")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """Bytes each rank moves over its link per recorded byte, for a ring of n ranks."""
+    o = op.lower()
+    if n < 2 or o in _ZERO:
+        return 0.0
+    if o in _ALLREDUCE:
+        return 2.0 * (n - 1) / n
+    if o in _ALLGATHER:
+        return float(n - 1)
+    if o in _REDSCAT or o in _ALLTOALL:
+        return (n - 1) / n
+    return 1.0  # broadcast, reduce, gather, scatter, scan: the payload crosses once
+
+
+@dataclass
+class Units:
+    """The endpoints links connect: hosts, or ranks when there is one host."""
+
+    kind: str  # "host" | "rank"
+    names: list[str]
+    #: rank -> unit index (-1 for ranks without a file)
+    of_rank: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def units_of(run: Run) -> Units:
+    n = max(run.world_size, max(run.ranks, default=-1) + 1)
+    of_rank = np.full(n, -1, np.int64)
+    hosts = run.hosts
+    if len(hosts) > 1:
+        idx = {h: i for i, h in enumerate(hosts)}
+        for r, info in run.ranks.items():  # one per rank
+            of_rank[r] = idx[info.host]
+        return Units("host", hosts, of_rank)
+    ranks = sorted(run.ranks)
+    for i, r in enumerate(ranks):
+        of_rank[r] = i
+    return Units("rank", [f"rank {r}" for r in ranks], of_rank)
+
+
+@dataclass
+class LinkMatrix:
+    """Symmetric unit x unit measurements; NaN where a pair was not measured."""
+
+    units: Units
+    source: str  # "probe" | "p2p"
+    bw_bytes_per_s: np.ndarray  # [u, u]
+    latency_s: np.ndarray  # [u, u] best round trip (probe only; NaN otherwise)
+    samples: np.ndarray  # [u, u] transfers that made the entry
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(i, j, bw) of every measured unordered pair i < j."""
+        i, j = np.triu_indices(len(self.units), 1)
+        bw = self.bw_bytes_per_s[i, j]
+        ok = np.isfinite(bw)
+        return i[ok], j[ok], bw[ok]
+
+    def to_json(self) -> dict[str, Any]:
+        def mat(a: np.ndarray, scale: float, nd: int) -> list[list[float | None]]:
+            return [[None if not np.isfinite(v) else round(float(v) * scale, nd) for v in row] for row in a]
+
+        return {
+            "source": self.source,
+            "unit": self.units.kind,
+            "units": list(self.units.names),
+            "bw_MB_per_s": mat(self.bw_bytes_per_s, 1e-6, 2),
+            "latency_us": mat(self.latency_s, 1e6, 1),
+            "samples": self.samples.astype(int).tolist(),
+            **self.extra,
+        }
+
+
+def _symmetric_fill(n: int, key_i: np.ndarray, key_j: np.ndarray, vals: np.ndarray, how: str) -> tuple[np.ndarray, np.ndarray]:
+    """Reduce ``vals`` per unordered pair (max or min) into an n x n matrix (NaN = none)."""
+    out = np.full((n, n), np.nan)
+    cnt = np.zeros((n, n), np.int64)
+    if len(vals) == 0:
+        return out, cnt
+    a, b = np.minimum(key_i, key_j), np.maximum(key_i, key_j)
+    flat = a * n + b
+    init = -np.inf if how == "max" else np.inf
+    acc = np.full(n * n, init)
+    (np.maximum if how == "max" else np.minimum).at(acc, flat, vals)
+    c = np.bincount(flat, minlength=n * n)
+    acc = acc.reshape(n, n)
+    c = c.reshape(n, n)
+    seen = c > 0
+    out[seen] = acc[seen]
+    out = np.where(np.isfinite(out), out, np.nan)
+    out = np.fmin(out, out.T)  # fill the lower triangle from the upper one
+    cnt = c + c.T
+    return out, cnt
+
+
+def probe_matrix(run: Run) -> LinkMatrix | None:
+    """The probe's measurements as a unit x unit matrix, or None without probe rows."""
+    ev = run.events[run.events["kind"] == Kind.PROBE]
+    if len(ev) == 0:
+        return None
+    units = units_of(run)
+    n = len(units)
+    peer_ok = (ev["peer"] >= 0) & (ev["peer"] < len(units.of_rank))
+    ev = ev[peer_ok]
+    ui = units.of_rank[ev["rank"]]
+    uj = units.of_rank[ev["peer"]]
+    ok = (ui >= 0) & (uj >= 0) & (ui != uj)
+    ev, ui, uj = ev[ok], ui[ok], uj[ok]
+    dur_s = np.maximum(ev["t1_ns"] - ev["t0_ns"], 1) / 1e9
+    bw_id, lat_id = run.sid("probe_bw"), run.sid("probe_lat")
+    is_bw = ev["name_id"] == bw_id
+    big = is_bw & (ev["nbytes"] >= MIN_BW_BYTES)
+    # a pair only measured with small steps (a very slow link) still gets an entry
+    small_only = is_bw & ~big
+    bw = ev["nbytes"] / dur_s
+    m_big, c_big = _symmetric_fill(n, ui[big], uj[big], bw[big], "max")
+    m_small, c_small = _symmetric_fill(n, ui[small_only], uj[small_only], bw[small_only], "max")
+    bw_m = np.where(np.isfinite(m_big), m_big, m_small)
+    is_lat = ev["name_id"] == lat_id
+    lat_m, _ = _symmetric_fill(n, ui[is_lat], uj[is_lat], dur_s[is_lat], "min")
+    span = ev[ev["name_id"] == run.sid("probe")] if run.sid("probe") >= 0 else ev[:0]
+    extra = {}
+    if len(span):
+        extra["probe_s"] = round(float(np.max(span["t1_ns"] - span["t0_ns"])) / 1e9, 3)
+        extra["probe_rounds"] = int(span["aux"].max())
+    return LinkMatrix(units, "probe", bw_m, lat_m, c_big + c_small, extra)
+
+
+def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
+    """Matched point-to-point transfers (columns src, dst, nbytes, t0_ns, t1_ns, xfer_s).
+
+    Sends and receives pair up by (communicator, source, destination, n-th
+    message between them): MPI and gloo deliver messages between one pair in
+    order. ``peer`` is taken as a global rank (true for torch.distributed and
+    for MPI's COMM_WORLD).
+    """
+    import pandas as pd
+
+    send_k = np.array([Kind.SEND, Kind.SEND_ASYNC], np.uint8)
+    recv_k = np.array([Kind.RECV, Kind.RECV_ASYNC], np.uint8)
+    ev = run.events
+    s = ev[np.isin(ev["kind"], send_k) & (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])]
+    r = ev[np.isin(ev["kind"], recv_k) & (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])]
+    empty = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
+    empty["xfer_s"] = np.zeros(0)
+    if len(s) == 0 or len(r) == 0:
+        return empty
+    sd = pd.DataFrame({"comm": s["comm_id"], "src": s["rank"], "dst": s["peer"], "t0": s["t0_ns"], "t1": s["t1_ns"], "nb": s["nbytes"]})
+    rd = pd.DataFrame({"comm": r["comm_id"], "src": r["peer"], "dst": r["rank"], "t0": r["t0_ns"], "t1": r["t1_ns"], "nb": r["nbytes"]})
+    sd = sd.sort_values(["comm", "src", "dst", "t0"], kind="stable")
+    rd = rd.sort_values(["comm", "src", "dst", "t0"], kind="stable")
+    for d in (sd, rd):
+        d["ord"] = d.groupby(["comm", "src", "dst"]).cumcount()
+    m = sd.merge(rd, on=["comm", "src", "dst", "ord"], suffixes=("_s", "_r"))
+    if m.empty:
+        return empty
+    start = np.maximum(m["t0_s"].to_numpy(), m["t0_r"].to_numpy())
+    end = m["t1_r"].to_numpy()
+    nb = np.maximum(m["nb_s"].to_numpy(), m["nb_r"].to_numpy())
+    return {
+        "src": m["src"].to_numpy(np.int64),
+        "dst": m["dst"].to_numpy(np.int64),
+        "nbytes": nb.astype(np.int64),
+        "t0_ns": start.astype(np.int64),
+        "t1_ns": end.astype(np.int64),
+        "xfer_s": np.maximum(end - start, 1) / 1e9,
+    }
+
+
+def p2p_matrix(run: Run, tr: dict[str, np.ndarray] | None = None) -> LinkMatrix | None:
+    """Effective bandwidth per unit pair from large matched transfers (bytes / time, both directions)."""
+    tr = p2p_transfers(run) if tr is None else tr
+    big = tr["nbytes"] >= MIN_BW_BYTES
+    if not big.any():
+        return None
+    units = units_of(run)
+    n = len(units)
+    ui = units.of_rank[np.clip(tr["src"][big], 0, len(units.of_rank) - 1)]
+    uj = units.of_rank[np.clip(tr["dst"][big], 0, len(units.of_rank) - 1)]
+    ok = (ui >= 0) & (uj >= 0) & (ui != uj)
+    if not ok.any():
+        return None
+    ui, uj = ui[ok], uj[ok]
+    a, b = np.minimum(ui, uj), np.maximum(ui, uj)
+    flat = a * n + b
+    nbytes = np.bincount(flat, weights=tr["nbytes"][big][ok], minlength=n * n).reshape(n, n)
+    secs = np.bincount(flat, weights=tr["xfer_s"][big][ok], minlength=n * n).reshape(n, n)
+    cnt = np.bincount(flat, minlength=n * n).reshape(n, n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        bw = np.where(cnt > 0, nbytes / secs, np.nan)
+    bw = np.fmin(bw, bw.T)
+    return LinkMatrix(units, "p2p", bw, np.full((n, n), np.nan), cnt + cnt.T)
+
+
+def link_matrix(run: Run) -> LinkMatrix | None:
+    """The best available matrix: the probe's, else the passive point-to-point one."""
+    return probe_matrix(run) or p2p_matrix(run)
+
+
+@dataclass
+class CollectiveTransfers:
+    """One row per complete collective group with at least two members."""
+
+    group: np.ndarray  # index into Collectives
+    op: np.ndarray  # string id
+    n_members: np.ndarray
+    nbytes: np.ndarray  # max member nbytes
+    bus_bytes: np.ndarray  # float
+    last_arrival_ns: np.ndarray
+    arrival_spread_s: np.ndarray  # last minus first arrival
+    transfer_s: np.ndarray  # median member exit minus last arrival, >= 0
+    bus_bw_bytes_per_s: np.ndarray  # NaN when bus_bytes == 0
+    kind: np.ndarray  # u1: COLL or COLL_ASYNC
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+
+def collective_transfers(run: Run, colls: Collectives | None = None) -> CollectiveTransfers:
+    colls = collectives_of(run) if colls is None else colls
+    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
+    g = np.flatnonzero(ok)
+    # median member exit per group: members sorted by exit within their group
+    order = np.lexsort((colls.m_t1_ns, colls.m_group))
+    t1_sorted = colls.m_t1_ns[order]
+    mid = colls.g_start[:-1] + (colls.g_start[1:] - colls.g_start[:-1]) // 2
+    med_exit = t1_sorted[np.minimum(mid, max(len(t1_sorted) - 1, 0))] if len(t1_sorted) else np.zeros(0, np.int64)
+    nb_max = np.maximum.reduceat(colls.m_nbytes, colls.g_start[:-1]) if len(colls.m_nbytes) else np.zeros(0, np.int64)
+    kind_first = colls.m_kind[colls.g_start[:-1]] if len(colls.m_kind) else np.zeros(0, np.uint8)
+    nm = colls.g_n_members[g].astype(np.int64)
+    ops = colls.g_op[g]
+    # bus factor per (op, n): few distinct pairs, computed once each
+    factor = np.zeros(len(g))
+    if len(g):
+        pairs, inv = np.unique(np.stack([ops.astype(np.int64), nm]), axis=1, return_inverse=True)
+        f = np.array([bus_factor(run.s(int(o)), int(k)) for o, k in pairs.T])  # distinct (op, n): a handful
+        factor = f[inv.ravel()]
+    bus = nb_max[g] * factor
+    transfer_s = np.maximum(med_exit[g] - colls.g_last_ns[g], 0) / 1e9
+    with np.errstate(invalid="ignore", divide="ignore"):
+        bw = np.where((bus > 0) & (transfer_s > 0), bus / np.maximum(transfer_s, 1e-12), np.nan)
+    return CollectiveTransfers(
+        group=g,
+        op=ops,
+        n_members=nm,
+        nbytes=nb_max[g],
+        bus_bytes=bus,
+        last_arrival_ns=colls.g_last_ns[g],
+        arrival_spread_s=(colls.g_last_ns[g] - colls.g_first_ns[g]) / 1e9,
+        transfer_s=transfer_s,
+        bus_bw_bytes_per_s=bw,
+        kind=kind_first[g] if len(kind_first) else np.zeros(0, np.uint8),
+    )
+
+
+def group_unit_mask(colls: Collectives, groups: np.ndarray, rank_in: np.ndarray) -> np.ndarray:
+    """Per group in ``groups``: does any member satisfy ``rank_in`` (a bool array over ranks)?"""
+    if len(groups) == 0:
+        return np.zeros(0, bool)
+    r = colls.m_rank.astype(np.int64)
+    hit = np.zeros(len(r), bool)
+    inside = r < len(rank_in)
+    hit[inside] = rank_in[r[inside]]
+    per_group = np.logical_or.reduceat(hit, colls.g_start[:-1]) if len(hit) else np.zeros(0, bool)
+    return per_group[groups]
+
+
+def union_s(t0_ns: np.ndarray, t1_ns: np.ndarray) -> float:
+    """Length of the union of intervals, in seconds (vectorized sweep)."""
+    if len(t0_ns) == 0:
+        return 0.0
+    o = np.argsort(t0_ns, kind="stable")
+    a, b = t0_ns[o], np.maximum(t1_ns[o], t0_ns[o])
+    run_end = np.maximum.accumulate(b)
+    # an interval starts a new block when it begins after everything before it ended
+    new = np.r_[True, a[1:] > run_end[:-1]]
+    starts = a[new]
+    ends = np.maximum.reduceat(b, np.flatnonzero(new))
+    return float(np.sum(ends - starts)) / 1e9
