@@ -285,12 +285,19 @@ def _on_torch(torch: types.ModuleType) -> None:
     _hooks.when_imported("torch.utils.data.dataloader", _on_dataloader)
 
 
+def _forget_recorder() -> None:
+    global _REC
+    _REC = None
+
+
 def install(rec: Recorder, cfg: Any = None) -> None:
     """Hook torch's phases once torch has finished importing. Never imports torch."""
     global _REC, _CFG, _installed
     if _installed:
         return
     _REC, _CFG, _installed = rec, cfg, True
+    # A forked child (DataLoader workers) must not fill a recorder nobody flushes.
+    os.register_at_fork(after_in_child=_forget_recorder)
     # "torch", not a submodule: nn, autograd and optim are all loaded once it is
     _hooks.when_imported("torch", _on_torch)
 

@@ -44,6 +44,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
+import sys
 import threading
 import types
 import weakref
@@ -393,6 +395,33 @@ def _default_bucket_hook(st: _DDPState, bucket: Any) -> Any:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+_TORCH_DIR = ""
+_SHIM_DIR = __file__.rsplit("/", 2)[0]  # distdiag/shim
+_user_sites: dict[tuple[Any, int], int] = {}
+
+
+def _user_site(rec: Recorder) -> int:
+    """String id of the first frame outside torch and distdiag: the user's ``loss.backward()`` line.
+
+    A bucket hook runs inside the autograd engine, below the program's backward
+    call; straggler findings are actionable only with that line. A few frames'
+    walk per bucket (not per event).
+    """
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_SHIM_DIR)):
+            break
+        f = f.f_back
+    if f is None:
+        return 0
+    key = (f.f_code, f.f_lineno)
+    i = _user_sites.get(key)
+    if i is None:
+        i = _user_sites[key] = rec.intern(f"{f.f_code.co_filename}:{f.f_lineno}")
+    return i
+
+
 def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
     rec = _REC
     inner = st.inner
@@ -405,6 +434,10 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
         aux = _dtype_id(rec, buf)
     except Exception:
         nbytes, aux = 0, 0
+    try:
+        site = _user_site(rec) if _TORCH_DIR else 0
+    except Exception:
+        site = 0
     seq = st.seq
     st.seq = seq + 1
     tls = _tls
@@ -416,7 +449,7 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
         tls.busy = was_busy
     try:
         fut.add_done_callback(
-            functools.partial(_record_done, rec, (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, nbytes, aux, 0))
+            functools.partial(_record_done, rec, (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, nbytes, aux, site))
         )
     except Exception:
         log.debug("distdiag: could not time a DDP bucket", exc_info=True)
@@ -556,8 +589,12 @@ def _on_torch_distributed(dist: types.ModuleType) -> None:
 
 
 def _on_ddp_module(mod: types.ModuleType) -> None:
+    global _TORCH_DIR
     if _REC is None:
         return
+    import torch
+
+    _TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
     ddp = mod.DistributedDataParallel
     if hasattr(ddp.__init__, "__distdiag_original__"):
         return
@@ -567,6 +604,11 @@ def _on_ddp_module(mod: types.ModuleType) -> None:
         _patch(ddp, "_register_builtin_comm_hook", _make_register_builtin(ddp._register_builtin_comm_hook))
 
 
+def _forget_recorder() -> None:
+    global _REC
+    _REC = None
+
+
 def install(rec: Recorder, cfg: Any = None) -> None:
     """Hook torch.distributed now if imported, else the moment it is. Never imports torch."""
     global _REC, _installed
@@ -574,6 +616,8 @@ def install(rec: Recorder, cfg: Any = None) -> None:
         return
     _REC = rec
     _installed = True
+    # A forked child (DataLoader workers) must not fill a recorder nobody flushes.
+    os.register_at_fork(after_in_child=_forget_recorder)
     _hooks.when_imported("torch.distributed", _on_torch_distributed)
 
 
