@@ -115,17 +115,25 @@ def test_busy_but_fast_server_is_no_storm(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tail_factor,expect", [(0.9, True), (1.1, False)])
 def test_storm_at_the_min_fraction_threshold(tmp_path: Path, tail_factor: float, expect: bool) -> None:
     """Reported when it costs just over min_fraction of the wall-clock, not just under."""
-    probe = write_storm_run(tmp_path / "probe", calls=20)
+    probe = write_storm_run(tmp_path / "probe", calls=40)
     cost_s = probe["blocked_ns"].max() / 1e9
     frac = 0.10
     # wall = cost / frac exactly at tail_factor 1.0
     tail_ms = (cost_s / frac * tail_factor - probe["window"][1] / 1e9) * 1e3
-    truth = write_storm_run(tmp_path / "run", calls=20, tail_ms=tail_ms)
+    truth = write_storm_run(tmp_path / "run", calls=40, tail_ms=tail_ms)
     cfg = Config(sections={"metadata_storm": {"min_fraction": frac}})
     run = run_of(tmp_path / "run")
     assert (truth["blocked_ns"].max() / run.wall_s / 1e9 > frac) == expect
     got = metadata_storm.detect(run, cfg)
     assert bool(got) == expect
+
+
+def test_a_few_slow_opens_are_no_storm(tmp_path: Path) -> None:
+    """4 ranks x 20 opens queue on the slow server (latency grows) but 80 calls are no storm."""
+    write_storm_run(tmp_path / "run", calls=20, tail_ms=10)
+    run = run_of(tmp_path / "run")
+    assert metadata_storm.detect(run, Config()) == []
+    assert metadata_storm.detect(run, Config(sections={"metadata_storm": {"min_calls": 50}}))
 
 
 # -- io_bandwidth --------------------------------------------------------------------

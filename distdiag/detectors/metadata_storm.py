@@ -14,7 +14,9 @@ How (vectorized over events; loops only over file systems and windows):
    timeline (``bin_s``). A bin is *hot* when the job-wide rate is at least
    ``min_rate_per_s`` and, on average, at least ``min_blocked_ranks`` ranks are
    blocked in metadata calls during it (sum of call durations / bin length).
-   Hot bins closer than ``gap_bins`` merge into windows.
+   Hot bins closer than ``gap_bins`` merge into windows; a window needs at
+   least ``min_calls`` calls (four ranks opening one packed file each is
+   not a storm, however slow the server).
 2. The server is *saturated* when latency grows with concurrency: for each call,
    the number of other metadata calls on the same file system in flight when
    it started (two ``searchsorted`` over the sorted starts and ends); the
@@ -33,7 +35,7 @@ How (vectorized over events; loops only over file systems and windows):
 
 Settings (``[analyze.metadata_storm]``): ``bin_s`` (0.1), ``min_rate_per_s``
 (20: a saturated server's rate is *low*, it is its throughput; the rate only
-rules out one long call that is not a storm), ``min_blocked_ranks`` (0.5), ``gap_bins`` (2), ``min_latency_ratio``
+rules out one long call that is not a storm), ``min_calls`` (100), ``min_blocked_ranks`` (0.5), ``gap_bins`` (2), ``min_latency_ratio``
 (2.0), ``slow_latency_ms`` (1.0), ``min_fraction`` ([analyze], 0.02), ``top`` (5).
 """
 
@@ -140,6 +142,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     bin_s = float(cfg.value(sec, "bin_s", 0.1))
     min_rate = float(cfg.value(sec, "min_rate_per_s", 20.0))
     min_blocked = float(cfg.value(sec, "min_blocked_ranks", 0.5))
+    min_calls = int(cfg.value(sec, "min_calls", 100))
     gap_bins = int(cfg.value(sec, "gap_bins", 2))
     min_ratio = float(cfg.value(sec, "min_latency_ratio", 2.0))
     slow_ms = float(cfg.value(sec, "slow_latency_ms", 1.0))
@@ -185,6 +188,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         sel_all = np.zeros(len(meta), bool)
         for lo, hi in wins:  # storm windows: few
             in_w = (b >= lo) & (b <= hi)
+            if int(in_w.sum()) < min_calls:
+                continue  # a few slow opens are not a storm
             w0 = int(t0[in_w].min())
             w1 = int(meta["t1_ns"][in_w].max())
             d_w = dur[in_w]

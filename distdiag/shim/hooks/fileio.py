@@ -38,7 +38,8 @@ for binary files with default buffering (``open(p, "rb")``, ``"wb"``, ``"ab"``,
 builds, the same C ``BufferedReader/Writer/Random`` with the same buffer size,
 over :class:`FileIO`, a subclass of ``io.FileIO`` that books bytes at the raw
 layer: one booking per buffer fill or large call (a real system call), never
-per small ``f.read(4)``. Its ``close`` records FILE_CLOSE. The object the
+per small ``f.read(4)``. Its ``close`` records FILE_CLOSE when the close took
+at least ``CLOSE_MIN_NS`` (a flush to a remote server, a busy server). The object the
 program holds has the exact type, mode, name, fd and behaviour; only
 ``type(f.raw)`` differs. A raw call that moves >= ``BIG_CALL_BYTES`` or blocks
 >= ``BIG_CALL_NS`` is its own FILE_READ/FILE_WRITE row (exact start and
@@ -79,6 +80,10 @@ log = logging.getLogger(__name__)
 #: a read/write call at least this large or slow is a row of its own
 BIG_CALL_BYTES = 1 << 20
 BIG_CALL_NS = 1_000_000
+#: a close of a counted file is a row only when it took this long (a close that
+#: flushes to a remote server, or waits on a busy one); a 2 us local close is not
+#: worth its 0.5 us row
+CLOSE_MIN_NS = 20_000
 #: path-cache bound: past it, paths are tagged on every call (correct, slower)
 MAX_CACHED_PATHS = 1 << 20
 #: never recorded: pseudo file systems with no storage behind them
@@ -190,16 +195,20 @@ def _record(kind: int, path: Any, t0: int, t1: int, err: float = 0.0) -> None:
 
 # -- byte counting on binary file objects ------------------------------------------
 class _Acc:
-    """Sums of the small read/write calls on one binary file object."""
+    """Sums of the small read/write calls on one binary file object.
 
-    __slots__ = ("name_id", "aux", "site", "r_n", "r_ns", "r_t0", "r_calls", "w_n", "w_ns", "w_t0", "w_calls", "__weakref__")
+    No __slots__ on purpose: the counters start as class attributes (0) and
+    become instance attributes on first use, so opening a file costs three
+    attribute stores, not eleven.
+    """
+
+    r_n = r_ns = r_t0 = r_calls = 0
+    w_n = w_ns = w_t0 = w_calls = 0
 
     def __init__(self, name_id: int, aux: int, site: int) -> None:
         self.name_id = name_id
         self.aux = aux
         self.site = site
-        self.r_n = self.r_ns = self.r_t0 = self.r_calls = 0
-        self.w_n = self.w_ns = self.w_t0 = self.w_calls = 0
 
     def emit(self) -> None:
         add = _add
@@ -298,9 +307,12 @@ class FileIO(io.FileIO):
             _FIO_close(self)
         finally:
             try:
+                t1 = _now()
                 acc = self._dd
-                acc.emit()
-                _add(t0, _now(), _FILE_CLOSE, acc.name_id, 0, -1, -1, 0, acc.aux, acc.site, 0.0)  # type: ignore[misc]
+                if acc.r_calls or acc.w_calls:
+                    acc.emit()
+                if t1 - t0 >= CLOSE_MIN_NS:
+                    _add(t0, t1, _FILE_CLOSE, acc.name_id, 0, -1, -1, 0, acc.aux, acc.site, 0.0)  # type: ignore[misc]
             except Exception:
                 pass
 
