@@ -23,6 +23,7 @@ from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.run import Run, _ranges, load_run
+from distdiag.slurm import accounting_of as slurm_accounting_of
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class Report:
     breakdown: pd.DataFrame
     collectives: Collectives
     config: Config = field(default_factory=Config)
+    #: Slurm accounting and timeline (distdiag.slurm.SlurmView), None when not computed
+    slurm: Any = None
 
     @property
     def verdict(self) -> Finding | None:
@@ -61,6 +64,8 @@ class Report:
                 "wall_s": float(run.wall_s),
                 "missing_ranks": [int(r) for r in run.missing_ranks],
                 "warnings": list(run.warnings),
+                # {"available": false, "why": "..."} outside Slurm; see distdiag/slurm.py
+                **({"slurm": _jsonable(self.slurm.to_json())} if self.slurm is not None else {}),
             },
             "findings": [_jsonable(f.to_json()) for f in self.findings],
             "breakdown": {"per_rank": per_rank},
@@ -108,6 +113,8 @@ def analyze_run(run: Run, cfg: Config | None = None) -> Report:
     run = clocks.align(run)
     colls = collectives_of(run)
     run.warnings.extend(_incomplete_warnings(run, colls))
+    # Slurm accounting (cached on the run: queue_wait and launch_overhead read it too).
+    slurm_view = slurm_accounting_of(run)
     dets = load_all()
     names = cfg.detectors or list(dets)
     unknown = [n for n in names if n not in dets]
@@ -127,9 +134,16 @@ def analyze_run(run: Run, cfg: Config | None = None) -> Report:
         findings.extend(got)
     wall_s = run.wall_s
     for f in findings:
-        f.fraction = float(f.cost_s) / wall_s if wall_s > 0 else 0.0
+        # A finding about time outside the ranks' run (the queue) is a share of
+        # the job's turnaround, and says so in its evidence.
+        base = wall_s
+        if f.evidence.get("fraction_of") == "turnaround" and f.evidence.get("turnaround_s"):
+            base = float(f.evidence["turnaround_s"])
+        f.fraction = float(f.cost_s) / base if base > 0 else 0.0
     findings.sort(key=lambda f: -float(f.cost_s))
-    return Report(run=run, findings=findings, breakdown=breakdown(run, colls), collectives=colls, config=cfg)
+    return Report(
+        run=run, findings=findings, breakdown=breakdown(run, colls), collectives=colls, config=cfg, slurm=slurm_view
+    )
 
 
 def analyze(run_dir: str | Path, cfg: Config | None = None) -> Report:

@@ -25,7 +25,8 @@ def register(name: str) -> Callable[[Detector], Detector]:
     return deco
 
 
-_MODULES = ("straggler", "input_bound", "h2d_copy", "gpu_underutilized", "metadata_storm", "io_bandwidth", "slow_link")
+_MODULES = ("straggler", "input_bound", "h2d_copy", "gpu_underutilized", "metadata_storm", "io_bandwidth", "slow_link",
+            "queue_wait", "launch_overhead")
 
 
 def load_all() -> dict[str, Detector]:

@@ -1,0 +1,107 @@
+"""Launch overhead: from the job's start to the slowest rank's first useful work.
+
+Once Slurm starts the job, the nodes are the job's, but nothing useful runs
+until every rank has been launched (srun, the MPI/PMI wire-up), started Python,
+imported its libraries, initialized (``MPI_Init``, ``init_process_group``) and
+met its peers. The first collective, point-to-point call, compute phase or
+step of a rank is its first useful work; the slowest rank's decides when the
+job as a whole gets going, since the others wait for it at the first
+collective. The job would finish that much earlier were the launch instant,
+so the cost is ``max over ranks(first useful work) - job start``.
+
+The evidence splits it at the slowest rank: job start -> its shim start
+(batch script before srun, srun, process launch, interpreter start) and shim
+start -> first useful work (imports, init, rendezvous), plus the spread of the
+ranks' shim starts (a slow node or file system shows as one late rank).
+
+Worked example: job start 12:00:00 (sacct, whole seconds); rank 3 of 4
+started its shim at +2.4 s, reached its first all-reduce at +9.1 s (it
+imported torch from a slow shared file system); the others were ready by
++4 s: cost 9.1 s, rank 3 named.
+
+The fraction is of the job's turnaround (submit to end), like queue_wait's;
+an overhead within sacct's one-second resolution is not a finding.
+
+Settings (``[analyze.launch_overhead]``): ``min_fraction`` (share of
+turnaround, default the [analyze] one, 0.02).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from distdiag.detectors import register
+from distdiag.findings import Finding
+from distdiag.slurm import RESOLUTION_S, accounting_of
+
+log = logging.getLogger(__name__)
+
+
+@register("launch_overhead")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    view = accounting_of(run)
+    a = view.acct
+    turnaround_s = view.turnaround_s
+    first = view.rank_first_work_s
+    if a is None or not a.start_s or not turnaround_s or not first:
+        return []
+    min_fraction = float(cfg.value("launch_overhead", "min_fraction", 0.02))
+    slowest = max(first, key=lambda r: first[r])
+    ready_s = first[slowest]
+    cost_s = max(0.0, ready_s - a.start_s)
+    if cost_s <= RESOLUTION_S or cost_s / turnaround_s < min_fraction:
+        return []
+    starts = view.rank_start_s
+    shim_start_s = starts.get(slowest, ready_s)
+    launch_s = max(0.0, shim_start_s - a.start_s)
+    init_s = max(0.0, ready_s - shim_start_s)
+    spread_s = (max(starts.values()) - min(starts.values())) if starts else 0.0
+    last_started = max(starts, key=lambda r: starts[r]) if starts else slowest
+    # Time before the first job step (srun) began: the batch script's own setup.
+    step_starts = [s["start_s"] for s in a.steps if s.get("start_s")]
+    before_step_s = max(0.0, min(step_starts) - a.start_s) if step_starts else None
+    host = run.host_of(slowest)
+    summary = (
+        f"{cost_s:.1f} s from job start to the slowest rank's first useful work (rank {slowest}"
+        + (f" on {host}" if host else "")
+        + f": {launch_s:.1f} s until its process ran, {init_s:.1f} s of imports, init and rendezvous): "
+        f"{cost_s / turnaround_s:.0%} of the job's {turnaround_s:.0f} s turnaround"
+    )
+    advice = (
+        "imports and init dominate: keep the Python environment on node-local storage or in a container image, "
+        "and import only what the job needs"
+        if init_s >= launch_s
+        else "launch dominates: check what the batch script does before srun, and srun/PMI wire-up at this scale"
+    )
+    per_rank = {
+        int(r): {
+            "shim_start_s": round(starts[r] - a.start_s, 3) if r in starts else None,
+            "first_work_s": round(first[r] - a.start_s, 3) if r in first else None,
+        }
+        for r in sorted(set(starts) | set(first))
+    }
+    return [
+        Finding(
+            kind="launch_overhead",
+            cost_s=cost_s,
+            summary=summary,
+            advice=advice,
+            ranks=[int(slowest)],
+            hosts=[host] if host else [],
+            evidence={
+                "fraction_of": "turnaround",
+                "turnaround_s": float(turnaround_s),
+                "job_id": a.job_id,
+                "job_start_to_shim_start_s": launch_s,
+                "shim_start_to_first_work_s": init_s,
+                "shim_start_spread_s": spread_s,
+                "last_rank_started": int(last_started),
+                "job_start_to_first_step_s": before_step_s,
+                "resolution_s": RESOLUTION_S,
+                "accounting": view.origin,
+                "per_rank": per_rank,
+                "timeline": view.timeline,
+            },
+        )
+    ]

@@ -1,0 +1,494 @@
+"""Slurm accounting: when the job was submitted, eligible, started and ended.
+
+No profiler inside the job sees the time before it started: the queue. Slurm's
+accounting does, at one-second resolution. This module reads the job's record
+(``sacct --json`` by default; pyslurm when it is importable), keeps a copy in
+the run dir (``slurm-accounting.json``, so a later analysis works offline, on
+a laptop with no Slurm), and puts the scheduler's instants and the ranks' own
+milestones on one timeline: seconds since submission.
+
+    submit --(held: dependency, begin time, limits)--> eligible
+           --(waiting for resources)--> start --(launch: srun, python, imports,
+           init, rendezvous)--> slowest rank's first useful work --> ... --> end
+
+Which record is used, in order:
+
+1. the stored copy when it is final (the job had ended when it was read);
+2. a live read (pyslurm, else ``sacct``), stored for next time;
+3. a stored copy of a still running job (read by ``distdiag analyze`` inside
+   the job's own batch script: its end is not known yet);
+4. none, with one line that says why (not a Slurm job; no ``sacct`` and no
+   stored copy; ``sacct`` has no record).
+
+The analyzer calls :func:`accounting_of` (cached on the run); the detectors
+``queue_wait`` and ``launch_overhead`` read the same view.
+
+pyslurm: PyPI has no pyslurm build for Slurm 22.05 (pyslurm versions follow
+Slurm's and need the matching libslurm headers), so CI cannot install it; the
+backend below is small, used only when ``import pyslurm`` works, and skipped in
+tests where it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distdiag.schema import COMM_KINDS, P2P_KINDS, PHASE_KINDS, Kind
+
+log = logging.getLogger(__name__)
+
+ACCOUNTING_FILE = "slurm-accounting.json"
+ACCOUNTING_SCHEMA = "distdiag.slurm-accounting/1"
+#: sacct's times are whole seconds: differences below this are noise.
+RESOLUTION_S = 1.0
+#: states in which a job's record is still changing
+_LIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "COMPLETING"})
+#: kinds that count as a rank's first useful work (not imports: file events; not the shim's own marks)
+USEFUL_KINDS = frozenset(COMM_KINDS | P2P_KINDS | PHASE_KINDS | {Kind.STEP})
+
+
+class SlurmError(Exception):
+    """Accounting could not be read; the message is one line for the user."""
+
+
+@dataclass
+class Accounting:
+    """One job's accounting record. Times are Unix epoch seconds (None = unknown)."""
+
+    job_id: str
+    name: str = ""
+    state: str = ""
+    exit_code: int | None = None
+    submit_s: int | None = None
+    eligible_s: int | None = None
+    start_s: int | None = None
+    end_s: int | None = None
+    nodes: str = ""
+    cluster: str = ""
+    #: job steps: {"step": "8.0", "name": ..., "start_s": ..., "end_s": ...}
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    #: "sacct" or "pyslurm"
+    backend: str = "sacct"
+    #: time.time() when it was read
+    read_at_s: float = 0.0
+
+    @property
+    def final(self) -> bool:
+        """The job had ended when this was read: the record will not change."""
+        if not self.end_s:
+            return False
+        return (self.state.split() or [""])[0] not in _LIVE_STATES
+
+    @property
+    def placeholder(self) -> bool:
+        """The row slurmdbd shows for a few seconds right after a job ends
+        (name "allocation", no eligible time): not the job's real record."""
+        return self.name == "allocation" and not self.eligible_s
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["final"] = self.final
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Accounting:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _t(x: Any) -> int | None:
+    """sacct --json times: an int (0 = unknown), or {"set":..,"number":..} in later Slurm versions."""
+    if isinstance(x, dict):
+        if not x.get("set", True) or x.get("infinite"):
+            return None
+        x = x.get("number")
+    try:
+        v = int(x)
+    except (TypeError, ValueError):
+        return None
+    return v if v > 0 else None
+
+
+def _state(x: Any) -> str:
+    """22.05: {"current": "COMPLETED", "reason": ...}; 23.x+: {"current": ["COMPLETED"], ...}."""
+    if isinstance(x, dict):
+        x = x.get("current", "")
+    if isinstance(x, list):
+        x = " ".join(str(s) for s in x)
+    return str(x or "")
+
+
+def _exit(x: Any) -> int | None:
+    if isinstance(x, dict):
+        rc = x.get("return_code")
+        if isinstance(rc, dict):
+            rc = rc.get("number") if rc.get("set", True) else None
+        try:
+            return int(rc) if rc is not None else None
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def parse_sacct_job(rec: dict[str, Any]) -> Accounting:
+    """One element of ``sacct --json``'s "jobs" list."""
+    t = rec.get("time", {}) or {}
+    steps = []
+    for s in rec.get("steps", []) or []:  # a handful per job
+        st = s.get("time", {}) or {}
+        sid = s.get("step", {}) or {}
+        steps.append({
+            "step": str(sid.get("id", "")) if not isinstance(sid.get("id"), dict) else
+            f"{sid['id'].get('job_id', '')}.{sid['id'].get('step_id', '')}",
+            "name": str(sid.get("name", "")),
+            "start_s": _t(st.get("start")),
+            "end_s": _t(st.get("end")),
+        })  # fmt: skip
+    return Accounting(
+        job_id=str(rec.get("job_id", "")),
+        name=str(rec.get("name", "")),
+        state=_state(rec.get("state")),
+        exit_code=_exit(rec.get("exit_code")),
+        submit_s=_t(t.get("submission")),
+        eligible_s=_t(t.get("eligible")),
+        start_s=_t(t.get("start")),
+        end_s=_t(t.get("end")),
+        nodes=str(rec.get("nodes", "") or ""),
+        cluster=str(rec.get("cluster", "") or ""),
+        steps=steps,
+        backend="sacct",
+        read_at_s=time.time(),
+    )
+
+
+def _pick(records: list[Accounting], near_wall_s: float | None) -> Accounting | None:
+    """The record of *this* run: job ids repeat after a controller loses its
+    state, so prefer the one whose [start, end] holds the run's first instant."""
+    if not records:
+        return None
+    if near_wall_s is None or len(records) == 1:
+        return records[-1]
+
+    def miss(a: Accounting) -> float:
+        lo = a.start_s or a.submit_s or 0
+        hi = a.end_s or float("inf")
+        return 0.0 if lo - 2 <= near_wall_s <= hi + 2 else min(abs(near_wall_s - lo), abs(near_wall_s - hi))
+
+    return min(records, key=miss)
+
+
+def read_sacct(job_id: str, near_wall_s: float | None = None, wait_s: float = 8.0, timeout_s: float = 20.0) -> Accounting:
+    """The job's record from ``sacct -j JOB --json``.
+
+    Right after a job ends slurmdbd may show a placeholder row for a few
+    seconds; it is polled for up to ``wait_s``.
+    """
+    exe = shutil.which("sacct")
+    if exe is None:
+        raise SlurmError("sacct is not on PATH")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            p = subprocess.run([exe, "-j", str(job_id), "--json"], capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"sacct did not answer within {timeout_s:.0f} s (slurmdbd down?)") from None
+        except OSError as e:
+            raise SlurmError(f"sacct cannot run: {e}") from None
+        if p.returncode != 0:
+            msg = (p.stderr.strip().splitlines() or ["(no message)"])[-1]
+            raise SlurmError(f"sacct failed: {msg[:200]}")
+        try:
+            jobs = json.loads(p.stdout).get("jobs", [])
+        except ValueError:
+            raise SlurmError("sacct --json printed no JSON (Slurm older than 20.11?)") from None
+        recs = [parse_sacct_job(j) for j in jobs if str(j.get("job_id")) == str(job_id)]
+        got = _pick(recs, near_wall_s)
+        if got is not None and not got.placeholder:
+            return got
+        if time.monotonic() >= deadline:
+            if got is None:
+                raise SlurmError(f"sacct has no record of job {job_id} (another cluster, or accounting disabled?)")
+            return got
+        time.sleep(0.5)
+
+
+def read_pyslurm(job_id: str) -> Accounting:
+    """The job's record through pyslurm (>= 23.2: ``pyslurm.db.Job.load``)."""
+    try:
+        import pyslurm  # type: ignore[import-not-found]
+    except ImportError:
+        raise SlurmError("pyslurm is not installed") from None
+    try:
+        job = pyslurm.db.Job.load(int(job_id))
+    except Exception as e:  # pyslurm raises its own RPCError and friends
+        raise SlurmError(f"pyslurm could not load job {job_id}: {e}") from None
+
+    def g(name: str) -> Any:
+        return getattr(job, name, None)
+
+    return Accounting(
+        job_id=str(job_id),
+        name=str(g("name") or ""),
+        state=str(g("state") or ""),
+        exit_code=g("exit_code") if isinstance(g("exit_code"), int) else None,
+        submit_s=_t(g("submit_time")),
+        eligible_s=_t(g("eligible_time")),
+        start_s=_t(g("start_time")),
+        end_s=_t(g("end_time")),
+        nodes=str(g("nodelist") or g("nodes") or ""),
+        cluster=str(g("cluster") or ""),
+        backend="pyslurm",
+        read_at_s=time.time(),
+    )
+
+
+def read_accounting(job_id: str, near_wall_s: float | None = None, backend: str = "auto", wait_s: float = 8.0) -> Accounting:
+    """Read the job's record live: ``backend`` is "auto" (pyslurm if importable, else sacct), "sacct" or "pyslurm"."""
+    if backend == "pyslurm":
+        return read_pyslurm(job_id)
+    if backend == "auto":
+        try:
+            import pyslurm  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            try:
+                return read_pyslurm(job_id)
+            except SlurmError as e:
+                log.debug("pyslurm failed (%s); trying sacct", e)
+    return read_sacct(job_id, near_wall_s=near_wall_s, wait_s=wait_s)
+
+
+# -- the run dir copy ---------------------------------------------------------------
+
+
+def store(run_dir: str | Path, acct: Accounting) -> Path | None:
+    """Write ``slurm-accounting.json`` into the run dir (atomic); None when the dir is read-only."""
+    path = Path(run_dir) / ACCOUNTING_FILE
+    doc = {"schema": ACCOUNTING_SCHEMA, "job": acct.to_json()}
+    tmp = path.with_name(f".{ACCOUNTING_FILE}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("distdiag: cannot store Slurm accounting in %s: %s", run_dir, e)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return None
+    return path
+
+
+def load_stored(run_dir: str | Path) -> Accounting | None:
+    """The stored copy, or None when there is none (or it is unreadable)."""
+    path = Path(run_dir) / ACCOUNTING_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.info("distdiag: ignoring unreadable %s: %s", path, e)
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != ACCOUNTING_SCHEMA or not isinstance(doc.get("job"), dict):
+        return None
+    try:
+        return Accounting.from_json(doc["job"])
+    except TypeError:
+        return None
+
+
+# -- the view the analyzer uses ------------------------------------------------------
+
+
+@dataclass
+class SlurmView:
+    """What the analysis knows about the job's life in Slurm."""
+
+    #: None when there is no accounting; ``why`` says why
+    acct: Accounting | None
+    #: one line: where the record came from, or why there is none
+    why: str
+    #: "live" (read now), "stored" (the run dir's copy), or "" (none)
+    origin: str = ""
+    #: (instant, seconds since submission) in time order; see timeline()
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    #: per rank: wall seconds (epoch) of shim start, first useful work, last event
+    rank_start_s: dict[int, float] = field(default_factory=dict)
+    rank_first_work_s: dict[int, float] = field(default_factory=dict)
+    rank_last_event_s: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def end_s(self) -> float | None:
+        """The job's end; for a running job, the last thing any rank did."""
+        if self.acct is not None and self.acct.end_s:
+            return float(self.acct.end_s)
+        if self.rank_last_event_s:
+            return max(self.rank_last_event_s.values())
+        return None
+
+    @property
+    def turnaround_s(self) -> float | None:
+        """Submission to end: the wall-clock the user waited for the job."""
+        if self.acct is None or not self.acct.submit_s or self.end_s is None:
+            return None
+        return max(0.0, self.end_s - self.acct.submit_s)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"available": self.acct is not None, "why": self.why}
+        if self.acct is not None:
+            out.update(origin=self.origin, job=self.acct.to_json(), turnaround_s=self.turnaround_s,
+                       timeline=self.timeline)  # fmt: skip
+        return out
+
+
+def slurm_job_id(run: Any) -> str | None:
+    """The Slurm job id the ranks ran in, from their recorded environment."""
+    ids = {i.env.get("SLURM_JOB_ID") for i in run.ranks.values() if i.env.get("SLURM_JOB_ID")}
+    if not ids:
+        return None
+    # Heterogeneous or mixed dirs: the one most ranks name.
+    counts = {j: sum(1 for i in run.ranks.values() if i.env.get("SLURM_JOB_ID") == j) for j in ids}
+    return str(max(counts, key=lambda j: counts[j]))
+
+
+def _wall_map_ns(run: Any) -> int | None:
+    """Add this to a timestamp of the run's (aligned) timeline to get Unix ns.
+
+    Each rank recorded time.time_ns() and its event clock at one instant; on
+    the aligned timeline that rank's clock is shifted by offset_ns[rank]. The
+    reference rank (offset 0) gives the mapping; its wall clock is the one the
+    mapping trusts (NTP-level agreement with slurmctld's, far below sacct's 1 s).
+    """
+    off = getattr(run, "offset_ns", None)
+    for r in sorted(run.ranks):  # the first rank with both stamps: rank 0 normally
+        i = run.ranks[r]
+        if i.wall_ns_at_start is None or i.mono_ns_at_start is None:
+            continue
+        shift = int(off[r]) if off is not None and r < len(off) else 0
+        return int(i.wall_ns_at_start) - (int(i.mono_ns_at_start) + shift)
+    return None
+
+
+def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per rank, in Unix seconds: shim start, first useful work, last event.
+
+    First useful work is the start of the rank's first collective,
+    point-to-point call, compute phase or step: before it the rank only
+    imported, initialized and waited for its peers. Vectorized: one pass of
+    np.minimum.reduceat over the events sorted by rank.
+    """
+    wm = _wall_map_ns(run)
+    if wm is None:
+        return {}, {}, {}
+    start = {int(r): (i.start_ns + wm) / 1e9 for r, i in run.ranks.items()}
+    last = {int(r): (i.end_ns + wm) / 1e9 for r, i in run.ranks.items()}
+    ev = run.events
+    first: dict[int, float] = {}
+    if len(ev):
+        useful = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in USEFUL_KINDS), np.uint8))]
+        if len(useful):
+            ranks, idx = np.unique(useful["rank"], return_index=True)
+            t0 = np.minimum.reduceat(useful["t0_ns"], idx) if len(idx) else np.zeros(0, np.int64)
+            first = {int(r): (int(t) + wm) / 1e9 for r, t in zip(ranks, t0)}
+    return start, first, last
+
+
+def timeline(acct: Accounting, start: dict[int, float], first: dict[int, float], last: dict[int, float],
+             end_s: float | None) -> list[dict[str, Any]]:  # fmt: skip
+    """The job's instants in order, as seconds since submission."""
+    t_sub = acct.submit_s
+    rows: list[tuple[str, float | None, list[int]]] = [
+        ("submit", acct.submit_s, []),
+        ("eligible", acct.eligible_s, []),
+        ("start", acct.start_s, []),
+    ]
+    for s in acct.steps:  # a handful
+        if s.get("start_s"):
+            rows.append((f"step {s.get('step', '')} {s.get('name', '')} start".replace("  ", " "), s["start_s"], []))
+    for label, d in (("first rank shim start", start), ("last rank shim start", start),
+                     ("first rank first work", first), ("last rank first work", first)):  # fmt: skip
+        if d:
+            pick = min if label.startswith("first") else max
+            r = pick(d, key=lambda k: d[k])
+            rows.append((label, d[r], [r]))
+    if last:
+        r = max(last, key=lambda k: last[k])
+        rows.append(("last event", last[r], [r]))
+    rows.append(("end" if acct.end_s else "end (still running: last event)", end_s, []))
+    if t_sub is None:
+        return []
+    # Stable sort by time: equal instants keep the order above (submit first).
+    timed = sorted(((float(t) - t_sub, label, ranks) for label, t, ranks in rows if t is not None),
+                   key=lambda x: x[0])  # fmt: skip
+    return [{"what": label, "t_s": round(dt, 3), "ranks": ranks} for dt, label, ranks in timed]
+
+
+def accounting_of(run: Any, backend: str = "auto", live: bool | None = None) -> SlurmView:
+    """The run's Slurm view, computed once per (aligned) run and cached on it.
+
+    ``live=False`` never calls sacct/pyslurm (only the stored copy);
+    the default reads live unless ``DISTDIAG_SLURM_OFFLINE=1``.
+    """
+    cache = getattr(run, "cache", None)
+    if isinstance(cache, dict) and isinstance(cache.get("slurm"), SlurmView):
+        return cache["slurm"]
+    view = _compute_view(run, backend, live)
+    if isinstance(cache, dict):
+        cache["slurm"] = view
+    return view
+
+
+def _compute_view(run: Any, backend: str, live: bool | None) -> SlurmView:
+    if live is None:
+        live = os.environ.get("DISTDIAG_SLURM_OFFLINE", "") not in ("1", "true", "yes")
+    job = slurm_job_id(run)
+    run_dir = Path(run.path)
+    stored = load_stored(run_dir)
+    if stored is not None and job is not None and stored.job_id != job:
+        log.info("distdiag: %s is for job %s, the ranks ran in job %s; ignored", ACCOUNTING_FILE, stored.job_id, job)
+        stored = None
+    if job is None and stored is None:
+        return SlurmView(None, "no Slurm accounting: the job did not run under Slurm (no SLURM_JOB_ID in the ranks' "
+                               "environment), so queue wait and launch overhead are unknown")  # fmt: skip
+    job = job or (stored.job_id if stored else None)
+    start, first, last = rank_milestones(run)
+    near = min(start.values()) if start else None
+
+    acct: Accounting | None = None
+    origin = ""
+    why = ""
+    if stored is not None and stored.final:
+        acct, origin, why = stored, "stored", f"Slurm job {job}: accounting from {ACCOUNTING_FILE} (read by {stored.backend})"
+    elif live:
+        try:
+            acct = read_accounting(str(job), near_wall_s=near, backend=backend)
+            origin = "live"
+            saved = store(run_dir, acct)
+            why = f"Slurm job {job}: accounting read with {acct.backend}" + (
+                f", saved to {ACCOUNTING_FILE}" if saved else " (run dir read-only: not saved)")
+        except SlurmError as e:
+            if stored is not None:
+                acct, origin = stored, "stored"
+                why = f"Slurm job {job}: accounting from {ACCOUNTING_FILE}, read while the job ran ({e} now)"
+            else:
+                why = f"no Slurm accounting for job {job}: {e}, and the run dir holds no {ACCOUNTING_FILE}"
+    elif stored is not None:
+        acct, origin = stored, "stored"
+        why = f"Slurm job {job}: accounting from {ACCOUNTING_FILE}, read while the job ran"
+    else:
+        why = f"no Slurm accounting for job {job}: offline, and the run dir holds no {ACCOUNTING_FILE}"
+    view = SlurmView(acct, why, origin, rank_start_s=start, rank_first_work_s=first, rank_last_event_s=last)
+    if acct is not None:
+        view.timeline = timeline(acct, start, first, last, view.end_s)
+    return view
