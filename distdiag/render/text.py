@@ -83,6 +83,7 @@ class TextRenderer:
         present = len(run.ranks)
         ranks_txt = f"{run.world_size} ranks" if present == run.world_size else f"{present} of {run.world_size} ranks"
         lines.append(f"distdiag: {job}{ranks_txt} on {host_txt}, wall-clock {_fmt_s(run.wall_s)}  [{run.path}]")
+        lines += _slurm_lines(getattr(report, "slurm", None))
         lines.append("")
         lines += self._verdict(report)
         lines.append("")
@@ -182,3 +183,16 @@ def _short_list(xs: list[Any], limit: int = 6) -> str:
         return "-"
     s = ",".join(str(x) for x in xs[:limit])
     return s + (f",+{len(xs) - limit}" if len(xs) > limit else "")
+
+
+def _slurm_lines(view: Any) -> list[str]:
+    """The Slurm line under the header: the job's timeline, or why there is none."""
+    if view is None:
+        return []
+    if view.acct is None or not view.timeline:
+        return [f"slurm: {view.why}"]
+    a = view.acct
+    steps = "  ".join(f"{t['what']} +{t['t_s']:.1f}s" for t in view.timeline if not t["what"].startswith("step "))
+    turn = f", turnaround {_fmt_s(view.turnaround_s)}" if view.turnaround_s else ""
+    return [f"slurm: job {a.job_id} {a.state or '?'} on {a.nodes or '?'}{turn} ({view.origin} accounting)",
+            f"  timeline: {steps}"]  # fmt: skip
