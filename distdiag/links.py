@@ -138,11 +138,10 @@ def _symmetric_fill(n: int, key_i: np.ndarray, key_j: np.ndarray, vals: np.ndarr
     a, b = np.minimum(key_i, key_j), np.maximum(key_i, key_j)
     flat = a * n + b
     init = -np.inf if how == "max" else np.inf
-    acc = np.full(n * n, init)
-    (np.maximum if how == "max" else np.minimum).at(acc, flat, vals)
-    c = np.bincount(flat, minlength=n * n)
-    acc = acc.reshape(n, n)
-    c = c.reshape(n, n)
+    acc_flat = np.full(n * n, init)
+    (np.maximum if how == "max" else np.minimum).at(acc_flat, flat, vals)
+    acc = acc_flat.reshape(n, n)
+    c = np.bincount(flat, minlength=n * n).reshape(n, n)
     seen = c > 0
     out[seen] = acc[seen]
     out = np.where(np.isfinite(out), out, np.nan)
@@ -199,7 +198,7 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     ev = run.events
     s = ev[np.isin(ev["kind"], send_k) & (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])]
     r = ev[np.isin(ev["kind"], recv_k) & (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])]
-    empty = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
+    empty: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
     empty["xfer_s"] = np.zeros(0)
     if len(s) == 0 or len(r) == 0:
         return empty
