@@ -80,32 +80,41 @@ def main() -> int:
     ]
 
     results: dict[str, dict[str, list[float]]] = {name: {"plain": [], "wrapped": []} for name, *_ in cases}
+    cpu: dict[str, dict[str, list[float]]] = {name: {"plain": [], "wrapped": []} for name, *_ in cases}
     for r in range(a.rounds):
         for name, plain, wrapped, fn, n in cases:
             order = (("plain", plain), ("wrapped", wrapped)) if r % 2 == 0 else (("wrapped", wrapped), ("plain", plain))
             for variant, comm in order:
                 plain_world.Barrier()  # start each block together
                 # the loop calls a method on a local name, as a program would
+                c0 = time.thread_time_ns()
                 t0 = time.perf_counter_ns()
                 for _ in range(n):
                     fn(comm)
                 dt = time.perf_counter_ns() - t0
                 results[name][variant].append(dt / n)
+                cpu[name][variant].append((time.thread_time_ns() - c0) / n)
                 rec.full.clear()  # what the writer's flusher would take
 
     # rank 0 reports; take the worse of both ranks' medians (they wait on each other)
     allres = plain_world.gather(results, root=0)
+    allcpu = plain_world.gather(cpu, root=0)
     if rank != 0:
         return 0
     print(f"# mpi4py hook interception cost: mpiexec -n 2, {a.rounds} rounds, per-call ns")
     print(f"# rows recorded on rank 0: {sum(tb.n for tb in rec.buffers)} in the open chunk, lost_events={rec.lost_events}")
-    print(f"{'call':24s} {'plain med':>11s} {'wrapped med':>12s} {'added med':>10s} {'added min':>10s}")
+    print(f"# load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs inflate every figure)")
+    print("# wall: perf_counter per call; cpu: this thread's CPU time per call (less sensitive to being descheduled)")
+    print(f"{'call':24s} {'plain med':>10s} {'wrapped med':>12s} {'added med':>10s} {'added min':>10s} {'cpu added med':>14s} {'cpu added min':>14s}")
     for name, *_ in cases:
         pm = max(statistics.median(res[name]["plain"]) for res in allres)
         wm = max(statistics.median(res[name]["wrapped"]) for res in allres)
         pmin = min(min(res[name]["plain"]) for res in allres)
         wmin = min(min(res[name]["wrapped"]) for res in allres)
-        print(f"{name:24s} {pm:11.0f} {wm:12.0f} {wm - pm:10.0f} {wmin - pmin:10.0f}")
+        cpm = statistics.median(allcpu[0][name]["plain"])
+        cwm = statistics.median(allcpu[0][name]["wrapped"])
+        cpmin, cwmin = min(allcpu[0][name]["plain"]), min(allcpu[0][name]["wrapped"])
+        print(f"{name:24s} {pm:10.0f} {wm:12.0f} {wm - pm:10.0f} {wmin - pmin:10.0f} {cwm - cpm:14.0f} {cwmin - cpmin:14.0f}")
     hook.uninstall()
     return 0
 

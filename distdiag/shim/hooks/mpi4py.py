@@ -54,10 +54,13 @@ into the program; results and exceptions of the MPI calls pass through.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import zlib
 from typing import Any, Callable
+
+from numpy import ndarray as _ndarray
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
@@ -210,6 +213,11 @@ def _spec_info(spec: Any, v: bool) -> tuple[int, int]:
     gives the whole buffer's size or 0: an estimate, never an error.
     """
     t = type(spec)
+    if t is _ndarray:  # the common case first
+        r = _ids.np.get(spec.dtype)
+        if r is not None:
+            return spec.nbytes, r[1]
+        return spec.nbytes, _np_info(spec.dtype)
     if t is not list and t is not tuple:
         if spec is None or spec is _mpi.IN_PLACE or spec is _mpi.BOTTOM:
             return 0, 0
@@ -235,7 +243,8 @@ def _spec_info(spec: Any, v: bool) -> tuple[int, int]:
         return _plain_buf(buf)[0], aux
     if isinstance(c, (tuple, list)):
         if v:
-            counts = c[0] if n == 3 else c  # [buf, (counts, displs), dt] or [buf, counts, displs, dt]
+            # [buf, (counts, displs), dt] or [buf, counts, displs, dt] or [buf, counts, dt]
+            counts = c[0] if (n == 3 and len(c) == 2 and not isinstance(c[0], int)) else c
             if isinstance(counts, int):
                 return counts * ext, aux
             return sum(counts) * ext, aux
@@ -399,10 +408,10 @@ def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[.
 
         return _finish_wrapper(wrapper, name, orig)
 
-    if obj and root_at is None:
+    if obj and root_at is None and prim is not None:
         kwname = prim[1]
 
-        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+        def wrapper_obj(self: Any, *args: Any, **kw: Any) -> Any:
             rec = _rec
             if rec is None:
                 return orig(self, *args, **kw)
@@ -432,9 +441,9 @@ def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[.
                 except Exception:
                     _oops(name)
 
-        return _finish_wrapper(wrapper, name, orig)
+        return _finish_wrapper(wrapper_obj, name, orig)
 
-    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+    def wrapper_buf(self: Any, *args: Any, **kw: Any) -> Any:
         rec = _rec
         if rec is None:
             return orig(self, *args, **kw)
@@ -463,7 +472,7 @@ def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[.
             except Exception:
                 _oops(name)
 
-    return _finish_wrapper(wrapper, name, orig)
+    return _finish_wrapper(wrapper_buf, name, orig)
 
 
 def _mk_icoll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[..., Any]:
@@ -492,6 +501,160 @@ def _mk_icoll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[
     wrapper.__doc__ = getattr(orig, "__doc__", None)
     wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
     return wrapper
+
+
+# -- generated wrappers with the original's exact signature -------------------------------
+# A wrapper ``def f(self, *args, **kw)`` pays for packing a tuple and a dict on
+# every call, and for fishing arguments out of them; one generated with the
+# wrapped method's own parameter list (inspect.signature works on mpi4py's
+# Cython methods) reads them as locals and calls the original positionally.
+# Same defaults (the very objects), so the call mpi4py sees is the same.
+_IN_PLACE: Any = None  # MPI.IN_PLACE, set when the module is hooked
+
+
+def _params(orig: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    try:
+        ps = list(inspect.signature(orig).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if not ps or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in ps):
+        return None
+    return ps
+
+
+def _gen(name: str, orig: Callable[..., Any], body: str, ps: list[inspect.Parameter], extra: dict[str, Any]) -> Callable[..., Any]:
+    """Compile ``def <name>(<orig's params>): <body>`` as a closure over ``orig``, ``extra``."""
+    defaults = {f"_d{i}": p.default for i, p in enumerate(ps) if p.default is not inspect.Parameter.empty}
+    sig = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}=_d{i}" for i, p in enumerate(ps))
+    call = ", ".join(p.name for p in ps)
+    free = ["orig", "cell", "NAME", *defaults, *extra]
+    src = f"def _factory({', '.join(free)}):\n    def {name}({sig}):\n" + body.replace("CALL", call) + f"    return {name}\n"
+    ns: dict[str, Any] = {}
+    exec(compile(src, f"<distdiag mpi4py wrapper {name}>", "exec"), globals(), ns)
+    fn = ns["_factory"](orig, _name_cell(name), name, *defaults.values(), *extra.values())
+    return _finish_wrapper(fn, name, orig)
+
+
+def _payload_src(spec: _CollSpec, ps: list[inspect.Parameter]) -> str | None:
+    """Source lines setting ``peer, nb, aux`` from the parameters, or None if the names disagree."""
+    prim, alt, root_at, obj = spec
+    names = [p.name for p in ps[1:]]
+
+    def at(i: int, kw: str) -> str | None:
+        return kw if i < len(names) and names[i] == kw else None
+
+    ind = " " * 12
+    lines = []
+    if root_at is None:
+        lines.append("peer = -1")
+    else:
+        r = at(*root_at)
+        if r is None:
+            return None
+        lines.append(f"peer = {r}")
+    if prim is None:
+        lines.append("nb = 0")
+        lines.append("aux = 0")
+    elif obj:
+        o = at(prim[0], prim[1])
+        if o is None:
+            return None
+        lines += [f"t = type({o})", f"nb = 0 if (t is int or t is float) else _obj_nbytes({o})", "aux = _ids.obj"]
+    else:
+        b = at(prim[0], prim[1])
+        if b is None:
+            return None
+        if alt is not None:
+            a = at(alt[0], alt[1])
+            if a is None:
+                return None
+            lines += [
+                f"if {b} is None or {b} is _IN_PLACE:",
+                f"    nb, aux = _spec_info({a}, {alt[2]})",
+                "else:",
+                f"    nb, aux = _spec_info({b}, {prim[2]})",
+            ]
+        else:
+            lines.append(f"nb, aux = _spec_info({b}, {prim[2]})")
+    return "".join(ind + ln + "\n" for ln in lines)
+
+
+_HEAD = """\
+        rec = _rec
+        if rec is None:
+            return orig(CALL)
+"""
+_IDS = "cell[0] if cell[1] is rec else _bind_name(cell, NAME, rec), st.kid if st.rec is rec else st.bind(rec)"
+
+_BLOCKING = (
+    _HEAD
+    + """\
+        try:
+            st = self._dd
+{seq}{payload}            rec.enter({kind}, {ids}, {seqv}, peer, nb, aux, rec.site(2))
+        except Exception:
+            _oops(NAME)
+        try:
+            return orig(CALL)
+        finally:
+            try:
+                rec.leave()
+            except Exception:
+                _oops(NAME)
+"""
+)
+_ASYNC = (
+    _HEAD
+    + """\
+        info = None
+        try:
+            st = self._dd
+{seq}{payload}            info = [{kind}, {ids}, {seqv}, peer, nb, aux, rec.site(2), 0]
+        except Exception:
+            _oops(NAME)
+        t0 = now_ns()
+        req = orig(CALL)
+        if info is None:
+            return req
+        return _track(req, info, t0)
+"""
+)
+_SEQ = """\
+            seq = st.seq
+            st.seq = seq + 1
+"""
+
+
+def _gen_coll(name: str, orig: Callable[..., Any], spec: _CollSpec, blocking: bool) -> Callable[..., Any] | None:
+    ps = _params(orig)
+    if ps is None:
+        return None
+    payload = _payload_src(spec, ps)
+    if payload is None:
+        return None
+    tmpl = _BLOCKING if blocking else _ASYNC
+    body = tmpl.format(seq=_SEQ, payload=payload, kind="COLL" if blocking else "COLL_ASYNC", ids=_IDS, seqv="seq")
+    return _gen(name, orig, body, ps, {})
+
+
+def _gen_p2p(name: str, orig: Callable[..., Any], spec: tuple[int, tuple[int, str] | None, tuple[int, str], bool, int]) -> Callable[..., Any] | None:
+    """Sends (blocking or not) and non-blocking receives; blocking receives stay generic."""
+    kind, bspec, pspec, obj, _st = spec
+    if kind == RECV:
+        return None
+    ps = _params(orig)
+    if ps is None:
+        return None
+    cspec: _CollSpec = ((bspec[0], bspec[1], False) if bspec is not None else None, None, pspec, obj)
+    payload = _payload_src(cspec, ps)
+    if payload is None:
+        return None
+    if bspec is None:  # irecv(buf=None, ...): size known at completion
+        payload += " " * 12 + "aux = _ids.obj\n"
+    is_async = kind in (SEND_ASYNC, RECV_ASYNC)
+    kname = {SEND: "SEND", SEND_ASYNC: "SEND_ASYNC", RECV_ASYNC: "RECV_ASYNC"}[kind]
+    body = (_ASYNC if is_async else _BLOCKING).format(seq="", payload=payload, kind=kname, ids=_IDS, seqv="-1")
+    return _gen(name, orig, body, ps, {})
 
 
 def _track(req: Any, info: list[Any], t0: int) -> Any:
@@ -755,6 +918,7 @@ def _creation_key(parent: _CommState, op: str, new: Any, args: tuple[Any, ...], 
 
 def _adopt(new: Any, key: str) -> Any:
     """``new`` as a wrapped communicator with state for ``key``."""
+    obj: Any
     if isinstance(new, _ours):
         obj = new  # Dup/Clone/Idup build type(self): already our class
     else:
@@ -966,15 +1130,20 @@ def _build_classes(MPI: Any) -> dict[str, type]:
         ("WIntercomm", MPI.Intercomm),
     ):
         ns: dict[str, Any] = {"__slots__": ("_dd",), "__module__": __name__, "__doc__": base.__doc__}
+        # generated exact-signature wrappers where the signature is as expected,
+        # the generic (*args, **kw) ones otherwise
         for name, spec in _COLL_SPECS.items():
             if hasattr(base, name):
-                ns[name] = _mk_coll(name, getattr(base, name), spec)
+                f = getattr(base, name)
+                ns[name] = _gen_coll(name, f, spec, True) or _mk_coll(name, f, spec)
         for name, spec in _ICOLL_SPECS.items():
             if hasattr(base, name):
-                ns[name] = _mk_icoll(name, getattr(base, name), spec)
+                f = getattr(base, name)
+                ns[name] = _gen_coll(name, f, spec, False) or _mk_icoll(name, f, spec)
         for name, pspec in _P2P_SPECS.items():
             if hasattr(base, name):
-                ns[name] = _mk_p2p(name, getattr(base, name), pspec)
+                f = getattr(base, name)
+                ns[name] = _gen_p2p(name, f, pspec) or _mk_p2p(name, f, pspec)
         for name, obj, replace in (("Sendrecv", False, False), ("sendrecv", True, False), ("Sendrecv_replace", False, True)):
             if hasattr(base, name):
                 ns[name] = _mk_sendrecv(name, getattr(base, name), obj, replace)
@@ -994,7 +1163,7 @@ _any_source = -2  # MPI.ANY_SOURCE, refreshed from the module when hooked
 
 def _on_import(MPI: Any) -> None:
     """Post-import hook: swap in the wrapped world/self communicators and Request."""
-    global _classes, _ours, _mpi, _any_source, _orig_request
+    global _classes, _ours, _mpi, _any_source, _orig_request, _IN_PLACE
     with _lock:
         if _rec is None or _mpi is not None:
             return
@@ -1002,6 +1171,7 @@ def _on_import(MPI: Any) -> None:
             _classes = _build_classes(MPI)
             _ours = tuple(c for k, c in _classes.items() if k != "WRequest")
         _any_source = MPI.ANY_SOURCE
+        _IN_PLACE = MPI.IN_PLACE
         _saved.clear()
         _saved.update(COMM_WORLD=MPI.COMM_WORLD, COMM_SELF=MPI.COMM_SELF, Request=MPI.Request)
         _mpi = MPI
