@@ -454,7 +454,7 @@ def test_mpiexec_ranks_share_one_default_run_dir(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     dirs = list(tmp_path.glob("distdiag-*"))
     assert len(dirs) == 1, dirs
-    assert sorted(x.name for x in dirs[0].iterdir()) == ["rank-00000.h5", "rank-00001.h5"]
+    assert sorted(x.name for x in dirs[0].glob("rank-*")) == ["rank-00000.h5", "rank-00001.h5"]
     for r in (0, 1):
         _, _, attrs = events_of(rank_file(dirs[0], r))
         assert (int(attrs["rank"]), int(attrs["world_size"]), attrs["launcher"]) == (r, 2, "mpich")
@@ -497,3 +497,15 @@ def test_forked_children_never_write_the_parents_file(tmp_path: Path) -> None:
     names = list(s[ev["name_id"][ev["kind"] == Kind.MARK]])
     assert names == ["parent_before", "parent_after"]
     assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == 0
+
+
+def test_os_exit_still_closes_the_file(tmp_path: Path) -> None:
+    prog = tmp_path / "hard.py"
+    prog.write_text("import os, distdiag\ndistdiag.mark('before')\nprint('bye', flush=True)\nos._exit(6)\n")
+    run_dir = tmp_path / "run"
+    plain = run([PY, str(prog)], cwd=tmp_path)
+    w = run([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], cwd=tmp_path, env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="30"))
+    assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr) == (6, "bye\n", "")
+    ev, s, attrs = events_of(rank_file(run_dir))
+    assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == 6
+    assert list(s[ev["name_id"][ev["kind"] == Kind.MARK]]) == ["before"]

@@ -104,7 +104,7 @@ def _is_python(tok: str) -> bool:
         return True
     try:
         found = shutil.which(tok) if os.sep not in tok else tok
-        return bool(found) and os.path.realpath(found) == os.path.realpath(sys.executable)  # type: ignore[arg-type]
+        return found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
     except Exception:
         return False
 
@@ -284,6 +284,26 @@ class _Shim:
         self._closed = False
         self._lock = threading.Lock()
         self.sigterm: _SigtermChain | None = None
+        # Interned now: a signal handler must never wait on the string table's
+        # lock, which the interrupted main thread may hold.
+        for name in ("sigterm", "sigterm_ignored", "target_end", "lost_events"):
+            rec.intern(name)
+
+    def patch_os_exit(self) -> None:
+        """``os._exit(n)`` skips atexit: close the file first (only in this process, not in forks)."""
+        orig = os._exit
+        self._orig_os_exit = orig
+
+        def _exit(n: int) -> None:  # the signature of os._exit
+            if os.getpid() == self.pid:
+                try:
+                    self.target_end(int(n))
+                    self.close(int(n))
+                except BaseException:
+                    pass
+            orig(n)
+
+        os._exit = _exit  # type: ignore[assignment]
 
     def shim_row(self, name: str, t_ns: int | None = None) -> None:
         from distdiag.shim.recorder import now_ns
@@ -334,6 +354,9 @@ class _Shim:
         self.writer.close(self.exit_code)
         if self.sigterm is not None:
             self.sigterm.restore()
+        orig_exit = getattr(self, "_orig_os_exit", None)
+        if orig_exit is not None:
+            os._exit = orig_exit
 
     def _after_fork_in_child(self) -> None:
         # The child inherits the open HDF5 handle: it must never write or close
@@ -518,6 +541,7 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
         os.register_at_fork(after_in_child=shim._after_fork_in_child)
     except Exception:
         pass
+    shim.patch_os_exit()
     atexit.register(shim.close)
     return shim
 
