@@ -10,6 +10,8 @@ test can hold the analyzer to the truth:
   keeps one sample per file does. ``blocked_s`` = time inside open/read/close.
 * ``--mode packed``: every rank reads the same samples from one packed file
   (``--data`` is that file).
+* ``--mode imports``: every rank imports ``--nfiles`` tiny modules ``m00000``...
+  found on ``--data`` (put first on ``sys.path``): an import storm.
 * ``--mode ckpt``: rank ``--ckpt-rank`` writes ``--ckpt-mb`` MiB to ``--ckpt-path``
   halfway through training (and fsyncs it), while the others go on to the next
   ``Allreduce`` and wait there. ``blocked_s`` = time the writer spent writing.
@@ -35,6 +37,16 @@ def load_files(data: str, nfiles: int) -> int:
         with open(os.path.join(data, f"s{i:05d}.bin"), "rb") as f:
             nbytes += len(f.read())
     return nbytes
+
+
+def import_modules(data: str, n: int) -> int:
+    import importlib
+    import sys
+
+    sys.path.insert(0, data)
+    for i in range(n):
+        importlib.import_module(f"m{i:05d}")
+    return 0
 
 
 def load_packed(path: str) -> int:
@@ -74,7 +86,7 @@ def train(comm: MPI.Intracomm, iters: int, compute_s: float, ckpt: tuple[int, in
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("files", "packed", "ckpt"), required=True)
+    ap.add_argument("--mode", choices=("files", "packed", "imports", "ckpt"), required=True)
     ap.add_argument("--data", default="")
     ap.add_argument("--nfiles", type=int, default=500)
     ap.add_argument("--iters", type=int, default=20)
@@ -88,9 +100,14 @@ def main() -> None:
     rank = comm.Get_rank()
     comm.Barrier()  # everyone starts loading together, as ranks of a real job do
     rec: dict[str, float] = {"rank": rank}
-    if a.mode in ("files", "packed"):
+    if a.mode in ("files", "packed", "imports"):
         t0 = time.perf_counter_ns()
-        nbytes = load_files(a.data, a.nfiles) if a.mode == "files" else load_packed(a.data)
+        if a.mode == "files":
+            nbytes = load_files(a.data, a.nfiles)
+        elif a.mode == "imports":
+            nbytes = import_modules(a.data, a.nfiles)
+        else:
+            nbytes = load_packed(a.data)
         t1 = time.perf_counter_ns()
         rec.update(t0_ns=t0, t1_ns=t1, blocked_s=(t1 - t0) / 1e9, nbytes=nbytes)
         comm.Barrier()
