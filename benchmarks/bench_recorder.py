@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--launch-repeat", type=int, default=5, help="plain vs wrapped empty-script runs (0: skip)")
     args = ap.parse_args()
     n, repeat = args.n, args.repeat
 
@@ -129,7 +130,37 @@ def main() -> None:
         w.close(0)
         size = (Path(d) / "bench.h5").stat().st_size
     print(f"\nwriter flush: {m} rows in {dt * 1e3:.0f} ms = {m / dt / 1e6:.1f} M rows/s, file {size / 1e6:.1f} MB")
+    launch_overhead(args.launch_repeat)
     _ = np  # numpy is imported by the shim anyway
+
+
+def launch_overhead(repeat: int) -> None:
+    """Start-to-exit of an empty script, plain and wrapped, alternating (best of ``repeat``)."""
+    import os
+    import subprocess
+    import sys
+
+    if repeat <= 0:
+        return
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "empty.py"
+        script.write_text("")
+        cmds = {
+            "python empty.py": [sys.executable, str(script)],
+            "distdiag-wrap python empty.py": [sys.executable, "-m", "distdiag.wrap", "--dir", str(Path(d) / "run"),
+                                              sys.executable, str(script)],
+        }
+        best = {k: float("inf") for k in cmds}
+        for _ in range(repeat):
+            for k, cmd in cmds.items():
+                t0 = time.perf_counter()
+                subprocess.run(cmd, env=env, check=True, timeout=120, capture_output=True)
+                best[k] = min(best[k], time.perf_counter() - t0)
+    base = best["python empty.py"]
+    print("\nlaunch, start to exit (best of %d):" % repeat)
+    for k, v in best.items():
+        print(f"  {k:32s} {v * 1e3:7.0f} ms  (+{(v - base) * 1e3:.0f} ms)")
 
 
 if __name__ == "__main__":
