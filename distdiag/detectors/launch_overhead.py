@@ -44,11 +44,16 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     a = view.acct
     turnaround_s = view.turnaround_s
     first = view.rank_first_work_s
-    if a is None or not a.start_s or not turnaround_s or not first:
+    if a is None or not a.start_s or not turnaround_s or not view.rank_last_event_s:
         return []
     min_fraction = float(cfg.value("launch_overhead", "min_fraction", 0.02))
-    slowest = max(first, key=lambda r: first[r])
-    ready_s = first[slowest]
+    # A rank whose record holds no useful work never got going (stuck in init
+    # or rendezvous until it was killed): its whole record is launch.
+    stuck = sorted(r for r in view.rank_last_event_s if r not in first)
+    ready = dict(first)
+    ready.update({r: view.rank_last_event_s[r] for r in stuck})
+    slowest = max(ready, key=lambda r: ready[r])
+    ready_s = ready[slowest]
     cost_s = max(0.0, ready_s - a.start_s)
     if cost_s <= RESOLUTION_S or cost_s / turnaround_s < min_fraction:
         return []
@@ -62,12 +67,20 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     step_starts = [s["start_s"] for s in a.steps if s.get("start_s")]
     before_step_s = max(0.0, min(step_starts) - a.start_s) if step_starts else None
     host = run.host_of(slowest)
-    summary = (
-        f"{cost_s:.1f} s from job start to the slowest rank's first useful work (rank {slowest}"
-        + (f" on {host}" if host else "")
-        + f": {launch_s:.1f} s until its process ran, {init_s:.1f} s of imports, init and rendezvous): "
-        f"{cost_s / turnaround_s:.0%} of the job's {turnaround_s:.0f} s turnaround"
-    )
+    hosts = run.hosts_of(sorted({int(slowest), *stuck}))
+    if stuck:
+        summary = (
+            f"rank(s) {_short(stuck)} never reached useful work (no collective, phase or step in their record): "
+            f"{cost_s:.1f} s from job start to the end of rank {slowest}'s record went to launch, imports, "
+            f"init or rendezvous; {cost_s / turnaround_s:.0%} of the job's {turnaround_s:.0f} s turnaround"
+        )
+    else:
+        summary = (
+            f"{cost_s:.1f} s from job start to the slowest rank's first useful work (rank {slowest}"
+            + (f" on {host}" if host else "")
+            + f": {launch_s:.1f} s until its process ran, {init_s:.1f} s of imports, init and rendezvous): "
+            f"{cost_s / turnaround_s:.0%} of the job's {turnaround_s:.0f} s turnaround"
+        )
     advice = (
         "imports and init dominate: keep the Python environment on node-local storage or in a container image, "
         "and import only what the job needs"
@@ -87,8 +100,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             cost_s=cost_s,
             summary=summary,
             advice=advice,
-            ranks=[int(slowest)],
-            hosts=[host] if host else [],
+            ranks=sorted({int(slowest), *stuck}),
+            hosts=hosts,
             evidence={
                 "fraction_of": "turnaround",
                 "turnaround_s": float(turnaround_s),
@@ -97,11 +110,15 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "shim_start_to_first_work_s": init_s,
                 "shim_start_spread_s": spread_s,
                 "last_rank_started": int(last_started),
+                "ranks_without_useful_work": stuck,
                 "job_start_to_first_step_s": before_step_s,
                 "resolution_s": RESOLUTION_S,
                 "accounting": view.origin,
                 "per_rank": per_rank,
-                "timeline": view.timeline,
             },
         )
     ]
+
+
+def _short(xs: list[int]) -> str:
+    return ", ".join(str(x) for x in xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")

@@ -77,7 +77,6 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "eligible_to_start_s": waiting_s,
                 "resolution_s": RESOLUTION_S,
                 "accounting": view.origin,
-                "timeline": view.timeline,
             },
         )
     ]

@@ -111,7 +111,9 @@ class TextRenderer:
             return out
         out = [f"VERDICT: {f.kind} -- {f.summary}"]
         out.append(
-            f"  cost: {_fmt_s(f.cost_s)} = {f.fraction:.0%} of the wall-clock (what the job would save without it)"
+            f"  cost: {_fmt_s(f.cost_s)} = {f.fraction:.0%} of the "
+            + ("turnaround, submit to end" if f.evidence.get("fraction_of") == "turnaround" else "wall-clock")
+            + " (what the job would save without it)"
         )
         where = []
         if f.ranks:
