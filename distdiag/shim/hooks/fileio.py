@@ -264,8 +264,9 @@ class FileIO(io.FileIO):
     program closes, leaves a ``with`` block, or drops the object.
     """
 
-    # (the accumulator is set as ``_dd`` right after construction; no __init__
-    # override, so the C constructor runs exactly as io.open runs it)
+    # the accumulator, set right after construction: no __init__ override, so
+    # the C constructor runs exactly as io.open runs it
+    _dd: _Acc
 
     def readinto(self, buffer: Any) -> Any:
         t0 = _now()
@@ -281,7 +282,7 @@ class FileIO(io.FileIO):
             _count(self._dd, False, len(b), t0, _now())
         return b
 
-    def read(self, size: int = -1) -> Any:
+    def read(self, size: int | None = -1) -> Any:
         t0 = _now()
         b = _FIO_read(self, size)
         if b:
@@ -358,7 +359,7 @@ def _open_counted(file: Any, rawmode: str, cls: type, tag: tuple[int, ...], site
     raw._dd = _Acc(tag[0], tag[1], site)
     _data_fds[_FIO_fileno(raw)] = (tag[0], tag[1], site)
     try:
-        size = raw._blksize
+        size = int(getattr(raw, "_blksize", io.DEFAULT_BUFFER_SIZE))
         if size <= 1:
             size = io.DEFAULT_BUFFER_SIZE
         return cls(raw, size)
