@@ -83,13 +83,15 @@ class TextRenderer:
         present = len(run.ranks)
         ranks_txt = f"{run.world_size} ranks" if present == run.world_size else f"{present} of {run.world_size} ranks"
         lines.append(f"distdiag: {job}{ranks_txt} on {host_txt}, wall-clock {_fmt_s(run.wall_s)}  [{run.path}]")
-        lines += _slurm_lines(getattr(report, "slurm", None))
         lines.append("")
         lines += self._verdict(report)
         lines.append("")
         if report.findings:
             lines += self._findings(report)
             lines.append("")
+        slurm = _slurm_lines(getattr(report, "slurm", None))
+        if slurm:
+            lines += slurm + [""]
         lines += self._breakdown(report)
         if run.warnings:
             lines.append("")
