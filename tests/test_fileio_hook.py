@@ -179,6 +179,8 @@ def test_open_read_modes_and_iteration(hooked: Hooked, tmp_path: Path) -> None:
             out.append((f.readinto(b), bytes(b), type(f)))
         with p.open("rb") as f:
             out.append((f.read(), type(f)))
+        with open(p, mode="rb") as f:
+            out.append((f.read(), type(f), f.mode))
         return out
 
     plain, with_hook = both(run, hooked)
@@ -217,6 +219,10 @@ def test_open_of_fd_closefd_and_opener_behave(hooked: Hooked, tmp_path: Path) ->
         pytest.param(lambda d: open(d / "exists.txt", "r", buffering=0), id="unbuffered-text"),
         pytest.param(lambda d: open(d / "exists.txt", encoding="no-such-codec"), id="bad-encoding"),
         pytest.param(lambda d: open(3.5), id="bad-type"),
+        pytest.param(lambda d: open(d / "exists.txt", ["rb"]), id="mode-not-str"),
+        pytest.param(lambda d: open(d / "exists.txt", mode=["rb"]), id="mode-kw-not-str"),
+        pytest.param(lambda d: open(d / "exists.txt", mode="rb", bogus=1), id="unknown-kwarg"),
+        pytest.param(lambda d: open(d / "exists.txt", "rbb"), id="mode-twice"),
         pytest.param(lambda d: os.open(d / "missing.txt", os.O_RDONLY), id="os.open-missing"),
         pytest.param(lambda d: io.open_code(str(d / "missing.py")), id="open_code-missing"),
     ],

@@ -85,7 +85,7 @@ BIG_CALL_NS = 1_000_000
 #: worth its 0.5 us row
 CLOSE_MIN_NS = 20_000
 #: path-cache bound: past it, paths are tagged on every call (correct, slower)
-MAX_CACHED_PATHS = 1 << 20
+MAX_CACHED_PATHS = 1 << 17
 #: never recorded: pseudo file systems with no storage behind them
 PSEUDO_PREFIXES = ("/proc/", "/sys/", "/dev/")
 
@@ -374,8 +374,9 @@ def _wrap_open(orig: Callable[..., Any], count: bool) -> Callable[..., Any]:
     def open(file: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - it is open
         t0 = _now()
         # binary files with default buffering: counted (see FileIO above)
-        if count and _count_bytes and not kwargs and len(args) == 1 and args[0].__class__ is str:
-            rm = _BIN_MODES.get(args[0])
+        if count and _count_bytes and ((len(args) == 1 and not kwargs) or (not args and len(kwargs) == 1 and "mode" in kwargs)):
+            m = args[0] if args else kwargs["mode"]
+            rm = _BIN_MODES.get(m) if m.__class__ is str else None
             if rm is not None and (file.__class__ is str or isinstance(file, os.PathLike)):
                 tag = _paths.get(file) if file.__class__ is str else None
                 if tag is None:
