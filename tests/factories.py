@@ -177,16 +177,22 @@ def make_run(
             attrs.update(end_mono_ns=int(t_end - offsets[r]), last_flush_mono_ns=int(t_end - offsets[r]))
         sync_rows = None
         if sync and r != 0:
+            # As the shim does: a round of exchanges at start and one at exit
+            # (a killed rank has only the start round).
             k = 5
-            rtt = rng.integers(20_000, 200_000, k)  # 20-200 µs round trips
-            t_send_true = t_true0 + np.arange(k) * 100_000
-            s = np.zeros(k, SYNC_DTYPE)
-            s["t_send_ns"] = t_send_true - offsets[r]
-            s["t_recv_ns"] = t_send_true + rtt - offsets[r]
-            s["t_ref_ns"] = t_send_true + rtt // 2  # rank 0's clock is the true clock
-            s["ref_rank"] = 0
-            s["tag"] = SyncTag.START
-            sync_rows = s
+            rounds = [(t_true0, SyncTag.START)] + ([] if killed else [(t_end - MS, SyncTag.EXIT)])
+            parts = []
+            for t_round, tag in rounds:  # two rounds
+                rtt = rng.integers(20_000, 200_000, k)  # 20-200 µs round trips
+                t_send_true = t_round + np.arange(k) * 100_000
+                s = np.zeros(k, SYNC_DTYPE)
+                s["t_send_ns"] = t_send_true - offsets[r]
+                s["t_recv_ns"] = t_send_true + rtt - offsets[r]
+                s["t_ref_ns"] = t_send_true + rtt // 2  # rank 0's clock is the true clock
+                s["ref_rank"] = 0
+                s["tag"] = tag
+                parts.append(s)
+            sync_rows = np.concatenate(parts)
         path = run_dir / rank_file_name(r)
         rank_strings = strings
         if shuffle_strings:

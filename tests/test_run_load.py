@@ -69,11 +69,13 @@ def test_align_recovers_each_ranks_clock_offset_from_sync_samples(tmp_path: Path
     assert run.wall_s > 3.0  # before alignment the clocks are seconds apart
 
 
-def test_align_without_sync_samples_uses_the_system_clocks_and_says_so(tmp_path: Path) -> None:
-    t = make_run(tmp_path / "r", iters=10, sync=False)
+def test_align_without_sync_samples_still_aligns_and_says_so(tmp_path: Path) -> None:
+    # No clock-sync samples: align() falls back (system clocks, or collective
+    # exits in the clock engineer's model) and names the ranks in a warning.
+    t = make_run(tmp_path / "r", iters=10, sync=False, clock_offsets_ms=[0, 2500.0, -1300.0, 40.0])
     a = align(load_run(tmp_path / "r"))
-    np.testing.assert_array_equal(a.offset_ns, t.offset_ns)
-    assert any("system clocks" in w and "1-3" in w for w in a.warnings), a.warnings
+    assert np.abs(a.offset_ns - t.offset_ns).max() < 0.5 * MS
+    assert any("no clock-sync samples for ranks 1-3" in w for w in a.warnings), a.warnings
 
 
 def test_missing_rank_is_listed_and_the_rest_analyzed(tmp_path: Path) -> None:
