@@ -481,3 +481,42 @@ def test_program_source_sees_wrapped_open_as_function(hooked: Hooked, tmp_path: 
     exec(compile(src.read_text(), str(src), "exec"), ns)
     assert ns["first"] == "\n"
     assert hooked.s(hooked.rows(Kind.FILE_OPEN, src)["site_id"][-1]) == f"{src}:2"  # [0] is src.read_text()
+
+
+def test_any_mode_and_buffering_behaves_as_io_open(tmp_path: Path) -> None:
+    """Property: for every mode string and buffering, the hooked open does what io.open does."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    plain_open = io.open
+    rec = Recorder()
+
+    @settings(max_examples=80, deadline=None)
+    @given(mode=st.text(alphabet="rwxab+t", min_size=1, max_size=4), buffering=st.sampled_from([None, None, -1, 0, 1, 4096]),
+           kw=st.booleans())  # fmt: skip
+    def check(mode: str, buffering: int | None, kw: bool) -> None:
+        def attempt(opener: Callable[..., Any], name: str) -> Any:
+            p = tmp_path / name
+            p.write_bytes(b"seed")
+            args: tuple[Any, ...] = (mode,) if buffering is None else (mode, buffering)
+            kwargs: dict[str, Any] = {"mode": mode} if buffering is None else {"mode": mode, "buffering": buffering}
+            try:
+                f = opener(p, **kwargs) if kw else opener(p, *args)
+            except Exception as e:
+                return ("raised", type(e), str(e).replace(name, "X"))
+            with f:
+                return ("ok", type(f), f.mode, f.readable(), f.writable(), f.seekable())
+
+        want = attempt(plain_open, "plain")
+        fileio.install(rec, None)
+        try:
+            got = attempt(builtins.open, "hooked")
+        finally:
+            fileio.uninstall()
+        assert got == want, (mode, buffering, kw)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # buffering=1 in binary mode warns, both ways
+        check()
