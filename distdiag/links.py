@@ -189,39 +189,60 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     Sends and receives pair up by (communicator, source, destination, n-th
     message between them): MPI and gloo deliver messages between one pair in
     order. ``peer`` is taken as a global rank (true for torch.distributed and
-    for MPI's COMM_WORLD).
+    for MPI's COMM_WORLD). Cached on the run.
     """
-    import pandas as pd
-
+    got = run.cache.get("p2p_transfers")
+    if got is not None:
+        return got  # type: ignore[no-any-return]
     send_k = np.array([Kind.SEND, Kind.SEND_ASYNC], np.uint8)
     recv_k = np.array([Kind.RECV, Kind.RECV_ASYNC], np.uint8)
     ev = run.events
-    s = ev[np.isin(ev["kind"], send_k) & (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])]
-    r = ev[np.isin(ev["kind"], recv_k) & (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])]
-    empty: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
-    empty["xfer_s"] = np.zeros(0)
-    if len(s) == 0 or len(r) == 0:
-        return empty
-    sd = pd.DataFrame({"comm": s["comm_id"], "src": s["rank"], "dst": s["peer"], "t0": s["t0_ns"], "t1": s["t1_ns"], "nb": s["nbytes"]})
-    rd = pd.DataFrame({"comm": r["comm_id"], "src": r["peer"], "dst": r["rank"], "t0": r["t0_ns"], "t1": r["t1_ns"], "nb": r["nbytes"]})
-    sd = sd.sort_values(["comm", "src", "dst", "t0"], kind="stable")
-    rd = rd.sort_values(["comm", "src", "dst", "t0"], kind="stable")
-    for d in (sd, rd):
-        d["ord"] = d.groupby(["comm", "src", "dst"]).cumcount()
-    m = sd.merge(rd, on=["comm", "src", "dst", "ord"], suffixes=("_s", "_r"))
-    if m.empty:
-        return empty
-    start = np.maximum(m["t0_s"].to_numpy(), m["t0_r"].to_numpy())
-    end = m["t1_r"].to_numpy()
-    nb = np.maximum(m["nb_s"].to_numpy(), m["nb_r"].to_numpy())
-    return {
-        "src": m["src"].to_numpy(np.int64),
-        "dst": m["dst"].to_numpy(np.int64),
-        "nbytes": nb.astype(np.int64),
-        "t0_ns": start.astype(np.int64),
-        "t1_ns": end.astype(np.int64),
-        "xfer_s": np.maximum(end - start, 1) / 1e9,
-    }
+    ok = (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])
+    s = ev[np.isin(ev["kind"], send_k) & ok]
+    r = ev[np.isin(ev["kind"], recv_k) & ok]
+    out: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
+    out["xfer_s"] = np.zeros(0)
+    if len(s) and len(r):
+        # one table of both sides: (comm, src, dst, t0, side); side 0 = send, 1 = receive
+        comm = np.concatenate([s["comm_id"], r["comm_id"]]).astype(np.int64)
+        src = np.concatenate([s["rank"], r["peer"]]).astype(np.int64)
+        dst = np.concatenate([s["peer"], r["rank"]]).astype(np.int64)
+        t0 = np.concatenate([s["t0_ns"], r["t0_ns"]])
+        side = np.r_[np.zeros(len(s), np.int64), np.ones(len(r), np.int64)]
+        rb = max(int(src.max()), int(dst.max()), 1).bit_length()
+        if comm.max() < (1 << max(0, 62 - 2 * rb)):
+            # (comm, src, dst) packed into one int64: a 2-key sort instead of a 4-key one
+            pk = (comm << (2 * rb)) | (src << rb) | dst
+            order = np.lexsort((t0, side, pk))
+        else:
+            order = np.lexsort((t0, side, dst, src, comm))
+            pk = np.unique(np.stack([comm, src, dst]), axis=1, return_inverse=True)[1].ravel()
+        pk, side = pk[order], side[order]
+        # n-th message of its (comm, src, dst, side) run = position minus the run's start
+        newpair = np.r_[True, pk[1:] != pk[:-1]]
+        new = newpair | np.r_[True, side[1:] != side[:-1]]
+        run_start = np.maximum.accumulate(np.where(new, np.arange(len(new)), 0))
+        nth = np.arange(len(new)) - run_start
+        # pair id: the same for the send and receive runs of one (comm, src, dst)
+        pair = np.cumsum(newpair) - 1
+        key = pair * (int(nth.max()) + 1) + nth
+        is_s = side == 0
+        ks, ix_s = key[is_s], order[is_s]
+        kr, ix_r = key[~is_s], order[~is_s] - len(s)
+        _, a, b = np.intersect1d(ks, kr, assume_unique=True, return_indices=True)
+        ms, mr = s[ix_s[a]], r[ix_r[b]]
+        start = np.maximum(ms["t0_ns"], mr["t0_ns"])
+        end = mr["t1_ns"]
+        out = {
+            "src": ms["rank"].astype(np.int64),
+            "dst": mr["rank"].astype(np.int64),
+            "nbytes": np.maximum(ms["nbytes"], mr["nbytes"]).astype(np.int64),
+            "t0_ns": start.astype(np.int64),
+            "t1_ns": end.astype(np.int64),
+            "xfer_s": np.maximum(end - start, 1) / 1e9,
+        }
+    run.cache["p2p_transfers"] = out
+    return out
 
 
 def p2p_matrix(run: Run, tr: dict[str, np.ndarray] | None = None) -> LinkMatrix | None:

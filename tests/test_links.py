@@ -259,3 +259,32 @@ def test_no_probe_no_p2p_no_finding(tmp_path: Path) -> None:
     assert slow_link(run, Config()) == []
     # the straggler detector does not blame anyone for the slow collectives either
     assert straggler(run, Config()) == []
+
+
+def test_p2p_matching_by_communicator_pair_and_order(tmp_path: Path) -> None:
+    """n-th send from a to b on a communicator meets the n-th receive there,
+    whatever the other pairs and communicators do; a send never received is dropped."""
+    strings = ["", "send", "recv", "world", "sub"]
+    S, R, W, B = Kind.SEND, Kind.RECV, 3, 4
+    ev0 = [  # rank 0 sends to 1 on world twice, on sub once, and once more never received
+        (10 * MS, 11 * MS, S, 1, W, -1, 1, 1 << 20, 0, 0, 0, 0.0),
+        (12 * MS, 13 * MS, S, 1, B, -1, 1, 2 << 20, 0, 0, 0, 0.0),
+        (20 * MS, 22 * MS, S, 1, W, -1, 1, 3 << 20, 0, 0, 0, 0.0),
+        (30 * MS, 31 * MS, S, 1, W, -1, 1, 4 << 20, 0, 0, 0, 0.0),
+    ]
+    ev1 = [  # rank 1 receives: sub first, then world twice (posted late: transfer starts at its t0)
+        (12 * MS, 14 * MS, R, 2, B, -1, 0, 2 << 20, 0, 0, 0, 0.0),
+        (15 * MS, 16 * MS, R, 2, W, -1, 0, 1 << 20, 0, 0, 0, 0.0),
+        (17 * MS, 25 * MS, R, 2, W, -1, 0, 3 << 20, 0, 0, 0, 0.0),
+    ]
+    for r, rows in ((0, ev0), (1, ev1)):
+        write_rank_file(tmp_path / rank_file_name(r), dict(rank=r, world_size=2, host=f"h{r}", job_id="1", launch_id="l"),
+                        np.array(rows, EVENT_DTYPE), strings)  # fmt: skip
+    from distdiag.links import p2p_transfers
+
+    tr = p2p_transfers(load_run(tmp_path))
+    order = np.argsort(tr["nbytes"])
+    assert tr["nbytes"][order].tolist() == [1 << 20, 2 << 20, 3 << 20]
+    assert tr["src"].tolist() == [0, 0, 0] and tr["dst"].tolist() == [1, 1, 1]
+    # 1 MiB: both in the call from 15 ms (the receive) to 16 ms; 3 MiB: 20 -> 25 ms
+    assert (tr["xfer_s"][order] * 1e3).round(3).tolist() == [1.0, 2.0, 5.0]
