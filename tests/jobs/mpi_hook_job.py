@@ -62,10 +62,13 @@ def main() -> int:
 
     meta: dict[str, object] = {"world_type": tname(comm)}
 
-    # a rank that is late to the first collective
-    if rank == a.slow_rank:
-        time.sleep(a.sleep_s)
-    comm.Barrier()  # world seq 0
+    # a rank that is late to a collective; an aligning barrier first, so the
+    # ranks' uneven start-up on a loaded machine does not blur the lateness
+    if a.slow_rank >= 0:
+        comm.Barrier()  # world seq 0 in this mode; everything below shifts by one
+        if rank == a.slow_rank:
+            time.sleep(a.sleep_s)
+    comm.Barrier()  # world seq 0 (seq 1 with --slow-rank)
 
     res["allreduce_obj"] = comm.allreduce(rank + 1)  # seq 1
     x = np.arange(4, dtype=np.float64) + rank
@@ -138,6 +141,54 @@ def main() -> int:
     meta["isinstance_plain_request"] = isinstance(MPI.REQUEST_NULL, MPI.Request)
     for c in (node, cart_sub, cart, sub2, sub, dup):
         c.Free()
+
+    # more constructors: Idup, Clone, Create(group), Create_group, an intercomm and its Merge
+    idup, ireq = comm.Idup()
+    ireq.Wait()
+    res["idup_allreduce"] = idup.allreduce(rank)
+    clone = comm.Clone()
+    clone.Barrier()
+    wg = comm.Get_group()
+    evens = wg.Incl([r for r in range(size) if r % 2 == 0])
+    created = comm.Create(evens)  # COMM_NULL on odd ranks
+    if created != MPI.COMM_NULL:
+        res["create_allreduce"] = created.allreduce(rank)
+        created.Free()
+    mine = wg.Incl([r for r in range(size) if r % 2 == rank % 2])
+    grp = comm.Create_group(mine, tag=7)  # collective over the group only
+    res["group_allreduce"] = grp.allreduce(rank)
+    half = comm.Split(rank % 2, rank)
+    inter = half.Create_intercomm(0, comm, 1 - rank % 2, tag=11)
+    res["inter_remote_size"] = inter.Get_remote_size()
+    merged = inter.Merge(high=rank % 2 == 1)
+    res["merged_allreduce"] = merged.allreduce(rank)
+    meta["more_types"] = {"idup": tname(idup), "clone": tname(clone), "grp": tname(grp), "inter": tname(inter), "merged": tname(merged)}
+    for c in (merged, inter, half, grp, clone, idup):
+        c.Free()
+    for g_ in (mine, evens, wg):
+        g_.Free()
+
+    # v-variants and the other completion calls
+    counts = [i + 1 for i in range(size)]
+    displs = [sum(counts[:i]) for i in range(size)]
+    sendv = np.arange(sum(counts), dtype=np.float64) if rank == 0 else None
+    recvv = np.empty(rank + 1)
+    comm.Scatterv([sendv, counts, displs, MPI.DOUBLE] if rank == 0 else None, recvv, root=0)
+    res["Scatterv"] = recvv.tolist()
+    allv = np.empty(sum(counts))
+    comm.Allgatherv(recvv, [allv, counts, displs, MPI.DOUBLE])
+    res["Allgatherv"] = allv.tolist()
+    ra = [comm.Iallreduce(np.array([float(rank)]), np.empty(1)) for _ in range(2)]
+    done: list[int] = []
+    while len(done) < 2:
+        i = MPI.Request.Waitany(ra)
+        done.append(i)
+    rs = [comm.Ibarrier() for _ in range(2)]
+    while not MPI.Request.Testall(rs):
+        pass
+    ro = [comm.isend(rank, dest=(rank + 1) % size, tag=20), comm.irecv(source=(rank - 1) % size, tag=20)]
+    res["waitall_obj"] = MPI.Request.waitall(ro)
+    meta["completion_ok"] = True
 
     # an MPI error passes through unchanged (mpi4py sets ERRORS_RETURN): same
     # exception type and error class as without the hook

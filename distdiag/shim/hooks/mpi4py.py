@@ -1015,10 +1015,11 @@ def _wait_cm(rec: Any, name: str, requests: Any) -> int:
     """Open a WAIT row (comm of the first tracked request)."""
     kid = 0
     try:
-        for r in requests[:1]:
+        for r in requests:  # the first still-pending tracked request names the comm
             info = getattr(r, "_dd", None)
             if info is not None:
                 kid = info[2]
+                break
     except Exception:
         pass
     return rec.enter(WAIT, _ids.names.get(name) or _nid(name), kid, -1, -1, 0, 0, rec.site(3))  # type: ignore[no-any-return]
