@@ -1,30 +1,74 @@
 """Clock alignment: map every rank's timestamps onto rank 0's timeline.
 
 Each rank stamps events with its own monotonic clock, whose zero is arbitrary
-(boot time, per node). The shim measures, against the reference rank, clock
-exchanges: this rank sends at ``t_send`` and gets the reply at ``t_recv`` (its
-clock), the reference stamped ``t_ref`` (its clock) in between. Assuming the
-two legs take equal time, the reference clock read ``t_ref`` at local time
-``(t_send + t_recv) / 2``, so
+(boot time, per node) and whose rate differs from the other nodes' by up to
+~100 ppm. The shim (:mod:`distdiag.shim.clock`) measures clock exchanges
+against the reference rank 0: this rank sends at ``t_send`` and gets the reply
+at ``t_recv`` (its clock); the reference stamped ``t_ref`` (its clock) in
+between. Whatever the two legs take, the reference read ``t_ref`` at some
+local instant in ``[t_send, t_recv]``, so
 
     offset = t_ref - (t_send + t_recv) / 2        local + offset = reference
 
-and the error of that estimate is at most half the round trip, so the sample
-with the smallest RTT is the best one. Worked example: send at 1000, reply at
-1040 (RTT 40 ns), reference stamped 5030: offset = 5030 - 1020 = 4010; the
-true offset lies within 4010 ± 20.
+is right to within half the round trip (RTT). Worked example: send at 1000,
+reply at 1040 (RTT 40 ns), reference stamped 5030: offset = 5030 - 1020 =
+4010; the true offset lies within 4010 +- 20. So the sample with the smallest
+RTT is the best one, and the RTT is its error bar.
 
-This first version fits one constant offset per rank (no drift). Without
-samples it falls back to the system clocks: each rank recorded
-``wall_ns_at_start`` (time.time_ns) and ``mono_ns_at_start`` (the event clock)
-at the same instant, so ``wall - mono`` maps the rank's clock onto wall time,
-and the difference to rank 0's ``wall - mono`` maps it onto rank 0's clock --
-as good as NTP between the nodes (milliseconds), which is stated as a warning.
+The model, per rank (:func:`fit`):
+
+1. *Knots.* Samples come in rounds (start, every ``sync_interval_s``, exit).
+   Per round ("window") keep the one exchange with the smallest RTT: a knot
+   ``(x = local mid time, y = offset, e = RTT/2)``. Knots much worse than the
+   rank's best (a reference whose thread waited for the GIL) are dropped.
+2. *Offset + drift.* A weighted least-squares line ``y = a + b x`` through the
+   knots (weights ``1/e^2``). If every knot lies within its own error bar of
+   the line, the clock pair is linear over the run and the line is the model
+   (it averages the knots' noise). If not (NTP slewed a clock, temperature
+   changed its rate), the model is piecewise linear through the knots: between
+   two knots the error is at most the larger of their two error bars.
+   Outside the knots both extrapolate with the line's slope (the drift).
+   Worked example: knots (0 s, 10.000 ms, +-10 us) and (60 s, 10.012 ms,
+   +-10 us): slope 12 us / 60 s = 0.2 us/s (0.2 ppm: the rank's clock runs
+   0.2 ppm slow); an event at local 30 s gets offset 10.006 ms.
+3. *Bound.* Per rank: the knots' error bars (half their RTT) plus the fit
+   error: in linear mode the largest ``|resid_k| + e_k`` (the line can be no
+   further from the truth at a knot, and between knots no further than at the
+   worse end); in piecewise mode the largest ``e_k`` plus half the knots'
+   largest second difference (how far the clock bends away from a chord). A rank with one window has no drift estimate: its bound
+   grows by ``DRIFT_PRIOR_PPM`` per second away from the knot.
+
+Ranks without samples (an old file, a rank killed before its first exchange)
+fall back to collective exits: every member of a synchronizing collective
+(barrier, all-reduce, ...) leaves it at about the same time, so the aligned
+exits of the synced members give one offset sample per collective; their
+median (plus a drift when they span long enough) is the model, and the spread
+of the exits is the (larger) bound. With neither samples nor shared
+collectives, the system clocks (``wall_ns_at_start - mono_ns_at_start``, as
+good as NTP: milliseconds) are the last resort. Each fallback is a warning.
+
+Causality (:func:`align`): no member can leave a synchronizing collective
+before its last member entered it. After alignment such violations are
+counted; each one is impossible ordering that would show as a negative
+transfer time, so they are repaired the way Scalasca does (a controlled
+logical clock): the violating exit moves forward to the last entry (plus
+``MIN_LATENCY_NS``), and the rank's later timestamps move with it by an amount
+that decays at rate ``1 - GAMMA`` (the corrected clock runs at ``GAMMA`` times
+its speed until it meets the original), so intervals stay nearly intact.
+Violations within the two ranks' stated bounds are expected noise; ones beyond
+them mean the model is wrong for those ranks and become a warning.
+
+The result of the fit and the causality counts sit in
+``run.cache["clock_model"]`` (a :class:`ClockModel`; ``.to_json()``) after
+:func:`align`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -32,77 +76,572 @@ from distdiag.run import Run, _ranges
 
 log = logging.getLogger(__name__)
 
+#: The reference rank: its clock is the timeline.
+REF_RANK = 0
+#: Sync rows further apart than this (same tag) belong to different rounds.
+WINDOW_GAP_NS = 500_000_000
+#: Timer granularity and the reference's stamping jitter: added to every error bar.
+ERR_FLOOR_NS = 1_000
+#: Knots with an error bar above max(KNOT_KEEP_FACTOR * best, best + KNOT_KEEP_ABS_NS) are dropped.
+KNOT_KEEP_FACTOR = 4.0
+KNOT_KEEP_ABS_NS = 50_000
+#: Drift assumed for a rank with one sync window (two free-running crystals; NTP keeps it lower).
+DRIFT_PRIOR_PPM = 100.0
+#: Largest drift a fit may report; beyond it a fit is noise (real crystals: < 100 ppm).
+MAX_DRIFT = 1e-3
+#: Controlled logical clock: a repaired jump decays at (1 - GAMMA) ns per ns.
+GAMMA = 0.99
+#: The least time between the last member entering a collective and anyone leaving it.
+MIN_LATENCY_NS = 1_000
+#: Repair passes (each one vectorized); a shift can create a later violation.
+MAX_REPAIR_PASSES = 20
+#: A bound above this is worth a warning: waits shorter than it are not trustworthy.
+WARN_BOUND_NS = 1_000_000
 
-def _min_rtt_offsets(run: Run, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(offset_ns, has_sample) per rank from the min-RTT sync sample, vectorized."""
-    off = np.zeros(n, np.int64)
-    has = np.zeros(n, bool)
-    s = run.sync
+#: Collectives whose every member's exit depends on every member's entry. Not the
+#: rooted ones (a Bcast leaf leaves once the root sent) nor the v/w variants (a
+#: rank with zero counts may leave before a peer arrives).
+SYNC_OPS = frozenset(
+    {
+        "Barrier", "Ibarrier", "ibarrier", "barrier", "Allreduce", "Iallreduce", "allreduce",
+        "Allgather", "Iallgather", "allgather", "Alltoall", "Ialltoall", "alltoall",
+        "Reduce_scatter_block", "Ireduce_scatter_block",
+        "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+        "all_gather_coalesced", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single",
+        "monitored_barrier", "all_gather_object", "ddp_bucket_allreduce",
+    }
+)  # fmt: skip
+
+
+@dataclass
+class RankClock:
+    """How one rank's clock maps onto the reference timeline.
+
+    ``offset(t) = y0_ns + interp(t - x0_ns, knots_x, knots_y)``, extrapolated
+    with ``slope`` outside the knots; ``t_ref = t + offset(t)``. Bases are
+    integers so that float64 only ever holds differences (a clock at 1.8e18 ns
+    would lose 256 ns in a float).
+    """
+
+    rank: int
+    #: "reference" | "sync" (linear) | "sync-piecewise" | "sync-single" |
+    #: "collective-exits" | "wall-clock" | "none"
+    method: str
+    x0_ns: int = 0
+    y0_ns: int = 0
+    knots_x: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    knots_y: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    #: offset change per local ns outside (and, in linear mode, between) the knots
+    slope: float = 0.0
+    #: residual uncertainty of the mapping (ns); inf when unaligned
+    bound_ns: float = 0.0
+    #: bound growth per ns away from the knots (single-window ranks)
+    bound_growth: float = 0.0
+    n_samples: int = 0
+    n_windows: int = 0
+    best_rtt_ns: int = -1
+
+    @property
+    def drift_ppm(self) -> float:
+        """How much faster this rank's clock runs than the reference's, in ppm.
+
+        ``t_ref = t (1 + slope) + c``, so the rank's rate over the reference's is
+        ``1 / (1 + slope)``."""
+        return (1.0 / (1.0 + self.slope) - 1.0) * 1e6
+
+    def offset_ns(self, t_ns: np.ndarray) -> np.ndarray:
+        """Offset (int64 ns) to add to local times ``t_ns`` (int64 array)."""
+        t = np.asarray(t_ns, dtype=np.int64)
+        x = (t - self.x0_ns).astype(np.float64)
+        kx, ky = self.knots_x, self.knots_y
+        y = np.interp(x, kx, ky)
+        lo, hi = x < kx[0], x > kx[-1]
+        y[lo] = ky[0] + self.slope * (x[lo] - kx[0])
+        y[hi] = ky[-1] + self.slope * (x[hi] - kx[-1])
+        return self.y0_ns + np.rint(y).astype(np.int64)
+
+    def map(self, t_ns: np.ndarray) -> np.ndarray:
+        t = np.asarray(t_ns, dtype=np.int64)
+        return t + self.offset_ns(t)
+
+    def bound_at(self, t_ns: np.ndarray) -> np.ndarray:
+        """The uncertainty (ns) at local times ``t_ns``: grows away from the knots when drift is unknown."""
+        t = np.asarray(t_ns, dtype=np.int64)
+        if self.bound_growth == 0.0:
+            return np.full(t.shape, self.bound_ns)
+        x = (t - self.x0_ns).astype(np.float64)
+        dist = np.maximum(self.knots_x[0] - x, 0) + np.maximum(x - self.knots_x[-1], 0)
+        return self.bound_ns + self.bound_growth * dist
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "method": self.method,
+            "offset_ns": int(self.offset_ns(np.array([self.x0_ns]))[0]),
+            "drift_ppm": round(self.drift_ppm, 3),
+            "bound_us": round(self.bound_ns / 1e3, 3) if np.isfinite(self.bound_ns) else None,
+            "samples": self.n_samples,
+            "windows": self.n_windows,
+            "best_rtt_us": round(self.best_rtt_ns / 1e3, 3) if self.best_rtt_ns >= 0 else None,
+        }
+
+
+@dataclass
+class ClockModel:
+    """Every rank's clock model plus what the causality check found."""
+
+    ref_rank: int
+    ranks: dict[int, RankClock]
+    #: bound per rank at the end of its record (ns), indexed by rank (inf = unaligned)
+    bound_ns: np.ndarray
+    warnings: list[str] = field(default_factory=list)
+    #: member exits of synchronizing collectives checked / before the last entry
+    causality_checked: int = 0
+    violations: int = 0
+    violations_beyond_bound: int = 0
+    max_violation_ns: int = 0
+    violations_after_repair: int = 0
+    repair_passes: int = 0
+    #: rank -> (constraint times, lower bounds) per repair pass, on the aligned timeline
+    repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ref_rank": self.ref_rank,
+            "ranks": [self.ranks[r].to_json() for r in sorted(self.ranks)],
+            "causality": {
+                "checked": self.causality_checked,
+                "violations": self.violations,
+                "beyond_bound": self.violations_beyond_bound,
+                "max_violation_us": round(self.max_violation_ns / 1e3, 3),
+                "after_repair": self.violations_after_repair,
+                "repair_passes": self.repair_passes,
+            },
+        }
+
+
+# ----------------------------------------------------------------------------------
+# fitting
+
+
+def _knots(sync: np.ndarray) -> np.ndarray:
+    """Min-RTT knot per (rank, window), vectorized: columns rank, x (mid), y (offset), e (err), n (samples)."""
+    dt = np.dtype([("rank", "<i8"), ("x", "<i8"), ("y", "<i8"), ("e", "<f8"), ("rtt", "<i8"), ("n", "<i8")])
+    if len(sync) == 0:
+        return np.zeros(0, dt)
+    rtt = sync["t_recv_ns"] - sync["t_send_ns"]
+    ok = (rtt >= 0) & (sync["ref_rank"] == REF_RANK) & (sync["rank"] >= 0)
+    s, rtt = sync[ok], rtt[ok]
     if len(s) == 0:
-        return off, has
-    rtt = s["t_recv_ns"] - s["t_send_ns"]
-    ok = (rtt >= 0) & (s["rank"] >= 0) & (s["rank"] < n)
-    s, rtt = s[ok], rtt[ok]
-    if len(s) == 0:
-        return off, has
-    order = np.lexsort((rtt, s["rank"]))  # per rank, smallest RTT first
-    s = s[order]
-    ranks, first = np.unique(s["rank"], return_index=True)
-    best = s[first]
-    # (t_send + t_recv) / 2 without overflowing int64
-    mid = best["t_send_ns"] + (best["t_recv_ns"] - best["t_send_ns"]) // 2
-    off[ranks] = best["t_ref_ns"] - mid
-    has[ranks] = True
-    return off, has
+        return np.zeros(0, dt)
+    order = np.lexsort((s["t_send_ns"], s["rank"]))
+    s, rtt = s[order], rtt[order]
+    new = np.ones(len(s), bool)
+    new[1:] = (
+        (s["rank"][1:] != s["rank"][:-1])
+        | (s["tag"][1:] != s["tag"][:-1])
+        | (s["t_send_ns"][1:] - s["t_send_ns"][:-1] > WINDOW_GAP_NS)
+    )
+    win = np.cumsum(new) - 1
+    order = np.lexsort((rtt, win))  # per window, smallest RTT first
+    first = order[np.r_[True, win[order][1:] != win[order][:-1]]]
+    b = s[first]
+    mid = b["t_send_ns"] + rtt[first] // 2  # (t_send + t_recv) / 2 without int64 overflow
+    out = np.zeros(len(b), dt)
+    out["rank"] = b["rank"]
+    out["x"] = mid
+    out["y"] = b["t_ref_ns"] - mid
+    out["rtt"] = rtt[first]
+    out["e"] = rtt[first] / 2.0 + ERR_FLOOR_NS
+    out["n"] = np.bincount(win, minlength=len(b))
+    return out
 
 
-def align(run: Run) -> Run:
-    """A new Run whose event, in-flight and GPU times and rank bounds are on rank 0's clock."""
-    if run.aligned:
-        return run
-    n = max(run.world_size, max(run.ranks, default=-1) + 1)
-    off, has = _min_rtt_offsets(run, n)
-    warnings = list(run.warnings)
+def _wls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """Weighted least-squares line y = a + b x."""
+    sw = w.sum()
+    mx, my = (w * x).sum() / sw, (w * y).sum() / sw
+    sxx = (w * (x - mx) ** 2).sum()
+    b = float((w * (x - mx) * (y - my)).sum() / sxx) if sxx > 0 else 0.0
+    b = float(np.clip(b, -MAX_DRIFT, MAX_DRIFT))
+    return float(my - b * mx), b
+
+
+def _fit_rank(rank: int, k: np.ndarray) -> RankClock:
+    """The model of one rank from its knots (sorted by x)."""
+    x0, y0 = int(k["x"][0]), int(k["y"][0])
+    e = k["e"]
+    best = float(e.min())
+    keep = e <= max(KNOT_KEEP_FACTOR * best, best + KNOT_KEEP_ABS_NS)
+    k, e = k[keep], e[keep]
+    x = (k["x"] - x0).astype(np.float64)
+    y = (k["y"] - y0).astype(np.float64)
+    common = dict(
+        rank=rank, x0_ns=x0, y0_ns=y0, n_samples=int(k["n"].sum()), n_windows=len(k),
+        best_rtt_ns=int(k["rtt"].min()),
+    )  # fmt: skip
+    if len(k) == 1:
+        # No drift estimate: the bound grows with the distance from the one knot.
+        return RankClock(method="sync-single", knots_x=x, knots_y=y, slope=0.0, bound_ns=best,
+                         bound_growth=DRIFT_PRIOR_PPM * 1e-6, **common)  # type: ignore[arg-type]  # fmt: skip
+    a, b = _wls(x, y, 1.0 / e**2)
+    resid = y - (a + b * x)
+    if np.all(np.abs(resid) <= e + ERR_FLOOR_NS):
+        # Linear clock pair: the line averages the knots' noise.
+        lx = np.array([x[0], x[-1]])
+        # At a knot the line is off by at most |resid| + e (the knot's own error bar); between
+        # knots by no more than at the worse end. With two knots resid is 0 and this is the
+        # larger error bar; with many it also holds "half the best RTT plus the fit error".
+        bound = float(np.max(np.abs(resid) + e))
+        return RankClock(method="sync", knots_x=lx, knots_y=a + b * lx, slope=b,
+                         bound_ns=bound, **common)  # type: ignore[arg-type]  # fmt: skip
+    # Piecewise linear through the knots. Between two knots the error is at most the larger
+    # of their error bars, plus how far the true curve bends away from the chord (estimated
+    # as half the largest second difference of the knots).
+    bend = 0.0
+    if len(k) >= 3:
+        t = (x[1:-1] - x[:-2]) / np.maximum(x[2:] - x[:-2], 1.0)
+        chord = y[:-2] + t * (y[2:] - y[:-2])
+        bend = float(np.abs(y[1:-1] - chord).max()) / 2.0
+    return RankClock(method="sync-piecewise", knots_x=x, knots_y=y, slope=b,
+                     bound_ns=float(e.max()) + bend, **common)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _sync_ops(run: Run) -> np.ndarray:
+    return np.array([run.sid(n) for n in SYNC_OPS if run.sid(n) >= 0], np.int64)
+
+
+def _map_by_rank(times: np.ndarray, ranks: np.ndarray, models: dict[int, RankClock]) -> tuple[np.ndarray, np.ndarray]:
+    """(mapped times, mapped?) for any arrays of local times and their ranks; -1 stays -1."""
+    out = times.astype(np.int64).copy()
+    done = np.zeros(len(times), bool)
+    if len(times) == 0:
+        return out, done
+    order = np.argsort(ranks, kind="stable")
+    rs = ranks[order]
+    uniq, starts = np.unique(rs, return_index=True)
+    ends = np.append(starts[1:], len(rs))
+    for r, lo, hi in zip(uniq, starts, ends):  # per rank: numpy inside
+        m = models.get(int(r))
+        if m is None:
+            continue
+        idx = order[lo:hi]
+        t = out[idx]
+        valid = t != -1
+        t[valid] = m.map(t[valid])
+        out[idx] = t
+        done[idx] = True
+    return out, done
+
+
+def _exit_fallback(run: Run, models: dict[int, RankClock], need: list[int]) -> list[int]:
+    """Fit ranks in ``need`` from synchronizing-collective exits against aligned ranks; returns those fitted."""
+    from distdiag.match import MatchState, match_collectives
+
+    colls = match_collectives(run.replace())  # a copy: matching may add warnings
+    if len(colls) == 0:
+        return []
+    ok_g = (colls.g_state == MatchState.COMPLETE) & np.isin(colls.g_op, _sync_ops(run)) & (colls.g_n_members >= 2)
+    sel = ok_g[colls.m_group] & (colls.m_t1_ns >= 0)
+    g, r, t1 = colls.m_group[sel], colls.m_rank[sel].astype(np.int64), colls.m_t1_ns[sel]
+    fitted: list[int] = []
+    pending = set(need)
+    for _pass in range(len(need)):  # each pass aligns ranks next to aligned ones; usually one
+        known = np.isin(r, np.fromiter(models, np.int64, len(models)))
+        if not known.any() or not pending:
+            break
+        mapped, _ = _map_by_rank(t1[known], r[known], models)
+        ng = len(colls)
+        # Reference exit of each group: the mean aligned exit of its aligned members,
+        # measured from a common base to keep float64 exact.
+        base = int(mapped.min())
+        cnt = np.bincount(g[known], minlength=ng)
+        ref_exit = np.bincount(g[known], weights=(mapped - base).astype(np.float64), minlength=ng)
+        has = cnt > 0
+        ref_exit = np.where(has, ref_exit / np.maximum(cnt, 1), 0.0)
+        spread = np.zeros(ng)
+        if (cnt >= 2).any():
+            mx = np.full(ng, -np.inf)
+            mn = np.full(ng, np.inf)
+            np.maximum.at(mx, g[known], (mapped - base).astype(np.float64))
+            np.minimum.at(mn, g[known], (mapped - base).astype(np.float64))
+            spread[cnt >= 2] = (mx - mn)[cnt >= 2]
+        cand = ~known & has[g] & np.isin(r, np.fromiter(pending, np.int64, len(pending)))
+        progress = []
+        for rank in np.unique(r[cand]):  # per unsynced rank
+            m = cand & (r == rank)
+            x_loc = t1[m]
+            x0 = int(x_loc.min())
+            x = (x_loc - x0).astype(np.float64)
+            # offset sample: reference exit - local exit, relative to the integer bases
+            y = (ref_exit[g[m]] + base - x0) - x
+            y0 = int(np.median(y))
+            y = y - y0
+            med = float(np.median(y))
+            mad = float(np.median(np.abs(y - med))) * 1.4826
+            inl = np.abs(y - med) <= max(3 * mad, 1_000.0)
+            slope = 0.0
+            a = med
+            if inl.sum() >= 8 and np.ptp(x[inl]) >= 0.5e9:
+                a, slope = _wls(x[inl], y[inl], np.ones(int(inl.sum())))
+            resid = y[inl] - (a + slope * x[inl])
+            typical_spread = float(np.median(spread[g[m]])) if (spread[g[m]] > 0).any() else 0.0
+            bound = 3 * float(np.median(np.abs(resid))) * 1.4826 + typical_spread + ERR_FLOOR_NS
+            lx = np.array([x[inl].min(), x[inl].max()]) if inl.any() else np.array([0.0])
+            models[int(rank)] = RankClock(
+                rank=int(rank), method="collective-exits", x0_ns=x0, y0_ns=y0,
+                knots_x=lx, knots_y=a + slope * lx, slope=slope, bound_ns=bound, n_samples=int(m.sum()),
+                n_windows=0,
+            )  # fmt: skip
+            progress.append(int(rank))
+        if not progress:
+            break
+        fitted += progress
+        pending -= set(progress)
+    return fitted
+
+
+def fit(run: Run) -> ClockModel:
+    """Every present rank's clock model (see the module docstring)."""
     present = sorted(run.ranks)
-    ref = 0 if 0 in run.ranks else (present[0] if present else 0)
-    if 0 in run.ranks:
-        off[0] = 0
-        has[0] = True  # the reference needs no sample
-    need = [r for r in present if not has[r]]
-    if need:
-        ref_info = run.ranks.get(ref)
-        ref_map = None
-        if ref_info is not None and ref_info.wall_ns_at_start is not None and ref_info.mono_ns_at_start is not None:
-            ref_map = ref_info.wall_ns_at_start - ref_info.mono_ns_at_start
-        fell_back = []
-        for r in need:  # ranks without samples: a handful
-            i = run.ranks[r]
-            if ref_map is not None and i.wall_ns_at_start is not None and i.mono_ns_at_start is not None:
-                off[r] = (i.wall_ns_at_start - i.mono_ns_at_start) - ref_map
-                fell_back.append(r)
-        if fell_back and len(present) > 1:
+    ref = REF_RANK if (REF_RANK in run.ranks or len(run.sync)) else (present[0] if present else REF_RANK)
+    warnings: list[str] = []
+    models: dict[int, RankClock] = {}
+    if ref in run.ranks:
+        models[ref] = RankClock(rank=ref, method="reference", bound_ns=0.0)
+    k = _knots(run.sync)
+    if len(k):
+        ranks, starts = np.unique(k["rank"], return_index=True)
+        ends = np.append(starts[1:], len(k))
+        for r, lo, hi in zip(ranks, starts, ends):  # per rank with samples
+            r = int(r)
+            if r == ref or r not in run.ranks:
+                continue
+            models[r] = _fit_rank(r, k[lo:hi])
+
+    need = [r for r in present if r not in models]
+    if need and len(present) > 1:
+        got = _exit_fallback(run, models, need)
+        if got:
+            b = max(models[r].bound_ns for r in got)
             warnings.append(
-                f"no clock-sync samples for ranks {_ranges(fell_back)}: their alignment rests on the system clocks "
-                "(NTP, typically off by milliseconds); waits shorter than that are not trustworthy"
+                f"no clock-sync samples for ranks {_ranges(got)}: aligned from collective exits, "
+                f"good to about +-{b / 1e3:.0f} us (synced ranks: a few us)"
             )
-        unaligned = sorted(set(need) - set(fell_back))
-        if unaligned and len(present) > 1:
+        need = [r for r in need if r not in models]
+    if need and len(present) > 1:
+        ref_info = run.ranks.get(ref)
+        fell_back = []
+        for r in need:  # ranks with neither samples nor shared collectives: a handful
+            i = run.ranks[r]
+            if (
+                ref_info is not None and ref_info.wall_ns_at_start is not None and ref_info.mono_ns_at_start is not None
+                and i.wall_ns_at_start is not None and i.mono_ns_at_start is not None
+            ):  # fmt: skip
+                off = (i.wall_ns_at_start - i.mono_ns_at_start) - (ref_info.wall_ns_at_start - ref_info.mono_ns_at_start)
+                models[r] = RankClock(rank=r, method="wall-clock", y0_ns=off, bound_ns=np.inf)
+                fell_back.append(r)
+        if fell_back:
+            warnings.append(
+                f"no clock-sync samples and no shared collectives for ranks {_ranges(fell_back)}: their alignment "
+                "rests on the system clocks (NTP, typically off by milliseconds); waits shorter than that are not "
+                "trustworthy"
+            )
+        unaligned = [r for r in need if r not in models]
+        if unaligned:
             warnings.append(f"ranks {_ranges(unaligned)} have neither clock-sync samples nor start times: left unaligned")
+        for r in unaligned:
+            models[r] = RankClock(rank=r, method="none", bound_ns=np.inf)
+    for r in present:
+        models.setdefault(r, RankClock(rank=r, method="reference" if r == ref else "none", bound_ns=0.0))
+
+    n = max(run.world_size, max(run.ranks, default=-1) + 1)
+    bound = np.full(n, np.inf)
+    for r, m in models.items():  # per rank
+        info = run.ranks.get(r)
+        ends = np.array([info.start_ns, info.end_ns]) if info is not None else np.array([m.x0_ns])
+        bound[r] = float(m.bound_at(ends).max())
+    single = [r for r, m in models.items() if m.method == "sync-single"]
+    if single:
+        warnings.append(
+            f"ranks {_ranges(sorted(single))} have clock samples from one moment only (killed early, or a run "
+            f"shorter than the sync interval with no exit samples): drift unknown, bound grows {DRIFT_PRIOR_PPM:.0f} us/s"
+        )
+    loose = [r for r in present if np.isfinite(bound[r]) and bound[r] > WARN_BOUND_NS and models[r].method != "wall-clock"]
+    if loose:
+        warnings.append(
+            f"clock alignment of ranks {_ranges(loose)} is only good to +-{max(bound[r] for r in loose) / 1e6:.1f} ms: "
+            "waits shorter than that are not trustworthy"
+        )
+    return ClockModel(ref_rank=ref, ranks=models, bound_ns=bound, warnings=warnings)
+
+
+# ----------------------------------------------------------------------------------
+# causality
+
+
+def _clc_map(t: np.ndarray, tau: np.ndarray, low: np.ndarray, base: int) -> np.ndarray:
+    """Controlled logical clock for one rank: the least monotone map with f(t) >= t,
+    f(tau_j) >= low_j, and slope >= GAMMA after each forced jump.
+
+    The CLC recurrence c_i = max(lower_i, c_{i-1} + GAMMA (t_i - t_{i-1})) becomes,
+    with u_i = c_i - GAMMA t_i, a running maximum: u_i = max(lower_i - GAMMA t_i, u_{i-1}).
+    So f(t) = max(t, GAMMA t + max_{tau_j <= t}(low_j - GAMMA tau_j)). Vectorized.
+    """
+    order = np.argsort(tau, kind="stable")
+    tau_r = (tau[order] - base).astype(np.float64)
+    cm = np.maximum.accumulate((low[order] - base).astype(np.float64) - GAMMA * tau_r)
+    x = (t - base).astype(np.float64)
+    j = np.searchsorted(tau_r, x, side="right") - 1
+    f = x.copy()
+    has = j >= 0
+    f[has] = np.maximum(x[has], GAMMA * x[has] + cm[j[has]])
+    return base + np.rint(f).astype(np.int64)
+
+
+def _apply_repairs(t: np.ndarray, ranks: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]], base: int) -> np.ndarray:
+    """Apply every repair pass's per-rank CLC map to times ``t`` of ranks ``ranks`` (-1 stays -1)."""
+    out = t.astype(np.int64).copy()
+    for rep in repairs:  # a handful of passes
+        for r, (tau, low) in rep.items():  # ranks with violations
+            m = (ranks == r) & (out != -1)
+            if m.any():
+                out[m] = _clc_map(out[m], tau, low, base)
+    return out
+
+
+def _violations(g: np.ndarray, t0: np.ndarray, t1: np.ndarray, ng: int) -> tuple[np.ndarray, np.ndarray]:
+    """(last entry per group, how far each member's exit precedes it; <= 0 when fine)."""
+    last = np.full(ng, np.iinfo(np.int64).min)
+    np.maximum.at(last, g, t0)
+    return last, last[g] - t1
+
+
+def check_causality(run: Run, model: ClockModel, repair: bool = True) -> Run:
+    """Count (and repair) exits from synchronizing collectives that precede the last entry.
+
+    ``run`` is aligned; the counts go into ``model``. Returns the repaired run.
+    """
+    from distdiag.match import MatchState, match_collectives
+
+    colls = match_collectives(run)
+    if len(colls) == 0:
+        return run
+    ok_g = (colls.g_state == MatchState.COMPLETE) & np.isin(colls.g_op, _sync_ops(run)) & (colls.g_n_members >= 2)
+    sel = ok_g[colls.m_group] & (colls.m_t1_ns >= 0)
+    if not sel.any():
+        return run
+    g = colls.m_group[sel]
+    r = colls.m_rank[sel].astype(np.int64)
+    t0 = colls.m_t0_ns[sel].copy()
+    t1 = colls.m_t1_ns[sel].copy()
+    ng = len(colls)
+    last, late = _violations(g, t0, t1, ng)
+    viol = late > 0
+    model.causality_checked = int(sel.sum())
+    model.violations = int(viol.sum())
+    if not viol.any():
+        return run
+    model.max_violation_ns = int(late[viol].max())
+    # The last arriver of each group (for the pair bound): argmax of t0 per group.
+    order = np.lexsort((t0, g))
+    last_idx = order[np.r_[g[order][1:] != g[order][:-1], True]]
+    last_rank = np.zeros(ng, np.int64)
+    last_rank[g[last_idx]] = r[last_idx]
+    bnd = model.bound_ns
+    pair = bnd[r] + bnd[last_rank[g]]
+    beyond = viol & (late > pair)
+    model.violations_beyond_bound = int(beyond.sum())
+    if beyond.any():
+        bad = sorted(set(r[beyond].tolist()) | set(last_rank[g[beyond]].tolist()))
+        model.warnings.append(
+            f"{int(beyond.sum())} of {model.causality_checked} synchronizing-collective exits preceded the last entry "
+            f"by more than the stated clock bounds (max {model.max_violation_ns / 1e3:.0f} us; ranks {_ranges(bad)}): "
+            "the clock model is off for these ranks; repaired with a controlled logical clock"
+        )
+    if not repair:
+        model.violations_after_repair = model.violations
+        return run
+
+    base = int(min(run.events["t0_ns"].min(), t0.min())) if len(run.events) else int(t0.min())
+    repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
+    for _pass in range(MAX_REPAIR_PASSES):  # each pass vectorized; usually 1-2
+        if not viol.any():
+            break
+        rep: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        vr = r[viol]
+        for rank in np.unique(vr):  # ranks with violations
+            m = viol & (r == rank)
+            rep[int(rank)] = (t1[m].copy(), last[g[m]] + MIN_LATENCY_NS)
+        repairs.append(rep)
+        t0 = _apply_repairs(t0, r, [rep], base)
+        t1 = _apply_repairs(t1, r, [rep], base)
+        last, late = _violations(g, t0, t1, ng)
+        viol = late > 0
+    model.repairs = repairs
+    model.repair_passes = len(repairs)
+    model.violations_after_repair = int(viol.sum())
 
     ev = run.events.copy()
-    shift = off[ev["rank"]]
-    ev["t0_ns"] += shift
-    ev["t1_ns"] += shift
+    er = ev["rank"].astype(np.int64)
+    ev["t0_ns"] = _apply_repairs(ev["t0_ns"], er, repairs, base)
+    ev["t1_ns"] = _apply_repairs(ev["t1_ns"], er, repairs, base)
     inf = run.inflight.copy()
-    inf["t0_ns"] += off[inf["rank"]]  # t1 == -1 (never left) stays -1
+    inf["t0_ns"] = _apply_repairs(inf["t0_ns"], inf["rank"].astype(np.int64), repairs, base)
     gpu = run.gpu.copy()
-    gpu["t_ns"] += off[gpu["rank"]]
-    import dataclasses
+    gpu["t_ns"] = _apply_repairs(gpu["t_ns"], gpu["rank"].astype(np.int64), repairs, base)
+    ranks = {}
+    for rk, i in run.ranks.items():  # per rank: two scalars
+        se = _apply_repairs(np.array([i.start_ns, i.end_ns]), np.array([rk, rk]), repairs, base)
+        ranks[rk] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
+    order = np.lexsort((ev["t0_ns"], ev["rank"]))
+    return run.replace(events=ev[order], inflight=inf, gpu=gpu, ranks=ranks)
 
-    ranks = {
-        r: dataclasses.replace(i, start_ns=i.start_ns + int(off[r]), end_ns=i.end_ns + int(off[r]))
-        for r, i in run.ranks.items()
-    }
-    return run.replace(
-        events=ev, inflight=inf, gpu=gpu, ranks=ranks, warnings=warnings, aligned=True, offset_ns=off
-    )
+
+# ----------------------------------------------------------------------------------
+# the stage
+
+
+def align(run: Run, repair: bool = True) -> Run:
+    """A new Run whose event, in-flight and GPU times and rank bounds are on rank 0's clock.
+
+    ``run.cache["clock_model"]`` holds the :class:`ClockModel`; ``run.offset_ns``
+    each rank's offset at its start. Sync rows stay raw (each rank's own clock).
+    """
+    if run.aligned:
+        return run
+    model = fit(run)
+    models = model.ranks
+    ev = run.events.copy()
+    if len(ev):
+        er = ev["rank"]
+        ev["t0_ns"], _ = _map_by_rank(ev["t0_ns"], er, models)
+        ev["t1_ns"], _ = _map_by_rank(ev["t1_ns"], er, models)
+        # A drift can reorder nothing within a rank (the map is monotone), but keep the contract explicit.
+        ev = ev[np.lexsort((ev["t0_ns"], ev["rank"]))]
+    inf = run.inflight.copy()
+    if len(inf):
+        inf["t0_ns"], _ = _map_by_rank(inf["t0_ns"], inf["rank"], models)  # t1 == -1 (never left) stays -1
+    gpu = run.gpu.copy()
+    if len(gpu):
+        gpu["t_ns"], _ = _map_by_rank(gpu["t_ns"], gpu["rank"], models)
+    n = max(run.world_size, max(run.ranks, default=-1) + 1)
+    off = np.zeros(n, np.int64)
+    ranks = {}
+    for r, i in run.ranks.items():  # per rank: two scalars
+        m = models.get(r)
+        if m is None:
+            ranks[r] = i
+            continue
+        se = m.map(np.array([i.start_ns, i.end_ns], np.int64))
+        off[r] = int(se[0] - i.start_ns)
+        ranks[r] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
+    out = run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, aligned=True, offset_ns=off)
+    try:
+        out = check_causality(out, model, repair=repair)
+    except Exception as e:  # the check is a refinement: never lose the report to it
+        log.debug("causality check failed", exc_info=True)
+        model.warnings.append(f"clock causality check failed ({type(e).__name__}: {e}); alignment unrepaired")
+    out.warnings = list(run.warnings) + model.warnings
+    out.cache["clock_model"] = model
+    return out
