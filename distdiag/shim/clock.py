@@ -20,8 +20,12 @@ client stamps ``t_recv``. The analyzer (``distdiag.clocks``) takes
 ``offset = t_ref - (t_send + t_recv)/2`` and trusts it to +-RTT/2, so each
 round does ``cfg.sync_exchanges`` exchanges and every one is recorded: the
 analyzer keeps the one with the smallest RTT per window. Rounds run at start
-(``SyncTag.START``; the wrapper waits for rank 0's file up to
-``cfg.sync_start_wait_s``, then the thread keeps looking in the background),
+(``SyncTag.START``, from the daemon thread as soon as rank 0's file appears;
+``cfg.sync_start_wait_s`` > 0 makes ``start()`` wait for it and take the round
+in the program's thread, which gives cleaner samples but delays the program's
+start: MPI_Init holds rank 0's GIL while it waits for the other ranks, so a
+rank that syncs before its own MPI_Init can be held up ~0.1-0.3 s, and that
+shows as a late rank at the first collective),
 every ``cfg.sync_interval_s`` from a daemon thread (``PERIODIC``), and at
 exit (``EXIT``, from :meth:`ClockSync.stop`). The reference lingers in
 ``stop()`` up to ``cfg.exit_sync_wait_s`` until every other rank said it
@@ -72,9 +76,10 @@ _PONG = struct.Struct("<4sIiIq")
 _OP_PING = 0
 _OP_BYE = 1
 
-#: wait for one reply before calling the exchange lost (loopback RTT is ~50 us,
-#: a busy reference holding its GIL adds up to ~5 ms)
-EXCHANGE_TIMEOUT_S = 0.1
+#: wait for one reply before calling the exchange lost (loopback RTT is ~20 us,
+#: a busy reference whose thread waits for the GIL adds ~5 ms; longer is a GIL held
+#: in a C call, such as MPI_Init: better to retry later than to wait)
+EXCHANGE_TIMEOUT_S = 0.05
 #: a round gives up after this many lost exchanges in a row (reference gone)
 MAX_LOST_IN_ROW = 2
 #: a round with a poor best RTT may take up to this many times sync_exchanges ...
@@ -88,6 +93,13 @@ POOR_RTT_FACTOR = 4.0
 BACKGROUND_WAIT_S = 300.0
 #: how long discovery waits for the first answer from any of rank 0's addresses
 DISCOVER_TIMEOUT_S = 0.3
+#: a round whose best RTT is above this (or that lost half its exchanges) was taken
+#: while a GIL was held for long (MPI_Init holds rank 0's while it waits for the other
+#: ranks): the thread takes another round soon, RETRY_FIRST_S later, doubling, at most
+#: RETRY_MAX times, instead of waiting a whole sync interval
+RETRY_RTT_NS = 1_000_000
+RETRY_FIRST_S = 0.2
+RETRY_MAX = 6
 
 
 def _ipv4_addrs() -> list[str]:
@@ -109,7 +121,7 @@ def _ipv4_addrs() -> list[str]:
         log.debug("distdiag: interface addresses not listed", exc_info=True)
     if not out:
         try:
-            out = [ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+            out = [str(ai[4][0]) for ai in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
         except OSError:
             pass
     seen: list[str] = []
@@ -147,7 +159,7 @@ class ClockSync:
         self.interval_s = float(_cfg(cfg, "sync_interval_s", 60.0))
         self.n_exchanges = max(1, int(_cfg(cfg, "sync_exchanges", 10)))
         self.exit_wait_s = float(_cfg(cfg, "exit_sync_wait_s", 2.0))
-        self.start_wait_s = float(_cfg(cfg, "sync_start_wait_s", 3.0))
+        self.start_wait_s = float(_cfg(cfg, "sync_start_wait_s", 0.0))
         if launch_id is None:
             try:
                 from distdiag.shim import session
@@ -172,6 +184,7 @@ class ClockSync:
         self._connected = False
         self._seq = 0
         self.best_rtt_ns: int | None = None
+        self._poor = True  # the last round was poor (or none was taken yet)
         #: rounds done per tag, and exchanges sent: for tests and the benchmark
         self.rounds: dict[int, int] = {int(t): 0 for t in SyncTag}
         self.exchanges = 0
@@ -276,7 +289,7 @@ class ClockSync:
     # -- client -------------------------------------------------------------------------
     def _start_client(self) -> None:
         deadline = time.monotonic() + self.start_wait_s
-        while True:
+        while self.start_wait_s > 0:
             if self._discover():
                 self._round(SyncTag.START)
                 break
@@ -302,6 +315,17 @@ class ClockSync:
                 if not self._connected:
                     log.debug("distdiag: rank %d never found the clock reference", self.rank)
                     return
+            retry_s = RETRY_FIRST_S
+            for _ in range(RETRY_MAX):  # bounded: a few quick rounds while the last one was poor
+                if not self._poor or retry_s >= self.interval_s:
+                    break
+                if self._stop.wait(retry_s):
+                    return
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    self._round(SyncTag.PERIODIC)
+                retry_s *= 2
             # Spread ranks over the interval so they do not all ping rank 0 at once.
             phase = (self.rank % 16) / 16.0 * min(self.interval_s, 1.0) * 0.5
             wait_s = self.interval_s + phase
@@ -447,6 +471,9 @@ class ClockSync:
         if best is not None and (self.best_rtt_ns is None or best < self.best_rtt_ns):
             self.best_rtt_ns = best
         self.rounds[int(tag)] += 1
+        self._poor = best is None or best > RETRY_RTT_NS or 2 * len(rows) < min(i, self.n_exchanges)
+        log.debug("distdiag: rank %d clock round %s: %d samples, %d lost, best RTT %s ns",
+                  self.rank, tag.name, len(rows), i - len(rows), best)  # fmt: skip
         if not rows:
             return
         out = np.zeros(len(rows), SYNC_DTYPE)

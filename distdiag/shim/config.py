@@ -38,9 +38,9 @@ class ShimConfig:
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10
     exit_sync_wait_s: float = 2.0
-    #: clock sync: how long a rank waits at start for rank 0's clock-ref.json before going on
-    #: (the clock thread keeps looking in the background)
-    sync_start_wait_s: float = 3.0
+    #: clock sync: how long start() waits for rank 0's clock-ref.json and takes the start round
+    #: in the program's thread (0: all in the background, the program is never held up)
+    sync_start_wait_s: float = 0.0
     #: measure point-to-point links at start (distdiag-wrap --probe-links)
     probe_links: bool = False
     #: the probe's time budget, its most rounds, and the wait for a peer that never answers

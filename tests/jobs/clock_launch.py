@@ -2,15 +2,23 @@
 
 Run by a launcher (``mpiexec -n 4 python clock_launch.py ...``, or one process
 per rank with ``RANK`` set); finds its rank in the environment and replaces
-itself with ``faketime -f SPEC[rank] cmd args...`` (libfaketime shifts and
-scales every clock the process reads: perf_counter_ns included). An empty
-spec (``""``) runs ``cmd`` with the true clock.
+itself with ``cmd args...`` under libfaketime with ``FAKETIME=SPEC[rank]``
+(as ``faketime -f SPEC`` would: every clock the process reads, perf_counter_ns
+included, is shifted and scaled). An empty spec (``""``) runs ``cmd`` with the
+true clock.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+#: where Debian's libfaketime puts the library the faketime tool preloads
+LIBFAKETIME = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+)
 
 
 def main() -> None:
@@ -26,8 +34,14 @@ def main() -> None:
             break
     spec = specs[rank % len(specs)] if rank >= 0 and specs else ""
     if spec:
-        # faketime forks the command and waits: file descriptors (PMI_FD) and the environment pass through
-        os.execvp("faketime", ["faketime", "-f", spec, *cmd])
+        lib = next((p for p in LIBFAKETIME if os.path.exists(p)), None)
+        if lib is not None:
+            # What the faketime tool does, minus its fork: the command keeps our parent
+            # (the launcher's proxy), so every rank still derives one launch id from it.
+            os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD", "")]))
+            os.environ["FAKETIME"] = spec
+        else:
+            cmd = ["faketime", "-f", spec, *cmd]
     os.execvp(cmd[0], cmd)
 
 
