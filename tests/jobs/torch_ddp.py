@@ -57,13 +57,16 @@ class SleepyData(torch.utils.data.Dataset):
         self.x = torch.randn(n, width, generator=g)
         self.y = torch.randn(n, width, generator=g)
         self.sleep_s = sleep_s
+        self.slept_s = 0.0  # what the sleeps really took (the injected fault, measured)
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
         if self.sleep_s:
+            t = time.perf_counter()
             time.sleep(self.sleep_s)
+            self.slept_s += time.perf_counter() - t
         return self.x[i], self.y[i]
 
 
@@ -72,7 +75,9 @@ ddp = DDP(model)
 hook_calls = [0]
 if args.user_hook:
 
-    def counting_allreduce(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # no annotations: under `from __future__ import annotations` they are strings,
+    # which DDP's _check_comm_hook rejects
+    def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]
         hook_calls[0] += 1
         t = bucket.buffer().div_(world)
         return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
@@ -155,5 +160,6 @@ if rec is not None:
 if args.out:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "losses": losses, "hook_calls": hook_calls[0], "loop_s": t_loop, "checks": checks}, f)
+        json.dump({"rank": rank, "losses": losses, "hook_calls": hook_calls[0], "loop_s": t_loop, "slept_s": data.slept_s,
+                   "checks": checks}, f)
 dist.destroy_process_group()

@@ -1,0 +1,208 @@
+"""Real 4-rank DDP jobs on gloo (torchrun), wrapped by distdiag, analyzed.
+
+Each launch below runs once per module (fixtures) and several tests read it:
+torch's import in 4 processes on 2 cores dominates a launch (20-40 s when
+other tests run alongside), the training loops themselves take ~1-2 s.
+
+The jobs run with the file-I/O hook off (``DISTDIAG_HOOKS=fileio=0``): it would
+record the thousands of files 4 torch imports touch, which is its own tests'
+business and slows these launches several-fold on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distdiag.match import MatchState, collectives_of
+from distdiag.pipeline import analyze
+from distdiag.run import load_run
+from distdiag.schema import Kind
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.torch
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = REPO / "tests" / "jobs" / "torch_ddp.py"
+LAUNCH_TIMEOUT_S = 400
+
+
+def torchrun(tmp: Path, job_args: list[str], wrapped: bool = True, nproc: int = 4) -> dict[int, dict[str, Any]]:
+    """Run the DDP job under torchrun (through distdiag.wrap if ``wrapped``); return each rank's JSON."""
+    out = tmp / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    if wrapped:
+        cmd += ["-m", "distdiag.wrap"]
+    cmd += [str(JOB), "--out", str(out), *job_args]
+    env = dict(os.environ, DISTDIAG_DIR=str(tmp / "run"), DISTDIAG_HOOKS="fileio=0", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)  # fmt: skip
+    try:
+        text, _ = p.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # our own torchrun and its ranks only
+        text, _ = p.communicate()
+        raise AssertionError(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{text[-3000:]}")
+    assert p.returncode == 0, text[-3000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
+
+
+@pytest.fixture(scope="module")
+def sleepy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """The Dataset sleeps 6 ms per sample in __getitem__ (num_workers=0: nothing hides it)."""
+    tmp = tmp_path_factory.mktemp("sleepy")
+    return tmp, torchrun(tmp, ["--steps", "20", "--batch", "8", "--sleep-ms", "6"])
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("fast")
+    return tmp, torchrun(tmp, ["--steps", "12", "--extras"])
+
+
+@pytest.fixture(scope="module")
+def fast_plain(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("plain")
+    return torchrun(tmp, ["--steps", "12", "--extras"], wrapped=False)
+
+
+@pytest.fixture(scope="module")
+def straggler(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """Rank 2 really computes longer (extra matrix products) every step; the user registers a comm hook."""
+    tmp = tmp_path_factory.mktemp("straggler")
+    return tmp, torchrun(tmp, ["--steps", "15", "--slow-rank", "2", "--slow-iters", "150", "--user-hook"])
+
+
+# -- input_bound ------------------------------------------------------------------------------
+def test_sleepy_dataset_is_input_bound_with_the_injected_cost(sleepy: tuple[Path, dict[int, Any]]) -> None:
+    tmp, ranks = sleepy
+    rep = analyze(tmp / "run")
+    assert rep.findings, "expected an input_bound finding"
+    top = rep.findings[0]
+    assert top.kind == "input_bound", [(f.kind, f.cost_s) for f in rep.findings]
+    # every rank slept the same per step and nothing overlapped it: the whole sleep was on the critical path
+    injected_s = float(np.mean([r["slept_s"] for r in ranks.values()]))
+    assert injected_s > 0.9
+    assert top.cost_s == pytest.approx(injected_s, rel=0.25), (top.cost_s, injected_s)
+    assert sorted(top.ranks) == [0, 1, 2, 3]
+
+
+def test_fast_dataset_has_no_input_bound_finding(fast: tuple[Path, dict[int, Any]]) -> None:
+    tmp, _ = fast
+    rep = analyze(tmp / "run")
+    wall = rep.run.wall_s
+    bad = [f for f in rep.findings if f.kind == "input_bound" and f.cost_s > 0.02 * wall]
+    assert not bad, bad
+    # ...while the loader waits were recorded (the hook ran; they were just short)
+    run = load_run(tmp / "run")
+    assert (run.events["kind"] == Kind.INPUT_WAIT).sum() >= 4 * 12
+
+
+# -- the shim changes nothing ------------------------------------------------------------------
+def test_wrapped_losses_are_bit_identical(fast: tuple[Path, dict[int, Any]], fast_plain: dict[int, Any]) -> None:
+    _, wrapped = fast
+    for r in range(4):
+        assert wrapped[r]["losses"] == fast_plain[r]["losses"]  # exact float equality, every step
+        assert wrapped[r]["checks"] == fast_plain[r]["checks"]
+
+
+def test_async_p2p_object_and_subgroup_calls_complete_and_are_recorded(fast: tuple[Path, dict[int, Any]]) -> None:
+    tmp, ranks = fast
+    for r, d in ranks.items():
+        c = d["checks"]
+        assert c["async_all_reduce"] == [6.0] * 4  # 0+1+2+3
+        assert c["p2p"] == [float(r ^ 1 if r % 2 else r)] * 3
+        assert c["batch"] == [float((r - 1) % 4)] * 2
+        assert c["objects"] == [{"rank": i} for i in range(4)]
+    run = load_run(tmp / "run")
+    ev = run.events
+    name = np.array([run.s(i) for i in ev["name_id"]])
+    comm = np.array([run.s(i) for i in ev["comm_id"]])
+    # async all_reduce: a COLL_ASYNC row per rank, finished after it was posted
+    ar = ev[(name == "all_reduce") & (ev["kind"] == Kind.COLL_ASYNC)]
+    assert sorted(ar["rank"]) == [0, 1, 2, 3] and np.all(ar["t1_ns"] >= ar["t0_ns"])
+    assert np.all(ar["nbytes"] == 16)
+    # aux = the dtype's string id in the rank file's own table (run.py remaps aux only for file events)
+    import h5py
+
+    with h5py.File(tmp / "run" / "rank-00000.h5", "r") as f:
+        own = [x.decode() if isinstance(x, bytes) else str(x) for x in f["strings"][:]]
+        e0 = f["events"][:]
+    s0 = np.array(own, dtype=object)
+    assert {s0[a] for a in e0["aux"][(s0[e0["name_id"]] == "all_reduce")]} == {"torch.float32"}
+    # isend/irecv (gloo has no futures for p2p: completed through Work.wait): peers are global ranks
+    sends = ev[(name == "isend") & (ev["kind"] == Kind.SEND_ASYNC)]
+    recvs = ev[(name == "irecv") & (ev["kind"] == Kind.RECV_ASYNC)]
+    assert len(sends) == 2 + 4 and len(recvs) == 2 + 4  # the pairwise exchange + batch_isend_irecv's ring
+    assert np.all(sends["t1_ns"] >= sends["t0_ns"]) and np.all(recvs["seq"] == -1)
+    ring = sends[sends["nbytes"] == 8]
+    assert all(int(p) == (int(r) + 1) % 4 for r, p in zip(ring["rank"], ring["peer"]))
+    # all_gather_object is one row per rank: the all_gather it makes inside is not counted again
+    assert (name == "all_gather_object").sum() == 4 and (name == "all_gather").sum() == 0
+    # a new_group's key is torch's group name, only on its members
+    sub = ev[comm == "pg1"]
+    assert sorted(sub["rank"]) == [0, 1] and np.all(sub["seq"] == 0)
+    # the call site is the user's line in the job, not torch's
+    assert all(run.s(s).startswith(str(JOB)) for s in ev["site_id"][name == "all_reduce"])
+
+
+def test_collectives_match_on_every_rank(fast: tuple[Path, dict[int, Any]]) -> None:
+    tmp, _ = fast
+    run = load_run(tmp / "run")
+    colls = collectives_of(run)
+    assert len(colls) > 12
+    assert np.all(colls.g_state == MatchState.COMPLETE), colls.to_frame()
+    buckets = colls.g_op == run.sid("ddp_bucket_allreduce")
+    assert buckets.sum() == 12  # one bucket per step for this small model
+    assert np.all(colls.g_n_members[buckets] == 4)
+    assert {colls.comm_name(int(g)) for g in np.flatnonzero(buckets)} == {"ddp0:default"}
+
+
+def test_compute_phases_and_steps_are_recorded(fast: tuple[Path, dict[int, Any]]) -> None:
+    tmp, _ = fast
+    run = load_run(tmp / "run")
+    ev = run.events
+    for r in range(4):
+        mine = ev[ev["rank"] == r]
+        for k in (Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.STEP):
+            assert (mine["kind"] == k).sum() == 12, (r, k)
+        fwd = mine[mine["kind"] == Kind.FORWARD]
+        assert {run.s(i) for i in fwd["name_id"]} == {"DistributedDataParallel"}  # only the outermost module
+        assert np.all(mine["kind"] != Kind.H2D)  # a CPU-only job copies nothing to a device
+    f = analyze(tmp / "run").run.ranks[0]
+    assert f.closed_cleanly
+
+
+# -- straggler on DDP buckets, a user's comm hook ------------------------------------------------
+def test_slow_rank_is_the_straggler_measured_on_ddp_buckets(straggler: tuple[Path, dict[int, Any]]) -> None:
+    tmp, ranks = straggler
+    rep = analyze(tmp / "run")
+    top = rep.findings[0]
+    assert top.kind == "straggler" and top.ranks == [2], [(f.kind, f.ranks, f.cost_s) for f in rep.findings]
+    per_op = top.evidence["per_op"]  # op -> {count, wait_s}, largest first
+    assert next(iter(per_op)) == "ddp_bucket_allreduce", per_op
+    assert per_op["ddp_bucket_allreduce"]["count"] >= 12
+    # the bucket rows point at the user's loss.backward() line
+    run = load_run(tmp / "run")
+    b = run.events[run.events["name_id"] == run.sid("ddp_bucket_allreduce")]
+    assert {run.s(s).split(":")[0] for s in b["site_id"]} == {str(JOB)}
+
+
+def test_user_comm_hook_still_runs_inside_the_recording(straggler: tuple[Path, dict[int, Any]]) -> None:
+    tmp, ranks = straggler
+    run = load_run(tmp / "run")
+    for r, d in ranks.items():
+        assert d["hook_calls"] == 15  # the user's hook saw every bucket
+        b = run.events[(run.events["rank"] == r) & (run.events["name_id"] == run.sid("ddp_bucket_allreduce"))]
+        assert len(b) == 15 and list(b["seq"]) == list(range(15))
+    # the all_reduce the user's hook makes belongs to the bucket row, not a row of its own
+    assert run.sid("all_reduce") == -1 or not np.any(run.events["name_id"] == run.sid("all_reduce"))
