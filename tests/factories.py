@@ -48,8 +48,19 @@ class Truth:
     wall_ns: int
     files: dict[int, Path] = field(default_factory=dict)
 
+    arrive_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    hosts: list[str] = field(default_factory=list)
+
     def straggler_cost_s(self, rank: int) -> float:
         return float(self.wait_ns[self.last_rank == rank].sum()) / 1e9
+
+    def host_cost_s(self, host: str) -> float:
+        """Sum over iterations where ``host`` held the last arriver of (last - last arrival elsewhere)."""
+        on = np.array([h == host for h in self.hosts])
+        a = self.arrive_ns
+        last_on = on[a.argmax(axis=1)]
+        gap = a[:, on].max(axis=1) - a[:, ~on].max(axis=1)
+        return float(gap[last_on].sum()) / 1e9
 
 
 def make_run(
@@ -60,7 +71,7 @@ def make_run(
     compute_ms: float = 5.0,
     jitter_ms: float = 0.2,
     transfer_ms: float = 0.3,
-    slow_rank: int | None = None,
+    slow_rank: int | Sequence[int] | None = None,
     slow_ms: float = 0.0,
     slow_every: int = 1,
     io_ms: float = 0.0,
@@ -77,7 +88,8 @@ def make_run(
 ) -> Truth:
     """Simulate and write one run; see the module docstring.
 
-    ``slow_rank`` computes ``slow_ms`` longer every ``slow_every``-th iteration.
+    ``slow_rank`` (one rank or several) computes ``slow_ms`` longer every
+    ``slow_every``-th iteration.
     ``io_ms`` adds a FILE_READ of that length at the start of every iteration on
     every rank. ``killed_ranks`` stop recording half-way through, with the
     all-reduce they were inside of left in flight and no clean close.
@@ -99,7 +111,7 @@ def make_run(
     # --- the simulation, on the true timeline, vectorized over ranks ---------
     comp = compute_ms * MS + rng.uniform(-jitter_ms, jitter_ms, (iters, n)) * MS
     if slow_rank is not None:
-        comp[::slow_every, slow_rank] += slow_ms * MS
+        comp[::slow_every, np.atleast_1d(slow_rank)] += slow_ms * MS
     comp = comp.astype(np.int64)
     io = np.full((iters, n), int(io_ms * MS), np.int64)
     start = np.zeros((iters, n), np.int64)
@@ -223,6 +235,8 @@ def make_run(
         io_ns=io_total,
         wall_ns=wall,
         files=files,
+        arrive_ns=arrive,
+        hosts=hosts,
     )
 
 

@@ -126,3 +126,23 @@ def test_incomplete_collectives_are_not_charged(tmp_path: Path) -> None:
     assert [f.ranks for f in fs] == [[1]]
     assert any("Allreduce #50 on communicator 'world' never completed" in w and "in flight" in w
                for w in rep.run.warnings), rep.run.warnings  # fmt: skip
+
+
+def test_a_whole_slow_node_is_one_host_level_finding(tmp_path: Path) -> None:
+    # Both ranks of node1 (2 and 3) compute 2 ms longer: they arrive last
+    # together, so the rank-level gap is only their jitter; the node costs 2 ms a collective.
+    t = make_run(tmp_path / "r", iters=100, slow_rank=[2, 3], slow_ms=2.0)
+    fs, rep = _stragglers(tmp_path / "r")
+    assert len(fs) == 1, [f.summary for f in fs]
+    f = fs[0]
+    assert f.hosts == ["node1"] and f.ranks == [2, 3] and f.evidence["level"] == "host"
+    assert f.cost_s == pytest.approx(t.host_cost_s("node1"), rel=1e-6)
+    assert f.cost_s == pytest.approx(100 * 2.0e-3, rel=0.15)
+    assert f.summary.startswith("host node1 (ranks 2-3) arrived last at 100% of 100 collectives")
+    assert set(f.evidence["last_arrivers"]) == {"2", "3"}
+
+
+def test_one_slow_rank_stays_a_rank_finding_on_a_multi_rank_node(tmp_path: Path) -> None:
+    make_run(tmp_path / "r", iters=100, slow_rank=3, slow_ms=2.0, hosts=["a", "a", "b", "b"])
+    fs, _ = _stragglers(tmp_path / "r")
+    assert [(f.ranks, f.evidence.get("level")) for f in fs] == [([3], None)]

@@ -24,6 +24,9 @@ reported only when its sum also stands out from its peers: more than
 stands out by far (its peers are rarely last: their median is near 0), also
 when two ranks straggle at once.
 
+A whole slow node is a straggler too, found at host level (see
+:func:`_fold_hosts`).
+
 Settings (``[analyze.straggler]``): ``min_fraction`` (share of wall-clock,
 default the [analyze] one, 0.02), ``peer_ratio`` (2.0), ``top_sites`` (5).
 """
@@ -123,7 +126,129 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 ),
             )
         )
-    return findings
+    return _fold_hosts(run, colls, ok, findings, min_fraction, peer_ratio, wall_s, top_sites)
+
+
+def _fold_hosts(
+    run: Any,
+    colls: Any,
+    ok: np.ndarray,
+    rank_findings: list[Finding],
+    min_fraction: float,
+    peer_ratio: float,
+    wall_s: float,
+    top_sites: int,
+) -> list[Finding]:
+    """Add host-level stragglers (a slow node), replacing the rank findings they explain.
+
+    When every rank of one node is late, they arrive last together: the
+    last-minus-second-to-last gap is only the jitter between them, so no single
+    rank looks guilty, yet everyone on the other nodes waits for that node. The
+    node-level charge of a collective is therefore ``last arrival - last
+    arrival from any other host``: what the job would save if that node's
+    lateness were removed. Worked example: arrivals n0: 10.0, 10.1 ms; n1:
+    13.0, 13.1 ms: rank-level charge 0.1 ms, node n1's charge 13.1 - 10.1 = 3.0 ms.
+
+    A node is reported when its charge passes the wall-clock threshold, stands
+    out from the other nodes' (``peer_ratio``), and is not one rank's doing (it
+    exceeds 1.5x the largest charge of a single rank on it); the node's rank
+    findings are then folded into it, so one cause is counted once.
+    """
+    hosts = run.hosts
+    if len(hosts) < 2:
+        return rank_findings
+    n_rank = int(max(run.world_size, int(colls.m_rank.max()) + 1))
+    host_of_rank = np.full(n_rank, -1, np.int64)
+    for r, info in run.ranks.items():  # one per rank
+        host_of_rank[r] = hosts.index(info.host) if info.host in hosts else -1
+    mh = host_of_rank[colls.m_rank]
+    starts = colls.g_start[:-1]
+    last_row = colls.g_start[1:] - 1
+    h_last = mh[last_row]
+    other = mh != h_last[colls.m_group]
+    t_other = np.where(other, colls.m_t0_ns, np.iinfo(np.int64).min)
+    other_max = np.maximum.reduceat(t_other, starts) if len(starts) else np.zeros(0, np.int64)
+    use = ok & (other_max > np.iinfo(np.int64).min) & (h_last >= 0)
+    if not use.any():
+        return rank_findings
+    g = np.flatnonzero(use)
+    wait_ns = (colls.g_last_ns[g] - other_max[g]).astype(np.float64)
+    hl = h_last[g]
+    cost_ns = np.bincount(hl, weights=wait_ns, minlength=len(hosts))
+    n_last = np.bincount(hl, minlength=len(hosts))
+    # collectives each host took part in (complete ones, spanning hosts)
+    member_use = use[colls.m_group]
+    gh = np.unique(colls.m_group[member_use].astype(np.int64) * len(hosts) + mh[member_use])
+    n_part = np.bincount(gh % len(hosts), minlength=len(hosts))
+
+    rank_cost = {f.ranks[0]: f.cost_s for f in rank_findings}
+    out_hosts: list[Finding] = []
+    folded: set[int] = set()
+    for h_ in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):  # hosts over threshold: few
+        h = int(h_)
+        others = np.delete(cost_ns, h)
+        if len(others) and cost_ns[h] <= peer_ratio * float(np.median(others)):
+            continue
+        ranks_here = sorted(r for r, i in run.ranks.items() if i.host == hosts[h])
+        if len(ranks_here) < 2:
+            continue  # one rank per node: the rank finding says it all
+        single = max((rank_cost.get(r, 0.0) for r in ranks_here), default=0.0)
+        # largest single-rank charge on this host, reported or not
+        if cost_ns[h] / 1e9 <= 1.5 * max(single, _max_rank_charge(colls, ok, ranks_here)):
+            continue
+        mine = hl == h
+        last_ranks = colls.g_last_rank[g][mine]
+        ur, cnt = np.unique(last_ranks, return_counts=True)
+        cost_s = float(cost_ns[h]) / 1e9
+        frac = float(n_last[h]) / max(1, int(n_part[h]))
+        sites = colls.m_site[last_row[g][mine]]
+        by_site = _breakdown(sites, wait_ns[mine], run, limit=top_sites)
+        out_hosts.append(
+            Finding(
+                kind="straggler",
+                cost_s=cost_s,
+                summary=(
+                    f"host {hosts[h]} (ranks {_ranks_txt(ranks_here)}) arrived last at {frac:.0%} of "
+                    f"{int(n_part[h])} collectives; the other hosts waited {cost_s:.3g} s"
+                ),
+                ranks=ranks_here,
+                hosts=[hosts[h]],
+                evidence={
+                    "count": int(n_last[h]),
+                    "collectives": int(n_part[h]),
+                    "fraction_last": round(frac, 4),
+                    "wait_s": cost_s,
+                    "median_wait_ms": float(np.median(wait_ns[mine])) / 1e6,
+                    "other_hosts_median_wait_s": float(np.median(others)) / 1e9 if len(others) else 0.0,
+                    "last_arrivers": {str(int(r)): int(c) for r, c in zip(ur, cnt)},
+                    "top_sites": by_site,
+                    "level": "host",
+                },
+                advice=(
+                    f"Every rank on {hosts[h]} is late, not one: look at the node (a slower or throttled CPU/GPU, "
+                    "other jobs on it, a slower file system mount, a different software stack)."
+                ),
+            )
+        )
+        folded.update(ranks_here)
+    return out_hosts + [f for f in rank_findings if f.ranks[0] not in folded]
+
+
+def _max_rank_charge(colls: Any, ok: np.ndarray, ranks: list[int]) -> float:
+    """The largest rank-level charge (last - second-to-last, summed) of any rank in ``ranks``, in s."""
+    g = np.flatnonzero(ok)
+    last = colls.g_last_rank[g]
+    wait = (colls.g_last_ns - colls.g_second_ns)[g]
+    sel = np.isin(last, ranks)
+    if not sel.any():
+        return 0.0
+    return float(np.bincount(last[sel].astype(np.int64), weights=wait[sel]).max()) / 1e9
+
+
+def _ranks_txt(ranks: list[int]) -> str:
+    from distdiag.run import _ranges
+
+    return _ranges(ranks)
 
 
 def _breakdown(ids: np.ndarray, wait_ns: np.ndarray, run: Any, limit: int) -> dict[str, dict[str, float]]:
