@@ -31,7 +31,7 @@ def test_slow_rank_is_named_with_the_wall_clock_it_costs(tmp_path: Path) -> None
     assert f.evidence["fraction_last"] == 1.0
     assert list(f.evidence["per_op"]) == ["Allreduce"]
     assert list(f.evidence["top_sites"]) == ["train.py:42"]
-    assert f.summary.startswith("rank 3 arrived last at 100% of 100 Allreduce calls; the others waited 0.")
+    assert f.summary.startswith("rank 3 arrived last at 100% of 100 Allreduce calls; the others waited 0.1")
     assert rep.verdict is f
 
 

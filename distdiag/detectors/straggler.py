@@ -96,7 +96,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         op_word = f"{run.s(int(my_ops[0]))} calls" if len(my_ops) == 1 else "collectives"
         summary = (
             f"rank {r} arrived last at {frac_last:.0%} of {int(n_member[r])} {op_word}; "
-            f"the others waited {cost_s:.3g} s"
+            f"the others waited {_secs(cost_s)}"
         )
         host = run.host_of(r)
         top_site = next(iter(by_site.keys()), "")
@@ -209,7 +209,7 @@ def _fold_hosts(
                 cost_s=cost_s,
                 summary=(
                     f"host {hosts[h]} (ranks {_ranks_txt(ranks_here)}) arrived last at {frac:.0%} of "
-                    f"{int(n_part[h])} collectives; the other hosts waited {cost_s:.3g} s"
+                    f"{int(n_part[h])} collectives; the other hosts waited {_secs(cost_s)}"
                 ),
                 ranks=ranks_here,
                 hosts=[hosts[h]],
@@ -243,6 +243,11 @@ def _max_rank_charge(colls: Any, ok: np.ndarray, ranks: list[int]) -> float:
     if not sel.any():
         return 0.0
     return float(np.bincount(last[sel].astype(np.int64), weights=wait[sel]).max()) / 1e9
+
+
+def _secs(x: float) -> str:
+    """12.5 s, 0.98 s, 42.4 ms: three significant digits in a unit people read."""
+    return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"
 
 
 def _ranks_txt(ranks: list[int]) -> str:
