@@ -509,3 +509,66 @@ def test_os_exit_still_closes_the_file(tmp_path: Path) -> None:
     ev, s, attrs = events_of(rank_file(run_dir))
     assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == 6
     assert list(s[ev["name_id"][ev["kind"] == Kind.MARK]]) == ["before"]
+
+
+CBLOCK_PROG = """
+import hashlib, os, distdiag
+distdiag.mark("before")
+print("blocking", flush=True)
+hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2 * 10**9)   # minutes inside one C call, no signal checks
+print("never")
+"""
+
+
+def test_sigterm_while_the_main_thread_sits_in_c_still_ends_the_rank_and_closes(tmp_path: Path) -> None:
+    """Unwrapped, SIGTERM kills a process inside a long C call at once; wrapped it must too
+    (within the watcher's grace), with the file closed, instead of waiting for SIGKILL."""
+    prog = tmp_path / "cblock.py"
+    prog.write_text(CBLOCK_PROG)
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], cwd=tmp_path,
+                         env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="30"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_line(p, "blocking")
+        time.sleep(0.3)  # inside the C call
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        took_s = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=TIMEOUT_S)
+    assert p.returncode == -signal.SIGTERM
+    assert took_s < 10
+    ev, s, attrs = events_of(rank_file(run_dir))
+    assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == -signal.SIGTERM
+    assert "before" in set(s[ev["name_id"]]) and "sigterm" in shim_names(rank_file(run_dir))
+
+
+ASYNC_PROG = """
+import asyncio, os, signal
+
+async def main():
+    loop = asyncio.get_running_loop()
+    got = loop.create_future()
+    loop.add_signal_handler(signal.SIGTERM, got.set_result, "term")
+    os.kill(os.getpid(), signal.SIGTERM)
+    print(await asyncio.wait_for(got, 10))
+    loop.remove_signal_handler(signal.SIGTERM)
+
+asyncio.run(main())
+os.kill(os.getpid(), signal.SIGTERM)   # default action again
+"""
+
+
+def test_asyncio_signal_handlers_work_as_unwrapped(tmp_path: Path) -> None:
+    prog = tmp_path / "aio.py"
+    prog.write_text(ASYNC_PROG)
+    plain = run([PY, str(prog)], cwd=tmp_path)
+    w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "run"), PY, str(prog)], cwd=tmp_path)
+    assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert plain.returncode == -signal.SIGTERM and plain.stdout == "term\n"
+    _, _, attrs = events_of(rank_file(tmp_path / "run"))
+    assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == -signal.SIGTERM

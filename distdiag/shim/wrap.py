@@ -63,6 +63,8 @@ USAGE = (
     "(DIR: --dir, else $DISTDIAG_DIR, else distdiag-<jobid> under Slurm,\n"
     "else distdiag-<YYYYmmdd-HHMMSS>-<launchhash> in the working directory)."
 )
+#: How long the SIGTERM watcher lets the main thread run our handler before acting itself.
+SIGTERM_GRACE_S = 1.0
 #: How long ranks other than 0 look for rank 0's run dir before making their own.
 FIND_DIR_WAIT_S = 3.0
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
@@ -386,10 +388,18 @@ class _SigtermChain:
     file with exit_code -15 and re-deliver SIGTERM with the default action, so
     the process dies by the signal exactly as it would unwrapped.
 
-    Limitation: Python runs signal handlers in the main thread between
-    bytecodes, so a rank blocked inside a C call (a hung MPI collective) acts
-    on SIGTERM only when that call returns; until then the periodic flushes
-    (and the in-flight row) are what the file holds.
+    A rank blocked inside a C call (a hung MPI collective, a long native
+    computation) would not run a Python handler until the call returns, while
+    unwrapped it dies at once; Slurm would then SIGKILL it KillWait seconds
+    later. So the C-level handler also writes to a wakeup fd
+    (``signal.set_wakeup_fd``) that a watcher thread reads: when a SIGTERM
+    byte arrives and our Python handler has not run within
+    ``SIGTERM_GRACE_S`` while the main thread's frame has not moved (it sits
+    in one C call), the watcher closes the file and, under the default action,
+    ends the process by SIGTERM itself. A frame that moved means the byte was
+    not ours (a forked child, signalled before its after-fork hook ran, shares
+    the descriptor): the watcher then does nothing. If the program sets its
+    own wakeup fd (asyncio does) the watcher is simply out of the loop.
     """
 
     def __init__(self, shim: _Shim) -> None:
@@ -397,10 +407,94 @@ class _SigtermChain:
         self._orig_signal = signal.signal
         self._orig_getsignal = signal.getsignal
         self.user: Any = self._orig_getsignal(signal.SIGTERM)
+        self._handled = threading.Event()
         self._orig_signal(signal.SIGTERM, self._handler)
         signal.signal = self._signal  # type: ignore[assignment]
         signal.getsignal = self._getsignal  # type: ignore[assignment]
         self._restored = False
+        self._wake: tuple[Any, Any] | None = None
+        try:
+            self._start_watcher()
+        except Exception:
+            log.debug("distdiag: SIGTERM watcher not started", exc_info=True)
+
+    # -- the watcher (SIGTERM while the main thread sits in C) -------------------
+    def _start_watcher(self) -> None:
+        import socket
+
+        r, w = socket.socketpair()
+        r.setblocking(True)
+        w.setblocking(False)
+        old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        if old != -1:  # the program's own wakeup fd: leave it alone
+            signal.set_wakeup_fd(old)
+            r.close()
+            w.close()
+            return
+        self._wake = (r, w)
+        threading.Thread(target=self._watch, args=(r,), name="distdiag-sigterm", daemon=True).start()
+
+    def _watch(self, r: Any) -> None:
+        while True:
+            try:
+                data = r.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if int(signal.SIGTERM) in data and os.getpid() == self.shim.pid:
+                self._on_wakeup()
+
+    def _main_position(self) -> tuple[int, int] | None:
+        f = sys._current_frames().get(threading.main_thread().ident or -1)
+        return None if f is None else (id(f), f.f_lasti)
+
+    def _on_wakeup(self) -> None:
+        before = self._main_position()
+        if self._handled.wait(SIGTERM_GRACE_S):
+            self._handled.clear()
+            return  # the main thread ran our handler
+        if before is None or self._main_position() != before:
+            return  # the main thread runs bytecode: a stray byte, not our SIGTERM
+        user = self.user
+        self.shim.shim_row("sigterm")
+        if callable(user) or user == signal.SIG_IGN:
+            self.shim.flush()  # the program's own handler runs when the C call returns, as unwrapped
+            return
+        self.shim.close(-int(signal.SIGTERM))
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.signal.restype = ctypes.c_void_p
+            libc.signal(ctypes.c_int(int(signal.SIGTERM)), ctypes.c_void_p(0))  # SIG_DFL, from any thread
+            os.kill(os.getpid(), signal.SIGTERM)
+        except Exception:
+            log.debug("distdiag: could not re-deliver SIGTERM from the watcher", exc_info=True)
+
+    def _stop_watcher(self, in_child: bool = False) -> None:
+        wake, self._wake = self._wake, None
+        if wake is None:
+            return
+        try:
+            cur = signal.set_wakeup_fd(-1)
+            if cur not in (-1, wake[1].fileno()):  # someone else's now: put it back
+                signal.set_wakeup_fd(cur)
+        except Exception:
+            pass
+        if in_child:
+            # the parent's watcher still reads this pair: close only our copies
+            for s in wake:
+                try:
+                    os.close(s.detach())
+                except Exception:
+                    pass
+            return
+        for s in wake:
+            try:
+                s.close()
+            except Exception:
+                pass
 
     def _signal(self, signalnum: Any, handler: Any) -> Any:
         if signalnum != signal.SIGTERM or self._restored:
@@ -418,6 +512,7 @@ class _SigtermChain:
         return self._orig_getsignal(signalnum)
 
     def _handler(self, signum: int, frame: Any) -> Any:
+        self._handled.set()
         user = self.user
         if os.getpid() != self.shim.pid:  # a forked child that kept our handler
             return self._act_as(user, signum, frame)
@@ -452,6 +547,8 @@ class _SigtermChain:
         if self._restored:
             return
         self._restored = True
+        if threading.current_thread() is threading.main_thread():
+            self._stop_watcher(in_child)
         signal.signal = self._orig_signal
         signal.getsignal = self._orig_getsignal
         if threading.current_thread() is threading.main_thread() and (in_child or os.getpid() == self.shim.pid):
