@@ -100,6 +100,8 @@ DISCOVER_TIMEOUT_S = 0.3
 RETRY_RTT_NS = 1_000_000
 RETRY_FIRST_S = 0.2
 RETRY_MAX = 6
+#: waits for a stop are sleeps of at most this long (see _wait_for)
+POLL_S = 0.05
 
 
 def _ipv4_addrs() -> list[str]:
@@ -129,6 +131,33 @@ def _ipv4_addrs() -> list[str]:
         if not a.startswith("127.") and a not in seen:
             seen.append(a)
     return seen + ["127.0.0.1"]
+
+
+def _wait_for(ev: threading.Event, timeout_s: float) -> bool:
+    """``ev.wait(timeout_s)`` made of short sleeps.
+
+    Why not ``Event.wait``: a timed wait on a lock turns the timeout into an
+    absolute CLOCK_MONOTONIC deadline in user space; under libfaketime (our
+    tests, and users who fake time) that clock is shifted by decades, so the
+    wait never ends. ``time.sleep`` and socket timeouts stay relative and work.
+    """
+    end = time.monotonic() + timeout_s
+    while not ev.is_set():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(left, POLL_S))
+    return True
+
+
+def _acquire(lock: threading.Lock, timeout_s: float) -> bool:
+    """``lock.acquire(timeout=timeout_s)`` without a timed lock wait (see :func:`_wait_for`)."""
+    end = time.monotonic() + timeout_s
+    while not lock.acquire(blocking=False):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def _cfg(cfg: Any, name: str, default: Any) -> Any:
@@ -280,7 +309,7 @@ class ClockSync:
 
     def _stop_ref(self) -> None:
         # Linger (bounded) so ranks that finish after us still get their exit samples.
-        self._all_bye.wait(self.exit_wait_s)
+        _wait_for(self._all_bye, self.exit_wait_s)
         if not self._all_bye.is_set():
             missing = sorted(set(range(1, self.world_size)) - self._bye)
             log.debug("distdiag: clock reference stops without exit rounds of ranks %s", missing[:20])
@@ -305,7 +334,7 @@ class ClockSync:
                 # Rank 0 was late: keep looking in the background, then take the start round here.
                 deadline = time.monotonic() + BACKGROUND_WAIT_S
                 while not self._connected and time.monotonic() < deadline:
-                    if self._stop.wait(0.1):
+                    if _wait_for(self._stop, 0.1):
                         return
                     with self._lock:
                         if self._stop.is_set():
@@ -319,7 +348,7 @@ class ClockSync:
             for _ in range(RETRY_MAX):  # bounded: a few quick rounds while the last one was poor
                 if not self._poor or retry_s >= self.interval_s:
                     break
-                if self._stop.wait(retry_s):
+                if _wait_for(self._stop, retry_s):
                     return
                 with self._lock:
                     if self._stop.is_set():
@@ -329,7 +358,7 @@ class ClockSync:
             # Spread ranks over the interval so they do not all ping rank 0 at once.
             phase = (self.rank % 16) / 16.0 * min(self.interval_s, 1.0) * 0.5
             wait_s = self.interval_s + phase
-            while not self._stop.wait(wait_s):
+            while not _wait_for(self._stop, wait_s):
                 with self._lock:
                     if self._stop.is_set():
                         return
@@ -339,7 +368,7 @@ class ClockSync:
             log.debug("distdiag: clock sync thread ended", exc_info=True)
 
     def _stop_client(self) -> None:
-        if not self._lock.acquire(timeout=1.0):
+        if not _acquire(self._lock, 1.0):
             return  # a periodic round is stuck (cannot happen with bounded rounds): skip the exit round
         try:
             if not self._connected:
