@@ -307,3 +307,51 @@ def test_wrapped_program_records_into_rank_files(tmp_path: Path) -> None:
         assert recv["peer"].tolist() == [(rank - 1) % NP] and recv["nbytes"].tolist() == [80]
         assert (ev[ev["kind"] == int(Kind.SEND_ASYNC)]["peer"] == (rank + 1) % NP).all()
     assert all(s == seqs[0] for s in seqs)
+
+
+# -- install / uninstall in one process (MPICH singleton, no mpiexec) -----------------------------
+_SINGLETON = """
+import json, sys
+from distdiag.shim.recorder import Recorder
+from distdiag.shim.hooks import mpi4py as hook
+import distdiag.shim.hooks as hooks
+rec = Recorder()
+out = {}
+if sys.argv[1] == "before":
+    hook.install(rec, None)
+    hook.uninstall()
+    out["pending"] = list(hooks._waiting)
+    from mpi4py import MPI
+    out["world"] = type(MPI.COMM_WORLD).__module__
+    out["request"] = type(MPI.Request).__name__
+else:
+    from mpi4py import MPI
+    world, request = MPI.COMM_WORLD, MPI.Request
+    hook.install(rec, None)  # mpi4py already imported: the hook applies at once
+    out["swapped"] = MPI.COMM_WORLD is not world and type(MPI.COMM_WORLD).__module__ == hook.__name__
+    n0 = sum(tb.n for tb in rec.buffers)
+    MPI.COMM_WORLD.Barrier()
+    n1 = sum(tb.n for tb in rec.buffers)
+    world.Barrier()  # the name bound before install stays the plain object
+    out["rows"] = [n0, n1, sum(tb.n for tb in rec.buffers)]
+    hook.uninstall()
+    out["restored"] = MPI.COMM_WORLD is world and MPI.Request is request
+print(json.dumps(out))
+"""
+
+
+def _singleton(mode: str) -> dict[str, Any]:
+    p = _run([sys.executable, "-c", _SINGLETON, mode])
+    return json.loads(p.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_uninstall_before_import_leaves_mpi4py_untouched() -> None:
+    out = _singleton("before")
+    assert out == {"pending": [], "world": "mpi4py.MPI", "request": "type"}
+
+
+def test_install_after_import_swaps_the_module_attributes_and_uninstall_puts_them_back() -> None:
+    out = _singleton("after")
+    assert out["swapped"] and out["restored"]
+    n0, n1, n2 = out["rows"]
+    assert n1 == n0 + 1 and n2 == n1

@@ -198,6 +198,16 @@ def main() -> int:
     except MPI.Exception as e:
         res["bad_send"] = [type(e).__name__, e.Get_error_class()]
 
+    # a bad argument raises mpi4py's own error, unchanged
+    try:
+        comm.Allreduce(object(), y)
+        res["bad_buffer"] = "no error"
+    except Exception as e:
+        res["bad_buffer"] = [type(e).__name__, str(e)]
+    # a wrapped-class communicator we never saw created (no state): calls still work
+    stray = type(comm)(comm)
+    res["stray_allreduce"] = stray.allreduce(rank)
+
     # in flight: rank 1 is late to a barrier; a helper thread on rank 0 looks
     # at what the recorder would write to /inflight while rank 0 waits
     probe: list[object] = []
