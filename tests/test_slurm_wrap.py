@@ -1,0 +1,177 @@
+"""`srun distdiag-wrap` end to end on the test Slurm (issue 6, parts 1-3).
+
+The same MPI job with a real straggler runs under mpiexec and under srun on 1
+and 2 emulated nodes: the straggler finding must be the same, ranks must be
+named by their Slurm node, and the Slurm runs carry the job's accounting
+(started at once: no queue_wait). A run dir copied away from the cluster (no
+sacct on PATH) still shows the accounting read earlier. torch.distributed
+(gloo) set up from Slurm's variables is recorded the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO, SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+WRAP = [sys.executable, "-m", "distdiag.wrap"]
+DEMO = [sys.executable, "-m", "distdiag.demo_job", "--slow-rank", "2", "--delay-s", "0.05", "--iters", "40"]
+INJECTED_S = 2.0
+ACCOUNTING_KINDS = {"queue_wait", "launch_overhead"}
+
+
+def _analyze(run_dir: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
+                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return dict(json.loads(p.stdout))
+
+
+def _loud(rep: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [f for f in rep["findings"] if f["kind"] == kind and f["fraction"] >= 0.02]
+
+
+def _no_slurm_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+
+
+@pytest.fixture(scope="module")
+def mpiexec_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra")
+    run_dir = tmp_path_factory.mktemp("mpiexec") / "run"
+    p = subprocess.run([mpiexec, "-n", "4", *WRAP, "--dir", str(run_dir), *DEMO],
+                       capture_output=True, text=True, timeout=180, env=_no_slurm_env())  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    return _analyze(run_dir, env=_no_slurm_env())
+
+
+@pytest.fixture(scope="module")
+def srun_runs(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The demo job under srun on 1 node (4 tasks) and on 2 nodes (2 per node)."""
+    out = {}
+    for nodes in (1, 2):
+        run_dir = tmp_path_factory.mktemp(f"srun{nodes}") / "run"
+        layout = ["-N1", "-n4"] if nodes == 1 else ["-N2", "--ntasks-per-node=2"]
+        p = slurm.run(["srun", *layout, "--job-name", f"straggler{nodes}", *WRAP, "--dir", str(run_dir), *DEMO],
+                      timeout_s=180, cwd=run_dir.parent)  # fmt: skip
+        assert "injected delay 2.000 s" in p.stdout, p.stdout + p.stderr
+        out[nodes] = run_dir
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_srun_finds_the_same_straggler_as_mpiexec(
+    slurm: SlurmCluster, srun_runs: dict[int, Path], mpiexec_report: dict[str, Any], nodes: int
+) -> None:
+    rep = _analyze(srun_runs[nodes], env=slurm.env())
+    ref = _loud(mpiexec_report, "straggler")
+    got = _loud(rep, "straggler")
+    assert [f["ranks"] for f in ref] == [[2]], mpiexec_report["findings"]
+    assert [f["ranks"] for f in got] == [[2]], rep["findings"]
+    assert got[0]["cost_s"] == pytest.approx(INJECTED_S, rel=0.25)
+    assert ref[0]["cost_s"] == pytest.approx(INJECTED_S, rel=0.25)
+    # Nothing else appears but what only Slurm can tell (queue, launch).
+    extra = {f["kind"] for f in rep["findings"]} - {f["kind"] for f in mpiexec_report["findings"]}
+    assert extra <= ACCOUNTING_KINDS, rep["findings"]
+
+    # Hosts are Slurm's node names (SLURMD_NODENAME), block-distributed.
+    hosts = {row["rank"]: row["host"] for row in rep["breakdown"]["per_rank"]}
+    want = {0: "n1", 1: "n1", 2: "n1", 3: "n1"} if nodes == 1 else {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+    assert hosts == want
+    assert rep["run"]["hosts"] == sorted(set(want.values()))
+    assert got[0]["hosts"] == [want[2]]
+
+
+def test_srun_run_carries_its_accounting_and_did_not_queue(slurm: SlurmCluster, srun_runs: dict[int, Path]) -> None:
+    run_dir = srun_runs[2]
+    rep = _analyze(run_dir, env=slurm.env())
+    s = rep["run"]["slurm"]
+    assert s["available"] is True, s
+    job = s["job"]
+    assert job["job_id"] == rep["run"]["job_id"]
+    assert job["state"] == "COMPLETED" and job["name"] == "straggler2"
+    assert job["submit_s"] <= job["eligible_s"] <= job["start_s"] < job["end_s"]
+    whats = [t["what"] for t in s["timeline"]]
+    for w in ("submit", "eligible", "start", "first rank shim start", "last rank first work", "last event", "end"):
+        assert w in whats, whats
+    ts = [t["t_s"] for t in s["timeline"]]
+    assert ts == sorted(ts)
+    assert (run_dir / "slurm-accounting.json").is_file()
+    # The job started at once: no queue wait worth a finding.
+    assert [f for f in rep["findings"] if f["kind"] == "queue_wait" and f["fraction"] > 0.02] == []
+
+
+def test_copied_run_dir_without_sacct_shows_the_stored_accounting(
+    slurm: SlurmCluster, srun_runs: dict[int, Path], tmp_path: Path
+) -> None:
+    live = _analyze(srun_runs[2], env=slurm.env())  # stores slurm-accounting.json
+    copy = tmp_path / "laptop" / "run"
+    shutil.copytree(srun_runs[2], copy)
+    # A machine without Slurm: only the Python environment's bin dir on PATH.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env["PATH"] = str(Path(sys.executable).parent)
+    assert shutil.which("sacct", path=env["PATH"]) is None
+    rep = _analyze(copy, env=env)
+    s = rep["run"]["slurm"]
+    assert s["available"] is True and s["origin"] == "stored", s
+    assert s["job"] == live["run"]["slurm"]["job"]
+    assert s["timeline"] == live["run"]["slurm"]["timeline"]
+    assert {f["kind"] for f in rep["findings"]} == {f["kind"] for f in live["findings"]}
+
+    # The same copy without the stored file: one line that says why, no accounting findings.
+    (copy / "slurm-accounting.json").unlink()
+    rep = _analyze(copy, env=env)
+    s = rep["run"]["slurm"]
+    assert s["available"] is False
+    assert "sacct is not on PATH" in s["why"] and "slurm-accounting.json" in s["why"]
+    assert not {f["kind"] for f in rep["findings"]} & ACCOUNTING_KINDS
+
+
+def test_run_without_slurm_has_no_accounting_findings_and_says_why(mpiexec_report: dict[str, Any]) -> None:
+    s = mpiexec_report["run"]["slurm"]
+    assert s == {"available": False, "why": s["why"]}
+    assert "did not run under Slurm" in s["why"]
+    assert not {f["kind"] for f in mpiexec_report["findings"]} & ACCOUNTING_KINDS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torch_gloo_under_srun_from_slurm_variables(slurm: SlurmCluster, tmp_path: Path, nodes: int) -> None:
+    pytest.importorskip("torch")
+    run_dir = tmp_path / "run"
+    layout = ["-N1", "-n2"] if nodes == 1 else ["-N2", "--ntasks-per-node=1"]
+    # The emulated nodes n1, n2 are names Slurm knows, not DNS names: the
+    # rendezvous address is given (on a real cluster the job's first node).
+    env = slurm.env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    p = slurm.run(["srun", *layout, *WRAP, "--dir", str(run_dir), sys.executable,
+                   str(REPO / "tests" / "slurm" / "torch_job.py"), "--slow-rank", "1", "--delay-s", "0.05",
+                   "--iters", "20"], timeout_s=180, cwd=tmp_path, env=env)  # fmt: skip
+    m = re.search(r"injected delay ([0-9.]+) s", p.stdout)
+    assert m, p.stdout + p.stderr
+    rep = _analyze(run_dir, env=slurm.env())
+    got = _loud(rep, "straggler")
+    assert [f["ranks"] for f in got] == [[1]], rep["findings"]
+    assert got[0]["cost_s"] == pytest.approx(float(m.group(1)), rel=0.25)
+    hosts = {row["rank"]: row["host"] for row in rep["breakdown"]["per_rank"]}
+    assert hosts == ({0: "n1", 1: "n1"} if nodes == 1 else {0: "n1", 1: "n2"})
+    assert rep["run"]["slurm"]["available"] is True
