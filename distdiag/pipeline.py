@@ -131,7 +131,11 @@ def analyze_run(run: Run, cfg: Config | None = None) -> Report:
             log.debug("detector %s failed", name, exc_info=True)
             run.warnings.append(f"detector '{name}' failed ({type(e).__name__}: {e}); its findings are missing")
             continue
-        findings.extend(got)
+        for f in got:  # a handful per detector
+            if not np.isfinite(float(f.cost_s)):
+                run.warnings.append(f"detector '{name}' gave a {f.kind} finding without a finite cost; dropped")
+                continue
+            findings.append(f)
     wall_s = run.wall_s
     for f in findings:
         # A finding about time outside the ranks' run (the queue) is a share of

@@ -81,3 +81,28 @@ def test_every_registered_format_renders(tmp_path: Path) -> None:
     rep = analyze(tmp_path / "r", Config())
     for fmt in RENDERERS:
         assert render(rep, fmt)
+
+
+def test_a_failing_detector_costs_its_findings_not_the_report(tmp_path: Path) -> None:
+    from distdiag.detectors import DETECTORS, load_all
+    from distdiag.findings import Finding
+
+    load_all()
+
+    def broken(run: object, cfg: object) -> list[Finding]:
+        raise ZeroDivisionError("boom")
+
+    def nan_cost(run: object, cfg: object) -> list[Finding]:
+        return [Finding(kind="straggler", cost_s=float("nan"), summary="?")]
+
+    make_run(tmp_path / "r", iters=30, slow_rank=1, slow_ms=2.0)
+    DETECTORS["broken_test_only"] = broken
+    DETECTORS["nan_test_only"] = nan_cost
+    try:
+        rep = json.loads(render(analyze(tmp_path / "r", Config()), "json"))
+    finally:
+        del DETECTORS["broken_test_only"], DETECTORS["nan_test_only"]
+    assert rep["findings"][0]["ranks"] == [1]
+    w = rep["run"]["warnings"]
+    assert "detector 'broken_test_only' failed (ZeroDivisionError: boom); its findings are missing" in w
+    assert any("nan_test_only" in x and "finite" in x for x in w)
