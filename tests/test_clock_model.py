@@ -1,0 +1,269 @@
+"""distdiag.clocks against simulated clocks whose truth is known exactly.
+
+A bulk-synchronous job (compute, then an Allreduce) runs on a true timeline;
+each rank's clock is ``L_r(t) = base_r + offset_r + t (1 + drift_r)`` (plus an
+optional rate change), and its clock-sync exchanges have real round trips
+(asymmetric legs). The files go through the shim's own writer. The tests
+compare the fitted mapping with the truth at every event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distdiag import clocks
+from distdiag.config import Config
+from distdiag.pipeline import analyze_run
+from distdiag.run import load_run
+from distdiag.schema import EVENT_DTYPE, SYNC_DTYPE, Kind, SyncTag, rank_file_name
+from distdiag.shim.writer import write_rank_file
+
+MS = 1_000_000
+US = 1_000
+BASE = 1_796_000_000 * 10**9  # clocks near 1.8e18 ns, as under libfaketime: float64 alone would lose 256 ns
+
+
+@dataclass
+class Sim:
+    run_dir: Path
+    world: int
+    offset_ns: np.ndarray
+    drift: np.ndarray  # rate - 1
+    kink_t_ns: float  # true time of a rate change (inf: none)
+    kink_drift: np.ndarray  # extra rate after the kink
+    straggler: int
+    delay_ns: int
+    iters: int
+    arrive_ns: np.ndarray | None = None  # true arrivals [iter, rank]
+
+    def straggler_cost_s(self, rank: int) -> float:
+        """What the straggler detector should charge ``rank``: (last - second) where it was last."""
+        assert self.arrive_ns is not None
+        a = np.sort(self.arrive_ns, axis=1)
+        last = np.argmax(self.arrive_ns, axis=1)
+        return float((a[:, -1] - a[:, -2])[last == rank].sum()) / 1e9
+
+    def local(self, r: int, t: np.ndarray) -> np.ndarray:
+        """Rank r's clock reading at true times t (ns from the start)."""
+        t = np.asarray(t, dtype=np.float64)
+        extra = self.kink_drift[r] * np.maximum(t - self.kink_t_ns, 0.0)
+        return BASE + self.offset_ns[r] + np.rint(t * (1 + self.drift[r]) + extra).astype(np.int64)
+
+    def true_of(self, r: int, x: np.ndarray) -> np.ndarray:
+        """Invert local(): true time of local readings x (bisection-free: piecewise linear)."""
+        y = (np.asarray(x, dtype=np.int64) - BASE - self.offset_ns[r]).astype(np.float64)
+        t = y / (1 + self.drift[r])
+        if np.isfinite(self.kink_t_ns) and self.kink_drift[r] != 0.0:
+            y_k = self.kink_t_ns * (1 + self.drift[r])
+            after = y > y_k
+            t[after] = self.kink_t_ns + (y[after] - y_k) / (1 + self.drift[r] + self.kink_drift[r])
+        return t
+
+    def to_ref(self, r: int, x: np.ndarray) -> np.ndarray:
+        """The truth: rank r's local readings x mapped onto rank 0's clock."""
+        return self.local(0, self.true_of(r, x))
+
+
+def simulate(
+    run_dir: Path,
+    world: int = 4,
+    offsets_ms: tuple[float, ...] = (0.0, 500.0, -500.0, 250.0),
+    drift_ppm: tuple[float, ...] = (0.0, 200.0, -200.0, 100.0),
+    kink: tuple[int, float] | None = None,
+    sync: dict[int, str] | None = None,
+    straggler: int = 2,
+    delay_ms: float = 5.0,
+    iters: int = 200,
+    rtt_us: float = 20.0,
+    seed: int = 0,
+) -> Sim:
+    """Write a run dir; ``sync[r]`` is "full" (start, every second, exit), "start", or "none"."""
+    rng = np.random.default_rng(seed)
+    sync = sync or {}
+    kd = np.zeros(world)
+    kink_t = np.inf
+    if kink is not None:
+        kd[kink[0]] = kink[1] * 1e-6
+    sim = Sim(run_dir, world, np.rint(np.array(offsets_ms[:world]) * MS).astype(np.int64),
+              np.array(drift_ppm[:world]) * 1e-6, kink_t, kd, straggler, int(delay_ms * MS), iters)  # fmt: skip
+    # true timeline: compute 10 ms +- 1 ms, the straggler 5 ms more; exits 50 us after the last entry
+    arrive = np.zeros((iters, world))
+    leave = np.zeros((iters, world))
+    t = np.full(world, 1.0 * MS)
+    for i in range(iters):  # per iteration (a simulation, not the analyzer)
+        a = t + rng.uniform(9, 11, world) * MS
+        a[straggler] += sim.delay_ns
+        arrive[i] = a
+        leave[i] = a.max() + 50 * US + rng.uniform(0, 5, world) * US
+        t = leave[i].copy()
+    sim.arrive_ns = arrive
+    end_t = float(leave[-1].max()) + 1 * MS
+    if kink is not None:
+        sim.kink_t_ns = end_t / 2
+    strings = ["", "Allreduce", "world", "job.py:7"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for r in range(world):  # per rank
+        ev = np.zeros(iters, EVENT_DTYPE)
+        ev["t0_ns"] = sim.local(r, arrive[:, r])
+        ev["t1_ns"] = sim.local(r, leave[:, r])
+        ev["kind"] = int(Kind.COLL)
+        ev["name_id"], ev["comm_id"], ev["site_id"] = 1, 2, 3
+        ev["seq"] = np.arange(iters)
+        ev["peer"] = -1
+        ev["nbytes"] = 8
+        mode = sync.get(r, "full") if r != 0 else "none"
+        rows = []
+        if mode != "none":
+            times = [0.5 * MS]
+            if mode == "full":
+                times += list(np.arange(1e9, end_t, 1e9)) + [end_t - 0.5 * MS]
+            for j, ts in enumerate(times):  # rounds
+                tag = SyncTag.START if j == 0 else (SyncTag.EXIT if j == len(times) - 1 and mode == "full" else SyncTag.PERIODIC)
+                for k in range(10):  # exchanges
+                    t_send = ts + k * 100 * US
+                    leg1 = rtt_us / 2 * US + rng.exponential(15 * US)  # the reference is sometimes slow
+                    leg2 = rtt_us / 2 * US + rng.exponential(15 * US)
+                    rows.append((int(sim.local(r, np.array([t_send]))[0]), int(sim.local(0, np.array([t_send + leg1]))[0]),
+                                 int(sim.local(r, np.array([t_send + leg1 + leg2]))[0]), 0, int(tag)))  # fmt: skip
+        sy = np.array(rows, dtype=SYNC_DTYPE) if rows else None
+        attrs: dict[str, Any] = dict(rank=r, world_size=world, host=f"n{r}", job_id="9", launch_id="L9",
+                                     wall_ns_at_start=1_700_000_000 * 10**9 + int(rng.uniform(-3, 3) * MS),
+                                     mono_ns_at_start=int(sim.local(r, np.array([0.0]))[0]))  # fmt: skip
+        write_rank_file(run_dir / rank_file_name(r), attrs, ev, strings, sync=sy)
+    return sim
+
+
+def errors_ns(sim: Sim, run_raw: Any, run_aligned: Any) -> dict[int, np.ndarray]:
+    """Per rank: |aligned - truth| at every event start."""
+    out = {}
+    for r in range(sim.world):
+        raw = run_raw.events[run_raw.events["rank"] == r]["t0_ns"]
+        got = run_aligned.events[run_aligned.events["rank"] == r]["t0_ns"]
+        out[r] = np.abs(got - sim.to_ref(r, raw))
+    return out
+
+
+def test_offsets_and_drifts_are_recovered_within_the_stated_bound(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "run")
+    raw = load_run(sim.run_dir)
+    al = clocks.align(raw, repair=False)
+    model = al.cache["clock_model"]
+    err = errors_ns(sim, raw, al)
+    for r in range(1, 4):
+        m = model.ranks[r]
+        assert m.method == "sync", m
+        assert err[r].max() <= m.bound_ns, (r, err[r].max(), m.bound_ns)
+        assert err[r].max() < 20 * US
+        assert m.drift_ppm == pytest.approx(sim.drift[r] * 1e6, abs=2.0)
+        assert m.bound_ns < 60 * US  # RTT 20 us + reference delays: tens of us, not ms
+    assert model.violations == 0 and model.causality_checked == 4 * sim.iters
+    assert not [w for w in al.warnings if "clock" in w or "sync" in w], al.warnings
+
+
+def test_alignment_is_what_makes_the_straggler_analysis_right(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "run", straggler=2, delay_ms=5.0)
+    cfg = Config()
+    rep = analyze_run(load_run(sim.run_dir), cfg)
+    strag = [f for f in rep.findings if f.kind == "straggler"]
+    assert [f.ranks for f in strag] == [[2]]
+    assert strag[0].cost_s == pytest.approx(sim.straggler_cost_s(2), rel=0.001)
+    # Without alignment rank 1 (clock 0.5 s ahead) "arrives last" everywhere.
+    unaligned = analyze_run(load_run(sim.run_dir).replace(aligned=True), cfg)
+    top = [f for f in unaligned.findings if f.kind == "straggler"][0]
+    assert top.ranks == [1] and top.cost_s > 10 * strag[0].cost_s
+
+
+def test_a_rate_change_makes_the_model_piecewise(tmp_path: Path) -> None:
+    # NTP slews rank 1 by +300 ppm halfway: one line cannot fit both halves
+    sim = simulate(tmp_path / "run", kink=(1, 300.0), iters=300)
+    raw = load_run(sim.run_dir)
+    al = clocks.align(raw, repair=False)
+    m = al.cache["clock_model"].ranks[1]
+    assert m.method == "sync-piecewise"
+    err = errors_ns(sim, raw, al)[1]
+    # between knots 1 s apart the chord across the kink is off by up to 300 ppm * 0.25 s
+    assert err.max() <= m.bound_ns < 100 * US
+    assert al.cache["clock_model"].ranks[2].method == "sync"
+
+
+def test_one_sync_window_gives_a_growing_bound_and_a_warning(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "run", sync={3: "start"})
+    raw = load_run(sim.run_dir)
+    al = clocks.align(raw, repair=False)
+    model = al.cache["clock_model"]
+    assert model.ranks[3].method == "sync-single"
+    err = errors_ns(sim, raw, al)[3]
+    # 100 ppm over ~2.2 s: the error is real, and the stated bound covers it
+    assert err.max() > 100 * US
+    assert err.max() <= model.bound_ns[3]
+    assert any("ranks 3 have clock samples from one moment only" in w for w in al.warnings), al.warnings
+
+
+def test_ranks_without_samples_are_aligned_from_collective_exits(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "run", sync={2: "none", 3: "none"})
+    raw = load_run(sim.run_dir)
+    al = clocks.align(raw, repair=False)
+    model = al.cache["clock_model"]
+    err = errors_ns(sim, raw, al)
+    for r in (2, 3):
+        assert model.ranks[r].method == "collective-exits"
+        assert err[r].max() <= model.ranks[r].bound_ns, (r, err[r].max(), model.ranks[r].bound_ns)
+        assert err[r].max() < 50 * US  # exits spread 5 us; the +-500 ms offset and 200 ppm drift are gone
+        assert model.ranks[r].drift_ppm == pytest.approx(sim.drift[r] * 1e6, abs=10.0)
+    assert any("no clock-sync samples for ranks 2-3: aligned from collective exits" in w for w in al.warnings)
+
+
+def test_an_old_run_without_any_samples_still_aligns_on_rank_0(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "run", sync={1: "none", 2: "none", 3: "none"})
+    raw = load_run(sim.run_dir)
+    al = clocks.align(raw)
+    err = errors_ns(sim, raw, al)
+    assert all(al.cache["clock_model"].ranks[r].method == "collective-exits" for r in (1, 2, 3))
+    assert max(e.max() for e in err.values()) < 50 * US
+    rep = analyze_run(raw, Config())
+    assert [f.ranks for f in rep.findings if f.kind == "straggler"] == [[2]]
+
+
+def test_a_wrong_sample_shows_as_causality_violations_and_is_repaired(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "run", sync={3: "start"})
+    # Rank 3's one window claims an offset 3 ms off with a tiny RTT: the model is confidently wrong.
+    import h5py
+
+    with h5py.File(sim.run_dir / rank_file_name(3), "r+") as f:
+        s = f["clock_sync"][...]
+        s["t_ref_ns"] -= 3 * MS
+        f["clock_sync"][...] = s
+    raw = load_run(sim.run_dir)
+    al = clocks.align(raw)
+    model = al.cache["clock_model"]
+    assert model.violations > 0 and model.violations_beyond_bound > 0
+    assert model.violations_after_repair == 0
+    assert any("preceded the last entry" in w and "3" in w for w in al.warnings), al.warnings
+    # After the repair no member leaves before the last one entered, and each rank's order is kept.
+    ev = al.events
+    t0 = ev["t0_ns"].reshape(-1)
+    for seq in range(0, sim.iters, 37):
+        g = ev[ev["seq"] == seq]
+        assert (g["t1_ns"] >= g["t0_ns"].max()).all()
+    for r in range(4):
+        e = ev[ev["rank"] == r]
+        assert (np.diff(e["t0_ns"]) > 0).all() and (e["t1_ns"] >= e["t0_ns"]).all()
+    assert len(t0) == 4 * sim.iters
+
+
+def test_controlled_logical_clock_moves_minimally_and_decays() -> None:
+    t = np.arange(0, 10_000_000, 100_000, dtype=np.int64)  # 100 timestamps, 0.1 ms apart
+    tau = np.array([1_000_000], np.int64)
+    low = np.array([1_050_000], np.int64)  # the exit at 1 ms must move to 1.05 ms
+    f = clocks._clc_map(t, tau, low, base=0)
+    assert (f >= t).all() and (np.diff(f) > 0).all()
+    assert f[10] == 1_050_000  # exactly to the bound, no further
+    assert (f[:10] == t[:10]).all()  # nothing before the violation moves
+    # the 50 us jump decays at 1 - GAMMA = 1 %: gone 5 ms later
+    assert f[11] - t[11] == pytest.approx(50_000 - 0.01 * 100_000, abs=1)
+    assert (f[70:] == t[70:]).all()
