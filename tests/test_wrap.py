@@ -572,3 +572,12 @@ def test_asyncio_signal_handlers_work_as_unwrapped(tmp_path: Path) -> None:
     assert plain.returncode == -signal.SIGTERM and plain.stdout == "term\n"
     _, _, attrs = events_of(rank_file(tmp_path / "run"))
     assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == -signal.SIGTERM
+
+
+def test_safe_path_mode_adds_no_script_dir_as_unwrapped(tmp_path: Path) -> None:
+    prog = _write(tmp_path, "argv")
+    env = clean_env(PYTHONSAFEPATH="1")
+    plain = run([PY, str(prog)], cwd=tmp_path, env=env)
+    w = run([*WRAP_MODULE, "--dir", str(tmp_path / "r"), "python", str(prog)], cwd=tmp_path, env=env)
+    assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert str(prog.parent) not in plain.stdout.splitlines()[2]

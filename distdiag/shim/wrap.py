@@ -91,6 +91,15 @@ class Target:
     dont_write_bytecode: bool = False
 
     @property
+    def command(self) -> list[str]:
+        """The program as typed after ``python``: ["train.py", ...], ["-m", "pkg.mod", ...], ["-c", code, ...]."""
+        if self.kind == "module":
+            return ["-m", self.value] + self.args
+        if self.kind == "code":
+            return ["-c", self.value] + self.args
+        return [self.value] + self.args
+
+    @property
     def argv(self) -> list[str]:
         """sys.argv as the interpreter sets it before the code runs."""
         if self.kind == "module":
@@ -587,7 +596,7 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
     rec = recorder.Recorder(chunk_rows=cfg.chunk_rows, max_pending_chunks=cfg.max_pending_chunks)
     attrs = base_attrs(info.rank, info.world_size, info.local_rank, info.host, info.job_id or info.launch_id, info.launch_id)
     attrs.update(
-        argv=json.dumps(target.argv if target.kind != "script" else [target.value] + target.args),
+        argv=json.dumps(target.command),
         env=json.dumps(allowed_env(dict(os.environ))),
         wall_ns_at_start=wall_start_ns,
         mono_ns_at_start=t_start_ns,
@@ -679,18 +688,29 @@ def _cant_open(path: str, e: OSError) -> SystemExit:
     return SystemExit(2)
 
 
+def _set_path0(entry: str) -> None:
+    """``sys.path[0]`` as the interpreter would set it for the target (it now holds the
+    wrapper's own directory); with ``-P``/``PYTHONSAFEPATH`` it adds nothing, so neither do we."""
+    if getattr(sys.flags, "safe_path", False):
+        return
+    if sys.path:
+        sys.path[0] = entry
+    else:
+        sys.path.insert(0, entry)
+
+
 def _run_target(t: Target) -> None:
     """Run the program exactly as ``python`` would. Tracebacks are cut at this frame."""
     import runpy
 
     sys.argv = t.argv
     if t.kind == "module":
-        sys.path[0] = os.getcwd()
+        _set_path0(os.getcwd())
         _fresh_main()
         runpy._run_module_as_main(t.value, alter_argv=True)  # type: ignore[attr-defined]
         return
     if t.kind == "code":
-        sys.path[0] = ""
+        _set_path0("")
         main = _fresh_main()
         code = compile(t.value, "<string>", "exec")
         exec(code, main.__dict__)
@@ -699,7 +719,7 @@ def _run_target(t: Target) -> None:
     abspath = os.path.abspath(path)
     if os.path.isdir(path) or (os.path.isfile(path) and not path.endswith(".py") and _is_zip(path)):
         # a directory or zip with __main__.py, as `python dir/` runs it
-        sys.path[0] = abspath
+        _set_path0(abspath)
         _fresh_main()
         runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
         return
@@ -708,7 +728,7 @@ def _run_target(t: Target) -> None:
             source = f.read()
     except OSError as e:
         raise _cant_open(path, e) from None
-    sys.path[0] = os.path.dirname(abspath)
+    _set_path0(os.path.dirname(abspath))
     main = _fresh_main()
     from importlib.machinery import SourceFileLoader
 
