@@ -35,11 +35,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _analyze(ns: argparse.Namespace) -> int:
     from distdiag.config import load_config
-    from distdiag.pipeline import analyze
-    from distdiag.render import render
+    from distdiag.run import load_run
 
     cfg = load_config(ns.config)
-    report = analyze(ns.run_dir, cfg)
+    # Load before importing the pipeline (pandas, every detector): a wrong
+    # path is answered in a fraction of the time.
+    run = load_run(ns.run_dir)
+    from distdiag.pipeline import analyze_run
+    from distdiag.render import render
+
+    report = analyze_run(run, cfg)
     out = render(report, ns.format)
     if ns.output:
         try:
