@@ -169,6 +169,9 @@ FILE_ATTRS = {
     "exit_code": "the wrapped program's exit code (absent when killed)",
     "lost_events": "events dropped (bounded memory)",
     "config": "JSON object: the shim settings in force",
+    "launcher": "where the rank identity came from: torchrun, openmpi, pmix, mpich, slurm or single",
+    "hooks": "JSON list: the hooks that installed (short names)",
+    "recording_stopped": "why the writer stopped early (e.g. the disk was nearly full); absent normally",
 }
 
 #: Environment variables worth keeping: the scheduler's, MPI's, torch's and
