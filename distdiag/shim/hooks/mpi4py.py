@@ -510,6 +510,7 @@ def _mk_icoll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[
 # Cython methods) reads them as locals and calls the original positionally.
 # Same defaults (the very objects), so the call mpi4py sees is the same.
 _IN_PLACE: Any = None  # MPI.IN_PLACE, set when the module is hooked
+_Status: Any = None  # MPI.Status, likewise
 
 
 def _params(orig: Callable[..., Any]) -> list[inspect.Parameter] | None:
@@ -637,11 +638,51 @@ def _gen_coll(name: str, orig: Callable[..., Any], spec: _CollSpec, blocking: bo
     return _gen(name, orig, body, ps, {})
 
 
+_RECV_BODY = (
+    _HEAD
+    + """\
+        info = None
+        try:
+            st = self._dd
+{payload}            rec.enter(RECV, {ids}, -1, peer, nb, aux, rec.site(2))
+            info = peer
+            if peer == _any_source and status is None:
+                status = _Status()  # to learn the actual source; mpi4py fills it
+        except Exception:
+            _oops(NAME)
+        ok = False
+        try:
+            result = orig(CALL)
+            ok = True
+            return result
+        finally:
+            try:
+                if ok and info is not None and ({obj} or info == _any_source):
+                    _amend_leave(rec, status.Get_source() if info == _any_source else info, {nb_after})
+                else:
+                    rec.leave()
+            except Exception:
+                _oops(NAME)
+"""
+)
+
+
+def _amend_leave(rec: Any, peer: int, nb: int) -> None:
+    """``rec.leave()``, with the peer and size a receive learns only on return.
+
+    The open row sits in the recorder's per-thread ``cur`` tuple (t0, t1, kind,
+    name_id, comm_id, seq, peer, nbytes, ...); we replace its peer and nbytes.
+    """
+    tb = rec._local.tb
+    cur = tb.cur
+    if cur is not None:
+        tb.cur = cur[:6] + (peer, nb if nb >= 0 else cur[7]) + cur[8:]
+    rec.leave()
+
+
 def _gen_p2p(name: str, orig: Callable[..., Any], spec: tuple[int, tuple[int, str] | None, tuple[int, str], bool, int]) -> Callable[..., Any] | None:
-    """Sends (blocking or not) and non-blocking receives; blocking receives stay generic."""
-    kind, bspec, pspec, obj, _st = spec
-    if kind == RECV:
-        return None
+    """Point-to-point calls except Sendrecv (generic)."""
+    kind, bspec, pspec, obj, st_at = spec
     ps = _params(orig)
     if ps is None:
         return None
@@ -649,8 +690,13 @@ def _gen_p2p(name: str, orig: Callable[..., Any], spec: tuple[int, tuple[int, st
     payload = _payload_src(cspec, ps)
     if payload is None:
         return None
-    if bspec is None:  # irecv(buf=None, ...): size known at completion
+    if bspec is None:  # recv/irecv(buf=None, ...): size known on return / at completion
         payload += " " * 12 + "aux = _ids.obj\n"
+    if kind == RECV:
+        if len(ps) <= st_at + 1 or ps[st_at + 1].name != "status":
+            return None
+        body = _RECV_BODY.format(payload=payload, ids=_IDS, obj=str(obj), nb_after="_obj_nbytes(result)" if obj else "-1")
+        return _gen(name, orig, body, ps, {})
     is_async = kind in (SEND_ASYNC, RECV_ASYNC)
     kname = {SEND: "SEND", SEND_ASYNC: "SEND_ASYNC", RECV_ASYNC: "RECV_ASYNC"}[kind]
     body = (_ASYNC if is_async else _BLOCKING).format(seq="", payload=payload, kind=kname, ids=_IDS, seqv="-1")
@@ -1164,7 +1210,7 @@ _any_source = -2  # MPI.ANY_SOURCE, refreshed from the module when hooked
 
 def _on_import(MPI: Any) -> None:
     """Post-import hook: swap in the wrapped world/self communicators and Request."""
-    global _classes, _ours, _mpi, _any_source, _orig_request, _IN_PLACE
+    global _classes, _ours, _mpi, _any_source, _orig_request, _IN_PLACE, _Status
     with _lock:
         if _rec is None or _mpi is not None:
             return
@@ -1173,6 +1219,7 @@ def _on_import(MPI: Any) -> None:
             _ours = tuple(c for k, c in _classes.items() if k != "WRequest")
         _any_source = MPI.ANY_SOURCE
         _IN_PLACE = MPI.IN_PLACE
+        _Status = MPI.Status
         _saved.clear()
         _saved.update(COMM_WORLD=MPI.COMM_WORLD, COMM_SELF=MPI.COMM_SELF, Request=MPI.Request)
         _mpi = MPI
