@@ -155,6 +155,8 @@ def probe_matrix(run: Run) -> LinkMatrix | None:
     ev = run.events[run.events["kind"] == Kind.PROBE]
     if len(ev) == 0:
         return None
+    span_id = run.sid("probe")
+    span = ev[ev["name_id"] == span_id] if span_id >= 0 else ev[:0]
     units = units_of(run)
     n = len(units)
     peer_ok = (ev["peer"] >= 0) & (ev["peer"] < len(units.of_rank))
@@ -175,7 +177,6 @@ def probe_matrix(run: Run) -> LinkMatrix | None:
     bw_m = np.where(np.isfinite(m_big), m_big, m_small)
     is_lat = ev["name_id"] == lat_id
     lat_m, _ = _symmetric_fill(n, ui[is_lat], uj[is_lat], dur_s[is_lat], "min")
-    span = ev[ev["name_id"] == run.sid("probe")] if run.sid("probe") >= 0 else ev[:0]
     extra = {}
     if len(span):
         extra["probe_s"] = round(float(np.max(span["t1_ns"] - span["t0_ns"])) / 1e9, 3)

@@ -1,0 +1,59 @@
+"""The probe under the real wrapper: `distdiag-wrap --probe-links` on an MPI job."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distdiag.links import probe_matrix
+from distdiag.match import collectives_of
+from distdiag.run import load_run
+from distdiag.schema import P2P_KINDS, Kind
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (pip install mpich)"),
+    pytest.mark.skipif(shutil.which("distdiag-wrap") is None, reason="distdiag-wrap not installed"),
+]
+
+JOB = str(Path(__file__).parent / "jobs" / "net_mpi_allreduce.py")
+
+
+def _wrap(run_dir: Path, *flags: str) -> None:
+    p = subprocess.run(
+        ["mpiexec", "-n", "3", shutil.which("distdiag-wrap") or "", "--dir", str(run_dir), *flags, sys.executable, JOB],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_probe_rows_make_a_full_matrix_and_leave_the_program_untouched(tmp_path: Path) -> None:
+    _wrap(tmp_path / "r", "--probe-links")
+    run = load_run(tmp_path / "r")
+    m = probe_matrix(run)
+    assert m is not None and m.units.kind == "rank"  # one host: rank pairs
+    i, j, bw = m.pairs()
+    assert sorted(zip(i.tolist(), j.tolist())) == [(0, 1), (0, 2), (1, 2)]
+    assert np.all(bw > 1e6)
+    assert np.all(np.isfinite(m.latency_s[~np.eye(3, dtype=bool)]))
+    # the default 3 s budget holds (slack: 3 ranks busy-poll on 2 shared cores)
+    assert 0 < m.extra["probe_s"] < 6.0
+    # the probe ran on a private communicator: none of its traffic is the program's
+    ev = run.events
+    assert not np.isin(ev["kind"], np.array(sorted(P2P_KINDS), np.uint8)).any()
+    colls = collectives_of(run)
+    assert len(colls) == 20 and sorted(colls.g_seq.tolist()) == list(range(20))
+    probe_comms = {run.s(int(c)) for c in ev[ev["kind"] == Kind.PROBE]["comm_id"]}
+    assert probe_comms == {"probe:mpi"}
+
+
+def test_without_the_flag_nothing_is_probed(tmp_path: Path) -> None:
+    _wrap(tmp_path / "r")
+    run = load_run(tmp_path / "r")
+    assert not (run.events["kind"] == Kind.PROBE).any()
+    assert probe_matrix(run) is None
