@@ -379,10 +379,14 @@ def test_run_dir_and_pseudo_files_not_recorded(hooked: Hooked, tmp_path: Path) -
     (run_dir / "rank-00000.h5").write_bytes(b"x")
     os.stat(run_dir / "rank-00000.h5")
     open("/proc/self/status").read()
+    os.stat("/dev/null")
     ev = hooked.rows()
     names = {hooked.s(i) for i in ev["name_id"]}
     assert not any(n.startswith(str(run_dir)) for n in names)
-    assert "/proc/self/status" not in names
+    assert "/proc/self/status" not in names and "/dev/null" not in names
+    if os.path.isdir("/dev/shm"):  # tmpfs: real files, recorded
+        os.path.exists("/dev/shm/distdiag-test-nothing")
+        assert len(hooked.rows(Kind.FILE_STAT, "/dev/shm/distdiag-test-nothing")) == 1
 
 
 def test_import_storm_is_seen(hooked: Hooked, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,8 +50,8 @@ calls it sums. Text files, unbuffered or custom-buffered binary files and
 ``open_code`` keep the original object (their opens are recorded, not their
 bytes): config and log files are small, and text writes are hot loops.
 
-Skipped: paths under the run directory (the shim's own files), ``/proc``,
-``/sys``, ``/dev`` (no storage behind them), and ``stat`` of a file descriptor
+Skipped: paths under the run directory (the shim's own files), pseudo file
+systems (``PSEUDO_FSTYPES``: /proc, /sys, /dev/null...; no storage behind them), and ``stat`` of a file descriptor
 (``fstat`` is answered by the client, not the metadata server).
 """
 
@@ -87,7 +87,14 @@ CLOSE_MIN_NS = 20_000
 #: path-cache bound: past it, paths are tagged on every call (correct, slower)
 MAX_CACHED_PATHS = 1 << 17
 #: never recorded: pseudo file systems with no storage behind them
-PSEUDO_PREFIXES = ("/proc/", "/sys/", "/dev/")
+#: file systems with no storage behind them: never recorded (/dev/null, /proc/self/...,
+#: /sys/...); /dev/shm is tmpfs, real memory-backed files, and is recorded
+PSEUDO_FSTYPES = frozenset(
+    {
+        "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "securityfs", "debugfs", "tracefs",
+        "pstore", "bpf", "mqueue", "configfs", "fusectl", "binfmt_misc", "autofs", "efivarfs", "nsfs",
+    }
+)  # fmt: skip
 
 _FILE_OPEN = int(Kind.FILE_OPEN)
 _FILE_CLOSE = int(Kind.FILE_CLOSE)
@@ -105,7 +112,7 @@ _count_bytes = True
 #: path as the program passed it (str) -> (name_id, aux) or () when skipped
 _paths: dict[str, tuple[int, ...]] = {}
 #: absolute-path prefixes never recorded (the run dir + pseudo file systems)
-_skip: tuple[str, ...] = PSEUDO_PREFIXES
+_skip: tuple[str, ...] = ()
 #: fds from os.open -> (name_id, aux, site_id)
 _fds: dict[int, tuple[int, int, int]] = {}
 #: fds of counted binary files (FileIO below) -> (name_id, aux, site_id), for fsync
@@ -166,10 +173,10 @@ def _tag(path: Any) -> tuple[int, ...]:
         if hit is not None:
             return hit
         ap = os.path.abspath(p)  # lexical: getcwd only, no metadata call
-        if ap.startswith(_skip) or ap in ("/proc", "/sys", "/dev"):
+        fstype, mnt = mounts.lookup(ap)
+        if (_skip and ap.startswith(_skip)) or fstype in PSEUDO_FSTYPES:
             res: tuple[int, ...] = ()
         else:
-            fstype, mnt = mounts.lookup(ap)
             res = (_intern(ap), _intern(f"{fstype}:{mnt}"))  # type: ignore[misc]
         if len(_paths) < MAX_CACHED_PATHS:
             _paths[p] = res
