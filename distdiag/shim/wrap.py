@@ -293,7 +293,8 @@ class _Shim:
         self.exit_code: int | None = None
         self.target_ended = False
         self._closed = False
-        self._lock = threading.Lock()
+        # reentrant: the SIGTERM handler may interrupt the main thread inside close()
+        self._lock = threading.RLock()
         self.sigterm: _SigtermChain | None = None
         # Interned now: a signal handler must never wait on the string table's
         # lock, which the interrupted main thread may hold.
@@ -568,6 +569,7 @@ class _SigtermChain:
 
 
 def _note(msg: str) -> None:
+    msg = " ".join(msg.split())  # one line, whatever the OS/HDF5 message holds
     try:
         sys.stderr.write(f"distdiag: {msg}; the job runs without recording\n")
         sys.stderr.flush()
