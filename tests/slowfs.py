@@ -14,11 +14,11 @@ Run as a program (what the fixture does, in a subprocess)::
 
     python tests/slowfs.py BACKING_DIR MOUNT_POINT --latency-ms 0.5
 
-Pytest fixture ``slowfs`` (see ``tests/conftest_fileio.py`` use in
-``tests/test_fileio_*.py``): ``mount_slowfs(backing, mnt, latency_ms)`` is a
-context manager that mounts, waits until the mount is in
-``/proc/self/mounts``, and always unmounts (``fusermount -u``, then the
-server process by PID) even when the test fails.
+For tests: ``mount_slowfs(backing, mnt, latency_ms)`` is a context manager
+that mounts, waits until the mount is in ``/proc/self/mounts``, and always
+unmounts (``fusermount -u``, lazily if still busy, then the server process
+by its PID) even when the test fails; ``tests/test_fileio_e2e.py`` wraps it
+in the ``slow_mount`` fixture (which skips only when ``/dev/fuse`` is absent).
 """
 
 from __future__ import annotations

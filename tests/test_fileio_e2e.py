@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,10 +63,18 @@ def run_job(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> lis
         pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
     cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir),
            sys.executable, str(JOB), *args]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=REPO, env={**os.environ, **(env or {})})
-    assert p.returncode == 0, p.stdout + p.stderr
-    recs = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("IOSTORM ")]
-    assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3], p.stdout
+    # its own session, so a timeout kills mpiexec *and* its ranks (they would keep the mount busy)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                         env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the group we created, by its leader's PID
+        out, err = p.communicate(timeout=30)
+        pytest.fail(f"job timed out after {JOB_TIMEOUT_S} s: {out}{err}")
+    assert p.returncode == 0, out + err
+    recs = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("IOSTORM ")]
+    assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3], out
     return sorted(recs, key=lambda r: r["rank"])
 
 
