@@ -356,3 +356,49 @@ def union_s(t0_ns: np.ndarray, t1_ns: np.ndarray) -> float:
     starts = a[new]
     ends = np.maximum.reduceat(b, np.flatnonzero(new))
     return float(np.sum(ends - starts)) / 1e9
+
+
+#: a collective is network-bound when its transfer phase is this many times
+#: longer than the spread of its arrivals (everyone was there; the bytes were not)
+NETWORK_BOUND_RATIO = 4.0
+
+
+def network_bound(ct: CollectiveTransfers, min_transfer_s: float = 1e-3) -> np.ndarray:
+    """Per collective: transfer phase long while every rank arrived on time."""
+    return (ct.transfer_s >= min_transfer_s) & (ct.transfer_s > NETWORK_BOUND_RATIO * ct.arrival_spread_s)
+
+
+def transfer_summary(run: Run, colls: Collectives | None = None) -> Any:
+    """Per (communicator, op): count, bytes, transfer and wait time, bus bandwidth,
+    and the share of network-bound collectives, as a pandas DataFrame (for notebooks)."""
+    import pandas as pd
+
+    colls = collectives_of(run) if colls is None else colls
+    ct = collective_transfers(run, colls)
+    st = np.asarray(run.strings, dtype=object)
+    df = pd.DataFrame(
+        {
+            "comm": st[colls.g_comm[ct.group]] if len(ct) else [],
+            "op": st[ct.op] if len(ct) else [],
+            "n_ranks": ct.n_members,
+            "nbytes": ct.nbytes,
+            "bus_bytes": ct.bus_bytes,
+            "transfer_s": ct.transfer_s,
+            "arrival_spread_s": ct.arrival_spread_s,
+            "network_bound": network_bound(ct),
+        }
+    )
+    if df.empty:
+        return df
+    g = df.groupby(["comm", "op"], sort=False)
+    out = g.agg(
+        count=("transfer_s", "size"),
+        n_ranks=("n_ranks", "max"),
+        bus_bytes=("bus_bytes", "sum"),
+        transfer_s=("transfer_s", "sum"),
+        arrival_spread_s=("arrival_spread_s", "sum"),
+        network_bound_share=("network_bound", "mean"),
+    ).reset_index()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["bus_bw_MB_per_s"] = np.where(out["transfer_s"] > 0, out["bus_bytes"] / out["transfer_s"] / 1e6, np.nan)
+    return out.sort_values("transfer_s", ascending=False, kind="stable").reset_index(drop=True)

@@ -288,3 +288,22 @@ def test_p2p_matching_by_communicator_pair_and_order(tmp_path: Path) -> None:
     assert tr["src"].tolist() == [0, 0, 0] and tr["dst"].tolist() == [1, 1, 1]
     # 1 MiB: both in the call from 15 ms (the receive) to 16 ms; 3 MiB: 20 -> 25 ms
     assert (tr["xfer_s"][order] * 1e3).round(3).tolist() == [1.0, 2.0, 5.0]
+
+
+def test_transfer_summary_marks_slow_link_collectives_network_bound(tmp_path: Path) -> None:
+    from distdiag.links import transfer_summary
+
+    make_link_run(tmp_path, pair_bw=_slow_node(2, 4, 6 * MB), iters=10)
+    df = transfer_summary(load_run(tmp_path))
+    assert df[["comm", "op", "count", "n_ranks"]].values.tolist() == [["default", "all_reduce", 10, 4]]
+    assert df["network_bound_share"].iloc[0] == 1.0
+    assert df["bus_bw_MB_per_s"].iloc[0] == pytest.approx(6.0, rel=0.05)
+
+
+def test_compute_bound_collectives_are_not_network_bound(tmp_path: Path) -> None:
+    from distdiag.links import transfer_summary
+
+    # fast links, tiny payload: the transfer phase is a fraction of a millisecond
+    make_link_run(tmp_path, nbytes=8 << 10, latency_ms=0.05, iters=10)
+    df = transfer_summary(load_run(tmp_path))
+    assert df["network_bound_share"].iloc[0] == 0.0
