@@ -188,6 +188,7 @@ def test_slow_node_is_named_with_cost_near_truth(tmp_path: Path) -> None:
     assert f.cost_s == pytest.approx(truth_s, rel=0.25)
     assert f.evidence["matrix"]["units"] == ["node0", "node1", "node2", "node3"]
     assert f.evidence["ratio"] < 0.02
+    assert f.evidence["network_bound_share"] == 1.0
     assert "node node2" in f.summary
 
 

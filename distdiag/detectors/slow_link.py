@@ -53,6 +53,7 @@ from distdiag.links import (
     collective_transfers,
     group_unit_mask,
     link_matrix,
+    network_bound,
     p2p_transfers,
     union_s,
 )
@@ -196,6 +197,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                     "collectives_over_link": int(sel.sum()),
                     "collective_transfer_s": round(float(ct.transfer_s[sel].sum()), 4),
                     "collective_save_s": round(coll_cost, 4),
+                    # everyone arrived, then the bytes took long: the network, not a rank
+                    "network_bound_share": round(float(network_bound(ct)[sel].mean()), 3) if sel.any() else None,
                     "median_bus_bw_MB_per_s": round(float(np.median(bus_bw)) / 1e6, 3) if len(bus_bw) else None,
                     "p2p_transfers_over_link": int(psel.sum()),
                     "p2p_save_s": round(p_cost, 4),
