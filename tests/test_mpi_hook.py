@@ -201,6 +201,8 @@ def test_nonblocking_completion_is_seen_after_the_post(wrapped: list[RankOut]) -
         # the Wait itself is a WAIT row inside the async span
         wt = r.named("Wait", Kind.WAIT)
         assert len(wt) == 1 and wt["t0_ns"][0] >= ia["t0_ns"][0] and wt["t1_ns"][0] <= ia["t1_ns"][0]
+        # ... and names what it waits for: world's Iallreduce, seq 8
+        assert (r.s(wt["comm_id"][0]), int(wt["seq"][0]), r.s(wt["aux"][0])) == ("world", 8, "Iallreduce")
 
 
 def test_late_rank_shows_a_later_arrival(tmp_path: Path) -> None:

@@ -42,7 +42,11 @@ Rows (see ``distdiag.schema``)
   destination / source (for ``ANY_SOURCE`` the actual source from the status
   for blocking receives); ``Sendrecv`` gives a SEND and a RECV row with the
   same times.
-* ``WAIT``: time blocked in ``Wait``/``Waitall``/``Waitany``/``Waitsome``.
+* ``WAIT``: time blocked in ``Wait``/``Waitall``/``Waitany``/``Waitsome`` (and
+  lower-case twins); ``comm_id``, ``seq``, ``peer`` and ``aux`` (= op name id,
+  e.g. ``"Iallreduce"``) of the (first still pending) request it waits for, so
+  a rank hung in a Wait shows which collective it waits on. ``Test*`` calls
+  leave no WAIT rows (polling loops would flood the buffer), only completions.
 * ``COMM_CREATE``: ``name_id`` = new key, ``comm_id`` = parent key, ``peer`` =
   this rank's rank in the new communicator, ``aux`` = its size. Together the
   members' rows map communicator ranks to world ranks (each file is one world
@@ -1058,17 +1062,17 @@ def _scan(requests: Any, t1: int) -> None:
 
 
 def _wait_cm(rec: Any, name: str, requests: Any) -> int:
-    """Open a WAIT row (comm of the first tracked request)."""
-    kid = 0
+    """Open a WAIT row naming the first still-pending tracked request it waits for."""
+    kid, seq, peer, op = 0, -1, -1, 0
     try:
-        for r in requests:  # the first still-pending tracked request names the comm
+        for r in requests:
             info = getattr(r, "_dd", None)
             if info is not None:
-                kid = info[2]
+                kid, seq, peer, op = info[2], info[3], info[4], info[1]
                 break
     except Exception:
         pass
-    return rec.enter(WAIT, _ids.names.get(name) or _nid(name), kid, -1, -1, 0, 0, rec.site(3))  # type: ignore[no-any-return]
+    return rec.enter(WAIT, _ids.names.get(name) or _nid(name), kid, seq, peer, 0, op, rec.site(3))  # type: ignore[no-any-return]
 
 
 def _build_request_class(MPI: Any) -> type:
@@ -1093,7 +1097,7 @@ def _build_request_class(MPI: Any) -> type:
                 return orig(self, status)
             if blocking:
                 try:
-                    rec.enter(WAIT, _ids.names.get(name) or _nid(name), info[2], -1, -1, 0, 0, rec.site(2))
+                    rec.enter(WAIT, _ids.names.get(name) or _nid(name), info[2], info[3], info[4], 0, info[1], rec.site(2))
                 except Exception:
                     _oops(name)
             try:
