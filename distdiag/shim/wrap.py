@@ -837,7 +837,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts, target = parse_args(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
         if str(e) == "help":
-            print(USAGE)
+            try:
+                print(USAGE)
+            except BrokenPipeError:  # distdiag-wrap --help | head
+                pass
             return 0
         sys.stderr.write(f"{PROG}: {e}\n")
         if "can only wrap" not in str(e):
