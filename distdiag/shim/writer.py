@@ -179,6 +179,15 @@ def write_rank_file(
         _set_attrs(f, full)
 
 
+def _rows_view(buf: bytearray, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of a chunk, viewed without a copy.
+
+    Safe without copying: the owning thread only ever writes rows at or after
+    its published count, so published rows never change, and the view keeps
+    the chunk alive after the thread moved on to a new one."""
+    return np.frombuffer(buf, EVENT_DTYPE, count=stop - start, offset=start * EVENT_DTYPE.itemsize)
+
+
 #: Free space a flush leaves untouched (HDF5 metadata, the close, the user's own files).
 DISK_RESERVE_BYTES = 1 << 20
 
@@ -278,8 +287,6 @@ class Writer:
 
     # -- flushing ---------------------------------------------------------------
     def _collect_events(self) -> np.ndarray:
-        from distdiag.shim.recorder import as_events
-
         rec = self.rec
         parts: list[np.ndarray] = []
         while True:
@@ -290,14 +297,14 @@ class Writer:
             entry = self._offsets.pop(id(buf), None)
             start = entry[1] if entry is not None and entry[0] is buf else 0
             if n > start:
-                parts.append(as_events(buf, start, n))
+                parts.append(_rows_view(buf, start, n))
         for tb in list(rec.buffers):
             buf = tb.buf  # buffer first, then count: see the class docstring
             n = tb.n
             entry = self._offsets.get(id(buf))
             start = entry[1] if entry is not None and entry[0] is buf else 0
             if n > start:
-                parts.append(as_events(buf, start, n))
+                parts.append(_rows_view(buf, start, n))
                 self._offsets[id(buf)] = (buf, n)
         # Forget chunks that are neither current nor queued (dropped as lost):
         # holding them would leak a chunk each time the flusher falls behind.
