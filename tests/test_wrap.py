@@ -581,3 +581,23 @@ def test_safe_path_mode_adds_no_script_dir_as_unwrapped(tmp_path: Path) -> None:
     w = run([*WRAP_MODULE, "--dir", str(tmp_path / "r"), "python", str(prog)], cwd=tmp_path, env=env)
     assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert str(prog.parent) not in plain.stdout.splitlines()[2]
+
+
+def test_config_file_then_env_and_the_config_attr(tmp_path: Path) -> None:
+    from distdiag.shim.config import load_config
+
+    cfg_file = tmp_path / "site.toml"
+    cfg_file.write_text('[shim]\nflush_interval_s = 0.25\nchunk_rows = 512\nbogus = 1\n[shim.hooks]\nfileio = false\n')
+    cfg = load_config(cfg_file, environ={"DISTDIAG_CHUNK_ROWS": "2048", "DISTDIAG_HOOKS": "mpi4py=0"})
+    assert (cfg.flush_interval_s, cfg.chunk_rows, cfg.hooks) == (0.25, 2048, {"fileio": False, "mpi4py": False})
+    bad = load_config(cfg_file, environ={"DISTDIAG_FLUSH_INTERVAL_S": "soon"})  # bad value: file's kept
+    assert bad.flush_interval_s == 0.25
+    prog = tmp_path / "p.py"
+    prog.write_text("pass\n")
+    p = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "run"), "--config", str(cfg_file), PY, str(prog)], cwd=tmp_path,
+            env=clean_env(DISTDIAG_CHUNK_ROWS="1024"))
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    _, _, attrs = events_of(rank_file(tmp_path / "run"))
+    recorded = json.loads(attrs["config"])
+    assert (recorded["flush_interval_s"], recorded["chunk_rows"], recorded["hooks"]["fileio"]) == (0.25, 1024, False)
+    assert "fileio" not in json.loads(attrs["hooks"])
