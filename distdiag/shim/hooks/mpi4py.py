@@ -524,7 +524,12 @@ def _params(orig: Callable[..., Any]) -> list[inspect.Parameter] | None:
         return None
     if not ps or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in ps):
         return None
+    if any(p.name in _RESERVED for p in ps[1:]) or ps[0].name != "self":
+        return None  # would clash with the generated body's own names
     return ps
+
+
+_RESERVED = frozenset({"rec", "st", "seq", "peer", "nb", "aux", "t", "info", "ok", "result", "req", "t0", "orig", "cell", "NAME"})
 
 
 def _gen(name: str, orig: Callable[..., Any], body: str, ps: list[inspect.Parameter], extra: dict[str, Any]) -> Callable[..., Any]:
