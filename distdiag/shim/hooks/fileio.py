@@ -134,25 +134,27 @@ _LIB_PREFIXES = tuple(
         }
     )
 )
-_libcode: dict[Any, bool] = {}
-_sites: dict[tuple[Any, int], int] = {}
+_libcode: dict[int, tuple[Any, bool]] = {}
+_sites: dict[tuple[int, int], int] = {}
 _getframe = sys._getframe
 
 
 # -- helpers -----------------------------------------------------------------------
 def _site() -> int:
     """String id of the first ``file:line`` outside the stdlib and distdiag."""
+    # Keyed by id(code): hashing a code object hashes its bytecode and
+    # constants; _libcode holds each code object, so its id is never reused.
     try:
         f: Any = _getframe(2)
         while True:
             c = f.f_code
-            lib = _libcode.get(c)
-            if lib is None:
-                lib = _libcode[c] = c.co_filename.startswith(_LIB_PREFIXES)
-            if not lib or f.f_back is None:
+            ent = _libcode.get(id(c))
+            if ent is None:
+                ent = _libcode[id(c)] = (c, c.co_filename.startswith(_LIB_PREFIXES))
+            if not ent[1] or f.f_back is None:
                 break
             f = f.f_back
-        key = (c, f.f_lineno)
+        key = (id(c), f.f_lineno)
         i = _sites.get(key)
         if i is None:
             i = _sites[key] = _intern(f"{c.co_filename}:{f.f_lineno}")  # type: ignore[misc]
