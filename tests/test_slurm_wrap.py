@@ -54,7 +54,7 @@ def mpiexec_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pytest.fail("mpiexec not found: install the 'mpi' extra")
     run_dir = tmp_path_factory.mktemp("mpiexec") / "run"
     p = subprocess.run([mpiexec, "-n", "4", *WRAP, "--dir", str(run_dir), *DEMO],
-                       capture_output=True, text=True, timeout=180, env=_no_slurm_env())  # fmt: skip
+                       capture_output=True, text=True, timeout=300, env=_no_slurm_env())  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     return _analyze(run_dir, env=_no_slurm_env())
 
@@ -66,8 +66,8 @@ def srun_runs(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> 
     for nodes in (1, 2):
         run_dir = tmp_path_factory.mktemp(f"srun{nodes}") / "run"
         layout = ["-N1", "-n4"] if nodes == 1 else ["-N2", "--ntasks-per-node=2"]
-        p = slurm.run(["srun", *layout, "--job-name", f"straggler{nodes}", *WRAP, "--dir", str(run_dir), *DEMO],
-                      timeout_s=180, cwd=run_dir.parent)  # fmt: skip
+        p = slurm.run(["srun", *layout, "--time=5", "--job-name", f"straggler{nodes}", *WRAP, "--dir", str(run_dir),
+                       *DEMO], timeout_s=300, cwd=run_dir.parent)  # fmt: skip
         assert "injected delay 2.000 s" in p.stdout, p.stdout + p.stderr
         out[nodes] = run_dir
     return out
@@ -163,9 +163,9 @@ def test_torch_gloo_under_srun_from_slurm_variables(slurm: SlurmCluster, tmp_pat
     # The emulated nodes n1, n2 are names Slurm knows, not DNS names: the
     # rendezvous address is given (on a real cluster the job's first node).
     env = slurm.env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    p = slurm.run(["srun", *layout, *WRAP, "--dir", str(run_dir), sys.executable,
-                   str(REPO / "tests" / "slurm" / "torch_job.py"), "--slow-rank", "1", "--delay-s", "0.05",
-                   "--iters", "20"], timeout_s=180, cwd=tmp_path, env=env)  # fmt: skip
+    p = slurm.run(["srun", *layout, "--time=5", *WRAP, "--dir", str(run_dir), sys.executable,
+                   str(REPO / "tests" / "slurm" / "torch_job.py"), "--slow-rank", "1", "--delay-s", "0.1",
+                   "--iters", "15"], timeout_s=300, cwd=tmp_path, env=env)  # fmt: skip
     m = re.search(r"injected delay ([0-9.]+) s", p.stdout)
     assert m, p.stdout + p.stderr
     rep = _analyze(run_dir, env=slurm.env())
