@@ -37,10 +37,11 @@ for binary files with default buffering (``open(p, "rb")``, ``"wb"``, ``"ab"``,
 ``"r+b"``, ...: checkpoints, shards, pickles) the wrapper builds what io.open
 builds, the same C ``BufferedReader/Writer/Random`` with the same buffer size,
 over :class:`FileIO`, a subclass of ``io.FileIO`` that books bytes at the raw
-layer: one booking per buffer fill or large call (a real system call), never
-per small ``f.read(4)``. Its ``close`` records FILE_CLOSE when the close took
-at least ``CLOSE_MIN_NS`` (a flush to a remote server, a busy server). The object the
-program holds has the exact type, mode, name, fd and behaviour; only
+layer: one booking per buffer fill or large call (a real system call, and
+every call of at least the buffer size goes there), never per small
+``f.read(4)``. Its ``close`` records FILE_CLOSE when the close took
+at least ``CLOSE_MIN_NS`` (a flush to a remote server, a busy server). The
+object the program holds has the exact type, mode, name, fd and behaviour; only
 ``type(f.raw)`` differs. A raw call that moves >= ``BIG_CALL_BYTES`` or blocks
 >= ``BIG_CALL_NS`` is its own FILE_READ/FILE_WRITE row (exact start and
 duration); smaller calls are summed per file into one row (``t0`` = first
@@ -51,8 +52,15 @@ calls it sums. Text files, unbuffered or custom-buffered binary files and
 bytes): config and log files are small, and text writes are hot loops.
 
 Skipped: paths under the run directory (the shim's own files), pseudo file
-systems (``PSEUDO_FSTYPES``: /proc, /sys, /dev/null...; no storage behind them), and ``stat`` of a file descriptor
-(``fstat`` is answered by the client, not the metadata server).
+systems (``PSEUDO_FSTYPES``: /proc, /sys, /dev/null...; no storage behind
+them), and ``stat`` of a file descriptor (``fstat`` is answered by the
+client, not the metadata server).
+
+Not seen: C code that opens files itself (``torch.save`` to a path, HDF5's
+data reads, ``np.fromfile``); file calls made before the hook is installed;
+and a rank hung *inside* an open or stat leaves no in-flight row (the
+recorder's enter/leave does not nest, and an enclosing data-loader wait
+already holds that slot).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ import posix
 import sys
 import sysconfig
 import threading
-import weakref
+import time
 from typing import Any, Callable
 
 import _io
@@ -86,7 +94,6 @@ BIG_CALL_NS = 1_000_000
 CLOSE_MIN_NS = 20_000
 #: path-cache bound: past it, paths are tagged on every call (correct, slower)
 MAX_CACHED_PATHS = 1 << 17
-#: never recorded: pseudo file systems with no storage behind them
 #: file systems with no storage behind them: never recorded (/dev/null, /proc/self/...,
 #: /sys/...); /dev/shm is tmpfs, real memory-backed files, and is recorded
 PSEUDO_FSTYPES = frozenset(
@@ -107,11 +114,11 @@ _FILE_WRITE = int(Kind.FILE_WRITE)
 _rec: Any = None
 _add: Callable[..., None] | None = None
 _intern: Callable[[str], int] | None = None
-_now: Callable[[], int] = __import__("time").perf_counter_ns
+_now: Callable[[], int] = time.perf_counter_ns  # the recorder's event clock
 _count_bytes = True
 #: path as the program passed it (str) -> (name_id, aux) or () when skipped
 _paths: dict[str, tuple[int, ...]] = {}
-#: absolute-path prefixes never recorded (the run dir + pseudo file systems)
+#: absolute-path prefixes never recorded (the run dir; see skip_dir)
 _skip: tuple[str, ...] = ()
 #: fds from os.open -> (name_id, aux, site_id)
 _fds: dict[int, tuple[int, int, int]] = {}
