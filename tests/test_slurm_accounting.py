@@ -1,0 +1,78 @@
+"""queue_wait against a real queue: a job submitted while another holds every CPU.
+
+The blocker holds all 16 declared CPUs of n1+n2 for ~20 s; the job under test
+is submitted right after and waits for them. Its batch script stamps the time
+it really started; the queue_wait finding's cost must match the real wait
+(submission to that stamp) within ±25%.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+BLOCK_S = 20
+
+
+def _wait_running(slurm: SlurmCluster, job: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = slurm.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False, timeout_s=10).stdout.strip()
+        if st == "RUNNING":
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"blocker job {job} not running after {timeout_s} s")
+
+
+def test_queue_wait_cost_matches_the_real_wait(slurm: SlurmCluster, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    stamp = tmp_path / "started"
+    blocker = slurm.sbatch(["-N2", "-n16", "--time=2", "-J", "blocker", "-o", "/dev/null", "--wrap", f"sleep {BLOCK_S}"],
+                           cwd=tmp_path)  # fmt: skip
+    job = ""
+    try:
+        _wait_running(slurm, blocker)
+        script = tmp_path / "job.sh"
+        script.write_text(
+            "#!/bin/bash\n"
+            f"{sys.executable} -c 'import time; print(time.time())' > {stamp}\n"
+            f"srun {sys.executable} -m distdiag.wrap --dir {run_dir} {sys.executable} -m distdiag.demo_job "
+            "--iters 5 --slow-rank -1\n"
+        )
+        t_submit = time.time()
+        job = slurm.sbatch(["-N1", "-n2", "--time=3", "-J", "queued", "-o", str(tmp_path / "out.txt"), str(script)],
+                           cwd=tmp_path)  # fmt: skip
+        slurm.wait_gone(job, timeout_s=BLOCK_S + 120)
+    finally:
+        slurm.run(["scancel", blocker], check=False, timeout_s=10)
+        if job:
+            slurm.run(["scancel", job], check=False, timeout_s=10)
+    real_wait_s = float(stamp.read_text()) - t_submit
+    assert real_wait_s > BLOCK_S / 2, (real_wait_s, (tmp_path / "out.txt").read_text())
+    slurm.sacct(job)  # the final record is in the database
+
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
+                       capture_output=True, text=True, timeout=120, env=slurm.env())  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    qw = [f for f in rep["findings"] if f["kind"] == "queue_wait"]
+    assert len(qw) == 1, rep["findings"]
+    f = qw[0]
+    assert f["cost_s"] == pytest.approx(real_wait_s, rel=0.25)
+    ev = f["evidence"]
+    # Nothing held it: it was eligible at once and waited for nodes.
+    assert ev["submit_to_eligible_s"] <= 1 and ev["eligible_to_start_s"] == pytest.approx(f["cost_s"], abs=1)
+    assert f["fraction"] == pytest.approx(f["cost_s"] / ev["turnaround_s"])
+    assert 0.5 < f["fraction"] < 1
+    # The queue is the binding constraint of this short job.
+    assert rep["findings"][0]["kind"] == "queue_wait"
+    assert rep["run"]["slurm"]["job"]["job_id"] == job
