@@ -60,9 +60,10 @@ def write_storm_run(
         next_t[r] = t1 + 20_000  # 20 us of Python between files
     ends = [int(next_t[r] + tail_ms * MS) for r in range(ranks)]
     for r in range(ranks):
-        rows[r].append(coll(ends[r] / MS - 1, ends[r] / MS, 0, strings[r]))  # a closing barrier
-        write_rank(run_dir, r, ranks, rows[r], strings[r], end_mono_ns=max(ends), closed_cleanly=True)
-    return {"blocked_ns": blocked, "window": (0, int(server_free)), "wall_ns": max(ends)}
+        # a closing barrier: each rank enters when its work is done, all leave together
+        rows[r].append(coll(ends[r] / MS, max(ends) / MS + 0.1, 0, strings[r]))
+        write_rank(run_dir, r, ranks, rows[r], strings[r], end_mono_ns=max(ends) + MS, closed_cleanly=True)
+    return {"blocked_ns": blocked, "window": (0, int(server_free)), "wall_ns": max(ends) + MS}
 
 
 def run_of(run_dir: Path) -> Any:
