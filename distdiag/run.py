@@ -427,24 +427,21 @@ def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
 
 
 def _global_strings(tables: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """One sorted global string table and, per rank, local id -> global id.
+    """One global string table and, per rank, a lookup array local id -> global id.
 
-    Vectorized: all local tables are concatenated and ``np.unique`` gives every
-    string its global id; the inverse, cut back into per-rank pieces, is the
-    lookup array. "" sorts first, so it keeps id 0.
+    One dict pass over the strings (not the events: a rank has thousands of
+    strings against millions of events); the lookup arrays then remap every
+    event column with a single gather. Deliberately not ``np.unique`` on a
+    fixed-width unicode copy: 10^6 paths of 200 characters would take 800 MB.
+    "" is inserted first, so it keeps id 0.
     """
-    if not tables:
-        return np.array([""], dtype=object), []
-    allstr = np.concatenate([np.array([""], dtype=object), *tables])
-    # np.unique on object arrays of str sorts with Python comparisons: fine at
-    # the scale of string tables (paths, op names, sites), not events.
-    uniq, inv = np.unique(allstr.astype(str), return_inverse=True)
+    ids: dict[str, int] = {"": 0}
     lookups = []
-    off = 1
-    for t in tables:
-        lookups.append(inv[off : off + len(t)].astype(np.int32))
-        off += len(t)
-    return uniq.astype(object), lookups
+    for t in tables:  # per rank
+        lookups.append(np.fromiter((ids.setdefault(str(x), len(ids)) for x in t), dtype=np.int32, count=len(t)))
+    table = np.empty(len(ids), dtype=object)
+    table[:] = list(ids)
+    return table, lookups
 
 
 def _map_ids(ids: np.ndarray, lookup: np.ndarray) -> tuple[np.ndarray, int]:
