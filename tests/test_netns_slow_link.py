@@ -21,6 +21,7 @@ import pytest
 
 from distdiag.links import probe_matrix
 from distdiag.run import load_run
+from distdiag.schema import Kind
 from netns import NetnsCluster, free_port_hint, have_netns
 
 pytestmark = [
@@ -87,6 +88,19 @@ def test_throttled_node_is_the_verdict_and_no_rank_is_blamed(tmp_path: Path) -> 
     fast_pairs = [bw[i, j] for i in range(4) for j in range(i + 1, 4) if SLOW not in (i, j)]
     assert max(slow_pairs) < 8.0, bw  # 50 Mbit/s = 6.25 MB/s
     assert min(fast_pairs) > 10 * max(slow_pairs), bw
+
+    # the probe itself: every rank met all three others, within its 3 s budget
+    # (also on the throttled node, where the sizes stopped growing early)
+    run = load_run(run_dir)
+    pr = run.events[run.events["kind"] == Kind.PROBE]
+    for r in range(4):
+        mine = pr[pr["rank"] == r]
+        assert {run.s(int(i)) for i in mine["name_id"]} == {"probe", "probe_bw", "probe_lat"}
+        assert set(mine["peer"][mine["peer"] >= 0].tolist()) == set(range(4)) - {r}
+        span = mine[mine["name_id"] == run.sid("probe")]
+        assert len(span) == 1 and (span["t1_ns"] - span["t0_ns"])[0] / 1e9 < 4.5
+    biggest = pr[(pr["rank"] == SLOW) & (pr["name_id"] == run.sid("probe_bw"))]["nbytes"].max()
+    assert biggest < 4 << 20  # the slow node's steps stopped growing before 4 MiB
 
 
 def test_unthrottled_network_has_no_slow_link(tmp_path: Path) -> None:
