@@ -57,3 +57,21 @@ def test_without_the_flag_nothing_is_probed(tmp_path: Path) -> None:
     run = load_run(tmp_path / "r")
     assert not (run.events["kind"] == Kind.PROBE).any()
     assert probe_matrix(run) is None
+
+
+def test_only_the_first_rank_of_each_node_probes(tmp_path: Path) -> None:
+    """4 ranks as 2 nodes of 2 (DISTDIAG_HOST per rank): ranks 0 and 2 probe
+    each other, ranks 1 and 3 go straight on to the program, nobody waits."""
+    wrap = shutil.which("distdiag-wrap") or ""
+    cmd = f'DISTDIAG_HOST=node$((PMI_RANK / 2)) exec {wrap} --dir {tmp_path / "r"} --probe-links {sys.executable} {JOB}'
+    p = subprocess.run(["mpiexec", "-n", "4", "sh", "-c", cmd], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = load_run(tmp_path / "r")
+    assert run.hosts == ["node0", "node1"]
+    pr = run.events[(run.events["kind"] == Kind.PROBE) & (run.events["name_id"] == run.sid("probe_bw"))]
+    assert sorted(set(pr["rank"].tolist())) == [0, 2]
+    assert sorted(set(pr["peer"].tolist())) == [0, 2]
+    m = probe_matrix(run)
+    assert m is not None and m.units.kind == "host"
+    assert np.isfinite(m.bw_bytes_per_s[0, 1]) and m.bw_bytes_per_s[0, 1] > 1e6
+    assert len(collectives_of(run)) == 20
