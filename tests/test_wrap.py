@@ -601,3 +601,43 @@ def test_config_file_then_env_and_the_config_attr(tmp_path: Path) -> None:
     recorded = json.loads(attrs["config"])
     assert (recorded["flush_interval_s"], recorded["chunk_rows"], recorded["hooks"]["fileio"]) == (0.25, 1024, False)
     assert "fileio" not in json.loads(attrs["hooks"])
+
+
+CONTINUOUS_PROG = """
+import distdiag
+print("go", flush=True)
+i = 0
+while True:
+    distdiag.mark("tick")
+    i += 1
+    if i % 1000 == 0:
+        distdiag.step(samples=i)
+"""
+
+
+@pytest.mark.parametrize("delay_s", [0.35, 0.8, 1.3])
+def test_sigkill_while_recording_continuously_leaves_a_gapless_prefix(tmp_path: Path, delay_s: float) -> None:
+    """Killed at an arbitrary moment (flushes every 50 ms, so usually mid-write): the file opens
+    and holds a prefix of the run without holes: STEP rows 1000, 2000, ... up to some k."""
+    prog = tmp_path / "cont.py"
+    prog.write_text(CONTINUOUS_PROG)
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], cwd=tmp_path,
+                         env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.05"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_line(p, "go")
+        time.sleep(delay_s)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=TIMEOUT_S)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=TIMEOUT_S)
+    ev, s, attrs = events_of(rank_file(run_dir))
+    steps = np.sort(ev["nbytes"][ev["kind"] == Kind.STEP])
+    assert len(steps) >= 1
+    np.testing.assert_array_equal(steps, 1000 * np.arange(1, len(steps) + 1))
+    ticks = int((ev["kind"] == Kind.MARK).sum())
+    assert ticks >= steps[-1]  # every tick before the last flushed step is there
+    assert bool(attrs["closed_cleanly"]) is False

@@ -173,3 +173,28 @@ def test_write_error_inside_hdf5_neither_crashes_nor_floods_stderr(tmp_path: Pat
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout == "failed max_pending 0\n"
     assert p.stderr.count("\n") == 1 and p.stderr.endswith("; the job runs without recording\n"), p.stderr[-2000:]
+
+
+def test_flushes_between_the_steps_of_a_chunk_rotation_write_each_row_once(tmp_path: Path) -> None:
+    """Recorder._rotate queues the full chunk, swaps in a zeroed one, then resets the count; a
+    flush may land between any two steps (found as duplicated rows in SIGKILLed ranks' files)."""
+    from distdiag.shim.recorder import ROW_SIZE
+
+    rec = Recorder(chunk_rows=4)
+    w = Writer(tmp_path / "r.h5", rec, ShimConfig(), base_attrs())
+    for i in range(4):
+        rec.add(i, i, Kind.MARK, 0, seq=i)
+    w.flush()  # 4 rows, chunk full but not yet rotated
+    tb = rec.buffers[0]
+    rec.full.append((tb.buf, tb.n))  # step 1: queued, still current
+    w.flush()
+    tb.buf = bytearray(tb.cap * ROW_SIZE)  # step 2: fresh chunk, old count still visible
+    w.flush()
+    tb.n = 0  # step 3
+    rec.add(4, 4, Kind.MARK, 0, seq=4)
+    rec.add(5, 5, Kind.MARK, 0, seq=5)
+    w.close(0)
+    with h5py.File(tmp_path / "r.h5", "r") as f:
+        ev = f["events"][:]
+    np.testing.assert_array_equal(ev["seq"], np.arange(6))
+    assert set(ev["kind"]) == {Kind.MARK}

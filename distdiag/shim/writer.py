@@ -179,6 +179,10 @@ def write_rank_file(
         _set_attrs(f, full)
 
 
+#: byte offset of ``kind`` in a row; a zero there marks a row not yet written
+_KIND_OFFSET = EVENT_DTYPE.fields["kind"][1]
+
+
 def _rows_view(buf: bytearray, start: int, stop: int) -> np.ndarray:
     """Rows ``[start, stop)`` of a chunk, viewed without a copy.
 
@@ -294,15 +298,27 @@ class Writer:
                 buf, n = rec.full.popleft()
             except IndexError:
                 break
-            entry = self._offsets.pop(id(buf), None)
+            entry = self._offsets.get(id(buf))
             start = entry[1] if entry is not None and entry[0] is buf else 0
             if n > start:
                 parts.append(_rows_view(buf, start, n))
+            # Keep the entry (pruned below once the chunk is neither queued nor
+            # current): Recorder._rotate queues the full chunk *before* it swaps
+            # in a fresh one, so the flusher can drain a chunk that is still the
+            # thread's current buffer; without this entry the loop below would
+            # write that chunk again from row 0 (seen as duplicated rows 16384
+            # apart in files of SIGKILLed ranks).
+            self._offsets[id(buf)] = (buf, max(start, n))
         for tb in list(rec.buffers):
             buf = tb.buf  # buffer first, then count: see the class docstring
             n = tb.n
             entry = self._offsets.get(id(buf))
             start = entry[1] if entry is not None and entry[0] is buf else 0
+            if n > start and buf[(n - 1) * EVENT_DTYPE.itemsize + _KIND_OFFSET] == 0:
+                # Recorder._rotate swaps in the fresh (zeroed) chunk before it
+                # resets the count, so for a moment (fresh chunk, old count)
+                # is visible. Every real row has kind >= 1: skip this round.
+                continue
             if n > start:
                 parts.append(_rows_view(buf, start, n))
                 self._offsets[id(buf)] = (buf, n)
