@@ -40,6 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--generic", action="store_true", help="use the hook's generic wrappers only")
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--sleep-s", type=float, default=0.0)
     a = ap.parse_args()
@@ -49,6 +50,9 @@ def main() -> int:
     if not a.plain:
         from distdiag.shim.hooks import mpi4py as hook
 
+        if a.generic:
+            # the fallback wrappers (*args, **kw) that serve when a signature is unexpected
+            hook._params = lambda orig: None
         hook.install(rec, None)
 
     from mpi4py import MPI
