@@ -249,6 +249,12 @@ def test_p2p_peers_and_bytes(wrapped: list[RankOut]) -> None:
         assert sr_s["peer"].tolist() == [right] and sr_s["nbytes"].tolist() == [r.rank + 5]
         assert sr_r["peer"].tolist() == [left] and sr_r["nbytes"].tolist() == [left + 5]
         assert (sr_s["t0_ns"] == sr_r["t0_ns"]).all()
+        # Sendrecv from ANY_SOURCE: the RECV row holds the actual source
+        assert r.named("Sendrecv", Kind.SEND)["peer"].tolist() == [right]
+        assert r.named("Sendrecv", Kind.RECV)["peer"].tolist() == [left]
+        assert r.named("Sendrecv", Kind.SEND)["nbytes"].tolist() == [4000]
+        assert r.named("Sendrecv_replace", Kind.SEND)["peer"].tolist() == [left]
+        assert r.named("Sendrecv_replace", Kind.RECV)["peer"].tolist() == [right]
         assert r.named("send", Kind.SEND)["nbytes"].tolist() == [100]
         # irecv of b"y" * 100, then one of a pickled int (0: we do not pickle to count)
         assert r.named("irecv", Kind.RECV_ASYNC)["nbytes"].tolist() == [100, 0]
