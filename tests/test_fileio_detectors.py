@@ -99,6 +99,14 @@ def test_fast_local_disk_is_no_storm(tmp_path: Path) -> None:
     assert [f for f in rep.findings if f.kind == "metadata_storm"] == []
 
 
+@pytest.mark.parametrize("service_ms,expect", [(2.0, False), (12.0, True)])
+def test_local_disk_needs_a_much_slower_median(tmp_path: Path, service_ms: float, expect: bool) -> None:
+    """On ext4 queueing behind 3 ranks (8 ms) is CPU contention; 48 ms per call is a real problem."""
+    write_storm_run(tmp_path / "run", service_ms=service_ms, fs="ext4:/", calls=100)
+    rep = analyze(tmp_path / "run", Config())
+    assert bool([f for f in rep.findings if f.kind == "metadata_storm"]) == expect
+
+
 def test_busy_but_fast_server_is_no_storm(tmp_path: Path) -> None:
     """Many calls, ranks often inside them, but latency does not grow: the server keeps up."""
     run_dir = tmp_path / "run"
