@@ -160,6 +160,10 @@ def test_other_constructors_and_intercomms_are_keyed_alike_on_all_members(wrappe
     inter = [{k for k in m if k.startswith("inter.") and "merge" not in k} for m in made]
     merged = [{k for k in m if k.startswith("inter.") and k.endswith(".merge0")} for m in made]
     assert all(len(i) == 1 and i == inter[0] for i in inter), inter
+    for r in wrapped:  # an intercomm's COMM_CREATE: rank in the local half, members of both halves
+        cc = r.rows(Kind.COMM_CREATE)
+        row = cc[[r.s(n) in inter[0] for n in cc["name_id"]]]
+        assert (int(row["peer"][0]), int(row["aux"][0])) == (r.rank // 2, NP)
     assert all(len(m) == 1 and m == merged[0] for m in merged), merged
     # Create_group: one key per group, the same on its members, different between groups
     groups = [{k for k in m if ".group.t7." in k} for m in made]

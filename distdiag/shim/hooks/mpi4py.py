@@ -48,7 +48,8 @@ Rows (see ``distdiag.schema``)
   a rank hung in a Wait shows which collective it waits on. ``Test*`` calls
   leave no WAIT rows (polling loops would flood the buffer), only completions.
 * ``COMM_CREATE``: ``name_id`` = new key, ``comm_id`` = parent key, ``peer`` =
-  this rank's rank in the new communicator, ``aux`` = its size. Together the
+  this rank's rank in the new communicator, ``aux`` = its size (for an
+  intercommunicator: rank in the local group, size of both groups). Together the
   members' rows map communicator ranks to world ranks (each file is one world
   rank), which the analyzer needs for roots and p2p peers on sub-communicators.
 
@@ -1007,6 +1008,8 @@ def _mk_create(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             wrapped = _adopt(new, key)
             try:
                 rank, size = wrapped.Get_rank(), wrapped.Get_size()
+                if wrapped.Is_inter():  # members = both groups; rank is within the local one
+                    size += wrapped.Get_remote_size()
             except Exception:
                 rank, size = -1, 0
             rec.add(t0, t1, COMM_CREATE, rec.intern(key), _kid(st, rec), -1, rank, 0, size, rec.site(2))
