@@ -180,7 +180,7 @@ def write_rank_file(
 
 
 #: byte offset of ``kind`` in a row; a zero there marks a row not yet written
-_KIND_OFFSET = EVENT_DTYPE.fields["kind"][1]
+_KIND_OFFSET: int = EVENT_DTYPE.fields["kind"][1]  # type: ignore[index]
 
 
 def _rows_view(buf: bytearray, start: int, stop: int) -> np.ndarray:
