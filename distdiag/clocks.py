@@ -35,7 +35,11 @@ The model, per rank (:func:`fit`):
    error: in linear mode the largest ``|resid_k| + e_k`` (the line can be no
    further from the truth at a knot, and between knots no further than at the
    worse end); in piecewise mode the largest ``e_k`` plus half the knots'
-   largest second difference (how far the clock bends away from a chord). A rank with one window has no drift estimate: its bound
+   largest second difference (how far the clock bends away from a chord).
+   Outside the knots the bound grows with the drift's own uncertainty (the
+   end knots' error bars over their distance) per ns of extrapolation; a
+   rank with one window grows by ``DRIFT_PRIOR_PPM``. ``ClockModel.bound_ns``
+   holds each rank's bound at the worse end of its record. A rank with one window has no drift estimate: its bound
    grows by ``DRIFT_PRIOR_PPM`` per second away from the knot.
 
 Ranks without samples (an old file, a rank killed before its first exchange)
@@ -78,8 +82,9 @@ log = logging.getLogger(__name__)
 
 #: The reference rank: its clock is the timeline.
 REF_RANK = 0
-#: Sync rows further apart than this (same tag) belong to different rounds.
-WINDOW_GAP_NS = 500_000_000
+#: Sync rows further apart than this (same tag) belong to different rounds (a round
+#: takes <= 0.1 s; consecutive rounds are >= 0.2 s apart).
+WINDOW_GAP_NS = 150_000_000
 #: Timer granularity and the reference's stamping jitter: added to every error bar.
 ERR_FLOOR_NS = 1_000
 #: Knots with an error bar above max(KNOT_KEEP_FACTOR * best, best + KNOT_KEEP_ABS_NS) are dropped.
@@ -135,7 +140,7 @@ class RankClock:
     slope: float = 0.0
     #: residual uncertainty of the mapping (ns); inf when unaligned
     bound_ns: float = 0.0
-    #: bound growth per ns away from the knots (single-window ranks)
+    #: bound growth per ns away from the knots (the drift's uncertainty)
     bound_growth: float = 0.0
     n_samples: int = 0
     n_windows: int = 0
@@ -180,6 +185,7 @@ class RankClock:
             "offset_ns": int(self.offset_ns(np.array([self.x0_ns]))[0]),
             "drift_ppm": round(self.drift_ppm, 3),
             "bound_us": round(self.bound_ns / 1e3, 3) if np.isfinite(self.bound_ns) else None,
+            "bound_growth_ppm": round(self.bound_growth * 1e6, 3),
             "samples": self.n_samples,
             "windows": self.n_windows,
             "best_rtt_us": round(self.best_rtt_ns / 1e3, 3) if self.best_rtt_ns >= 0 else None,
@@ -270,31 +276,44 @@ def _wls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
 def _fit_rank(rank: int, k: np.ndarray) -> RankClock:
     """The model of one rank from its knots (sorted by x)."""
     x0, y0 = int(k["x"][0]), int(k["y"][0])
-    e = k["e"]
-    best = float(e.min())
-    keep = e <= max(KNOT_KEEP_FACTOR * best, best + KNOT_KEEP_ABS_NS)
-    k, e = k[keep], e[keep]
-    x = (k["x"] - x0).astype(np.float64)
-    y = (k["y"] - y0).astype(np.float64)
+    e_all = k["e"]
+    best = float(e_all.min())
     common = dict(
         rank=rank, x0_ns=x0, y0_ns=y0, n_samples=int(k["n"].sum()), n_windows=len(k),
         best_rtt_ns=int(k["rtt"].min()),
     )  # fmt: skip
-    if len(k) == 1:
+    # The line takes every knot (the weights 1/e^2 already make poor ones count little:
+    # a poor knot far from the good ones still pins the drift better than none).
+    xa = (k["x"] - x0).astype(np.float64)
+    ya = (k["y"] - y0).astype(np.float64)
+    if len(k) >= 2:
+        a, b = _wls(xa, ya, 1.0 / e_all**2)
+        resid = ya - (a + b * xa)
+        if np.all(np.abs(resid) <= e_all + ERR_FLOOR_NS):
+            # Linear clock pair: the line averages the knots' noise. At a knot the line is
+            # off by at most |resid| + e (the knot's own error bar); between knots by no
+            # more than at the worse end. Where good knots exist, poor ones between them
+            # do not widen the bound: their weight left the line where the good ones put it.
+            # Outside the good knots' span the bound grows with the drift's uncertainty
+            # (bound_at); the line's knots mark that span (the line is the same anywhere).
+            good = e_all <= max(KNOT_KEEP_FACTOR * best, best + KNOT_KEEP_ABS_NS)
+            bound = float(np.max((np.abs(resid) + e_all)[good]))
+            lx = np.array([xa[good].min(), xa[good].max()])
+            return RankClock(method="sync", knots_x=lx, knots_y=a + b * lx, slope=b, bound_ns=bound,
+                             bound_growth=_slope_err(xa, e_all, resid), **common)  # type: ignore[arg-type]  # fmt: skip
+    keep = e_all <= max(KNOT_KEEP_FACTOR * best, best + KNOT_KEEP_ABS_NS)
+    k, e = k[keep], e_all[keep]
+    x = (k["x"] - x0).astype(np.float64)
+    y = (k["y"] - y0).astype(np.float64)
+    if len(k) == 1 and len(e_all) == 1:
         # No drift estimate: the bound grows with the distance from the one knot.
         return RankClock(method="sync-single", knots_x=x, knots_y=y, slope=0.0, bound_ns=best,
                          bound_growth=DRIFT_PRIOR_PPM * 1e-6, **common)  # type: ignore[arg-type]  # fmt: skip
-    a, b = _wls(x, y, 1.0 / e**2)
-    resid = y - (a + b * x)
-    if np.all(np.abs(resid) <= e + ERR_FLOOR_NS):
-        # Linear clock pair: the line averages the knots' noise.
-        lx = np.array([x[0], x[-1]])
-        # At a knot the line is off by at most |resid| + e (the knot's own error bar); between
-        # knots by no more than at the worse end. With two knots resid is 0 and this is the
-        # larger error bar; with many it also holds "half the best RTT plus the fit error".
-        bound = float(np.max(np.abs(resid) + e))
-        return RankClock(method="sync", knots_x=lx, knots_y=a + b * lx, slope=b,
-                         bound_ns=bound, **common)  # type: ignore[arg-type]  # fmt: skip
+    if len(k) == 1:
+        # One good knot and poor ones that disagree with it beyond their error bars:
+        # trust the good one, with the line's slope.
+        return RankClock(method="sync-single", knots_x=x, knots_y=y, slope=b, bound_ns=best,
+                         bound_growth=DRIFT_PRIOR_PPM * 1e-6, **common)  # type: ignore[arg-type]  # fmt: skip
     # Piecewise linear through the knots. Between two knots the error is at most the larger
     # of their error bars, plus how far the true curve bends away from the chord (estimated
     # as half the largest second difference of the knots).
@@ -304,7 +323,30 @@ def _fit_rank(rank: int, k: np.ndarray) -> RankClock:
         chord = y[:-2] + t * (y[2:] - y[:-2])
         bend = float(np.abs(y[1:-1] - chord).max()) / 2.0
     return RankClock(method="sync-piecewise", knots_x=x, knots_y=y, slope=b,
-                     bound_ns=float(e.max()) + bend, **common)  # type: ignore[arg-type]  # fmt: skip
+                     bound_ns=float(e.max()) + bend, bound_growth=_slope_err(x, e, np.zeros(len(x))), **common)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _slope_err(x: np.ndarray, e: np.ndarray, resid: np.ndarray) -> float:
+    """How wrong the drift can be: the end knots' error bars over their distance.
+
+    Outside the knots (a rank's start-up before its first good exchange, its
+    end after the last) the offset is extrapolated with the slope, so the bound
+    grows by this per ns of distance. Worked example: knots 1.2 s apart with
+    +-10 us each: the slope is good to 20 us / 1.2 s = 17 ppm, so 2 s before the
+    first knot the bound is 10 + 33 = 43 us."""
+    # The weighted line's slope is pinned by its best-determined knots: take the most
+    # favourable pair of knots (sum of |resid| + e over their distance) from the two
+    # halves of the span, which is what the weights make the fit follow.
+    if len(x) < 2 or x[-1] <= x[0]:
+        return DRIFT_PRIOR_PPM * 1e-6
+    err = np.abs(resid) + e
+    mid = (x[0] + x[-1]) / 2
+    lo, hi = x <= mid, x > mid
+    if not lo.any() or not hi.any():
+        return float(err[0] + err[-1]) / float(x[-1] - x[0])
+    # all pairs (left, right): a handful of knots per rank
+    pair = (err[lo][:, None] + err[hi][None, :]) / np.maximum(x[hi][None, :] - x[lo][:, None], 1.0)
+    return float(pair.min())
 
 
 def _sync_ops(run: Run) -> np.ndarray:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import select
 import time
 from pathlib import Path
 
@@ -91,7 +92,9 @@ def main() -> int:
             while time.perf_counter() < t_end:  # pure-Python compute: holds the GIL
                 x += 1
             if rank == a.slow_rank:
-                time.sleep(a.delay_s)
+                # select's timeout is relative (libfaketime only scales it by the rate);
+                # time.sleep turns it into an absolute deadline, which libfaketime overshoots
+                select.select([], [], [], a.delay_s)
                 injected_s += a.delay_s
             comm.Allreduce(buf, out, op=MPI.SUM)
             if it % 5 == 4:
