@@ -195,52 +195,64 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     got = run.cache.get("p2p_transfers")
     if got is not None:
         return got  # type: ignore[no-any-return]
-    send_k = np.array([Kind.SEND, Kind.SEND_ASYNC], np.uint8)
-    recv_k = np.array([Kind.RECV, Kind.RECV_ASYNC], np.uint8)
     ev = run.events
-    ok = (ev["peer"] >= 0) & (ev["t1_ns"] >= ev["t0_ns"])
-    s = ev[np.isin(ev["kind"], send_k) & ok]
-    r = ev[np.isin(ev["kind"], recv_k) & ok]
+    kind, peer = ev["kind"], ev["peer"]
+    ok = (peer >= 0) & (ev["t1_ns"] >= ev["t0_ns"])
+    # row indices, not row copies: selecting whole packed rows is the slow part
+    si = np.flatnonzero(((kind == Kind.SEND) | (kind == Kind.SEND_ASYNC)) & ok)
+    ri = np.flatnonzero(((kind == Kind.RECV) | (kind == Kind.RECV_ASYNC)) & ok)
     out: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
     out["xfer_s"] = np.zeros(0)
-    if len(s) and len(r):
+    if len(si) and len(ri):
+        both = np.concatenate([si, ri])
+        rank = ev["rank"][both].astype(np.int64)
+        other = peer[both].astype(np.int64)
         # one table of both sides: (comm, src, dst, t0, side); side 0 = send, 1 = receive
-        comm = np.concatenate([s["comm_id"], r["comm_id"]]).astype(np.int64)
-        src = np.concatenate([s["rank"], r["peer"]]).astype(np.int64)
-        dst = np.concatenate([s["peer"], r["rank"]]).astype(np.int64)
-        t0 = np.concatenate([s["t0_ns"], r["t0_ns"]])
-        side = np.r_[np.zeros(len(s), np.int64), np.ones(len(r), np.int64)]
+        side = np.r_[np.zeros(len(si), np.int64), np.ones(len(ri), np.int64)]
+        is_send = side == 0
+        comm = ev["comm_id"][both].astype(np.int64)
+        src = np.where(is_send, rank, other)
+        dst = np.where(is_send, other, rank)
+        t0 = ev["t0_ns"][both]
         rb = max(int(src.max()), int(dst.max()), 1).bit_length()
-        if comm.max() < (1 << max(0, 62 - 2 * rb)):
-            # (comm, src, dst) packed into one int64: a 2-key sort instead of a 4-key one
+        if comm.max() < (1 << max(0, 61 - 2 * rb)):
+            # (comm, src, dst) packed into one int64 (with the side as its last bit)
             pk = (comm << (2 * rb)) | (src << rb) | dst
-            order = np.lexsort((t0, side, pk))
+            # run.events is sorted by (rank, t0) and every (comm, src, dst, side)
+            # run belongs to one rank (src of sends, dst of receives), so a
+            # stable sort on the packed key alone leaves each run in time order
+            in_order = all(
+                bool(np.all((np.diff(rank[sl]) > 0) | (np.diff(t0[sl]) >= 0)))
+                for sl in (slice(0, len(si)), slice(len(si), None))
+            )
+            key = pk * 2 + side
+            order = np.argsort(key, kind="stable") if in_order else np.lexsort((t0, key))
         else:
             order = np.lexsort((t0, side, dst, src, comm))
             pk = np.unique(np.stack([comm, src, dst]), axis=1, return_inverse=True)[1].ravel()
-        pk, side = pk[order], side[order]
+        pk, side_o = pk[order], side[order]
         # n-th message of its (comm, src, dst, side) run = position minus the run's start
         newpair = np.r_[True, pk[1:] != pk[:-1]]
-        new = newpair | np.r_[True, side[1:] != side[:-1]]
+        new = newpair | np.r_[True, side_o[1:] != side_o[:-1]]
         run_start = np.maximum.accumulate(np.where(new, np.arange(len(new)), 0))
         nth = np.arange(len(new)) - run_start
         # pair id: the same for the send and receive runs of one (comm, src, dst)
         pair = np.cumsum(newpair) - 1
-        key = pair * (int(nth.max()) + 1) + nth
-        is_s = side == 0
-        ks, ix_s = key[is_s], order[is_s]
-        kr, ix_r = key[~is_s], order[~is_s] - len(s)
-        _, a, b = np.intersect1d(ks, kr, assume_unique=True, return_indices=True)
-        ms, mr = s[ix_s[a]], r[ix_r[b]]
-        start = np.maximum(ms["t0_ns"], mr["t0_ns"])
-        end = mr["t1_ns"]
+        mkey = pair * (int(nth.max()) + 1) + nth
+        o_s = side_o == 0
+        _, a, b = np.intersect1d(mkey[o_s], mkey[~o_s], assume_unique=True, return_indices=True)
+        ms = both[order[o_s][a]]  # event rows of the matched sends
+        mr = both[order[~o_s][b]]  # and of their receives
+        t0_all, t1_all, nb_all = ev["t0_ns"], ev["t1_ns"], ev["nbytes"]
+        start_ns = np.maximum(t0_all[ms], t0_all[mr])
+        end_ns = t1_all[mr]
         out = {
-            "src": ms["rank"].astype(np.int64),
-            "dst": mr["rank"].astype(np.int64),
-            "nbytes": np.maximum(ms["nbytes"], mr["nbytes"]).astype(np.int64),
-            "t0_ns": start.astype(np.int64),
-            "t1_ns": end.astype(np.int64),
-            "xfer_s": np.maximum(end - start, 1) / 1e9,
+            "src": ev["rank"][ms].astype(np.int64),
+            "dst": ev["rank"][mr].astype(np.int64),
+            "nbytes": np.maximum(nb_all[ms], nb_all[mr]).astype(np.int64),
+            "t0_ns": start_ns.astype(np.int64),
+            "t1_ns": end_ns.astype(np.int64),
+            "xfer_s": np.maximum(end_ns - start_ns, 1) / 1e9,
         }
     run.cache["p2p_transfers"] = out
     return out
