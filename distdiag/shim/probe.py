@@ -270,7 +270,11 @@ class MpiTransport:
         return float(r[0])
 
     def allgather_host(self, host: str) -> list[str]:
-        return [str(h) for h in self.comm.allgather(host)]
+        np = self._np
+        mine = np.frombuffer(host.encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0"), np.uint8).copy()
+        out = np.zeros((self.world_size, HOST_BYTES), np.uint8)
+        self._wait([self.comm.Iallgather(mine, out)])
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
 
     def close(self) -> None:
         self.comm.Free()
@@ -371,8 +375,13 @@ def _on_mpi(mpi: types.ModuleType) -> None:
         # A plain handle to COMM_WORLD (the mpi4py hook may have replaced
         # MPI.COMM_WORLD with a recording wrapper), then a private Dup: the
         # probe's messages live in their own context and are never recorded.
+        # Non-blocking Idup with a deadline: a rank that never imports
+        # mpi4py cannot hold the others for longer than probe_timeout_s.
         base = M.Intracomm(M.COMM_WORLD)
-        return MpiTransport(base.Dup(), M, timeout_s)
+        dup, req = base.Idup()
+        tr = MpiTransport(dup, M, timeout_s)
+        tr._wait([req])
+        return tr
 
     _run(make)
 
