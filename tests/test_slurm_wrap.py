@@ -80,10 +80,13 @@ def test_srun_finds_the_same_straggler_as_mpiexec(
     rep = _analyze(srun_runs[nodes], env=slurm.env())
     ref = _loud(mpiexec_report, "straggler")
     got = _loud(rep, "straggler")
-    assert [f["ranks"] for f in ref] == [[2]], mpiexec_report["findings"]
-    assert [f["ranks"] for f in got] == [[2]], rep["findings"]
-    assert got[0]["cost_s"] == pytest.approx(INJECTED_S, rel=0.25)
-    assert ref[0]["cost_s"] == pytest.approx(INJECTED_S, rel=0.25)
+    # The costliest straggler is the sleeping rank, under both launchers. 4 busy-polling
+    # ranks on 2 cores (plus whatever else runs) make a rank last by chance now and
+    # then: a second straggler may pass the 2% bar, but stays far below the real one.
+    for r in (ref, got):
+        assert r and r[0]["ranks"] == [2], r
+        assert r[0]["cost_s"] == pytest.approx(INJECTED_S, rel=0.25)
+        assert all(f["fraction"] < 0.05 and f["cost_s"] < r[0]["cost_s"] / 4 for f in r[1:]), r
     # Nothing else appears but what only Slurm can tell (queue, launch).
     extra = {f["kind"] for f in rep["findings"]} - {f["kind"] for f in mpiexec_report["findings"]}
     assert extra <= ACCOUNTING_KINDS, rep["findings"]
