@@ -443,14 +443,19 @@ def test_run_dir_outside_slurm_is_shared_by_the_launch(tmp_path: Path) -> None:
 
 
 @pytest.mark.mpi
-def test_mpiexec_ranks_share_one_default_run_dir(tmp_path: Path) -> None:
+@pytest.mark.parametrize("via_shell", [False, True])
+def test_mpiexec_ranks_share_one_default_run_dir(tmp_path: Path, via_shell: bool) -> None:
+    """No --dir: the ranks of one mpiexec find each other's dir (also under `bash -c`, where
+    the parent is the shell and the launch is recognised by Hydra's proxy up the tree)."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.fail("mpiexec not found: install the 'mpi' extra")
     prog = tmp_path / "hello.py"
     prog.write_text("import distdiag\ndistdiag.mark('hello')\n")
-    p = run([mpiexec, "-n", "2", *WRAP_CONSOLE, PY, str(prog)], cwd=tmp_path,
-            env=clean_env(DISTDIAG_HOOKS="mpi4py=0"))
+    cmd = [*WRAP_CONSOLE, PY, str(prog)]
+    if via_shell:
+        cmd = ["bash", "-c", " ".join(cmd)]
+    p = run([mpiexec, "-n", "2", *cmd], cwd=tmp_path, env=clean_env(DISTDIAG_HOOKS="mpi4py=0"))
     assert p.returncode == 0, p.stderr
     dirs = list(tmp_path.glob("distdiag-*"))
     assert len(dirs) == 1, dirs

@@ -68,19 +68,43 @@ def _first_int(env: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
+def _ancestor_pid(names: tuple[str, ...], start_pid: int | None = None, max_depth: int = 8) -> int | None:
+    """The nearest ancestor process whose command name is one of ``names`` (Linux /proc)."""
+    pid = os.getppid() if start_pid is None else start_pid
+    for _ in range(max_depth):
+        if pid <= 1:
+            return None
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            return None
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
+        if comm in names:
+            return pid
+        try:
+            pid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        except (IndexError, ValueError):
+            return None
+    return None
+
+
 def launch_hash(env: Mapping[str, str], launcher: str, world_size: int, ppid: int | None = None) -> str:
     """A short hash of the environment values every rank of one launch shares.
 
     - Slurm: job id + step id.
     - Hydra (MPICH): PMI_PORT / PMI_KVSNAME when set; the PyPI ``mpich`` wheel's
       Hydra uses PMI_FD and sets neither, so then the parent pid (the node's
-      ``hydra_pmi_proxy``), which only ranks on one node share.
+      ``hydra_pmi_proxy``, found up the process tree), which only ranks on
+      one node share.
     - Open MPI / PMIx: PMIX_NAMESPACE / OMPI_MCA_ess_base_jobid.
     - torchrun: TORCHELASTIC_RUN_ID + MASTER_ADDR + MASTER_PORT.
     - a single rank: the parent pid.
     """
     if ppid is None:
-        ppid = os.getppid()
+        # Hydra's per-node proxy, even when the rank runs under `bash -c ...`
+        ppid = (_ancestor_pid(("hydra_pmi_proxy",)) if launcher == "mpich" else None) or os.getppid()
     keys: list[str]
     if launcher == "torchrun":
         keys = ["TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"]
