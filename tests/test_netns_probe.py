@@ -59,3 +59,23 @@ def test_probe_over_mpi_measures_every_rank_pair_on_one_host(tmp_path: Path) -> 
         assert sorted(int(k) for k in d["bw"]) == sorted({0, 1, 2} - {d["rank"]})
         assert all(v > 1e6 for v in d["bw"].values())  # shared memory moves far more than 1 MB/s
         assert d["elapsed_s"] < 3.0
+
+
+def test_install_is_a_no_op_without_the_flag_and_uninstall_restores_exactly() -> None:
+    import types
+
+    dist = pytest.importorskip("torch.distributed")
+    from distdiag.shim import probe
+    from distdiag.shim.recorder import Recorder
+
+    orig = dist.init_process_group
+    probe.install(Recorder(), types.SimpleNamespace(probe_links=False))
+    assert dist.init_process_group is orig
+    probe.install(Recorder(), types.SimpleNamespace(probe_links=True))
+    try:
+        assert dist.init_process_group is not orig
+        assert dist.init_process_group.__wrapped__ is orig  # type: ignore[attr-defined]
+        assert dist.distributed_c10d.init_process_group is dist.init_process_group
+    finally:
+        probe.uninstall()
+    assert dist.init_process_group is orig and dist.distributed_c10d.init_process_group is orig

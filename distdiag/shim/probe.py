@@ -285,6 +285,8 @@ class MpiTransport:
 _rec: Any = None
 _cfg: Any = None
 _done = False
+#: cleared by uninstall: post-import callbacks still pending then do nothing
+_active = False
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
 #: the last probe's result in this process (tests and the wrapper's log read it)
 LAST: ProbeResult | None = None
@@ -318,11 +320,11 @@ def _run(make: Callable[[float], Transport]) -> None:
     try:
         budget_s, max_rounds, timeout_s = _settings()
         tr = make(timeout_s)
-        if tr.world_size < 2:
-            return
         try:
+            if tr.world_size < 2:
+                return
             LAST = run_probe(tr, _host(), _rec, budget_s, max_rounds)
-        finally:
+        finally:  # also after `return`: a private MPI communicator is freed
             close = getattr(tr, "close", None)
             if close is not None:
                 close()
@@ -343,6 +345,8 @@ def _probe_torch() -> None:
 
 
 def _patch_torch(mod: types.ModuleType) -> None:
+    if not _active:
+        return
     orig = getattr(mod, "init_process_group", None)
     if orig is None or getattr(orig, "_distdiag_probe", False):
         return
@@ -368,7 +372,7 @@ def _patch_torch(mod: types.ModuleType) -> None:
 
 def _on_mpi(mpi: types.ModuleType) -> None:
     M: Any = mpi
-    if _done or not M.Is_initialized() or M.Is_finalized():
+    if not _active or _done or not M.Is_initialized() or M.Is_finalized():
         return
 
     def make(timeout_s: float) -> Transport:
@@ -387,10 +391,10 @@ def _on_mpi(mpi: types.ModuleType) -> None:
 
 
 def install(rec: Any, cfg: Any) -> None:
-    global _rec, _cfg
+    global _rec, _cfg, _active
     if not getattr(cfg, "probe_links", False):
         return
-    _rec, _cfg = rec, cfg
+    _rec, _cfg, _active = rec, cfg, True
     from distdiag.shim.hooks import when_imported
 
     when_imported("torch.distributed", _patch_torch)
@@ -398,7 +402,8 @@ def install(rec: Any, cfg: Any) -> None:
 
 
 def uninstall() -> None:
-    global _rec, _cfg, _done, LAST
+    global _rec, _cfg, _done, LAST, _active
+    _active = False
     for owner, attr, orig in reversed(_patched):
         setattr(owner, attr, orig)
     _patched.clear()
