@@ -134,6 +134,17 @@ PROGRAMS = {
         def broken(:
             pass
     """,
+    "phase_raises": """
+        import distdiag
+
+        @distdiag.phase("train")
+        def train(n):
+            with distdiag.phase("inner"):
+                return 10 // n
+
+        print(train(2))
+        train(0)
+    """,
     "chained": """
         def load():
             try:

@@ -759,6 +759,12 @@ _MARKER_CODE = _run_target.__code__
 
 
 _SHIM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: distdiag.api: the phase decorator's wrapper frame exists only when recording
+_API_FILE = os.path.join(os.path.dirname(_SHIM_DIR.rstrip(os.sep)), "api.py")
+
+
+def _ours(filename: str) -> bool:
+    return filename.startswith(_SHIM_DIR) or filename == _API_FILE
 
 
 def strip_wrapper_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
@@ -778,11 +784,11 @@ def strip_wrapper_frames(tb: types.TracebackType | None) -> types.TracebackType 
     while t is not None:
         frames.append(t)
         t = t.tb_next
-    if not any(f.tb_frame.f_code.co_filename.startswith(_SHIM_DIR) for f in frames):
+    if not any(_ours(f.tb_frame.f_code.co_filename) for f in frames):
         return tb
     out: types.TracebackType | None = None
     for f in reversed(frames):  # rebuild the chain without our frames, innermost first
-        if not f.tb_frame.f_code.co_filename.startswith(_SHIM_DIR):
+        if not _ours(f.tb_frame.f_code.co_filename):
             out = types.TracebackType(out, f.tb_frame, f.tb_lasti, f.tb_lineno)
     return out
 
