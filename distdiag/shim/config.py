@@ -52,6 +52,9 @@ class ShimConfig:
     #: wrap Tensor.to/.cuda/.copy_ to time host-to-device copies: "auto" (only
     #: when an accelerator is present), "on" (always), "off"
     h2d_copies: str = "auto"
+    #: time DDP's gradient-bucket all-reduces through a comm hook (costs one
+    #: Python callback per bucket; see benchmarks/bench_torch_step.py)
+    ddp_buckets: bool = True
     #: hook short name -> enabled; absent names use the HOOKS registry default
     hooks: dict[str, bool] = dataclasses.field(default_factory=dict)
 

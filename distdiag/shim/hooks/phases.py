@@ -57,6 +57,7 @@ _CFG: Any = None
 _patched: list[tuple[Any, str, Any]] = []
 _handles: list[Any] = []
 _ids: dict[str, int] = {}
+_cls_ids: dict[type, int] = {}  # module class -> string id of its name (the FORWARD row's name)
 _opt_t0: dict[int, int] = {}  # id(optimizer) -> t0 of the step in progress
 _primary_opt: list[int] = []  # id of the optimizer whose steps mark iterations
 _installed = False
@@ -117,7 +118,11 @@ def _make_module_call(orig: Callable[..., Any]) -> Callable[..., Any]:
             rec = _REC
             if rec is not None:
                 try:
-                    rec.add(t0, now_ns(), Kind.FORWARD, _sid(type(self).__name__))
+                    cls = type(self)
+                    nid = _cls_ids.get(cls)
+                    if nid is None:
+                        nid = _cls_ids[cls] = _sid(cls.__name__)
+                    rec.add(t0, now_ns(), Kind.FORWARD, nid)
                 except Exception:
                     pass
 
@@ -318,5 +323,6 @@ def uninstall() -> None:
         except Exception:
             log.debug("distdiag: could not restore %r.%s", owner, attr, exc_info=True)
     _ids.clear()
+    _cls_ids.clear()
     _opt_t0.clear()
     _primary_opt.clear()

@@ -104,6 +104,7 @@ class _TLS(threading.local):
 
 _tls = _TLS()
 _REC: Recorder | None = None
+_CFG: Any = None
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original): undone in reverse order
 _seq: dict[int, int] = {}
 _pg_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -307,7 +308,8 @@ def _make_batch_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
             tls.batch_site = rec.site(2)
         except Exception:
             tls.batch_site = 0
-        tls.batch = rows = []
+        rows: list[tuple[Any, ...]] = []
+        tls.batch = rows
         try:
             works = orig(p2p_op_list, *args, **kwargs)
         finally:
@@ -378,21 +380,40 @@ class _DDPState:
         self.user_hooked = False
 
 
-def _default_bucket_hook(st: _DDPState, bucket: Any) -> Any:
+def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None = None) -> Any:
     """The Reducer's built-in behaviour without a hook, in Python.
 
     Without a hook the Reducer scales each gradient by 1/world while copying it
     into the bucket (``mul`` by the reciprocal; ``div`` when the gradient already
     is a view of the bucket) and then sum-all-reduces the bucket; with a hook it
     copies unscaled. Doing the same scaling here keeps the result bit-identical.
+
+    ``row`` given: the one ``then`` callback DDP needs anyway (to hand back the
+    tensor) also records the bucket's completion. A second callback per bucket
+    measurably slowed steps on an oversubscribed CPU (each is a thread handoff).
     """
     buf = bucket.buffer()
     if st.as_view:
         buf.div_(st.div)
     else:
         buf.mul_(1.0 / st.div)
-    work = st.pg.allreduce([buf])
-    return work.get_future().then(lambda fut: fut.value()[0])
+    fut = st.pg.allreduce([buf]).get_future()
+    if row is None:
+        return fut.then(_first_value)
+    return fut.then(functools.partial(_first_value_and_record, _REC, row))
+
+
+def _first_value(fut: Any) -> Any:
+    return fut.value()[0]
+
+
+def _first_value_and_record(rec: Recorder | None, row: tuple[Any, ...], fut: Any) -> Any:
+    if rec is not None:
+        try:
+            rec.add(row[0], now_ns(), *row[1:])
+        except Exception:
+            pass
+    return fut.value()[0]
 
 
 _TORCH_DIR = ""
@@ -407,7 +428,7 @@ def _user_site(rec: Recorder) -> int:
     call; straggler findings are actionable only with that line. A few frames'
     walk per bucket (not per event).
     """
-    f = sys._getframe(2)
+    f: types.FrameType | None = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
         if not (fn.startswith(_TORCH_DIR) or fn.startswith(_SHIM_DIR)):
@@ -440,17 +461,18 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
         site = 0
     seq = st.seq
     st.seq = seq + 1
+    row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, nbytes, aux, site)
+    if inner is None:
+        return _default_bucket_hook(st, bucket, row)
     tls = _tls
     was_busy = tls.busy
     tls.busy = True  # collectives the user's hook makes are the bucket's, not rows of their own
     try:
-        fut = inner(st.inner_state, bucket) if inner is not None else _default_bucket_hook(st, bucket)
+        fut = inner(st.inner_state, bucket)
     finally:
         tls.busy = was_busy
     try:
-        fut.add_done_callback(
-            functools.partial(_record_done, rec, (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, nbytes, aux, site))
-        )
+        fut.add_done_callback(functools.partial(_record_done, rec, row))
     except Exception:
         log.debug("distdiag: could not time a DDP bucket", exc_info=True)
     return fut
@@ -460,7 +482,7 @@ def _attach_ddp(ddp: Any) -> None:
     global _ddp_count
     rec = _REC
     reducer = getattr(ddp, "reducer", None)
-    if rec is None or reducer is None or _dist is None:
+    if rec is None or reducer is None or _dist is None or not getattr(_CFG, "ddp_buckets", True):
         return
     pg = ddp.process_group
     comm = _comm_id(rec, pg)
@@ -611,10 +633,10 @@ def _forget_recorder() -> None:
 
 def install(rec: Recorder, cfg: Any = None) -> None:
     """Hook torch.distributed now if imported, else the moment it is. Never imports torch."""
-    global _REC, _installed
+    global _REC, _CFG, _installed
     if _installed:
         return
-    _REC = rec
+    _REC, _CFG = rec, cfg
     _installed = True
     # A forked child (DataLoader workers) must not fill a recorder nobody flushes.
     os.register_at_fork(after_in_child=_forget_recorder)
