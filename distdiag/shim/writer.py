@@ -53,6 +53,11 @@ GPU_CHUNK_ROWS = 1024
 
 _DATASETS = ("events", "strings", "clock_sync", "inflight", "gpu")
 
+#: HDF5 file locking: used where the file system supports it, ignored where it
+#: does not (Lustre mounted without flock, some NFS), instead of failing the
+#: open with "unable to lock file" (HDF5_USE_FILE_LOCKING=FALSE still wins).
+LOCKING = "best-effort"
+
 
 def _str_dtype() -> Any:
     import h5py
@@ -166,7 +171,7 @@ def write_rank_file(
     full.update(attrs)
     if not strings or strings[0] != "":
         raise ValueError("write_rank_file: strings[0] must be '' (string id 0 is the empty string)")
-    with h5py.File(path, "w") as f:
+    with h5py.File(path, "w", locking=LOCKING) as f:
         _create_layout(f)
         _append(f["events"], events)
         _append(f["strings"], list(strings))
@@ -245,7 +250,7 @@ class Writer:
         self._gpu: list[np.ndarray] = []
         self.rows_written = 0
         self.flushes = 0
-        self._f = h5py.File(self.path, "w")
+        self._f = h5py.File(self.path, "w", locking=LOCKING)
         try:
             _create_layout(self._f)
             # Keep the dataset objects open for the file's life: a dataset
