@@ -657,3 +657,43 @@ def test_sigkill_while_recording_continuously_leaves_a_gapless_prefix(tmp_path: 
     ticks = int((ev["kind"] == Kind.MARK).sum())
     assert ticks >= steps[-1]  # every tick before the last flushed step is there
     assert bool(attrs["closed_cleanly"]) is False
+
+
+MPI_HANG_PROG = """
+import os, sys, time
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+comm.Barrier()
+if comm.Get_rank() == 1:
+    time.sleep(60)            # never joins the second barrier
+print("entering", comm.Get_rank(), os.getpid(), flush=True)
+comm.Barrier()                # rank 0 busy-polls in MPICH's C code here
+"""
+
+
+@pytest.mark.mpi
+def test_sigterm_to_a_rank_hung_in_a_collective_ends_it_with_the_call_in_flight(tmp_path: Path) -> None:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra")
+    prog = tmp_path / "hang.py"
+    prog.write_text(MPI_HANG_PROG)
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([mpiexec, "-n", "2", *WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], cwd=tmp_path,
+                         env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="30"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = _wait_line(p, "entering 0", timeout_s=60)
+        rank0_pid = int(line.split()[2])  # a process of this test's own job
+        time.sleep(0.5)
+        os.kill(rank0_pid, signal.SIGTERM)
+        p.wait(timeout=60)  # Hydra ends the job once rank 0 is gone
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)  # the job's own process group (start_new_session)
+            p.wait(timeout=TIMEOUT_S)
+    with h5py.File(rank_file(run_dir, 0), "r") as f:
+        attrs, s = dict(f.attrs), f["strings"].asstr()[:]
+        inflight = f["inflight"][:]
+    assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == -signal.SIGTERM
+    assert len(inflight) == 1 and s[inflight["name_id"][0]] == "Barrier" and inflight["t1_ns"][0] == -1
