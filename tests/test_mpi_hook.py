@@ -153,7 +153,18 @@ def test_other_constructors_and_intercomms_are_keyed_alike_on_all_members(wrappe
     intra = f"{HOOK}.Intracomm"
     made = []
     for r in wrapped:
-        assert r.meta["more_types"] == {"idup": intra, "clone": intra, "grp": intra, "inter": f"{HOOK}.Intercomm", "merged": intra}
+        assert r.meta["more_types"] == {
+            "idup": intra,
+            "clone": intra,
+            "grp": intra,
+            "inter": f"{HOOK}.Intercomm",
+            "merged": intra,
+            "distgraph": f"{HOOK}.Distgraphcomm",
+        }
+        dg = {(c, op) for (c, q), op in r.colls().items() if ".distgraph" in c}
+        assert {op for _, op in dg} == {"neighbor_allgather", "Neighbor_alltoall"} and len({c for c, _ in dg}) == 1
+        na = r.named("Neighbor_alltoall", Kind.COLL)
+        assert (int(na["nbytes"][0]), r.s(na["aux"][0])) == (8, "MPI_LONG")
         cc = r.rows(Kind.COMM_CREATE)
         made.append({r.s(n) for n in cc["name_id"]})
     # the intercomm joins both halves, so do its key and its Merge's: one key on all 4 ranks

@@ -172,8 +172,13 @@ def main() -> int:
     res["inter_remote_size"] = inter.Get_remote_size()
     merged = inter.Merge(high=rank % 2 == 1)
     res["merged_allreduce"] = merged.allreduce(rank)
-    meta["more_types"] = {"idup": tname(idup), "clone": tname(clone), "grp": tname(grp), "inter": tname(inter), "merged": tname(merged)}
-    for c in (merged, inter, half, grp, clone, idup):
+    dg = comm.Create_dist_graph_adjacent([left], [right])  # a ring: hear from the left
+    res["distgraph_neighbor"] = dg.neighbor_allgather(rank)
+    nb_out = np.empty(1, dtype=np.int64)
+    dg.Neighbor_alltoall(np.array([rank], dtype=np.int64), nb_out)
+    res["distgraph_Neighbor_alltoall"] = nb_out.tolist()
+    meta["more_types"] = {"idup": tname(idup), "clone": tname(clone), "grp": tname(grp), "inter": tname(inter), "merged": tname(merged), "distgraph": tname(dg)}
+    for c in (dg, merged, inter, half, grp, clone, idup):
         c.Free()
     for g_ in (mine, evens, wg):
         g_.Free()
