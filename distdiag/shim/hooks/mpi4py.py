@@ -7,15 +7,17 @@ communicator (``Sub(MPI.COMM_WORLD)`` is a second handle to the same
 communicator) and rebinding module attributes. So when the program imports
 ``mpi4py.MPI`` we
 
-* replace ``MPI.COMM_WORLD`` / ``MPI.COMM_SELF`` with instances of
-  ``WIntracomm``, whose collective and point-to-point methods record a row and
-  call the original C method;
+* replace ``MPI.COMM_WORLD`` / ``MPI.COMM_SELF`` with instances of a
+  subclass of ``MPI.Intracomm`` (named ``Intracomm`` too, in this module: see
+  :func:`_build_classes`), whose collective and point-to-point methods record
+  a row and call the original C method; Cartcomm, Graphcomm, Distgraphcomm and
+  Intercomm get the same treatment;
 * make every communicator constructor (``Dup``, ``Clone``, ``Split``,
   ``Split_type``, ``Create``, ``Create_group``, ``Create_cart``, ``Sub``,
   ``Create_graph``, ``Create_dist_graph*``, ``Create_intercomm``, ``Merge``,
   ``Idup``) return a wrapped communicator too, with a key that is the same on
-  every rank that shares it (see :func:`_adopt`);
-* replace ``MPI.Request`` with ``WRequest`` (a subclass whose metaclass keeps
+  every rank that shares it (see :func:`_creation_key`);
+* replace ``MPI.Request`` with a subclass (whose metaclass keeps
   ``isinstance(plain_request, MPI.Request)`` true), so the completion of a
   non-blocking call is seen in ``Wait``/``Test``/``Waitall``/``Waitany``/
   ``Testall``/``Waitsome``/... and their lower-case twins.
@@ -53,8 +55,15 @@ Rows (see ``distdiag.schema``)
   members' rows map communicator ranks to world ranks (each file is one world
   rank), which the analyzer needs for roots and p2p peers on sub-communicators.
 
-Cost: measured by ``benchmarks/bench_intercept.py``. Bookkeeping never raises
-into the program; results and exceptions of the MPI calls pass through.
+Wrappers are generated with the wrapped method's own signature (see
+:func:`_gen`), falling back to ``(*args, **kw)`` ones if a signature is not
+what we expect. Cost: ``benchmarks/bench_intercept.py``. Bookkeeping never
+raises into the program; results and exceptions of the MPI calls pass through.
+
+Not recorded: persistent (``*_init``) and partitioned requests,
+``Isendrecv*``, probes, one-sided (``Win``) and ``MPI.File`` calls, and
+communicators the program builds itself from a handle (``MPI.Intracomm(c)``,
+``mpi4py.util.pkl5.Intracomm(c)``: their own classes call mpi4py directly).
 """
 
 from __future__ import annotations
