@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -46,10 +47,11 @@ def main() -> int:
     a = ap.parse_args()
 
     rec = Recorder()
-    hook = None
+    hook: Any = None
     if not a.plain:
-        from distdiag.shim.hooks import mpi4py as hook
+        import distdiag.shim.hooks.mpi4py
 
+        hook = distdiag.shim.hooks.mpi4py
         if a.generic:
             # the fallback wrappers (*args, **kw) that serve when a signature is unexpected
             hook._params = lambda orig: None
@@ -167,7 +169,7 @@ def main() -> int:
     mine = wg.Incl([r for r in range(size) if r % 2 == rank % 2])
     grp = comm.Create_group(mine, tag=7)  # collective over the group only
     res["group_allreduce"] = grp.allreduce(rank)
-    half = comm.Split(rank % 2, rank)
+    half: Any = comm.Split(rank % 2, rank)
     inter = half.Create_intercomm(0, comm, 1 - rank % 2, tag=11)
     res["inter_remote_size"] = inter.Get_remote_size()
     merged = inter.Merge(high=rank % 2 == 1)
