@@ -158,6 +158,8 @@ def launch_overhead(repeat: int) -> None:
     if repeat <= 0:
         return
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
+    repo = str(Path(__file__).resolve().parent.parent)  # measure this checkout
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "empty.py"
         script.write_text("")

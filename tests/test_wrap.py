@@ -41,9 +41,15 @@ _LAUNCH_VARS = (
 )
 
 
+#: the checkout these tests belong to: subprocesses import distdiag from here, not from
+#: whatever tree an editable install in the shared environment points at
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("DISTDIAG_")}
     env["PYTHONHASHSEED"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra)
     return env
 

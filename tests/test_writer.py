@@ -167,7 +167,9 @@ def test_write_error_inside_hdf5_neither_crashes_nor_floods_stderr(tmp_path: Pat
         """
     )
     try:
-        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        repo = str(Path(__file__).resolve().parent.parent)  # this checkout, not the installed tree
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -628,6 +628,15 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
         run_dir=run_dir,
     )
     shim.shim_row("shim_start", t_start_ns)
+    # Import the hook modules and the clock before any hook is live, so the
+    # file-system hook does not record the shim's own imports as the job's I/O.
+    import importlib
+
+    for modname in [*hooks.HOOKS, "distdiag.shim.clock"]:
+        try:
+            importlib.import_module(modname)
+        except Exception:
+            log.debug("distdiag: %s not importable", modname, exc_info=True)
     try:
         installed = hooks.install_all(rec, cfg, cfg.hooks)
         writer.set_attr("hooks", json.dumps(installed))
