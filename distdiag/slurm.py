@@ -348,8 +348,21 @@ class SlurmView:
         out: dict[str, Any] = {"available": self.acct is not None, "why": self.why}
         if self.acct is not None:
             out.update(origin=self.origin, job=self.acct.to_json(), turnaround_s=self.turnaround_s,
-                       timeline=self.timeline)  # fmt: skip
+                       timeline=self.timeline, per_rank=self.per_rank())  # fmt: skip
         return out
+
+    def per_rank(self) -> list[dict[str, Any]]:
+        """Each rank's shim start, first useful work and last event, in seconds since submission."""
+        t0 = self.acct.submit_s if self.acct is not None else None
+        if t0 is None:
+            return []
+
+        def rel(d: dict[int, float], r: int) -> float | None:
+            return round(d[r] - t0, 3) if r in d else None
+
+        ranks = sorted(set(self.rank_start_s) | set(self.rank_first_work_s) | set(self.rank_last_event_s))
+        return [{"rank": r, "shim_start_s": rel(self.rank_start_s, r), "first_work_s": rel(self.rank_first_work_s, r),
+                 "last_event_s": rel(self.rank_last_event_s, r)} for r in ranks]  # fmt: skip
 
 
 def slurm_job_id(run: Any) -> str | None:
