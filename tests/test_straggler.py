@@ -146,3 +146,25 @@ def test_one_slow_rank_stays_a_rank_finding_on_a_multi_rank_node(tmp_path: Path)
     make_run(tmp_path / "r", iters=100, slow_rank=3, slow_ms=2.0, hosts=["a", "a", "b", "b"])
     fs, _ = _stragglers(tmp_path / "r")
     assert [(f.ranks, f.evidence.get("level")) for f in fs] == [([3], None)]
+
+
+@pytest.mark.parametrize(
+    "op, root, charged",
+    [("Bcast", 0, False),  # a late receiver of a broadcast delays nobody
+     ("Bcast", 3, True),  # a late root does: everyone waits for its data
+     ("Reduce", 3, False),  # a late root of a reduce delays nobody
+     ("Reduce", 0, True),  # a late contributor does: the root waits
+     ("Allreduce", -1, True)],
+)  # fmt: skip
+def test_rooted_collectives_charge_only_lateness_someone_waited_for(
+    tmp_path: Path, op: str, root: int, charged: bool
+) -> None:
+    # Rank 3 arrives 2 ms late at every one of 50 collectives.
+    d = tmp_path / "r"
+    for r in range(4):
+        s = [""]
+        rows = [coll(1 + i * 5 + (2.0 if r == 3 else 0.01 * r), 1 + i * 5 + 2.5, i, s, op=op, root=root)
+                for i in range(50)]  # fmt: skip
+        write_rank(d, r, 4, rows, s)
+    fs, _ = _stragglers(d)
+    assert [f.ranks for f in fs] == ([[3]] if charged else [])

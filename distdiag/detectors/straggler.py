@@ -24,6 +24,10 @@ reported only when its sum also stands out from its peers: more than
 stands out by far (its peers are rarely last: their median is near 0), also
 when two ranks straggle at once.
 
+Rooted collectives that do not synchronize everyone are charged only when
+someone really waited: a late non-root of a broadcast/scatter, or a late root
+of a reduce/gather, delays nobody (ONE_TO_MANY / MANY_TO_ONE).
+
 A whole slow node is a straggler too, found at host level (see
 :func:`_fold_hosts`).
 
@@ -57,7 +61,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if wall_s <= 0:
         return []
 
-    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
+    complete = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
+    ok = complete & ~_nobody_waits(run, colls)
     g_idx = np.flatnonzero(ok)
     if len(g_idx) == 0:
         return []
@@ -67,7 +72,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     cost_ns = np.bincount(last, weights=wait_ns, minlength=n)
     n_last = np.bincount(last, minlength=n)
     # Complete groups each rank took part in: the denominator of "last at x%".
-    member_ok = ok[colls.m_group]
+    member_ok = complete[colls.m_group]
     n_member = np.bincount(colls.m_rank[member_ok].astype(np.int64), minlength=n)
 
     # The last arriver's own member row of each group: its op and call site.
@@ -127,6 +132,29 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             )
         )
     return _fold_hosts(run, colls, ok, findings, min_fraction, peer_ratio, wall_s, top_sites)
+
+
+#: Rooted collectives that do not synchronize everyone. One-to-many (the
+#: root sends): the others wait for the root only, a late non-root delays
+#: nobody. Many-to-one (the root collects): only the root waits, for the
+#: others; a late root delays nobody.
+ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Iscatter", "Iscatterv", "scatter",
+                         "broadcast"})  # fmt: skip
+MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
+
+
+def _nobody_waits(run: Any, colls: Any) -> np.ndarray:
+    """Per group: True where the last arriver made nobody wait (see ONE_TO_MANY / MANY_TO_ONE)."""
+    root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)  # every member names the root (else ROOT_MISMATCH)
+    rooted = root >= 0
+
+    def ids(names: frozenset[str]) -> np.ndarray:
+        return np.array([i for i in (run.sid(n) for n in names) if i >= 0], np.int64)
+
+    last_is_root = colls.g_last_rank.astype(np.int64) == root
+    one_to_many = rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))
+    many_to_one = rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))
+    return np.asarray((one_to_many & ~last_is_root) | (many_to_one & last_is_root))
 
 
 def _fold_hosts(
