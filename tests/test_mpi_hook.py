@@ -271,8 +271,8 @@ def test_p2p_peers_and_bytes(wrapped: list[RankOut]) -> None:
         assert r.named("Sendrecv_replace", Kind.SEND)["peer"].tolist() == [left]
         assert r.named("Sendrecv_replace", Kind.RECV)["peer"].tolist() == [right]
         assert r.named("send", Kind.SEND)["nbytes"].tolist() == [100]
-        # irecv of b"y" * 100, then one of a pickled int (0: we do not pickle to count)
-        assert r.named("irecv", Kind.RECV_ASYNC)["nbytes"].tolist() == [100, 0]
+        # irecv of b"y" * 100 (wait), then of b"w" * (left + 1) (waitall): sizes from the objects
+        assert r.named("irecv", Kind.RECV_ASYNC)["nbytes"].tolist() == [100, left + 1]
         # p2p rows are not collectives
         assert (r.rows(Kind.SEND, Kind.RECV, Kind.SEND_ASYNC, Kind.RECV_ASYNC)["seq"] == -1).all()
 

@@ -203,8 +203,8 @@ def main() -> int:
     rs = [comm.Ibarrier() for _ in range(2)]
     while not MPI.Request.Testall(rs):
         pass
-    ro = [comm.isend(rank, dest=(rank + 1) % size, tag=20), comm.irecv(source=(rank - 1) % size, tag=20)]
-    res["waitall_obj"] = MPI.Request.waitall(ro)
+    ro = [comm.isend(b"w" * (rank + 1), dest=(rank + 1) % size, tag=20), comm.irecv(source=(rank - 1) % size, tag=20)]
+    res["waitall_obj"] = [None if o is None else len(o) for o in MPI.Request.waitall(ro)]
     meta["completion_ok"] = True
 
     # an MPI error passes through unchanged (mpi4py sets ERRORS_RETURN): same

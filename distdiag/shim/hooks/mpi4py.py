@@ -1070,12 +1070,25 @@ def _complete(req: Any, t1: int, status: Any = None, result: Any = _MISSING) -> 
     _rec.add(info[8], t1, info[0], info[1], info[2], info[3], peer, nb, info[6], info[7])
 
 
-def _scan(requests: Any, t1: int) -> None:
-    """After a multi-request completion call: finish every tracked request now null."""
-    for r in requests:  # one per request the program handed us: the events themselves
+def _scan(requests: Any, t1: int, results: Any = None) -> None:
+    """After a multi-request completion call: finish every tracked request now null.
+
+    ``results``: the received objects in request order (lower-case ``waitall``
+    / ``testall``), so a pickled receive gets its size.
+    """
+    for i, r in enumerate(requests):  # one per request the program handed us: the events themselves
         info = getattr(r, "_dd", None)
         if info is not None and not r:
-            _complete(r, t1)
+            _complete(r, t1, None, results[i] if results is not None and i < len(results) else _MISSING)
+
+
+def _objs_of(name: str, out: Any) -> Any:
+    """The list of received objects a lower-case multi-completion call returned, if any."""
+    if name == "waitall":
+        return out
+    if name == "testall" and out[0]:
+        return out[1]
+    return None
 
 
 def _wait_cm(rec: Any, name: str, requests: Any) -> int:
@@ -1154,14 +1167,16 @@ def _build_request_class(MPI: Any) -> type:
                     _wait_cm(rec, name, requests)
                 except Exception:
                     _oops(name)
+            out: Any = None
             try:
-                return orig(requests, *args, **kw)
+                out = orig(requests, *args, **kw)
+                return out
             finally:
                 try:
                     t1 = now_ns()
                     if blocking:
                         rec.leave(t1)
-                    _scan(requests, t1)
+                    _scan(requests, t1, _objs_of(name, out) if out is not None else None)
                 except Exception:
                     _oops(name)
 
