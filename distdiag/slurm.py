@@ -485,7 +485,9 @@ def _compute_view(run: Any, backend: str, live: bool | None) -> SlurmView:
         acct, origin, why = stored, "stored", f"Slurm job {job}: accounting from {ACCOUNTING_FILE} (read by {stored.backend})"
     elif live:
         try:
-            acct = read_accounting(str(job), near_wall_s=near, backend=backend)
+            # Poll past slurmdbd's placeholder row only for a job that just ended.
+            recent = bool(last) and time.time() - max(last.values()) < 60
+            acct = read_accounting(str(job), near_wall_s=near, backend=backend, wait_s=8.0 if recent else 0.0)
             origin = "live"
             saved = store(run_dir, acct)
             why = f"Slurm job {job}: accounting read with {acct.backend}" + (
