@@ -1,0 +1,359 @@
+"""serial_section: one rank works on a code path the others do not run, and they wait for it (Amdahl).
+
+The pattern: rank 0 preprocesses, logs, evaluates or checkpoints while every
+other rank has already entered the next collective (a ``bcast``, a
+``Barrier``) and waits there. A straggler looks the same at that collective:
+it arrives last. What tells them apart is what happened *before* it:
+
+* **the others had nothing to do**: between their previous collective and this
+  one the waiting ranks' own work (their *gap*: arrival minus the exit of their
+  previous collective) is near zero next to the late rank's. Precisely: the
+  median gap of the other members is at most ``idle_ratio`` (0.1) times the
+  late rank's gap. A straggler is slower at the work every rank does, so the
+  others' gaps are comparable to its own (ratio ~0.5-1);
+* **and** something says it is a different code path, not a slow rank:
+  - *intermittent*: at that call site the rank is late-while-the-others-idle at
+    no more than ``max_share`` (0.5) of its calls (``if step % 100 == 0 and
+    rank == 0: evaluate()``); a rank on a slow node is late at (nearly) all;
+  - *the call site differs*: the late rank reached the collective from another
+    line than the rank that arrived before it (``if rank == 0: ...; bcast``
+    written in two branches);
+  - *recorded activity*: the late rank's gap holds recorded calls (file I/O,
+    phases, point-to-point) covering at least ``activity_share`` (0.1) of it,
+    the others' gaps are (near) empty by the first condition.
+  A rank that sleeps before every all-reduce with nothing recorded is, by this
+  rule, a straggler (a loaded node looks exactly like that).
+
+Cost. Per serial collective the same charge the straggler detector makes:
+``last arrival - second-to-last arrival``, what the collective (and the job)
+would gain were the serial work gone or overlapped. Worked example: ranks 1-3
+enter a bcast at 10.00, 10.01, 10.02 s, rank 0 at 10.31 s after 300 ms of
+logging: 0.29 s. The ranking (:mod:`distdiag.ranking`) then takes these
+seconds away from the straggler finding of the same rank, so they count once.
+
+Amdahl: ``s`` = the serial seconds over the run's wall-clock. Adding ranks can
+at best shrink the rest of the run to nothing, so more ranks make this job at
+most ``1/s`` times faster (5% serial caps you at 20x).
+
+Settings (``[analyze.serial_section]``, documented in configs/default.toml):
+``idle_ratio`` (0.1), ``max_share`` (0.5), ``activity_share`` (0.1),
+``min_window_ms`` (1.0), ``min_fraction`` ([analyze], 0.02), ``top`` (5).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from distdiag.detectors import register
+from distdiag.findings import Finding
+from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.schema import Kind
+
+log = logging.getLogger(__name__)
+
+#: run.cache key: rank -> (t0_ns, t1_ns) arrays of the charged windows
+#: ``[second-to-last arrival, last arrival]`` of the serial collectives (for distdiag.ranking).
+CACHE_KEY = "serial_section.windows"
+
+#: Rooted collectives that do not synchronize everyone (the straggler
+#: detector's rule, see distdiag/detectors/straggler.py). One-to-many: the
+#: others wait for the root only; many-to-one: a late root delays nobody.
+ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Iscatter", "Iscatterv", "scatter",
+                         "broadcast"})  # fmt: skip
+MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
+
+#: Recorded calls that count as "the late rank did something" in its gap.
+_ACTIVITY_KINDS = np.array(
+    [Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR, Kind.FILE_READ, Kind.FILE_WRITE,
+     Kind.PHASE, Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER,
+     Kind.SEND, Kind.RECV, Kind.WAIT],
+    np.uint8,
+)  # fmt: skip
+
+ADVICE = (
+    "Take the work off the critical path or share it: run it on every rank (each on 1/N), overlap it with the "
+    "next steps (a background thread or process, async checkpoint/eval), or do it less often."
+)
+
+
+def holds_others(run: Any, colls: Collectives) -> np.ndarray:
+    """Per group: True where the last arriver really made the others wait.
+
+    False for one-to-many collectives whose last arriver is not the root and
+    many-to-one collectives whose last arriver is the root.
+    """
+    if len(colls) == 0:
+        return np.zeros(0, bool)
+    root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)
+    rooted = root >= 0
+
+    def ids(names: frozenset[str]) -> np.ndarray:
+        return np.array([i for i in (run.sid(n) for n in names) if i >= 0], np.int64)
+
+    last_is_root = colls.g_last_rank.astype(np.int64) == root
+    one_to_many = rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))
+    many_to_one = rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))
+    return np.asarray(~((one_to_many & ~last_is_root) | (many_to_one & last_is_root)))
+
+
+def member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
+    """Per member row: its own time since its previous blocking collective (or its start), in ns.
+
+    The rank's blocking collectives run one after another on its thread, so
+    sorting its rows by arrival, the gap of a row is its arrival minus the
+    latest exit among the rows before it (the running maximum, so an
+    exit-less in-flight row never makes a gap negative).
+    """
+    n = len(colls.m_rank)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    rank = colls.m_rank.astype(np.int64)
+    t0 = colls.m_t0_ns.astype(np.int64)
+    t1 = np.where(colls.m_t1_ns >= 0, colls.m_t1_ns, colls.m_t0_ns).astype(np.int64)
+    blocking = colls.m_kind == Kind.COLL
+    order = np.lexsort((t0, rank))
+    r_s, t0_s, t1_s, b_s = rank[order], t0[order], t1[order], blocking[order]
+    start, _ = run.rank_bounds()
+    # exits of blocking rows only; non-blocking posts do not end the rank's work
+    ex = np.where(b_s, t1_s, np.iinfo(np.int64).min)
+    # running max of exits within each rank: shift ranks into disjoint bands
+    lo = int(min(t0.min(), t1.min(), start[rank].min()))
+    span = int(max(t0.max(), t1.max())) - lo + 2
+    band = r_s * span
+    ex_b = np.where(ex > np.iinfo(np.int64).min, ex - lo + band, band)
+    run_max = np.maximum.accumulate(ex_b)
+    prev = np.empty(n, np.int64)
+    prev[1:] = run_max[:-1]
+    first = np.r_[True, r_s[1:] != r_s[:-1]]
+    prev_exit = prev - band + lo
+    rstart = start[np.minimum(r_s, len(start) - 1)]
+    prev_exit = np.where(first | (prev <= band), rstart, np.maximum(prev_exit, rstart))
+    gap_s = np.maximum(0, t0_s - prev_exit)
+    gap = np.empty(n, np.int64)
+    gap[order] = gap_s
+    return gap
+
+
+def _others_median(colls: Collectives, gap: np.ndarray) -> np.ndarray:
+    """Per group: the median gap of the members other than the last arriver."""
+    n_g = len(colls)
+    last_row = colls.g_start[1:] - 1
+    keep = np.ones(len(gap), bool)
+    keep[last_row] = False
+    g = colls.m_group[keep]
+    v = gap[keep]
+    out = np.zeros(n_g, np.float64)
+    if len(g) == 0:
+        return out
+    order = np.lexsort((v, g))
+    g, v = g[order], v[order]
+    cnt = np.bincount(g, minlength=n_g)
+    first = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    has = cnt > 0
+    lo = first + (cnt - 1) // 2
+    hi = first + cnt // 2
+    out[has] = (v[lo[has]] + v[hi[has]]) / 2.0
+    return out
+
+
+def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray) -> np.ndarray:
+    """Per window [a, b] of rank ``rank``: ns of recorded activity calls starting inside it (capped at b - a)."""
+    out = np.zeros(len(rank), np.float64)
+    if len(rank) == 0:
+        return out
+    ev = run.events
+    sel = np.isin(ev["kind"], _ACTIVITY_KINDS)
+    er = ev["rank"][sel].astype(np.int64)
+    et0 = ev["t0_ns"][sel].astype(np.int64)
+    dur = np.maximum(0, ev["t1_ns"][sel].astype(np.int64) - et0).astype(np.float64)
+    if len(er) == 0:
+        return out
+    # events are sorted by (rank, t0): one composite key for both searches
+    lo_t = int(min(et0.min(), a_ns.min()))
+    span = int(max(et0.max(), b_ns.max())) - lo_t + 1
+    key = er * span + (et0 - lo_t)
+    csum = np.concatenate([[0.0], np.cumsum(dur)])
+    i0 = np.searchsorted(key, rank * span + (a_ns - lo_t), side="left")
+    i1 = np.searchsorted(key, rank * span + (b_ns - lo_t), side="right")
+    return np.minimum(csum[i1] - csum[i0], (b_ns - a_ns).astype(np.float64))
+
+
+@register("serial_section")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    colls = collectives_of(run)
+    wall_s = run.wall_s
+    if len(colls) == 0 or wall_s <= 0:
+        return []
+    idle_ratio = float(cfg.value("serial_section", "idle_ratio", 0.1))
+    max_share = float(cfg.value("serial_section", "max_share", 0.5))
+    activity_share = float(cfg.value("serial_section", "activity_share", 0.1))
+    min_window_ns = float(cfg.value("serial_section", "min_window_ms", 1.0)) * 1e6
+    min_fraction = float(cfg.value("serial_section", "min_fraction", 0.02))
+    top = int(cfg.value("serial_section", "top", 5))
+
+    complete = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
+    last_row = colls.g_start[1:] - 1
+    ok = complete & holds_others(run, colls) & (colls.m_kind[last_row] == Kind.COLL)
+    if not ok.any():
+        return []
+    gap = member_gaps_ns(run, colls)
+    charge = (colls.g_last_ns - colls.g_second_ns).astype(np.float64)
+    gap_last = gap[last_row].astype(np.float64)
+    others = _others_median(colls, gap)
+    idle = ok & (charge >= min_window_ns) & (others <= idle_ratio * gap_last)
+    if not idle.any():
+        return []
+
+    # intermittent: per (rank, call site), late-while-idle at no more than max_share of its calls
+    n_rank = int(max(run.world_size, int(colls.m_rank.max()) + 1))
+    site = colls.m_site.astype(np.int64)
+    n_site = int(site.max()) + 1
+    mem_ok = complete[colls.m_group]
+    rs_key = colls.m_rank.astype(np.int64) * n_site + site
+    calls = np.bincount(rs_key[mem_ok], minlength=n_rank * n_site)
+    g_key = rs_key[last_row]
+    late = np.bincount(g_key[idle], minlength=n_rank * n_site)
+    intermittent = late[g_key] <= max_share * calls[g_key]
+    # the rank before it (a waiting one) came from another line
+    site_differs = (colls.m_site[last_row] != colls.m_site[np.maximum(last_row - 1, colls.g_start[:-1])]) & (
+        colls.m_site[last_row] > 0
+    )
+    cand = np.flatnonzero(idle)
+    c_rank = colls.g_last_rank[cand].astype(np.int64)
+    c_b = colls.g_last_ns[cand].astype(np.int64)
+    c_a = c_b - gap[last_row[cand]]
+    act = _activity_ns(run, c_rank, c_a, c_b)
+    active = act >= activity_share * gap_last[cand]
+    serial = cand[intermittent[cand] | site_differs[cand] | active]
+    if len(serial) == 0:
+        return []
+    why = {
+        "intermittent": int(np.count_nonzero(intermittent[serial])),
+        "call_site_differs": int(np.count_nonzero(site_differs[serial])),
+        "recorded_activity": int(np.count_nonzero(active[np.isin(cand, serial)])),
+    }
+
+    s_rank = colls.g_last_rank[serial].astype(np.int64)
+    s_cost = charge[serial]
+    per_rank_ns = np.bincount(s_rank, weights=s_cost, minlength=n_rank)
+    windows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    findings = []
+    t_run0 = run.start_ns
+    for r_ in np.flatnonzero(per_rank_ns >= min_fraction * wall_s * 1e9):  # ranks over threshold: few
+        r = int(r_)
+        mine = serial[s_rank == r]
+        windows[r] = (colls.g_second_ns[mine].astype(np.int64), colls.g_last_ns[mine].astype(np.int64))
+        cost_s = float(per_rank_ns[r]) / 1e9
+        s = cost_s / wall_s
+        lr = last_row[mine]
+        coll_sites = _top(colls.m_site[lr], charge[mine], run, top)
+        ops = _top(colls.g_op[mine], charge[mine], run, top)
+        # the rank's previous collective: where the serial stretch starts
+        prev_site = _prev_sites(run, colls, r, colls.m_t0_ns[lr] - gap[lr], top)
+        did = _what_it_did(run, r, colls.m_t0_ns[lr] - gap[lr], colls.m_t0_ns[lr], top)
+        top_site = next(iter(coll_sites), "?")
+        top_op = next(iter(ops), "collective")
+        # share of the rank's calls at that site that were serial
+        site_id = run.sid(top_site) if top_site != "?" else 0
+        n_calls = int(calls[r * n_site + site_id]) if 0 <= site_id < n_site else 0
+        n_here = int(np.count_nonzero(colls.m_site[lr] == site_id))
+        every = f"{n_here} of {n_calls}" if n_calls else str(len(mine))
+        cap = 1.0 / s if s > 0 else float("inf")
+        summary = (
+            f"rank {r} works alone while the others wait in {top_op} ({every} calls at {_short(top_site)}): "
+            f"{_secs(cost_s)} serial = {s:.0%} of the run, which caps any speed-up from more ranks at {cap:.3g}x"
+        )
+        host = run.host_of(r)
+        wins = [
+            {"t0_s": round((int(a) - t_run0) / 1e9, 4), "dur_s": round((int(b) - int(a)) / 1e9, 4),
+             "op": run.s(int(colls.g_op[g])), "seq": int(colls.g_seq[g])}
+            for g, a, b in zip(mine[:10], windows[r][0][:10], windows[r][1][:10])
+        ]  # fmt: skip
+        findings.append(
+            Finding(
+                kind="serial_section",
+                cost_s=cost_s,
+                summary=summary,
+                ranks=[r],
+                hosts=[host] if host else [],
+                evidence={
+                    "serial_fraction": round(s, 4),
+                    "amdahl_speedup_cap": round(cap, 3) if np.isfinite(cap) else None,
+                    "windows": int(len(mine)),
+                    "median_window_ms": round(float(np.median(charge[mine])) / 1e6, 3),
+                    "collective_sites": coll_sites,
+                    "previous_collective_sites": prev_site,
+                    "in_between": did,
+                    "others_median_gap_ms": round(float(np.median(others[mine])) / 1e6, 3),
+                    "why_serial": why,
+                    "first_windows": wins,
+                },
+                advice=ADVICE,
+            )
+        )
+    run.cache[CACHE_KEY] = windows
+    return findings
+
+
+def _top(ids: np.ndarray, w: np.ndarray, run: Any, limit: int) -> dict[str, dict[str, float]]:
+    """string id -> {count, s}, heaviest first."""
+    if len(ids) == 0:
+        return {}
+    u, inv = np.unique(ids, return_inverse=True)
+    tot = np.bincount(inv, weights=w)
+    cnt = np.bincount(inv)
+    order = np.argsort(-tot)[:limit]
+    return {run.s(int(u[i])) or "?": {"count": int(cnt[i]), "s": round(float(tot[i]) / 1e9, 4)} for i in order}
+
+
+def _prev_sites(run: Any, colls: Collectives, rank: int, t_ns: np.ndarray, limit: int) -> dict[str, int]:
+    """Call sites of the rank's collectives that ended at the starts ``t_ns`` of its serial stretches."""
+    mine = (colls.m_rank == rank) & (colls.m_t1_ns >= 0)
+    if not mine.any():
+        return {}
+    t1 = colls.m_t1_ns[mine]
+    sites = colls.m_site[mine]
+    o = np.argsort(t1)
+    t1, sites = t1[o], sites[o]
+    k = np.searchsorted(t1, t_ns, side="right") - 1
+    hit = (k >= 0) & (t1[np.maximum(k, 0)] == t_ns)
+    u, c = np.unique(sites[k[hit]], return_counts=True)
+    order = np.argsort(-c)[:limit]
+    return {run.s(int(u[i])) or "?": int(c[i]) for i in order}
+
+
+def _what_it_did(run: Any, rank: int, a_ns: np.ndarray, b_ns: np.ndarray, limit: int) -> list[dict[str, Any]]:
+    """The rank's recorded calls inside its serial stretches, grouped by (kind, name, site), longest first."""
+    ev = run.events
+    sel = (ev["rank"] == rank) & np.isin(ev["kind"], _ACTIVITY_KINDS)
+    e = ev[sel]
+    if len(e) == 0 or len(a_ns) == 0:
+        return []
+    o = np.argsort(a_ns)
+    a, b = a_ns[o], b_ns[o]
+    k = np.searchsorted(a, e["t0_ns"], side="right") - 1
+    inside = (k >= 0) & (e["t0_ns"] <= b[np.maximum(k, 0)])
+    e = e[inside]
+    if len(e) == 0:
+        return []
+    key = np.stack([e["kind"].astype(np.int64), e["name_id"].astype(np.int64), e["site_id"].astype(np.int64)], 1)
+    u, inv, cnt = np.unique(key, axis=0, return_inverse=True, return_counts=True)
+    inv = inv.reshape(-1)
+    dur = np.bincount(inv, weights=np.maximum(0, e["t1_ns"] - e["t0_ns"]).astype(np.float64))
+    out = []
+    for i in np.argsort(-dur)[:limit]:  # a handful
+        out.append({"call": f"{Kind(int(u[i, 0])).name.lower()} {run.s(int(u[i, 1]))}".strip(),
+                    "site": run.s(int(u[i, 2])) or "?", "count": int(cnt[i]), "s": round(float(dur[i]) / 1e9, 4)})  # fmt: skip
+    return out
+
+
+def _short(site: str) -> str:
+    """/long/path/to/train.py:42 -> train.py:42 (the evidence keeps the full path)."""
+    return site.rsplit("/", 1)[-1]
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"

@@ -1,0 +1,65 @@
+"""A small mpi4py "training loop" with injectable causes, run under distdiag-wrap by tests/test_serial_section.py.
+
+Every iteration: every rank computes ``--work-s`` (a sleep standing in for
+compute: on 2 shared cores a busy loop would measure the machine, not the
+job), ``Allreduce`` of a gradient, then a ``bcast`` of the "config" from rank 0.
+
+* ``--serial-rank R --serial-s S --every K``: before every K-th bcast rank R
+  alone does S seconds of extra work (evaluation / logging: a sleep and a line
+  appended to a log file) while the others wait in the bcast: a serial section.
+* ``--slow-rank Q --slow-s D``: rank Q computes D seconds longer in every
+  iteration (a rank on a loaded node): a straggler at the Allreduce.
+
+It knows nothing about distdiag. Rank 0 prints the injected seconds, so the
+test compares the analyzer's numbers with the truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=25)
+    p.add_argument("--work-s", type=float, default=0.02)
+    p.add_argument("--serial-rank", type=int, default=-1)
+    p.add_argument("--serial-s", type=float, default=0.3)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-s", type=float, default=0.0)
+    p.add_argument("--log", default=os.devnull)
+    a = p.parse_args()
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    grad = np.ones(4096)
+    out = np.empty_like(grad)
+    serial_s = slow_s = 0.0
+    cfg = {"lr": 0.1}
+    comm.Barrier()
+    for it in range(a.iters):
+        time.sleep(a.work_s)
+        if rank == a.slow_rank:
+            time.sleep(a.slow_s)
+            slow_s += a.slow_s
+        comm.Allreduce(grad, out, op=MPI.SUM)
+        if rank == a.serial_rank and it % a.every == a.every - 1:
+            time.sleep(a.serial_s)  # evaluation / logging that only this rank runs
+            with open(a.log, "a") as f:
+                f.write(f"iter {it} loss {float(out[0]):.3f}\n")
+            serial_s += a.serial_s
+        cfg = comm.bcast(cfg, root=0)
+    tot = comm.allreduce(np.array([serial_s, slow_s]), op=MPI.SUM)
+    if rank == 0:
+        print(f"serial_job: injected serial {tot[0]:.3f} s slow {tot[1]:.3f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
