@@ -74,6 +74,7 @@ def main() -> int:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--delay-s", type=float, default=0.03)
     p.add_argument("--work-s", type=float, default=0.01)
+    p.add_argument("--poll", action="store_true", help="Iallreduce + sleep/Test instead of a blocking Allreduce")
     a = p.parse_args()
     truth = Truth()
     truth.sample()
@@ -96,7 +97,14 @@ def main() -> int:
                 # time.sleep turns it into an absolute deadline, which libfaketime overshoots
                 select.select([], [], [], a.delay_s)
                 injected_s += a.delay_s
-            comm.Allreduce(buf, out, op=MPI.SUM)
+            if a.poll:
+                # Wait without burning a core: on 2 cores, 3 ranks busy-polling in a blocking
+                # Allreduce decide when the 4th gets to run, and that noise is the cost's.
+                req = comm.Iallreduce(buf, out, op=MPI.SUM)
+                while not req.Test():
+                    time.sleep(0.0002)
+            else:
+                comm.Allreduce(buf, out, op=MPI.SUM)
             if it % 5 == 4:
                 comm.Barrier()
             truth.sample()
