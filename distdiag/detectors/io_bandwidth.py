@@ -15,8 +15,9 @@ How (vectorized over events; loops over ranks only):
    cost includes them), are merged per rank into I/O *episodes* on the
    aligned timeline.
 2. For every episode of rank r and every other rank q: how much of the
-   episode q spent *stalled*: inside a blocking collective (waiting) or in
-   its own large I/O. The episode's cost is the median of that over the
+   episode q spent *stalled*: waiting (inside a blocking collective, a Wait
+   on non-blocking ones as DDP's buckets are, a blocking receive) or in its
+   own large I/O. The episode's cost is the median of that over the
    other ranks: what the job as a whole could not overlap. With one rank
    (or no other rank recorded) the whole episode counts.
 3. The finding is charged the largest per-rank cost (episodes of different
@@ -57,6 +58,9 @@ ADVICE = (
 
 _DATA = np.array([Kind.FILE_READ, Kind.FILE_WRITE], np.uint8)
 _OPEN_CLOSE = np.array([Kind.FILE_OPEN, Kind.FILE_CLOSE], np.uint8)
+#: a rank inside one of these is waiting for someone (blocking collective,
+#: Wait on non-blocking ones, as DDP's buckets are, a blocking receive)
+_STALL = np.array([Kind.COLL, Kind.WAIT, Kind.RECV], np.uint8)
 
 
 def _merge(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, gap_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -117,7 +121,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     e_rank, e_t0, e_t1 = _merge(io["rank"].astype(np.int64), io["t0_ns"], io["t1_ns"], gap_ns)
 
     # 2. what the other ranks did during each episode
-    stall_kind = (ev["kind"] == Kind.COLL) & ok
+    stall_kind = np.isin(ev["kind"], _STALL) & ok
     st = ev[stall_kind]
     s_rank = np.r_[st["rank"].astype(np.int64), e_rank]
     s_t0 = np.r_[st["t0_ns"], e_t0]
