@@ -22,6 +22,7 @@ from distdiag.config import Config, load_config
 from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.ranking import rank_findings
 from distdiag.run import Run, _ranges, load_run
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
@@ -136,15 +137,8 @@ def analyze_run(run: Run, cfg: Config | None = None) -> Report:
                 run.warnings.append(f"detector '{name}' gave a {f.kind} finding without a finite cost; dropped")
                 continue
             findings.append(f)
-    wall_s = run.wall_s
-    for f in findings:
-        # A finding about time outside the ranks' run (the queue) is a share of
-        # the job's turnaround, and says so in its evidence.
-        base = wall_s
-        if f.evidence.get("fraction_of") == "turnaround" and f.evidence.get("turnaround_s"):
-            base = float(f.evidence["turnaround_s"])
-        f.fraction = float(f.cost_s) / base if base > 0 else 0.0
-    findings.sort(key=lambda f: -float(f.cost_s))
+    # One ranking: each second counted once, shares, order (distdiag/ranking.py).
+    findings = rank_findings(findings, run, colls, cfg)
     return Report(
         run=run, findings=findings, breakdown=breakdown(run, colls), collectives=colls, config=cfg, slurm=slurm_view
     )

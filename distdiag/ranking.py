@@ -1,0 +1,241 @@
+"""One ranking: every finding's ``cost_s`` in the same currency, each second counted once.
+
+Every detector prices its cause as *the wall-clock the job would save if that
+cause were removed*. Detectors run independently, so two of them can price
+the same seconds: rank 3 arrives late at the all-reduce (``straggler``)
+*because* it waited on its data loader (``input_bound``), or rank 0 is late at
+the bcast because it runs an evaluation the others do not (``serial_section``).
+Fixing the cause removes both findings' seconds at once; listing both at full
+price would promise a saving twice.
+
+The rule, applied by :func:`rank_findings` (the pipeline's last stage):
+
+1. **Symptoms vs causes.** Findings come in three tiers:
+
+   * *mechanisms* (``MECHANISMS``): ``input_bound``, ``h2d_copy``,
+     ``metadata_storm``, ``io_bandwidth``, ``slow_link``: a subsystem that
+     held a rank; each claims the rank-time of its own recorded calls
+     (``CLAIMED_KINDS``: loader waits, copies, file calls, point-to-point) on
+     the ranks it names;
+   * *code paths*: ``serial_section`` claims its charged windows (the
+     ``[second-to-last arrival, last arrival]`` of each serial collective, on
+     the late rank; see :mod:`distdiag.detectors.serial_section`);
+   * *symptoms*: ``straggler``: a rank arrived last; its charge at a
+     collective is the window ``[second-to-last arrival, last arrival]``.
+
+   A finding of a lower tier loses the seconds of its windows that a
+   higher-tier finding's claims cover on the same rank: what the rank did
+   during its lateness is the cause, the lateness the symptom. The cause keeps
+   its full cost (it is the thing to fix), the symptom keeps the rest, and is
+   dropped when the rest falls under its threshold (``min_fraction`` of the
+   wall-clock, its own or [analyze]'s).
+
+   What a cause takes away is capped by the cause's own cost (a loader wait
+   the compute hid on another rank, which ``input_bound`` priced at 0, explains
+   nothing), and what all causes take away is capped by the symptom's cost.
+
+   Worked example: rank 0 arrives last at 5 bcasts, 0.30 s each after a 0.30 s
+   evaluation, and last by chance at 5 all-reduces, 8 ms each: straggler 1.54
+   s, serial_section 1.50 s. The serial windows cover the 5 bcast windows
+   exactly: straggler keeps 1.54 - 1.50 = 0.04 s, 1.3% of a 3 s run, under
+   2%: dropped. The report lists serial_section at 1.50 s, once.
+
+2. **Shares.** ``fraction`` = cost over the wall-clock (a finding about the
+   queue, ``evidence["fraction_of"] == "turnaround"``, over the turnaround).
+
+3. **Order.** By ``cost_s``, largest first: the first is the verdict. Since
+   every second is counted once, fixing the first leaves a run of ``wall -
+   cost_1`` in which the second binds with ``cost_2 / (wall - cost_1)`` of the
+   time: :func:`outlook` says that for the report.
+
+Not de-duplicated (documented limits): two mechanisms on the same seconds
+(a metadata storm and a large read in one window), host-level straggler
+findings beyond the windows of their last-arriving ranks, and findings about
+the hardware's efficiency (``gpu_underutilized``) or outside the ranks' run
+(``queue_wait``, ``launch_overhead``), which share no seconds with the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from distdiag.findings import Finding
+from distdiag.match import Collectives, MatchState
+from distdiag.schema import Kind
+
+log = logging.getLogger(__name__)
+
+#: finding kind -> the event kinds whose rank-time the finding claims
+CLAIMED_KINDS: dict[str, tuple[int, ...]] = {
+    "input_bound": (Kind.INPUT_WAIT,),
+    "h2d_copy": (Kind.H2D,),
+    "metadata_storm": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR),
+    "io_bandwidth": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_READ, Kind.FILE_WRITE),
+    "slow_link": (Kind.SEND, Kind.RECV, Kind.WAIT),
+}
+MECHANISMS = tuple(CLAIMED_KINDS)
+#: tier of each kind: lower explains higher (absent kinds are never adjusted nor explain)
+TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2}
+
+
+def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: Any) -> list[Finding]:
+    """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list."""
+    wall_s = float(run.wall_s)
+    kept = _deduplicate(findings, run, colls, cfg, wall_s)
+    for f in kept:
+        base = wall_s
+        if f.evidence.get("fraction_of") == "turnaround" and f.evidence.get("turnaround_s"):
+            base = float(f.evidence["turnaround_s"])
+        f.fraction = float(f.cost_s) / base if base > 0 else 0.0
+    kept.sort(key=lambda f: -float(f.cost_s))
+    return kept
+
+
+def outlook(findings: list[Finding], wall_s: float, limit: int = 3) -> list[dict[str, Any]]:
+    """What binds after fixing the findings above it, one entry per finding (the first ``limit``).
+
+    Entry i: ``wall_s`` of the run with findings 0..i-1 fixed, and finding i's
+    share of that shorter run. Only findings on the ranks' wall-clock count
+    (the queue does not shorten the run).
+    """
+    out = []
+    left = wall_s
+    for f in findings[:limit]:  # a handful
+        on_run = f.evidence.get("fraction_of") != "turnaround"
+        share = float(f.cost_s) / left if on_run and left > 0 else f.fraction
+        out.append({"kind": f.kind, "cost_s": float(f.cost_s), "wall_s": left, "share": share})
+        if on_run:
+            left = max(0.0, left - float(f.cost_s))
+    return out
+
+
+# ----------------------------------------------------------------------------------
+
+
+def _deduplicate(findings: list[Finding], run: Any, colls: Collectives, cfg: Any, wall_s: float) -> list[Finding]:
+    symptoms = [f for f in findings if TIER.get(f.kind, -1) >= 1]
+    causes = [f for f in findings if TIER.get(f.kind, -1) in (0, 1)]
+    if not symptoms or not causes:
+        return list(findings)
+    dropped: set[int] = set()
+    for f in sorted(symptoms, key=lambda f: TIER[f.kind]):  # few findings
+        win = _windows(f, run, colls)
+        if win is None:
+            continue
+        w_rank, w0, w1 = win
+        before = float(f.cost_s)
+        taken: dict[str, float] = {}
+        all_claims = []
+        for c in causes:  # few
+            if c is f or TIER[c.kind] >= TIER[f.kind] or id(c) in dropped:
+                continue
+            claims = _claims(c, run)
+            if claims is None:
+                continue
+            all_claims.append(claims)
+            ov_s = _overlap_ns(w_rank, w0, w1, *claims) / 1e9
+            ov_s = min(ov_s, float(c.cost_s))
+            if ov_s <= 0:
+                continue
+            label = f"{c.kind} ranks {','.join(map(str, c.ranks))}" if c.ranks else c.kind
+            taken[label] = taken.get(label, 0.0) + ov_s
+            c.evidence.setdefault("includes", {})[f"{f.kind} ranks {','.join(map(str, f.ranks))}"] = round(ov_s, 4)
+        if not taken:
+            continue
+        # Causes can claim the same seconds (a serial section that writes a
+        # checkpoint, and the write): what they take together is the overlap
+        # with the union of their claims, never the sum.
+        union = tuple(np.concatenate(x) for x in zip(*all_claims))
+        total = min(before, sum(taken.values()), _overlap_ns(w_rank, w0, w1, *union) / 1e9)
+        f.cost_s = before - total
+        f.evidence["deduplicated"] = {"cost_before_s": round(before, 4),
+                                      "explained_by": {k: round(v, 4) for k, v in taken.items()}}  # fmt: skip
+        thr = float(cfg.value(f.kind, "min_fraction", getattr(cfg, "min_fraction", 0.02)))
+        if f.cost_s < thr * wall_s:
+            log.info("%s ranks %s: %.3f s of %.3f s explained by %s; dropped", f.kind, f.ranks, total, before, taken)
+            dropped.add(id(f))
+    return [f for f in findings if id(f) not in dropped]
+
+
+def _windows(f: Finding, run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The charged rank-time windows of a symptom finding: (rank, t0_ns, t1_ns)."""
+    if f.kind == "serial_section":
+        return _serial_windows(f, run)
+    if f.kind != "straggler" or len(colls) == 0 or not f.ranks:
+        return None
+    from distdiag.detectors.serial_section import holds_others
+
+    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & holds_others(run, colls)
+    g = np.flatnonzero(ok & np.isin(colls.g_last_rank, np.asarray(f.ranks)))
+    return (colls.g_last_rank[g].astype(np.int64), colls.g_second_ns[g].astype(np.int64),
+            colls.g_last_ns[g].astype(np.int64))  # fmt: skip
+
+
+def _serial_windows(f: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    from distdiag.detectors.serial_section import CACHE_KEY
+
+    wins = run.cache.get(CACHE_KEY) or {}
+    parts = [(np.full(len(wins[r][0]), r, np.int64), wins[r][0], wins[r][1]) for r in f.ranks if r in wins]
+    if not parts:
+        return None
+    return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
+
+
+def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The rank-time a cause finding claims: (rank, t0_ns, t1_ns) intervals."""
+    if c.kind == "serial_section":
+        return _serial_windows(c, run)
+    kinds = CLAIMED_KINDS.get(c.kind)
+    if kinds is None:
+        return None
+    ev = run.events
+    sel = np.isin(ev["kind"], np.array([int(k) for k in kinds], np.uint8))
+    ranks = list(c.ranks)
+    if c.kind == "slow_link" and c.hosts and not ranks:
+        ranks = [r for r, i in run.ranks.items() if i.host in set(c.hosts)]
+    if ranks:
+        sel &= np.isin(ev["rank"], np.asarray(ranks))
+    if not sel.any():
+        return None
+    return (ev["rank"][sel].astype(np.int64), ev["t0_ns"][sel].astype(np.int64),
+            np.maximum(ev["t1_ns"][sel], ev["t0_ns"][sel]).astype(np.int64))  # fmt: skip
+
+
+def _overlap_ns(wr: np.ndarray, w0: np.ndarray, w1: np.ndarray, cr: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> float:
+    """Total length of (union of the windows) ∩ (union of the claims), per rank, summed.
+
+    Both sides are merged per rank into disjoint segments on one axis (each
+    rank in its own band, so one sort does all ranks); then the covered length
+    of the claims up to each window edge, by prefix sums, gives each window's
+    overlap without a loop over events.
+    """
+    if len(wr) == 0 or len(cr) == 0:
+        return 0.0
+    lo = int(min(w0.min(), c0.min()))
+    span = int(max(w1.max(), c1.max())) - lo + 1
+    ws, we = _merge(wr * span + (w0 - lo), wr * span + (np.maximum(w1, w0) - lo))
+    cs, ce = _merge(cr * span + (c0 - lo), cr * span + (c1 - lo))
+    return float(np.sum(_covered(cs, ce, we) - _covered(cs, ce, ws)))
+
+
+def _merge(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Union of intervals [s, e) as sorted disjoint segments."""
+    o = np.argsort(s, kind="stable")
+    s, e = s[o], e[o]
+    run_end = np.maximum.accumulate(e)
+    new = np.r_[True, s[1:] > run_end[:-1]]
+    idx = np.flatnonzero(new)
+    return s[new], np.maximum.reduceat(e, idx)
+
+
+def _covered(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Length of the (sorted, disjoint) segments before each t."""
+    lens = seg_e - seg_s
+    before = np.concatenate([[0], np.cumsum(lens)])
+    k = np.searchsorted(seg_s, t, side="right") - 1
+    kk = np.maximum(k, 0)
+    inside = np.clip(t - seg_s[kk], 0, lens[kk])
+    return np.where(k >= 0, before[kk] + inside, 0)
