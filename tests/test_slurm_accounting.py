@@ -76,3 +76,32 @@ def test_queue_wait_cost_matches_the_real_wait(slurm: SlurmCluster, tmp_path: Pa
     # The queue is the binding constraint of this short job.
     assert rep["findings"][0]["kind"] == "queue_wait"
     assert rep["run"]["slurm"]["job"]["job_id"] == job
+
+
+def test_dependency_hold_is_submit_to_eligible(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """A job held by --dependency: its wait is Eligible - Submit, not waiting for nodes."""
+    run_dir = tmp_path / "run"
+    first = slurm.sbatch(["-n1", "--time=2", "-o", "/dev/null", "--wrap", "sleep 8"], cwd=tmp_path)
+    t_submit = time.time()
+    job = slurm.sbatch(["-n1", "--time=2", "-o", str(tmp_path / "out.txt"), f"--dependency=afterok:{first}", "--wrap",
+                        f"srun {sys.executable} -m distdiag.wrap --dir {run_dir} {sys.executable} -c 'print(1)'"],
+                       cwd=tmp_path)  # fmt: skip
+    try:
+        slurm.wait_gone(job, timeout_s=90)
+    finally:
+        slurm.run(["scancel", first, job], check=False, timeout_s=10)
+    rec = slurm.sacct(job)
+    held_s = rec["time"]["eligible"] - rec["time"]["submission"]
+    assert held_s >= 5, rec["time"]
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
+                       capture_output=True, text=True, timeout=120, env=slurm.env())  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    qw = [f for f in json.loads(p.stdout)["findings"] if f["kind"] == "queue_wait"]
+    assert len(qw) == 1
+    ev = qw[0]["evidence"]
+    assert ev["submit_to_eligible_s"] == held_s and ev["eligible_to_start_s"] <= 1
+    assert "held" in qw[0]["summary"]
+    assert qw[0]["cost_s"] == held_s + ev["eligible_to_start_s"]
+    # Held for as long as the first job ran (8 s, whole seconds, plus its launch).
+    assert held_s == pytest.approx(8, abs=2.5)
+    assert time.time() - t_submit >= held_s
