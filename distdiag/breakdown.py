@@ -62,7 +62,7 @@ def _union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> n
     span = max(int(t0.max()), int(t1.max())) - lo + 1
     if int(key.max()) < np.iinfo(np.int64).max // span - 1:
         base = key * span - lo
-        order = np.argsort(base + t0)
+        order = np.argsort(base + t0, kind="stable")  # timsort: the input is a few sorted runs
         key, t0, t1, base = key[order], t0[order], t1[order], base[order]
         covered = np.maximum.accumulate(base + t1) - base
     else:  # astronomically long runs: sort by two keys and let pandas do the grouped running max
