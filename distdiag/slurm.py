@@ -323,9 +323,10 @@ class SlurmView:
     origin: str = ""
     #: (instant, seconds since submission) in time order; see timeline()
     timeline: list[dict[str, Any]] = field(default_factory=list)
-    #: per rank: wall seconds (epoch) of shim start, first useful work, last event
+    #: per rank: wall seconds (epoch) of shim start, first useful work, first collective, last event
     rank_start_s: dict[int, float] = field(default_factory=dict)
     rank_first_work_s: dict[int, float] = field(default_factory=dict)
+    rank_first_collective_s: dict[int, float] = field(default_factory=dict)
     rank_last_event_s: dict[int, float] = field(default_factory=dict)
 
     @property
@@ -352,7 +353,7 @@ class SlurmView:
         return out
 
     def per_rank(self) -> list[dict[str, Any]]:
-        """Each rank's shim start, first useful work and last event, in seconds since submission."""
+        """Each rank's shim start, first useful work, first collective and last event, in seconds since submission."""
         t0 = self.acct.submit_s if self.acct is not None else None
         if t0 is None:
             return []
@@ -362,6 +363,7 @@ class SlurmView:
 
         ranks = sorted(set(self.rank_start_s) | set(self.rank_first_work_s) | set(self.rank_last_event_s))
         return [{"rank": r, "shim_start_s": rel(self.rank_start_s, r), "first_work_s": rel(self.rank_first_work_s, r),
+                 "first_collective_s": rel(self.rank_first_collective_s, r),
                  "last_event_s": rel(self.rank_last_event_s, r)} for r in ranks]  # fmt: skip
 
 
@@ -393,32 +395,35 @@ def _wall_map_ns(run: Any) -> int | None:
     return None
 
 
-def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-    """Per rank, in Unix seconds: shim start, first useful work, last event.
+def _first_t0_s(ev: np.ndarray, kinds: frozenset[int], wall_map_ns: int) -> dict[int, float]:
+    """rank -> Unix seconds of its first event of ``kinds`` (events sorted by rank), vectorized."""
+    sel = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in kinds), np.uint8))]
+    if len(sel) == 0:
+        return {}
+    ranks, idx = np.unique(sel["rank"], return_index=True)
+    t0 = np.minimum.reduceat(sel["t0_ns"], idx)
+    return {int(r): (int(t) + wall_map_ns) / 1e9 for r, t in zip(ranks, t0)}
+
+
+def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[int, float], dict[int, float]]:
+    """Per rank, in Unix seconds: shim start, first useful work, first collective, last event.
 
     First useful work is the start of the rank's first collective,
     point-to-point call, compute phase or step: before it the rank only
-    imported, initialized and waited for its peers. Vectorized: one pass of
-    np.minimum.reduceat over the events sorted by rank.
+    imported, initialized and waited for its peers.
     """
     wm = _wall_map_ns(run)
     if wm is None:
-        return {}, {}, {}
+        return {}, {}, {}, {}
     start = {int(r): (i.start_ns + wm) / 1e9 for r, i in run.ranks.items()}
     last = {int(r): (i.end_ns + wm) / 1e9 for r, i in run.ranks.items()}
-    ev = run.events
-    first: dict[int, float] = {}
-    if len(ev):
-        useful = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in USEFUL_KINDS), np.uint8))]
-        if len(useful):
-            ranks, idx = np.unique(useful["rank"], return_index=True)
-            t0 = np.minimum.reduceat(useful["t0_ns"], idx) if len(idx) else np.zeros(0, np.int64)
-            first = {int(r): (int(t) + wm) / 1e9 for r, t in zip(ranks, t0)}
-    return start, first, last
+    first = _first_t0_s(run.events, USEFUL_KINDS, wm)
+    first_coll = _first_t0_s(run.events, frozenset(COMM_KINDS), wm)
+    return start, first, first_coll, last
 
 
 def timeline(acct: Accounting, start: dict[int, float], first: dict[int, float], last: dict[int, float],
-             end_s: float | None) -> list[dict[str, Any]]:  # fmt: skip
+             end_s: float | None, first_coll: dict[int, float] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The job's instants in order, as seconds since submission."""
     t_sub = acct.submit_s
     rows: list[tuple[str, float | None, list[int]]] = [
@@ -430,7 +435,9 @@ def timeline(acct: Accounting, start: dict[int, float], first: dict[int, float],
         if s.get("start_s"):
             rows.append((f"step {s.get('step', '')} {s.get('name', '')} start".replace("  ", " "), s["start_s"], []))
     for label, d in (("first rank shim start", start), ("last rank shim start", start),
-                     ("first rank first work", first), ("last rank first work", first)):  # fmt: skip
+                     ("first rank first work", first), ("last rank first work", first),
+                     ("first rank first collective", first_coll or {}),
+                     ("last rank first collective", first_coll or {})):  # fmt: skip
         if d:
             pick = min if label.startswith("first") else max
             r = pick(d, key=lambda k: d[k])
@@ -475,7 +482,7 @@ def _compute_view(run: Any, backend: str, live: bool | None) -> SlurmView:
         return SlurmView(None, "no Slurm accounting: the job did not run under Slurm (no SLURM_JOB_ID in the ranks' "
                                "environment), so queue wait and launch overhead are unknown")  # fmt: skip
     job = job or (stored.job_id if stored else None)
-    start, first, last = rank_milestones(run)
+    start, first, first_coll, last = rank_milestones(run)
     near = min(start.values()) if start else None
 
     acct: Accounting | None = None
@@ -503,7 +510,8 @@ def _compute_view(run: Any, backend: str, live: bool | None) -> SlurmView:
         why = f"Slurm job {job}: accounting from {ACCOUNTING_FILE}, read while the job ran"
     else:
         why = f"no Slurm accounting for job {job}: offline, and the run dir holds no {ACCOUNTING_FILE}"
-    view = SlurmView(acct, why, origin, rank_start_s=start, rank_first_work_s=first, rank_last_event_s=last)
+    view = SlurmView(acct, why, origin, rank_start_s=start, rank_first_work_s=first, rank_last_event_s=last,
+                     rank_first_collective_s=first_coll)  # fmt: skip
     if acct is not None:
-        view.timeline = timeline(acct, start, first, last, view.end_s)
+        view.timeline = timeline(acct, start, first, last, view.end_s, first_coll)
     return view

@@ -104,8 +104,8 @@ def test_launch_overhead_to_the_slowest_ranks_first_work(tmp_path: Path) -> None
     assert f.evidence["shim_start_to_first_work_s"] == pytest.approx(2.0, abs=1e-3)
     assert f.fraction == pytest.approx(3.0 / 11)
     per_rank = findings(run)["report"].to_json()["run"]["slurm"]["per_rank"]
-    assert [(p["rank"], p["shim_start_s"], p["first_work_s"], p["last_event_s"]) for p in per_rank] == [
-        (0, 1.0, 1.5, 11.0), (1, 1.0, 3.0, 11.0)]  # fmt: skip
+    assert [(p["rank"], p["shim_start_s"], p["first_work_s"], p["first_collective_s"], p["last_event_s"])
+            for p in per_rank] == [(0, 1.0, 1.5, 1.5, 11.0), (1, 1.0, 3.0, 3.0, 11.0)]  # fmt: skip
 
 
 def test_quick_launch_is_silent(tmp_path: Path) -> None:

@@ -109,7 +109,8 @@ def test_srun_run_carries_its_accounting_and_did_not_queue(slurm: SlurmCluster, 
     assert job["state"] == "COMPLETED" and job["name"] == "straggler2"
     assert job["submit_s"] <= job["eligible_s"] <= job["start_s"] < job["end_s"]
     whats = [t["what"] for t in s["timeline"]]
-    for w in ("submit", "eligible", "start", "first rank shim start", "last rank first work", "last event", "end"):
+    for w in ("submit", "eligible", "start", "first rank shim start", "last rank first work",
+              "last rank first collective", "last event", "end"):  # fmt: skip
         assert w in whats, whats
     ts = [t["t_s"] for t in s["timeline"]]
     assert ts == sorted(ts)
