@@ -54,8 +54,9 @@ from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
 
-#: run.cache key: rank -> (t0_ns, t1_ns) arrays of the charged windows
-#: ``[second-to-last arrival, last arrival]`` of the serial collectives (for distdiag.ranking).
+#: run.cache key: rank -> (gap_t0_ns, second_ns, last_ns) arrays, one entry per serial
+#: collective: the late rank's stretch of own work [gap_t0, last] and the charged
+#: window [second-to-last arrival, last arrival] inside it (for distdiag.ranking).
 CACHE_KEY = "serial_section.windows"
 
 #: Rooted collectives that do not synchronize everyone (the straggler
@@ -239,13 +240,17 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     s_rank = colls.g_last_rank[serial].astype(np.int64)
     s_cost = charge[serial]
     per_rank_ns = np.bincount(s_rank, weights=s_cost, minlength=n_rank)
-    windows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    windows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     findings = []
     t_run0 = run.start_ns
     for r_ in np.flatnonzero(per_rank_ns >= min_fraction * wall_s * 1e9):  # ranks over threshold: few
         r = int(r_)
         mine = serial[s_rank == r]
-        windows[r] = (colls.g_second_ns[mine].astype(np.int64), colls.g_last_ns[mine].astype(np.int64))
+        windows[r] = (
+            (colls.g_last_ns[mine] - gap[last_row[mine]]).astype(np.int64),
+            colls.g_second_ns[mine].astype(np.int64),
+            colls.g_last_ns[mine].astype(np.int64),
+        )
         cost_s = float(per_rank_ns[r]) / 1e9
         s = cost_s / wall_s
         lr = last_row[mine]
@@ -270,7 +275,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         wins = [
             {"t0_s": round((int(a) - t_run0) / 1e9, 4), "dur_s": round((int(b) - int(a)) / 1e9, 4),
              "op": run.s(int(colls.g_op[g])), "seq": int(colls.g_seq[g])}
-            for g, a, b in zip(mine[:10], windows[r][0][:10], windows[r][1][:10])
+            for g, a, b in zip(mine[:10], windows[r][1][:10], windows[r][2][:10])
         ]  # fmt: skip
         findings.append(
             Finding(

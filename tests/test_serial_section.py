@@ -1,0 +1,247 @@
+"""serial_section: one rank works alone while the others wait (Amdahl), told apart from a straggler.
+
+Unit tests on simulated runs whose truth is known (``simulate``), then real
+``mpiexec -n 4 distdiag-wrap`` jobs (tests/jobs/serial_job.py): rank 0 doing
+300 ms of extra work before every 5th bcast is a serial section, not a
+straggler; a rank that computes longer every iteration stays a straggler.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distdiag.config import Config
+from distdiag.pipeline import Report, analyze
+from distdiag.schema import EVENT_DTYPE, Kind
+from factories import write_rank
+
+MS = 1_000_000
+JOB = Path(__file__).resolve().parent / "jobs" / "serial_job.py"
+
+
+# --- a simulated job ----------------------------------------------------------------
+
+
+@dataclass
+class Sim:
+    run_dir: Path
+    wall_s: float
+    #: per cause: the seconds the job would save without it (the simulation's truth)
+    serial_s: float
+    straggler_s: float
+    input_s: float
+
+
+def simulate(
+    run_dir: Path,
+    *,
+    n: int = 4,
+    iters: int = 50,
+    work_ms: float = 5.0,
+    jitter_ms: float = 0.2,
+    serial: tuple[int, float, int] | None = None,  # (rank, ms, every): before every k-th bcast
+    serial_site: str = "train.py:60",
+    serial_file: bool = False,
+    slow: tuple[int, float] | None = None,  # (rank, ms) more compute every iteration
+    input_wait: tuple[int, float] | None = None,  # (rank, ms) loader wait at the start of every iteration
+    seed: int = 0,
+) -> Sim:
+    """A bulk-synchronous loop: [input wait] compute, Allreduce (train.py:50), [serial work] bcast (train.py:60), STEP.
+
+    The serial rank's bcast is called from ``serial_site`` (another line when
+    the program calls it from its own branch).
+    """
+    rng = np.random.default_rng(seed)
+    strings = ["", "Allreduce", "bcast", "world", "train.py:50", "train.py:60", "/ckpt/log.txt", "optimizer_step"]
+    if serial_site not in strings:
+        strings.append(serial_site)
+    sid = {s: i for i, s in enumerate(strings)}
+    rows: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]
+
+    def row(r: int, t0: float, t1: float, kind: int, name: str, comm: str = "", seq: int = -1, peer: int = -1,
+            site: str = "", nbytes: int = 0) -> None:  # fmt: skip
+        rows[r].append((int(t0 * MS), int(t1 * MS), int(kind), sid[name], sid[comm], seq, peer, nbytes, 0, sid[site], 0, 0.0))
+
+    t = np.full(n, 2.0)
+    serial_ns = straggle_ns = input_ns = 0.0
+    for i in range(iters):  # the simulation's time step
+        start = t.copy()
+        iw = np.zeros(n)
+        if input_wait:
+            iw[input_wait[0]] = input_wait[1]
+        comp = work_ms + rng.uniform(-jitter_ms, jitter_ms, n)
+        if slow:
+            comp[slow[0]] += slow[1]
+        arrive = start + iw + comp
+        for r in range(n):
+            if iw[r]:
+                row(r, start[r], start[r] + iw[r], Kind.INPUT_WAIT, "")
+            row(r, arrive[r], 0, Kind.COLL, "Allreduce", "world", 2 * i, -1, "train.py:50", 8192)
+        srt = np.sort(arrive)
+        last = int(np.argmax(arrive))
+        if slow and last == slow[0]:
+            straggle_ns += srt[-1] - srt[-2]
+        if input_wait and last == input_wait[0]:
+            input_ns += min(srt[-1] - srt[-2], input_wait[1])
+        x = srt[-1] + 0.3 + rng.uniform(0, 0.02, n)
+        for r in range(n):
+            rows[r][-1] = rows[r][-1][:1] + (int(x[r] * MS),) + rows[r][-1][2:]
+        gap = 0.05 + rng.uniform(0, 0.02, n)
+        is_serial = serial is not None and i % serial[2] == serial[2] - 1
+        if is_serial:
+            sr = serial[0]  # type: ignore[index]
+            if serial_file:  # the serial work writes a log: recorded activity
+                row(sr, x[sr] + 0.01, x[sr] + 0.01 + 0.5 * serial[1], Kind.FILE_WRITE, "/ckpt/log.txt", nbytes=100)  # type: ignore[index]
+            gap[sr] += serial[1]  # type: ignore[index]
+        b = x + gap
+        sb = np.sort(b)
+        if is_serial:
+            serial_ns += sb[-1] - sb[-2]
+        for r in range(n):
+            site = serial_site if is_serial and r == serial[0] else "train.py:60"  # type: ignore[index]
+            row(r, b[r], sb[-1] + 0.2, Kind.COLL, "bcast", "world", 2 * i + 1, 0, site, 64)
+            row(r, sb[-1] + 0.25, sb[-1] + 0.25, Kind.STEP, "optimizer_step")
+        t = np.full(n, sb[-1] + 0.3)
+    end_ns = int((t.max() + 1.0) * MS)
+    for r in range(n):
+        ev = np.array(rows[r], dtype=EVENT_DTYPE)
+        ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
+        write_rank(run_dir, r, n, list(ev), strings, host="node0", mono_ns_at_start=MS, end_mono_ns=end_ns,
+                   closed_cleanly=True)  # fmt: skip
+    return Sim(run_dir, (end_ns - MS) / 1e9, serial_ns / 1e3, straggle_ns / 1e3, input_ns / 1e3)
+
+
+def of_kind(rep: Report, kind: str) -> list[Any]:
+    return [f for f in rep.findings if f.kind == kind]
+
+
+# --- unit: simulated runs ---------------------------------------------------------------
+
+
+def test_intermittent_serial_work_before_a_bcast_is_a_serial_section(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "r", serial=(0, 30.0, 5))
+    rep = analyze(sim.run_dir, Config())
+    assert [f.kind for f in rep.findings] == ["serial_section"], [(f.kind, f.summary) for f in rep.findings]
+    f = rep.findings[0]
+    assert f.ranks == [0]
+    assert f.cost_s == pytest.approx(sim.serial_s, rel=1e-3)
+    s = sim.serial_s / rep.run.wall_s
+    assert f.evidence["serial_fraction"] == pytest.approx(s, rel=1e-3)
+    assert f.evidence["amdahl_speedup_cap"] == pytest.approx(1 / s, rel=1e-3)
+    assert list(f.evidence["collective_sites"]) == ["train.py:60"]
+    assert f.evidence["previous_collective_sites"] == {"train.py:50": 10}
+    assert f.evidence["windows"] == 10 and f.evidence["why_serial"]["intermittent"] == 10
+    assert "10 of 50 calls at train.py:60" in f.summary and "caps any speed-up" in f.summary
+
+
+def test_a_rank_slower_at_the_shared_work_is_a_straggler_not_a_serial_section(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "r", slow=(2, 3.0))
+    rep = analyze(sim.run_dir, Config())
+    assert of_kind(rep, "serial_section") == []
+    (st,) = of_kind(rep, "straggler")
+    assert st.ranks == [2] and st.cost_s == pytest.approx(sim.straggler_s, rel=1e-3)
+
+
+def test_late_every_time_with_nothing_recorded_is_a_straggler(tmp_path: Path) -> None:
+    # The others have almost nothing to do (0.1 ms) and rank 1 is 10 ms late at
+    # every all-reduce: a loaded node or a serial path? Without another sign
+    # (an intermittent pattern, another call site, recorded calls) a straggler.
+    sim = simulate(tmp_path / "r", work_ms=0.1, jitter_ms=0.01, slow=(1, 10.0))
+    rep = analyze(sim.run_dir, Config())
+    assert of_kind(rep, "serial_section") == []
+    assert [f.ranks for f in of_kind(rep, "straggler")] == [[1]]
+
+
+def test_every_bcast_from_another_call_site_is_a_serial_section(tmp_path: Path) -> None:
+    # rank 0 works 8 ms before every bcast, which it calls from its own branch
+    sim = simulate(tmp_path / "r", serial=(0, 8.0, 1), serial_site="train.py:58")
+    rep = analyze(sim.run_dir, Config())
+    (f,) = of_kind(rep, "serial_section")
+    assert f.evidence["why_serial"]["call_site_differs"] == 50 and f.evidence["why_serial"]["intermittent"] == 0
+    assert list(f.evidence["collective_sites"]) == ["train.py:58"]
+    assert f.cost_s == pytest.approx(sim.serial_s, rel=1e-3)
+    assert of_kind(rep, "straggler") == []  # the same seconds, counted once
+
+
+def test_every_bcast_after_recorded_file_writes_is_a_serial_section(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "r", serial=(0, 8.0, 1), serial_file=True)
+    rep = analyze(sim.run_dir, Config())
+    (f,) = of_kind(rep, "serial_section")
+    assert f.evidence["why_serial"]["recorded_activity"] == 50
+    assert f.evidence["in_between"][0]["call"] == "file_write /ckpt/log.txt"
+    assert f.evidence["in_between"][0]["count"] == 50
+
+
+def test_healthy_run_has_no_serial_section(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "r", jitter_ms=1.0, seed=3)
+    rep = analyze(sim.run_dir, Config())
+    assert rep.findings == []
+
+
+@pytest.mark.parametrize("factor, found", [(0.5, False), (2.0, True)])
+def test_threshold_is_a_share_of_wall_clock(tmp_path: Path, factor: float, found: bool) -> None:
+    sim = simulate(tmp_path / "r", serial=(0, 4.0, 5))
+    frac = sim.serial_s / sim.wall_s
+    cfg = Config()
+    cfg.sections["serial_section"] = {"min_fraction": frac / factor}
+    rep = analyze(sim.run_dir, cfg)
+    assert bool(of_kind(rep, "serial_section")) is found
+
+
+# --- end to end: real MPI jobs -------------------------------------------------------------
+
+
+def run_serial_job(tmp_path: Path, *args: str) -> tuple[Path, float, float]:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    run_dir = tmp_path / "run"
+    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable,
+           str(JOB), "--log", str(tmp_path / "log.txt"), *args]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"injected serial ([0-9.]+) s slow ([0-9.]+) s", p.stdout)
+    assert m, p.stdout
+    return run_dir, float(m.group(1)), float(m.group(2))
+
+
+def bcast_line() -> int:
+    return next(i for i, line in enumerate(JOB.read_text().splitlines(), 1) if "comm.bcast(" in line)
+
+
+@pytest.mark.mpi
+def test_mpi_rank0_work_before_every_5th_bcast_is_the_top_finding(tmp_path: Path) -> None:
+    run_dir, serial_s, _ = run_serial_job(tmp_path, "--iters", "20", "--serial-rank", "0", "--serial-s", "0.3",
+                                          "--every", "5")  # fmt: skip
+    assert serial_s == pytest.approx(1.2)
+    rep = analyze(run_dir, Config())
+    top = rep.verdict
+    assert top is not None and top.kind == "serial_section", [(f.kind, f.summary) for f in rep.findings]
+    assert top.ranks == [0]
+    assert next(iter(top.evidence["collective_sites"])).endswith(f"serial_job.py:{bcast_line()}")
+    injected = serial_s / rep.run.wall_s
+    assert top.evidence["serial_fraction"] == pytest.approx(injected, rel=0.25)
+    assert top.cost_s == pytest.approx(serial_s, rel=0.25)
+    # what rank 0 did in between, where it was recorded: the log file it appended to
+    assert any(d["call"].endswith("log.txt") for d in top.evidence["in_between"])
+    # one ranking: rank 0 is not also a straggler for the same waits
+    assert [f for f in of_kind(rep, "straggler") if 0 in f.ranks] == []
+
+
+@pytest.mark.mpi
+def test_mpi_straggler_stays_a_straggler(tmp_path: Path) -> None:
+    run_dir, _, slow_s = run_serial_job(tmp_path, "--iters", "20", "--slow-rank", "2", "--slow-s", "0.05")
+    rep = analyze(run_dir, Config())
+    assert of_kind(rep, "serial_section") == []
+    top = rep.verdict
+    assert top is not None and top.kind == "straggler" and top.ranks == [2], [(f.kind, f.summary) for f in rep.findings]
+    assert top.cost_s == pytest.approx(slow_s, rel=0.25)
