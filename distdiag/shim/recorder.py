@@ -108,12 +108,17 @@ class Recorder:
             return tb
 
     def _rotate(self, tb: ThreadBuffer) -> None:
-        if len(self.full) >= self.max_pending_chunks:
-            self.lost_events += tb.n
-        else:
-            self.full.append((tb.buf, tb.n))
-        tb.buf = bytearray(tb.cap * ROW_SIZE)
+        # Order matters: the flusher reads ``tb.buf`` then ``tb.n``. Resetting
+        # ``n`` before swapping ``buf`` means it can never pair the fresh
+        # (empty) chunk with the old chunk's row count; the old chunk is
+        # queued only after it is no longer the thread's current one.
+        old, rows = tb.buf, tb.n
         tb.n = 0
+        tb.buf = bytearray(tb.cap * ROW_SIZE)
+        if len(self.full) >= self.max_pending_chunks:
+            self.lost_events += rows  # may include rows already flushed: an upper bound
+        else:
+            self.full.append((old, rows))
 
     # -- the hot path -----------------------------------------------------------
     def add(
