@@ -359,28 +359,44 @@ def _map_by_rank(times: np.ndarray, ranks: np.ndarray, models: dict[int, RankClo
     done = np.zeros(len(times), bool)
     if len(times) == 0:
         return out, done
-    order = np.argsort(ranks, kind="stable")
-    rs = ranks[order]
-    uniq, starts = np.unique(rs, return_index=True)
-    ends = np.append(starts[1:], len(rs))
-    for r, lo, hi in zip(uniq, starts, ends):  # per rank: numpy inside
-        m = models.get(int(r))
+    is_sorted = bool((ranks[1:] >= ranks[:-1]).all())
+    # Events come sorted by rank: then each rank is a slice (views, no gather/scatter).
+    order = None if is_sorted else np.argsort(ranks, kind="stable")
+    rs = ranks if order is None else ranks[order]
+    bounds = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):  # per rank: numpy inside
+        m = models.get(int(rs[lo]))
         if m is None:
             continue
-        idx = order[lo:hi]
+        idx: Any = slice(lo, hi) if order is None else order[lo:hi]
         t = out[idx]
         valid = t != -1
-        t[valid] = m.map(t[valid])
+        if valid.all():
+            t = m.map(t)
+        else:
+            t[valid] = m.map(t[valid])
         out[idx] = t
         done[idx] = True
     return out, done
 
 
+def _raw_collectives(run: Run) -> Any:
+    """Collectives matched on the raw run: matching is by (comm, seq), so it holds for
+    any clock model; only the member times need mapping."""
+    c = run.cache.get("raw_collectives")
+    if c is None:
+        from distdiag.match import match_collectives
+
+        c = match_collectives(run.replace())  # a copy: matching may add warnings
+        run.cache["raw_collectives"] = c
+    return c
+
+
 def _exit_fallback(run: Run, models: dict[int, RankClock], need: list[int]) -> list[int]:
     """Fit ranks in ``need`` from synchronizing-collective exits against aligned ranks; returns those fitted."""
-    from distdiag.match import MatchState, match_collectives
+    from distdiag.match import MatchState
 
-    colls = match_collectives(run.replace())  # a copy: matching may add warnings
+    colls = _raw_collectives(run)
     if len(colls) == 0:
         return []
     ok_g = (colls.g_state == MatchState.COMPLETE) & np.isin(colls.g_op, _sync_ops(run)) & (colls.g_n_members >= 2)
@@ -403,15 +419,18 @@ def _exit_fallback(run: Run, models: dict[int, RankClock], need: list[int]) -> l
         ref_exit = np.where(has, ref_exit / np.maximum(cnt, 1), 0.0)
         spread = np.zeros(ng)
         if (cnt >= 2).any():
-            mx = np.full(ng, -np.inf)
-            mn = np.full(ng, np.inf)
-            np.maximum.at(mx, g[known], (mapped - base).astype(np.float64))
-            np.minimum.at(mn, g[known], (mapped - base).astype(np.float64))
+            rel = (mapped - base).astype(np.float64)
+            mx = _group_reduce(np.maximum, g[known], rel, ng, -np.inf)
+            mn = _group_reduce(np.minimum, g[known], rel, ng, np.inf)
             spread[cnt >= 2] = (mx - mn)[cnt >= 2]
         cand = ~known & has[g] & np.isin(r, np.fromiter(pending, np.int64, len(pending)))
         progress = []
-        for rank in np.unique(r[cand]):  # per unsynced rank
-            m = cand & (r == rank)
+        ci = np.flatnonzero(cand)
+        ci = ci[np.argsort(r[ci], kind="stable")]  # one sort; each unsynced rank is a slice
+        cr = r[ci]
+        ranks_u, starts = np.unique(cr, return_index=True)
+        for rank, a0, b0 in zip(ranks_u, starts, np.append(starts[1:], len(ci))):  # per unsynced rank
+            m = ci[a0:b0]
             x_loc = t1[m]
             x0 = int(x_loc.min())
             x = (x_loc - x0).astype(np.float64)
@@ -432,7 +451,7 @@ def _exit_fallback(run: Run, models: dict[int, RankClock], need: list[int]) -> l
             lx = np.array([x[inl].min(), x[inl].max()]) if inl.any() else np.array([0.0])
             models[int(rank)] = RankClock(
                 rank=int(rank), method="collective-exits", x0_ns=x0, y0_ns=y0,
-                knots_x=lx, knots_y=a + slope * lx, slope=slope, bound_ns=bound, n_samples=int(m.sum()),
+                knots_x=lx, knots_y=a + slope * lx, slope=slope, bound_ns=bound, n_samples=len(m),
                 n_windows=0,
             )  # fmt: skip
             progress.append(int(rank))
@@ -544,29 +563,58 @@ def _clc_map(t: np.ndarray, tau: np.ndarray, low: np.ndarray, base: int) -> np.n
 def _apply_repairs(t: np.ndarray, ranks: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]], base: int) -> np.ndarray:
     """Apply every repair pass's per-rank CLC map to times ``t`` of ranks ``ranks`` (-1 stays -1)."""
     out = t.astype(np.int64).copy()
-    for rep in repairs:  # a handful of passes
-        for r, (tau, low) in rep.items():  # ranks with violations
-            m = (ranks == r) & (out != -1)
-            if m.any():
-                out[m] = _clc_map(out[m], tau, low, base)
+    if not repairs or len(out) == 0:
+        return out
+    order = np.argsort(ranks, kind="stable")  # one sort; then each rank is a slice
+    rs = ranks[order]
+    touched = sorted({r for rep in repairs for r in rep})
+    lo = np.searchsorted(rs, touched, side="left")
+    hi = np.searchsorted(rs, touched, side="right")
+    for r, a, b in zip(touched, lo, hi):  # ranks with violations
+        if a == b:
+            continue
+        idx = order[a:b]
+        v = out[idx]
+        ok = v != -1
+        for rep in repairs:  # a handful of passes, in order
+            if r in rep:
+                tau, low = rep[r]
+                v[ok] = _clc_map(v[ok], tau, low, base)
+        out[idx] = v
+    return out
+
+
+def _group_reduce(ufunc: Any, g: np.ndarray, v: np.ndarray, ng: int, fill: Any) -> np.ndarray:
+    """``ufunc`` (np.maximum / np.minimum) of ``v`` per group id ``g``; ``fill`` where a group is empty.
+
+    Member rows come sorted by group, so this is one ``reduceat`` (``ufunc.at`` is ~20x slower)."""
+    out = np.full(ng, fill, dtype=np.result_type(v.dtype, np.asarray(fill).dtype))
+    if len(g) == 0:
+        return out
+    if bool((g[1:] >= g[:-1]).all()):
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        out[g[starts]] = ufunc.reduceat(v, starts)
+    else:
+        ufunc.at(out, g, v)
     return out
 
 
 def _violations(g: np.ndarray, t0: np.ndarray, t1: np.ndarray, ng: int) -> tuple[np.ndarray, np.ndarray]:
     """(last entry per group, how far each member's exit precedes it; <= 0 when fine)."""
-    last = np.full(ng, np.iinfo(np.int64).min)
-    np.maximum.at(last, g, t0)
+    last = _group_reduce(np.maximum, g, t0, ng, np.iinfo(np.int64).min)
     return last, last[g] - t1
 
 
-def check_causality(run: Run, model: ClockModel, repair: bool = True) -> Run:
+def check_causality(run: Run, model: ClockModel, repair: bool = True, raw_colls: Any = None) -> Run:
     """Count (and repair) exits from synchronizing collectives that precede the last entry.
 
     ``run`` is aligned; the counts go into ``model``. Returns the repaired run.
+    ``raw_colls``: the collectives matched on the run before alignment (their
+    times are mapped with ``model``), which saves matching again.
     """
     from distdiag.match import MatchState, match_collectives
 
-    colls = match_collectives(run)
+    colls = match_collectives(run.replace()) if raw_colls is None else raw_colls
     if len(colls) == 0:
         return run
     ok_g = (colls.g_state == MatchState.COMPLETE) & np.isin(colls.g_op, _sync_ops(run)) & (colls.g_n_members >= 2)
@@ -577,6 +625,9 @@ def check_causality(run: Run, model: ClockModel, repair: bool = True) -> Run:
     r = colls.m_rank[sel].astype(np.int64)
     t0 = colls.m_t0_ns[sel].copy()
     t1 = colls.m_t1_ns[sel].copy()
+    if raw_colls is not None:
+        t0, _ = _map_by_rank(t0, r, model.ranks)
+        t1, _ = _map_by_rank(t1, r, model.ranks)
     ng = len(colls)
     last, late = _violations(g, t0, t1, ng)
     viol = late > 0
@@ -636,8 +687,8 @@ def check_causality(run: Run, model: ClockModel, repair: bool = True) -> Run:
     for rk, i in run.ranks.items():  # per rank: two scalars
         se = _apply_repairs(np.array([i.start_ns, i.end_ns]), np.array([rk, rk]), repairs, base)
         ranks[rk] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
-    order = np.lexsort((ev["t0_ns"], ev["rank"]))
-    return run.replace(events=ev[order], inflight=inf, gpu=gpu, ranks=ranks)
+    # The CLC map is monotone per rank: (rank, t0) order is kept.
+    return run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks)
 
 
 # ----------------------------------------------------------------------------------
@@ -652,6 +703,7 @@ def align(run: Run, repair: bool = True) -> Run:
     """
     if run.aligned:
         return run
+    run = run.replace()  # a private cache for the raw match
     model = fit(run)
     models = model.ranks
     ev = run.events.copy()
@@ -659,8 +711,7 @@ def align(run: Run, repair: bool = True) -> Run:
         er = ev["rank"]
         ev["t0_ns"], _ = _map_by_rank(ev["t0_ns"], er, models)
         ev["t1_ns"], _ = _map_by_rank(ev["t1_ns"], er, models)
-        # A drift can reorder nothing within a rank (the map is monotone), but keep the contract explicit.
-        ev = ev[np.lexsort((ev["t0_ns"], ev["rank"]))]
+        # No re-sort: each rank's map is monotone, so (rank, t0) order is kept.
     inf = run.inflight.copy()
     if len(inf):
         inf["t0_ns"], _ = _map_by_rank(inf["t0_ns"], inf["rank"], models)  # t1 == -1 (never left) stays -1
@@ -680,7 +731,7 @@ def align(run: Run, repair: bool = True) -> Run:
         ranks[r] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
     out = run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, aligned=True, offset_ns=off)
     try:
-        out = check_causality(out, model, repair=repair)
+        out = check_causality(out, model, repair=repair, raw_colls=_raw_collectives(run))
     except Exception as e:  # the check is a refinement: never lose the report to it
         log.debug("causality check failed", exc_info=True)
         model.warnings.append(f"clock causality check failed ({type(e).__name__}: {e}); alignment unrepaired")
