@@ -140,7 +140,7 @@ def test_intermittent_serial_work_before_a_bcast_is_a_serial_section(tmp_path: P
     assert list(f.evidence["collective_sites"]) == ["train.py:60"]
     assert f.evidence["previous_collective_sites"] == {"train.py:50": 10}
     assert f.evidence["windows"] == 10 and f.evidence["why_serial"]["intermittent"] == 10
-    assert "10 of 50 calls at train.py:60" in f.summary and "caps any speed-up" in f.summary
+    assert "10 of 50 calls at train.py:60" in f.summary and "Amdahl" in f.summary
 
 
 def test_a_rank_slower_at_the_shared_work_is_a_straggler_not_a_serial_section(tmp_path: Path) -> None:

@@ -269,7 +269,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         cap = 1.0 / s if s > 0 else float("inf")
         summary = (
             f"rank {r} works alone while the others wait in {top_op} ({every} calls at {_short(top_site)}): "
-            f"{_secs(cost_s)} serial = {s:.0%} of the run, which caps any speed-up from more ranks at {cap:.3g}x"
+            f"{_secs(cost_s)} serial = {s:.0%} of the run (Amdahl: more ranks can speed it up {cap:.3g}x at most)"
         )
         host = run.host_of(r)
         wins = [

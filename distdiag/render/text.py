@@ -1,17 +1,28 @@
 """The terminal report: the verdict first, then the ranked findings, the per-rank breakdown, warnings.
 
 The first lines answer the user's question on their own: which cause binds,
-what it costs (seconds and share of wall-clock), the evidence, what to do. A
-healthy job says so plainly and shows where the time went instead.
+what it costs (seconds and share of wall-clock), the evidence, what to do, and
+what binds next once it is fixed (``distdiag.ranking.outlook``). A healthy job
+says so plainly and shows where the time went instead.
+
+Colour only when writing to a terminal: ``TextRenderer(color=None)`` asks
+``sys.stdout.isatty()``, and ``NO_COLOR`` (https://no-color.org, any
+non-empty value) or ``TERM=dumb`` turn it off; the CLI passes
+``color=False`` when the report goes to a file. :class:`ProgressBar` draws on
+stderr while many rank files load, again only on a terminal.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+import time
+from typing import Any, TextIO
 
 import numpy as np
 
 from distdiag.breakdown import COLUMNS
+from distdiag.ranking import outlook
 
 #: a per-rank table longer than this shows the ranks the findings name plus min/median/max
 MAX_RANK_ROWS = 16
@@ -53,6 +64,8 @@ def _fmt_val(v: Any) -> str:
         return "; ".join(items) + more
     if isinstance(v, (list, tuple)):
         more = f", +{len(v) - 3} more" if len(v) > 3 else ""
+        if v and all(isinstance(x, dict) for x in v):  # records: one (k v, ...) each
+            return "; ".join("(" + ", ".join(f"{a} {_fmt_val(b)}" for a, b in x.items()) + ")" for x in v[:3]) + more
         return ", ".join(_fmt_val(x) for x in v[:3]) + more
     return str(v)
 
@@ -68,9 +81,29 @@ def _evidence_lines(ev: dict[str, Any], indent: str) -> list[str]:
     return out
 
 
+def use_color(stream: TextIO | None = None) -> bool:
+    """Colour on ``stream`` (stdout): a TTY, NO_COLOR unset or empty, TERM not "dumb"."""
+    stream = stream or sys.stdout
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # closed or replaced streams
+        return False
+
+
+#: ANSI styles by role; only used when colour is on
+_STYLE = {"verdict": "1;31", "healthy": "1;32", "head": "1", "dim": "2", "cost": "1;33", "warn": "33"}
+
+
 class TextRenderer:
-    def __init__(self, max_findings: int | None = None) -> None:
+    def __init__(self, max_findings: int | None = None, color: bool | None = None) -> None:
         self.max_findings = max_findings
+        #: None: decide from stdout (see use_color)
+        self.color = use_color() if color is None else bool(color)
+
+    def _c(self, role: str, text: str) -> str:
+        return f"\x1b[{_STYLE[role]}m{text}\x1b[0m" if self.color else text
 
     def render(self, report: Any) -> str:
         run = report.run
@@ -95,7 +128,7 @@ class TextRenderer:
         lines += self._breakdown(report)
         if run.warnings:
             lines.append("")
-            lines.append(f"WARNINGS ({len(run.warnings)})")
+            lines.append(self._c("warn", f"WARNINGS ({len(run.warnings)})"))
             lines += [f"  - {w}" for w in run.warnings]
         return "\n".join(lines) + "\n"
 
@@ -106,17 +139,24 @@ class TextRenderer:
         if f is None:
             thr = report.config.min_fraction
             out = [
-                f"VERDICT: healthy. No cause costs more than {thr:.0%} of the {_fmt_s(run.wall_s)} wall-clock "
-                "(no straggler, no other finding)."
+                self._c("healthy", "VERDICT: healthy.")
+                + f" No cause costs more than {thr:.0%} of the {_fmt_s(run.wall_s)} wall-clock "
+                "(no straggler, no serial section, no I/O, input or link bottleneck found)."
             ]
             out.append("  time went to: " + self._shares(report))
             return out
-        out = [f"VERDICT: {f.kind} -- {f.summary}"]
+        out = [self._c("verdict", f"VERDICT: {f.kind}") + f" -- {f.summary}"]
+        base = "turnaround, submit to end" if f.evidence.get("fraction_of") == "turnaround" else "wall-clock"
         out.append(
-            f"  cost: {_fmt_s(f.cost_s)} = {f.fraction:.0%} of the "
-            + ("turnaround, submit to end" if f.evidence.get("fraction_of") == "turnaround" else "wall-clock")
+            "  cost: " + self._c("cost", f"{_fmt_s(f.cost_s)} = {f.fraction:.0%} of the {base}")
             + " (what the job would save without it)"
         )
+        if f.kind == "serial_section" and f.evidence.get("serial_fraction"):
+            s = float(f.evidence["serial_fraction"])
+            out.append(
+                f"  Amdahl: {s:.1%} of the run is serial, which caps any speed-up from more ranks at {1 / s:.3g}x "
+                "(5% serial caps you at 20x)"
+            )
         where = []
         if f.ranks:
             where.append(f"ranks {_short_list(f.ranks)}")
@@ -128,9 +168,27 @@ class TextRenderer:
             where.append(f"paths {_short_list(f.paths)}")
         if where:
             out.append("  where: " + "; ".join(where))
-        out += _evidence_lines(f.evidence, "  ")
+        ev = {k: v for k, v in f.evidence.items() if k not in _EVIDENCE_SHOWN_ELSEWHERE}
+        # the scalars and the first few tables: the verdict stays one screen (JSON has it all)
+        ev_lines = _evidence_lines(ev, "  ")
+        nested = [line for line in ev_lines if line.startswith("    ")]
+        out += [line for line in ev_lines if not line.startswith("    ")]
+        inc = f.evidence.get("includes")
+        if inc:
+            out.append("  also seen as: " + "; ".join(f"{k} ({_fmt_s(float(v))})" for k, v in inc.items())
+                       + " -- the same seconds, counted here")  # fmt: skip
+        dd = f.evidence.get("deduplicated")
+        if dd:
+            out.append(
+                f"  counted once: {_fmt_s(float(dd['cost_before_s']) - float(f.cost_s))} of its "
+                f"{_fmt_s(float(dd['cost_before_s']))} belong to " + ", ".join(dd["explained_by"])
+            )
         if f.advice:
             out.append(f"  what to do: {f.advice}")
+        out.append("  " + _then_line(report))
+        if nested:
+            out.append(self._c("dim", "  details:"))
+            out += [self._c("dim", line) for line in nested[:MAX_EVIDENCE_TABLES]]
         return out
 
     def _shares(self, report: Any) -> str:
@@ -145,7 +203,7 @@ class TextRenderer:
     def _findings(self, report: Any) -> list[str]:
         limit = self.max_findings or report.config.max_findings
         fs = report.findings[:limit]
-        out = ["FINDINGS (ranked by the wall-clock each costs)"]
+        out = [self._c("head", "FINDINGS (ranked by the wall-clock each would save; each second counted once)")]
         out.append(f"  {'#':>2}  {'kind':<20} {'cost':>9} {'share':>6}  {'ranks':<10} summary")
         for i, f in enumerate(fs, 1):
             out.append(
@@ -157,7 +215,7 @@ class TextRenderer:
 
     def _breakdown(self, report: Any) -> list[str]:
         df = report.breakdown
-        out = ["PER-RANK BREAKDOWN (seconds)"]
+        out = [self._c("head", "PER-RANK BREAKDOWN (seconds)")]
         cols = ["wall_s", *COLUMNS]
         heads = ["wall", "compute", "comm_wait", "comm_xfer", "io", "input_wait", "h2d", "other"]
         out.append(f"  {'rank':>6} {'host':<12} " + " ".join(f"{h:>10}" for h in heads))
@@ -180,6 +238,63 @@ class TextRenderer:
         for label, vals in (("min", arr.min(axis=0)), ("median", np.median(arr, axis=0)), ("max", arr.max(axis=0))):
             out.append(row(label, f"({len(df)} ranks)", vals))
         return out
+
+
+#: evidence keys the verdict shows in their own words
+_EVIDENCE_SHOWN_ELSEWHERE = frozenset({"deduplicated", "serial_fraction", "amdahl_speedup_cap", "fraction_of",
+                                       "includes", "first_windows"})
+#: evidence tables (dicts, lists) the verdict shows under its scalars
+MAX_EVIDENCE_TABLES = 3
+
+
+def _then_line(report: Any) -> str:
+    """What binds once the verdict is fixed, or that nothing else is worth fixing."""
+    fs = report.findings
+    wall = float(report.run.wall_s)
+    if len(fs) < 2:
+        thr = report.config.min_fraction
+        return f"then: nothing else costs more than {thr:.0%} of the wall-clock; fixing this is the whole win"
+    nxt = outlook(fs, wall, limit=2)[1]
+    return (
+        f"then: {nxt['kind']} ({_fmt_s(nxt['cost_s'])}, {nxt['share']:.0%} of the {_fmt_s(nxt['wall_s'])} "
+        f"left once this is fixed) -- {fs[1].summary}"
+    )
+
+
+class ProgressBar:
+    """``[####......] 120/512 rank files`` on stderr, redrawn in place; silent unless stderr is a TTY.
+
+    Call it as ``progress(done, total)`` (the ``load_run`` callback); it draws
+    only for ``min_total`` files or more and at most every ``interval_s``.
+    """
+
+    def __init__(self, stream: TextIO | None = None, min_total: int = 16, interval_s: float = 0.1,
+                 enabled: bool | None = None) -> None:  # fmt: skip
+        self.stream = stream or sys.stderr
+        try:
+            tty = bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            tty = False
+        self.enabled = tty if enabled is None else enabled
+        self.min_total = min_total
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_total:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < self.interval_s:
+            return
+        self._last = now
+        width = 30
+        k = width * done // max(total, 1)
+        self.stream.write(f"\rdistdiag: loading [{'#' * k}{'.' * (width - k)}] {done}/{total} rank files")
+        self._drawn = True
+        if done >= total:
+            self.stream.write("\r\x1b[K")  # clear the line: the report follows on stdout
+        self.stream.flush()
 
 
 def _short_list(xs: list[Any], limit: int = 6) -> str:

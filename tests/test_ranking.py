@@ -1,0 +1,94 @@
+"""One ranking (distdiag/ranking.py): causes keep their seconds, symptoms keep the rest, each second counted once.
+
+Simulated runs (tests/test_serial_section.py's ``simulate``) for the
+de-duplication rules, and a real ``mpiexec -n 4 distdiag-wrap`` job with two
+injected causes of very different size, ranked in the right order with the
+right costs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distdiag.config import Config
+from distdiag.findings import Finding
+from distdiag.pipeline import analyze
+from distdiag.ranking import outlook
+from distdiag.render.text import TextRenderer
+from test_serial_section import of_kind, run_serial_job, simulate
+
+
+def test_a_straggler_whose_lateness_is_its_input_wait_is_counted_once(tmp_path: Path) -> None:
+    # rank 3 waits 10 ms on its loader every iteration; the others wait for it at the all-reduce
+    sim = simulate(tmp_path / "r", input_wait=(3, 10.0))
+    rep = analyze(sim.run_dir, Config())
+    assert [f.kind for f in rep.findings] == ["input_bound"], [(f.kind, f.cost_s) for f in rep.findings]
+    (ib,) = rep.findings
+    assert ib.cost_s == pytest.approx(50 * 10e-3, rel=0.02)
+    assert "straggler ranks 3" in ib.evidence["includes"]  # it says which symptom it explains
+
+
+def test_a_straggler_partly_explained_keeps_the_rest(tmp_path: Path) -> None:
+    # rank 3: 5 ms loader wait and 10 ms more compute every iteration
+    sim = simulate(tmp_path / "r", input_wait=(3, 5.0), slow=(3, 10.0))
+    rep = analyze(sim.run_dir, Config())
+    (ib,) = of_kind(rep, "input_bound")
+    (st,) = of_kind(rep, "straggler")
+    assert ib.cost_s == pytest.approx(50 * 5e-3, rel=0.02)
+    assert st.cost_s == pytest.approx(50 * 10e-3, rel=0.05)
+    # together exactly what the waiting ranks lost, never more
+    assert ib.cost_s + st.cost_s == pytest.approx(st.evidence["deduplicated"]["cost_before_s"], rel=1e-3)
+    assert [f.kind for f in rep.findings] == ["straggler", "input_bound"]
+
+
+def test_serial_section_and_straggler_on_different_ranks_rank_by_cost(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "r", serial=(0, 40.0, 5), slow=(2, 1.5))
+    rep = analyze(sim.run_dir, Config())
+    assert [(f.kind, f.ranks) for f in rep.findings] == [("serial_section", [0]), ("straggler", [2])]
+    assert rep.findings[0].cost_s == pytest.approx(sim.serial_s, rel=1e-3)
+    assert rep.findings[1].cost_s == pytest.approx(sim.straggler_s, rel=0.05)
+    assert all(f.fraction == pytest.approx(f.cost_s / rep.run.wall_s) for f in rep.findings)
+
+
+def test_outlook_says_what_binds_once_the_first_is_fixed() -> None:
+    fs = [Finding("serial_section", 30.0, ""), Finding("straggler", 10.0, ""), Finding("input_bound", 5.0, "")]
+    out = outlook(fs, wall_s=100.0)
+    assert [o["wall_s"] for o in out] == [100.0, 70.0, 60.0]
+    assert out[1]["share"] == pytest.approx(10 / 70) and out[2]["share"] == pytest.approx(5 / 60)
+
+
+def test_healthy_job_says_so_plainly(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "r", seed=5)
+    rep = analyze(sim.run_dir, Config())
+    assert rep.findings == [] and rep.verdict is None
+    text = TextRenderer(color=False).render(rep)
+    first = text.splitlines()[2]
+    assert first.startswith("VERDICT: healthy"), text
+
+
+def test_text_report_puts_the_verdict_first_with_the_next_one(tmp_path: Path) -> None:
+    sim = simulate(tmp_path / "r", serial=(0, 40.0, 5), slow=(2, 1.5))
+    rep = analyze(sim.run_dir, Config())
+    text = TextRenderer(color=False).render(rep)
+    lines = text.splitlines()
+    assert lines[2].startswith("VERDICT: serial_section")
+    assert "\x1b[" not in text
+    assert any(line.strip().startswith("then: straggler") for line in lines[:12]), text
+    assert any("caps" in line and "Amdahl" in line for line in lines[:12]), text
+
+
+@pytest.mark.mpi
+def test_mpi_two_causes_of_very_different_size_are_ranked_with_their_costs(tmp_path: Path) -> None:
+    run_dir, serial_s, slow_s = run_serial_job(tmp_path, "--iters", "20", "--serial-rank", "0", "--serial-s", "0.3",
+                                               "--every", "5", "--slow-rank", "2", "--slow-s", "0.02")  # fmt: skip
+    assert (serial_s, slow_s) == pytest.approx((1.2, 0.4))
+    rep = analyze(run_dir, Config())
+    loud = [f for f in rep.findings if f.kind in ("serial_section", "straggler")]
+    assert [(f.kind, f.ranks) for f in loud][:2] == [("serial_section", [0]), ("straggler", [2])], [
+        (f.kind, f.ranks, f.cost_s) for f in rep.findings
+    ]
+    assert loud[0].cost_s == pytest.approx(serial_s, rel=0.25)
+    assert loud[1].cost_s == pytest.approx(slow_s, rel=0.25)
+    assert rep.verdict is loud[0]
