@@ -37,15 +37,19 @@ def _analyze(ns: argparse.Namespace) -> int:
     from distdiag.config import load_config
     from distdiag.run import load_run
 
+    from distdiag.render.progress import ProgressBar
+
     cfg = load_config(ns.config)
     # Load before importing the pipeline (pandas, every detector): a wrong
-    # path is answered in a fraction of the time.
-    run = load_run(ns.run_dir)
+    # path is answered in a fraction of the time. The bar shows on a terminal only.
+    run = load_run(ns.run_dir, progress=ProgressBar())
     from distdiag.pipeline import analyze_run
     from distdiag.render import render
 
     report = analyze_run(run, cfg)
-    out = render(report, ns.format)
+    # colour only on a terminal: never into a file (-o)
+    options = {"color": False} if ns.output and ns.format == "text" else {}
+    out = render(report, ns.format, **options)
     if ns.output:
         try:
             Path(ns.output).write_text(out)

@@ -30,7 +30,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -492,11 +492,12 @@ def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | 
     return out
 
 
-def load_run(path: str | Path) -> Run:
+def load_run(path: str | Path, progress: Callable[[int, int], None] | None = None) -> Run:
     """Read every rank file of a run directory into one :class:`Run`.
 
     Raises :class:`DistdiagError` only when nothing can be analyzed; every other
-    problem is one line in ``run.warnings``.
+    problem is one line in ``run.warnings``. ``progress(done, total)`` is called
+    after each rank file (the CLI's progress bar).
     """
     p = Path(path)
     if not p.exists():
@@ -510,7 +511,9 @@ def load_run(path: str | Path) -> Run:
     warnings: list[str] = []
     problems: list[str] = []
     loaded: dict[int, _RankData] = {}
-    for fp in files:  # one per rank file
+    for i_file, fp in enumerate(files):  # one per rank file
+        if progress is not None:
+            progress(i_file, len(files))
         got = _read_rank(fp, warnings)
         if isinstance(got, str):
             problems.append(got)
@@ -527,6 +530,8 @@ def load_run(path: str | Path) -> Run:
             )
             continue
         loaded[r] = got
+    if progress is not None:
+        progress(len(files), len(files))
     if not loaded:
         if len(problems) == 1:
             raise DistdiagError(problems[0].removesuffix("; skipped"))

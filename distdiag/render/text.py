@@ -8,15 +8,15 @@ says so plainly and shows where the time went instead.
 Colour only when writing to a terminal: ``TextRenderer(color=None)`` asks
 ``sys.stdout.isatty()``, and ``NO_COLOR`` (https://no-color.org, any
 non-empty value) or ``TERM=dumb`` turn it off; the CLI passes
-``color=False`` when the report goes to a file. :class:`ProgressBar` draws on
-stderr while many rank files load, again only on a terminal.
+``color=False`` when the report goes to a file. The progress bar while many
+rank files load is :class:`distdiag.render.progress.ProgressBar` (stderr, a
+terminal only).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any, TextIO
 
 import numpy as np
@@ -259,42 +259,6 @@ def _then_line(report: Any) -> str:
         f"then: {nxt['kind']} ({_fmt_s(nxt['cost_s'])}, {nxt['share']:.0%} of the {_fmt_s(nxt['wall_s'])} "
         f"left once this is fixed) -- {fs[1].summary}"
     )
-
-
-class ProgressBar:
-    """``[####......] 120/512 rank files`` on stderr, redrawn in place; silent unless stderr is a TTY.
-
-    Call it as ``progress(done, total)`` (the ``load_run`` callback); it draws
-    only for ``min_total`` files or more and at most every ``interval_s``.
-    """
-
-    def __init__(self, stream: TextIO | None = None, min_total: int = 16, interval_s: float = 0.1,
-                 enabled: bool | None = None) -> None:  # fmt: skip
-        self.stream = stream or sys.stderr
-        try:
-            tty = bool(self.stream.isatty())
-        except (AttributeError, ValueError):
-            tty = False
-        self.enabled = tty if enabled is None else enabled
-        self.min_total = min_total
-        self.interval_s = interval_s
-        self._last = 0.0
-        self._drawn = False
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or total < self.min_total:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last < self.interval_s:
-            return
-        self._last = now
-        width = 30
-        k = width * done // max(total, 1)
-        self.stream.write(f"\rdistdiag: loading [{'#' * k}{'.' * (width - k)}] {done}/{total} rank files")
-        self._drawn = True
-        if done >= total:
-            self.stream.write("\r\x1b[K")  # clear the line: the report follows on stdout
-        self.stream.flush()
 
 
 def _short_list(xs: list[Any], limit: int = 6) -> str:
