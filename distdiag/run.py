@@ -62,8 +62,10 @@ RUN_GPU_DTYPE = _with_rank(GPU_DTYPE)
 
 #: Columns that hold string ids and are remapped onto the global table.
 STRING_COLUMNS = ("name_id", "comm_id", "site_id")
-#: Kinds whose ``aux`` is a string id as well (the file system of a file event).
+#: Kinds whose ``aux`` is a string id as well: the file system of a file event,
+#: the datatype of a collective ("MPI_DOUBLE", "float32"), the op a WAIT waits on.
 _FILE_KIND_ARR = np.array(sorted(FILE_KINDS), np.uint8)
+_AUX_STRING_KINDS = np.array(sorted({*FILE_KINDS, int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT)}), np.uint8)
 
 #: Events are read in blocks of this many rows so that a file truncated in the
 #: middle of its events still yields every row before the damage.
@@ -460,8 +462,10 @@ def _remap(arr: np.ndarray, lookup: np.ndarray) -> int:
     for col in STRING_COLUMNS:
         arr[col], b = _map_ids(arr[col], lookup)
         bad += b
-    # File events keep a string id in ``aux`` too: "fstype:mountpoint" (shim/hooks/fileio.py).
-    fk = np.isin(arr["kind"], _FILE_KIND_ARR)
+    # File events keep a string id in ``aux`` too: "fstype:mountpoint" (shim/hooks/fileio.py);
+    # so do collectives (datatype name) and waits (the awaited op), so that equal
+    # datatypes compare equal across ranks (distdiag.detectors.collective_mismatch).
+    fk = np.isin(arr["kind"], _AUX_STRING_KINDS)
     if fk.any():
         mapped, b = _map_ids(arr["aux"][fk], lookup)
         arr["aux"][fk] = mapped
