@@ -43,7 +43,8 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
 2. **Shares.** ``fraction`` = cost over the wall-clock (a finding about the
    queue, ``evidence["fraction_of"] == "turnaround"``, over the turnaround).
 
-3. **Order.** By ``cost_s``, largest first: the first is the verdict. Since
+3. **Order.** By ``cost_s``, largest first: the first is the verdict (a
+   finding with ``evidence["ends_job"]``, a hang, comes before all others). Since
    every second is counted once, fixing the first leaves a run of ``wall -
    cost_1`` in which the second binds with ``cost_2 / (wall - cost_1)`` of the
    time: :func:`outlook` says that for the report.
@@ -90,7 +91,9 @@ def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: An
         if f.evidence.get("fraction_of") == "turnaround" and f.evidence.get("turnaround_s"):
             base = float(f.evidence["turnaround_s"])
         f.fraction = float(f.cost_s) / base if base > 0 else 0.0
-    kept.sort(key=lambda f: -float(f.cost_s))
+    # A finding that ended the job (a hang: evidence["ends_job"]) binds first whatever the
+    # seconds: nothing else can be fixed usefully while the job never finishes.
+    kept.sort(key=lambda f: (not f.evidence.get("ends_job", False), -float(f.cost_s)))
     return kept
 
 

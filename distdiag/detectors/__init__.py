@@ -26,7 +26,8 @@ def register(name: str) -> Callable[[Detector], Detector]:
 
 
 _MODULES = ("straggler", "input_bound", "h2d_copy", "gpu_underutilized", "metadata_storm", "io_bandwidth", "slow_link",
-            "queue_wait", "launch_overhead", "serial_section")
+            "queue_wait", "launch_overhead", "serial_section", "hang",
+            "collective_mismatch")
 
 
 def load_all() -> dict[str, Detector]:

@@ -1,0 +1,242 @@
+"""Collective mismatch: member ranks disagree about the n-th collective on a communicator.
+
+MPI (and NCCL/gloo) require every member of a communicator to call the same
+collectives in the same order, with matching counts, datatypes and roots. A
+rank that calls something else crashes the job ("Message truncated"), hangs
+it, or silently computes garbage. Matching is flight-recorder style, by
+(communicator, seq) (:mod:`distdiag.match`), never by time: the n-th
+collective a rank called on a communicator is compared with the n-th of every
+other member, whatever the clocks say.
+
+States, each explained in words in the finding:
+
+* ``type``: different operations at one seq (``Allreduce`` vs ``Bcast``);
+* ``size``: the same operation with different byte counts, where the op needs
+  equal ones (:data:`distdiag.match.SIZE_CHECKED_OPS`);
+* ``dtype``: different datatypes (``aux`` = datatype name id: "MPI_DOUBLE" vs
+  "MPI_FLOAT"); ranks that recorded no datatype are not compared;
+* ``root``: different roots of a rooted collective;
+* ``missing``: the other members finished the collective and a member never
+  called it although its record goes on past it (it skipped one: its later
+  collectives are shifted, so everything after it mismatches too).
+
+Per communicator only the first mismatched seq is described (later groups on
+it are usually the shift's echo; they are counted). The odd ranks out are the
+ones whose value differs from the most common one.
+
+Cost: when the mismatched collective never completed (a member was still
+inside it when the record ends) the job died or hung there: the cost is the
+time from the last arrival to the end of the record of those inside, and the
+finding ends the job (``evidence["ends_job"]``, listed first). A mismatch the
+job survived costs no measured seconds (cost 0): it is a correctness bug.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from distdiag.detectors import register
+from distdiag.findings import Finding
+from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.schema import COMM_KINDS
+
+log = logging.getLogger(__name__)
+
+_COMM_ARR = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
+_MISMATCH_STATES = (MatchState.OP_MISMATCH, MatchState.SIZE_MISMATCH, MatchState.ROOT_MISMATCH)
+
+
+def member_aux(run: Any, colls: Collectives) -> np.ndarray:
+    """The ``aux`` (datatype id) of every member row of ``colls``, aligned with ``m_rank``.
+
+    :class:`~distdiag.match.Collectives` does not carry it; rows are found again
+    by (comm, seq, rank), which is unique per member (match keeps one row each).
+    """
+    out = np.zeros(len(colls.m_rank), np.int64)
+    if len(out) == 0:
+        return out
+    parts = []
+    for tab in (run.events, run.inflight):  # two tables
+        if len(tab):
+            sel = np.isin(tab["kind"], _COMM_ARR) & (tab["seq"] >= 0)
+            parts.append((tab["comm_id"][sel], tab["seq"][sel], tab["rank"][sel], tab["aux"][sel], tab["t0_ns"][sel]))
+    if not parts:
+        return out
+    c, s, r, a, t = (np.concatenate(x).astype(np.int64) for x in zip(*parts))
+    n_s = int(max(s.max(), colls.g_seq.max())) + 1
+    n_r = int(max(r.max(), colls.m_rank.max())) + 1
+    key = (c * n_s + s) * n_r + r
+    # Earliest row per key, as match keeps.
+    o = np.lexsort((t, key))
+    k_sorted = key[o]
+    first = np.r_[True, k_sorted[1:] != k_sorted[:-1]]
+    uk, ua = k_sorted[first], a[o][first]
+    mkey = (colls.g_comm[colls.m_group].astype(np.int64) * n_s + colls.g_seq[colls.m_group]) * n_r + colls.m_rank
+    pos = np.clip(np.searchsorted(uk, mkey), 0, len(uk) - 1)
+    hit = uk[pos] == mkey
+    out[hit] = ua[pos[hit]]
+    return out
+
+
+def _mode(values: np.ndarray) -> int:
+    u, c = np.unique(values, return_counts=True)
+    return int(u[np.argmax(c)])
+
+
+def _by_value(values: np.ndarray, ranks: np.ndarray, fmt: Any) -> str:
+    """'8192 bytes on ranks 0, 2, 3; 0 bytes on rank 1' (most common first)."""
+    u, c = np.unique(values, return_counts=True)
+    parts = []
+    for v in u[np.argsort(-c, kind="stable")]:  # distinct values: a handful
+        rs = ranks[values == v]
+        parts.append(f"{fmt(v)} on rank{'s' if len(rs) > 1 else ''} {_ranks_txt(rs)}")
+    return "; ".join(parts)
+
+
+def _ranks_txt(rs: np.ndarray, limit: int = 16) -> str:
+    rs = np.sort(np.asarray(rs))
+    txt = ", ".join(str(int(r)) for r in rs[:limit])
+    return txt + (f" and {len(rs) - limit} more" if len(rs) > limit else "")
+
+
+def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray, dtype_bad: bool) -> dict[str, Any]:
+    """State, odd ranks out and a sentence for one mismatched group."""
+    sl = colls.members(g)
+    ranks = colls.m_rank[sl].astype(np.int64)
+    op = colls.op_name(g)
+    head = f"{op} #{int(colls.g_seq[g])} on communicator '{colls.comm_name(g)}'"
+    st = int(colls.g_state[g])
+    values: dict[str, Any] = {}
+    if st == MatchState.OP_MISMATCH:
+        v = colls.m_op[sl]
+        state = "type"
+        text = f"ranks called different operations as collective #{int(colls.g_seq[g])} on '{colls.comm_name(g)}': " + \
+            _by_value(v, ranks, lambda x: run.s(int(x)))
+        values = {run.s(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
+    elif st == MatchState.SIZE_MISMATCH:
+        v = colls.m_nbytes[sl]
+        state = "size"
+        text = f"{head}: ranks passed different sizes: " + _by_value(v, ranks, lambda x: f"{int(x)} bytes")
+        values = {str(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
+    elif st == MatchState.ROOT_MISMATCH:
+        v = colls.m_peer[sl]
+        state = "root"
+        text = f"{head}: ranks named different roots: " + _by_value(v, ranks, lambda x: f"root {int(x)}")
+        values = {str(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
+    elif dtype_bad:
+        a = aux[sl]
+        known = a > 0
+        v, ranks = a[known], ranks[known]
+        state = "dtype"
+        text = f"{head}: ranks passed different datatypes: " + _by_value(v, ranks, lambda x: run.s(int(x)))
+        values = {run.s(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
+    else:
+        missing = colls.missing_ranks(g).astype(np.int64)
+        _, end = run.rank_bounds()
+        after = (end[missing] - int(colls.g_exit_ns[g])) / 1e9 if len(missing) else np.zeros(0)
+        return {
+            "state": "missing",
+            "odd": [int(r) for r in missing],
+            "text": (
+                f"{head}: ranks {_ranks_txt(ranks)} completed it; rank(s) {_ranks_txt(missing)} never called it, "
+                f"though their record goes on {float(after.min()) if len(after) else 0:.3g} s past it"
+            ),
+            "values": {"completed": [int(r) for r in ranks], "never_called": [int(r) for r in missing]},
+        }
+    mode = _mode(v)
+    odd = ranks[v != mode]
+    return {"state": state, "odd": [int(r) for r in odd], "text": text, "values": values}
+
+
+def mismatches(run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(bad, dtype_bad, skipped, aux)``: per group, whether it mismatches (any state), whether
+    by datatype, whether a member skipped it; and the members' datatype ids. Cached on the run."""
+    got = run.cache.get("collective_mismatch")
+    if got is not None and got[0] is colls:
+        return got[1]  # type: ignore[no-any-return]
+    starts = colls.g_start[:-1]
+    aux = member_aux(run, colls)
+    # dtype: the members that recorded one (aux > 0) disagree, and nothing else does.
+    big = np.iinfo(np.int64).max
+    a_min = np.minimum.reduceat(np.where(aux > 0, aux, big), starts)
+    a_max = np.maximum.reduceat(np.where(aux > 0, aux, -1), starts)
+    dtype_bad = (a_max > 0) & (a_min != a_max) & ~np.isin(colls.g_state, _MISMATCH_STATES)
+    inside_any = np.minimum.reduceat(colls.m_t1_ns, starts) < 0
+    _, end = run.rank_bounds()
+    # Present members all left, some never came, yet their record goes on past it: skipped.
+    skipped = np.zeros(len(colls), bool)
+    cand = np.flatnonzero((colls.g_state == MatchState.MISSING_RANKS) & ~inside_any & ~dtype_bad)
+    present = np.array(sorted(run.ranks), np.int64)
+    for g in cand[:1000]:  # groups short of a member that completed anyway: rare
+        miss = colls.missing_ranks(int(g))
+        miss = miss[np.isin(miss, present)]
+        skipped[g] = len(miss) > 0 and bool((end[miss] > colls.g_exit_ns[g]).all())
+    bad = np.isin(colls.g_state, _MISMATCH_STATES) | dtype_bad | skipped
+    out = (bad, dtype_bad, skipped, aux)
+    run.cache["collective_mismatch"] = (colls, out)
+    return out
+
+
+@register("collective_mismatch")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    colls = collectives_of(run)
+    if len(colls) == 0:
+        return []
+    bad, dtype_bad, _, aux = mismatches(run, colls)
+    idx = np.flatnonzero(bad)
+    if len(idx) == 0:
+        return []
+    inside_any = np.minimum.reduceat(colls.m_t1_ns, colls.g_start[:-1]) < 0
+    _, end = run.rank_bounds()
+    comm = colls.g_comm[idx]
+    first_of_comm = idx[np.r_[True, comm[1:] != comm[:-1]]]
+    findings = []
+    for g_ in first_of_comm:  # one per communicator with a mismatch: a handful
+        g = int(g_)
+        d = _describe(run, colls, g, aux, bool(dtype_bad[g]))
+        n_later = int(np.count_nonzero(comm == colls.g_comm[g])) - 1
+        sl = colls.members(g)
+        never_done = bool(inside_any[g])
+        cost_ns = 0
+        if never_done:
+            inside = colls.m_rank[sl][colls.m_t1_ns[sl] < 0].astype(np.int64)
+            cost_ns = max(0, int(end[inside].max()) - int(colls.m_t0_ns[sl].max()))
+        site_ids, cnt = np.unique(colls.m_site[sl], return_counts=True)
+        site = run.s(int(site_ids[np.argmax(cnt)])) if len(site_ids) else ""
+        sites = {int(r): run.s(int(s)) for r, s in zip(colls.m_rank[sl], colls.m_site[sl])}
+        summary = d["text"]
+        if never_done:
+            summary += f"; the job ended inside it ({cost_ns / 1e9:.1f} s stuck)"
+        if n_later:
+            summary += f"; {n_later} later collective(s) on it mismatch too"
+        odd = d["odd"]
+        findings.append(
+            Finding(
+                kind="collective_mismatch",
+                cost_s=cost_ns / 1e9,
+                summary=summary,
+                ranks=odd,
+                hosts=run.hosts_of(odd),
+                evidence={
+                    "state": d["state"],
+                    "comm": colls.comm_name(g),
+                    "seq": int(colls.g_seq[g]),
+                    "op": colls.op_name(g),
+                    "values": d["values"],
+                    "site": site,
+                    "sites": sites,
+                    "completed": not never_done,
+                    "ends_job": never_done,
+                    "later_mismatches": n_later,
+                },
+                advice=(
+                    "Make every rank call the same collectives in the same order with matching counts, datatypes "
+                    f"and roots: look for a rank-dependent branch or size before {colls.op_name(g)}"
+                    + (f" at {site}" if site else "") + "."
+                ),
+            )
+        )
+    return findings
