@@ -90,6 +90,7 @@ for tb in rec.buffers[1:]:
     import numpy as np
 
     ev = np.concatenate([ev, as_events(tb.buf, 0, tb.n)])
+ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
 s = rec.strings.strings
 out["rows"] = [[int(r["kind"]), s[r["name_id"]], s[r["comm_id"]], int(r["seq"]), int(r["nbytes"]), s[r["site_id"]]] for r in ev]
 out["kinds"] = {k.name: int((ev["kind"] == k).sum()) for k in Kind}
