@@ -92,3 +92,68 @@ def test_mpi_two_causes_of_very_different_size_are_ranked_with_their_costs(tmp_p
     assert loud[0].cost_s == pytest.approx(serial_s, rel=0.25)
     assert loud[1].cost_s == pytest.approx(slow_s, rel=0.25)
     assert rep.verdict is loud[0]
+
+
+# --- the terminal: colour and progress only on a TTY ------------------------------------
+
+
+def _cli_on_pty(args: list[str], env_extra: dict[str, str], tmp_path: Path) -> tuple[str, str]:
+    """Run the CLI with stdout and stderr on two real pseudo-terminals; returns what each showed."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
+    env.update({"TERM": "xterm", **env_extra})
+    outs = []
+    fds = [pty.openpty(), pty.openpty()]
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "distdiag.cli", *args], stdout=fds[0][1], stderr=fds[1][1],
+                             stdin=subprocess.DEVNULL, env=env, cwd=tmp_path)  # fmt: skip
+        for _, slave in fds:
+            os.close(slave)
+        bufs: list[bytes] = [b"", b""]
+        import select
+
+        open_fds = {fds[0][0]: 0, fds[1][0]: 1}
+        deadline = 120.0
+        while open_fds and deadline > 0:
+            r, _, _ = select.select(list(open_fds), [], [], 1.0)
+            deadline -= 1.0 if not r else 0.0
+            for fd in r:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # the pty closes with EIO once the child is gone
+                    chunk = b""
+                if not chunk:
+                    del open_fds[fd]
+                else:
+                    bufs[open_fds[fd]] += chunk
+        assert p.wait(timeout=30) == 0, bufs
+        outs = [b.decode("utf-8", "replace") for b in bufs]
+    finally:
+        for master, _ in fds:
+            os.close(master)
+    return outs[0], outs[1]
+
+
+def test_colour_and_progress_bar_only_on_a_terminal(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    sim = simulate(tmp_path / "r", n=16, iters=20, serial=(0, 40.0, 5))
+    out, err = _cli_on_pty(["analyze", str(sim.run_dir)], {}, tmp_path)
+    assert "\x1b[1;31mVERDICT: serial_section" in out
+    assert "loading [" in err and "16/16 rank files" in err
+    # NO_COLOR: the same terminal, no colour
+    out, _ = _cli_on_pty(["analyze", str(sim.run_dir)], {"NO_COLOR": "1"}, tmp_path)
+    assert "VERDICT: serial_section" in out and "\x1b[" not in out
+    # a pipe: neither colour nor a bar
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(sim.run_dir)], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and "\x1b[" not in p.stdout and "loading" not in p.stderr
+    # -o FILE from a terminal: the file has no colour
+    _cli_on_pty(["analyze", str(sim.run_dir), "-o", str(tmp_path / "rep.txt")], {}, tmp_path)
+    text = (tmp_path / "rep.txt").read_text()
+    assert text.splitlines()[2].startswith("VERDICT: serial_section") and "\x1b[" not in text
