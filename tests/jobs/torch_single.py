@@ -10,6 +10,7 @@ import json
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -87,8 +88,6 @@ dist.destroy_process_group()
 
 ev = as_events(rec.buffers[0].buf, 0, rec.buffers[0].n)
 for tb in rec.buffers[1:]:
-    import numpy as np
-
     ev = np.concatenate([ev, as_events(tb.buf, 0, tb.n)])
 ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
 s = rec.strings.strings
