@@ -17,6 +17,11 @@ in ``/inflight``, the calls it was inside of at its last flush. From those:
    ``distdiag.phase``), else its last recorded event; with call sites, and how
    long it had been at it when its record ends.
 
+Only ranks whose own record goes on ``min_stuck_s`` (``[analyze.hang]``,
+default 0.5 s) past the others' arrival count as never entered: the files of
+killed ranks end at their own last flushes, and a job aborted mid-run has
+ranks a few milliseconds apart in their collectives, which is no hang.
+
 Cost: the wall-clock from the moment the last present member entered the stuck
 collective (from then on every rank that could be there waited) to the end of
 the record. Had the missing rank come, the collective would have completed
@@ -77,8 +82,15 @@ def _members_of(run: Any, colls: Collectives, comm: int) -> np.ndarray:
     return m
 
 
-def stuck_groups(run: Any, colls: Collectives) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def stuck_groups(run: Any, colls: Collectives, min_stuck_ns: int = 0) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Per communicator, the last group some member died inside while others never entered it.
+
+    A member counts as "never entered" only when its own record goes on at
+    least ``min_stuck_ns`` past the moment the last present member entered:
+    files of killed ranks end at their last flush, each at its own moment, and
+    a record that ends before the others arrived cannot say the rank stayed
+    away (an abort kills every rank within milliseconds, mid-collective).
+    A member that left no file at all counts (it cannot have been there).
 
     Returns ``(group, inside_ranks, missing_ranks)`` tuples.
     """
@@ -92,12 +104,17 @@ def stuck_groups(run: Any, colls: Collectives) -> list[tuple[int, np.ndarray, np
     # The last candidate per communicator (groups are sorted by (comm, seq)).
     comm = colls.g_comm[cand]
     last = cand[np.r_[comm[1:] != comm[:-1], True]]
+    _, end = run.rank_bounds()
+    have = np.array(sorted(run.ranks), np.int64)
     out = []
     for g in last:  # one per communicator with a stuck group: a handful
         sl = colls.members(int(g))
         present = colls.m_rank[sl].astype(np.int64)
         inside = present[colls.m_t1_ns[sl] < 0]
         missing = np.setdiff1d(_members_of(run, colls, int(colls.g_comm[g])), present)
+        filed = np.isin(missing, have)
+        ends = end[np.where(filed, missing, 0)]
+        missing = missing[~filed | (ends - int(colls.m_t0_ns[sl].max()) >= min_stuck_ns)]
         if len(missing):
             out.append((int(g), np.sort(inside), missing))
     return out
@@ -204,7 +221,8 @@ def _doing(run: Any, rank: int, end_ns: int, slices: dict[int, slice]) -> dict[s
 @register("hang")
 def detect(run: Any, cfg: Any) -> list[Finding]:
     colls = collectives_of(run)
-    stuck = stuck_groups(run, colls)
+    min_stuck_s = float(cfg.value("hang", "min_stuck_s", 0.5))
+    stuck = stuck_groups(run, colls, int(min_stuck_s * 1e9))
     if not stuck:
         return []
     _, end = run.rank_bounds()
