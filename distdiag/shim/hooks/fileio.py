@@ -426,13 +426,21 @@ def _wrap_path_call(orig: Callable[..., Any], kind: int) -> Callable[..., Any]:
         try:
             res = orig(path, *args, **kwargs)
         except BaseException as e:
-            if path.__class__ is not int and not kwargs.get("dir_fd"):
+            if path.__class__ is not int and kwargs.get("dir_fd") is None:
                 _record(kind, path, t0, _now(), _errno_of(e))
             raise
         t1 = _now()
-        if path.__class__ is not int and not kwargs:
-            _record(kind, path, t0, t1)
-        elif path.__class__ is not int and kwargs.get("dir_fd") is None:
+        # the common case inline (a str path seen before): import storms are millions of these
+        if path.__class__ is str and not kwargs:
+            tag = _paths.get(path)
+            if tag is not None:
+                if tag:
+                    try:
+                        _add(t0, t1, kind, tag[0], 0, -1, -1, 0, tag[1], _site(), 0.0)  # type: ignore[misc]
+                    except Exception:
+                        pass
+                return res
+        if path.__class__ is not int and kwargs.get("dir_fd") is None:
             _record(kind, path, t0, t1)
         return res
 
