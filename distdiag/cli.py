@@ -1,6 +1,8 @@
 """``distdiag``: argument parsing only; the work is in the library.
 
     distdiag analyze RUN_DIR [--format text|json] [-o FILE] [--config FILE] [-v]
+    distdiag analyze --parallel RUN_DIR ...   (under mpiexec/srun -n K: distdiag.parallel)
+    distdiag synth OUT_DIR --ranks N --events M --fault straggler|slow_link|storm|serial|skew|none
     distdiag demo [ARGS...]
 
 Expected mistakes (a wrong path, a file that is not a rank file, a bad config)
@@ -28,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
     a.add_argument("--config", metavar="FILE", help="TOML file whose [analyze] table overrides the defaults")
     a.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
+    a.add_argument("--parallel", action="store_true",
+                   help="run as one of K analysis ranks under mpiexec/srun -n K (distdiag.parallel); rank 0 writes")
+    from distdiag.synth import add_parser as _synth_parser
+
+    _synth_parser(sub)
     d = sub.add_parser("demo", help="run a built-in 4-rank MPI job with one slow rank, then analyze it", add_help=False)
     d.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -81,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        if ns.command == "synth":
+            from distdiag.synth import main_from_args
+
+            return main_from_args(ns)
+        if getattr(ns, "parallel", False):
+            from distdiag.parallel import main_from_args as parallel_main
+
+            return parallel_main(ns)
         return _analyze(ns)
     except DistdiagError as e:
         print(f"distdiag: {e}", file=sys.stderr)
