@@ -19,6 +19,7 @@ class Renderer(Protocol):
 RENDERERS: dict[str, str] = {
     "text": "distdiag.render.text:TextRenderer",
     "json": "distdiag.render.json:JsonRenderer",
+    "html": "distdiag.render.html:HtmlRenderer",
 }
 
 

@@ -1,0 +1,454 @@
+"""The report's figures, each a plain function ``plot_x(report, ax=None) -> Axes`` (as PyDarshan does).
+
+Every function takes a :class:`distdiag.pipeline.Report` (or what
+:func:`as_report` turns into one: the ``distdiag.load`` frames, a
+:class:`distdiag.run.Run`, a run directory), draws on ``ax`` when given, else
+on a fresh :class:`matplotlib.figure.Figure` (no pyplot: no global state, no
+GUI backend, safe in a server or a test), and returns the Axes. A function
+raises :class:`NoData` when the run holds nothing it could draw (no file
+events, no Slurm accounting, ...); ``PLOTS`` says which figures the HTML
+report shows and ``available(report)`` which of them apply.
+
+Text from the job (op names, host names, paths) goes into the figure as
+plain text: ``text.parse_math`` is off, so a ``$`` in a path is a dollar,
+not TeX. The figures are rasterized (PNG) by the HTML renderer, so no job
+string reaches its markup through a plot.
+
+Drawing stays vectorized: one PolyCollection per timeline lane and one
+image per matrix, whatever the number of events (capped by ``max_bars``:
+the longest events are kept, the rest are too short to see anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from distdiag.breakdown import COLUMNS
+from distdiag.schema import FILE_KINDS, Kind
+
+log = logging.getLogger(__name__)
+
+#: the rc settings every figure is drawn (and saved) under
+RC: dict[str, Any] = {"text.parse_math": False, "text.usetex": False, "font.size": 9, "axes.titlesize": 10}
+
+#: a timeline draws at most this many rectangles per lane (the longest ones)
+MAX_BARS = 50_000
+#: a heatmap keeps at most this many columns (collectives are binned beyond)
+MAX_HEATMAP_COLS = 400
+#: ranks shown in the timeline and breakdown bars before sampling
+MAX_RANKS = 64
+
+_BREAKDOWN_COLORS = {
+    "compute_s": "#4c9f70", "comm_wait_s": "#d1495b", "comm_transfer_s": "#2e86ab", "io_s": "#8d6a9f",
+    "input_wait_s": "#edae49", "h2d_s": "#6c4b3a", "other_s": "#9e9e9e",
+}  # fmt: skip
+_BREAKDOWN_LABELS = {
+    "compute_s": "compute", "comm_wait_s": "waiting in collectives", "comm_transfer_s": "collective transfer",
+    "io_s": "file I/O", "input_wait_s": "input wait", "h2d_s": "host-to-device", "other_s": "other calls",
+}  # fmt: skip
+
+
+class NoData(ValueError):
+    """The run holds nothing this figure could draw."""
+
+
+def as_report(x: Any) -> Any:
+    """A Report from a Report, the ``distdiag.load`` frames, a Run or a run-dir path."""
+    from distdiag.run import Run
+
+    if hasattr(x, "findings") and hasattr(x, "collectives") and hasattr(x, "breakdown") and hasattr(x, "config"):
+        return x  # a Report
+    rep = getattr(x, "report", None)
+    if rep is not None:
+        return rep  # RunFrames
+    from distdiag.pipeline import analyze, analyze_run
+
+    if isinstance(x, Run):
+        return analyze_run(x)
+    if isinstance(x, (str, Path)):
+        return analyze(x)
+    raise TypeError(f"cannot plot a {type(x).__name__}: pass a Report, distdiag.load(...), a Run or a run dir")
+
+
+def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
+    if ax is not None:
+        return ax
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig.add_subplot()
+
+
+def _rc() -> Any:
+    import matplotlib
+
+    return matplotlib.rc_context(RC)
+
+
+def _t0_ns(run: Any) -> int:
+    return int(run.start_ns)
+
+
+def _rank_rows(ranks: np.ndarray, named: list[int], limit: int) -> np.ndarray:
+    """At most ``limit`` ranks: every named one plus an even spread of the rest."""
+    ranks = np.asarray(ranks, np.int64)
+    if len(ranks) <= limit:
+        return ranks
+    keep = np.unique(np.asarray([r for r in named if r in set(ranks.tolist())], np.int64))[:limit]
+    rest = np.setdiff1d(ranks, keep)
+    n = limit - len(keep)
+    pick = rest[np.linspace(0, len(rest) - 1, n).round().astype(np.int64)] if n > 0 and len(rest) else rest[:0]
+    return np.union1d(keep, pick)
+
+
+def _rects(y: np.ndarray, x0: np.ndarray, x1: np.ndarray, h: float) -> np.ndarray:
+    """Vertices (n, 4, 2) of rectangles [x0, x1] x [y, y + h]: one PolyCollection, no loop."""
+    v = np.empty((len(y), 4, 2))
+    v[:, 0, 0] = v[:, 1, 0] = x0
+    v[:, 2, 0] = v[:, 3, 0] = x1
+    v[:, 0, 1] = v[:, 3, 1] = y
+    v[:, 1, 1] = v[:, 2, 1] = y + h
+    return v
+
+
+def _longest(dur: np.ndarray, limit: int) -> np.ndarray:
+    """Indices of the ``limit`` longest intervals (all when fewer)."""
+    if len(dur) <= limit:
+        return np.arange(len(dur))
+    return np.sort(np.argpartition(-dur, limit)[:limit])
+
+
+# ----------------------------------------------------------------------------------
+# the figures
+
+
+def plot_timeline(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS, max_bars: int = MAX_BARS) -> Any:
+    """Per-rank timeline on the aligned clock: compute phases, collectives (waiting vs
+    transferring) and file I/O in three lanes per rank."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    report = as_report(report)
+    run, colls = report.run, report.collectives
+    ev = run.events
+    named = sorted({int(r) for f in report.findings for r in f.ranks})
+    rows = _rank_rows(run.rank_ids, named, max_ranks)
+    if len(rows) == 0:
+        raise NoData("no rank to draw")
+    row_of = np.full(int(max(rows.max(), run.world_size)) + 1, -1, np.int64)
+    row_of[rows] = np.arange(len(rows))
+    t0 = _t0_ns(run)
+
+    def lane(ranks: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray, off: float, h: float) -> tuple[np.ndarray, ...]:
+        ranks = np.asarray(ranks, np.int64)
+        ok = (ranks >= 0) & (ranks < len(row_of))
+        ok[ok] &= row_of[ranks[ok]] >= 0
+        ok &= b_ns >= a_ns
+        a = (a_ns[ok] - t0) / 1e9
+        b = (b_ns[ok] - t0) / 1e9
+        keep = _longest(b - a, max_bars)
+        return row_of[ranks[ok]][keep] + off, a[keep], b[keep], np.full(len(keep), h)
+
+    layers: list[tuple[str, str, tuple[np.ndarray, ...]]] = []
+    phase_kinds = np.array([Kind.PHASE, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER], np.uint8)
+    m = np.isin(ev["kind"], phase_kinds)
+    layers.append(("compute phase", "#4c9f70", lane(ev["rank"][m], ev["t0_ns"][m], ev["t1_ns"][m], 0.05, 0.28)))
+    m = ev["kind"] == Kind.INPUT_WAIT
+    layers.append(("input wait", "#edae49", lane(ev["rank"][m], ev["t0_ns"][m], ev["t1_ns"][m], 0.05, 0.28)))
+    m = ev["kind"] == Kind.H2D
+    layers.append(("host-to-device", "#6c4b3a", lane(ev["rank"][m], ev["t0_ns"][m], ev["t1_ns"][m], 0.05, 0.28)))
+    # Collectives: waiting (arrival -> last member's arrival), then the transfer.
+    end = np.asarray(run.rank_bounds()[1], np.int64)
+    t1 = np.where(colls.m_t1_ns >= 0, colls.m_t1_ns, end[np.clip(colls.m_rank, 0, len(end) - 1)])
+    split = np.clip(colls.g_last_ns[colls.m_group], colls.m_t0_ns, t1)
+    layers.append(("collective: waiting", "#d1495b", lane(colls.m_rank, colls.m_t0_ns, split, 0.36, 0.28)))
+    layers.append(("collective: transfer", "#2e86ab", lane(colls.m_rank, split, t1, 0.36, 0.28)))
+    m = np.isin(ev["kind"], np.array(sorted(FILE_KINDS), np.uint8))
+    layers.append(("file I/O", "#8d6a9f", lane(ev["rank"][m], ev["t0_ns"][m], ev["t1_ns"][m], 0.67, 0.28)))
+
+    ax = _axes(ax, (11, max(2.5, 0.35 * len(rows) + 1.5)))
+    with _rc():
+        handles = []
+        for label, color, (y, a, b, h) in layers:  # six lanes
+            if len(y) == 0:
+                continue
+            verts = _rects(y, a, b, float(h[0]))
+            # a zero-width rectangle still shows as a line: short calls stay visible
+            ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors=color, linewidths=0.3))
+            handles.append(Patch(color=color, label=label))
+        ax.set_xlim(0, max(run.wall_s, 1e-6))
+        ax.set_ylim(-0.1, len(rows))
+        ax.set_yticks(np.arange(len(rows)) + 0.5)
+        ax.set_yticklabels([f"rank {r}" for r in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds since the first rank started (aligned clocks)")
+        more = f" ({len(rows)} of {len(run.ranks)} ranks)" if len(rows) < len(run.ranks) else ""
+        ax.set_title("Timeline per rank: compute phases, collectives, file I/O" + more)
+        if handles:
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def _main_comm(colls: Any) -> int:
+    """The communicator with the most matched collectives (string id)."""
+    ids, counts = np.unique(colls.g_comm, return_counts=True)
+    return int(ids[np.argmax(counts)])
+
+
+def wait_matrix(report: Any, comm: str | None = None, max_cols: int = MAX_HEATMAP_COLS) -> tuple[np.ndarray, np.ndarray, int, str]:
+    """(ranks, matrix [rank, column] of wait seconds, collectives per column, comm name).
+
+    Columns are the collectives of one communicator in sequence order (the
+    busiest one unless ``comm`` names another), binned ``per_col`` to a column
+    (summed) beyond ``max_cols``. A rank's wait in a collective is the last
+    member's arrival minus its own arrival; NaN where the rank did not take part.
+    """
+    report = as_report(report)
+    colls = report.collectives
+    if len(colls) == 0:
+        raise NoData("no matched collectives")
+    cid = _main_comm(colls) if comm is None else report.run.sid(comm)
+    if cid < 0:
+        raise NoData(f"no communicator {comm!r}")
+    groups = np.flatnonzero(colls.g_comm == cid)
+    order = groups[np.argsort(colls.g_seq[groups], kind="stable")]
+    col_of = np.full(len(colls), -1, np.int64)
+    col_of[order] = np.arange(len(order))
+    per_col = max(1, -(-len(order) // max_cols))
+    n_cols = -(-len(order) // per_col)
+    mine = col_of[colls.m_group] >= 0
+    ranks = np.unique(colls.m_rank[mine]).astype(np.int64)
+    row = np.searchsorted(ranks, colls.m_rank[mine])
+    col = col_of[colls.m_group[mine]] // per_col
+    wait_s = np.maximum(0, colls.g_last_ns[colls.m_group[mine]] - colls.m_t0_ns[mine]) / 1e9
+    flat = row * n_cols + col
+    mat = np.bincount(flat, weights=wait_s, minlength=len(ranks) * n_cols).reshape(len(ranks), n_cols)
+    seen = np.bincount(flat, minlength=len(ranks) * n_cols).reshape(len(ranks), n_cols) > 0
+    mat[~seen] = np.nan
+    return ranks, mat, per_col, report.run.s(cid)
+
+
+def plot_wait_heatmap(report: Any, ax: Any = None, comm: str | None = None, max_cols: int = MAX_HEATMAP_COLS) -> Any:
+    """Rank x collective index heatmap of the time each rank waited for the others."""
+    ranks, mat, per_col, name = wait_matrix(report, comm, max_cols)
+    ax = _axes(ax, (11, max(2.2, 0.25 * len(ranks) + 1.5)))
+    with _rc():
+        im = ax.imshow(mat * 1e3, aspect="auto", interpolation="nearest", cmap="magma_r",
+                       extent=(-0.5, mat.shape[1] * per_col - 0.5, len(ranks) - 0.5, -0.5))  # fmt: skip
+        step = max(1, len(ranks) // 32)
+        ax.set_yticks(np.arange(0, len(ranks), step))
+        ax.set_yticklabels([f"rank {r}" for r in ranks[::step]])
+        ax.set_xlabel(f"collective index on communicator '{name}'" + (f" ({per_col} per column, summed)" if per_col > 1 else ""))
+        ax.set_title("Time each rank waited for the last one to arrive")
+        ax.figure.colorbar(im, ax=ax, label="wait (ms)", fraction=0.03, pad=0.01)
+    return ax
+
+
+def plot_breakdown(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS) -> Any:
+    """Stacked bars per rank: compute, waiting, transfer, I/O, input wait, H2D, other (seconds)."""
+    report = as_report(report)
+    df = report.breakdown
+    if len(df) == 0:
+        raise NoData("no rank recorded any time")
+    named = sorted({int(r) for f in report.findings for r in f.ranks})
+    rows = _rank_rows(df["rank"].to_numpy(), named, max_ranks)
+    sub = df[df["rank"].isin(rows)].sort_values("rank")
+    ax = _axes(ax, (11, max(2.2, 0.3 * len(sub) + 1.5)))
+    with _rc():
+        y = np.arange(len(sub))
+        left = np.zeros(len(sub))
+        for col in COLUMNS:  # seven categories
+            v = sub[col].to_numpy(dtype=float)
+            ax.barh(y, v, left=left, color=_BREAKDOWN_COLORS[col], label=_BREAKDOWN_LABELS[col], height=0.75)
+            left += v
+        ax.set_yticks(y)
+        ax.set_yticklabels([f"rank {r} ({h})" if h else f"rank {r}" for r, h in zip(sub["rank"], sub["host"])])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        more = f" ({len(sub)} of {len(df)} ranks)" if len(sub) < len(df) else ""
+        ax.set_title("Where each rank's wall-clock went" + more)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def link_matrix_of(report: Any) -> dict[str, Any] | None:
+    """The slow_link finding's matrix (``evidence["matrix"]``), else the run's measured one, else None."""
+    report = as_report(report)
+    for f in report.findings:
+        m = f.evidence.get("matrix") if isinstance(f.evidence, dict) else None
+        if isinstance(m, dict) and m.get("units") and m.get("bw_MB_per_s"):
+            return m
+    try:
+        from distdiag.links import link_matrix
+
+        lm = link_matrix(report.run)
+    except Exception:  # the matrix is a nicety: a run it cannot be built for has no figure
+        log.debug("no link matrix", exc_info=True)
+        return None
+    return None if lm is None or len(lm.units) < 2 else lm.to_json()
+
+
+def plot_link_matrix(report: Any, ax: Any = None) -> Any:
+    """Node x node (or rank x rank) bandwidth matrix, MB/s; the slow link stands out."""
+    m = link_matrix_of(report)
+    if m is None:
+        raise NoData("no link measurements")
+    names = [str(u) for u in m["units"]]
+    bw = np.array([[np.nan if v is None else float(v) for v in row] for row in m["bw_MB_per_s"]], float)
+    ax = _axes(ax, (6.5, 5.5))
+    with _rc():
+        im = ax.imshow(bw, cmap="viridis", interpolation="nearest")
+        n = len(names)
+        step = max(1, n // 24)
+        ax.set_xticks(np.arange(0, n, step))
+        ax.set_xticklabels(names[::step], rotation=60, ha="right")
+        ax.set_yticks(np.arange(0, n, step))
+        ax.set_yticklabels(names[::step])
+        if n <= 10:
+            for (i, j), v in np.ndenumerate(bw):  # at most 100 cells
+                if np.isfinite(v):
+                    ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color="w")
+        ax.set_title(f"Link bandwidth between {m.get('unit', 'unit')}s (MB/s, {m.get('source', '')})")
+        ax.figure.colorbar(im, ax=ax, label="MB/s", fraction=0.046, pad=0.04)
+    return ax
+
+
+#: file operations that touch metadata, not data
+METADATA_KINDS = (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR)
+
+
+def plot_metadata_rate(report: Any, ax: Any = None, bin_s: float | None = None) -> Any:
+    """File-system metadata operations per second over time (all ranks), by operation."""
+    report = as_report(report)
+    run = report.run
+    ev = run.events
+    m = np.isin(ev["kind"], np.array(METADATA_KINDS, np.uint8))
+    if not m.any():
+        raise NoData("no file events")
+    t = (ev["t0_ns"][m] - _t0_ns(run)) / 1e9
+    k = ev["kind"][m]
+    wall = max(float(run.wall_s), float(t.max()) if len(t) else 0.0, 1e-3)
+    bin_s = bin_s or max(1e-3, wall / 120)
+    n_bins = int(np.ceil(wall / bin_s)) + 1
+    b = np.clip((t / bin_s).astype(np.int64), 0, n_bins - 1)
+    x = np.arange(n_bins) * bin_s
+    ax = _axes(ax, (11, 3.2))
+    with _rc():
+        bottom = np.zeros(n_bins)
+        colors = {Kind.FILE_OPEN: "#8d6a9f", Kind.FILE_STAT: "#2e86ab", Kind.FILE_LISTDIR: "#edae49",
+                  Kind.FILE_CLOSE: "#9e9e9e"}  # fmt: skip
+        for kind in METADATA_KINDS:  # four operations
+            rate = np.bincount(b[k == kind], minlength=n_bins) / bin_s
+            if rate.any():
+                ax.bar(x, rate, width=bin_s, bottom=bottom, align="edge", color=colors[kind],
+                       label=kind.name.lower().removeprefix("file_"))  # fmt: skip
+                bottom += rate
+        ax.set_xlim(0, wall)
+        ax.set_xlabel("seconds since the first rank started")
+        ax.set_ylabel("operations / s")
+        ax.set_title(f"File-system metadata operations per second, all ranks ({bin_s * 1e3:.3g} ms bins)")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def plot_slurm_timeline(report: Any, ax: Any = None) -> Any:
+    """The job's life in Slurm: submit, eligible, start, ranks' first work, end (seconds since submission)."""
+    report = as_report(report)
+    view = report.slurm
+    if view is None or view.acct is None or not view.timeline:
+        raise NoData(view.why if view is not None else "no Slurm accounting")
+    tl = [t for t in view.timeline if t.get("t_s") is not None]
+    ts = np.array([float(t["t_s"]) for t in tl])
+    ax = _axes(ax, (11, 2.8))
+    with _rc():
+        by = {t["what"]: float(t["t_s"]) for t in tl}
+        spans = [("queued", by.get("submit"), by.get("start"), "#9e9e9e"),
+                 ("launch", by.get("start"), by.get("last rank first work"), "#edae49"),
+                 ("running", by.get("last rank first work", by.get("start")), by.get("end", by.get("last event")),
+                  "#4c9f70")]  # fmt: skip
+        for label, a, b, color in spans:  # three spans
+            if a is not None and b is not None and b >= a:
+                ax.barh(0, b - a, left=a, height=0.4, color=color, label=f"{label} {b - a:.3g} s")
+        ax.scatter(ts, np.zeros(len(ts)), marker="|", s=300, color="k", zorder=3)
+        for i, t in enumerate(tl):  # a dozen instants
+            ax.annotate(str(t["what"]), (float(t["t_s"]), 0), xytext=(0, 14 + 11 * (i % 4)),
+                        textcoords="offset points", fontsize=7, rotation=0, ha="left",
+                        arrowprops={"arrowstyle": "-", "lw": 0.4})  # fmt: skip
+        ax.set_yticks([])
+        ax.set_ylim(-0.5, 1.6)
+        ax.set_xlabel("seconds since submission")
+        ax.set_title(f"Slurm timeline of job {view.acct.job_id}")
+        ax.legend(loc="lower right", fontsize=8, frameon=False)
+    return ax
+
+
+def plot_gpu(report: Any, ax: Any = None, metric: str = "sm_util_pct") -> Any:
+    """One line per (rank, GPU) of an NVML metric over time (SM utilization by default)."""
+    report = as_report(report)
+    run = report.run
+    g = run.gpu
+    if len(g) == 0:
+        raise NoData("no GPU samples")
+    t = (g["t_ns"] - _t0_ns(run)) / 1e9
+    key = g["rank"].astype(np.int64) * 1024 + g["gpu"]
+    ax = _axes(ax, (11, 3.0))
+    with _rc():
+        keys = np.unique(key)
+        for kk in keys[:32]:  # a line per GPU, at most 32
+            m = key == kk
+            o = np.argsort(t[m])
+            ax.plot(t[m][o], g[metric][m][o], lw=0.8, label=f"rank {kk // 1024} gpu {kk % 1024}")
+        ax.set_xlabel("seconds since the first rank started")
+        ax.set_ylabel(metric)
+        ax.set_title(f"GPU {metric} per device" + (f" (32 of {len(keys)})" if len(keys) > 32 else ""))
+        if len(keys) <= 8:
+            ax.legend(fontsize=7, frameon=False)
+    return ax
+
+
+# ----------------------------------------------------------------------------------
+# the list the HTML report draws
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str
+    title: str
+    fn: Callable[..., Any]
+    #: what the figure answers, one sentence under it in the report
+    caption: str
+
+
+PLOTS: list[Plot] = [
+    Plot("timeline", "Timeline", plot_timeline,
+         "Each rank's phases, collectives (red: waiting for others, blue: transferring) and file I/O on one clock."),
+    Plot("wait_heatmap", "Waiting per collective", plot_wait_heatmap,
+         "Dark cells: a rank waited long for the last arriver. A light row among dark ones is the late rank."),
+    Plot("breakdown", "Per-rank breakdown", plot_breakdown, "Where each rank's wall-clock went."),
+    Plot("link_matrix", "Link matrix", plot_link_matrix, "Measured bandwidth between nodes; a dark cell is a slow link."),
+    Plot("metadata_rate", "Metadata operations", plot_metadata_rate,
+         "Opens, stats, directory listings and closes per second across all ranks."),
+    Plot("slurm_timeline", "Slurm timeline", plot_slurm_timeline,
+         "Submission, start, the ranks' first work and the end of the job."),
+    Plot("gpu", "GPU utilization", plot_gpu, "NVML samples per device."),
+]  # fmt: skip
+
+
+def figure_png(fn: Callable[..., Any], report: Any, dpi: int = 90) -> bytes:
+    """Draw ``fn(report)`` on a fresh figure and return it as PNG bytes (raises NoData)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    with _rc():
+        ax = fn(report)
+        fig = ax.figure
+        FigureCanvasAgg(fig)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
