@@ -181,6 +181,7 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
     from distdiag.detectors.serial_section import holds_others, member_gaps_ns
 
     ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & holds_others(run, colls)
+    ok &= ~_first_groups(colls)  # launch skew: the straggler detector leaves each rank's first collective out
     g = np.flatnonzero(ok & np.isin(colls.g_last_rank, np.asarray(f.ranks)))
     if len(g) == 0:
         return None
@@ -191,18 +192,32 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
             (colls.g_last_ns[g] - colls.g_second_ns[g]).astype(np.int64))  # fmt: skip
 
 
+def _first_groups(colls: Collectives) -> np.ndarray:
+    """Per group: True where it is some member's first collective of the run (the straggler detector's rule)."""
+    out = np.zeros(len(colls), bool)
+    if len(colls.m_rank) == 0:
+        return out
+    order = np.lexsort((colls.m_t0_ns, colls.m_rank))
+    r = colls.m_rank[order]
+    first = np.r_[True, r[1:] != r[:-1]]
+    out[colls.m_group[order[first]]] = True
+    return out
+
+
 def _serial(f: Finding, run: Any, stretch: bool) -> Any:
     """A serial_section finding's windows (``stretch``: as a symptom) or claims (its charged windows)."""
     from distdiag.detectors.serial_section import CACHE_KEY
 
     wins = run.cache.get(CACHE_KEY) or {}
-    parts = [(np.full(len(wins[r][0]), r, np.int64), *wins[r]) for r in f.ranks if r in wins]
+    lead = f.evidence.get("lead_rank")
+    keys = [int(lead)] if lead is not None else list(f.ranks)
+    parts = [wins[k] for k in keys if k in wins]
     if not parts:
         return None
-    rank, g0, second, last = (np.concatenate(x) for x in zip(*parts))
+    rank, g0, idle_last, last = (np.concatenate(x) for x in zip(*parts))
     if stretch:
-        return rank, g0, last, last - second
-    return rank, second, last
+        return rank, g0, last, last - idle_last
+    return rank, idle_last, last
 
 
 def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

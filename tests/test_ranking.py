@@ -38,8 +38,11 @@ def test_a_straggler_partly_explained_keeps_the_rest(tmp_path: Path) -> None:
     (st,) = of_kind(rep, "straggler")
     assert ib.cost_s == pytest.approx(50 * 5e-3, rel=0.02)
     assert st.cost_s == pytest.approx(50 * 10e-3, rel=0.05)
-    # together exactly what the waiting ranks lost, never more
-    assert ib.cost_s + st.cost_s == pytest.approx(st.evidence["deduplicated"]["cost_before_s"], rel=1e-3)
+    # the straggler gives up exactly the loader wait inside its lateness: 5 ms at each of
+    # the 49 collectives it is charged for (the first one is launch skew, never charged)
+    dd = st.evidence["deduplicated"]
+    assert dd["explained_by"] == {"input_bound ranks 3": pytest.approx(49 * 5e-3, rel=1e-3)}
+    assert st.cost_s == pytest.approx(dd["cost_before_s"] - 49 * 5e-3, rel=1e-3)
     assert [f.kind for f in rep.findings] == ["straggler", "input_bound"]
 
 
@@ -48,7 +51,7 @@ def test_serial_section_and_straggler_on_different_ranks_rank_by_cost(tmp_path: 
     rep = analyze(sim.run_dir, Config())
     assert [(f.kind, f.ranks) for f in rep.findings] == [("serial_section", [0]), ("straggler", [2])]
     assert rep.findings[0].cost_s == pytest.approx(sim.serial_s, rel=1e-3)
-    assert rep.findings[1].cost_s == pytest.approx(sim.straggler_s, rel=0.05)
+    assert rep.findings[1].cost_s == pytest.approx(sim.straggler_s, rel=0.03)
     assert all(f.fraction == pytest.approx(f.cost_s / rep.run.wall_s) for f in rep.findings)
 
 

@@ -54,9 +54,9 @@ from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
 
-#: run.cache key: rank -> (gap_t0_ns, second_ns, last_ns) arrays, one entry per serial
-#: collective: the late rank's stretch of own work [gap_t0, last] and the charged
-#: window [second-to-last arrival, last arrival] inside it (for distdiag.ranking).
+#: run.cache key: lead rank -> (late_rank, gap_t0_ns, idle_last_ns, last_ns) arrays, one
+#: entry per serial collective: the late rank's stretch of own work [gap_t0, last] and
+#: the charged window [last idle arrival, last arrival] inside it (for distdiag.ranking).
 CACHE_KEY = "serial_section.windows"
 
 #: Rooted collectives that do not synchronize everyone (the straggler
@@ -197,13 +197,32 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
 
     complete = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
     last_row = colls.g_start[1:] - 1
-    ok = complete & holds_others(run, colls) & (colls.m_kind[last_row] == Kind.COLL)
-    if not ok.any():
+    blocking = colls.m_kind[last_row] == Kind.COLL
+    if not (complete & blocking).any():
         return []
     gap = member_gaps_ns(run, colls)
-    charge = (colls.g_last_ns - colls.g_second_ns).astype(np.float64)
     gap_last = gap[last_row].astype(np.float64)
     others = _others_median(colls, gap)
+    # "A few" ranks can work while the rest wait (rank 0 of every node): a
+    # member is idle when its own gap is at most idle_ratio of the last
+    # arriver's; the busy ones are the section's ranks, and the charge runs
+    # from the last idle arrival to the last arrival (for one busy rank that
+    # is the straggler's last - second-to-last).
+    idle_m = gap <= idle_ratio * gap_last[colls.m_group]
+    starts = colls.g_start[:-1]
+    t_idle = np.where(idle_m, colls.m_t0_ns, np.iinfo(np.int64).min)
+    t_idle_last = np.maximum.reduceat(t_idle, starts)
+    t_idle_last = np.where(t_idle_last > np.iinfo(np.int64).min, t_idle_last, colls.g_second_ns)
+    charge = (colls.g_last_ns - t_idle_last).astype(np.float64)
+    big = np.iinfo(np.int32).max
+    lead = np.minimum.reduceat(np.where(idle_m, big, colls.m_rank.astype(np.int64)), starts)
+    # Who held whom: a late non-root of a bcast delays nobody there, unless the
+    # root is one of the busy ranks too (the few work, the rest wait for the
+    # root, and the last busy rank holds the next collective): then the
+    # section's charge still runs to the last busy arrival.
+    root = colls.m_peer[starts].astype(np.int64)
+    root_busy = np.maximum.reduceat(((colls.m_rank == root[colls.m_group]) & ~idle_m).astype(np.int8), starts) > 0
+    ok = complete & blocking & (holds_others(run, colls) | root_busy)
     idle = ok & (charge >= min_window_ns) & (others <= idle_ratio * gap_last)
     if not idle.any():
         return []
@@ -219,72 +238,69 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     late = np.bincount(g_key[idle], minlength=n_rank * n_site)
     intermittent = late[g_key] <= max_share * calls[g_key]
     # the rank before it (a waiting one) came from another line
-    site_differs = (colls.m_site[last_row] != colls.m_site[np.maximum(last_row - 1, colls.g_start[:-1])]) & (
+    site_differs = (colls.m_site[last_row] != colls.m_site[np.maximum(last_row - 1, starts)]) & (
         colls.m_site[last_row] > 0
     )
     cand = np.flatnonzero(idle)
     c_rank = colls.g_last_rank[cand].astype(np.int64)
     c_b = colls.g_last_ns[cand].astype(np.int64)
     c_a = c_b - gap[last_row[cand]]
-    act = _activity_ns(run, c_rank, c_a, c_b)
-    active = act >= activity_share * gap_last[cand]
-    serial = cand[intermittent[cand] | site_differs[cand] | active]
+    active = np.zeros(len(colls), bool)
+    active[cand] = _activity_ns(run, c_rank, c_a, c_b) >= activity_share * gap_last[cand]
+    serial = cand[intermittent[cand] | site_differs[cand] | active[cand]]
     if len(serial) == 0:
         return []
-    why = {
-        "intermittent": int(np.count_nonzero(intermittent[serial])),
-        "call_site_differs": int(np.count_nonzero(site_differs[serial])),
-        "recorded_activity": int(np.count_nonzero(active[np.isin(cand, serial)])),
-    }
 
-    s_rank = colls.g_last_rank[serial].astype(np.int64)
-    s_cost = charge[serial]
-    per_rank_ns = np.bincount(s_rank, weights=s_cost, minlength=n_rank)
-    windows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    s_lead = np.clip(lead[serial], 0, n_rank - 1).astype(np.int64)
+    per_lead_ns = np.bincount(s_lead, weights=charge[serial], minlength=n_rank)
+    windows: dict[int, tuple[np.ndarray, ...]] = {}
     findings = []
     t_run0 = run.start_ns
-    for r_ in np.flatnonzero(per_rank_ns >= min_fraction * wall_s * 1e9):  # ranks over threshold: few
-        r = int(r_)
-        mine = serial[s_rank == r]
-        windows[r] = (
-            (colls.g_last_ns[mine] - gap[last_row[mine]]).astype(np.int64),
-            colls.g_second_ns[mine].astype(np.int64),
-            colls.g_last_ns[mine].astype(np.int64),
-        )
-        cost_s = float(per_rank_ns[r]) / 1e9
-        s = cost_s / wall_s
+    for k_ in np.flatnonzero(per_lead_ns >= min_fraction * wall_s * 1e9):  # sections over threshold: few
+        k = int(k_)
+        mine = serial[s_lead == k]
         lr = last_row[mine]
+        late_rank = colls.g_last_rank[mine].astype(np.int64)
+        windows[k] = (late_rank, (colls.g_last_ns[mine] - gap[lr]).astype(np.int64),
+                      t_idle_last[mine].astype(np.int64), colls.g_last_ns[mine].astype(np.int64))  # fmt: skip
+        # the section's ranks: busy in at least half of its windows
+        busy_rows = np.flatnonzero(np.isin(colls.m_group, mine) & ~idle_m)
+        br, bc = np.unique(colls.m_rank[busy_rows], return_counts=True)
+        ranks = sorted({k, *(int(x) for x in br[bc * 2 >= len(mine)])})
+        cost_s = float(per_lead_ns[k]) / 1e9
+        s = cost_s / wall_s
         coll_sites = _top(colls.m_site[lr], charge[mine], run, top)
         ops = _top(colls.g_op[mine], charge[mine], run, top)
-        # the rank's previous collective: where the serial stretch starts
-        prev_site = _prev_sites(run, colls, r, colls.m_t0_ns[lr] - gap[lr], top)
-        did = _what_it_did(run, r, colls.m_t0_ns[lr] - gap[lr], colls.m_t0_ns[lr], top)
+        # the late rank's previous collective: where the serial stretch starts
+        prev_site = _prev_sites(run, colls, late_rank, colls.m_t0_ns[lr] - gap[lr], top)
+        did = _what_it_did(run, late_rank, colls.m_t0_ns[lr] - gap[lr], colls.m_t0_ns[lr], top)
         top_site = next(iter(coll_sites), "?")
         top_op = next(iter(ops), "collective")
-        # share of the rank's calls at that site that were serial
+        # how many of the lead rank's calls at that site were serial
         site_id = run.sid(top_site) if top_site != "?" else 0
-        n_calls = int(calls[r * n_site + site_id]) if 0 <= site_id < n_site else 0
+        n_calls = int(calls[k * n_site + site_id]) if 0 <= site_id < n_site else 0
         n_here = int(np.count_nonzero(colls.m_site[lr] == site_id))
         every = f"{n_here} of {n_calls}" if n_calls else str(len(mine))
         cap = 1.0 / s if s > 0 else float("inf")
+        who = f"rank {k} works alone" if len(ranks) == 1 else f"ranks {_ranges(ranks)} work"
         summary = (
-            f"rank {r} works alone while the others wait in {top_op} ({every} calls at {_short(top_site)}): "
+            f"{who} while the others wait in {top_op} ({every} calls at {_short(top_site)}): "
             f"{_secs(cost_s)} serial = {s:.0%} of the run (Amdahl: more ranks can speed it up {cap:.3g}x at most)"
         )
-        host = run.host_of(r)
         wins = [
             {"t0_s": round((int(a) - t_run0) / 1e9, 4), "dur_s": round((int(b) - int(a)) / 1e9, 4),
              "op": run.s(int(colls.g_op[g])), "seq": int(colls.g_seq[g])}
-            for g, a, b in zip(mine[:10], windows[r][1][:10], windows[r][2][:10])
+            for g, a, b in zip(mine[:10], windows[k][2][:10], windows[k][3][:10])
         ]  # fmt: skip
         findings.append(
             Finding(
                 kind="serial_section",
                 cost_s=cost_s,
                 summary=summary,
-                ranks=[r],
-                hosts=[host] if host else [],
+                ranks=ranks,
+                hosts=run.hosts_of(ranks),
                 evidence={
+                    "lead_rank": k,
                     "serial_fraction": round(s, 4),
                     "amdahl_speedup_cap": round(cap, 3) if np.isfinite(cap) else None,
                     "windows": int(len(mine)),
@@ -293,7 +309,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                     "previous_collective_sites": prev_site,
                     "in_between": did,
                     "others_median_gap_ms": round(float(np.median(others[mine])) / 1e6, 3),
-                    "why_serial": why,
+                    "why_serial": {
+                        "intermittent": int(np.count_nonzero(intermittent[mine])),
+                        "call_site_differs": int(np.count_nonzero(site_differs[mine])),
+                        "recorded_activity": int(np.count_nonzero(active[mine])),
+                    },
                     "first_windows": wins,
                 },
                 advice=ADVICE,
@@ -314,33 +334,43 @@ def _top(ids: np.ndarray, w: np.ndarray, run: Any, limit: int) -> dict[str, dict
     return {run.s(int(u[i])) or "?": {"count": int(cnt[i]), "s": round(float(tot[i]) / 1e9, 4)} for i in order}
 
 
-def _prev_sites(run: Any, colls: Collectives, rank: int, t_ns: np.ndarray, limit: int) -> dict[str, int]:
-    """Call sites of the rank's collectives that ended at the starts ``t_ns`` of its serial stretches."""
-    mine = (colls.m_rank == rank) & (colls.m_t1_ns >= 0)
+def _prev_sites(run: Any, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray, limit: int) -> dict[str, int]:
+    """Call sites of the collectives of ``rank[i]`` that ended at ``t_ns[i]`` (where its serial stretch starts)."""
+    mine = np.isin(colls.m_rank, rank) & (colls.m_t1_ns >= 0)
     if not mine.any():
         return {}
-    t1 = colls.m_t1_ns[mine]
+    # one sorted key per (rank, exit time): rank in the high bits, time below
+    lo = int(min(colls.m_t1_ns[mine].min(), t_ns.min()))
+    span = int(max(colls.m_t1_ns[mine].max(), t_ns.max())) - lo + 1
+    key = colls.m_rank[mine].astype(np.int64) * span + (colls.m_t1_ns[mine] - lo)
     sites = colls.m_site[mine]
-    o = np.argsort(t1)
-    t1, sites = t1[o], sites[o]
-    k = np.searchsorted(t1, t_ns, side="right") - 1
-    hit = (k >= 0) & (t1[np.maximum(k, 0)] == t_ns)
+    o = np.argsort(key)
+    key, sites = key[o], sites[o]
+    q = rank.astype(np.int64) * span + (t_ns.astype(np.int64) - lo)
+    k = np.searchsorted(key, q, side="right") - 1
+    hit = (k >= 0) & (key[np.maximum(k, 0)] == q)
     u, c = np.unique(sites[k[hit]], return_counts=True)
     order = np.argsort(-c)[:limit]
     return {run.s(int(u[i])) or "?": int(c[i]) for i in order}
 
 
-def _what_it_did(run: Any, rank: int, a_ns: np.ndarray, b_ns: np.ndarray, limit: int) -> list[dict[str, Any]]:
-    """The rank's recorded calls inside its serial stretches, grouped by (kind, name, site), longest first."""
+def _what_it_did(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray, limit: int) -> list[dict[str, Any]]:
+    """The recorded calls of ``rank[i]`` inside its stretch [a_ns[i], b_ns[i]], grouped by (kind, name, site), longest first."""
     ev = run.events
-    sel = (ev["rank"] == rank) & np.isin(ev["kind"], _ACTIVITY_KINDS)
+    sel = np.isin(ev["rank"], rank) & np.isin(ev["kind"], _ACTIVITY_KINDS)
     e = ev[sel]
     if len(e) == 0 or len(a_ns) == 0:
         return []
-    o = np.argsort(a_ns)
-    a, b = a_ns[o], b_ns[o]
-    k = np.searchsorted(a, e["t0_ns"], side="right") - 1
-    inside = (k >= 0) & (e["t0_ns"] <= b[np.maximum(k, 0)])
+    # windows of one rank never overlap; key them by (rank, start) like the events
+    lo = int(min(e["t0_ns"].min(), a_ns.min()))
+    span = int(max(e["t0_ns"].max(), b_ns.max())) - lo + 1
+    wa = rank.astype(np.int64) * span + (a_ns.astype(np.int64) - lo)
+    wb = rank.astype(np.int64) * span + (b_ns.astype(np.int64) - lo)
+    o = np.argsort(wa)
+    a, b = wa[o], wb[o]
+    et = e["rank"].astype(np.int64) * span + (e["t0_ns"].astype(np.int64) - lo)
+    k = np.searchsorted(a, et, side="right") - 1
+    inside = (k >= 0) & (et <= b[np.maximum(k, 0)])
     e = e[inside]
     if len(e) == 0:
         return []
@@ -353,6 +383,12 @@ def _what_it_did(run: Any, rank: int, a_ns: np.ndarray, b_ns: np.ndarray, limit:
         out.append({"call": f"{Kind(int(u[i, 0])).name.lower()} {run.s(int(u[i, 1]))}".strip(),
                     "site": run.s(int(u[i, 2])) or "?", "count": int(cnt[i]), "s": round(float(dur[i]) / 1e9, 4)})  # fmt: skip
     return out
+
+
+def _ranges(ranks: list[int]) -> str:
+    from distdiag.run import _ranges as r
+
+    return r(ranks)
 
 
 def _short(site: str) -> str:
