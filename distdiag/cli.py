@@ -1,6 +1,7 @@
 """``distdiag``: argument parsing only; the work is in the library.
 
-    distdiag analyze RUN_DIR [--format text|json] [-o FILE] [--config FILE] [-v]
+    distdiag analyze RUN_DIR [--format text|json|html] [-o FILE] [--config FILE] [-v]
+                     [--perfetto TRACE_JSON [--window T0:T1] [--max-events N]]
     distdiag analyze --parallel RUN_DIR ...   (under mpiexec/srun -n K: distdiag.parallel)
     distdiag synth OUT_DIR --ranks N --events M --fault straggler|slow_link|storm|serial|skew|none
     distdiag demo [ARGS...]
@@ -32,12 +33,41 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
     a.add_argument("--parallel", action="store_true",
                    help="run as one of K analysis ranks under mpiexec/srun -n K (distdiag.parallel); rank 0 writes")
+    a.add_argument("--perfetto", metavar="TRACE_JSON", help="also write a Perfetto/Chrome trace (tracks per rank)")
+    a.add_argument("--window", metavar="T0:T1", type=_window, default=None,
+                   help="--perfetto: only what overlaps T0..T1 (seconds since the first rank started; either may be empty)")
+    a.add_argument("--max-events", metavar="N", type=int, default=None,
+                   help="--perfetto: write at most N events, the longest first (default 1000000; 0: no cap)")
     from distdiag.synth import add_parser as _synth_parser
 
     _synth_parser(sub)
     d = sub.add_parser("demo", help="run a built-in 4-rank MPI job with one slow rank, then analyze it", add_help=False)
     d.add_argument("args", nargs=argparse.REMAINDER)
     return p
+
+
+def _window(text: str) -> tuple[float, float]:
+    from distdiag.render.perfetto import parse_window
+
+    try:
+        return parse_window(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _perfetto(report: object, ns: argparse.Namespace) -> int:
+    from distdiag.render.perfetto import DEFAULT_MAX_EVENTS, export_perfetto
+
+    cap = DEFAULT_MAX_EVENTS if ns.max_events is None else (ns.max_events or None)
+    try:
+        st = export_perfetto(report, ns.perfetto, window_s=ns.window, max_events=cap)
+    except OSError as e:
+        print(f"distdiag: cannot write '{ns.perfetto}': {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    left = f", {st.n_dropped} left out (--max-events/--window)" if st.n_dropped else ""
+    print(f"distdiag: wrote {st.n_events} trace events to {ns.perfetto}{left} (open it in https://ui.perfetto.dev)",
+          file=sys.stderr)
+    return 0
 
 
 def _analyze(ns: argparse.Namespace) -> int:
@@ -54,6 +84,10 @@ def _analyze(ns: argparse.Namespace) -> int:
     from distdiag.render import render
 
     report = analyze_run(run, cfg)
+    if getattr(ns, "perfetto", None):
+        rc = _perfetto(report, ns)
+        if rc:
+            return rc
     # colour only on a terminal: never into a file (-o)
     options = {"color": False} if ns.output and ns.format == "text" else {}
     out = render(report, ns.format, **options)
