@@ -49,9 +49,11 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
    cost_1`` in which the second binds with ``cost_2 / (wall - cost_1)`` of the
    time: :func:`outlook` says that for the report.
 
+A host-level straggler (a slow node) is charged from the last arrival on any
+other host, and its windows are the stretches of its last-arriving ranks.
+
 Not de-duplicated (documented limits): two mechanisms on the same seconds
-(a metadata storm and a large read in one window), host-level straggler
-findings beyond the windows of their last-arriving ranks, and findings about
+(a metadata storm and a large read in one window), and findings about
 the hardware's efficiency (``gpu_underutilized``) or outside the ranks' run
 (``queue_wait``, ``launch_overhead``), which share no seconds with the rest.
 """
@@ -188,8 +190,26 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
     last_row = colls.g_start[1:][g] - 1
     gap = member_gaps_ns(run, colls)[last_row]
     t1 = colls.g_last_ns[g].astype(np.int64)
-    return (colls.g_last_rank[g].astype(np.int64), t1 - gap, t1,
-            (colls.g_last_ns[g] - colls.g_second_ns[g]).astype(np.int64))  # fmt: skip
+    charge = (colls.g_last_ns[g] - colls.g_second_ns[g]).astype(np.int64)
+    if f.evidence.get("level") == "host":
+        # a slow node: charged from the last arrival on any other host (straggler._fold_hosts)
+        charge = t1 - _other_host_last_ns(run, colls)[g]
+    return colls.g_last_rank[g].astype(np.int64), t1 - gap, t1, charge
+
+
+def _other_host_last_ns(run: Any, colls: Collectives) -> np.ndarray:
+    """Per group: the last arrival among members on another host than the last arriver's."""
+    n_rank = int(max(run.world_size, int(colls.m_rank.max()) + 1))
+    hosts = run.hosts
+    host_of = np.full(n_rank, -1, np.int64)
+    for r, info in run.ranks.items():  # one per rank
+        host_of[r] = hosts.index(info.host) if info.host in hosts else -1
+    mh = host_of[colls.m_rank]
+    starts = colls.g_start[:-1]
+    h_last = mh[colls.g_start[1:] - 1]
+    t = np.where(mh != h_last[colls.m_group], colls.m_t0_ns, np.iinfo(np.int64).min)
+    out = np.maximum.reduceat(t, starts)
+    return np.where(out > np.iinfo(np.int64).min, out, colls.g_second_ns)
 
 
 def _first_groups(colls: Collectives) -> np.ndarray:

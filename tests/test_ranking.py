@@ -46,6 +46,16 @@ def test_a_straggler_partly_explained_keeps_the_rest(tmp_path: Path) -> None:
     assert [f.kind for f in rep.findings] == ["straggler", "input_bound"]
 
 
+def test_a_slow_node_whose_ranks_wait_on_input_is_counted_once(tmp_path: Path) -> None:
+    # both ranks of node1 wait 10 ms on their loaders: the node straggles, the loader is why
+    sim = simulate(tmp_path / "r", input_wait=((2, 3), 10.0), hosts=["node0", "node0", "node1", "node1"])
+    rep = analyze(sim.run_dir, Config())
+    assert [f.kind for f in rep.findings] == ["input_bound"], [(f.kind, f.ranks, f.cost_s, f.evidence.get("level"))
+                                                               for f in rep.findings]  # fmt: skip
+    assert rep.findings[0].cost_s == pytest.approx(50 * 10e-3, rel=0.02)
+    assert "straggler ranks 2,3" in rep.findings[0].evidence["includes"]
+
+
 def test_serial_section_and_straggler_on_different_ranks_rank_by_cost(tmp_path: Path) -> None:
     sim = simulate(tmp_path / "r", serial=(0, 40.0, 5), slow=(2, 1.5))
     rep = analyze(sim.run_dir, Config())

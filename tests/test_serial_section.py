@@ -53,7 +53,8 @@ def simulate(
     serial_site: str = "train.py:60",
     serial_file: bool = False,
     slow: tuple[int, float] | None = None,  # (rank, ms) more compute every iteration
-    input_wait: tuple[int, float] | None = None,  # (rank, ms) loader wait at the start of every iteration
+    input_wait: tuple[int | tuple[int, ...], float] | None = None,  # (rank(s), ms) loader wait every iteration
+    hosts: list[str] | None = None,
     seed: int = 0,
 ) -> Sim:
     """A bulk-synchronous loop: [input wait] compute, Allreduce (train.py:50), [serial work] bcast (train.py:60), STEP.
@@ -78,7 +79,7 @@ def simulate(
         start = t.copy()
         iw = np.zeros(n)
         if input_wait:
-            iw[input_wait[0]] = input_wait[1]
+            iw[list(np.atleast_1d(input_wait[0]))] = input_wait[1]
         comp = work_ms + rng.uniform(-jitter_ms, jitter_ms, n)
         if slow:
             comp[slow[0]] += slow[1]
@@ -94,7 +95,7 @@ def simulate(
             pass
         elif slow and last == slow[0]:
             straggle_ns += srt[-1] - srt[-2]
-        if i > 0 and input_wait and last == input_wait[0]:
+        if i > 0 and input_wait and last in np.atleast_1d(input_wait[0]):
             input_ns += min(srt[-1] - srt[-2], input_wait[1])
         x = srt[-1] + 0.3 + rng.uniform(0, 0.02, n)
         for r in range(n):
@@ -120,7 +121,7 @@ def simulate(
     for r in range(n):
         ev = np.array(rows[r], dtype=EVENT_DTYPE)
         ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
-        write_rank(run_dir, r, n, list(ev), strings, host="node0", mono_ns_at_start=MS, end_mono_ns=end_ns,
+        write_rank(run_dir, r, n, list(ev), strings, host=hosts[r] if hosts else "node0", mono_ns_at_start=MS, end_mono_ns=end_ns,
                    closed_cleanly=True)  # fmt: skip
     return Sim(run_dir, (end_ns - MS) / 1e9, serial_ns / 1e3, straggle_ns / 1e3, input_ns / 1e3)
 
