@@ -96,6 +96,11 @@ def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: An
     # A finding that ended the job (a hang: evidence["ends_job"]) binds first whatever the
     # seconds: nothing else can be fixed usefully while the job never finishes.
     kept.sort(key=lambda f: (not f.evidence.get("ends_job", False), -float(f.cost_s)))
+    if len(kept) >= 2:
+        # the JSON carries it too: what binds once the verdict is fixed
+        nxt = outlook(kept, wall_s, limit=2)[1]
+        kept[0].evidence["next_once_fixed"] = {"kind": nxt["kind"], "cost_s": round(nxt["cost_s"], 6),
+                                               "wall_s": round(nxt["wall_s"], 6), "share": round(nxt["share"], 4)}  # fmt: skip
     return kept
 
 

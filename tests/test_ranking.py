@@ -89,6 +89,9 @@ def test_text_report_puts_the_verdict_first_with_the_next_one(tmp_path: Path) ->
     assert lines[2].startswith("VERDICT: serial_section")
     assert "\x1b[" not in text
     assert any(line.strip().startswith("then: straggler") for line in lines[:12]), text
+    nxt = rep.findings[0].evidence["next_once_fixed"]  # the JSON says it too
+    assert nxt["kind"] == "straggler"
+    assert nxt["share"] == pytest.approx(rep.findings[1].cost_s / (rep.run.wall_s - rep.findings[0].cost_s), rel=1e-3)
     assert any("caps" in line and "Amdahl" in line for line in lines[:12]), text
 
 

@@ -204,10 +204,13 @@ class TextRenderer:
         limit = self.max_findings or report.config.max_findings
         fs = report.findings[:limit]
         out = [self._c("head", "FINDINGS (ranked by the wall-clock each would save; each second counted once)")]
-        out.append(f"  {'#':>2}  {'kind':<20} {'cost':>9} {'share':>6}  {'ranks':<10} summary")
-        for i, f in enumerate(fs, 1):
+        # "then": the finding's share of the shorter run left once the ones above it are fixed
+        out.append(f"  {'#':>2}  {'kind':<20} {'cost':>9} {'share':>6} {'then':>6}  {'ranks':<10} summary")
+        then = outlook(fs, float(report.run.wall_s), limit=len(fs))
+        for i, (f, o) in enumerate(zip(fs, then), 1):
             out.append(
-                f"  {i:>2}  {f.kind:<20} {_fmt_s(f.cost_s):>9} {f.fraction:>6.1%}  {_short_list(f.ranks):<10} {f.summary}"
+                f"  {i:>2}  {f.kind:<20} {_fmt_s(f.cost_s):>9} {f.fraction:>6.1%} {o['share']:>6.1%}  "
+                f"{_short_list(f.ranks):<10} {f.summary}"
             )
         if len(report.findings) > limit:
             out.append(f"  ... {len(report.findings) - limit} more (see --format json)")
@@ -242,7 +245,7 @@ class TextRenderer:
 
 #: evidence keys the verdict shows in their own words
 _EVIDENCE_SHOWN_ELSEWHERE = frozenset({"deduplicated", "serial_fraction", "amdahl_speedup_cap", "fraction_of",
-                                       "includes", "first_windows"})
+                                       "includes", "first_windows", "next_once_fixed", "lead_rank"})
 #: evidence tables (dicts, lists) the verdict shows under its scalars
 MAX_EVIDENCE_TABLES = 3
 
