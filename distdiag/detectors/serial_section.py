@@ -24,12 +24,18 @@ it arrives last. What tells them apart is what happened *before* it:
   A rank that sleeps before every all-reduce with nothing recorded is, by this
   rule, a straggler (a loaded node looks exactly like that).
 
-Cost. Per serial collective the same charge the straggler detector makes:
-``last arrival - second-to-last arrival``, what the collective (and the job)
-would gain were the serial work gone or overlapped. Worked example: ranks 1-3
-enter a bcast at 10.00, 10.01, 10.02 s, rank 0 at 10.31 s after 300 ms of
-logging: 0.29 s. The ranking (:mod:`distdiag.ranking`) then takes these
-seconds away from the straggler finding of the same rank, so they count once.
+Cost. Per serial collective: ``last arrival - last arrival of an idle
+rank`` (idle: own gap at most ``idle_ratio`` of the last arriver's), what the
+collective (and the job) would gain were the serial work gone or overlapped.
+With one busy rank that is the straggler detector's ``last - second-to-last``.
+Worked example: ranks 1-3 enter a bcast at 10.00, 10.01, 10.02 s, rank 0 at
+10.31 s after 300 ms of logging: 0.29 s. With "a few" busy ranks (rank 0 of
+each node writes its part) the charge runs from the last idle rank, and the
+finding names every rank busy in at least half of its windows; a bcast whose
+last arriver is a busy non-root still counts when its root is busy too (the
+others wait for the root, the last busy rank holds the next collective).
+The ranking (:mod:`distdiag.ranking`) then takes these seconds away from the
+straggler findings of the same ranks, so they count once.
 
 Amdahl: ``s`` = the serial seconds over the run's wall-clock. Adding ranks can
 at best shrink the rest of the run to nothing, so more ranks make this job at
