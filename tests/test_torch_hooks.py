@@ -167,7 +167,7 @@ def test_real_nvml_on_this_machine_says_off_in_the_rank_file(tmp_path: Path) -> 
 
 
 def test_wrapped_job_records_fake_gpu_samples(tmp_path: Path) -> None:
-    (tmp_path / "job.py").write_text("import time\ntime.sleep(0.6)\n")
+    (tmp_path / "job.py").write_text("import time\ntime.sleep(1.0)\n")
     env = {"DISTDIAG_DIR": str(tmp_path / "run"), "DISTDIAG_HOOKS": "fileio=0", "DISTDIAG_GPU_INTERVAL_S": "0.05",
            "FAKE_NVML_GPUS": "1", "PYTHONPATH": os.pathsep.join([str(FAKE_NVML), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     _run(["-m", "distdiag.wrap", "job.py"], env=env, cwd=tmp_path)

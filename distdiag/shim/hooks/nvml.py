@@ -212,10 +212,31 @@ def start_sampler(
         return None
 
 
+_starter: threading.Thread | None = None
+
+
+def _driver_library_loadable() -> bool:
+    """Whether libnvidia-ml loads (a failed dlopen takes ~1 ms; importing pynvml ~150 ms)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libnvidia-ml.so.1")
+        return True
+    except OSError:
+        return False
+    except Exception:
+        return True  # unsure: let pynvml decide
+
+
 def install(rec: Any, cfg: Any = None) -> None:
-    """Start the sampler for the running session (the wrapper calls this after SESSION is set)."""
-    global _sampler
-    if _sampler is not None:
+    """Start the sampler for the running session (the wrapper calls this after SESSION is set).
+
+    In a background thread: importing pynvml and probing for the driver took
+    ~170 ms here (ctypes, then a failed dlopen), which every wrapped rank would
+    otherwise pay before the program starts, GPU or not.
+    """
+    global _starter
+    if _sampler is not None or _starter is not None:
         return
     from distdiag.shim import session
 
@@ -229,11 +250,25 @@ def install(rec: Any, cfg: Any = None) -> None:
             break
         except (KeyError, ValueError):
             continue
-    _sampler = start_sampler(cfg, sess.writer.add_gpu, sess.writer.set_attr, sess.local_rank, local_world)
+
+    if not _driver_library_loadable():
+        # Said now, so that even a job shorter than the import below has the line;
+        # the thread still tries pynvml (which may bring its own library path).
+        sess.writer.set_attr("gpu_sampler", "off: NVML library not found")
+
+    def start() -> None:
+        global _sampler
+        _sampler = start_sampler(cfg, sess.writer.add_gpu, sess.writer.set_attr, sess.local_rank, local_world)
+
+    _starter = threading.Thread(target=start, name="distdiag-nvml-start", daemon=True)
+    _starter.start()
 
 
 def uninstall() -> None:
-    global _sampler
+    global _sampler, _starter
+    if _starter is not None:
+        _starter.join(timeout=5.0)
+        _starter = None
     s, _sampler = _sampler, None
     if s is not None:
         s.stop()
