@@ -100,6 +100,8 @@ DISCOVER_TIMEOUT_S = 0.3
 RETRY_RTT_NS = 1_000_000
 RETRY_FIRST_S = 0.2
 RETRY_MAX = 6
+#: a round stops after this many exchanges slower than RETRY_RTT_NS (see _round)
+POOR_STOP = 3
 #: waits for a stop are sleeps of at most this long (see _wait_for)
 POLL_S = 0.05
 
@@ -200,7 +202,7 @@ class ClockSync:
         self.run_dir = Path(run_dir)
         self.sink = sink
         self.interval_s = float(_cfg(cfg, "sync_interval_s", 60.0))
-        self.n_exchanges = max(1, int(_cfg(cfg, "sync_exchanges", 10)))
+        self.n_exchanges = int(_cfg(cfg, "sync_exchanges", 10))
         self.exit_wait_s = float(_cfg(cfg, "exit_sync_wait_s", 2.0))
         self.start_wait_s = float(_cfg(cfg, "sync_start_wait_s", 0.0))
         if launch_id is None:
@@ -212,7 +214,8 @@ class ClockSync:
                 launch_id = ""
         self.launch_id = launch_id or ""
         self.is_ref = self.rank == REF_RANK
-        self.active = self.world_size > 1 and self.rank >= 0
+        # sync_exchanges = 0 switches clock sync off (the analyzer then aligns from collective exits)
+        self.active = self.world_size > 1 and self.rank >= 0 and self.n_exchanges > 0
         self._stop = threading.Event()
         self._stopped = False
         self._lock = threading.Lock()  # one round at a time (thread vs. stop())
@@ -488,6 +491,7 @@ class ClockSync:
         """``sync_exchanges`` exchanges (a few more when all were slow); rows go to the sink."""
         rows: list[tuple[int, int, int]] = []
         lost_in_row = 0
+        poor = 0
         n_max = self.n_exchanges * EXTRA_FACTOR
         t_end = time.monotonic() + ROUND_BUDGET_S
         best: int | None = None
@@ -517,6 +521,13 @@ class ClockSync:
             rtt = got[2] - got[0]
             if best is None or rtt < best:
                 best = rtt
+            if rtt > RETRY_RTT_NS:
+                # A GIL was busy on one side. Each further exchange would make the
+                # program's main thread hand its GIL over (and, on a loaded node, wait
+                # for a CPU to get it back): stop early and let a later round retry.
+                poor += 1
+                if poor >= POOR_STOP:
+                    break
         if best is not None and (self.best_rtt_ns is None or best < self.best_rtt_ns):
             self.best_rtt_ns = best
         self.rounds[int(tag)] += 1
