@@ -503,6 +503,20 @@ def load_run(path: str | Path, progress: Callable[[int, int], None] | None = Non
     problem is one line in ``run.warnings``. ``progress(done, total)`` is called
     after each rank file (the CLI's progress bar).
     """
+    p, files = rank_files_of(path)
+    warnings: list[str] = []
+    got_all = []
+    for i_file, fp in enumerate(files):  # one per rank file
+        if progress is not None:
+            progress(i_file, len(files))
+        got_all.append(_read_rank(fp, warnings))
+    if progress is not None:
+        progress(len(files), len(files))
+    return _assemble(path, p, files, got_all, warnings)
+
+
+def rank_files_of(path: str | Path) -> tuple[Path, list[Path]]:
+    """The run dir and its rank files, sorted by name; DistdiagError when there are none."""
     p = Path(path)
     if not p.exists():
         raise DistdiagError(f"run dir '{path}' does not exist")
@@ -511,14 +525,17 @@ def load_run(path: str | Path, progress: Callable[[int, int], None] | None = Non
     files = sorted(q for q in p.iterdir() if RANK_FILE_RE.match(q.name) and q.is_file())
     if not files:
         raise DistdiagError(f"run dir '{path}' holds no rank-*.h5 files (did the job run under distdiag-wrap?)")
+    return p, files
 
-    warnings: list[str] = []
+
+def _assemble(path: str | Path, p: Path, files: list[Path], got_all: list[_RankData | str], warnings: list[str]) -> Run:
+    """One Run from what ``_read_rank`` gave for each of ``files`` (in order); see :func:`load_run`.
+
+    Split from the reading so that distdiag.parallel can read the files on many
+    analysis ranks and assemble the very same Run on one."""
     problems: list[str] = []
     loaded: dict[int, _RankData] = {}
-    for i_file, fp in enumerate(files):  # one per rank file
-        if progress is not None:
-            progress(i_file, len(files))
-        got = _read_rank(fp, warnings)
+    for fp, got in zip(files, got_all):  # one per rank file
         if isinstance(got, str):
             problems.append(got)
             continue
@@ -534,8 +551,6 @@ def load_run(path: str | Path, progress: Callable[[int, int], None] | None = Non
             )
             continue
         loaded[r] = got
-    if progress is not None:
-        progress(len(files), len(files))
     if not loaded:
         if len(problems) == 1:
             raise DistdiagError(problems[0].removesuffix("; skipped"))
