@@ -1,0 +1,181 @@
+"""``distdiag analyze --parallel RUN_DIR`` under ``mpiexec -n K`` / ``srun -n K``.
+
+The analysis itself runs on MPI, the engine every cluster whose jobs we
+diagnose already has. What is split today, and why the result is the serial
+result exactly:
+
+1. **Per-rank work** (reading and decoding the rank files: HDF5 reads, schema
+   and damage checks, the columnar tables, per-file warnings) is split by
+   blocks of rank files: analysis rank k reads files ``[k*F/K, (k+1)*F/K)``.
+   This is the one stage whose cost grows with the file count and the I/O,
+   and it needs nothing from other files.
+2. **Reduce**: each analysis rank ships its decoded tables to analysis rank 0
+   (metadata pickled; the event rows as one raw byte buffer, no pickling),
+   which assembles them with the same function :func:`distdiag.run.load_run`
+   uses (``run._assemble``), in file order, and runs the same
+   ``analyze_run``. Same inputs to the same functions: the JSON report is
+   byte-for-byte the serial one (tests/test_parallel.py checks that under
+   ``mpiexec -n 3``).
+
+Not split yet (measured, see benchmarks/bench_scale.py and the closing
+note of issue 10): clock alignment, collective matching by sequence ranges,
+and the detectors still run on analysis rank 0 over the whole run, so the
+speed-up is bounded by the share of the reading in the total (Amdahl), and
+rank 0 still needs the memory of the whole run.
+
+Errors: a problem that leaves nothing to analyze is raised on rank 0 as
+:class:`DistdiagError` (the CLI prints one line); the other ranks return
+quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distdiag.run import DistdiagError, _assemble, _RankData, _read_rank, rank_files_of
+from distdiag.schema import EVENT_DTYPE
+
+log = logging.getLogger(__name__)
+
+#: tag of the byte buffers holding event rows
+_TAG_EVENTS = 17
+
+
+def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
+    """Analysis rank k's contiguous block [lo, hi) of n_items (sizes differ by at most one)."""
+    return (k * n_items) // n_workers, ((k + 1) * n_items) // n_workers
+
+
+def _read_block(files: list[Path]) -> list[tuple[_RankData | str, list[str]]]:
+    out = []
+    for fp in files:  # one per rank file of this block
+        w: list[str] = []
+        out.append((_read_rank(fp, w), w))
+    return out
+
+
+def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> Any:
+    """Analyze ``run_dir`` on every rank of ``comm`` (default COMM_WORLD).
+
+    Returns the :class:`distdiag.pipeline.Report` on rank 0 and None elsewhere.
+    ``report.run.cache["parallel"]`` holds the seconds of each stage on rank 0.
+    """
+    from mpi4py import MPI
+
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    k, n_workers = comm.Get_rank(), comm.Get_size()
+    t_start = time.perf_counter()
+    files: list[Path] | None = None
+    p: Path | None = None
+    err: str | None = None
+    if k == 0:
+        try:
+            p, files = rank_files_of(run_dir)
+        except DistdiagError as e:
+            err = str(e)
+    files, err = comm.bcast((files, err), root=0)
+    if err is not None:
+        if k == 0:
+            raise DistdiagError(err)
+        return None
+    assert files is not None  # for mypy: bcast gave the list when err is None
+    lo, hi = block_of(k, n_workers, len(files))
+    mine = _read_block(files[lo:hi])
+    t_read = time.perf_counter()
+
+    if k != 0:
+        # Metadata pickled (small), event rows as raw bytes (no pickle, no copy).
+        evs = [d.events if isinstance(d, _RankData) else None for d, _ in mine]
+        meta = []
+        for d, w in mine:  # per rank file
+            if isinstance(d, _RankData):
+                d = _RankData(d.info, np.zeros(0, EVENT_DTYPE), d.strings, d.sync, d.inflight, d.gpu)
+            meta.append((d, w))
+        counts = [0 if e is None else len(e) for e in evs]
+        comm.send((meta, counts), dest=0)
+        parts = [e for e in evs if e is not None and len(e)]
+        if parts:
+            buf = np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
+            del parts
+            comm.Send([buf.view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_EVENTS)
+        return None
+
+    got_all: list[_RankData | str] = []
+    warnings: list[str] = []
+    blocks: list[list[tuple[_RankData | str, list[str]]]] = [mine]
+    for src in range(1, n_workers):  # per analysis rank, in file order
+        meta, counts = comm.recv(source=src)
+        total = int(sum(counts))
+        if total:
+            buf = np.empty(total, EVENT_DTYPE)
+            comm.Recv([buf.view(np.uint8), MPI.BYTE], source=src, tag=_TAG_EVENTS)
+            offs = np.concatenate([[0], np.cumsum(counts)])
+            for i, (d, _) in enumerate(meta):  # per rank file of that block
+                if isinstance(d, _RankData):
+                    d.events = buf[offs[i] : offs[i + 1]]
+        blocks.append(meta)
+    for blk in blocks:  # per analysis rank
+        for d, w in blk:  # per rank file
+            got_all.append(d)
+            warnings.extend(w)
+    t_gather = time.perf_counter()
+    assert p is not None
+    run = _assemble(run_dir, p, files, got_all, warnings)
+    del got_all, blocks, mine
+    t_assemble = time.perf_counter()
+
+    from distdiag.config import Config
+    from distdiag.pipeline import analyze_run
+
+    report = analyze_run(run, cfg or Config())
+    t_end = time.perf_counter()
+    run.cache["parallel"] = {
+        "workers": n_workers,
+        "read_s": t_read - t_start,
+        "gather_s": t_gather - t_read,
+        "assemble_s": t_assemble - t_gather,
+        "analyze_s": t_end - t_assemble,
+        "total_s": t_end - t_start,
+    }
+    log.info("parallel analysis on %d ranks: %s", n_workers, run.cache["parallel"])
+    return report
+
+
+def main_from_args(ns: Any) -> int:
+    """``distdiag analyze --parallel``: every analysis rank runs this; rank 0 renders."""
+    from mpi4py import MPI
+
+    from distdiag.config import load_config
+    from distdiag.render import render
+
+    comm = MPI.COMM_WORLD
+    try:
+        cfg = load_config(ns.config)
+        ok = True
+    except DistdiagError:
+        ok = False
+    if not comm.allreduce(ok, op=MPI.LAND):  # a bad config: every rank stops, rank 0 says why
+        if comm.Get_rank() == 0:
+            cfg = load_config(ns.config)  # raises the one-line error for the CLI
+        return 2
+    report = analyze_parallel(ns.run_dir, cfg, comm)
+    if report is None:
+        return 0
+    options = {"color": False} if ns.output and ns.format == "text" else {}
+    out = render(report, ns.format, **options)
+    if ns.output:
+        try:
+            Path(ns.output).write_text(out)
+        except OSError as e:
+            print(f"distdiag: cannot write '{ns.output}': {e.strerror or e}", file=sys.stderr)
+            return 2
+    else:
+        sys.stdout.write(out)
+        sys.stdout.flush()
+    return 0

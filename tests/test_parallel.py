@@ -1,0 +1,96 @@
+"""``distdiag analyze --parallel`` under a real ``mpiexec -n 3`` equals the serial analysis.
+
+The run dirs come from the synthetic generator (real rank files); one test
+adds a damaged file and a foreign file, so the warnings the readers on
+different analysis ranks produce must come back in the serial order too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distdiag.parallel import block_of
+from distdiag.synth import synth
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from factories import truncate_copy  # noqa: E402
+
+MPIEXEC = shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run argv in its own session; on timeout kill that session (only what we started)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{argv[:4]} timed out after {timeout} s: {err[-2000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _serial(run_dir: Path, fmt: str) -> str:
+    got = _run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", fmt])
+    assert got.returncode == 0, got.stderr
+    return got.stdout
+
+
+def _parallel(run_dir: Path, fmt: str, n: int = 3) -> str:
+    got = _run([MPIEXEC or "mpiexec", "-n", str(n), sys.executable, "-m", "distdiag.cli", "analyze", "--parallel",
+                str(run_dir), "--format", fmt])  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    return got.stdout
+
+
+def test_blocks_cover_every_file_once() -> None:
+    for n_items in (0, 1, 2, 7, 100):
+        for k in (1, 2, 3, 4, 8):
+            spans = [block_of(i, k, n_items) for i in range(k)]
+            assert spans[0][0] == 0 and spans[-1][1] == n_items
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_parallel_json_equals_serial_json(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    synth(d, ranks=10, events=600, fault="straggler", ranks_per_host=2, seed=5)
+    par = _parallel(d, "json")
+    assert '"kind": "straggler"' in par
+    assert par == _serial(d, "json")
+
+
+def test_parallel_equals_serial_with_damaged_and_foreign_files(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    synth(d, ranks=8, events=600, fault="serial", ranks_per_host=2, seed=2)
+    # rank 6 cut off mid-file, rank 8 (not in the launch) is not a rank file at all
+    truncate_copy(d / "rank-00006.h5", d / "cut.h5", (d / "rank-00006.h5").stat().st_size // 2)
+    (d / "cut.h5").replace(d / "rank-00006.h5")
+    (d / "rank-00008.h5").write_bytes(b"not hdf5")
+    par = _parallel(d, "json")
+    ser = _serial(d, "json")
+    assert "rank-00008.h5 is not an HDF5 file" in ser
+    assert par == ser
+
+
+def test_more_analysis_ranks_than_files(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    synth(d, ranks=2, events=300, fault="none", ranks_per_host=1)
+    assert _parallel(d, "json", n=3) == _serial(d, "json")
+
+
+def test_a_wrong_path_is_one_line_and_exit_2_on_every_rank(tmp_path: Path) -> None:
+    got = _run([MPIEXEC or "mpiexec", "-n", "3", sys.executable, "-m", "distdiag.cli", "analyze", "--parallel",
+                str(tmp_path / "nope")])  # fmt: skip
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines() == [f"distdiag: run dir '{tmp_path / 'nope'}' does not exist"]
