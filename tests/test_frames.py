@@ -1,0 +1,151 @@
+"""The pandas API (``distdiag.load``) on a real demo run.
+
+``mpiexec -n 4 distdiag-wrap`` runs distdiag's demo job (20 iterations: a
+Barrier, 20 Allreduce, a Barrier every 10th, a final pickled ``allreduce``)
+with rank 2 sleeping 20 ms before each Allreduce, after opening a file
+whose path holds ``<script>`` and inside one ``distdiag.phase``. The frames
+are checked against what the job did and against the rank files read
+directly with h5py, not against the analyzer's own numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+REPO = Path(__file__).resolve().parent.parent
+MPIEXEC = shutil.which("mpiexec")
+ITERS = 20
+EXPECTED_COLLECTIVES = {"Barrier": 1 + ITERS // 10, "Allreduce": ITERS, "allreduce": 1}
+PHASE = "load & <b>shard</b>"
+XSS = "<script>alert(1)</script>"
+
+JOB = f"""
+import os, sys
+import distdiag
+with distdiag.phase({PHASE!r}):
+    d = os.path.join(sys.argv[1], "<script>alert(1)<")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "script>"), "w") as f:
+        f.write("x")
+from distdiag import demo_job
+sys.exit(demo_job.main(sys.argv[2:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    tmp = tmp_path_factory.mktemp("frames")
+    (tmp / "job.py").write_text(JOB)
+    out = tmp / "run"
+    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(out), sys.executable,
+           str(tmp / "job.py"), str(tmp), "--iters", str(ITERS), "--slow-rank", "2", "--delay-s", "0.02"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(run_dir: Path):  # type: ignore[no-untyped-def]
+    import distdiag
+
+    return distdiag.load(run_dir)
+
+
+def test_events_are_every_row_of_every_rank_file(run, run_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    rows = {}
+    for f in sorted(run_dir.glob("rank-*.h5")):  # four files
+        with h5py.File(f, "r", locking=False) as h:
+            rows[int(h.attrs["rank"])] = len(h["events"])
+    ev = run.events
+    assert isinstance(ev, pd.DataFrame)
+    assert ev.groupby("rank").size().to_dict() == rows
+    assert {"rank", "host", "kind", "name", "t0_ns", "t1_ns", "t0_s", "dur_s", "comm", "seq", "site"} <= set(ev.columns)
+    assert (ev["dur_s"] >= 0).all()
+    assert ev["t0_s"].min() >= -1e-3  # seconds since the first shim start
+
+
+def test_collectives_have_arrival_and_exit_per_rank(run) -> None:  # type: ignore[no-untyped-def]
+    c = run.collectives
+    for r in range(4):  # four ranks
+        assert c[c["rank"] == r]["op"].value_counts().to_dict() == EXPECTED_COLLECTIVES
+    assert (c.groupby("group").size() == 4).all()
+    assert (c["state"] == "complete").all()
+    assert (c["arrival_s"] <= c["exit_s"]).all()
+    assert (c["wait_s"] >= 0).all() and (c["transfer_s"] >= 0).all()
+    # wait = last arrival - own arrival: zero for the last arriver
+    assert np.allclose(c["wait_s"], c["last_arrival_s"] - c["arrival_s"], atol=1e-9)
+    assert (c.loc[c["is_last"], "wait_s"] == 0).all()
+    ar = c[c["op"] == "Allreduce"]
+    last = ar[ar["is_last"]]["rank"].value_counts()
+    assert last.idxmax() == 2 and last[2] >= 0.6 * ITERS  # the sleeping rank arrives last
+    others = ar[ar["rank"] != 2].groupby("group")["wait_s"].median()
+    assert others.median() > 0.01  # ... and the others wait for it (20 ms injected)
+    g = run.collective_groups
+    assert len(g) == sum(EXPECTED_COLLECTIVES.values())
+    assert (g["n_members"] == 4).all() and (g["spread_s"] >= 0).all()
+
+
+def test_phases_files_findings_breakdown(run) -> None:  # type: ignore[no-untyped-def]
+    ph = run.phases
+    mine = ph[ph["phase"] == PHASE]
+    assert sorted(mine["rank"]) == [0, 1, 2, 3]
+    assert (mine["dur_s"] >= 0).all() and mine["site"].str.contains("job.py").all()
+    fs = run.files
+    opened = fs[(fs["op"] == "open") & fs["path"].str.endswith(XSS)]
+    assert sorted(opened["rank"]) == [0, 1, 2, 3]
+    assert (opened["fs"] != "").all()
+    # the open happened inside the phase, on the same rank
+    for r in range(4):  # four ranks
+        p = mine[mine["rank"] == r].iloc[0]
+        o = opened[opened["rank"] == r].iloc[0]
+        assert p["t0_s"] <= o["t0_s"] <= o["t1_s"] <= p["t1_s"]
+    f = run.findings
+    assert list(f.columns[:3]) == ["kind", "cost_s", "fraction"]
+    assert f.iloc[0]["kind"] == "straggler" and f.iloc[0]["ranks"] == [2]
+    assert f["cost_s"].is_monotonic_decreasing
+    assert run.verdict is not None and run.verdict.kind == "straggler"
+    b = run.breakdown
+    assert sorted(b["rank"]) == [0, 1, 2, 3]
+    assert b.loc[b["rank"] == 2, "comm_wait_s"].iloc[0] < b.loc[b["rank"] != 2, "comm_wait_s"].min()
+    assert len(run.ranks) == 4 and (run.ranks["exit_code"] == 0).all()
+    assert run.gpu.empty  # no GPU, no sampler
+    assert run.to_json()["schema"] == "distdiag.report/1"
+
+
+def test_plots_take_the_frames(run) -> None:  # type: ignore[no-untyped-def]
+    from distdiag.render import plots
+
+    ax = plots.plot_breakdown(run)
+    assert len(ax.patches) == 4 * 7  # ranks x categories
+    with pytest.raises(plots.NoData):
+        plots.plot_slurm_timeline(run)
+
+
+def test_load_of_a_dir_without_rank_files_says_so(tmp_path: Path) -> None:
+    import distdiag
+    from distdiag.run import DistdiagError
+
+    with pytest.raises(DistdiagError, match="holds no rank"):
+        distdiag.load(tmp_path)
+
+
+def test_import_distdiag_stays_light() -> None:
+    """``import distdiag`` runs inside every wrapped job: load() must not pull pandas in."""
+    code = "import sys, distdiag; assert callable(distdiag.load); print('pandas' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "False"
