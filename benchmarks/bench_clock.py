@@ -16,7 +16,10 @@ cores is the worst case for the exchanges' round trips.
 Prints, per N: residual (median / p95 / max over ranks of each rank's max
 error), the stated bound, drift error, and the sync cost: wall-clock per round
 (sync_exchanges=10 exchanges) as the client's thread sees it, in ms per rank
-per sample (one sample = one round).
+per sample (one sample = one round). ``--overhead`` adds the program's side:
+a pure-Python compute loop timed with and without a sync round every 50 ms
+(1200 times the default rate: the default interval is 60 s), alternated in
+one run.
 """
 
 from __future__ import annotations
@@ -138,18 +141,73 @@ def one(n: int, run_s: float, rng: np.random.Generator) -> dict[str, float]:
     }  # fmt: skip
 
 
+def _reference(run_dir: Path, run_s: float) -> None:
+    from distdiag.shim.clock import ClockSync
+    from distdiag.shim.config import ShimConfig
+
+    c = ClockSync(0, 2, run_dir, ShimConfig(), lambda rows: None)
+    c.start()
+    time.sleep(run_s)
+
+
+def _workload() -> float:
+    """~0.3 s of pure-Python compute (holds the GIL: the worst case for a sync thread)."""
+    t = time.perf_counter()
+    x = 0
+    for i in range(3_000_000):
+        x += i % 7
+    return time.perf_counter() - t
+
+
+def overhead(reps: int = 5, interval_s: float = 0.05) -> None:
+    """Side by side in one run: the program's compute with and without a sync round every interval_s."""
+    from distdiag.shim.clock import ClockSync
+    from distdiag.shim.config import ShimConfig
+
+    with tempfile.TemporaryDirectory() as d:
+        ref = subprocess.Popen([sys.executable, __file__, "--reference", d, str(10 + reps * 3)])
+        try:
+            deadline = time.monotonic() + 20
+            while not (Path(d) / "clock-ref.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            cfg = ShimConfig()
+            cfg.sync_interval_s = interval_s
+            plain, synced, rounds = [], [], 0
+            for _ in range(reps):  # alternate, so drifting machine load hits both alike
+                plain.append(_workload())
+                c = ClockSync(1, 2, d, cfg, lambda rows: None)
+                c.start()
+                time.sleep(0.2)  # the start round is done
+                r0 = sum(c.rounds.values())
+                synced.append(_workload())
+                rounds += sum(c.rounds.values()) - r0
+                c.stop()
+        finally:
+            ref.kill()
+            ref.wait(timeout=10)
+    p, s_ = float(np.median(plain)), float(np.median(synced))
+    print(f"program overhead: compute {p * 1e3:.0f} ms plain vs {s_ * 1e3:.0f} ms with a sync round every "
+          f"{interval_s * 1e3:.0f} ms ({rounds} rounds during the synced runs): ratio {s_ / p:.3f}")  # fmt: skip
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), float(sys.argv[5]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--reference":
+        _reference(Path(sys.argv[2]), float(sys.argv[3]))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--run-s", type=float, default=3.0, help="plus 0.3 s per rank")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--overhead", action="store_true", help="also: the program's slowdown from sync rounds")
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     print(f"{'ranks':>5} {'resid med/p95/max us':>22} {'bound med us':>12} {'drift err ppm':>13} "
           f"{'ms/rank/sample med/p95':>23} {'rounds':>6} {'lost/exch':>10} {'unsynced':>8}")  # fmt: skip
+    if a.overhead:
+        overhead()
     for n in a.ranks:  # each world size
         # 64 Python processes take ~20 s to start on 2 cores: every rank must overlap rank 0
         r = one(n, a.run_s + 0.3 * n, rng)
