@@ -173,3 +173,30 @@ def test_colour_and_progress_bar_only_on_a_terminal(tmp_path: Path) -> None:
     _cli_on_pty(["analyze", str(sim.run_dir), "-o", str(tmp_path / "rep.txt")], {}, tmp_path)
     text = (tmp_path / "rep.txt").read_text()
     assert text.splitlines()[2].startswith("VERDICT: serial_section") and "\x1b[" not in text
+
+
+# --- configuration: every threshold a detector reads is documented in configs/default.toml -----
+
+
+def test_every_detector_setting_is_in_the_default_config() -> None:
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    with open(root / "configs" / "default.toml", "rb") as fh:
+        analyze_cfg = tomllib.load(fh)["analyze"]
+    text = (root / "configs" / "default.toml").read_text()
+    missing = []
+    for p in sorted((root / "distdiag" / "detectors").glob("*.py")):  # one per detector
+        src = p.read_text()
+        sec_var = re.search(r'\bsec = "(\w+)"', src)
+        for m in re.finditer(r'cfg\.value\(\s*("?)(\w+)\1\s*,\s*"(\w+)"', src):
+            sec = m.group(2) if m.group(1) else (sec_var.group(1) if sec_var else m.group(2))
+            if m.group(3) not in analyze_cfg.get(sec, {}):
+                missing.append(f"{p.name}: [analyze.{sec}] {m.group(3)}")
+    assert missing == [], "add these to configs/default.toml with a comment saying what they mean"
+    # each table says what it is for: a comment line right under its header
+    for sec in analyze_cfg:
+        if isinstance(analyze_cfg[sec], dict):
+            after = text.split(f"[analyze.{sec}]\n", 1)[1]
+            assert after.lstrip(" ").startswith("#"), f"[analyze.{sec}] has no comment under its header"
