@@ -266,12 +266,12 @@ def build_trace(report: Any, window_s: tuple[float, float] | None = None,
     slices(m_other, LANE_OTHER, "other", np.where(e["name_id"] > 0, names, labels),
            {"kind": labels, "peer": e["peer"], "nbytes": e["nbytes"], "site": sites})  # fmt: skip
     # Instants: steps and marks on the phases track, the shim's milestones on "other".
-    for kinds, lane, cat in (((Kind.STEP, Kind.MARK), LANE_PHASE, "step"), ((Kind.SHIM, Kind.LOST), LANE_OTHER, "shim")):
+    for kinds, i_lane, cat in (((Kind.STEP, Kind.MARK), LANE_PHASE, "step"), ((Kind.SHIM, Kind.LOST), LANE_OTHER, "shim")):
         m = np.isin(kind, np.array(kinds, np.uint8))
         if not m.any():
             continue
         base = {"name": np.where(e["name_id"][m] > 0, names[m], labels[m]), "cat": cat, "ph": "i", "s": "t",
-                "ts": us(e["t0_ns"][m]), "pid": _pid(rank[m]), "tid": _tid(rank[m], thread[m], lane)}  # fmt: skip
+                "ts": us(e["t0_ns"][m]), "pid": _pid(rank[m]), "tid": _tid(rank[m], thread[m], i_lane)}  # fmt: skip
         b.add(cat, base, {"kind": labels[m], "samples": e["nbytes"][m], "aux": e["aux"][m], "value": e["value"][m]})
         stats.n_instants += int(m.sum())
 
@@ -300,13 +300,13 @@ def build_trace(report: Any, window_s: tuple[float, float] | None = None,
                      "args": {"name": f"rank {r} ({host})" if host else f"rank {r}"}})  # fmt: skip
         meta.append({"name": "process_sort_index", "ph": "M", "pid": r + 1, "tid": 0, "args": {"sort_index": r}})
     for t in sorted(used_tids):  # per rank x lane x thread actually used
-        lane = t % _N_LANES
+        t_lane = t % _N_LANES
         th = (t // _N_LANES) % _MAX_THREADS
         rank_ = t // (_N_LANES * _MAX_THREADS) - 1
-        label = LANE_NAMES.get(lane, "track") + (f" (thread {th})" if th else "")
+        label = LANE_NAMES.get(t_lane, "track") + (f" (thread {th})" if th else "")
         meta.append({"name": "thread_name", "ph": "M", "pid": rank_ + 1, "tid": t, "args": {"name": label}})
         meta.append({"name": "thread_sort_index", "ph": "M", "pid": rank_ + 1, "tid": t,
-                     "args": {"sort_index": th * _N_LANES + lane}})  # fmt: skip
+                     "args": {"sort_index": th * _N_LANES + t_lane}})  # fmt: skip
 
     other = {
         "producer": "distdiag",

@@ -87,7 +87,7 @@ def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
 def _rc() -> Any:
     import matplotlib
 
-    return matplotlib.rc_context(RC)
+    return matplotlib.rc_context(RC)  # type: ignore[arg-type]
 
 
 def _t0_ns(run: Any) -> int:
@@ -179,7 +179,8 @@ def plot_timeline(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS, max_b
                 continue
             verts = _rects(y, a, b, float(h[0]))
             # a zero-width rectangle still shows as a line: short calls stay visible
-            ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors=color, linewidths=0.3))
+            coll = PolyCollection(verts, facecolors=color, edgecolors=color, linewidths=0.3)  # type: ignore[arg-type]
+            ax.add_collection(coll)
             handles.append(Patch(color=color, label=label))
         ax.set_xlim(0, max(run.wall_s, 1e-6))
         ax.set_ylim(-0.1, len(rows))
