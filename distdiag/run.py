@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,8 +73,13 @@ _AUX_STRING_KINDS = np.array(sorted({*FILE_KINDS, int(Kind.COLL), int(Kind.COLL_
 _READ_BLOCK_ROWS = 1 << 20
 
 #: What h5py raises on damaged files: OSError mostly, RuntimeError for a
-#: mangled superblock, KeyError/ValueError/TypeError for broken objects.
-_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+#: mangled superblock, KeyError/ValueError/TypeError for broken objects,
+#: AttributeError for a group where a table should be, MemoryError/OverflowError
+#: for a flipped dimension that claims billions of rows (found by tests/test_fuzz_reader.py).
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError, MemoryError, OverflowError)
+
+#: No launch has more ranks: a larger rank number or world size is a corrupt attribute.
+MAX_RANKS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -266,16 +272,62 @@ def _json_attr(attrs: Any, name: str, default: Any) -> Any:
         return default
 
 
+def _max_rows(f: Any, itemsize: int) -> int:
+    """The most rows of ``itemsize`` bytes the file can hold (uncompressed, as the shim writes)."""
+    try:
+        size = os.path.getsize(f.filename)
+    except (OSError, TypeError, ValueError):
+        return 1 << 62
+    return size // max(1, int(itemsize)) + 1024
+
+
+def _read_strings(f: Any, fname: str, warnings: list[str]) -> np.ndarray | str:
+    """The rank's string table, or a one-line reason why it cannot be used."""
+    ds = f["strings"]
+    shape = getattr(ds, "shape", None)
+    if shape is None or len(shape) != 1:
+        return f"{fname}: /strings is not a table of strings (corrupt); skipped"
+    n = int(shape[0])
+    cap = _max_rows(f, 16)  # a variable-length string is a 16-byte heap reference in its chunk
+    if n > cap:
+        warnings.append(f"{fname}: /strings claims {n} strings, more than the file can hold (corrupt header); reading {cap}")
+        n = cap
+    try:
+        return np.asarray(ds.asstr()[:n], dtype=object)
+    except _H5_ERRORS as e:
+        return f"{fname}: its string table cannot be read ({_short(e)}); skipped"
+
+
+def _int_attr(attrs: Any, name: str, default: Any = None) -> Any:
+    """An integer attribute, or ``default`` when it is absent or not an integer (corrupt)."""
+    v = _attr(attrs, name)
+    if v is None:
+        return default
+    try:
+        return int(v)
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
 def _read_table(f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[str]) -> np.ndarray:
     """A dataset as ``dtype``; rows up to the first unreadable block if damaged."""
     if name not in f:
         return np.zeros(0, dtype)
     ds = f[name]
+    shape = getattr(ds, "shape", None)
+    names = getattr(getattr(ds, "dtype", None), "names", None) or ()
+    if shape is None or len(shape) != 1 or not set(names) & set(dtype.names or ()):
+        warnings.append(f"{fname}: /{name} is not a table of {name} rows (corrupt, or written by another tool); ignored")
+        return np.zeros(0, dtype)
     try:
         ds.refresh()  # SWMR: see rows appended since open
     except Exception:
         pass
     n = int(ds.shape[0]) if ds.shape else 0
+    cap = _max_rows(f, ds.dtype.itemsize)
+    if n > cap:
+        warnings.append(f"{fname}: /{name} claims {n} rows, more than the file can hold (corrupt header); reading {cap}")
+        n = cap
     parts = []
     got = 0
     for lo in range(0, n, _READ_BLOCK_ROWS):  # one iteration per million rows
@@ -370,24 +422,25 @@ def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
                 rank = name_rank
             if rank < 0:
                 return f"{fname} names no rank; skipped"
+            if rank >= MAX_RANKS:
+                return f"{fname} names rank {rank}, beyond any launch (corrupt attribute); skipped"
             if "events" not in f or "strings" not in f:
                 return f"{fname} lacks the /events or /strings table (corrupt, or killed before its first flush); skipped"
 
             events = _read_table(f, "events", EVENT_DTYPE, fname, warnings)
-            try:
-                strings = np.asarray(f["strings"].asstr()[...], dtype=object)
-            except _H5_ERRORS as e:
-                return f"{fname}: its string table cannot be read ({_short(e)}); skipped"
+            strings = _read_strings(f, fname, warnings)
+            if isinstance(strings, str):
+                return strings
             if len(strings) == 0:
                 strings = np.array([""], dtype=object)
             sync = _read_table(f, "clock_sync", SYNC_DTYPE, fname, warnings)
             inflight = _read_table(f, "inflight", EVENT_DTYPE, fname, warnings)
             gpu = _read_table(f, "gpu", GPU_DTYPE, fname, warnings)
 
-            mono0 = _attr(attrs, "mono_ns_at_start")
-            wall0 = _attr(attrs, "wall_ns_at_start")
-            end = _attr(attrs, "end_mono_ns")
-            last_flush = _attr(attrs, "last_flush_mono_ns")
+            mono0 = _int_attr(attrs, "mono_ns_at_start")
+            wall0 = _int_attr(attrs, "wall_ns_at_start")
+            end = _int_attr(attrs, "end_mono_ns")
+            last_flush = _int_attr(attrs, "last_flush_mono_ns")
             closed = bool(_attr(attrs, "closed_cleanly", False))
             has_ev = len(events) > 0
             ev_t0 = int(events["t0_ns"].min()) if has_ev else None
@@ -400,21 +453,21 @@ def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
             end_ns = max(ends) if ends else start_ns
             if end is not None and closed:
                 end_ns = max(int(end), ev_t1 or 0)
-            exit_code = _attr(attrs, "exit_code")
+            exit_code = _int_attr(attrs, "exit_code")
             info = RankInfo(
                 rank=rank,
                 path=path,
                 host=str(_attr(attrs, "host", "") or ""),
-                local_rank=int(_attr(attrs, "local_rank", -1)),
-                world_size=int(_attr(attrs, "world_size", 0) or 0),
+                local_rank=_int_attr(attrs, "local_rank", -1),
+                world_size=_int_attr(attrs, "world_size", 0),
                 job_id=str(_attr(attrs, "job_id", "") or ""),
                 launch_id=str(_attr(attrs, "launch_id", "") or ""),
-                pid=int(_attr(attrs, "pid", -1)),
+                pid=_int_attr(attrs, "pid", -1),
                 start_ns=start_ns,
                 end_ns=end_ns,
                 closed_cleanly=closed,
                 exit_code=None if exit_code is None else int(exit_code),
-                lost_events=int(_attr(attrs, "lost_events", 0) or 0),
+                lost_events=max(0, _int_attr(attrs, "lost_events", 0)),
                 n_events=len(events),
                 wall_ns_at_start=None if wall0 is None else int(wall0),
                 mono_ns_at_start=None if mono0 is None else int(mono0),
@@ -563,13 +616,17 @@ def _assemble(path: str | Path, p: Path, files: list[Path], got_all: list[_RankD
     ranks = sorted(loaded)
     infos = {r: loaded[r].info for r in ranks}
     sizes = {i.world_size for i in infos.values() if i.world_size > 0}
+    absurd = sorted(s for s in sizes if s > MAX_RANKS)
+    if absurd:
+        warnings.append(f"rank files claim a world size of {absurd[0]}, beyond any launch (corrupt); ignored")
+        sizes -= set(absurd)
     world_size = max(sizes | {ranks[-1] + 1})
     if len(sizes) > 1:
         warnings.append(f"rank files disagree on the world size ({sorted(sizes)}); assuming {world_size}")
     launches = {i.launch_id for i in infos.values() if i.launch_id}
     if len(launches) > 1:
         warnings.append(f"rank files come from {len(launches)} different launches ({', '.join(sorted(launches))})")
-    missing = sorted(set(range(world_size)) - set(ranks))
+    missing = np.setdiff1d(np.arange(world_size), np.asarray(ranks)).tolist()
     if missing:
         warnings.append(
             f"{len(missing)} of {world_size} ranks have no usable file: {_ranges(missing)} "
