@@ -1,0 +1,343 @@
+"""The analyzer reads any run dir a real job can leave, and never shows a traceback.
+
+Hypothesis mutates REAL rank files (a 2-rank ``mpiexec distdiag-wrap`` job)
+by truncation at any byte, byte flips anywhere or in the metadata at the
+front, and zeroed blocks; every mutated run dir must give a report (text and
+JSON) or one :class:`DistdiagError` line, nothing else. Structural damage a
+real job or a careless user leaves (wrong dtypes, missing tables, absurd
+attributes, huge string tables, duplicate ranks, a file of another schema,
+foreign HDF5 next to rank files, ranks that never started) is covered case by
+case with what the report must say about it.
+
+Example counts are bounded (``FUZZ_EXAMPLES`` per strategy) so the module
+runs in well under a minute on 2 loaded cores.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from distdiag.config import Config
+from distdiag.pipeline import analyze_run
+from distdiag.render import render
+from distdiag.run import DistdiagError, load_run
+from distdiag.schema import EVENT_DTYPE, SCHEMA_ATTR, Kind, rank_file_name
+from factories import coll, write_rank
+
+REPO = Path(__file__).resolve().parent.parent
+FUZZ_EXAMPLES = 40
+# No shrinking (a failing example is printed as found; shrinking HDF5 damage took
+# minutes) and no example database (reruns are derandomized anyway).
+_SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+                     phases=[Phase.explicit, Phase.generate], print_blob=True,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 2-rank job's run dir (collectives, clock samples, file events, phases)."""
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    d = tmp_path_factory.mktemp("real")
+    prog = d / "job.py"
+    prog.write_text(
+        "import numpy as np, distdiag, tempfile, os\n"
+        "from mpi4py import MPI\n"
+        "c = MPI.COMM_WORLD\n"
+        "b = np.ones(64); o = np.empty_like(b)\n"
+        "p = os.path.join(tempfile.gettempdir(), f'fz-{os.getpid()}.bin')\n"
+        "for i in range(40):\n"
+        "    with distdiag.phase('step'):\n"
+        "        c.Allreduce(b, o)\n"
+        "        c.bcast(i, root=0)\n"
+        "        with open(p, 'wb') as f: f.write(b.tobytes())\n"
+        "    distdiag.step(samples=8)\n"
+        "os.unlink(p)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTDIAG_", "SLURM_"))}
+    env["PYTHONPATH"] = str(REPO)
+    run_dir = d / "run"
+    p = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir),
+                        sys.executable, str(prog)], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len(list(run_dir.glob("rank-*.h5"))) == 2
+    return run_dir
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTDIAG_SLURM_OFFLINE", "1")
+
+
+def report_or_error(run_dir: Path) -> tuple[Any, str | None]:
+    """(report, None) or (None, the one-line error). Anything else propagates: a failure."""
+    try:
+        run = load_run(run_dir)
+        rep = analyze_run(run, Config())
+    except DistdiagError as e:
+        msg = str(e)
+        assert msg and "\n" not in msg and "Traceback" not in msg, msg
+        return None, msg
+    json.dumps(rep.to_json(), allow_nan=False)  # the contract: plain JSON
+    render(rep, "text")
+    for w in rep.run.warnings:
+        assert isinstance(w, str) and "\n" not in w, w
+    return rep, None
+
+
+def _mutated(real_run: Path, mutate: Callable[[bytes], bytes], which: int) -> tuple[Any, str | None, list[str]]:
+    with tempfile.TemporaryDirectory() as td:
+        d = Path(td) / "run"
+        shutil.copytree(real_run, d)
+        f = sorted(d.glob("rank-*.h5"))[which]
+        f.write_bytes(mutate(f.read_bytes()))
+        rep, err = report_or_error(d)
+        return rep, err, [] if rep is None else list(rep.run.warnings)
+
+
+def test_the_unmutated_real_run_is_clean(real_run: Path) -> None:
+    rep, err = report_or_error(real_run)
+    assert err is None and rep.run.world_size == 2 and len(rep.run.ranks) == 2
+    assert not [w for w in rep.run.warnings if "corrupt" in w or "damaged" in w or "skipped" in w]
+
+
+@_SETTINGS
+@given(frac=st.floats(0.0, 1.0), which=st.integers(0, 1))
+def test_truncation_at_any_byte_is_a_report_or_one_error(real_run: Path, frac: float, which: int) -> None:
+    size = (sorted(real_run.glob("rank-*.h5"))[which]).stat().st_size
+    cut = int(frac * size)
+    rep, err, warnings = _mutated(real_run, lambda b: b[:cut], which)
+    if cut < size:
+        # the other rank is intact: always a report, and the damage is said
+        assert rep is not None, err
+        name = rank_file_name(which)
+        assert any(name in w for w in warnings), warnings
+
+
+@_SETTINGS
+@given(flips=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 255)), min_size=1, max_size=24),
+       which=st.integers(0, 1))  # fmt: skip
+def test_byte_flips_anywhere_are_a_report_or_one_error(real_run: Path, flips: list[tuple[float, int]], which: int) -> None:
+    def mutate(b: bytes) -> bytes:
+        a = bytearray(b)
+        for pos, x in flips:
+            a[min(len(a) - 1, int(pos * len(a)))] ^= x
+        return bytes(a)
+
+    rep, err, _ = _mutated(real_run, mutate, which)
+    assert rep is not None or err is not None
+
+
+@_SETTINGS
+@given(flips=st.lists(st.tuples(st.integers(0, 4095), st.integers(1, 255)), min_size=1, max_size=8),
+       which=st.integers(0, 1))  # fmt: skip
+def test_byte_flips_in_the_metadata_are_a_report_or_one_error(real_run: Path, flips: list[tuple[int, int]], which: int) -> None:
+    """The superblock and root object headers sit in the first 4 KiB: flips there hit HDF5's parser."""
+
+    def mutate(b: bytes) -> bytes:
+        a = bytearray(b)
+        for pos, x in flips:
+            a[pos % len(a)] ^= x
+        return bytes(a)
+
+    rep, err, _ = _mutated(real_run, mutate, which)
+    assert rep is not None or err is not None
+
+
+@_SETTINGS
+@given(block=st.floats(0.0, 1.0), nblocks=st.integers(1, 8), fill=st.sampled_from([b"\0", b"\xff", b"random"]))
+def test_zeroed_or_overwritten_blocks_are_a_report_or_one_error(real_run: Path, block: float, nblocks: int, fill: bytes) -> None:
+    def mutate(b: bytes) -> bytes:
+        a = bytearray(b)
+        start = (int(block * len(a)) // 512) * 512
+        n = min(len(a) - start, 512 * nblocks)
+        a[start : start + n] = os.urandom(n) if fill == b"random" else fill * n
+        return bytes(a)
+
+    rep, err, _ = _mutated(real_run, mutate, 0)
+    assert rep is not None, err  # rank 1 is intact
+
+
+def test_every_fuzzed_dir_through_the_cli_is_exit_0_or_one_line_exit_2(real_run: Path, tmp_path: Path) -> None:
+    """The CLI boundary itself, on a handful of damaged dirs (subprocesses are slow)."""
+    rng = np.random.default_rng(9)
+    cases = []
+    for i in range(3):  # a handful: each CLI run pays the imports (~2 s)
+        d = tmp_path / f"d{i}"
+        shutil.copytree(real_run, d)
+        for f in sorted(d.glob("rank-*.h5")):
+            b = bytearray(f.read_bytes())
+            if i % 2 == 0:
+                b = b[: int(rng.integers(0, len(b)))]
+            else:
+                for pos in rng.integers(0, len(b), 16):
+                    b[int(pos)] ^= int(rng.integers(1, 256))
+            f.write_bytes(bytes(b))
+        cases.append(d)
+    for i, d in enumerate(cases):
+        for fmt in ("json", "text") if i == 0 else ("json",):
+            p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(d), "--format", fmt],
+                               capture_output=True, text=True, timeout=120,
+                               env=dict(os.environ, DISTDIAG_SLURM_OFFLINE="1", PYTHONPATH=str(REPO)))  # fmt: skip
+            assert "Traceback" not in p.stderr, p.stderr
+            if p.returncode == 0:
+                if fmt == "json":
+                    json.loads(p.stdout)
+            else:
+                assert p.returncode == 2, (p.returncode, p.stderr)
+                lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+                assert len(lines) == 1 and lines[0].startswith("distdiag: "), p.stderr
+
+
+# -- structural damage, case by case --------------------------------------------------------
+
+
+def _four(tmp_path: Path, n: int = 4) -> Path:
+    for r in range(n):
+        s = [""]
+        write_rank(tmp_path, r, n, [coll(10.0 * i + 0.1 * r, 10.0 * i + 2, i, s) for i in range(6)], s)
+    return tmp_path
+
+
+def _edit(path: Path, fn: Callable[[h5py.File], None]) -> None:
+    with h5py.File(path, "r+") as f:
+        fn(f)
+
+
+def _replace(name: str, data: Any) -> Callable[[h5py.File], None]:
+    def fn(f: h5py.File) -> None:
+        del f[name]
+        f.create_dataset(name, data=data)
+
+    return fn
+
+
+def _set(name: str, value: Any) -> Callable[[h5py.File], None]:
+    def fn(f: h5py.File) -> None:
+        f.attrs[name] = value
+
+    return fn
+
+
+def _delete(name: str) -> Callable[[h5py.File], None]:
+    def fn(f: h5py.File) -> None:
+        del f[name]
+
+    return fn
+
+
+STRUCTURAL: dict[str, tuple[Callable[[h5py.File], None], str]] = {
+    # name: (damage to rank 1's file, a word the warnings must hold)
+    "events_of_ints": (_replace("events", np.arange(10)), "rank-00001.h5"),
+    "events_2d": (_replace("events", np.zeros((3, 4), EVENT_DTYPE)), "rank-00001.h5"),
+    "events_scalar": (_replace("events", np.zeros((), EVENT_DTYPE)), "rank-00001.h5"),
+    "events_fewer_fields": (_replace("events", np.zeros(5, [("t0_ns", "<i8"), ("kind", "u1")])), ""),
+    "strings_of_ints": (_replace("strings", np.arange(5)), "rank-00001.h5"),
+    "strings_a_group": (lambda f: (f.__delitem__("strings"), f.create_group("strings")), "rank-00001.h5"),
+    "no_strings": (_delete("strings"), "rank-00001.h5"),
+    "no_events": (_delete("events"), "rank-00001.h5"),
+    "inflight_of_floats": (_replace("inflight", np.ones(3)), ""),
+    "sync_of_strings": (_replace("clock_sync", np.array([b"x", b"y"])), ""),
+    "rank_text": (_set("rank", "one"), ""),
+    "rank_negative": (_set("rank", -7), ""),
+    "rank_huge": (_set("rank", 2**62), "rank-00001.h5"),
+    "world_size_huge": (_set("world_size", 2**40), "world size"),
+    "world_size_negative": (_set("world_size", -3), ""),
+    "schema_text": (_set(SCHEMA_ATTR, "one"), "schema"),
+    "schema_array": (_set(SCHEMA_ATTR, np.array([1, 2])), "rank-00001.h5"),
+    "times_as_text": (_set("mono_ns_at_start", "yesterday"), ""),
+    "exit_code_text": (_set("exit_code", "bad"), ""),
+    "pid_float": (_set("pid", 1.5), ""),
+    "argv_not_json": (_set("argv", "[unclosed"), ""),
+    "lost_events_negative": (_set("lost_events", -5), ""),
+    "host_bytes": (_set("host", np.bytes_(b"\xff\xfe")), ""),
+    "string_ids_out_of_range": (
+        lambda f: f["events"].__setitem__("name_id", np.full(len(f["events"]), 10**6, np.int32)), "string ids"),
+    "kind_unknown": (lambda f: f["events"].__setitem__("kind", np.full(len(f["events"]), 250, np.uint8)), ""),
+    "times_reversed": (lambda f: f["events"].__setitem__("t1_ns", np.zeros(len(f["events"]), np.int64)), ""),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(STRUCTURAL))
+def test_structural_damage_is_warned_and_the_rest_analyzed(tmp_path: Path, case: str) -> None:
+    d = _four(tmp_path)
+    damage, word = STRUCTURAL[case]
+    _edit(d / rank_file_name(1), damage)
+    t = time.monotonic()
+    rep, err = report_or_error(d)
+    assert time.monotonic() - t < 20  # no blow-up (a world size of 2^40 must not become a list)
+    assert rep is not None, err
+    assert {0, 2, 3} <= set(rep.run.ranks)
+    assert rep.run.world_size <= 4 or rep.run.world_size == len(rep.run.ranks)
+    if word:
+        assert any(word in w for w in rep.run.warnings), rep.run.warnings
+
+
+def test_huge_string_table_loads_in_bounded_time(tmp_path: Path) -> None:
+    """200,000 distinct 120-character paths in one rank's table (an import storm): it loads."""
+    d = _four(tmp_path)
+    big = [""] + [f"/lustre/project/site-packages/pkg{i:06d}/" + "x" * 80 + ".py" for i in range(200_000)]
+
+    def fn(f: h5py.File) -> None:
+        old = list(f["strings"].asstr()[:])
+        del f["strings"]
+        f.create_dataset("strings", data=old + big[1:], dtype=h5py.string_dtype("utf-8"))
+
+    _edit(d / rank_file_name(1), fn)
+    t = time.monotonic()
+    rep, err = report_or_error(d)
+    assert rep is not None, err
+    assert len(rep.run.strings) >= 200_000
+    assert time.monotonic() - t < 30
+
+
+def test_zero_event_ranks_never_started_ranks_and_duplicates_together(tmp_path: Path) -> None:
+    d = tmp_path
+    for r in (0, 1):
+        s = [""]
+        write_rank(d, r, 6, [coll(10.0 * i, 10.0 * i + 2, i, s) for i in range(4)], s)
+    write_rank(d, 2, 6, [], [""])  # started, recorded nothing
+    # rank 3 and 4 never started (no file); rank 5's file is empty (killed at create)
+    (d / rank_file_name(5)).write_bytes(b"")
+    # a second launch left a rank 1 file under another name
+    shutil.copy(d / rank_file_name(1), d / "rank-00011.h5")
+    rep, err = report_or_error(d)
+    assert rep is not None, err
+    w = " | ".join(rep.run.warnings)
+    assert rep.run.missing_ranks == [3, 4, 5]
+    assert "rank 1 appears in both" in w and "rank-00005.h5" in w
+    assert 2 in rep.run.ranks and rep.run.ranks[2].n_events == 0
+
+
+def test_a_dir_of_only_damaged_files_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / rank_file_name(0)).write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    (tmp_path / rank_file_name(1)).write_bytes(b"")
+    rep, err = report_or_error(tmp_path)
+    assert rep is None and err is not None
+    assert "rank-00000.h5" in err or "rank files" in err
+
+
+def test_other_schema_version_says_what_to_do(tmp_path: Path) -> None:
+    d = _four(tmp_path)
+    _edit(d / rank_file_name(2), _set(SCHEMA_ATTR, 99))
+    rep, err = report_or_error(d)
+    assert rep is not None, err
+    line = next(w for w in rep.run.warnings if "rank-00002.h5" in w)
+    assert "schema 99" in line and "pip install" in line
