@@ -535,6 +535,9 @@ class _SigtermChain:
             self.shim.flush()
             return None
         self.shim.shim_row("sigterm")
+        # the exit clock exchanges (bounded by exit_sync_wait_s) keep the
+        # drift fit anchored at both ends also for jobs Slurm ends at their limit
+        self.shim._stop_clock()
         self.shim.close(-int(signal.SIGTERM))
         self._die(signum)
         return None
