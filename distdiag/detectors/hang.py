@@ -90,7 +90,9 @@ def stuck_groups(run: Any, colls: Collectives, min_stuck_ns: int = 0) -> list[tu
     files of killed ranks end at their last flush, each at its own moment, and
     a record that ends before the others arrived cannot say the rank stayed
     away (an abort kills every rank within milliseconds, mid-collective).
-    A member that left no file at all counts (it cannot have been there).
+    A member that left no file at all counts (it cannot have been there). And
+    the members inside must have been stuck that long themselves, by their own
+    records: a job killed mid-run has ranks inside collectives for microseconds.
 
     Returns ``(group, inside_ranks, missing_ranks)`` tuples.
     """
@@ -112,9 +114,12 @@ def stuck_groups(run: Any, colls: Collectives, min_stuck_ns: int = 0) -> list[tu
         present = colls.m_rank[sl].astype(np.int64)
         inside = present[colls.m_t1_ns[sl] < 0]
         missing = np.setdiff1d(_members_of(run, colls, int(colls.g_comm[g])), present)
+        last_arrival = int(colls.m_t0_ns[sl].max())
+        if len(inside) == 0 or int(end[inside].max()) - last_arrival < min_stuck_ns:
+            continue  # its members were not stuck in it for long: killed mid-run, not hung
         filed = np.isin(missing, have)
         ends = end[np.where(filed, missing, 0)]
-        missing = missing[~filed | (ends - int(colls.m_t0_ns[sl].max()) >= min_stuck_ns)]
+        missing = missing[~filed | (ends - last_arrival >= min_stuck_ns)]
         if len(missing):
             out.append((int(g), np.sort(inside), missing))
     return out
