@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--window", metavar="T0:T1", type=_window, default=None,
                    help="--perfetto: only what overlaps T0..T1 (seconds since the first rank started; either may be empty)")
     a.add_argument("--max-events", metavar="N", type=int, default=None,
-                   help="--perfetto: write at most N events, the longest first (default 1000000; 0: no cap)")
+                   help="--perfetto: write at most N events, the longest first (default 500000, ~100 MB; 0: no cap)")
     from distdiag.synth import add_parser as _synth_parser
 
     _synth_parser(sub)

@@ -318,3 +318,20 @@ def test_trace_processor_counts_collectives(run_dir: Path, tmp_path: Path) -> No
         tp.close()
     assert len(rows) == 4
     assert (rows["n"] == sum(EXPECTED_COLLECTIVES.values())).all(), rows
+
+
+def test_args_nest_whatever_the_strings_hold() -> None:
+    """Job strings that look like the exporter's own structure stay data."""
+    import pandas as pd
+
+    from distdiag.render.perfetto import _ARG0, _frame_json
+
+    nasty = ['},{"name":"x"', '","\x01path":1,"', "a\nb}\n{", "</script>\"'&", "é\\u0001"]
+    df = pd.DataFrame({"name": nasty, "ph": "X", "ts": [1.5] * 5, "dur": [2.0] * 5, "pid": [1] * 5,
+                       "tid": [9] * 5, _ARG0 + "path": nasty[::-1], "nbytes": [1, 2, 3, 4, 5]})  # fmt: skip
+    text = _frame_json(df, 2)
+    got = json.loads("[" + text.rstrip().removesuffix(",") + "]")
+    assert [e["name"] for e in got] == nasty
+    assert [e["args"] for e in got] == [{"path": p, "nbytes": n} for p, n in zip(nasty[::-1], [1, 2, 3, 4, 5])]
+    plain = _frame_json(df[["name", "ph", "ts", "pid"]], 0)
+    assert [e["name"] for e in json.loads("[" + plain.rstrip().removesuffix(",") + "]")] == nasty

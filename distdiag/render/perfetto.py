@@ -52,8 +52,9 @@ from distdiag.schema import FILE_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 
 log = logging.getLogger(__name__)
 
-#: the CLI's default cap: ~150 MB of JSON, which the Perfetto UI still opens
-DEFAULT_MAX_EVENTS = 1_000_000
+#: the CLI's default cap: ~200 bytes an event makes this ~100 MB of JSON, which
+#: the Perfetto UI and chrome://tracing still open
+DEFAULT_MAX_EVENTS = 500_000
 
 # Thread tracks inside each rank's process.
 LANE_COLL, LANE_ASYNC, LANE_P2P, LANE_PHASE, LANE_FILE, LANE_OTHER = range(1, 7)
@@ -99,24 +100,28 @@ def _json_strings(strings: np.ndarray) -> np.ndarray:
 
 
 def _frame_json(df: pd.DataFrame, n_args: int) -> str:
-    """Lines of JSON objects, each ending in ",\\n"; the last ``n_args`` columns nested under "args".
+    """The rows as JSON objects, one a line, each ending in ",\\n"; the last ``n_args`` columns nested under "args".
 
-    The first args column is named with the _ARG0 sentinel, which to_json
-    writes as ``"\\u0001key"``; a string value can never hold ``,"\\u0001``
-    unescaped (its quotes are written as ``\\"``), so one replace nests the
-    args and one more closes them.
+    ``to_json(orient="records")`` writes ``[{"name":...},{"name":...}]``. Two
+    patterns in it can only be structure, never part of a string value,
+    because a value's quotes are written as ``\\"``: ``},{"name":`` (the
+    boundary between two events; "name" is every frame's first column) and
+    ``,"\\u0001key":`` (the first args column, named with the _ARG0 sentinel).
+    So three C-level replaces nest the args and split the lines.
     """
     if len(df) == 0:
         return ""
-    s = df.to_json(orient="records", lines=True, double_precision=3)
-    s = s.rstrip("\n") + "\n"
+    if df.columns[0] != "name":
+        raise ValueError("every trace frame starts with the name column")
+    s = df.to_json(orient="records", double_precision=3)[1:-1]
+    close = "}}" if n_args else "}"
     if n_args:
         first = df.columns[len(df.columns) - n_args]
         key = json.dumps(first)[1:-1]  # to_json's escape of the sentinel name
         plain = first.removeprefix(_ARG0)
         s = s.replace(f',"{key}":', f',"args":{{"{plain}":')
-        return s.replace("}\n", "}},\n")
-    return s.replace("}\n", "},\n")
+    s = s.replace('},{"name":', close + ',\n{"name":')
+    return s[:-1] + close + ",\n"
 
 
 class _Builder:
