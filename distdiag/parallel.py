@@ -135,7 +135,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
 
     report = analyze_run(run, cfg or Config())
     t_end = time.perf_counter()
-    run.cache["parallel"] = {
+    report.run.cache["parallel"] = {
         "workers": n_workers,
         "read_s": t_read - t_start,
         "gather_s": t_gather - t_read,
@@ -143,7 +143,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
         "analyze_s": t_end - t_assemble,
         "total_s": t_end - t_start,
     }
-    log.info("parallel analysis on %d ranks: %s", n_workers, run.cache["parallel"])
+    log.info("parallel analysis on %d ranks: %s", n_workers, report.run.cache["parallel"])
     return report
 
 

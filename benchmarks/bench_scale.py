@@ -1,0 +1,163 @@
+"""Analysis at scale: ranks x events -> seconds and peak RSS, and the --parallel speed-up.
+
+    python benchmarks/bench_scale.py [--grid 64x10000,1024x1000] [--base /tmp/distdiag-scale]
+                                     [--parallel 64x10000 --ks 1,2,4] [--max-events 2e7]
+
+Each run dir is written once by ``distdiag.synth`` (straggler fault, 8 ranks
+per host; reused when its synth.json matches), then analyzed in a fresh child
+process (``analyze`` + the JSON renderer, what ``distdiag analyze --format
+json`` does), which reports its own wall seconds, CPU seconds (user + sys)
+and peak RSS (``ru_maxrss``): one child per measurement, so the peaks do not
+mix. On a shared machine wall time depends on the load; CPU seconds do not
+(much), so both are printed, with the load average at the start.
+
+``--parallel RxM`` runs ``mpiexec -n K distdiag analyze --parallel`` for each
+K in ``--ks`` on that run and prints the speed-up over K=1 and the stage
+times of analysis rank 0 (read / gather / assemble / analyze).
+
+Sizes whose events exceed ``--max-events`` are skipped with a note: the
+analyzer holds the whole run in memory (~310 bytes of peak RSS per event,
+measured), and a run that would not fit must not take the shared machine down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _child(run_dir: str, parallel: bool) -> int:
+    """Runs in the measured process: analyze, render, print one JSON line of figures."""
+    t0 = time.perf_counter()
+    if parallel:
+        from mpi4py import MPI
+
+        from distdiag.parallel import analyze_parallel
+
+        rep = analyze_parallel(run_dir)
+        stages = rep.run.cache.get("parallel") if rep is not None else None
+        rank = MPI.COMM_WORLD.Get_rank()
+    else:
+        from distdiag.pipeline import analyze
+
+        rep = analyze(run_dir)
+        stages, rank = None, 0
+    if rep is not None:
+        from distdiag.render import render
+
+        out = render(rep, "json")
+        top = rep.verdict
+    wall = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    if rank == 0:
+        print(json.dumps({
+            "wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "rss_mb": ru.ru_maxrss / 1024,
+            "verdict": None if top is None else [top.kind, top.ranks[:3], round(top.cost_s, 2)],
+            "json_bytes": len(out), "stages": stages,
+        }))  # fmt: skip
+    return 0
+
+
+def _ensure_run(base: Path, ranks: int, events: int) -> tuple[Path, dict]:
+    from distdiag.synth import synth
+
+    d = base / f"{ranks}x{events}"
+    meta = d / "synth.json"
+    if meta.exists():
+        t = json.loads(meta.read_text())
+        if t["ranks"] == ranks and t["events_per_rank"] == events and t["fault"] == "straggler":
+            return d, t
+    if d.exists():
+        shutil.rmtree(d)
+    t0 = time.perf_counter()
+    truth = synth(d, ranks=ranks, events=events, fault="straggler", ranks_per_host=8, seed=1)
+    print(f"  wrote {ranks}x{events} ({truth.total_events:,} events, {truth.bytes_on_disk / 1e9:.2f} GB) "
+          f"in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+    return d, json.loads(meta.read_text())
+
+
+def _measure(argv: list[str], timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    got = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    outer = time.perf_counter() - t0
+    if got.returncode != 0:
+        return {"error": got.stderr.strip().splitlines()[-1:] or [f"rc {got.returncode}"]}
+    line = [ln for ln in got.stdout.splitlines() if ln.startswith("{")][-1]
+    res = dict(json.loads(line))
+    res["outer_wall_s"] = outer  # with interpreter start and imports
+    return res
+
+
+def _size(s: str) -> tuple[int, int]:
+    r, m = s.lower().split("x")
+    return int(r), int(float(m))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--grid", default="16x10000,64x10000,256x10000,1024x1000,1024x10000,16x100000,64x100000")
+    ap.add_argument("--base", type=Path, default=Path("/tmp/distdiag-scale"))
+    ap.add_argument("--parallel", default="", help="RxM run for the --parallel speed-up")
+    ap.add_argument("--ks", default="1,2,4")
+    ap.add_argument("--max-events", type=float, default=2e7)
+    ap.add_argument("--timeout", type=float, default=3000)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-parallel", action="store_true", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.child:
+        return _child(ns.child, ns.child_parallel)
+
+    ns.base.mkdir(parents=True, exist_ok=True)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    rows = []
+    for spec in [s for s in ns.grid.split(",") if s]:  # a handful of sizes
+        ranks, events = _size(spec)
+        if ranks * events > ns.max_events:
+            print(f"{spec}: skipped ({ranks * events:.2e} events > --max-events {ns.max_events:.0e}: "
+                  f"~{ranks * events * 310 / 1e9:.0f} GB of RSS)", flush=True)  # fmt: skip
+            continue
+        d, truth = _ensure_run(ns.base, ranks, events)
+        res = _measure([sys.executable, __file__, "--child", str(d)], ns.timeout)
+        res.update(ranks=ranks, events=events, total=truth["total_events"], disk_gb=truth["bytes_on_disk"] / 1e9,
+                   load=os.getloadavg()[0])  # fmt: skip
+        rows.append(res)
+        if "error" in res:
+            print(f"{spec}: FAILED {res['error']}", flush=True)
+            continue
+        print(f"{ranks:>6} x {events:>7,} = {res['total']:>12,} events: wall {res['wall_s']:7.1f} s, "
+              f"cpu {res['cpu_s']:7.1f} s ({res['cpu_s'] / res['total'] * 1e6:.2f} µs/event), peak RSS "
+              f"{res['rss_mb']:7.0f} MB ({res['rss_mb'] * 1e6 / res['total']:.0f} B/event), "
+              f"verdict {res['verdict']} (load {res['load']:.1f})", flush=True)  # fmt: skip
+
+    if ns.parallel:
+        ranks, events = _size(ns.parallel)
+        d, truth = _ensure_run(ns.base, ranks, events)
+        mpiexec = shutil.which("mpiexec") or "mpiexec"
+        base_wall = None
+        for k in [int(x) for x in ns.ks.split(",")]:  # K = 1, 2, 4
+            res = _measure([mpiexec, "-n", str(k), sys.executable, __file__, "--child", str(d), "--child-parallel"],
+                           ns.timeout)  # fmt: skip
+            if "error" in res:
+                print(f"--parallel K={k}: FAILED {res['error']}", flush=True)
+                continue
+            base_wall = base_wall or res["wall_s"]
+            st = res["stages"] or {}
+            print(f"--parallel {ranks}x{events} K={k}: wall {res['wall_s']:.1f} s (speed-up {base_wall / res['wall_s']:.2f}), "
+                  f"rank 0: read {st.get('read_s', 0):.1f} s, gather {st.get('gather_s', 0):.1f} s, "
+                  f"assemble {st.get('assemble_s', 0):.1f} s, analyze {st.get('analyze_s', 0):.1f} s; "
+                  f"rank 0 peak RSS {res['rss_mb']:.0f} MB (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
