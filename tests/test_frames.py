@@ -149,3 +149,14 @@ def test_import_distdiag_stays_light() -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "False"
+
+
+def test_the_walkthrough_script_runs_on_a_demo_run(run_dir: Path, tmp_path: Path) -> None:
+    """analysis/demo_walkthrough.py uses only the public API; it must keep working on a real run."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, str(REPO / "analysis" / "demo_walkthrough.py"), str(run_dir), "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "verdict: straggler" in p.stdout
+    assert {"timeline.png", "wait_heatmap.png", "breakdown.png", "report.html", "trace.json"} <= {
+        q.name for q in tmp_path.iterdir()}
