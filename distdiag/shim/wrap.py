@@ -697,8 +697,14 @@ def _fresh_main() -> types.ModuleType:
     return main
 
 
+def _py_abspath(path: str) -> str:
+    """The script path as the interpreter shows it (``__file__``, tracebacks): joined to the
+    working directory, not normalized (``python ../x.py`` shows ``/cwd/../x.py``)."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
 def _cant_open(path: str, e: OSError) -> SystemExit:
-    sys.stderr.write(f"{sys.executable}: can't open file {os.path.abspath(path)!r}: [Errno {e.errno}] {e.strerror}\n")
+    sys.stderr.write(f"{sys.executable}: can't open file {_py_abspath(path)!r}: [Errno {e.errno}] {e.strerror}\n")
     return SystemExit(2)
 
 
@@ -743,18 +749,19 @@ def _run_target(t: Target) -> None:
     except OSError as e:
         raise _cant_open(path, e) from None
     _set_path0(os.path.dirname(abspath))
+    shown = _py_abspath(path)
     main = _fresh_main()
     from importlib.machinery import SourceFileLoader
 
     main.__dict__.update(
-        __file__=abspath,
+        __file__=shown,
         __cached__=None,
-        __loader__=SourceFileLoader("__main__", abspath),
+        __loader__=SourceFileLoader("__main__", shown),
         __spec__=None,
         __package__=None,
         __annotations__={},
     )
-    code = compile(source, abspath, "exec", dont_inherit=True)
+    code = compile(source, shown, "exec", dont_inherit=True)
     exec(code, main.__dict__)
 
 
