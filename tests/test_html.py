@@ -283,3 +283,43 @@ def test_controls_the_harness_catches_an_unescaped_path_and_a_blank_figure(tmp_p
     assert not drawn(np.ones((200, 300, 4)))
     noisy = np.random.default_rng(0).random((200, 300, 3))
     assert drawn(noisy)
+
+
+def _png_drawn(png: bytes) -> bool:
+    from matplotlib.image import imread
+
+    return drawn(np.asarray(imread(io.BytesIO(png), format="png")))
+
+
+def test_link_matrix_and_slurm_timeline_figures_when_the_run_has_them(tmp_path: Path) -> None:
+    """A synthetic run (distdiag.synth: the real rank-file format) with a slow link between 4 hosts,
+    plus a Slurm record whose strings are hostile: both figures are drawn, the strings escaped."""
+    import re
+
+    from distdiag.pipeline import analyze
+    from distdiag.render.html import HtmlRenderer
+    from distdiag.slurm import Accounting, SlurmView, timeline
+    from distdiag.synth import synth
+
+    synth(tmp_path / "run", ranks=16, events=1000, fault="slow_link", ranks_per_host=4)
+    report = analyze(tmp_path / "run")
+    assert report.verdict is not None and report.verdict.kind == "slow_link"
+    evil = '<img src=x onerror="alert(2)">'
+    acct = Accounting(job_id="77", name=evil, state="COMPLETED", submit_s=1000, eligible_s=1000, start_s=1030,
+                      end_s=1100, nodes=evil)  # fmt: skip
+    tl = timeline(acct, {0: 1031.0, 1: 1032.0}, {0: 1035.0, 1: 1036.0}, {0: 1099.0, 1: 1098.0}, 1100.0)
+    report.slurm = SlurmView(acct=acct, why="", origin="stored", timeline=tl)
+    page = HtmlRenderer().render(report)
+    figs = dict(re.findall(r'<figure id="fig-([a-z_]+)"><img alt="[^"]*" src="data:image/png;base64,([A-Za-z0-9+/=]+)"',
+                           page))  # fmt: skip
+    assert {"timeline", "wait_heatmap", "breakdown", "link_matrix", "slurm_timeline"} <= set(figs)
+    for name in ("link_matrix", "slurm_timeline"):
+        assert _png_drawn(base64.b64decode(figs[name])), name
+    assert evil not in page and html_escape(evil) in page
+    assert "<img src=x" not in page
+
+
+def html_escape(s: str) -> str:
+    import html
+
+    return html.escape(s, quote=True)

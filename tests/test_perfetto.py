@@ -335,3 +335,14 @@ def test_args_nest_whatever_the_strings_hold() -> None:
     assert [e["args"] for e in got] == [{"path": p, "nbytes": n} for p, n in zip(nasty[::-1], [1, 2, 3, 4, 5])]
     plain = _frame_json(df[["name", "ph", "ts", "pid"]], 0)
     assert [e["name"] for e in json.loads("[" + plain.rstrip().removesuffix(",") + "]")] == nasty
+
+
+def test_gpu_figure_draws_one_line_per_device(run_dir: Path) -> None:
+    """The FAKE NVML samples of the same run, through the pandas API and the plot function."""
+    import distdiag
+    from distdiag.render import plots
+
+    run = distdiag.load(run_dir)
+    assert sorted(run.gpu["rank"].unique()) == [0, 1, 2, 3]
+    ax = plots.plot_gpu(run)
+    assert len(ax.lines) == 4

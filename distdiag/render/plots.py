@@ -378,15 +378,18 @@ def plot_slurm_timeline(report: Any, ax: Any = None) -> Any:
             if a is not None and b is not None and b >= a:
                 ax.barh(0, b - a, left=a, height=0.4, color=color, label=f"{label} {b - a:.3g} s")
         ax.scatter(ts, np.zeros(len(ts)), marker="|", s=300, color="k", zorder=3)
+        span = max(float(ts.max()), 1e-9) if len(ts) else 1.0
         for i, t in enumerate(tl):  # a dozen instants
-            ax.annotate(str(t["what"]), (float(t["t_s"]), 0), xytext=(0, 14 + 11 * (i % 4)),
-                        textcoords="offset points", fontsize=7, rotation=0, ha="left",
+            # labels on the right half hang to the left, so none runs off the axes
+            right = float(t["t_s"]) > 0.6 * span
+            ax.annotate(str(t["what"]), (float(t["t_s"]), 0.2), xytext=(0, 16 + 11 * (i % 5)),
+                        textcoords="offset points", fontsize=7, ha="right" if right else "left",
                         arrowprops={"arrowstyle": "-", "lw": 0.4})  # fmt: skip
         ax.set_yticks([])
-        ax.set_ylim(-0.5, 1.6)
+        ax.set_ylim(-0.5, 2.2)
         ax.set_xlabel("seconds since submission")
         ax.set_title(f"Slurm timeline of job {view.acct.job_id}")
-        ax.legend(loc="lower right", fontsize=8, frameon=False)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
 
 
