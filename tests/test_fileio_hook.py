@@ -524,3 +524,26 @@ def test_any_mode_and_buffering_behaves_as_io_open(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # buffering=1 in binary mode warns, both ways
         check()
+
+
+def test_byte_counting_can_be_switched_off(tmp_path: Path) -> None:
+    from distdiag.shim.config import load_config
+
+    cfg = load_config(environ={"DISTDIAG_FILEIO_COUNT_BYTES": "0"})
+    rec = Recorder()
+    p = tmp_path / "b.bin"
+    fileio.install(rec, cfg)
+    try:
+        with open(p, "wb") as f:
+            f.write(b"x" * 10)
+        assert type(f.raw) is io.FileIO  # io.open's own object
+    finally:
+        fileio.uninstall()
+    h = Hooked(rec)
+    assert len(h.rows(Kind.FILE_OPEN, p)) == 1 and len(h.rows(Kind.FILE_WRITE, p)) == 0
+    fileio.install(rec, load_config(environ={}))
+    try:
+        with open(p, "rb") as f:
+            assert type(f.raw) is fileio.FileIO
+    finally:
+        fileio.uninstall()

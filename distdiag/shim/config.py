@@ -55,6 +55,9 @@ class ShimConfig:
     #: time DDP's gradient-bucket all-reduces through a comm hook (costs one
     #: Python callback per bucket; see benchmarks/bench_torch_step.py)
     ddp_buckets: bool = True
+    #: count bytes of binary files opened with open() (the fileio hook gives them
+    #: a counting raw layer under the real buffered object); false: opens only
+    fileio_count_bytes: bool = True
     #: hook short name -> enabled; absent names use the HOOKS registry default
     hooks: dict[str, bool] = dataclasses.field(default_factory=dict)
 
