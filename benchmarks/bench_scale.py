@@ -1,7 +1,7 @@
 """Analysis at scale: ranks x events -> seconds and peak RSS, and the --parallel speed-up.
 
     python benchmarks/bench_scale.py [--grid 64x10000,1024x1000] [--base /tmp/distdiag-scale]
-                                     [--parallel 64x10000 --ks 1,2,4] [--max-events 2e7]
+                                     [--parallel 64x10000 --ks 1,2,4] [--max-events 2e7] [--shim]
 
 Each run dir is written once by ``distdiag.synth`` (straggler fault, 8 ranks
 per host; reused when its synth.json matches), then analyzed in a fresh child
@@ -14,6 +14,9 @@ mix. On a shared machine wall time depends on the load; CPU seconds do not
 ``--parallel RxM`` runs ``mpiexec -n K distdiag analyze --parallel`` for each
 K in ``--ks`` on that run and prints the speed-up over K=1 and the stage
 times of analysis rank 0 (read / gather / assemble / analyze).
+
+``--shim`` measures the shim's writer at scale first: file bytes per million
+events and the flush's CPU per event, as a share of a busy rank's time.
 
 Sizes whose events exceed ``--max-events`` are skipped with a note: the
 analyzer holds the whole run in memory (~310 bytes of peak RSS per event,
@@ -67,6 +70,47 @@ def _child(run_dir: str, parallel: bool) -> int:
     return 0
 
 
+def shim_at_scale(m: int = 1_000_000, batches: tuple[int, ...] = (16384, 100_000, 1_000_000)) -> None:
+    """The shim's writer at scale: file bytes per million events and the flush cost per event.
+
+    Rows go into a real Recorder (not timed), then a real Writer flushes them
+    in batches of ``batch`` rows, as its background flusher does once per
+    interval (a rank recording 100k events/s flushes 100k rows a second).
+    The flush's CPU seconds per row times a rank's event rate is the share of
+    that rank's time the writer takes (the flusher holds the GIL while h5py
+    writes, so this share comes out of the application's time)."""
+    import tempfile
+
+    from distdiag.shim.config import ShimConfig
+    from distdiag.shim.recorder import Recorder
+    from distdiag.shim.writer import Writer, base_attrs
+
+    coll = 1
+    for batch in batches:  # a few batch sizes
+        with tempfile.TemporaryDirectory(dir="/tmp") as d:
+            rec = Recorder(chunk_rows=16384, max_pending_chunks=1 << 30)
+            w = Writer(Path(d) / "rank-00000.h5", rec, ShimConfig(), base_attrs())
+            cpu = wall = 0.0
+            done = 0
+            while done < m:  # one flush per batch, as the flusher does per interval
+                k = min(batch, m - done)
+                add = rec.add
+                for i in range(done, done + k):  # filling the recorder is not timed
+                    add(i, i + 5, coll, 1, 2, i, -1, 8)
+                done += k
+                c0, t0 = time.process_time(), time.perf_counter()
+                w.flush()
+                cpu += time.process_time() - c0
+                wall += time.perf_counter() - t0
+            w.close(0)
+            size = (Path(d) / "rank-00000.h5").stat().st_size
+        per_row_us = cpu / m * 1e6
+        print(f"shim writer, flushes of {batch:>9,} rows: {size / m:.1f} B/event = {size / 1e6 * 1e6 / m:.0f} MB per "
+              f"million events; flush CPU {per_row_us:.3f} µs/event (wall {wall / m * 1e6:.3f}); share of a rank "
+              f"recording 10k / 100k / 1M events/s: {per_row_us * 1e4 / 1e6:.2%} / {per_row_us * 1e5 / 1e6:.2%} / "
+              f"{per_row_us:.1%}", flush=True)  # fmt: skip
+
+
 def _ensure_run(base: Path, ranks: int, events: int) -> tuple[Path, dict]:
     from distdiag.synth import synth
 
@@ -111,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default="1,2,4")
     ap.add_argument("--max-events", type=float, default=2e7)
     ap.add_argument("--timeout", type=float, default=3000)
+    ap.add_argument("--shim", action="store_true", help="also measure the shim writer at scale")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-parallel", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
@@ -119,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ns.base.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    if ns.shim:
+        shim_at_scale()
     rows = []
     for spec in [s for s in ns.grid.split(",") if s]:  # a handful of sizes
         ranks, events = _size(spec)
