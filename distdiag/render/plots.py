@@ -248,7 +248,8 @@ def plot_wait_heatmap(report: Any, ax: Any = None, comm: str | None = None, max_
         ax.set_yticklabels([f"rank {r}" for r in ranks[::step]])
         ax.set_xlabel(f"collective index on communicator '{name}'" + (f" ({per_col} per column, summed)" if per_col > 1 else ""))
         ax.set_title("Time each rank waited for the last one to arrive")
-        ax.figure.colorbar(im, ax=ax, label="wait (ms)", fraction=0.03, pad=0.01)
+        unit = "wait (ms)" if per_col == 1 else f"wait (ms, sum of {per_col})"
+        ax.figure.colorbar(im, ax=ax, label=unit, fraction=0.03, pad=0.01)
     return ax
 
 
