@@ -147,9 +147,12 @@ def parse_sacct_job(rec: dict[str, Any]) -> Accounting:
     for s in rec.get("steps", []) or []:  # a handful per job
         st = s.get("time", {}) or {}
         sid = s.get("step", {}) or {}
+        # 22.05: {"job_id": 8, "id": 0 | "batch", ...}; 23.x+: {"id": {"job_id": 8, "step_id": "0"}, ...}
+        sub = sid.get("id")
+        step = (f"{sub.get('job_id', '')}.{sub.get('step_id', '')}" if isinstance(sub, dict)
+                else f"{sid.get('job_id', rec.get('job_id', ''))}.{sub}")  # fmt: skip
         steps.append({
-            "step": str(sid.get("id", "")) if not isinstance(sid.get("id"), dict) else
-            f"{sid['id'].get('job_id', '')}.{sid['id'].get('step_id', '')}",
+            "step": step,
             "name": str(sid.get("name", "")),
             "start_s": _t(st.get("start")),
             "end_s": _t(st.get("end")),

@@ -186,7 +186,8 @@ SACCT_22_05 = {
     "exit_code": {"status": "SUCCESS", "return_code": 0},
     "time": {"elapsed": 11, "eligible": 1796037733, "end": 1796037744, "start": 1796037733,
              "submission": 1796037730, "suspended": 0},
-    "steps": [{"step": {"id": "8.0", "name": "python3"}, "time": {"start": 1796037733, "end": 1796037744}}],
+    "steps": [{"step": {"job_id": 8, "het": {"component": None}, "id": 0, "name": "python3"},
+               "time": {"start": 1796037733, "end": 1796037744}}],
 }  # fmt: skip
 SACCT_24 = {
     "job_id": 9, "name": "train", "cluster": "c", "nodes": "a01",
