@@ -243,6 +243,14 @@ def _delete(name: str) -> Callable[[h5py.File], None]:
     return fn
 
 
+def _group(name: str) -> Callable[[h5py.File], None]:
+    def fn(f: h5py.File) -> None:
+        del f[name]
+        f.create_group(name)
+
+    return fn
+
+
 STRUCTURAL: dict[str, tuple[Callable[[h5py.File], None], str]] = {
     # name: (damage to rank 1's file, a word the warnings must hold)
     "events_of_ints": (_replace("events", np.arange(10)), "rank-00001.h5"),
@@ -250,7 +258,7 @@ STRUCTURAL: dict[str, tuple[Callable[[h5py.File], None], str]] = {
     "events_scalar": (_replace("events", np.zeros((), EVENT_DTYPE)), "rank-00001.h5"),
     "events_fewer_fields": (_replace("events", np.zeros(5, [("t0_ns", "<i8"), ("kind", "u1")])), ""),
     "strings_of_ints": (_replace("strings", np.arange(5)), "rank-00001.h5"),
-    "strings_a_group": (lambda f: (f.__delitem__("strings"), f.create_group("strings")), "rank-00001.h5"),
+    "strings_a_group": (_group("strings"), "rank-00001.h5"),
     "no_strings": (_delete("strings"), "rank-00001.h5"),
     "no_events": (_delete("events"), "rank-00001.h5"),
     "inflight_of_floats": (_replace("inflight", np.ones(3)), ""),

@@ -126,8 +126,8 @@ def _write(tmp_path: Path, seq5: dict[int, dict[str, Any]], n_ranks: int = 4, of
                     inf = [coll(off + 10.0 * i + r, -1, i, s, **kw)]
                     break
             rows.append(coll(off + 10.0 * i + 0.1 * r, off + 10.0 * i + 2, i, s, **kw))
-        extra = dict(closed_cleanly=False, exit_code=None, end_mono_ns=None,
-                     last_flush_mono_ns=int((off + 1000.0) * MS)) if inflight_at_5 else {}  # fmt: skip
+        extra: dict[str, Any] = dict(closed_cleanly=False, exit_code=None, end_mono_ns=None,
+                                     last_flush_mono_ns=int((off + 1000.0) * MS)) if inflight_at_5 else {}  # fmt: skip
         write_rank(tmp_path, r, n_ranks, rows, s, inflight=inf, **extra)
     return tmp_path
 
