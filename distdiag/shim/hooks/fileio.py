@@ -142,7 +142,7 @@ _LIB_PREFIXES = tuple(
     )
 )
 _libcode: dict[int, tuple[Any, bool]] = {}
-_sites: dict[tuple[int, int], int] = {}
+_sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> string id of "file:line"
 _getframe = sys._getframe
 
 
@@ -161,7 +161,9 @@ def _site() -> int:
             if not ent[1] or f.f_back is None:
                 break
             f = f.f_back
-        key = (id(c), f.f_lineno)
+        # f_lasti (the bytecode offset) is a plain int; f_lineno is computed by
+        # scanning the line table: look the line up once per call instruction
+        key = (id(c), f.f_lasti)
         i = _sites.get(key)
         if i is None:
             i = _sites[key] = _intern(f"{c.co_filename}:{f.f_lineno}")  # type: ignore[misc]
