@@ -160,3 +160,48 @@ def test_the_walkthrough_script_runs_on_a_demo_run(run_dir: Path, tmp_path: Path
     assert "verdict: straggler" in p.stdout
     assert {"timeline.png", "wait_heatmap.png", "breakdown.png", "report.html", "trace.json"} <= {
         q.name for q in tmp_path.iterdir()}
+
+
+STEP_JOB = """
+import time
+import numpy as np
+from mpi4py import MPI
+import distdiag
+
+comm = MPI.COMM_WORLD
+buf, out = np.ones(1024), np.empty(1024)
+comm.Barrier()
+for it in range(10):
+    if comm.Get_rank() == 1 and it == 6:
+        time.sleep(0.15)  # one slow step on one rank
+    comm.Allreduce(buf, out)
+    comm.Barrier()
+    distdiag.step(samples=8)
+"""
+
+
+def test_wait_heatmap_by_step_puts_the_slow_step_where_it_happened(tmp_path: Path) -> None:
+    """Ranks that mark steps get a rank x step heatmap: the others' waits land in the slow step's column."""
+    import distdiag
+    from distdiag.render import plots
+
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    (tmp_path / "job.py").write_text(STEP_JOB)
+    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(tmp_path / "run"), sys.executable,
+           str(tmp_path / "job.py")]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    run = distdiag.load(tmp_path / "run")
+    ranks, mat, per_col, what = plots.wait_matrix(run)
+    assert what == "step" and per_col == 1 and list(ranks) == [0, 1, 2, 3]
+    # column k: collectives entered after k steps (the first Barrier and step 0's are in column 0)
+    assert mat.shape == (4, 10)
+    # column 0 holds the start-up Barrier (launch skew); after it, step 6 is the slow one
+    slow = 1 + np.nanargmax(np.nansum(mat[:, 1:], axis=0))
+    assert slow == 6, mat
+    others = mat[[0, 2, 3], 6]
+    assert (others > 0.1).all() and mat[1, 6] < 0.02, mat[:, 6]
+    by_coll = plots.wait_matrix(run, by="collective")
+    assert by_coll[3] == "collective on communicator 'world'" and by_coll[1].shape == (4, 21)
+    assert plots.plot_wait_heatmap(run).get_xlabel().startswith("step index")

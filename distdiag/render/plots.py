@@ -203,42 +203,87 @@ def _main_comm(colls: Any) -> int:
     return int(ids[np.argmax(counts)])
 
 
-def wait_matrix(report: Any, comm: str | None = None, max_cols: int = MAX_HEATMAP_COLS) -> tuple[np.ndarray, np.ndarray, int, str]:
-    """(ranks, matrix [rank, column] of wait seconds, collectives per column, comm name).
+def _step_index(run: Any, rank: np.ndarray, t_ns: np.ndarray) -> np.ndarray | None:
+    """Per (rank, instant): how many of that rank's ``distdiag.step()`` marks came before it.
 
-    Columns are the collectives of one communicator in sequence order (the
-    busiest one unless ``comm`` names another), binned ``per_col`` to a column
-    (summed) beyond ``max_cols``. A rank's wait in a collective is the last
-    member's arrival minus its own arrival; NaN where the rank did not take part.
+    None unless every rank in ``rank`` marked at least two steps. Vectorized:
+    steps sorted by (rank, t) and the queries share one key, rank * span + t,
+    so one searchsorted finds each query's place among its own rank's steps.
+    """
+    ev = run.events
+    st = ev[ev["kind"] == Kind.STEP]
+    if len(st) == 0 or len(rank) == 0:
+        return None
+    s_rank = st["rank"].astype(np.int64)
+    counts = np.bincount(s_rank, minlength=int(max(s_rank.max(), rank.max())) + 1)
+    if counts[np.unique(rank)].min() < 2:
+        return None
+    lo = min(int(st["t0_ns"].min()), int(t_ns.min()))
+    span = max(int(st["t0_ns"].max()), int(t_ns.max())) - lo + 1
+    skey = np.sort(s_rank * span + (st["t0_ns"] - lo))
+    qkey = rank.astype(np.int64) * span + (t_ns - lo)
+    first = np.concatenate([[0], np.cumsum(counts)])[rank]
+    return np.searchsorted(skey, qkey, side="right") - first
+
+
+def wait_matrix(report: Any, comm: str | None = None, max_cols: int = MAX_HEATMAP_COLS,
+                by: str = "auto") -> tuple[np.ndarray, np.ndarray, int, str]:  # fmt: skip
+    """(ranks, matrix [rank, column] of wait seconds, units per column, what a column is).
+
+    ``by="step"``: columns are iterations (the ``distdiag.step()`` marks of
+    each rank; column 0 is before the first), a cell sums the rank's waits in
+    every collective it entered during that step. ``by="collective"``:
+    columns are the collectives of one communicator in sequence order (the
+    busiest one unless ``comm`` names another). ``"auto"``: steps when every
+    rank marked them, else collectives. Beyond ``max_cols`` columns are
+    binned (summed). A rank's wait in a collective is the last member's
+    arrival minus its own arrival; NaN where the rank has nothing.
     """
     report = as_report(report)
     colls = report.collectives
+    run = report.run
     if len(colls) == 0:
         raise NoData("no matched collectives")
-    cid = _main_comm(colls) if comm is None else report.run.sid(comm)
+    wait_all = np.maximum(0, colls.g_last_ns[colls.m_group] - colls.m_t0_ns) / 1e9
+    if by in ("auto", "step") and comm is None:
+        step = _step_index(run, colls.m_rank.astype(np.int64), colls.m_t0_ns)
+        if step is not None:
+            ranks = np.unique(colls.m_rank).astype(np.int64)
+            mat, per_col = _binned(ranks, np.searchsorted(ranks, colls.m_rank), step, wait_all, max_cols)
+            return ranks, mat, per_col, "step"
+        if by == "step":
+            raise NoData("the ranks marked no steps (distdiag.step())")
+    cid = _main_comm(colls) if comm is None else run.sid(comm)
     if cid < 0:
         raise NoData(f"no communicator {comm!r}")
     groups = np.flatnonzero(colls.g_comm == cid)
     order = groups[np.argsort(colls.g_seq[groups], kind="stable")]
     col_of = np.full(len(colls), -1, np.int64)
     col_of[order] = np.arange(len(order))
-    per_col = max(1, -(-len(order) // max_cols))
-    n_cols = -(-len(order) // per_col)
     mine = col_of[colls.m_group] >= 0
     ranks = np.unique(colls.m_rank[mine]).astype(np.int64)
     row = np.searchsorted(ranks, colls.m_rank[mine])
-    col = col_of[colls.m_group[mine]] // per_col
-    wait_s = np.maximum(0, colls.g_last_ns[colls.m_group[mine]] - colls.m_t0_ns[mine]) / 1e9
-    flat = row * n_cols + col
-    mat = np.bincount(flat, weights=wait_s, minlength=len(ranks) * n_cols).reshape(len(ranks), n_cols)
+    mat, per_col = _binned(ranks, row, col_of[colls.m_group[mine]], wait_all[mine], max_cols)
+    return ranks, mat, per_col, f"collective on communicator '{run.s(cid)}'"
+
+
+def _binned(ranks: np.ndarray, row: np.ndarray, col: np.ndarray, val: np.ndarray,
+            max_cols: int) -> tuple[np.ndarray, int]:  # fmt: skip
+    """Sum ``val`` into a [rank, column] matrix, ``per_col`` columns to a bin; NaN where empty."""
+    n = int(col.max()) + 1 if len(col) else 1
+    per_col = max(1, -(-n // max_cols))
+    n_cols = -(-n // per_col)
+    flat = row * n_cols + col // per_col
+    mat = np.bincount(flat, weights=val, minlength=len(ranks) * n_cols).reshape(len(ranks), n_cols)
     seen = np.bincount(flat, minlength=len(ranks) * n_cols).reshape(len(ranks), n_cols) > 0
     mat[~seen] = np.nan
-    return ranks, mat, per_col, report.run.s(cid)
+    return mat, per_col
 
 
-def plot_wait_heatmap(report: Any, ax: Any = None, comm: str | None = None, max_cols: int = MAX_HEATMAP_COLS) -> Any:
-    """Rank x collective index heatmap of the time each rank waited for the others."""
-    ranks, mat, per_col, name = wait_matrix(report, comm, max_cols)
+def plot_wait_heatmap(report: Any, ax: Any = None, comm: str | None = None, max_cols: int = MAX_HEATMAP_COLS,
+                      by: str = "auto") -> Any:  # fmt: skip
+    """Rank x step (or x collective index) heatmap of the time each rank waited for the others."""
+    ranks, mat, per_col, what = wait_matrix(report, comm, max_cols, by)
     ax = _axes(ax, (11, max(2.2, 0.25 * len(ranks) + 1.5)))
     with _rc():
         im = ax.imshow(mat * 1e3, aspect="auto", interpolation="nearest", cmap="magma_r",
@@ -246,10 +291,10 @@ def plot_wait_heatmap(report: Any, ax: Any = None, comm: str | None = None, max_
         step = max(1, len(ranks) // 32)
         ax.set_yticks(np.arange(0, len(ranks), step))
         ax.set_yticklabels([f"rank {r}" for r in ranks[::step]])
-        ax.set_xlabel(f"collective index on communicator '{name}'" + (f" ({per_col} per column, summed)" if per_col > 1 else ""))
-        ax.set_title("Time each rank waited for the last one to arrive")
-        unit = "wait (ms)" if per_col == 1 else f"wait (ms, sum of {per_col})"
-        ax.figure.colorbar(im, ax=ax, label=unit, fraction=0.03, pad=0.01)
+        ax.set_xlabel(f"{what} index" + (f" ({per_col} per column)" if per_col > 1 else ""))
+        ax.set_title("Time each rank waited for the last one to arrive" + (", per step" if what == "step" else ""))
+        summed = what == "step" or per_col > 1
+        ax.figure.colorbar(im, ax=ax, label="wait (ms, summed)" if summed else "wait (ms)", fraction=0.03, pad=0.01)
     return ax
 
 
