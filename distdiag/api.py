@@ -63,28 +63,46 @@ _NULL = _NullPhase()
 class _Phase:
     """A recording span. Nested and repeated use are fine; one object per ``with`` is typical."""
 
-    __slots__ = ("name", "_name_id", "_t0s")
+    __slots__ = ("name", "_name_id", "_t0s", "_spans")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._name_id = -1
         self._t0s: list[int] = []
+        #: the open span of each active ``with`` (None when it could not be opened)
+        self._spans: list[Any] = []
 
     def __enter__(self) -> _Phase:
-        self._t0s.append(now_ns())
+        t0 = now_ns()
+        self._t0s.append(t0)
+        span = None
+        try:  # open span: a rank killed inside the phase shows it in /inflight
+            s = _session.SESSION
+            if s is not None:
+                rec = s.rec
+                if self._name_id < 0:
+                    self._name_id = rec.intern(self.name)
+                span = rec.open_span(_PHASE, self._name_id, rec.site(2), t0)
+        except Exception:
+            log.debug("distdiag: phase %r not opened", self.name, exc_info=True)
+        self._spans.append(span)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         t1 = now_ns()
         try:
             t0 = self._t0s.pop()
+            span = self._spans.pop() if self._spans else None
             s = _session.SESSION
+            if s is not None and span is not None:
+                s.rec.close_span(span)
             if s is None:
                 return None
             rec = s.rec
             if self._name_id < 0:
                 self._name_id = rec.intern(self.name)
-            rec.add(t0, t1, _PHASE, self._name_id, 0, -1, -1, 0, 0, rec.site(2))
+            # the call site taken at enter (the `with` line) saves a second frame lookup
+            rec.add(t0, t1, _PHASE, self._name_id, 0, -1, -1, 0, 0, span[9] if span is not None else rec.site(2))
         except Exception:  # never into the user's code
             log.debug("distdiag: phase %r not recorded", self.name, exc_info=True)
         return None  # never swallow the user's exception
@@ -97,6 +115,13 @@ class _Phase:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = now_ns()
+            span = None
+            try:
+                s = _session.SESSION
+                if s is not None:
+                    span = s.rec.open_span(_PHASE, s.rec.intern(name), s.rec.intern(where), t0)
+            except Exception:
+                log.debug("distdiag: phase %r not opened", name, exc_info=True)
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -105,6 +130,8 @@ class _Phase:
                     s = _session.SESSION
                     if s is not None:
                         rec = s.rec
+                        if span is not None:
+                            rec.close_span(span)
                         rec.add(t0, t1, _PHASE, rec.intern(name), 0, -1, -1, 0, 0, rec.intern(where))
                 except Exception:
                     log.debug("distdiag: phase %r not recorded", name, exc_info=True)

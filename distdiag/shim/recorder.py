@@ -46,7 +46,7 @@ CLOCK_NAME = "perf_counter_ns"
 class ThreadBuffer:
     """One thread's current chunk and the call it is inside of (if any)."""
 
-    __slots__ = ("buf", "n", "cap", "tid", "cur")
+    __slots__ = ("buf", "n", "cap", "tid", "cur", "spans")
 
     def __init__(self, cap: int, tid: int) -> None:
         self.buf = bytearray(cap * ROW_SIZE)
@@ -55,6 +55,8 @@ class ThreadBuffer:
         self.tid = tid
         #: the blocking call this thread is inside of: a full row tuple with t1 = -1
         self.cur: tuple[Any, ...] | None = None
+        #: open spans (``distdiag.phase``) on this thread, outermost first: rows with t1 = -1
+        self.spans: list[tuple[Any, ...]] = []
 
 
 class StringTable:
@@ -206,8 +208,39 @@ class Recorder:
         return i
 
     # -- for the writer ---------------------------------------------------------
+    def open_span(self, kind: int, name_id: int, site_id: int = 0, t0: int | None = None) -> tuple[Any, ...]:
+        """Mark the calling thread as inside a span (a phase) until :meth:`close_span`.
+
+        Unlike :meth:`enter` spans nest and enclose calls; they are not rows
+        (the caller adds the finished span itself). Open spans go to
+        ``/inflight`` at every flush, so a rank killed inside ``phase("eval")``
+        shows it was there (see distdiag.detectors.hang)."""
+        try:
+            tb = self._local.tb
+        except AttributeError:
+            tb = self._tb()
+        row = (now_ns() if t0 is None else t0, -1, kind, name_id, 0, -1, -1, 0, 0, site_id, tb.tid, 0.0)
+        tb.spans.append(row)
+        return row
+
+    def close_span(self, row: tuple[Any, ...]) -> None:
+        """Forget the span :meth:`open_span` returned (normally the calling thread's innermost)."""
+        try:
+            tb = self._local.tb
+            if tb.spans and tb.spans[-1] is row:
+                tb.spans.pop()
+                return
+        except AttributeError:
+            pass
+        for b in list(self.buffers):  # closed out of order or on another thread: rare
+            for i, r in enumerate(b.spans):
+                if r is row:
+                    del b.spans[i]
+                    return
+
     def inflight_rows(self) -> np.ndarray:
         rows = [tb.cur for tb in list(self.buffers) if tb.cur is not None]
+        rows += [r for tb in list(self.buffers) for r in list(tb.spans)]
         out = np.zeros(len(rows), EVENT_DTYPE)
         for i, r in enumerate(rows):  # one row per thread inside a call: a handful
             out[i] = r
