@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 WRAP = [sys.executable, "-m", "distdiag.wrap"]
 #: the Barrier rank 2 never reaches, and the read it does instead
 BARRIER_LINE = next(i for i, s in enumerate(JOB.read_text().splitlines(), 1) if "HANG-SITE" in s)
+PHASE_LINE = next(i for i, s in enumerate(JOB.read_text().splitlines(), 1) if 'with distdiag.phase("evaluate")' in s)
 READ_LINE = next(i for i, s in enumerate(JOB.read_text().splitlines(), 1) if "open(data" in s)
 
 
@@ -122,12 +123,14 @@ def _check_hang(rep: dict[str, Any], data_name: str) -> dict[str, Any]:
     # what rank 2 did instead: the read of the shard at its line, then nothing recorded
     assert doing["last_file"]["path"].endswith(data_name)
     assert doing["last_file"]["site"].endswith(f"hang_barrier.py:{READ_LINE}")
-    assert data_name in doing["what"]
+    assert doing["what"] == f"inside phase 'evaluate' at {JOB}:{PHASE_LINE}"  # its open phase, from /inflight
+    assert [c["kind"] for c in doing["inflight"]] == ["PHASE"]
     assert 0.8 < doing["for_s"] < 30
     # the others were stuck from their arrival to their end: >= ~1.2 s of waiting each
     assert all(0.8 < s < 30 for s in ev["stuck_s"].values()), ev["stuck_s"]
     assert 0.8 < top["cost_s"] <= rep["run"]["wall_s"]
     assert f"hang_barrier.py:{BARRIER_LINE}" in top["summary"] and "rank(s) 2 never entered Barrier" in top["summary"]
+    assert "rank 2 was inside phase 'evaluate'" in top["summary"]
     return dict(top)
 
 
@@ -218,3 +221,29 @@ def test_hang_ranks_first_even_when_a_straggler_costs_more(tmp_path: Path) -> No
     assert kinds[0] == "hang" and "straggler" in kinds, kinds
     strag = next(f for f in rep.findings if f.kind == "straggler")
     assert strag.cost_s > rep.findings[0].cost_s  # costlier, yet second: the job never finished
+
+
+def test_open_phases_are_in_flight_until_they_close_in_any_order() -> None:
+    import threading
+
+    from distdiag.schema import Kind
+    from distdiag.shim.recorder import Recorder
+
+    rec = Recorder(chunk_rows=16)
+    outer = rec.open_span(Kind.PHASE, rec.intern("train"), rec.intern("job.py:3"))
+    inner = rec.open_span(Kind.PHASE, rec.intern("eval"), rec.intern("job.py:9"))
+    rec.enter(Kind.COLL, rec.intern("Barrier"), rec.intern("world"), 4)
+
+    def names() -> list[str]:
+        rows = rec.inflight_rows()
+        return sorted(rec.strings.strings[int(i)] for i in rows["name_id"])
+
+    assert names() == ["Barrier", "eval", "train"]
+    assert set(rec.inflight_rows()["t1_ns"]) == {-1}
+    rec.leave()
+    rec.close_span(outer)  # out of order: the outer one first
+    assert names() == ["eval"]
+    t = threading.Thread(target=rec.close_span, args=(inner,))  # and from another thread
+    t.start()
+    t.join()
+    assert names() == []
