@@ -193,8 +193,10 @@ class RunFrames:
 
         ``arrival_s``/``exit_s``: when this rank entered/left it; ``last_arrival_s``:
         when the last member arrived; ``wait_s``: this rank's time waiting for the
-        others (last arrival - its arrival, 0 for the last one); ``transfer_s``:
-        after the last arrival until it left. NaN exit: still inside at the end.
+        others (last arrival - its arrival, 0 for the last one; for a collective
+        that never completed, all its time inside until its record ends);
+        ``transfer_s``: after the last arrival until it left. NaN exit: still
+        inside at the end (``state`` says whether a member never came).
         """
         c = self.colls
         st = self.run.strings
@@ -203,7 +205,13 @@ class RunFrames:
         in_flight = t1 < 0
         last = c.g_last_ns[g]
         exit_s = np.where(in_flight, np.nan, self._secs(t1))
-        wait_ns = np.maximum(0, np.minimum(last, np.where(in_flight, last, t1)) - c.m_t0_ns)
+        # A collective that never completed (a member never came, or never left):
+        # everyone inside waited until its record ends, as distdiag.breakdown counts it.
+        end_ns = np.asarray(self.run.rank_bounds()[1], np.int64)
+        never = (c.g_state[g] == MatchState.IN_FLIGHT) | (c.g_exit_ns[g] < 0)
+        inside_to = np.where(in_flight, end_ns[np.clip(c.m_rank, 0, len(end_ns) - 1)] if len(end_ns) else t1, t1)
+        wait_ns = np.where(never, np.maximum(0, inside_to - c.m_t0_ns),
+                           np.maximum(0, np.minimum(last, inside_to) - c.m_t0_ns))  # fmt: skip
         return pd.DataFrame(
             {
                 "group": g,

@@ -205,3 +205,60 @@ def test_wait_heatmap_by_step_puts_the_slow_step_where_it_happened(tmp_path: Pat
     by_coll = plots.wait_matrix(run, by="collective")
     assert by_coll[3] == "collective on communicator 'world'" and by_coll[1].shape == (4, 21)
     assert plots.plot_wait_heatmap(run).get_xlabel().startswith("step index")
+
+
+def test_a_collective_that_never_completed_is_waiting_until_the_record_ends(tmp_path: Path) -> None:
+    """tests/jobs/hang_barrier.py: rank 2 never reaches the Barrier; the ranks are SIGKILLed inside it.
+    The frames, the trace and the breakdown agree: the others waited in it until their records end."""
+    import json as _json
+    import signal
+    import time
+
+    import distdiag
+    from distdiag.render.perfetto import build_trace
+
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    run_dir, piddir, data = tmp_path / "run", tmp_path / "pids", tmp_path / "data"
+    piddir.mkdir()
+    data.write_bytes(b"x" * 4096)
+    # `timeout` is the safety net: no rank outlives 60 s whatever happens here
+    cmd = [MPIEXEC, "-n", "4", "timeout", "-s", "KILL", "60", sys.executable, "-m", "distdiag.wrap", "--dir",
+           str(run_dir), sys.executable, str(REPO / "tests" / "jobs" / "hang_barrier.py"), str(piddir), str(data), "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(piddir.glob("*.pid"))) < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        pids = [int(p.read_text()) for p in piddir.glob("*.pid")]  # exactly the ranks this test started
+        assert len(pids) == 4
+        time.sleep(1.2)  # several flush intervals inside the Barrier
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.kill()
+            proc.wait(timeout=10)
+    run = distdiag.load(run_dir)
+    c = run.collectives
+    stuck = c[c["exit_s"].isna()]
+    assert sorted(stuck["rank"]) == [0, 1, 3] and (stuck["op"] == "Barrier").all()
+    assert (stuck["state"] == "in_flight").all()
+    ends = run.ranks.set_index("rank")["end_s"]
+    for r in stuck.itertuples():  # three ranks
+        assert r.wait_s == pytest.approx(ends[r.rank] - r.arrival_s, abs=1e-6)
+        assert r.wait_s > 0.5
+    b = run.breakdown.set_index("rank")
+    assert (b.loc[[0, 1, 3], "comm_wait_s"] >= stuck.set_index("rank")["wait_s"] - 1e-6).all()
+    text, _ = build_trace(run.report)
+    waits = [e for e in _json.loads(text)["traceEvents"] if e.get("cat") == "wait" and "never" in e["name"]]
+    assert sorted(e["pid"] - 1 for e in waits) == [0, 1, 3]
+    assert all(e["dur"] > 0.5e6 for e in waits)

@@ -207,7 +207,9 @@ def build_trace(report: Any, window_s: tuple[float, float] | None = None,
         pid = _pid(rank)
         tid = _tid(rank, np.zeros(len(sel), np.int64), lane)
         last = colls.g_last_ns[g]
-        wait_ns = np.where(is_async, 0, np.maximum(0, np.minimum(last, z_ns) - a_ns))
+        # Never completed (a member never came or never left): waiting until the record ends.
+        never = (colls.g_state[g] == MatchState.IN_FLIGHT) | (colls.g_exit_ns[g] < 0)
+        wait_ns = np.where(is_async, 0, np.where(never, z_ns - a_ns, np.maximum(0, np.minimum(last, z_ns) - a_ns)))
         state = np.asarray([s.name.lower() for s in MatchState], dtype=object)[colls.g_state[g].astype(np.int64)]
         in_flight = colls.m_t1_ns[sel] < 0
         args = {
@@ -223,8 +225,9 @@ def build_trace(report: Any, window_s: tuple[float, float] | None = None,
         base = _slice_base(st[colls.m_op[sel]], "collective", us(a_ns), (z_ns - a_ns) / 1e3, pid, tid)
         w = wait_ns > 0
         # The wait slice sits inside its collective on the same track: same start, shorter.
-        wbase = _slice_base(np.char.add("wait for rank ", colls.g_last_rank[g][w].astype(str)).astype(object),
-                            "wait", us(a_ns[w]), wait_ns[w] / 1e3, pid[w], tid[w])  # fmt: skip
+        wname = np.where(never[w], "wait (never completed)",
+                         np.char.add("wait for rank ", colls.g_last_rank[g][w].astype(str))).astype(object)
+        wbase = _slice_base(wname, "wait", us(a_ns[w]), wait_ns[w] / 1e3, pid[w], tid[w])
         frame = pd.concat([pd.DataFrame({**base, **{(_ARG0 + k if i == 0 else k): v for i, (k, v) in enumerate(args.items())}}),
                            pd.DataFrame({**wbase, **{(_ARG0 + k if i == 0 else k): np.asarray(v)[w]
                                                      for i, (k, v) in enumerate(args.items())}})],
