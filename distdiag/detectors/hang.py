@@ -266,7 +266,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                      all_missing.tolist())
             return []
     culprits = all_missing if deadlock else free
-    slices = run.rank_slices()
+    # Slices of the culprits' rows only (events are sorted by rank): one contiguous copy of
+    # the rank column, a search per culprit (run.rank_slices() searches every rank).
+    rank_col = np.ascontiguousarray(run.events["rank"])
+    slices = {int(r): slice(*(int(x) for x in np.searchsorted(rank_col, [int(r), int(r) + 1])))
+              for r in culprits[:MAX_DESCRIBED]}  # fmt: skip
     described = []
     for r in culprits[:MAX_DESCRIBED]:  # bounded
         rr = int(r)
