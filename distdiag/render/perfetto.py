@@ -149,8 +149,14 @@ def build_trace(report: Any, window_s: tuple[float, float] | None = None,
     colls = report.collectives
     t0 = int(run.start_ns)
     st = _json_strings(run.strings)
-    ev = run.events
     end_ns = np.asarray(run.rank_bounds()[1], np.int64)
+    # Calls a rank was still inside of (a phase, a read) run until its record ends;
+    # in-flight collectives come with the matched ones below.
+    ev = run.events
+    if len(run.inflight):
+        inf = run.inflight.copy()
+        inf["t1_ns"] = np.maximum(inf["t0_ns"], end_ns[np.clip(inf["rank"], 0, len(end_ns) - 1)])
+        ev = np.concatenate([ev, inf[~np.isin(inf["kind"], np.array([Kind.COLL, Kind.COLL_ASYNC], np.uint8))]])
     stats = ExportStats(window_s=window_s)
 
     def us(t_ns: np.ndarray) -> np.ndarray:

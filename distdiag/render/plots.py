@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from distdiag.breakdown import COLUMNS
+from distdiag.match import MatchState
 from distdiag.schema import FILE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,17 @@ def _longest(dur: np.ndarray, limit: int) -> np.ndarray:
     return np.sort(np.argpartition(-dur, limit)[:limit])
 
 
+def _with_inflight(run: Any) -> np.ndarray:
+    """The events plus the calls a rank was still inside of (a phase, a read), ending where its record ends."""
+    inf = run.inflight
+    if len(inf) == 0:
+        return run.events  # type: ignore[no-any-return]
+    inf = inf.copy()
+    end = np.asarray(run.rank_bounds()[1], np.int64)
+    inf["t1_ns"] = np.maximum(inf["t0_ns"], end[np.clip(inf["rank"], 0, len(end) - 1)])
+    return np.concatenate([run.events, inf])
+
+
 # ----------------------------------------------------------------------------------
 # the figures
 
@@ -137,7 +149,7 @@ def plot_timeline(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS, max_b
 
     report = as_report(report)
     run, colls = report.run, report.collectives
-    ev = run.events
+    ev = _with_inflight(run)
     named = sorted({int(r) for f in report.findings for r in f.ranks})
     rows = _rank_rows(run.rank_ids, named, max_ranks)
     if len(rows) == 0:
@@ -167,7 +179,9 @@ def plot_timeline(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS, max_b
     # Collectives: waiting (arrival -> last member's arrival), then the transfer.
     end = np.asarray(run.rank_bounds()[1], np.int64)
     t1 = np.where(colls.m_t1_ns >= 0, colls.m_t1_ns, end[np.clip(colls.m_rank, 0, len(end) - 1)])
-    split = np.clip(colls.g_last_ns[colls.m_group], colls.m_t0_ns, t1)
+    # never completed (a member never came or never left): waiting throughout
+    never = (colls.g_state[colls.m_group] == MatchState.IN_FLIGHT) | (colls.g_exit_ns[colls.m_group] < 0)
+    split = np.where(never, t1, np.clip(colls.g_last_ns[colls.m_group], colls.m_t0_ns, t1))
     layers.append(("collective: waiting", "#d1495b", lane(colls.m_rank, colls.m_t0_ns, split, 0.36, 0.28)))
     layers.append(("collective: transfer", "#2e86ab", lane(colls.m_rank, split, t1, 0.36, 0.28)))
     m = np.isin(ev["kind"], np.array(sorted(FILE_KINDS), np.uint8))
