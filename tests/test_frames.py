@@ -263,3 +263,6 @@ def test_a_collective_that_never_completed_is_waiting_until_the_record_ends(tmp_
     waits = [e for e in _json.loads(text)["traceEvents"] if e.get("cat") == "wait" and "never" in e["name"]]
     assert sorted(e["pid"] - 1 for e in waits) == [0, 1, 3]
     assert all(e["dur"] > 0.5e6 for e in waits)
+    # rank 2 sat in distdiag.phase("evaluate") when killed: the trace shows it open until its record ends
+    evals = [e for e in _json.loads(text)["traceEvents"] if e.get("cat") == "phase" and e["name"] == "evaluate"]
+    assert [e["pid"] - 1 for e in evals] == [2] and evals[0]["dur"] > 0.5e6
