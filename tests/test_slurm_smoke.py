@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import SlurmCluster
+from conftest import REPO, SlurmCluster
 
 pytestmark = pytest.mark.slurm
 
@@ -41,3 +42,16 @@ def test_sacct_json_gives_submit_eligible_start_end(slurm: SlurmCluster, tmp_pat
     assert 0 < t["submission"] <= t["eligible"] <= t["start"] < t["end"]
     # Seconds resolution: a 2 s sleep shows as 2-4 s of run time.
     assert 2 <= t["end"] - t["start"] <= 4, t
+
+
+def test_up_sh_again_starts_nothing_and_keeps_the_daemons(slurm: SlurmCluster) -> None:
+    run = slurm.dir / "run"
+    names = ["munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2"]
+    before = {n: (run / f"{n}.pid").read_text().strip() for n in names if (run / f"{n}.pid").exists()}
+    p = subprocess.run([str(REPO / "tests" / "slurm" / "up.sh")], capture_output=True, text=True, timeout=60,
+                       env=slurm.env(DISTDIAG_SLURM_DIR=str(slurm.dir)))  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("already running") >= 5, p.stdout
+    assert (run / "started.pids").read_text().split() == []
+    after = {n: (run / f"{n}.pid").read_text().strip() for n in before}
+    assert after == before

@@ -2,7 +2,8 @@
 # Stop the test Slurm stood up by tests/slurm/up.sh: only processes whose PIDs
 # up.sh recorded, never anything found by name.
 #   down.sh            stop every daemon with a PID file under $DIR/run
-#   down.sh --started  stop only the ones the last up.sh run started
+#   down.sh --started [FILE]  stop only the ones the last up.sh run started
+#                             (or whose PIDs FILE lists)
 set -uo pipefail
 
 DIR=${DISTDIAG_SLURM_DIR:-/tmp/distdiag-slurm}
@@ -11,8 +12,9 @@ export SLURM_CONF=$DIR/etc/slurm.conf
 # Reverse start order: compute nodes, controller, accounting, database, munge.
 ORDER=(slurmd-n2 slurmd-n1 slurmctld slurmdbd mariadbd munged)
 declare -A ONLY=()
+# --started FILE: the PIDs listed in FILE (default: what the last up.sh started).
 if [[ ${1:-} == --started ]]; then
-    while read -r p; do [[ -n $p ]] && ONLY[$p]=1; done <"$DIR/run/started.pids" 2>/dev/null || true
+    while read -r p; do [[ -n $p ]] && ONLY[$p]=1; done <"${2:-$DIR/run/started.pids}" 2>/dev/null || true
 fi
 
 pids=()
