@@ -225,7 +225,9 @@ def test_a_collective_that_never_completed_is_waiting_until_the_record_ends(tmp_
     # `timeout` is the safety net: no rank outlives 60 s whatever happens here
     cmd = [MPIEXEC, "-n", "4", "timeout", "-s", "KILL", "60", sys.executable, "-m", "distdiag.wrap", "--dir",
            str(run_dir), sys.executable, str(REPO / "tests" / "jobs" / "hang_barrier.py"), str(piddir), str(data), "2"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # flush often: a SIGKILLed rank's record ends at its last flush
+    env = dict(os.environ, DISTDIAG_FLUSH_INTERVAL_S="0.2")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 60
