@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from distdiag.pipeline import analyze
+from conftest import SlurmCluster
 from factories import MS, coll, write_rank
 
 JOB = Path(__file__).parent / "jobs" / "hang_barrier.py"
@@ -107,7 +108,7 @@ def _run_and_kill(tmp_path: Path, how: str) -> Path:
     return run_dir
 
 
-def _check_hang(rep: dict[str, Any], data_name: str) -> dict[str, Any]:
+def _check_hang(rep: dict[str, Any], data_name: str, max_s: float = 30) -> dict[str, Any]:
     top = rep["findings"][0]
     assert top["kind"] == "hang", [(f["kind"], f["summary"]) for f in rep["findings"]]
     assert top["ranks"] == [2]
@@ -125,9 +126,9 @@ def _check_hang(rep: dict[str, Any], data_name: str) -> dict[str, Any]:
     assert doing["last_file"]["site"].endswith(f"hang_barrier.py:{READ_LINE}")
     assert doing["what"] == f"inside phase 'evaluate' at {JOB}:{PHASE_LINE}"  # its open phase, from /inflight
     assert [c["kind"] for c in doing["inflight"]] == ["PHASE"]
-    assert 0.8 < doing["for_s"] < 30
+    assert 0.8 < doing["for_s"] < max_s
     # the others were stuck from their arrival to their end: >= ~1.2 s of waiting each
-    assert all(0.8 < s < 30 for s in ev["stuck_s"].values()), ev["stuck_s"]
+    assert all(0.8 < s < max_s for s in ev["stuck_s"].values()), ev["stuck_s"]
     assert 0.8 < top["cost_s"] <= rep["run"]["wall_s"]
     assert f"hang_barrier.py:{BARRIER_LINE}" in top["summary"] and "rank(s) 2 never entered Barrier" in top["summary"]
     assert "rank 2 was inside phase 'evaluate'" in top["summary"]
@@ -145,6 +146,24 @@ def test_sigterm_then_sigkill_hang_is_found_the_same_way(tmp_path: Path) -> None
     run_dir = _run_and_kill(tmp_path, "term")
     rep = _analyze_json(run_dir)
     _check_hang(rep, "shard.bin")
+
+
+@pytest.mark.slurm
+def test_slurm_time_limit_hang_names_rank_2(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """srun --time=1: Slurm's smallest limit is a minute, and it checks limits every ~30 s, so
+    this job runs 60-100 s; Slurm then sends SIGTERM, waits KillWait (5 s here), SIGKILLs."""
+    run_dir, piddir, data = tmp_path / "run", tmp_path / "pids", tmp_path / "shard.bin"
+    piddir.mkdir()
+    data.write_bytes(os.urandom(1 << 20))
+    env = slurm.env(DISTDIAG_FLUSH_INTERVAL_S="0.5", PYTHONPATH=str(REPO))
+    p = slurm.run(["srun", "-N1", "-n4", "--time=1", "--job-name", "hang9", *WRAP, "--dir", str(run_dir),
+                   sys.executable, str(JOB), str(piddir), str(data), "2"],
+                  timeout_s=240, check=False, cwd=tmp_path, env=env)  # fmt: skip
+    assert p.returncode != 0 and "TIME LIMIT" in p.stderr, p.stderr
+    rep = _analyze_json(run_dir, env=slurm.env())
+    top = _check_hang(rep, "shard.bin", max_s=200)
+    assert top["cost_s"] > 50  # stuck from the barrier to the time limit
+    assert rep["run"]["slurm"]["job"]["state"] == "TIMEOUT"
 
 
 # -- unit cases: rank files written through the shim's writer ---------------------------
