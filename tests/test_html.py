@@ -49,8 +49,10 @@ JOB = f"""
 import os, sys
 d = os.path.join(sys.argv[1], "<script>alert(1)<")
 os.makedirs(d, exist_ok=True)
-with open(os.path.join(d, "script>"), "w") as f:
-    f.write("x")
+for _ in range(40):  # busy enough to be among the busiest paths the report lists
+    with open(os.path.join(d, "script>"), "w") as f:
+        f.write("x" * 4096)
+    os.stat(os.path.join(d, "script>"))
 from distdiag import demo_job
 sys.exit(demo_job.main(sys.argv[2:]))
 """
