@@ -166,6 +166,45 @@ def test_slurm_time_limit_hang_names_rank_2(slurm: SlurmCluster, tmp_path: Path)
     assert rep["run"]["slurm"]["job"]["state"] == "TIMEOUT"
 
 
+GLOO_JOB = Path(__file__).parent / "jobs" / "hang_gloo.py"
+
+
+@pytest.mark.torch
+def test_gloo_hang_names_the_rank_in_its_phase_and_the_all_reduce(tmp_path: Path) -> None:
+    """The same post-mortem for torch.distributed on gloo (what the NCCL flight recorder answers
+    only from dumps each rank must write itself): 3 ranks under torchrun, SIGKILLed."""
+    pytest.importorskip("torch")
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "distdiag.wrap", str(GLOO_JOB), str(piddir), "1"]  # fmt: skip
+    env = _env(DISTDIAG_DIR=str(tmp_path / "run"), DISTDIAG_HOOKS="fileio=0", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(piddir.glob("*.pid"))) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(timeout=10)[0][-3000:]
+            time.sleep(0.05)
+        time.sleep(1.5)  # several flushes with ranks 0 and 2 inside the all_reduce
+        for p in piddir.glob("*.pid"):  # exactly the ranks this test started
+            os.kill(int(p.read_text()), signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # our own torchrun session only
+            proc.wait(timeout=10)
+    rep = _analyze_json(tmp_path / "run")
+    top = rep["findings"][0]
+    assert top["kind"] == "hang" and top["ranks"] == [1], [(f["kind"], f["summary"]) for f in rep["findings"]]
+    ev = top["evidence"]
+    line = next(i for i, s in enumerate(GLOO_JOB.read_text().splitlines(), 1) if "GLOO-HANG-SITE" in s)
+    assert ev["op"] == "all_reduce" and ev["seq"] == 5 and sorted(ev["inside"]) == [0, 2]
+    assert ev["site"].endswith(f"hang_gloo.py:{line}"), ev["site"]
+    assert ev["doing"][0]["what"].startswith("inside phase 'load_checkpoint'")
+    assert top["cost_s"] > 0.8
+
+
 # -- unit cases: rank files written through the shim's writer ---------------------------
 
 
