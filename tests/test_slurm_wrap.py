@@ -175,7 +175,11 @@ def test_torch_gloo_under_srun_from_slurm_variables(slurm: SlurmCluster, tmp_pat
     rep = _analyze(run_dir, env=slurm.env())
     got = _loud(rep, "straggler")
     assert [f["ranks"] for f in got] == [[1]], rep["findings"]
-    assert got[0]["cost_s"] == pytest.approx(float(m.group(1)), rel=0.25)
+    # With 2 ranks, rank 1's sleep is also rank 1 working alone while rank 0
+    # waits: the analyzer may split the lost time between straggler and
+    # serial_section (never counting it twice). Together they are the delay.
+    blamed = [f for f in rep["findings"] if f["kind"] in ("straggler", "serial_section") and f["ranks"] == [1]]
+    assert sum(f["cost_s"] for f in blamed) == pytest.approx(float(m.group(1)), rel=0.25), rep["findings"]
     hosts = {row["rank"]: row["host"] for row in rep["breakdown"]["per_rank"]}
     assert hosts == ({0: "n1", 1: "n1"} if nodes == 1 else {0: "n1", 1: "n2"})
     assert rep["run"]["slurm"]["available"] is True
