@@ -87,9 +87,9 @@ def test_srun_finds_the_same_straggler_as_mpiexec(
         assert r and r[0]["ranks"] == [2], r
         assert r[0]["cost_s"] == pytest.approx(INJECTED_S, rel=0.25)
         assert all(f["fraction"] < 0.05 and f["cost_s"] < r[0]["cost_s"] / 4 for f in r[1:]), r
-    # Nothing else appears but what only Slurm can tell (queue, launch).
-    extra = {f["kind"] for f in rep["findings"]} - {f["kind"] for f in mpiexec_report["findings"]}
-    assert extra <= ACCOUNTING_KINDS, rep["findings"]
+    # Nothing sizeable appears but what only Slurm can tell (queue, launch).
+    loud_kinds = {f["kind"] for f in rep["findings"] if f["fraction"] >= 0.05} - ACCOUNTING_KINDS
+    assert loud_kinds <= {f["kind"] for f in mpiexec_report["findings"]}, rep["findings"]
 
     # Hosts are Slurm's node names (SLURMD_NODENAME), block-distributed.
     hosts = {row["rank"]: row["host"] for row in rep["breakdown"]["per_rank"]}
