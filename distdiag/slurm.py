@@ -330,16 +330,21 @@ class SlurmView:
     rank_start_s: dict[int, float] = field(default_factory=dict)
     rank_first_work_s: dict[int, float] = field(default_factory=dict)
     rank_first_collective_s: dict[int, float] = field(default_factory=dict)
+    #: last own activity before the first rendezvous (see rank_busy_until)
+    rank_busy_until_s: dict[int, float] = field(default_factory=dict)
     rank_last_event_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def end_s(self) -> float | None:
-        """The job's end; for a running job, the last thing any rank did."""
+        """The job's end; for a running job, the last thing any rank did.
+
+        sacct truncates to whole seconds, so a rank's last event (ns) may lie
+        up to a second past the recorded end: the later of the two is the end.
+        """
+        last = max(self.rank_last_event_s.values()) if self.rank_last_event_s else None
         if self.acct is not None and self.acct.end_s:
-            return float(self.acct.end_s)
-        if self.rank_last_event_s:
-            return max(self.rank_last_event_s.values())
-        return None
+            return max(float(self.acct.end_s), last or 0.0)
+        return last
 
     @property
     def turnaround_s(self) -> float | None:
@@ -364,9 +369,10 @@ class SlurmView:
         def rel(d: dict[int, float], r: int) -> float | None:
             return round(d[r] - t0, 3) if r in d else None
 
-        ranks = sorted(set(self.rank_start_s) | set(self.rank_first_work_s) | set(self.rank_last_event_s))
+        ranks = sorted(set(self.rank_start_s) | set(self.rank_first_work_s) | set(self.rank_last_event_s))  # per rank
         return [{"rank": r, "shim_start_s": rel(self.rank_start_s, r), "first_work_s": rel(self.rank_first_work_s, r),
                  "first_collective_s": rel(self.rank_first_collective_s, r),
+                 "busy_until_s": rel(self.rank_busy_until_s, r),
                  "last_event_s": rel(self.rank_last_event_s, r)} for r in ranks]  # fmt: skip
 
 
@@ -423,6 +429,52 @@ def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[
     first = _first_t0_s(run.events, USEFUL_KINDS, wm)
     first_coll = _first_t0_s(run.events, frozenset(COMM_KINDS), wm)
     return start, first, first_coll, last
+
+
+#: kinds at which a rank meets its peers at start: communicator creation (MPI
+#: init, init_process_group's store) and the first useful work
+RENDEZVOUS_KINDS = frozenset(USEFUL_KINDS | {Kind.COMM_CREATE})
+
+
+def rank_busy_until(run: Any) -> dict[int, float]:
+    """Per rank, Unix seconds when it last did something of its own before
+    its first rendezvous (communicator creation or first useful work).
+
+    MPI_Init and init_process_group block every rank until the last one
+    arrives, so all ranks reach their first useful work together and the
+    late one does not stand out there. What stands out is how long each was
+    busy (importing, reading, computing) before it went into the rendezvous:
+    the rank busy the longest is the one the others waited for. Worked
+    example: rank 0 imports until +0.5 s and then sits in MPI_Init; rank 1
+    imports from a slow file system until +6.2 s; both create COMM_WORLD at
+    +6.8 s: rank 1 is named. Needs the recorded file events (the fileio hook);
+    a rank without them falls back to its first rendezvous.
+    """
+    wm = _wall_map_ns(run)
+    ev = run.events
+    if wm is None or len(ev) == 0:
+        return {}
+    n = int(ev["rank"].max()) + 1
+    first = np.full(n, np.iinfo(np.int64).max, np.int64)
+    sel = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in RENDEZVOUS_KINDS), np.uint8))]
+    if len(sel) == 0:
+        return {}
+    np.minimum.at(first, sel["rank"], sel["t0_ns"])
+    thr = first[ev["rank"]]
+    own = ev["kind"] != int(Kind.SHIM)
+    pre = ev[(ev["t0_ns"] < thr) & own]
+    has = first < np.iinfo(np.int64).max
+    until = np.full(n, np.iinfo(np.int64).min, np.int64)
+    if len(pre):
+        t_end = np.where(pre["t1_ns"] >= pre["t0_ns"], pre["t1_ns"], pre["t0_ns"])
+        np.maximum.at(until, pre["rank"], np.minimum(t_end, first[pre["rank"]]))
+    # No own activity before the rendezvous: the rank was ready at its shim start.
+    starts = np.full(n, np.iinfo(np.int64).min, np.int64)
+    for r, i in run.ranks.items():  # one per rank
+        if r < n:
+            starts[r] = i.start_ns
+    busy = np.maximum(until, starts)
+    return {int(r): (int(busy[r]) + wm) / 1e9 for r in np.flatnonzero(has)}
 
 
 def timeline(acct: Accounting, start: dict[int, float], first: dict[int, float], last: dict[int, float],
@@ -514,7 +566,7 @@ def _compute_view(run: Any, backend: str, live: bool | None) -> SlurmView:
     else:
         why = f"no Slurm accounting for job {job}: offline, and the run dir holds no {ACCOUNTING_FILE}"
     view = SlurmView(acct, why, origin, rank_start_s=start, rank_first_work_s=first, rank_last_event_s=last,
-                     rank_first_collective_s=first_coll)  # fmt: skip
+                     rank_first_collective_s=first_coll, rank_busy_until_s=rank_busy_until(run))  # fmt: skip
     if acct is not None:
         view.timeline = timeline(acct, start, first, last, view.end_s, first_coll)
     return view

@@ -105,3 +105,39 @@ def test_dependency_hold_is_submit_to_eligible(slurm: SlurmCluster, tmp_path: Pa
     # Held for as long as the first job ran (8 s, whole seconds, plus its launch).
     assert held_s == pytest.approx(8, abs=2.5)
     assert time.time() - t_submit >= held_s
+
+
+SLOW_START = """
+import os, time
+if os.environ["SLURM_PROCID"] == "1":
+    time.sleep({delay})  # a rank whose imports come from a slow file system
+from mpi4py import MPI
+c = MPI.COMM_WORLD
+c.Barrier()
+for _ in range(5):
+    c.allreduce(1)
+"""
+
+
+def test_launch_overhead_names_the_rank_that_started_late(slurm: SlurmCluster, tmp_path: Path) -> None:
+    delay_s = 6.0
+    run_dir = tmp_path / "run"
+    job_py = tmp_path / "job.py"
+    job_py.write_text(SLOW_START.format(delay=delay_s))
+    slurm.run(["srun", "-N2", "--ntasks-per-node=1", "--time=2", "-J", "slowstart", sys.executable, "-m",
+               "distdiag.wrap", "--dir", str(run_dir), sys.executable, str(job_py)], timeout_s=120, cwd=tmp_path)  # fmt: skip
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
+                       capture_output=True, text=True, timeout=120, env=slurm.env())  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    lo = [f for f in rep["findings"] if f["kind"] == "launch_overhead"]
+    assert len(lo) == 1, rep["findings"]
+    f = lo[0]
+    assert f["ranks"] == [1] and f["hosts"] == ["n2"]
+    per = f["evidence"]["per_rank"]
+    # MPI_Init holds both ranks until rank 1 arrives: they reach their first
+    # work together. Rank 1 was busy (sleeping, importing) that much longer.
+    late_s = per["1"]["busy_until_s"] - per["0"]["busy_until_s"]
+    assert late_s == pytest.approx(delay_s, rel=0.25), per
+    assert f["evidence"]["shim_start_to_first_work_s"] >= delay_s
+    assert f["cost_s"] >= delay_s

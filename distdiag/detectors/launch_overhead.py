@@ -52,15 +52,26 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     stuck = sorted(r for r in view.rank_last_event_s if r not in first)
     ready = dict(first)
     ready.update({r: view.rank_last_event_s[r] for r in stuck})
-    slowest = max(ready, key=lambda r: ready[r])
-    ready_s = ready[slowest]
+    latest = max(ready, key=lambda r: ready[r])
+    ready_s = ready[latest]
     cost_s = max(0.0, ready_s - a.start_s)
     if cost_s <= RESOLUTION_S or cost_s / turnaround_s < min_fraction:
         return []
     starts = view.rank_start_s
+    # Whom did the others wait for? The rendezvous (MPI_Init, init_process_group)
+    # makes every rank reach its first work together, so name the rank busy the
+    # longest on its own before it (distdiag.slurm.rank_busy_until), unless some
+    # rank never got going at all.
+    busy = view.rank_busy_until_s
+    if stuck or not busy:
+        slowest = latest
+    else:
+        # Ties (ranks with nothing recorded before the rendezvous): the later first work.
+        slowest = max(busy, key=lambda r: (round(busy[r], 2), ready.get(r, 0.0)))
     shim_start_s = starts.get(slowest, ready_s)
     launch_s = max(0.0, shim_start_s - a.start_s)
     init_s = max(0.0, ready_s - shim_start_s)
+    own_s = max(0.0, busy[slowest] - shim_start_s) if slowest in busy else init_s
     spread_s = (max(starts.values()) - min(starts.values())) if starts else 0.0
     last_started = max(starts, key=lambda r: starts[r]) if starts else slowest
     # Time before the first job step (srun) began: the batch script's own setup.
@@ -76,21 +87,22 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         )
     else:
         summary = (
-            f"{cost_s:.1f} s from job start to the slowest rank's first useful work (rank {slowest}"
+            f"{cost_s:.1f} s from job start to the ranks' first useful work, waiting for rank {slowest}"
             + (f" on {host}" if host else "")
-            + f": {launch_s:.1f} s until its process ran, {init_s:.1f} s of imports, init and rendezvous): "
-            f"{cost_s / turnaround_s:.0%} of the job's {turnaround_s:.0f} s turnaround"
+            + f" ({launch_s:.1f} s until its process ran, then {own_s:.1f} s busy with imports and setup "
+            f"before its rendezvous): {cost_s / turnaround_s:.0%} of the job's {turnaround_s:.0f} s turnaround"
         )
     advice = (
         "imports and init dominate: keep the Python environment on node-local storage or in a container image, "
         "and import only what the job needs"
-        if init_s >= launch_s
+        if own_s >= launch_s
         else "launch dominates: check what the batch script does before srun, and srun/PMI wire-up at this scale"
     )
     per_rank = {
         int(r): {
             "shim_start_s": round(starts[r] - a.start_s, 3) if r in starts else None,
             "first_work_s": round(first[r] - a.start_s, 3) if r in first else None,
+            "busy_until_s": round(busy[r] - a.start_s, 3) if r in busy else None,
         }
         for r in sorted(set(starts) | set(first))
     }
@@ -108,6 +120,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "job_id": a.job_id,
                 "job_start_to_shim_start_s": launch_s,
                 "shim_start_to_first_work_s": init_s,
+                "shim_start_to_rendezvous_s": own_s,
                 "shim_start_spread_s": spread_s,
                 "last_rank_started": int(last_started),
                 "ranks_without_useful_work": stuck,
