@@ -65,12 +65,14 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray:
             parts.append((tab["comm_id"][sel], tab["seq"][sel], tab["rank"][sel], tab["aux"][sel], tab["t0_ns"][sel]))
     if not parts:
         return out
-    c, s, r, a, t = (np.concatenate(x).astype(np.int64) for x in zip(*parts))
+    c, s, r, a, _t = (np.concatenate(x).astype(np.int64) for x in zip(*parts))
     n_s = int(max(s.max(), colls.g_seq.max())) + 1
     n_r = int(max(r.max(), colls.m_rank.max())) + 1
     key = (c * n_s + s) * n_r + r
-    # Earliest row per key, as match keeps.
-    o = np.lexsort((t, key))
+    # First row per key. Rows come sorted by (rank, t0), so within a rank each
+    # communicator's seqs ascend: a stable sort of the key merges a few long runs
+    # (timsort), and on a repeated key (damaged files only) keeps the earliest, as match does.
+    o = np.argsort(key, kind="stable")
     k_sorted = key[o]
     first = np.r_[True, k_sorted[1:] != k_sorted[:-1]]
     uk, ua = k_sorted[first], a[o][first]
