@@ -43,8 +43,9 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
 2. **Shares.** ``fraction`` = cost over the wall-clock (a finding about the
    queue, ``evidence["fraction_of"] == "turnaround"``, over the turnaround).
 
-3. **Order.** By ``cost_s``, largest first: the first is the verdict (a
-   finding with ``evidence["ends_job"]``, a hang, comes before all others). Since
+3. **Order.** By ``cost_s``, largest first: the first is the verdict. A
+   finding that ended the job (``evidence["ends_job"]``: a hang) is charged
+   the whole run it lost (:func:`_charge_lost_runs`), so it comes first. Since
    every second is counted once, fixing the first leaves a run of ``wall -
    cost_1`` in which the second binds with ``cost_2 / (wall - cost_1)`` of the
    time: :func:`outlook` says that for the report.
@@ -88,20 +89,53 @@ def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: An
     """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list."""
     wall_s = float(run.wall_s)
     kept = _deduplicate(findings, run, colls, cfg, wall_s)
+    _charge_lost_runs(kept, run, wall_s)
     for f in kept:
         base = wall_s
         if f.evidence.get("fraction_of") == "turnaround" and f.evidence.get("turnaround_s"):
             base = float(f.evidence["turnaround_s"])
         f.fraction = float(f.cost_s) / base if base > 0 else 0.0
-    # A finding that ended the job (a hang: evidence["ends_job"]) binds first whatever the
-    # seconds: nothing else can be fixed usefully while the job never finishes.
-    kept.sort(key=lambda f: (not f.evidence.get("ends_job", False), -float(f.cost_s)))
+    # By cost (the JSON contract); a finding that ended the job wins a tie.
+    kept.sort(key=lambda f: (-float(f.cost_s), not f.evidence.get("ends_job", False)))
     if len(kept) >= 2:
         # the JSON carries it too: what binds once the verdict is fixed
         nxt = outlook(kept, wall_s, limit=2)[1]
         kept[0].evidence["next_once_fixed"] = {"kind": nxt["kind"], "cost_s": round(nxt["cost_s"], 6),
                                                "wall_s": round(nxt["wall_s"], 6), "share": round(nxt["share"], 4)}  # fmt: skip
     return kept
+
+
+def _charge_lost_runs(findings: list[Finding], run: Any, wall_s: float) -> None:
+    """A finding that ended the job (``evidence["ends_job"]``: a hang, a fatal mismatch) costs the whole run.
+
+    A job that never finishes produced no result: removing that cause saves the
+    rerun, i.e. all of its wall-clock (its turnaround, queue included, when
+    Slurm accounting is at hand, since a resubmitted job queues again). The
+    seconds the ranks sat stuck, which the detector measured as its cost, stay
+    in ``evidence["stuck_wait_s"]``. Charged this way the contract's plain
+    order by ``cost_s`` puts it first, as the issue of hangs asks: nothing else
+    is worth fixing while the job does not finish.
+
+    Worked example: a 100 s run whose ranks wait in Barrier #5 from 40 s on
+    until killed, and a straggler that cost 30 s before that: hang 100 s
+    (stuck 60 s), then straggler 30 s.
+    """
+    lost_s = wall_s
+    try:
+        from distdiag.slurm import accounting_of
+
+        turnaround = accounting_of(run).turnaround_s
+        if turnaround:
+            lost_s = max(lost_s, float(turnaround))
+    except Exception:  # no accounting: the run's own wall-clock
+        pass
+    for f in findings:
+        if f.evidence.get("ends_job"):
+            f.evidence.setdefault("stuck_wait_s", float(f.cost_s))
+            f.cost_s = max(float(f.cost_s), lost_s)
+            if lost_s > wall_s:
+                f.evidence["fraction_of"] = "turnaround"
+                f.evidence["turnaround_s"] = lost_s
 
 
 def outlook(findings: list[Finding], wall_s: float, limit: int = 3) -> list[dict[str, Any]]:

@@ -240,7 +240,8 @@ def test_a_rank_without_a_file_is_named_as_the_missing_one(tmp_path: Path) -> No
     top = rep.findings[0]
     assert top.kind == "hang" and top.ranks == [3]
     assert "no usable file" in top.evidence["doing"][0]["what"]
-    assert top.cost_s == pytest.approx(3.0 - 0.042, abs=0.01)
+    assert top.evidence["stuck_wait_s"] == pytest.approx(3.0 - 0.042, abs=0.01)
+    assert top.cost_s == pytest.approx(rep.run.wall_s)  # the whole run was lost: it never finished
 
 
 def test_ranks_waiting_on_each_other_are_a_deadlock(tmp_path: Path) -> None:
@@ -278,7 +279,12 @@ def test_hang_ranks_first_even_when_a_straggler_costs_more(tmp_path: Path) -> No
     kinds = [f.kind for f in rep.findings]
     assert kinds[0] == "hang" and "straggler" in kinds, kinds
     strag = next(f for f in rep.findings if f.kind == "straggler")
-    assert strag.cost_s > rep.findings[0].cost_s  # costlier, yet second: the job never finished
+    hang = rep.findings[0]
+    # the others sat stuck for less than the straggler cost, but the job never finished:
+    # the hang costs the whole run, and the contract's order by cost_s holds
+    assert strag.cost_s > hang.evidence["stuck_wait_s"]
+    assert hang.cost_s == pytest.approx(rep.run.wall_s) and hang.cost_s >= strag.cost_s
+    assert [f.cost_s for f in rep.findings] == sorted((f.cost_s for f in rep.findings), reverse=True)
 
 
 def test_open_phases_are_in_flight_until_they_close_in_any_order() -> None:

@@ -197,7 +197,8 @@ def test_in_flight_mismatch_ends_the_job_and_ranks_first(tmp_path: Path) -> None
     rep = analyze(got)
     top = rep.findings[0]
     assert top.kind == "collective_mismatch" and top.evidence["ends_job"] is True
-    assert top.cost_s == pytest.approx(1.0 - 0.053, abs=0.01)
+    assert top.evidence["stuck_wait_s"] == pytest.approx(1.0 - 0.053, abs=0.01)
+    assert top.cost_s == pytest.approx(rep.run.wall_s)  # a job that died in it lost the whole run
     assert "hang" not in [f.kind for f in rep.findings]
 
 
