@@ -22,6 +22,12 @@ imported torch from a slow shared file system); the others were ready by
 The fraction is of the job's turnaround (submit to end), like queue_wait's;
 an overhead within sacct's one-second resolution is not a finding.
 
+Limitation: the rank named is the one busy longest on its own before its
+first recorded rendezvous (distdiag.slurm.rank_busy_until). MPI_Init runs
+inside ``import mpi4py.MPI`` and is not yet a recorded span, so a rank blocked
+in it can look busy until it returns; the cost is right either way, the name
+is a best guess until the mpi4py hook records MPI_Init's start.
+
 Settings (``[analyze.launch_overhead]``): ``min_fraction`` (share of
 turnaround, default the [analyze] one, 0.02).
 """
