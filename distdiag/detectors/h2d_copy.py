@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.detectors import register
-from distdiag.detectors.input_bound import critical_path_cost
+from distdiag.detectors.input_bound import priced
 from distdiag.findings import Finding
 from distdiag.schema import Kind
 
@@ -25,22 +25,14 @@ PAGEABLE_GBPS = 8.0
 
 @register("h2d_copy")
 def detect(run: Any, cfg: Any) -> list[Finding]:
-    wall_s = run.wall_s
-    if wall_s <= 0:
+    res = priced(run, Kind.H2D, float(cfg.value("h2d_copy", "min_fraction", 0.02)))
+    if res is None:
         return []
-    min_fraction = float(cfg.value("h2d_copy", "min_fraction", 0.02))
-    res = critical_path_cost(run, Kind.H2D)
-    cost_s = res["cost_ns"] / 1e9
-    if res["count"] == 0 or cost_s < min_fraction * wall_s:
-        return []
+    cost_s, ranks, rank_s, named, n_it = res["cost_s"], res["ranks"], res["rank_s"], res["named"], res["n_it"]
     h = run.events[run.events["kind"] == Kind.H2D]
     dur_s = float(np.maximum(h["t1_ns"] - h["t0_ns"], 0).sum()) / 1e9
     nbytes = int(h["nbytes"].sum())
     gbps = nbytes / dur_s / 1e9 if dur_s > 0 else 0.0
-    ranks = res["ranks"]
-    rank_s = res["rank_ns"] / 1e9
-    named = [int(r) for r, v in zip(ranks, rank_s) if v >= 0.5 * rank_s.max()]
-    n_it = max(int(res["n_iter"]) - 1, 1)
     advice = "Overlap the copies with compute: DataLoader(pin_memory=True) and tensor.to(device, non_blocking=True), prefetch the next batch on a side stream, or copy fewer, larger tensors."
     if gbps < PAGEABLE_GBPS:
         advice = f"At {gbps:.3g} GB/s the copies likely come from pageable memory: " + advice

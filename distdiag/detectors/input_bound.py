@@ -188,22 +188,37 @@ def critical_path_cost(run: Any, kind: int) -> dict[str, Any]:
     }
 
 
-@register("input_bound")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+def priced(run: Any, kind: int, min_fraction: float) -> dict[str, Any] | None:
+    """:func:`critical_path_cost` of ``kind``, or None when it stays under
+    ``min_fraction`` of the wall-clock (or nothing was recorded).
+
+    Shared by ``input_bound`` and ``h2d_copy``, which price their rows alike.
+    Adds ``cost_s``, ``rank_s`` (per rank, aligned with ``ranks``), ``named``
+    (the ranks that lost at least half as much as the worst one) and ``n_it``
+    (the steps judged: the windows between ``STEP`` rows).
+    """
     wall_s = run.wall_s
     if wall_s <= 0:
-        return []
-    min_fraction = float(cfg.value("input_bound", "min_fraction", 0.02))
-    res = critical_path_cost(run, Kind.INPUT_WAIT)
+        return None
+    res = critical_path_cost(run, kind)
     cost_s = res["cost_ns"] / 1e9
     if res["count"] == 0 or cost_s < min_fraction * wall_s:
-        return []
-    ranks = res["ranks"]
+        return None
     rank_s = res["rank_ns"] / 1e9
+    res["cost_s"] = cost_s
+    res["rank_s"] = rank_s
+    res["named"] = [int(r) for r, v in zip(res["ranks"], rank_s) if v >= 0.5 * rank_s.max()]
+    res["n_it"] = max(int(res["n_iter"]) - 1, 1)
+    return res
+
+
+@register("input_bound")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    res = priced(run, Kind.INPUT_WAIT, float(cfg.value("input_bound", "min_fraction", 0.02)))
+    if res is None:
+        return []
+    cost_s, ranks, rank_s, named, n_it = res["cost_s"], res["ranks"], res["rank_s"], res["named"], res["n_it"]
     busy_s = res["busy_ns"] / 1e9
-    top = rank_s.max()
-    named = [int(r) for r, v in zip(ranks, rank_s) if v >= 0.5 * top]
-    n_it = max(int(res["n_iter"]) - 1, 1)
     per_step_ms = float(np.median(res["per_iter_ns"][res["per_iter_ns"] > 0])) / 1e6 if np.any(res["per_iter_ns"] > 0) else 0.0
     compute_step_ms = 1e3 * float(np.median(busy_s)) / n_it
     return [
