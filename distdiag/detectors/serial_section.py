@@ -55,7 +55,9 @@ import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.detectors.straggler import nobody_waits, secs, tally
 from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.run import _ranges
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -64,13 +66,6 @@ log = logging.getLogger(__name__)
 #: entry per serial collective: the late rank's stretch of own work [gap_t0, last] and
 #: the charged window [last idle arrival, last arrival] inside it (for distdiag.ranking).
 CACHE_KEY = "serial_section.windows"
-
-#: Rooted collectives that do not synchronize everyone (the straggler
-#: detector's rule, see distdiag/detectors/straggler.py). One-to-many: the
-#: others wait for the root only; many-to-one: a late root delays nobody.
-ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Iscatter", "Iscatterv", "scatter",
-                         "broadcast"})  # fmt: skip
-MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
 
 #: Recorded calls that count as "the late rank did something" in its gap.
 _ACTIVITY_KINDS = np.array(
@@ -90,20 +85,10 @@ def holds_others(run: Any, colls: Collectives) -> np.ndarray:
     """Per group: True where the last arriver really made the others wait.
 
     False for one-to-many collectives whose last arriver is not the root and
-    many-to-one collectives whose last arriver is the root.
+    many-to-one collectives whose last arriver is the root: the straggler
+    detector's rule (:func:`distdiag.detectors.straggler.nobody_waits`).
     """
-    if len(colls) == 0:
-        return np.zeros(0, bool)
-    root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)
-    rooted = root >= 0
-
-    def ids(names: frozenset[str]) -> np.ndarray:
-        return np.array([i for i in (run.sid(n) for n in names) if i >= 0], np.int64)
-
-    last_is_root = colls.g_last_rank.astype(np.int64) == root
-    one_to_many = rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))
-    many_to_one = rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))
-    return np.asarray(~((one_to_many & ~last_is_root) | (many_to_one & last_is_root)))
+    return np.asarray(~nobody_waits(run, colls))
 
 
 def member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
@@ -275,8 +260,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         ranks = sorted({k, *(int(x) for x in br[bc * 2 >= len(mine)])})
         cost_s = float(per_lead_ns[k]) / 1e9
         s = cost_s / wall_s
-        coll_sites = _top(colls.m_site[lr], charge[mine], run, top)
-        ops = _top(colls.g_op[mine], charge[mine], run, top)
+        coll_sites = tally(colls.m_site[lr], charge[mine], run, top, key="s", ndigits=4)
+        ops = tally(colls.g_op[mine], charge[mine], run, top, key="s", ndigits=4)
         # the late rank's previous collective: where the serial stretch starts
         prev_site = _prev_sites(run, colls, late_rank, colls.m_t0_ns[lr] - gap[lr], top)
         did = _what_it_did(run, late_rank, colls.m_t0_ns[lr] - gap[lr], colls.m_t0_ns[lr], top)
@@ -291,7 +276,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         who = f"rank {k} works alone" if len(ranks) == 1 else f"ranks {_ranges(ranks)} work"
         summary = (
             f"{who} while the others wait in {top_op} ({every} calls at {_short(top_site)}): "
-            f"{_secs(cost_s)} serial = {s:.0%} of the run (Amdahl: more ranks can speed it up {cap:.3g}x at most)"
+            f"{secs(cost_s)} serial = {s:.0%} of the run (Amdahl: more ranks can speed it up {cap:.3g}x at most)"
         )
         wins = [
             {"t0_s": round((int(a) - t_run0) / 1e9, 4), "dur_s": round((int(b) - int(a)) / 1e9, 4),
@@ -327,17 +312,6 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         )
     run.cache[CACHE_KEY] = windows
     return findings
-
-
-def _top(ids: np.ndarray, w: np.ndarray, run: Any, limit: int) -> dict[str, dict[str, float]]:
-    """string id -> {count, s}, heaviest first."""
-    if len(ids) == 0:
-        return {}
-    u, inv = np.unique(ids, return_inverse=True)
-    tot = np.bincount(inv, weights=w)
-    cnt = np.bincount(inv)
-    order = np.argsort(-tot)[:limit]
-    return {run.s(int(u[i])) or "?": {"count": int(cnt[i]), "s": round(float(tot[i]) / 1e9, 4)} for i in order}
 
 
 def _prev_sites(run: Any, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray, limit: int) -> dict[str, int]:
@@ -391,16 +365,7 @@ def _what_it_did(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray,
     return out
 
 
-def _ranges(ranks: list[int]) -> str:
-    from distdiag.run import _ranges as r
-
-    return r(ranks)
-
-
 def _short(site: str) -> str:
     """/long/path/to/train.py:42 -> train.py:42 (the evidence keeps the full path)."""
     return site.rsplit("/", 1)[-1]
 
-
-def _secs(x: float) -> str:
-    return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"

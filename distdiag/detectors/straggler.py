@@ -48,6 +48,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
+from distdiag.run import _ranges
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
 
     complete = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
     complete &= ~_startup_groups(colls)
-    ok = complete & ~_nobody_waits(run, colls)
+    ok = complete & ~nobody_waits(run, colls)
     g_idx = np.flatnonzero(ok)
     if len(g_idx) == 0:
         return []
@@ -98,14 +99,14 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         mine = last == r
         cost_s = float(cost_ns[r]) / 1e9
         frac_last = float(n_last[r]) / max(1, int(n_member[r]))
-        per_op = _breakdown(ops[mine], wait_ns[mine], run, limit=10)
-        by_site = _breakdown(sites[mine], wait_ns[mine], run, limit=top_sites)
+        per_op = tally(ops[mine], wait_ns[mine], run, limit=10)
+        by_site = tally(sites[mine], wait_ns[mine], run, limit=top_sites)
         w = wait_ns[mine]
         my_ops = np.unique(colls.m_op[member_ok & (colls.m_rank == r)])
         op_word = f"{run.s(int(my_ops[0]))} calls" if len(my_ops) == 1 else "collectives"
         summary = (
             f"rank {r} arrived last at {frac_last:.0%} of {int(n_member[r])} {op_word}; "
-            f"the others waited {_secs(cost_s)}"
+            f"the others waited {secs(cost_s)}"
         )
         host = run.host_of(r)
         top_site = next(iter(by_site.keys()), "")
@@ -168,8 +169,14 @@ def _startup_groups(colls: Any) -> np.ndarray:
     return out
 
 
-def _nobody_waits(run: Any, colls: Any) -> np.ndarray:
-    """Per group: True where the last arriver made nobody wait (see ONE_TO_MANY / MANY_TO_ONE)."""
+def nobody_waits(run: Any, colls: Any) -> np.ndarray:
+    """Per group: True where the last arriver made nobody wait (see ONE_TO_MANY / MANY_TO_ONE).
+
+    Shared with serial_section (its ``holds_others`` is the negation), so both
+    detectors judge rooted collectives by one rule.
+    """
+    if len(colls) == 0:
+        return np.zeros(0, bool)
     root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)  # every member names the root (else ROOT_MISMATCH)
     rooted = root >= 0
 
@@ -255,14 +262,14 @@ def _fold_hosts(
         cost_s = float(cost_ns[h]) / 1e9
         frac = float(n_last[h]) / max(1, int(n_part[h]))
         sites = colls.m_site[last_row[g][mine]]
-        by_site = _breakdown(sites, wait_ns[mine], run, limit=top_sites)
+        by_site = tally(sites, wait_ns[mine], run, limit=top_sites)
         out_hosts.append(
             Finding(
                 kind="straggler",
                 cost_s=cost_s,
                 summary=(
-                    f"host {hosts[h]} (ranks {_ranks_txt(ranks_here)}) arrived last at {frac:.0%} of "
-                    f"{int(n_part[h])} collectives; the other hosts waited {_secs(cost_s)}"
+                    f"host {hosts[h]} (ranks {_ranges(ranks_here)}) arrived last at {frac:.0%} of "
+                    f"{int(n_part[h])} collectives; the other hosts waited {secs(cost_s)}"
                 ),
                 ranks=ranks_here,
                 hosts=[hosts[h]],
@@ -298,23 +305,25 @@ def _max_rank_charge(colls: Any, ok: np.ndarray, ranks: list[int]) -> float:
     return float(np.bincount(last[sel].astype(np.int64), weights=wait[sel]).max()) / 1e9
 
 
-def _secs(x: float) -> str:
-    """12.5 s, 0.98 s, 42.4 ms: three significant digits in a unit people read."""
+def secs(x: float) -> str:
+    """12.5 s, 0.98 s, 42.4 ms: three significant digits in a unit people read (serial_section uses it too)."""
     return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"
 
 
-def _ranks_txt(ranks: list[int]) -> str:
-    from distdiag.run import _ranges
+def tally(ids: np.ndarray, weight_ns: np.ndarray, run: Any, limit: int, key: str = "wait_s",
+          ndigits: int | None = None) -> dict[str, dict[str, float]]:
+    """string id -> {count, <key>: seconds}, heaviest first, at most ``limit`` entries.
 
-    return _ranges(ranks)
-
-
-def _breakdown(ids: np.ndarray, wait_ns: np.ndarray, run: Any, limit: int) -> dict[str, dict[str, float]]:
-    """string id -> {count, wait_s}, largest wait first, at most ``limit`` entries."""
+    Shared with serial_section (key "s", rounded), so both tally ops and call sites alike.
+    """
     if len(ids) == 0:
         return {}
     uniq, inv = np.unique(ids, return_inverse=True)
-    tot = np.bincount(inv, weights=wait_ns)
+    tot = np.bincount(inv, weights=weight_ns)
     cnt = np.bincount(inv)
     order = np.argsort(-tot)[:limit]
-    return {run.s(int(uniq[i])) or "?": {"count": int(cnt[i]), "wait_s": float(tot[i]) / 1e9} for i in order}
+    out: dict[str, dict[str, float]] = {}
+    for i in order:  # at most ``limit``
+        v = float(tot[i]) / 1e9
+        out[run.s(int(uniq[i])) or "?"] = {"count": int(cnt[i]), key: v if ndigits is None else round(v, ndigits)}
+    return out
