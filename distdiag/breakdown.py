@@ -45,8 +45,8 @@ _N_CAT = 6
 _OTHER_KINDS = tuple(int(k) for k in P2P_KINDS) + (int(Kind.WAIT), int(Kind.COMM_CREATE))
 
 
-def _union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
-    """Per key, the total length of the union of intervals [t0, t1).
+def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
+    """Per key, the total length of the union of intervals [t0, t1) (also metadata_storm's blocked time).
 
     Sweep: sorted by (key, t0), an interval adds what sticks out past the
     furthest end seen so far in its key. [0,10) [2,5) [8,12) -> 10 + 0 + 2 = 12.
@@ -150,8 +150,8 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     t1 = np.clip(np.concatenate(parts_t1), start[rank_of], end[rank_of])
     t1 = np.maximum(t0, t1)
 
-    per_cat = _union_ns(rank_of * _N_CAT + cat, t0, t1, n * _N_CAT).reshape(n, _N_CAT)
-    busy = _union_ns(rank_of, t0, t1, n)
+    per_cat = union_ns(rank_of * _N_CAT + cat, t0, t1, n * _N_CAT).reshape(n, _N_CAT)
+    busy = union_ns(rank_of, t0, t1, n)
     span = (end - start).astype(np.float64)
 
     present = np.array(sorted(run.ranks), np.int64)

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from distdiag.breakdown import union_ns
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.schema import FILE_KINDS, Kind
@@ -69,24 +70,6 @@ ADVICE = (
     "pack small files into a few large ones (one HDF5/tar/WebDataset shard per rank); read once on one rank and "
     "broadcast; for imports, install the Python environment on local disk or in a container image."
 )
-
-
-def union_per_key(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
-    """Per key, the total length of the union of the intervals [t0, t1).
-
-    Sorted by (key, t0), an interval adds only what sticks out past the
-    furthest end seen so far in its key: [0,10) [2,5) [8,12) -> 10 + 0 + 2 = 12.
-    """
-    if len(key) == 0:
-        return np.zeros(n_keys)
-    order = np.lexsort((t0, key))
-    k, a, b = key[order], t0[order], t1[order]
-    reach = pd.Series(b).groupby(k).cummax().to_numpy()
-    prev = np.empty_like(reach)
-    prev[0] = np.iinfo(np.int64).min
-    prev[1:] = reach[:-1]
-    prev[np.r_[True, k[1:] != k[:-1]]] = np.iinfo(np.int64).min
-    return np.bincount(k, weights=np.maximum(0, b - np.maximum(a, prev)).astype(np.float64), minlength=n_keys)
 
 
 def concurrency_at_start(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
@@ -214,7 +197,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             # every file call on this fs inside the window blocks its rank
             fa = fs_all[(fs_all["t1_ns"] > w0) & (fs_all["t0_ns"] < w1)]
             r = fa["rank"].astype(np.int64)
-            blocked = union_per_key(r, np.maximum(fa["t0_ns"], w0), np.minimum(fa["t1_ns"], w1), n_ranks_all)
+            blocked = union_ns(r, np.maximum(fa["t0_ns"], w0), np.minimum(fa["t1_ns"], w1), n_ranks_all)
             cost_ns = float(blocked.max())
             ranks = np.flatnonzero(blocked > 0)
             all_ranks.update(int(x) for x in ranks)
