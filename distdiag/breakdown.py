@@ -39,6 +39,11 @@ from distdiag.schema import FILE_KINDS, P2P_KINDS, Kind
 log = logging.getLogger(__name__)
 
 COLUMNS = ("compute_s", "comm_wait_s", "comm_transfer_s", "io_s", "input_wait_s", "h2d_s", "other_s")
+#: what each column means, in words (the text renderer and the breakdown figure)
+LABELS = {
+    "compute_s": "compute", "comm_wait_s": "waiting in collectives", "comm_transfer_s": "collective transfer",
+    "io_s": "file I/O", "input_wait_s": "input wait", "h2d_s": "host-to-device", "other_s": "other calls",
+}  # fmt: skip
 # category codes for the union computation (compute is what is left)
 _WAIT, _XFER, _IO, _INPUT, _H2D, _OTHER = range(6)
 _N_CAT = 6

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.breakdown import COLUMNS
+from distdiag.render.fmt import fmt_s, short_list
 from distdiag.schema import FILE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -55,24 +56,6 @@ code,.path{font-family:ui-monospace,monospace;font-size:12px;word-break:break-al
 def e(x: Any) -> str:
     """Escape for HTML text and attribute values (quotes too)."""
     return html.escape(str(x), quote=True)
-
-
-def _fmt_s(x: float) -> str:
-    x = float(x)
-    if x >= 100:
-        return f"{x:.0f} s"
-    if x >= 1:
-        return f"{x:.2f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x * 1e6:.0f} µs"
-
-
-def _short(xs: list[Any], limit: int = 8) -> str:
-    if not xs:
-        return "-"
-    s = ", ".join(str(x) for x in xs[:limit])
-    return s + (f", +{len(xs) - limit}" if len(xs) > limit else "")
 
 
 class HtmlRenderer:
@@ -113,7 +96,7 @@ class HtmlRenderer:
         hosts = run.hosts
         return (
             f'<p class="meta">{e(ranks)} on {len(hosts)} host{"s" if len(hosts) != 1 else ""} '
-            f"({e(_short(hosts))}), wall-clock {e(_fmt_s(run.wall_s))}; run dir <span class=\"path\">{e(run.path)}</span></p>"
+            f"({e(short_list(hosts, 8))}), wall-clock {e(fmt_s(run.wall_s))}; run dir <span class=\"path\">{e(run.path)}</span></p>"
         )
 
     def _verdict(self, report: Any) -> str:
@@ -123,13 +106,13 @@ class HtmlRenderer:
             thr = report.config.min_fraction
             return (
                 '<div class="verdict healthy"><b class="k">Healthy.</b> No cause costs more than '
-                f"{e(f'{thr:.0%}')} of the {e(_fmt_s(run.wall_s))} wall-clock.</div>"
+                f"{e(f'{thr:.0%}')} of the {e(fmt_s(run.wall_s))} wall-clock.</div>"
             )
         base = "turnaround, submit to end" if f.evidence.get("fraction_of") == "turnaround" else "wall-clock"
         out = [
             '<div class="verdict">',
             f'<b class="k">Verdict: {e(f.kind)}</b> &mdash; {e(f.summary)}<br>',
-            f"<b>cost:</b> {e(_fmt_s(f.cost_s))} = {e(f'{f.fraction:.0%}')} of the {e(base)} "
+            f"<b>cost:</b> {e(fmt_s(f.cost_s))} = {e(f'{f.fraction:.0%}')} of the {e(base)} "
             "(what the job would save without it)<br>",
         ]
         s = f.evidence.get("serial_fraction")
@@ -152,11 +135,11 @@ class HtmlRenderer:
     def _where(f: Any) -> str:
         where = []
         if f.ranks:
-            where.append("ranks " + e(_short(f.ranks)))
+            where.append("ranks " + e(short_list(f.ranks, 8)))
         if f.hosts:
-            where.append("hosts " + e(_short(f.hosts)))
+            where.append("hosts " + e(short_list(f.hosts, 8)))
         if f.links:
-            where.append("links " + e(_short(["-".join(map(str, link)) for link in f.links])))
+            where.append("links " + e(short_list(["-".join(map(str, link)) for link in f.links], 8)))
         if f.paths:
             where.append("paths " + ", ".join(f'<span class="path">{e(p)}</span>' for p in f.paths[:5])
                          + (f", +{len(f.paths) - 5}" if len(f.paths) > 5 else ""))  # fmt: skip
@@ -171,8 +154,8 @@ class HtmlRenderer:
             from distdiag.ranking import outlook
 
             nxt = outlook(fs, float(report.run.wall_s), limit=2)[1]
-            return (f"{e(nxt['kind'])} ({e(_fmt_s(nxt['cost_s']))}, {e(format(nxt['share'], '.0%'))} of the "
-                    f"{e(_fmt_s(nxt['wall_s']))} left once this is fixed) &mdash; {e(fs[1].summary)}")  # fmt: skip
+            return (f"{e(nxt['kind'])} ({e(fmt_s(nxt['cost_s']))}, {e(format(nxt['share'], '.0%'))} of the "
+                    f"{e(fmt_s(nxt['wall_s']))} left once this is fixed) &mdash; {e(fs[1].summary)}")  # fmt: skip
         except Exception:  # the outlook is a nicety; the findings table has it all
             log.debug("no outlook", exc_info=True)
             return f"{e(fs[1].kind)} &mdash; {e(fs[1].summary)}"
@@ -186,7 +169,7 @@ class HtmlRenderer:
         for i, f in enumerate(fs[:limit], 1):
             ev = json.dumps(_plain(f.evidence), indent=1, default=str, allow_nan=True)
             rows.append(
-                f"<tr><td class=\"n\">{i}</td><td>{e(f.kind)}</td><td class=\"n\">{e(_fmt_s(f.cost_s))}</td>"
+                f"<tr><td class=\"n\">{i}</td><td>{e(f.kind)}</td><td class=\"n\">{e(fmt_s(f.cost_s))}</td>"
                 f"<td class=\"n\">{e(f'{f.fraction:.1%}')}</td><td>{self._where(f) or '-'}</td>"
                 f"<td>{e(f.summary)}"
                 + (f"<br><i>{e(f.advice)}</i>" if f.advice else "")
@@ -256,7 +239,7 @@ class HtmlRenderer:
         top = np.lexsort((-counts, -tot_s))[:MAX_PATHS]
         rows = [
             f'<tr><td class="path">{e(run.s(int(uniq[i])))}</td><td class="n">{int(counts[i])}</td>'
-            f'<td class="n">{int(n_open[i])}</td><td class="n">{e(_fmt_s(tot_s[i]))}</td></tr>'
+            f'<td class="n">{int(n_open[i])}</td><td class="n">{e(fmt_s(tot_s[i]))}</td></tr>'
             for i in top
         ]
         return (f"<h2>Busiest paths</h2><p class=\"meta\">{len(uniq)} paths, {int(m.sum())} file-system calls; "
@@ -273,10 +256,10 @@ class HtmlRenderer:
         a = view.acct
         rows = "".join(
             f"<tr><td>{e(t['what'])}</td><td class=\"n\">+{float(t['t_s']):.1f} s</td>"
-            f"<td>{e(_short(t.get('ranks') or []))}</td></tr>"
+            f"<td>{e(short_list(t.get('ranks') or [], 8))}</td></tr>"
             for t in view.timeline
         )
-        turn = f", turnaround {e(_fmt_s(view.turnaround_s))}" if view.turnaround_s else ""
+        turn = f", turnaround {e(fmt_s(view.turnaround_s))}" if view.turnaround_s else ""
         return (f"<h2>Slurm</h2><p>job {e(a.job_id)} {e(a.state or '?')} on {e(a.nodes or '?')}{turn} "
                 f"({e(view.origin)} accounting)</p><table><tr><th>instant</th><th>since submit</th><th>ranks</th></tr>"
                 + rows + "</table>")  # fmt: skip

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distdiag.breakdown import COLUMNS
+from distdiag.breakdown import COLUMNS, LABELS
 from distdiag.match import MatchState
 from distdiag.schema import FILE_KINDS, Kind
 
@@ -49,10 +49,6 @@ MAX_RANKS = 64
 _BREAKDOWN_COLORS = {
     "compute_s": "#4c9f70", "comm_wait_s": "#d1495b", "comm_transfer_s": "#2e86ab", "io_s": "#8d6a9f",
     "input_wait_s": "#edae49", "h2d_s": "#6c4b3a", "other_s": "#9e9e9e",
-}  # fmt: skip
-_BREAKDOWN_LABELS = {
-    "compute_s": "compute", "comm_wait_s": "waiting in collectives", "comm_transfer_s": "collective transfer",
-    "io_s": "file I/O", "input_wait_s": "input wait", "h2d_s": "host-to-device", "other_s": "other calls",
 }  # fmt: skip
 
 
@@ -327,7 +323,7 @@ def plot_breakdown(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS) -> A
         left = np.zeros(len(sub))
         for col in COLUMNS:  # seven categories
             v = sub[col].to_numpy(dtype=float)
-            ax.barh(y, v, left=left, color=_BREAKDOWN_COLORS[col], label=_BREAKDOWN_LABELS[col], height=0.75)
+            ax.barh(y, v, left=left, color=_BREAKDOWN_COLORS[col], label=LABELS[col], height=0.75)
             left += v
         ax.set_yticks(y)
         ax.set_yticklabels([f"rank {r} ({h})" if h else f"rank {r}" for r, h in zip(sub["rank"], sub["host"])])

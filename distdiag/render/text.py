@@ -21,31 +21,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from distdiag.breakdown import COLUMNS
+from distdiag.breakdown import COLUMNS, LABELS
 from distdiag.ranking import outlook
+from distdiag.render.fmt import fmt_s, short_list
 
 #: a per-rank table longer than this shows the ranks the findings name plus min/median/max
 MAX_RANK_ROWS = 16
-
-_LABELS = {
-    "compute_s": "compute",
-    "comm_wait_s": "waiting in collectives",
-    "comm_transfer_s": "collective transfer",
-    "io_s": "file I/O",
-    "input_wait_s": "input wait",
-    "h2d_s": "host-to-device",
-    "other_s": "other calls",
-}
-
-
-def _fmt_s(x: float) -> str:
-    if x >= 100:
-        return f"{x:.0f} s"
-    if x >= 1:
-        return f"{x:.2f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x * 1e6:.0f} µs"
 
 
 def _fmt_val(v: Any) -> str:
@@ -115,7 +96,7 @@ class TextRenderer:
         job = f"job {run.job_id}, " if run.job_id else ""
         present = len(run.ranks)
         ranks_txt = f"{run.world_size} ranks" if present == run.world_size else f"{present} of {run.world_size} ranks"
-        lines.append(f"distdiag: {job}{ranks_txt} on {host_txt}, wall-clock {_fmt_s(run.wall_s)}  [{run.path}]")
+        lines.append(f"distdiag: {job}{ranks_txt} on {host_txt}, wall-clock {fmt_s(run.wall_s)}  [{run.path}]")
         lines.append("")
         lines += self._verdict(report)
         lines.append("")
@@ -140,7 +121,7 @@ class TextRenderer:
             thr = report.config.min_fraction
             out = [
                 self._c("healthy", "VERDICT: healthy.")
-                + f" No cause costs more than {thr:.0%} of the {_fmt_s(run.wall_s)} wall-clock "
+                + f" No cause costs more than {thr:.0%} of the {fmt_s(run.wall_s)} wall-clock "
                 "(no straggler, no serial section, no I/O, input or link bottleneck found)."
             ]
             out.append("  time went to: " + self._shares(report))
@@ -148,7 +129,7 @@ class TextRenderer:
         out = [self._c("verdict", f"VERDICT: {f.kind}") + f" -- {f.summary}"]
         base = "turnaround, submit to end" if f.evidence.get("fraction_of") == "turnaround" else "wall-clock"
         out.append(
-            "  cost: " + self._c("cost", f"{_fmt_s(f.cost_s)} = {f.fraction:.0%} of the {base}")
+            "  cost: " + self._c("cost", f"{fmt_s(f.cost_s)} = {f.fraction:.0%} of the {base}")
             + " (what the job would save without it)"
         )
         if f.kind == "serial_section" and f.evidence.get("serial_fraction"):
@@ -159,13 +140,13 @@ class TextRenderer:
             )
         where = []
         if f.ranks:
-            where.append(f"ranks {_short_list(f.ranks)}")
+            where.append(f"ranks {short_list(f.ranks, 6, ',')}")
         if f.hosts:
-            where.append(f"hosts {_short_list(f.hosts)}")
+            where.append(f"hosts {short_list(f.hosts, 6, ',')}")
         if f.links:
-            where.append("links " + _short_list(["-".join(map(str, link)) for link in f.links]))
+            where.append("links " + short_list(["-".join(map(str, link)) for link in f.links], 6, ","))
         if f.paths:
-            where.append(f"paths {_short_list(f.paths)}")
+            where.append(f"paths {short_list(f.paths, 6, ',')}")
         if where:
             out.append("  where: " + "; ".join(where))
         ev = {k: v for k, v in f.evidence.items() if k not in _EVIDENCE_SHOWN_ELSEWHERE}
@@ -175,13 +156,13 @@ class TextRenderer:
         out += [line for line in ev_lines if not line.startswith("    ")]
         inc = f.evidence.get("includes")
         if inc:
-            out.append("  also seen as: " + "; ".join(f"{k} ({_fmt_s(float(v))})" for k, v in inc.items())
+            out.append("  also seen as: " + "; ".join(f"{k} ({fmt_s(float(v))})" for k, v in inc.items())
                        + " -- the same seconds, counted here")  # fmt: skip
         dd = f.evidence.get("deduplicated")
         if dd:
             out.append(
-                f"  counted once: {_fmt_s(float(dd['cost_before_s']) - float(f.cost_s))} of its "
-                f"{_fmt_s(float(dd['cost_before_s']))} belong to " + ", ".join(dd["explained_by"])
+                f"  counted once: {fmt_s(float(dd['cost_before_s']) - float(f.cost_s))} of its "
+                f"{fmt_s(float(dd['cost_before_s']))} belong to " + ", ".join(dd["explained_by"])
             )
         if f.advice:
             out.append(f"  what to do: {f.advice}")
@@ -197,7 +178,7 @@ class TextRenderer:
             return "no rank recorded any time"
         tot = {c: float(df[c].sum()) for c in COLUMNS}
         wall = float(df["wall_s"].sum()) or 1.0
-        parts = [f"{_LABELS[c]} {v / wall:.0%}" for c, v in sorted(tot.items(), key=lambda kv: -kv[1]) if v / wall >= 0.005]
+        parts = [f"{LABELS[c]} {v / wall:.0%}" for c, v in sorted(tot.items(), key=lambda kv: -kv[1]) if v / wall >= 0.005]
         return ", ".join(parts) + " (of all ranks' time)"
 
     def _findings(self, report: Any) -> list[str]:
@@ -209,8 +190,8 @@ class TextRenderer:
         then = outlook(fs, float(report.run.wall_s), limit=len(fs))
         for i, (f, o) in enumerate(zip(fs, then), 1):
             out.append(
-                f"  {i:>2}  {f.kind:<20} {_fmt_s(f.cost_s):>9} {f.fraction:>6.1%} {o['share']:>6.1%}  "
-                f"{_short_list(f.ranks):<10} {f.summary}"
+                f"  {i:>2}  {f.kind:<20} {fmt_s(f.cost_s):>9} {f.fraction:>6.1%} {o['share']:>6.1%}  "
+                f"{short_list(f.ranks, 6, ','):<10} {f.summary}"
             )
         if len(report.findings) > limit:
             out.append(f"  ... {len(report.findings) - limit} more (see --format json)")
@@ -259,16 +240,9 @@ def _then_line(report: Any) -> str:
         return f"then: nothing else costs more than {thr:.0%} of the wall-clock; fixing this is the whole win"
     nxt = outlook(fs, wall, limit=2)[1]
     return (
-        f"then: {nxt['kind']} ({_fmt_s(nxt['cost_s'])}, {nxt['share']:.0%} of the {_fmt_s(nxt['wall_s'])} "
+        f"then: {nxt['kind']} ({fmt_s(nxt['cost_s'])}, {nxt['share']:.0%} of the {fmt_s(nxt['wall_s'])} "
         f"left once this is fixed) -- {fs[1].summary}"
     )
-
-
-def _short_list(xs: list[Any], limit: int = 6) -> str:
-    if not xs:
-        return "-"
-    s = ",".join(str(x) for x in xs[:limit])
-    return s + (f",+{len(xs) - limit}" if len(xs) > limit else "")
 
 
 def _slurm_lines(view: Any) -> list[str]:
@@ -279,6 +253,6 @@ def _slurm_lines(view: Any) -> list[str]:
         return [f"slurm: {view.why}"]
     a = view.acct
     steps = "  ".join(f"{t['what']} +{t['t_s']:.1f}s" for t in view.timeline if not t["what"].startswith("step "))
-    turn = f", turnaround {_fmt_s(view.turnaround_s)}" if view.turnaround_s else ""
+    turn = f", turnaround {fmt_s(view.turnaround_s)}" if view.turnaround_s else ""
     return [f"slurm: job {a.job_id} {a.state or '?'} on {a.nodes or '?'}{turn} ({view.origin} accounting)",
             f"  timeline: {steps}"]  # fmt: skip
