@@ -141,8 +141,12 @@ _LIB_PREFIXES = tuple(
         }
     )
 )
-_libcode: dict[int, tuple[Any, bool]] = {}
+#: id(code) -> (code, 0: the program's / 1: a library's / 2: a library module's body)
+_libcode: dict[int, tuple[Any, int]] = {}
 _sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> string id of "file:line"
+#: id(frame of a library module body still running) -> (its code, site id): see _site
+_modsites: dict[int, tuple[Any, int]] = {}
+MAX_MODSITES = 1 << 16
 _getframe = sys._getframe
 
 
@@ -151,22 +155,57 @@ def _site() -> int:
     """String id of the first ``file:line`` outside the stdlib and distdiag."""
     # Keyed by id(code): hashing a code object hashes its bytecode and
     # constants; _libcode holds each code object, so its id is never reused.
+    #
+    # Why _modsites: during ``import torch`` every stat/open is ~60 frames
+    # below the program's ``import`` line (six importlib frames per nesting
+    # level, torch's own modules counting as library), and walking them all
+    # cost ~9 us an event, 17k events. A module body runs once, and while its
+    # frame lives every frame below it is blocked at the same instruction, so
+    # the answer for anything called from inside it is fixed: cache it by the
+    # frame's id (unique among live objects), checked against its code. The
+    # walk then stops at the innermost module being imported (~6 frames).
+    # (A code object exec'd twice, its second frame at the first one's
+    # freed address, could reuse a stale answer: a rare mislabel, never an error.)
     try:
         f: Any = _getframe(2)
+        mods: list[Any] | None = None
         while True:
             c = f.f_code
             ent = _libcode.get(id(c))
             if ent is None:
-                ent = _libcode[id(c)] = (c, c.co_filename.startswith(_LIB_PREFIXES))
-            if not ent[1] or f.f_back is None:
+                ent = _libcode[id(c)] = (
+                    c,
+                    (2 if c.co_name == "<module>" else 1) if c.co_filename.startswith(_LIB_PREFIXES) else 0,
+                )
+            lib = ent[1]
+            if not lib:
                 break
-            f = f.f_back
+            if lib == 2:
+                hit = _modsites.get(id(f))
+                if hit is not None and hit[0] is c:
+                    if mods is not None:
+                        for m in mods:
+                            _modsites[id(m)] = (m.f_code, hit[1])
+                    return hit[1]
+                if mods is None:
+                    mods = [f]
+                else:
+                    mods.append(f)
+            b = f.f_back
+            if b is None:
+                break
+            f = b
         # f_lasti (the bytecode offset) is a plain int; f_lineno is computed by
         # scanning the line table: look the line up once per call instruction
         key = (id(c), f.f_lasti)
         i = _sites.get(key)
         if i is None:
             i = _sites[key] = _intern(f"{c.co_filename}:{f.f_lineno}")  # type: ignore[misc]
+        if mods is not None:
+            if len(_modsites) > MAX_MODSITES:
+                _modsites.clear()
+            for m in mods:
+                _modsites[id(m)] = (m.f_code, i)
         return i
     except Exception:
         return 0
@@ -681,6 +720,7 @@ def install(rec: Any, cfg: Any = None) -> None:
         _count_bytes = bool(getattr(cfg, "fileio_count_bytes", True))
         _paths.clear()
         _sites.clear()
+        _modsites.clear()
         mounts.refresh()
         rd = _run_dir_of(cfg)
         if rd:
@@ -736,3 +776,4 @@ def uninstall() -> None:
         _paths.clear()
         _fds.clear()
         _data_fds.clear()
+        _modsites.clear()
