@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from distdiag.run import DistdiagError
+# one place decides where configs/default.toml is, so the shim and the analyzer read the same file
+from distdiag.shim.config import default_config_path
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +67,6 @@ class Config:
 
 
 _SCALARS = {f.name for f in dataclasses.fields(Config)} - {"sections"}
-
-
-def default_config_path() -> Path | None:
-    """configs/default.toml of the source checkout, else the copy shipped in the package."""
-    here = Path(__file__).resolve().parent  # distdiag/
-    for p in (here.parent / "configs" / "default.toml", here / "configs" / "default.toml"):
-        if p.is_file():
-            return p
-    return None
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
