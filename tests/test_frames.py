@@ -11,7 +11,6 @@ directly with h5py, not against the analyzer's own numbers.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +19,11 @@ import h5py
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import MPIEXEC, demo_args, run_wrapped_mpi
 
 pytestmark = pytest.mark.mpi
 
 REPO = Path(__file__).resolve().parent.parent
-MPIEXEC = shutil.which("mpiexec")
 ITERS = 20
 EXPECTED_COLLECTIVES = {"Barrier": 1 + ITERS // 10, "Allreduce": ITERS, "allreduce": 1}
 PHASE = "load & <b>shard</b>"
@@ -45,16 +44,8 @@ sys.exit(demo_job.main(sys.argv[2:]))
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if MPIEXEC is None:
-        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
     tmp = tmp_path_factory.mktemp("frames")
-    (tmp / "job.py").write_text(JOB)
-    out = tmp / "run"
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(out), sys.executable,
-           str(tmp / "job.py"), str(tmp), "--iters", str(ITERS), "--slow-rank", "2", "--delay-s", "0.02"]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return out
+    return run_wrapped_mpi(tmp, JOB, demo_args(tmp, ITERS))
 
 
 @pytest.fixture(scope="module")
@@ -185,14 +176,7 @@ def test_wait_heatmap_by_step_puts_the_slow_step_where_it_happened(tmp_path: Pat
     import distdiag
     from distdiag.render import plots
 
-    if MPIEXEC is None:
-        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
-    (tmp_path / "job.py").write_text(STEP_JOB)
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(tmp_path / "run"), sys.executable,
-           str(tmp_path / "job.py")]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    run = distdiag.load(tmp_path / "run")
+    run = distdiag.load(run_wrapped_mpi(tmp_path, STEP_JOB))
     ranks, mat, per_col, what = plots.wait_matrix(run)
     assert what == "step" and per_col == 1 and list(ranks) == [0, 1, 2, 3]
     # column k: collectives entered after k steps (the first Barrier and step 0's are in column 0)

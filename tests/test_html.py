@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import demo_args, run_wrapped_mpi
 
 pytestmark = pytest.mark.mpi
 
-MPIEXEC = shutil.which("mpiexec")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 XSS = "<script>alert(1)</script>"
 ITERS = 20
@@ -59,16 +59,7 @@ sys.exit(demo_job.main(sys.argv[2:]))
 
 
 def run_job(tmp: Path) -> Path:
-    if MPIEXEC is None:
-        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
-    job = tmp / "job.py"
-    job.write_text(JOB)
-    run_dir = tmp / "run"
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable, str(job),
-           str(tmp), "--iters", str(ITERS), "--slow-rank", "2", "--delay-s", "0.02"]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return run_dir
+    return run_wrapped_mpi(tmp, JOB, demo_args(tmp, ITERS))
 
 
 @pytest.fixture(scope="module")

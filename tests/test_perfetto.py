@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -32,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import demo_args, run_wrapped_mpi
 
 pytestmark = pytest.mark.mpi
 
 REPO = Path(__file__).resolve().parent.parent
-MPIEXEC = shutil.which("mpiexec")
 FAKE_NVML = REPO / "tests" / "fake_pynvml"
 XSS = "<script>alert(1)</script>"
 ITERS = 20
@@ -56,18 +55,10 @@ sys.exit(demo_job.main(sys.argv[2:]))
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if MPIEXEC is None:
-        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
     tmp = tmp_path_factory.mktemp("perfetto")
-    (tmp / "job.py").write_text(JOB)
-    out = tmp / "run"
     env = dict(os.environ, FAKE_NVML_GPUS="1", DISTDIAG_GPU_INTERVAL_S="0.1",
                PYTHONPATH=os.pathsep.join([str(FAKE_NVML), str(REPO), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(out), sys.executable,
-           str(tmp / "job.py"), str(tmp), "--iters", str(ITERS), "--slow-rank", "2", "--delay-s", "0.02"]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return out
+    return run_wrapped_mpi(tmp, JOB, demo_args(tmp, ITERS), env=env)
 
 
 def export(run_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,39 @@
+"""Helpers several test modules share (import as ``from helpers import ...``).
+
+Real jobs only: ``mpiexec`` from the mpich wheel, ``python -m distdiag.wrap``,
+a timeout on every subprocess.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MPIEXEC = shutil.which("mpiexec")
+
+
+def demo_args(tmp: Path, iters: int, slow_rank: int = 2, delay_s: float = 0.02) -> list[str]:
+    """Arguments of a job script that takes a scratch dir then ``distdiag.demo_job``'s options."""
+    return [str(tmp), "--iters", str(iters), "--slow-rank", str(slow_rank), "--delay-s", str(delay_s)]
+
+
+def run_wrapped_mpi(tmp: Path, job_src: str, args: list[str] | None = None, n: int = 4,
+                    env: dict[str, str] | None = None, timeout_s: float = 180) -> Path:
+    """Write ``job_src`` to tmp/job.py, run it on ``n`` ranks under ``distdiag.wrap`` and return tmp/run.
+
+    Fails the test (with the job's output) when mpiexec is missing or the job exits non-zero.
+    """
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    job = tmp / "job.py"
+    job.write_text(job_src)
+    run_dir = tmp / "run"
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable,
+           str(job), *(args or [])]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return run_dir
