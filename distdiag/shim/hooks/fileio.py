@@ -211,6 +211,30 @@ def _site() -> int:
         return 0
 
 
+#: directory (absolute, lexical) -> aux string id of its "fstype:mountpoint", -1 for a
+#: pseudo file system; valid for the mount table whose per-directory cache is _dirs_of
+_dirs: dict[str, int] = {}
+_dirs_of: Any = None
+
+
+def _dir_aux(ap: str) -> int:
+    """``aux`` of absolute path ``ap`` (-1: never recorded); one mount lookup per directory."""
+    global _dirs_of
+    t = mounts.table()
+    if t._by_dir is not _dirs_of:  # the table was re-read (refresh): start over
+        _dirs.clear()
+        _dirs_of = t._by_dir
+    if ap in t._points:  # a mount point belongs to the file system mounted there
+        fstype, mnt = t.lookup_dir(ap)
+        return -1 if fstype in PSEUDO_FSTYPES else _intern(f"{fstype}:{mnt}")  # type: ignore[misc]
+    d = ap.rpartition("/")[0] or "/"
+    aux = _dirs.get(d)
+    if aux is None:
+        fstype, mnt = t.lookup_dir(d)
+        aux = _dirs[d] = -1 if fstype in PSEUDO_FSTYPES else _intern(f"{fstype}:{mnt}")  # type: ignore[misc]
+    return aux
+
+
 def _tag(path: Any) -> tuple[int, ...]:
     """``(name_id, aux)`` of a path argument, or ``()`` when it is not recorded."""
     try:
@@ -222,12 +246,18 @@ def _tag(path: Any) -> tuple[int, ...]:
         hit = _paths.get(p)
         if hit is not None:
             return hit
-        ap = os.path.abspath(p)  # lexical: getcwd only, no metadata call
-        fstype, mnt = mounts.lookup(ap)
-        if (_skip and ap.startswith(_skip)) or fstype in PSEUDO_FSTYPES:
+        # lexical abspath (getcwd only, no metadata call); most paths the import
+        # system and programs pass are already absolute and normal: skip the
+        # normpath (~0.9 us) for those
+        if p[:1] == "/" and p[-1:] != "/" and "/." not in p and "//" not in p:
+            ap = p
+        else:
+            ap = os.path.abspath(p)
+        aux = _dir_aux(ap)
+        if aux < 0 or (_skip and ap.startswith(_skip)):
             res: tuple[int, ...] = ()
         else:
-            res = (_intern(ap), _intern(f"{fstype}:{mnt}"))  # type: ignore[misc]
+            res = (_intern(ap), aux)  # type: ignore[misc]
         if len(_paths) < MAX_CACHED_PATHS:
             _paths[p] = res
         return res
@@ -704,6 +734,7 @@ def skip_dir(path: str | os.PathLike[str]) -> None:
     if p not in _skip:
         _skip = (*_skip, p)
     _paths.clear()
+    _dirs.clear()
 
 
 def install(rec: Any, cfg: Any = None) -> None:
@@ -721,6 +752,7 @@ def install(rec: Any, cfg: Any = None) -> None:
         _paths.clear()
         _sites.clear()
         _modsites.clear()
+        _dirs.clear()
         mounts.refresh()
         rd = _run_dir_of(cfg)
         if rd:
