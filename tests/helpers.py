@@ -37,3 +37,17 @@ def run_wrapped_mpi(tmp: Path, job_src: str, args: list[str] | None = None, n: i
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     return run_dir
+
+
+def fill_prog(exit_code: int) -> str:
+    """A job that records ~5.5 MB of MARK rows in 0.4 s, prints 'finished' and exits ``exit_code``
+    (for the tests where the writer's disk fills or a size limit stops it)."""
+    return (
+        "import time, distdiag\n"
+        "for i in range(40):\n"
+        "    for j in range(2000):\n"
+        "        distdiag.mark('tick')\n"
+        "    time.sleep(0.01)\n"
+        "print('finished')\n"
+        f"raise SystemExit({int(exit_code)})\n"
+    )

@@ -36,6 +36,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from helpers import fill_prog
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -255,15 +256,7 @@ def test_real_signals_act_as_unwrapped(tmp_path: Path, mode: str, sig: int, want
 def test_file_size_limit_leaves_the_job_running_with_one_stderr_line(tmp_path: Path) -> None:
     """RLIMIT_FSIZE of 1 MiB (a quota-like stop): the shim's 5 MB of events cannot be written."""
     prog = tmp_path / "fill.py"
-    prog.write_text(
-        "import time, distdiag\n"
-        "for i in range(40):\n"
-        "    for j in range(2000):\n"
-        "        distdiag.mark('tick')\n"
-        "    time.sleep(0.01)\n"
-        "print('finished')\n"
-        "raise SystemExit(4)\n"
-    )
+    prog.write_text(fill_prog(4))
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

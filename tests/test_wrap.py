@@ -8,6 +8,7 @@ terminated runs must leave files that open.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,10 +18,12 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Iterator
 
 import h5py
 import numpy as np
 import pytest
+from helpers import fill_prog
 
 from distdiag.schema import Kind
 from distdiag.shim import rankinfo
@@ -288,6 +291,18 @@ time.sleep(60)
 """
 
 
+@contextlib.contextmanager
+def _started(cmd: list[str], cwd: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """The process, text stdout/stderr piped; killed (by its own PID) if the test leaves it running."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=TIMEOUT_S)
+
+
 def _wait_line(p: subprocess.Popen[str], want: str, timeout_s: float = 30.0) -> str:
     assert p.stdout is not None
     deadline = time.monotonic() + timeout_s
@@ -321,17 +336,11 @@ def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_
     prog.write_text(KILL_PROG)
     run_dir = tmp_path / "run"
     env = clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.2")
-    p = subprocess.Popen([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog), "5000"], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _started([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog), "5000"], tmp_path, env) as p:
         _wait_line(p, "inside")
         _wait_flushed(rank_file(run_dir), "inflight", 1)  # the enter is on disk as in flight
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=TIMEOUT_S)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=TIMEOUT_S)
     assert p.returncode == -signal.SIGKILL
     path = rank_file(run_dir)
     with h5py.File(path, "r") as f:  # opens after SIGKILL
@@ -378,15 +387,10 @@ def test_sigterm_closes_the_file_with_every_row(tmp_path: Path, mode: str) -> No
     results = {}
     for wrapped in (False, True):
         cmd = [*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog), mode] if wrapped else [PY, str(prog), mode]
-        p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
+        with _started(cmd, tmp_path, env) as p:
             _wait_line(p, "ready")
             p.send_signal(signal.SIGTERM)
             out, err = p.communicate(timeout=TIMEOUT_S)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=TIMEOUT_S)
         results[wrapped] = (p.returncode, out, err)
     assert results[True] == results[False]
     rc = results[True][0]
@@ -423,15 +427,7 @@ def test_full_disk_mid_run_job_finishes_with_its_exit_code(tmp_path: Path) -> No
         pytest.skip(f"cannot mount tmpfs: {m.stderr!r}")
     try:
         prog = tmp_path / "fill.py"
-        prog.write_text(
-            "import time, distdiag\n"
-            "for i in range(40):\n"
-            "    for j in range(2000):\n"
-            "        distdiag.mark('tick')\n"
-            "    time.sleep(0.01)\n"
-            "print('finished')\n"
-            "raise SystemExit(9)\n"
-        )
+        prog.write_text(fill_prog(9))
         w = run([*WRAP_CONSOLE, "--dir", str(mnt / "run"), PY, str(prog)], cwd=tmp_path,
                 env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.05"))
         assert w.returncode == 9
@@ -563,20 +559,14 @@ def test_sigterm_while_the_main_thread_sits_in_c_still_ends_the_rank_and_closes(
     prog = tmp_path / "cblock.py"
     prog.write_text(CBLOCK_PROG)
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], cwd=tmp_path,
-                         env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="30"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
+    with _started([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], tmp_path,
+                  clean_env(DISTDIAG_FLUSH_INTERVAL_S="30")) as p:
         _wait_line(p, "blocking")
         time.sleep(0.3)  # inside the C call
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
         took_s = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=TIMEOUT_S)
     assert p.returncode == -signal.SIGTERM
     assert took_s < 10
     ev, s, attrs = events_of(rank_file(run_dir))
@@ -659,19 +649,13 @@ def test_sigkill_while_recording_continuously_leaves_a_gapless_prefix(tmp_path: 
     prog = tmp_path / "cont.py"
     prog.write_text(CONTINUOUS_PROG)
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], cwd=tmp_path,
-                         env=clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.05"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
+    with _started([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], tmp_path,
+                  clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.05")) as p:
         _wait_line(p, "go")
         _wait_flushed(rank_file(run_dir), "events", 3000)
         time.sleep(delay_s)
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=TIMEOUT_S)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=TIMEOUT_S)
     ev, s, attrs = events_of(rank_file(run_dir))
     steps = np.sort(ev["nbytes"][ev["kind"] == Kind.STEP])
     assert len(steps) >= 1
