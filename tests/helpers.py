@@ -6,7 +6,9 @@ a timeout on every subprocess.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +53,20 @@ def fill_prog(exit_code: int) -> str:
         "print('finished')\n"
         f"raise SystemExit({int(exit_code)})\n"
     )
+
+
+def run_in_session(cmd: list[str], timeout_s: float, *, cwd: Path | None = None, env: dict[str, str] | None = None,
+                   check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill that session (mpiexec and its ranks: ours only)
+    and fail the test. With ``check`` a non-zero exit fails it too, with the output."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                         start_new_session=True)  # fmt: skip
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the group we created, by its leader's PID
+        out, err = p.communicate(timeout=30)
+        pytest.fail(f"{cmd[:6]} timed out after {timeout_s} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    if check and p.returncode != 0:
+        pytest.fail(f"{cmd} exited {p.returncode}\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -16,13 +16,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from helpers import run_in_session
 
 from slowfs import fuse_available, mount_slowfs
 
@@ -65,15 +65,7 @@ def run_job(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> lis
     cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir),
            sys.executable, str(JOB), *args]  # fmt: skip
     # its own session, so a timeout kills mpiexec *and* its ranks (they would keep the mount busy)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                         env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
-    try:
-        out, err = p.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # the group we created, by its leader's PID
-        out, err = p.communicate(timeout=30)
-        pytest.fail(f"job timed out after {JOB_TIMEOUT_S} s: {out}{err}")
-    assert p.returncode == 0, out + err
+    out = run_in_session(cmd, JOB_TIMEOUT_S, cwd=REPO, env={**os.environ, **(env or {})}, check=True).stdout
     # mpiexec forwards the ranks' lines, sometimes run together: find the records, not the lines
     recs = [json.loads(m) for m in re.findall(r"IOSTORM (\{[^{}]*\})", out)]
     assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3], out

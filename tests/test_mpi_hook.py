@@ -10,9 +10,7 @@ the straggler case is its own run.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import run_in_session
 
 from distdiag.schema import Kind
 
@@ -32,17 +31,8 @@ TIMEOUT_S = 120  # 4 busy-polling ranks on 2 shared cores: slow, but never hang
 
 
 def _run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a job in its own session; on timeout kill that session's processes (ours only)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=cwd, env=env)
-    try:
-        out, err = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{cmd} timed out after {TIMEOUT_S}s\n{out}\n{err}")
-    if p.returncode != 0:
-        pytest.fail(f"{cmd} exited {p.returncode}\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    """Run a job in its own session; fail on a timeout (killing that session) or a non-zero exit."""
+    return run_in_session(cmd, TIMEOUT_S, cwd=cwd, env=env, check=True)
 
 
 def _mpiexec() -> str:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_in_session
 
 from distdiag.parallel import block_of
 from distdiag.synth import synth
@@ -28,17 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run argv in its own session; on timeout kill that session (only what we started)."""
+    """Run argv in its own session with this checkout importable; a timeout kills that session and fails."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{argv[:4]} timed out after {timeout} s: {err[-2000:]}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return run_in_session(argv, timeout, env=env)
 
 
 def _serial(run_dir: Path, fmt: str) -> str:
