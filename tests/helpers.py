@@ -6,12 +6,14 @@ a timeout on every subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -70,3 +72,20 @@ def run_in_session(cmd: list[str], timeout_s: float, *, cwd: Path | None = None,
     if check and p.returncode != 0:
         pytest.fail(f"{cmd} exited {p.returncode}\nstdout:\n{out}\nstderr:\n{err}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (``mount -o size=3m``) at tmp_path/small, unmounted afterwards:
+    a disk that fills. Skips the test where it cannot exist (not root, no mount)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, timeout=30)
+    if m.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {m.stderr!r}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)

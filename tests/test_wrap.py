@@ -23,7 +23,7 @@ from typing import Iterator
 import h5py
 import numpy as np
 import pytest
-from helpers import fill_prog
+from helpers import fill_prog, small_tmpfs
 
 from distdiag.schema import Kind
 from distdiag.shim import rankinfo
@@ -418,14 +418,7 @@ def test_unwritable_run_dir_job_still_runs_with_one_stderr_line(tmp_path: Path) 
 def test_full_disk_mid_run_job_finishes_with_its_exit_code(tmp_path: Path) -> None:
     """A 3 MiB tmpfs fills while the job records 5.5 MB of events: one stderr line, the job
     finishes with its own exit code, and the file keeps every row written before the stop."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, timeout=30)
-    if m.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs: {m.stderr!r}")
-    try:
+    with small_tmpfs(tmp_path, "3m") as mnt:
         prog = tmp_path / "fill.py"
         prog.write_text(fill_prog(9))
         w = run([*WRAP_CONSOLE, "--dir", str(mnt / "run"), PY, str(prog)], cwd=tmp_path,
@@ -436,8 +429,6 @@ def test_full_disk_mid_run_job_finishes_with_its_exit_code(tmp_path: Path) -> No
         assert w.stderr.endswith("; the job runs without recording\n")
         ev, _, attrs = events_of(rank_file(mnt / "run"))
         assert 0 < len(ev) < 80000 and "recording_stopped" in attrs
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
 
 
 # -- run dir --------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import small_tmpfs
 
 from distdiag.schema import EVENT_DTYPE, GPU_DTYPE, SCHEMA_ATTR, SCHEMA_VERSION, SYNC_DTYPE, Kind
 from distdiag.shim.config import ShimConfig
@@ -142,36 +142,27 @@ def test_unwritable_path_raises_at_open(tmp_path: Path) -> None:
 
 def test_write_error_inside_hdf5_neither_crashes_nor_floods_stderr(tmp_path: Path) -> None:
     """ENOSPC inside HDF5 (space check disabled): one stderr line, exit 0, no segfault at exit."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, timeout=30)
-    if m.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs: {m.stderr!r}")
-    script = textwrap.dedent(
-        f"""
-        import sys
-        import distdiag.shim.writer as W
-        from distdiag.shim.recorder import Recorder
-        from distdiag.shim.config import ShimConfig
-        W.DISK_RESERVE_BYTES = -(1 << 40)   # let HDF5 itself hit ENOSPC
-        rec = Recorder(chunk_rows=1000)
-        w = W.Writer({str(mnt / 'x.h5')!r}, rec, ShimConfig(), W.base_attrs())
-        for i in range(100):
-            for j in range(1000):
-                rec.add(j, j, 60, 0)
-            w.flush()
-        w.close(0)
-        print("failed" if w.failed else "not failed", "max_pending", rec.max_pending_chunks)
-        """
-    )
-    try:
+    with small_tmpfs(tmp_path, "256k") as mnt:
+        script = textwrap.dedent(
+            f"""
+            import sys
+            import distdiag.shim.writer as W
+            from distdiag.shim.recorder import Recorder
+            from distdiag.shim.config import ShimConfig
+            W.DISK_RESERVE_BYTES = -(1 << 40)   # let HDF5 itself hit ENOSPC
+            rec = Recorder(chunk_rows=1000)
+            w = W.Writer({str(mnt / 'x.h5')!r}, rec, ShimConfig(), W.base_attrs())
+            for i in range(100):
+                for j in range(1000):
+                    rec.add(j, j, 60, 0)
+                w.flush()
+            w.close(0)
+            print("failed" if w.failed else "not failed", "max_pending", rec.max_pending_chunks)
+            """
+        )
         repo = str(Path(__file__).resolve().parent.parent)  # this checkout, not the installed tree
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
         p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout == "failed max_pending 0\n"
     assert p.stderr.count("\n") == 1 and p.stderr.endswith("; the job runs without recording\n"), p.stderr[-2000:]
