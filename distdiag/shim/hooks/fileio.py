@@ -141,8 +141,10 @@ _LIB_PREFIXES = tuple(
         }
     )
 )
-#: id(code) -> (code, 0: the program's / 1: a library's / 2: a library module's body)
-_libcode: dict[int, tuple[Any, int]] = {}
+#: id(code) -> 0: the program's / 1: a library's / 2: a library module's body
+_libkind: dict[int, int] = {}
+#: the code objects _libkind has seen, kept alive so that their ids are never reused
+_libcode: list[Any] = []
 _sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> string id of "file:line"
 #: id(frame of a library module body still running) -> (its code, site id): see _site
 _modsites: dict[int, tuple[Any, int]] = {}
@@ -151,10 +153,21 @@ _getframe = sys._getframe
 
 
 # -- helpers -----------------------------------------------------------------------
+def _classify(c: Any) -> int:
+    lib = (2 if c.co_name == "<module>" else 1) if c.co_filename.startswith(_LIB_PREFIXES) else 0
+    # no lock (a hook must never wait on one): two threads racing here append
+    # the same code twice, which only keeps it alive twice
+    _libcode.append(c)
+    _libkind[id(c)] = lib
+    return lib
+
+
 def _site() -> int:
     """String id of the first ``file:line`` outside the stdlib and distdiag."""
     # Keyed by id(code): hashing a code object hashes its bytecode and
     # constants; _libcode holds each code object, so its id is never reused.
+    # (The walk's loop is the hot part: ~12 frames an event in torch's lazy
+    # imports; the plain library frame goes first with one int per code.)
     #
     # Why _modsites: during ``import torch`` every stat/open is ~60 frames
     # below the program's ``import`` line (six importlib frames per nesting
@@ -171,26 +184,27 @@ def _site() -> int:
         mods: list[Any] | None = None
         while True:
             c = f.f_code
-            ent = _libcode.get(id(c))
-            if ent is None:
-                ent = _libcode[id(c)] = (
-                    c,
-                    (2 if c.co_name == "<module>" else 1) if c.co_filename.startswith(_LIB_PREFIXES) else 0,
-                )
-            lib = ent[1]
+            lib = _libkind.get(id(c))
+            if lib is None:
+                lib = _classify(c)
+            if lib == 1:  # the common case first: a library function's frame
+                b = f.f_back
+                if b is None:
+                    break
+                f = b
+                continue
             if not lib:
                 break
-            if lib == 2:
-                hit = _modsites.get(id(f))
-                if hit is not None and hit[0] is c:
-                    if mods is not None:
-                        for m in mods:
-                            _modsites[id(m)] = (m.f_code, hit[1])
-                    return hit[1]
-                if mods is None:
-                    mods = [f]
-                else:
-                    mods.append(f)
+            hit = _modsites.get(id(f))  # a library module's body
+            if hit is not None and hit[0] is c:
+                if mods is not None:
+                    for m in mods:
+                        _modsites[id(m)] = (m.f_code, hit[1])
+                return hit[1]
+            if mods is None:
+                mods = [f]
+            else:
+                mods.append(f)
             b = f.f_back
             if b is None:
                 break
