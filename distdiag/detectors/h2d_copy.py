@@ -25,10 +25,10 @@ PAGEABLE_GBPS = 8.0
 
 @register("h2d_copy")
 def detect(run: Any, cfg: Any) -> list[Finding]:
-    res = priced(run, Kind.H2D, float(cfg.value("h2d_copy", "min_fraction", 0.02)))
-    if res is None:
+    p = priced(run, Kind.H2D, float(cfg.value("h2d_copy", "min_fraction", 0.02)))
+    if p is None:
         return []
-    cost_s, ranks, rank_s, named, n_it = res["cost_s"], res["ranks"], res["rank_s"], res["named"], res["n_it"]
+    cost_s, n_it, named = p.cost_s, p.n_it, p.named
     h = run.events[run.events["kind"] == Kind.H2D]
     dur_s = float(np.maximum(h["t1_ns"] - h["t0_ns"], 0).sum()) / 1e9
     nbytes = int(h["nbytes"].sum())
@@ -52,7 +52,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "bytes": nbytes,
                 "copy_s": round(dur_s, 4),
                 "achieved_gb_per_s": round(gbps, 3),
-                "h2d_s_per_rank": {int(r): round(float(v), 4) for r, v in zip(ranks, rank_s)},
+                "h2d_s_per_rank": p.per_rank_s,
             },
             advice=advice,
         )

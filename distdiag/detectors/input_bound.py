@@ -26,6 +26,7 @@ The same machinery prices host-to-device copies (``h2d_copy``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -188,14 +189,27 @@ def critical_path_cost(run: Any, kind: int) -> dict[str, Any]:
     }
 
 
-def priced(run: Any, kind: int, min_fraction: float) -> dict[str, Any] | None:
+@dataclass
+class Priced:
+    """One kind's critical-path cost as the detectors report it (see :func:`priced`)."""
+
+    cost_s: float
+    #: steps judged: the windows between ``STEP`` rows
+    n_it: int
+    #: the ranks that lost at least half as much as the worst one
+    named: list[int]
+    #: rank -> its own unhidden time of this kind, s (rounded for the evidence)
+    per_rank_s: dict[int, float]
+    per_iter_ns: np.ndarray
+    busy_s: np.ndarray
+    count: int
+
+
+def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
     """:func:`critical_path_cost` of ``kind``, or None when it stays under
     ``min_fraction`` of the wall-clock (or nothing was recorded).
 
     Shared by ``input_bound`` and ``h2d_copy``, which price their rows alike.
-    Adds ``cost_s``, ``rank_s`` (per rank, aligned with ``ranks``), ``named``
-    (the ranks that lost at least half as much as the worst one) and ``n_it``
-    (the steps judged: the windows between ``STEP`` rows).
     """
     wall_s = run.wall_s
     if wall_s <= 0:
@@ -205,22 +219,25 @@ def priced(run: Any, kind: int, min_fraction: float) -> dict[str, Any] | None:
     if res["count"] == 0 or cost_s < min_fraction * wall_s:
         return None
     rank_s = res["rank_ns"] / 1e9
-    res["cost_s"] = cost_s
-    res["rank_s"] = rank_s
-    res["named"] = [int(r) for r, v in zip(res["ranks"], rank_s) if v >= 0.5 * rank_s.max()]
-    res["n_it"] = max(int(res["n_iter"]) - 1, 1)
-    return res
+    return Priced(
+        cost_s=cost_s,
+        n_it=max(int(res["n_iter"]) - 1, 1),
+        named=[int(r) for r, v in zip(res["ranks"], rank_s) if v >= 0.5 * rank_s.max()],
+        per_rank_s={int(r): round(float(v), 4) for r, v in zip(res["ranks"], rank_s)},
+        per_iter_ns=res["per_iter_ns"],
+        busy_s=res["busy_ns"] / 1e9,
+        count=int(res["count"]),
+    )
 
 
 @register("input_bound")
 def detect(run: Any, cfg: Any) -> list[Finding]:
-    res = priced(run, Kind.INPUT_WAIT, float(cfg.value("input_bound", "min_fraction", 0.02)))
-    if res is None:
+    p = priced(run, Kind.INPUT_WAIT, float(cfg.value("input_bound", "min_fraction", 0.02)))
+    if p is None:
         return []
-    cost_s, ranks, rank_s, named, n_it = res["cost_s"], res["ranks"], res["rank_s"], res["named"], res["n_it"]
-    busy_s = res["busy_ns"] / 1e9
-    per_step_ms = float(np.median(res["per_iter_ns"][res["per_iter_ns"] > 0])) / 1e6 if np.any(res["per_iter_ns"] > 0) else 0.0
-    compute_step_ms = 1e3 * float(np.median(busy_s)) / n_it
+    cost_s, n_it, named = p.cost_s, p.n_it, p.named
+    per_step_ms = float(np.median(p.per_iter_ns[p.per_iter_ns > 0])) / 1e6 if np.any(p.per_iter_ns > 0) else 0.0
+    compute_step_ms = 1e3 * float(np.median(p.busy_s)) / n_it
     return [
         Finding(
             kind="input_bound",
@@ -235,8 +252,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "steps": n_it,
                 "median_unhidden_wait_per_step_ms": round(per_step_ms, 3),
                 "median_work_per_step_ms": round(compute_step_ms, 3),
-                "input_wait_s_per_rank": {int(r): round(float(v), 4) for r, v in zip(ranks, rank_s)},
-                "loader_calls": res["count"],
+                "input_wait_s_per_rank": p.per_rank_s,
+                "loader_calls": p.count,
             },
             advice=(
                 "Feed the model faster: more DataLoader workers (num_workers), prefetch_factor, pin_memory, "
