@@ -129,7 +129,10 @@ def _check_hang(rep: dict[str, Any], data_name: str, max_s: float = 30) -> dict[
     assert 0.8 < doing["for_s"] < max_s
     # the others were stuck from their arrival to their end: >= ~1.2 s of waiting each
     assert all(0.8 < s < max_s for s in ev["stuck_s"].values()), ev["stuck_s"]
-    assert 0.8 < top["cost_s"] <= rep["run"]["wall_s"]
+    # the job never finished: it lost its whole run (its turnaround under Slurm, queue included)
+    lost_s = top["evidence"].get("turnaround_s") or rep["run"]["wall_s"]
+    assert top["cost_s"] == pytest.approx(lost_s) and top["cost_s"] >= rep["run"]["wall_s"] - 1e-6
+    assert 0.8 < top["evidence"]["stuck_wait_s"] <= rep["run"]["wall_s"]
     assert f"hang_barrier.py:{BARRIER_LINE}" in top["summary"] and "rank(s) 2 never entered Barrier" in top["summary"]
     assert "rank 2 was inside phase 'evaluate'" in top["summary"]
     return dict(top)
@@ -162,7 +165,7 @@ def test_slurm_time_limit_hang_names_rank_2(slurm: SlurmCluster, tmp_path: Path)
     assert p.returncode != 0 and "TIME LIMIT" in p.stderr, p.stderr
     rep = _analyze_json(run_dir, env=slurm.env())
     top = _check_hang(rep, "shard.bin", max_s=200)
-    assert top["cost_s"] > 50  # stuck from the barrier to the time limit
+    assert top["evidence"]["stuck_wait_s"] > 50  # stuck from the barrier to the time limit
     assert rep["run"]["slurm"]["job"]["state"] == "TIMEOUT"
 
 
