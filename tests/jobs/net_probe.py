@@ -7,6 +7,7 @@ and the PROBE rows it recorded.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import types
@@ -43,7 +44,7 @@ def main() -> None:
     bw: dict[int, float] = {}
     for (rnd, peer, nbytes, a, b) in (res.bw_steps if res else []):
         bw[peer] = max(bw.get(peer, 0.0), nbytes / ((b - a) / 1e9))
-    print(
+    line = (
         json.dumps(
             {
                 "rank": rank,
@@ -57,9 +58,15 @@ def main() -> None:
                 "peers": sorted(set(int(p) for p in rows["peer"] if p >= 0)),
                 "monotone": bool(np.all(rows["t1_ns"] >= rows["t0_ns"])),
             }
-        ),
-        flush=True,
+        )
     )
+    # mpiexec's proxy may splice the ranks' stdout lines together: tests that
+    # need every rank's line whole set NET_PROBE_OUT and read one file per rank
+    out_dir = os.environ.get("NET_PROBE_OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            f.write(line)
+    print(line, flush=True)
     if transport == "torch":
         dist.destroy_process_group()
     probe.uninstall()
