@@ -81,16 +81,22 @@ def _analyze(ns: argparse.Namespace) -> int:
     # path is answered in a fraction of the time. The bar shows on a terminal only.
     run = load_run(ns.run_dir, progress=ProgressBar())
     from distdiag.pipeline import analyze_run
+
+    return emit(analyze_run(run, cfg), ns)
+
+
+def emit(report: object, ns: argparse.Namespace) -> int:
+    """Write the report as ``ns`` asks (--perfetto, --format, -o): the serial and the
+    --parallel paths share it. Returns the exit code."""
     from distdiag.render import render
 
-    report = analyze_run(run, cfg)
     if getattr(ns, "perfetto", None):
         rc = _perfetto(report, ns)
         if rc:
             return rc
     # colour only on a terminal: never into a file (-o)
     options = {"color": False} if ns.output and ns.format == "text" else {}
-    out = render(report, ns.format, **options)
+    out = render(report, ns.format, **options)  # type: ignore[arg-type]
     if ns.output:
         try:
             Path(ns.output).write_text(out)
@@ -99,6 +105,7 @@ def _analyze(ns: argparse.Namespace) -> int:
             return EXIT_USAGE
     else:
         sys.stdout.write(out)
+        sys.stdout.flush()
     return 0
 
 

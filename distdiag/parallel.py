@@ -31,7 +31,6 @@ quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -152,7 +151,6 @@ def main_from_args(ns: Any) -> int:
     from mpi4py import MPI
 
     from distdiag.config import load_config
-    from distdiag.render import render
 
     comm = MPI.COMM_WORLD
     try:
@@ -167,15 +165,6 @@ def main_from_args(ns: Any) -> int:
     report = analyze_parallel(ns.run_dir, cfg, comm)
     if report is None:
         return 0
-    options = {"color": False} if ns.output and ns.format == "text" else {}
-    out = render(report, ns.format, **options)
-    if ns.output:
-        try:
-            Path(ns.output).write_text(out)
-        except OSError as e:
-            print(f"distdiag: cannot write '{ns.output}': {e.strerror or e}", file=sys.stderr)
-            return 2
-    else:
-        sys.stdout.write(out)
-        sys.stdout.flush()
-    return 0
+    from distdiag.cli import emit
+
+    return emit(report, ns)

@@ -86,3 +86,20 @@ def test_a_wrong_path_is_one_line_and_exit_2_on_every_rank(tmp_path: Path) -> No
                 str(tmp_path / "nope")])  # fmt: skip
     assert got.returncode == 2
     assert got.stderr.strip().splitlines() == [f"distdiag: run dir '{tmp_path / 'nope'}' does not exist"]
+
+
+def test_parallel_writes_the_same_perfetto_trace_and_output_file(tmp_path: Path) -> None:
+    # --parallel goes through the same output step as the serial path (cli.emit)
+    d = tmp_path / "run"
+    synth(d, ranks=6, events=300, fault="straggler", ranks_per_host=2, seed=7)
+    outs = {}
+    for mode in ("serial", "parallel"):
+        trace, report = tmp_path / f"{mode}.trace.json", tmp_path / f"{mode}.json"
+        pre = [MPIEXEC or "mpiexec", "-n", "3"] if mode == "parallel" else []
+        flag = ["--parallel"] if mode == "parallel" else []
+        got = _run([*pre, sys.executable, "-m", "distdiag.cli", "analyze", *flag, str(d), "--format", "json",
+                    "-o", str(report), "--perfetto", str(trace)])  # fmt: skip
+        assert got.returncode == 0, got.stderr
+        outs[mode] = (report.read_text(), trace.read_text())
+    assert '"kind": "straggler"' in outs["parallel"][0]
+    assert outs["parallel"] == outs["serial"]
