@@ -108,15 +108,16 @@ def test_dependency_hold_is_submit_to_eligible(slurm: SlurmCluster, tmp_path: Pa
     assert time.time() - t_submit >= held_s
 
 
+# No MPI here: with one rank 6 s late, the mpich wheel's PMI2 client sent the
+# Slurm 22.05 pmi2 plugin messages it could not parse ("value not properly
+# terminated", seen in slurmd's log on every such run) and the step hung in 2
+# of 3 full-suite runs. A step is useful work too (see launch_overhead).
 SLOW_START = """
 import os, time
+import distdiag
 if os.environ["SLURM_PROCID"] == "1":
     time.sleep({delay})  # a rank whose imports come from a slow file system
-from mpi4py import MPI
-c = MPI.COMM_WORLD
-c.Barrier()
-for _ in range(5):
-    c.allreduce(1)
+distdiag.step(samples=1)
 """
 
 
@@ -134,12 +135,9 @@ def test_launch_overhead_covers_a_rank_that_started_late(slurm: SlurmCluster, tm
     lo = [f for f in rep["findings"] if f["kind"] == "launch_overhead"]
     assert len(lo) == 1, rep["findings"]
     f = lo[0]
-    # Every rank reached its first collective only after rank 1's delay (MPI_Init
-    # holds them all until the last one arrives): that is the job's loss.
+    # rank 1 (on n2) reached its first useful work delay_s after the others: the job's loss
     per = f["evidence"]["per_rank"]
-    assert min(p["first_work_s"] for p in per.values()) >= delay_s, per
+    assert per["1"]["first_work_s"] >= delay_s > per["0"]["first_work_s"], per
     assert f["cost_s"] >= delay_s
     assert f["evidence"]["shim_start_to_first_work_s"] >= delay_s
-    # Which rank it waited for is a best guess until MPI_Init is a recorded span
-    # (it runs inside `import mpi4py.MPI`): the named rank is one of the two.
-    assert f["ranks"] in ([0], [1]) and f["hosts"] == [{0: "n1", 1: "n2"}[f["ranks"][0]]]
+    assert f["ranks"] == [1] and f["hosts"] == ["n2"]
