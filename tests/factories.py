@@ -49,12 +49,15 @@ class Truth:
     files: dict[int, Path] = field(default_factory=dict)
 
     arrive_ns: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    #: per iteration: wait_ns less what the last arriver inherited from leaving
+    #: the previous all-reduce later than the second-to-last (the straggler's charge)
+    own_wait_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hosts: list[str] = field(default_factory=list)
 
     def straggler_cost_s(self, rank: int) -> float:
         # iteration 0 is every rank's first collective: launch skew, which the
         # straggler detector leaves to launch_overhead
-        return float(self.wait_ns[1:][self.last_rank[1:] == rank].sum()) / 1e9
+        return float(self.own_wait_ns[1:][self.last_rank[1:] == rank].sum()) / 1e9
 
     def host_cost_s(self, host: str) -> float:
         """Sum over iterations where ``host`` held the last arriver of (last - last arrival elsewhere)."""
@@ -132,6 +135,11 @@ def make_run(
     srt = np.sort(arrive, axis=1)
     last_rank = np.argmax(arrive, axis=1)
     wait_ns = srt[:, -1] - srt[:, -2]
+    second_rank = np.argsort(arrive, axis=1, kind="stable")[:, -2]
+    it = np.arange(1, iters)
+    inherited = np.zeros(iters, np.int64)
+    inherited[1:] = np.maximum(exit_[it - 1, last_rank[1:]] - exit_[it - 1, second_rank[1:]], 0)
+    own_wait = np.clip(wait_ns - inherited, 0, wait_ns)
     last_t = arrive.max(axis=1, keepdims=True)
     comm_wait = (last_t - arrive).sum(axis=0)
     comm_xfer = (exit_ - last_t).sum(axis=0)
@@ -230,6 +238,7 @@ def make_run(
         iters=iters,
         last_rank=last_rank,
         wait_ns=wait_ns,
+        own_wait_ns=own_wait,
         offset_ns=offsets,
         comm_wait_ns=comm_wait,
         comm_transfer_ns=comm_xfer,

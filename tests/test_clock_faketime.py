@@ -161,9 +161,11 @@ def test_skewed_clocks_are_recovered_and_the_straggler_keeps_its_cost(tmp_path: 
     s_true = straggler(analyze_run(truth.align(load_run(run_dir)), cfg))
     assert s_true is not None and s_true.ranks == [2]
     assert s.cost_s == pytest.approx(s_true.cost_s, rel=0.10)
-    # ... and not without alignment: rank 1 (clock 0.5 s ahead) would "arrive last" everywhere
+    # ... and not without alignment: rank 1 (clock 0.5 s ahead) would "arrive last"
+    # everywhere and hide rank 2 (rank 1 is not blamed either: it also "leaves"
+    # every collective 0.5 s late, which the straggler discounts as inherited)
     s_raw = straggler(analyze_run(load_run(run_dir).replace(aligned=True), cfg))
-    assert s_raw is not None and s_raw.ranks == [1] and s_raw.cost_s > 2 * s_true.cost_s
+    assert s_raw is None or 2 not in s_raw.ranks, s_raw
 
     # 4. ... and the cost of the same job with true clocks
     run_dir0, _, injected0_s = jobs["unskewed"]

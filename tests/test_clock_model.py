@@ -173,10 +173,11 @@ def test_alignment_is_what_makes_the_straggler_analysis_right(tmp_path: Path) ->
     strag = [f for f in rep.findings if f.kind == "straggler"]
     assert [f.ranks for f in strag] == [[2]]
     assert strag[0].cost_s == pytest.approx(sim.straggler_cost_s(2), rel=0.001)
-    # Without alignment rank 1 (clock 0.5 s ahead) "arrives last" everywhere.
+    # Without alignment rank 1 (clock 0.5 s ahead) "arrives last" everywhere
+    # and hides the real straggler. (It is not blamed either: it also "leaves"
+    # every collective 0.5 s late, which the straggler discounts as inherited.)
     unaligned = analyze_run(load_run(sim.run_dir).replace(aligned=True), cfg)
-    top = [f for f in unaligned.findings if f.kind == "straggler"][0]
-    assert top.ranks == [1] and top.cost_s > 10 * strag[0].cost_s
+    assert not [f for f in unaligned.findings if f.kind == "straggler" and 2 in f.ranks], unaligned.findings
 
 
 def test_a_rate_change_makes_the_model_piecewise(tmp_path: Path) -> None:
