@@ -449,6 +449,13 @@ def rank_busy_until(run: Any) -> dict[int, float]:
     imports from a slow file system until +6.2 s; both create COMM_WORLD at
     +6.8 s: rank 1 is named. Needs the recorded file events (the fileio hook);
     a rank without them falls back to its first rendezvous.
+
+    The rendezvous starts at the ``t0_ns`` of the rank's first rendezvous row.
+    For an mpi4py job that is COMM_WORLD's COMM_CREATE row, which the hook
+    records as the span of ``import mpi4py.MPI`` (MPI_Init): its start is
+    when the rank stopped working on its own and began to wait, so anything a
+    rank records while blocked in MPI_Init (a loader thread's file reads)
+    does not make it look busy.
     """
     wm = _wall_map_ns(run)
     ev = run.events

@@ -26,11 +26,16 @@ When the ranks' first works lie more than a second apart (no rendezvous
 lined them up), the latest is named; a test under Slurm (one rank sleeping
 6 s before its first step marker) named the wrong rank by import jitter before.
 
-Limitation: the rank named is the one busy longest on its own before its
-first recorded rendezvous (distdiag.slurm.rank_busy_until). MPI_Init runs
-inside ``import mpi4py.MPI`` and is not yet a recorded span, so a rank blocked
-in it can look busy until it returns; the cost is right either way, the name
-is a best guess until the mpi4py hook records MPI_Init's start.
+The rank named is the one busy longest on its own before its first recorded
+rendezvous (distdiag.slurm.rank_busy_until). MPI_Init runs inside ``import
+mpi4py.MPI``; the mpi4py hook records that import as COMM_WORLD's COMM_CREATE
+span, so a rank waiting in MPI_Init counts as ready from the moment its
+import began, whatever its other threads record meanwhile
+(tests/test_mpi_init_span.py: rank 1 opens files for 2 s before its import,
+rank 0's loader thread opens files all through its MPI_Init; rank 1 is
+named). A program that initializes MPI itself (``mpi4py.rc.initialize =
+False``) or a hook installed after the import leaves an instant there, and
+the name is a best guess again; the cost is right either way.
 
 Settings (``[analyze.launch_overhead]``): ``min_fraction`` (share of
 turnaround, default the [analyze] one, 0.02).

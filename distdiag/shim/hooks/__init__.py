@@ -16,6 +16,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
+import time
 import types
 from typing import Any, Callable
 
@@ -34,6 +35,10 @@ HOOKS: dict[str, bool] = {
 }
 
 _waiting: dict[str, list[Callable[[types.ModuleType], None]]] = {}
+#: watched module -> perf_counter_ns (the recorder's clock) when its import began
+#: (before the loader created the module): a callback that wants the import
+#: as a span pops it (the mpi4py hook: ``import mpi4py.MPI`` runs MPI_Init)
+import_started_ns: dict[str, int] = {}
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
@@ -59,6 +64,8 @@ class _PostImportLoader(importlib.abc.Loader):
         self._fullname = fullname
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        # an extension module's init may run here (single-phase init): start the clock first
+        import_started_ns[self._fullname] = time.perf_counter_ns()
         return self._loader.create_module(spec)  # type: ignore[no-any-return]
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -54,6 +54,10 @@ Rows (see ``distdiag.schema``)
   intercommunicator: rank in the local group, size of both groups). Together the
   members' rows map communicator ranks to world ranks (each file is one world
   rank), which the analyzer needs for roots and p2p peers on sub-communicators.
+  COMM_WORLD's row (``"world"``) spans ``import mpi4py.MPI``, i.e. MPI_Init
+  and the wire-up: t0 when the import began (``hooks.import_started_ns``),
+  t1 when it returned, so the time a rank waits for the others at launch is
+  recorded (``distdiag.slurm.rank_busy_until``). COMM_SELF's is an instant.
 
 Wrappers are generated with the wrapped method's own signature (see
 :func:`_gen`), falling back to ``(*args, **kw)`` ones if a signature is not
@@ -1265,12 +1269,20 @@ def _on_import(MPI: Any) -> None:
         MPI.COMM_SELF = self_
         MPI.Request = _classes["WRequest"]
         _orig_request = _saved["Request"]
-    # communicator map rows for the predefined ones (needs MPI initialized)
+    # communicator map rows for the predefined ones (needs MPI initialized).
+    # COMM_WORLD's row is the span of ``import mpi4py.MPI`` when we saw it
+    # begin: the import runs MPI_Init (unless mpi4py.rc.initialize is False),
+    # which blocks every rank until the last one arrives, so its start is the
+    # rank's rendezvous start (distdiag.slurm.rank_busy_until). Hooked after
+    # the import (no start seen) or initialized later by the program: an
+    # instant, as before.
     try:
+        t = now_ns()
+        t_import = _hooks.import_started_ns.pop(_MODULE, None)
         if MPI.Is_initialized() and not MPI.Is_finalized():
-            t = now_ns()
-            for key, c in (("world", world), ("self", self_)):
-                _rec.add(t, t, COMM_CREATE, _rec.intern(key), 0, -1, c.Get_rank(), 0, c.Get_size(), 0)
+            init_t0 = t if t_import is None else t_import
+            for key, c, t0 in (("world", world, init_t0), ("self", self_, t)):
+                _rec.add(t0, t, COMM_CREATE, _rec.intern(key), 0, -1, c.Get_rank(), 0, c.Get_size(), 0)
     except Exception:
         _oops("predefined")
 
