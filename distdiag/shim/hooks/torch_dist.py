@@ -65,10 +65,12 @@ _OPS: dict[str, tuple[str | None, tuple[str, str] | None, int, int]] = {
     "broadcast": ("tensor", ("src", "group_src"), *_C),
     "all_gather": ("tensor", None, *_C),
     "all_gather_into_tensor": ("input_tensor", None, *_C),
+    "all_gather_single": ("input_tensor", None, *_C),  # torch >= 2.13; FSDP2's all-gather
     "_all_gather_base": ("input_tensor", None, *_C),
     "all_gather_coalesced": ("input_tensor_list", None, *_C),
     "reduce_scatter": ("input_list", None, *_C),
     "reduce_scatter_tensor": ("input", None, *_C),
+    "reduce_scatter_single": ("input", None, *_C),  # torch >= 2.13; FSDP2's reduce-scatter
     "_reduce_scatter_base": ("input", None, *_C),
     "all_to_all": ("input_tensor_list", None, *_C),
     "all_to_all_single": ("input", None, *_C),
