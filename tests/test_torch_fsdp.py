@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from distdiag.match import MatchState, collectives_of
 from distdiag.pipeline import analyze
 from distdiag.run import load_run
 from distdiag.schema import Kind
+from helpers import run_in_session
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.fsdp")
@@ -40,15 +39,7 @@ def _torchrun(tmp: Path, args: list[str]) -> dict[int, dict[str, Any]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "distdiag.wrap", str(JOB), "--out", str(out), *args]  # fmt: skip
     env = dict(os.environ, DISTDIAG_DIR=str(tmp / "run"), DISTDIAG_HOOKS="fileio=0", PYTHONUNBUFFERED="1")
-    p = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)  # fmt: skip
-    try:
-        text, _ = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # our own torchrun and its ranks only
-        text, _ = p.communicate()
-        raise AssertionError(f"torchrun did not finish in {TIMEOUT_S} s:\n{text[-3000:]}")
-    assert p.returncode == 0, text[-3000:]
+    run_in_session(cmd, TIMEOUT_S, cwd=tmp, env=env, check=True)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
 
 
