@@ -1,33 +1,83 @@
-"""Where each rank's wall-clock went: the per-rank breakdown of the report.
+"""Where each rank's wall-clock went: the per-rank and per-step breakdown of the report.
 
 Columns (seconds, per rank, between the rank's shim start and end):
 
 * ``comm_wait_s``: inside a blocking collective before its last member arrived
   (waiting for others). For a collective that never completed (a member never
   came, or the rank was still inside it when its record ends), all of it.
+  Plus the *exposed* part of non-blocking collectives before their last member
+  posted (see below).
 * ``comm_transfer_s``: inside a blocking collective after the last member
-  arrived (the communication itself).
+  arrived (the communication itself), plus the exposed part of non-blocking
+  collectives after their last member posted.
 * ``io_s``: file-system calls (open, stat, listdir, read, write, close).
 * ``input_wait_s``: blocked in the data loader. ``h2d_s``: host-to-device copies.
-* ``other_s``: other recorded calls: point-to-point, Wait/Test loops,
-  communicator creation, collectives without a sequence number.
+* ``other_s``: other recorded calls: point-to-point, Wait/Test loops
+  (``Work.wait``, ``MPI_Wait``), communicator creation, collectives without a
+  sequence number.
 * ``compute_s``: the rest: time outside every call above. User phases
   (forward, backward, optimizer, ``distdiag.phase``) count as compute, minus
-  the calls recorded inside them.
+  the calls recorded inside them and minus exposed communication.
 
-Non-blocking collectives (``COLL_ASYNC``) overlap the program's own work by
-design: the time the program blocked on them is in its Wait rows, so their
-post-to-completion span is not counted.
+These seven (``COLUMNS``) add up to ``wall_s``. Two more columns are
+information only and are *not* part of that sum (``INFO_COLUMNS``):
+
+* ``comm_exposed_s``: the exposed part of non-blocking collectives; already
+  counted in ``comm_wait_s`` + ``comm_transfer_s``.
+* ``comm_overlapped_s``: the part of non-blocking collectives' spans that ran
+  while the rank computed (hidden behind its own work: counted in ``compute_s``).
+
+Exposed versus overlapped non-blocking collectives (``COLL_ASYNC``: DDP's
+gradient buckets, ``async_op=True``). A bucket's row runs from the moment DDP
+launched its all-reduce during backward (the bucket's last gradient was ready)
+to the moment its Work completed. While later buckets are still being
+launched, autograd is still producing gradients: the all-reduce runs behind
+the rank's own compute. Once the last bucket of a backward is launched,
+autograd has no gradient left to produce; what remains of the backward phase
+is DDP's finalize waiting for the buckets in flight. So, per ``BACKWARD`` row
+[b0, b1] of a rank, with c = the latest launch of a non-blocking collective
+inside it (the end of backward's compute):
+
+    exposed = union of the rank's non-blocking spans launched in [b0, b1),
+              clipped to [c, b1]
+
+Every launch inside the backward is at or before c, so the exposed time is one
+interval [c, Y) per backward (Y: the latest completion, at most b1). It is split
+like a blocking collective: while one of the buckets still in flight lacked a
+member rank's launch (matched by comm key and seq), the rank waits for others
+(``comm_wait_s``: [c, L), L the latest such moment); after that, transfer
+(``comm_transfer_s``: [L, Y)).
+Non-blocking spans outside a backward phase are not exposed here: where the
+program blocked on them it did so in a ``Work.wait``/``MPI_Wait`` row, which
+stays in ``other_s`` as before.
+
+Worked example (ms): a backward phase [0, 100); bucket 1 launched at 40,
+completed at 70; bucket 2 launched at 80 (c = 80), completed at 95; the last
+rank launched bucket 2 at 85. Bucket 1 ended before c: hidden. Bucket 2 is
+exposed over [80, 95): 5 ms waiting for the late rank, 10 ms transfer. The
+backward phase counts 85 ms of compute; ``comm_overlapped_s`` = spans
+(30 + 15) - exposed 15 = 30 ms.
 
 Each column is the union of its intervals (two threads reading files at once
 count once), so a column never exceeds the rank's wall-clock; columns of
 different categories running at once on different threads may overlap, and
 ``compute_s`` is what no category covers.
+
+Per step (:func:`step_breakdown`, ``breakdown.per_step`` in the JSON): the same
+columns per (rank, step). Steps are the rank's ``STEP`` rows (the optimizer
+step hook's ``optimizer_step`` rows when there are any, else ``distdiag.step()``
+rows); step k of a rank runs from its STEP row k-1 to its STEP row k, the n-th
+step is the same iteration on every rank. Step 0 starts at the rank's first
+compute-phase row (loader wait, copy, forward, backward, optimizer, phase) when
+one comes before its first STEP row, else at the rank's start. Time after the
+last STEP row is no step. A call crossing a step boundary is split at it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -38,16 +88,27 @@ from distdiag.schema import FILE_KINDS, P2P_KINDS, Kind
 
 log = logging.getLogger(__name__)
 
+#: the columns that add up to a rank's wall_s
 COLUMNS = ("compute_s", "comm_wait_s", "comm_transfer_s", "io_s", "input_wait_s", "h2d_s", "other_s")
+#: information only, not part of that sum (see the module docstring)
+INFO_COLUMNS = ("comm_exposed_s", "comm_overlapped_s")
 #: what each column means, in words (the text renderer and the breakdown figure)
 LABELS = {
     "compute_s": "compute", "comm_wait_s": "waiting in collectives", "comm_transfer_s": "collective transfer",
     "io_s": "file I/O", "input_wait_s": "input wait", "h2d_s": "host-to-device", "other_s": "other calls",
+    "comm_exposed_s": "exposed async collectives", "comm_overlapped_s": "async collectives hidden behind compute",
 }  # fmt: skip
 # category codes for the union computation (compute is what is left)
 _WAIT, _XFER, _IO, _INPUT, _H2D, _OTHER = range(6)
 _N_CAT = 6
+_ASYNC = 6  # a non-blocking collective's whole span: only counted for comm_overlapped_s
 _OTHER_KINDS = tuple(int(k) for k in P2P_KINDS) + (int(Kind.WAIT), int(Kind.COMM_CREATE))
+#: rows whose start opens a rank's step 0 (before the first one: start-up)
+_WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
+#: the optimizer hook's STEP rows; preferred over distdiag.step() rows when both exist
+AUTO_STEP_NAME = "optimizer_step"
+#: breakdown.per_step in the JSON holds at most this many rows; longer runs bin consecutive steps
+MAX_STEP_ROWS = 200
 
 
 def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
@@ -82,6 +143,28 @@ def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np
     return np.bincount(key, weights=contrib.astype(np.float64), minlength=n_keys)
 
 
+def _at_or_before(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: np.ndarray) -> np.ndarray:
+    """Per query, how many marks of its own rank lie at or before ``q_t``.
+
+    ``b_*`` (the marks) must be sorted by (rank, t). One lexsort of marks and
+    queries together (a mark before a query at the same time), a running count
+    of marks, minus the marks of lower ranks. Marks of rank 0 at 5, 9 and of
+    rank 1 at 2; query (0, 9) -> 2, (1, 1) -> 0.
+    """
+    nb, nq = len(b_t), len(q_t)
+    if nb == 0 or nq == 0:
+        return np.zeros(nq, np.int64)
+    rank = np.concatenate([b_rank, q_rank]).astype(np.int64)
+    t = np.concatenate([b_t, q_t]).astype(np.int64)
+    is_q = np.concatenate([np.zeros(nb, np.int8), np.ones(nq, np.int8)])
+    order = np.lexsort((is_q, t, rank))
+    seen = np.cumsum(order < nb)
+    out = np.empty(nq, np.int64)
+    q = order >= nb
+    out[order[q] - nb] = seen[q]
+    return out - np.searchsorted(b_rank, q_rank, side="left")
+
+
 def _collective_intervals(colls: Collectives, rank_end: np.ndarray) -> tuple[np.ndarray, ...]:
     """(rank, cat, t0, t1) of the wait and transfer parts of every blocking collective."""
     blocking = colls.m_kind == Kind.COLL
@@ -91,6 +174,13 @@ def _collective_intervals(colls: Collectives, rank_end: np.ndarray) -> tuple[np.
     t1 = colls.m_t1_ns[blocking]
     open_ = t1 < 0
     t1 = np.where(open_, rank_end[rank], t1)  # still inside at the end of its record
+    return _split_at_last_arrival(colls, g, rank, t0, t1)
+
+
+def _split_at_last_arrival(
+    colls: Collectives, g: np.ndarray, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """(rank, cat, t0, t1): each [t0, t1) of group g cut at the group's last arrival into wait and transfer."""
     state = colls.g_state[g]
     # A member who never came, or one that never left: everyone inside waited throughout.
     never = (state == MatchState.IN_FLIGHT) | (colls.g_exit_ns[g] < 0)
@@ -100,28 +190,76 @@ def _collective_intervals(colls: Collectives, rank_end: np.ndarray) -> tuple[np.
     split = np.where(never, t1, np.clip(last, t0, t1))
     ranks = np.concatenate([rank, rank])
     cats = np.concatenate([np.full(len(rank), _WAIT), np.full(len(rank), _XFER)])
-    a = np.concatenate([t0, split])
-    b = np.concatenate([split, t1])
-    return ranks, cats, a, b
+    return ranks, cats, np.concatenate([t0, split]), np.concatenate([split, t1])
 
 
-def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
-    """One row per present rank: rank, host, wall_s and the COLUMNS, in seconds."""
-    if colls is None:
-        colls = collectives_of(run)
+def _exposed_async(ev: np.ndarray, colls: Collectives) -> tuple[np.ndarray, ...]:
+    """(rank, cat, t0, t1) of the exposed pieces of non-blocking collectives (module docstring)."""
+    a = (colls.m_kind == Kind.COLL_ASYNC) & (colls.m_t1_ns >= 0)
+    bm = ev["kind"] == Kind.BACKWARD
+    if not a.any() or not bm.any():
+        z = np.zeros(0, np.int64)
+        return z, z, z, z
+    a_rank = colls.m_rank[a].astype(np.int64)
+    a0 = colls.m_t0_ns[a].astype(np.int64)
+    a1 = np.maximum(colls.m_t1_ns[a].astype(np.int64), a0)
+    g = colls.m_group[a]
+    b_rank = ev["rank"][bm].astype(np.int64)
+    b0 = ev["t0_ns"][bm].astype(np.int64)
+    b1 = np.maximum(ev["t1_ns"][bm].astype(np.int64), b0)
+    o = np.lexsort((b0, b_rank))
+    b_rank, b0, b1 = b_rank[o], b0[o], b1[o]
+    # the backward row each launch falls in: the rank's last one that began at or before it
+    j = np.searchsorted(b_rank, a_rank, side="left") + _at_or_before(b_rank, b0, a_rank, a0) - 1
+    jj = np.maximum(j, 0)
+    inside = (j >= 0) & (b_rank[jj] == a_rank) & (a0 < b1[jj])
+    # c: the last launch inside each backward (its compute ended there)
+    c = b0.copy()
+    np.maximum.at(c, j[inside], a0[inside])
+    # Every launch in a backward is at or before its c, so every exposed piece
+    # starts at c: per backward the exposed time is one interval [c, Y), Y the
+    # latest completion (up to b1), and its wait part is [c, L), L the latest
+    # moment one of those buckets still lacked a member's launch.
+    y = np.minimum(a1, b1[jj])
+    keep = inside & (y > c[jj])
+    jk = j[keep]
+    y = y[keep]
+    gk = g[keep]
+    never = (colls.g_state[gk] == MatchState.IN_FLIGHT) | (colls.g_exit_ns[gk] < 0)
+    lasts = np.where(never, y, np.clip(colls.g_last_ns[gk], c[jk], y))
+    Y = c.copy()
+    L = c.copy()
+    np.maximum.at(Y, jk, y)
+    np.maximum.at(L, jk, lasts)
+    hit = np.flatnonzero(Y > c)
+    rank = np.concatenate([b_rank[hit], b_rank[hit]])
+    cats = np.concatenate([np.full(len(hit), _WAIT), np.full(len(hit), _XFER)])
+    return rank, cats, np.concatenate([c[hit], L[hit]]), np.concatenate([L[hit], Y[hit]])
+
+
+def _intervals(run: Run, colls: Collectives) -> dict[str, np.ndarray]:
+    """Every categorized interval of every rank, clipped to the rank's record.
+
+    ``rank``, ``cat`` (one of the category codes, or ``_ASYNC`` for a
+    non-blocking collective's whole span), ``t0``, ``t1`` and ``exposed``
+    (an exposed piece of a non-blocking collective).
+    """
     start, end = run.rank_bounds()
-    n = len(start)
     ev = run.events
     kind = ev["kind"]
     r_all = ev["rank"].astype(np.int64)
 
-    parts_rank, parts_cat, parts_t0, parts_t1 = [], [], [], []
+    parts_rank, parts_cat, parts_t0, parts_t1, parts_exp = [], [], [], [], []
+
+    def put(rank: np.ndarray, cat: np.ndarray | int, t0: np.ndarray, t1: np.ndarray, exposed: bool = False) -> None:
+        parts_rank.append(np.asarray(rank, np.int64))
+        parts_cat.append(np.broadcast_to(np.asarray(cat, np.int64), (len(rank),)))
+        parts_t0.append(np.asarray(t0, np.int64))
+        parts_t1.append(np.asarray(t1, np.int64))
+        parts_exp.append(np.full(len(rank), exposed))
 
     def add(mask: np.ndarray, cat: int) -> None:
-        parts_rank.append(r_all[mask])
-        parts_cat.append(np.full(int(mask.sum()), cat, np.int64))
-        parts_t0.append(ev["t0_ns"][mask])
-        parts_t1.append(ev["t1_ns"][mask])
+        put(r_all[mask], cat, ev["t0_ns"][mask], ev["t1_ns"][mask])
 
     add(np.isin(kind, np.array(sorted(FILE_KINDS), np.uint8)), _IO)
     add(kind == Kind.INPUT_WAIT, _INPUT)
@@ -138,40 +276,228 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
             (_H2D, ik == Kind.H2D),
             (_OTHER, np.isin(ik, np.array(_OTHER_KINDS, np.uint8))),
         ):
-            parts_rank.append(ir[m])
-            parts_cat.append(np.full(int(m.sum()), cat_code, np.int64))
-            parts_t0.append(inf["t0_ns"][m])
-            parts_t1.append(end[ir[m]])
+            put(ir[m], cat_code, inf["t0_ns"][m], end[ir[m]])
     cr, cc, c0, c1 = _collective_intervals(colls, end)
-    parts_rank.append(cr)
-    parts_cat.append(cc)
-    parts_t0.append(c0)
-    parts_t1.append(c1)
+    put(cr, cc, c0, c1)
+    er, ec, e0, e1 = _exposed_async(ev, colls)
+    put(er, ec, e0, e1, exposed=True)
+    am = (colls.m_kind == Kind.COLL_ASYNC) & (colls.m_t1_ns >= 0)
+    put(colls.m_rank[am], _ASYNC, colls.m_t0_ns[am], colls.m_t1_ns[am])
 
     rank_of = np.concatenate(parts_rank)
-    cat = np.concatenate(parts_cat)
     # Clip to the rank's record: nothing before its start or after its end counts.
     t0 = np.clip(np.concatenate(parts_t0), start[rank_of], end[rank_of])
     t1 = np.clip(np.concatenate(parts_t1), start[rank_of], end[rank_of])
-    t1 = np.maximum(t0, t1)
+    return {
+        "rank": rank_of,
+        "cat": np.concatenate(parts_cat),
+        "t0": t0,
+        "t1": np.maximum(t0, t1),
+        "exposed": np.concatenate(parts_exp),
+    }
 
-    per_cat = union_ns(rank_of * _N_CAT + cat, t0, t1, n * _N_CAT).reshape(n, _N_CAT)
-    busy = union_ns(rank_of, t0, t1, n)
-    span = (end - start).astype(np.float64)
 
+def _tally(key: np.ndarray, iv: dict[str, np.ndarray], n_keys: int) -> dict[str, np.ndarray]:
+    """Per key (ns): each category's union, ``busy`` (the union of all of them), ``exposed``, ``overlapped``."""
+    cat, t0, t1 = iv["cat"], iv["t0"], iv["t1"]
+    own = cat != _ASYNC
+    k, c, a, b = key[own], cat[own], t0[own], t1[own]
+    per_cat = union_ns(k * _N_CAT + c, a, b, n_keys * _N_CAT).reshape(n_keys, _N_CAT)
+    busy = union_ns(k, a, b, n_keys)
+    ex = iv["exposed"]
+    exposed = union_ns(key[ex], t0[ex], t1[ex], n_keys)
+    # the async spans' time outside every category = |spans U busy| - |busy|
+    overlapped = np.maximum(0.0, union_ns(key, t0, t1, n_keys) - busy)
+    return {"per_cat": per_cat, "busy": busy, "exposed": exposed, "overlapped": overlapped}
+
+
+def _columns(t: dict[str, np.ndarray], span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The seconds columns for the keys ``rows`` of a tally."""
+    pc = t["per_cat"]
+    return {
+        "wall_s": span_ns[rows] / 1e9,
+        "compute_s": np.maximum(0.0, span_ns - t["busy"])[rows] / 1e9,
+        "comm_wait_s": pc[rows, _WAIT] / 1e9,
+        "comm_transfer_s": pc[rows, _XFER] / 1e9,
+        "io_s": pc[rows, _IO] / 1e9,
+        "input_wait_s": pc[rows, _INPUT] / 1e9,
+        "h2d_s": pc[rows, _H2D] / 1e9,
+        "other_s": pc[rows, _OTHER] / 1e9,
+        "comm_exposed_s": t["exposed"][rows] / 1e9,
+        "comm_overlapped_s": t["overlapped"][rows] / 1e9,
+    }
+
+
+def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
+    """One row per present rank: rank, host, wall_s, the COLUMNS and INFO_COLUMNS, in seconds."""
+    if colls is None:
+        colls = collectives_of(run)
+    start, end = run.rank_bounds()
+    n = len(start)
+    iv = _intervals(run, colls)
+    t = _tally(iv["rank"], iv, n)
     present = np.array(sorted(run.ranks), np.int64)
-    df = pd.DataFrame(
-        {
-            "rank": present,
-            "host": [run.host_of(r) for r in present],
-            "wall_s": span[present] / 1e9,
-            "compute_s": np.maximum(0.0, span - busy)[present] / 1e9,
-            "comm_wait_s": per_cat[present, _WAIT] / 1e9,
-            "comm_transfer_s": per_cat[present, _XFER] / 1e9,
-            "io_s": per_cat[present, _IO] / 1e9,
-            "input_wait_s": per_cat[present, _INPUT] / 1e9,
-            "h2d_s": per_cat[present, _H2D] / 1e9,
-            "other_s": per_cat[present, _OTHER] / 1e9,
-        }
-    )
+    df = pd.DataFrame({"rank": present, "host": [run.host_of(r) for r in present]})
+    for name, col in _columns(t, (end - start).astype(np.float64), present).items():
+        df[name] = col
     return df
+
+
+# -- per step -------------------------------------------------------------------------------
+def step_marks(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, t_ns) of the STEP rows that end steps, sorted by (rank, t): see the module docstring."""
+    ev = run.events
+    m = ev["kind"] == Kind.STEP
+    auto = run.sid(AUTO_STEP_NAME)
+    if auto >= 0:
+        m_auto = m & (ev["name_id"] == auto)
+        if m_auto.any():
+            m = m_auto
+    rank = ev["rank"][m].astype(np.int64)
+    t = ev["t0_ns"][m].astype(np.int64)
+    o = np.lexsort((t, rank))
+    return rank[o], t[o]
+
+
+def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
+    """One row per (rank, step): rank, step, t_s (start, from the run's start), wall_s, COLUMNS, INFO_COLUMNS.
+
+    Cached on ``run.cache["step_breakdown"]`` (the JSON, text and frames read it).
+    """
+    cached = run.cache.get("step_breakdown")
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    if colls is None:
+        colls = collectives_of(run)
+    cols = ["rank", "step", "t_s", "wall_s", *COLUMNS, *INFO_COLUMNS]
+    s_rank, s_t = step_marks(run)
+    if len(s_t) == 0:
+        df = pd.DataFrame({c: np.zeros(0, np.int64 if c in ("rank", "step") else np.float64) for c in cols})
+        run.cache["step_breakdown"] = df
+        return df
+    start, end = run.rank_bounds()
+    n = len(start)
+    n_per = np.bincount(s_rank, minlength=n)
+    first = np.concatenate([[0], np.cumsum(n_per)])[:-1]
+    k_of = np.arange(len(s_t)) - first[s_rank]
+    # step windows [w0, s_t): step 0 from the rank's first phase row before its first mark, else its start
+    ev = run.events
+    wm = np.isin(ev["kind"], np.array([int(k) for k in _WINDOW_KINDS], np.uint8))
+    phase0 = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(phase0, ev["rank"][wm].astype(np.int64), ev["t0_ns"][wm].astype(np.int64))
+    w0 = np.empty_like(s_t)
+    w0[1:] = s_t[:-1]
+    z = k_of == 0
+    r0 = s_rank[z]
+    w0[z] = np.where(phase0[r0] < s_t[z], np.maximum(phase0[r0], start[r0]), start[r0])
+    w0 = np.minimum(w0, s_t)
+
+    # every interval, cut at the step marks: piece i of an interval lies in step k0 + i
+    iv = _intervals(run, colls)
+    rank, t0, t1 = iv["rank"], iv["t0"], iv["t1"]
+    k0 = _at_or_before(s_rank, s_t, rank, t0)
+    k1 = np.minimum(_at_or_before(s_rank, s_t, rank, np.maximum(t1 - 1, t0)), n_per[rank] - 1)
+    ok = (t1 > t0) & (k0 < n_per[rank]) & (k1 >= k0)
+    idx = np.flatnonzero(ok)
+    reps = (k1 - k0 + 1)[idx]
+    idx = np.repeat(idx, reps)
+    k = k0[idx] + np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)
+    key = first[rank[idx]] + k
+    piece = {
+        "cat": iv["cat"][idx],
+        "t0": np.maximum(t0[idx], w0[key]),
+        "t1": np.minimum(t1[idx], s_t[key]),
+        "exposed": iv["exposed"][idx],
+    }
+    piece["t1"] = np.maximum(piece["t0"], piece["t1"])
+    t = _tally(key, piece, len(s_t))
+    data: dict[str, Any] = {"rank": s_rank, "step": k_of, "t_s": (w0 - run.start_ns) / 1e9}
+    data.update(_columns(t, (s_t - w0).astype(np.float64), np.arange(len(s_t))))
+    df = pd.DataFrame(data, columns=cols)
+    run.cache["step_breakdown"] = df
+    return df
+
+
+#: the per-step columns aggregated over ranks
+_STEP_COLS = ("wall_s", *COLUMNS, *INFO_COLUMNS)
+
+
+def per_step(steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per step index across ranks: step, ranks, t_s (earliest start), median_<col> and max_<col>."""
+    cols = ["step", "ranks", "t_s"] + [f"{a}_{c}" for a in ("median", "max") for c in _STEP_COLS]
+    if len(steps) == 0:
+        return pd.DataFrame({c: [] for c in cols})
+    g = steps.groupby("step", sort=True)
+    out = pd.DataFrame({"ranks": g["rank"].size(), "t_s": g["t_s"].min()})
+    med = g[list(_STEP_COLS)].median()
+    mx = g[list(_STEP_COLS)].max()
+    for c in _STEP_COLS:  # a handful of columns
+        out[f"median_{c}"] = med[c]
+        out[f"max_{c}"] = mx[c]
+    return out.reset_index()[cols]
+
+
+def step_summary(steps: pd.DataFrame) -> dict[str, Any]:
+    """Over every step: how many, the step time (median over ranks) median/p90/max, each column's share.
+
+    ``share``: the column's seconds over all ranks and steps divided by the
+    steps' wall-clock over all ranks (the COLUMNS add up to 1).
+    """
+    if len(steps) == 0:
+        return {"steps": 0}
+    agg = per_step(steps)
+    dur = agg["median_wall_s"].to_numpy()
+    wall = float(steps["wall_s"].sum()) or 1.0
+    return {
+        "steps": int(len(agg)),
+        "step_s": {
+            "median": float(np.median(dur)),
+            "p90": float(np.percentile(dur, 90)),
+            "max": float(dur.max()),
+            "max_rank_median": float(np.median(agg["max_wall_s"].to_numpy())),
+        },
+        "share": {c: float(steps[c].sum()) / wall for c in (*COLUMNS, *INFO_COLUMNS)},
+    }
+
+
+def per_step_json(steps: pd.DataFrame, max_rows: int = MAX_STEP_ROWS) -> dict[str, Any]:
+    """``breakdown.per_step`` of the JSON report.
+
+    ``rows``: one per step, ``{"step", "steps": 1, "ranks", "t_s", "median":
+    {wall_s, COLUMNS, INFO_COLUMNS}, "max": {...}}`` (median and max over the
+    ranks that recorded the step). Over ``max_rows`` steps, each row stands for
+    ``bin`` consecutive steps (``step`` = the first, ``steps`` = how many): its
+    values are the means of those steps' medians and maxima, so a 100k-step run
+    gives ``max_rows`` rows that still show a trend and still add up (mean x
+    steps = total). ``summary`` (:func:`step_summary`) covers every step.
+    """
+    agg = per_step(steps)
+    n = len(agg)
+    out: dict[str, Any] = {"summary": step_summary(steps), "bin": 1, "rows": []}
+    if n == 0:
+        return out
+    bin_ = max(1, math.ceil(n / max(1, max_rows)))
+    out["bin"] = int(bin_)
+    vals = [f"{a}_{c}" for a in ("median", "max") for c in _STEP_COLS]
+    if bin_ > 1:
+        b = agg["step"].to_numpy() // bin_
+        g = agg.groupby(b, sort=True)
+        binned = g[vals].mean()
+        binned["step"] = g["step"].min()
+        binned["steps"] = g["step"].size()
+        binned["ranks"] = g["ranks"].min()
+        binned["t_s"] = g["t_s"].min()
+        agg = binned.reset_index(drop=True)
+    else:
+        agg = agg.assign(steps=1)
+    rec = agg.to_dict("list")
+    rows = []
+    for i in range(len(agg)):  # at most max_rows
+        rows.append({
+            "step": int(rec["step"][i]), "steps": int(rec["steps"][i]), "ranks": int(rec["ranks"][i]),
+            "t_s": float(rec["t_s"][i]),
+            "median": {c: float(rec[f"median_{c}"][i]) for c in _STEP_COLS},
+            "max": {c: float(rec[f"max_{c}"][i]) for c in _STEP_COLS},
+        })  # fmt: skip
+    out["rows"] = rows
+    return out

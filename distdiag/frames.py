@@ -7,6 +7,7 @@ result out as pandas DataFrames, each built on first access and kept::
     run = distdiag.load("distdiag-1234/")
     run.findings        # one row per finding, ranked (the verdict first)
     run.breakdown       # one row per rank: where its wall-clock went (seconds)
+    run.per_step        # one row per (rank, step): the same columns within each iteration
     run.collectives     # one row per (collective, member rank): arrival, exit, wait
     run.collective_groups  # one row per matched collective
     run.phases          # compute phases: distdiag.phase(...), forward/backward/optimizer, input wait, H2D
@@ -270,6 +271,16 @@ class RunFrames:
     def breakdown(self) -> pd.DataFrame:
         """Per rank: wall_s and where it went (compute_s, comm_wait_s, ... see distdiag.breakdown)."""
         return self.report.breakdown  # type: ignore[no-any-return]
+
+    @property
+    def per_step(self) -> pd.DataFrame:
+        """Per (rank, step): t_s, wall_s and the breakdown columns of that step (see distdiag.breakdown).
+
+        ``distdiag.breakdown.per_step(frame)`` aggregates it per step (median and max over ranks).
+        """
+        from distdiag.breakdown import step_breakdown
+
+        return step_breakdown(self.run, self.colls)
 
     @cached_property
     def gpu(self) -> pd.DataFrame:

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from distdiag import clocks
-from distdiag.breakdown import COLUMNS, breakdown
+from distdiag.breakdown import COLUMNS, INFO_COLUMNS, breakdown, per_step_json, step_breakdown
 from distdiag.config import Config, load_config
 from distdiag.detectors import load_all
 from distdiag.findings import Finding
@@ -54,7 +54,7 @@ class Report:
         per_rank = []
         for row in self.breakdown.itertuples(index=False):  # one per rank
             d = {"rank": int(row.rank), "host": str(row.host), "wall_s": float(row.wall_s)}
-            d.update({c: float(getattr(row, c)) for c in COLUMNS})
+            d.update({c: float(getattr(row, c)) for c in (*COLUMNS, *INFO_COLUMNS)})
             per_rank.append(d)
         return {
             "schema": REPORT_SCHEMA,
@@ -69,7 +69,7 @@ class Report:
                 **({"slurm": _jsonable(self.slurm.to_json())} if self.slurm is not None else {}),
             },
             "findings": [_jsonable(f.to_json()) for f in self.findings],
-            "breakdown": {"per_rank": per_rank},
+            "breakdown": {"per_rank": per_rank, "per_step": per_step_json(step_breakdown(run, self.collectives))},
         }
 
 

@@ -48,10 +48,14 @@ def test_report_keys_and_types(tmp_path: Path, case: str) -> None:
         assert f["fraction"] == pytest.approx(f["cost_s"] / rep["run"]["wall_s"])
     costs = [f["cost_s"] for f in rep["findings"]]
     assert costs == sorted(costs, reverse=True)
-    assert set(rep["breakdown"]) == {"per_rank"}
+    assert set(rep["breakdown"]) == {"per_rank", "per_step"}
     for row in rep["breakdown"]["per_rank"]:
         _check_types(row, PER_RANK_KEYS)
         assert all(row[k] >= 0 for k in PER_RANK_KEYS if k != "rank")
+        # information columns, not part of the sum (distdiag/breakdown.py)
+        assert row["comm_exposed_s"] == 0.0 and row["comm_overlapped_s"] == 0.0  # no non-blocking collective here
+    # no STEP rows in these runs: the per-step table is there, empty
+    assert rep["breakdown"]["per_step"] == {"summary": {"steps": 0}, "bin": 1, "rows": []}
     present = 3 if case == "missing_and_killed" else 4
     assert [r["rank"] for r in rep["breakdown"]["per_rank"]] == list(range(present))
     if case == "healthy":

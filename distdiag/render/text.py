@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from distdiag.breakdown import COLUMNS, LABELS
+from distdiag.breakdown import COLUMNS, LABELS, step_breakdown, step_summary
 from distdiag.ranking import outlook
 from distdiag.render.fmt import fmt_s, short_list
 
@@ -213,7 +213,7 @@ class TextRenderer:
         if len(df) <= MAX_RANK_ROWS:
             for r in df.itertuples(index=False):
                 out.append(row(str(r.rank), str(r.host), [getattr(r, c) for c in cols]))
-            return out
+            return out + self._steps(report)
         named = sorted({int(x) for f in report.findings for x in f.ranks})
         sub = df[df["rank"].isin(named)].head(MAX_RANK_ROWS)
         for r in sub.itertuples(index=False):
@@ -221,7 +221,21 @@ class TextRenderer:
         arr = df[cols].to_numpy()
         for label, vals in (("min", arr.min(axis=0)), ("median", np.median(arr, axis=0)), ("max", arr.max(axis=0))):
             out.append(row(label, f"({len(df)} ranks)", vals))
-        return out
+        return out + self._steps(report)
+
+    def _steps(self, report: Any) -> list[str]:
+        """One line: the median step and where step time went (breakdown.per_step in the JSON has each step)."""
+        colls = getattr(report, "collectives", None)
+        s = step_summary(step_breakdown(report.run, colls))
+        if not s["steps"]:
+            return []
+        t = s["step_s"]
+        share = s["share"]
+        parts = [f"{LABELS[c]} {share[c]:.0%}" for c in sorted(COLUMNS, key=lambda c: -share[c]) if share[c] >= 0.005]
+        hidden = share["comm_overlapped_s"]
+        tail = f"; async collectives hidden behind compute {hidden:.0%}" if hidden >= 0.005 else ""
+        return [f"  steps: {s['steps']}, median {fmt_s(t['median'])} (slowest rank {fmt_s(t['max_rank_median'])}): "
+                + ", ".join(parts) + tail]
 
 
 #: evidence keys the verdict shows in their own words

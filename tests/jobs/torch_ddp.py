@@ -28,6 +28,7 @@ ap.add_argument("--sleep-ms", type=float, default=0.0)
 ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-iters", type=int, default=0)
 ap.add_argument("--user-hook", action="store_true")
+ap.add_argument("--bucket-mb", type=float, default=0.0, help="DDP bucket_cap_mb (0: torch's default)")
 ap.add_argument("--extras", action="store_true", help="also run async collectives, p2p, object collectives, a new group")
 ap.add_argument("--out", default="")
 ap.add_argument("--direct", default="")
@@ -71,7 +72,7 @@ class SleepyData(torch.utils.data.Dataset):
 
 
 model = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width))
-ddp = DDP(model)
+ddp = DDP(model, bucket_cap_mb=args.bucket_mb) if args.bucket_mb else DDP(model)
 hook_calls = [0]
 if args.user_hook:
 
