@@ -26,12 +26,23 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
+
+
+VARIANTS = {
+    "builtin": "DDP as torch ships it: no comm hook, no distdiag hook",
+    "cpp_hook": "torch's own C++ allreduce comm hook (what any comm hook costs: the unscaled copy + a div pass)",
+    "py_hook": "a Python comm hook doing what the builtin does (div_, allreduce, then)",
+    "buckets": "distdiag torch_dist only: the bucket-recording comm hook",
+    "full": "distdiag torch_dist + phases (as under distdiag-wrap)",
+    "no_buckets": "distdiag torch_dist + phases, DDP_BUCKETS=0 (no comm hook)",
+}
 
 
 def launch(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            __file__, "--worker", "--width", str(args.width), "--blocks", str(args.blocks), "--steps", str(args.steps),
-           "--hooks", args.hooks] + (["--no-writer"] if args.no_writer else [])  # fmt: skip
+           "--variants", args.variants] + (["--no-writer"] if args.no_writer else [])  # fmt: skip
     return subprocess.run(cmd, timeout=1800).returncode
 
 
@@ -49,75 +60,97 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tmp = Path(tempfile.mkdtemp(prefix="bench-torch-"))
     cfg = ShimConfig()
+    cfg_nb = ShimConfig(ddp_buckets=False)
     rec = Recorder(cfg.chunk_rows, cfg.max_pending_chunks)
     writer = None
     if not args.no_writer:
         writer = Writer(tmp / f"rank-{rank:05d}.h5", rec, cfg, base_attrs(rank=rank, world_size=world))
         writer.start()
-    parts = [p for p in args.hooks.split(",") if p]
+    names = [v for v in args.variants.split(",") if v]
+    assert "builtin" in names and all(v in VARIANTS for v in names), names
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, args.width))
 
-    def on() -> None:
-        if "torch_dist" in parts:
-            torch_dist.install(rec, cfg)
-        if "phases" in parts:
+    def first(fut):  # type: ignore[no-untyped-def]
+        return fut.value()[0]
+
+    def py_hook(pg, bucket):  # type: ignore[no-untyped-def]
+        buf = bucket.buffer()
+        buf.div_(world)
+        return pg.allreduce([buf]).get_future().then(first)
+
+    def on(v: str) -> None:
+        if v in ("buckets", "full", "no_buckets"):
+            torch_dist.install(rec, cfg_nb if v == "no_buckets" else cfg)
+        if v in ("full", "no_buckets"):
             phases.install(rec, cfg)
 
-    def off() -> None:
+    def off(v: str) -> None:
         torch_dist.uninstall()
         phases.uninstall()
 
-    plain = DDP(model())
-    on()
-    hooked = DDP(model())
-    off()
+    models: dict[str, torch.nn.Module] = {}
+    for v in names:
+        on(v)
+        m = DDP(model())
+        off(v)
+        if v == "cpp_hook":
+            m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        elif v == "py_hook":
+            m.register_comm_hook(dist.group.WORLD, py_hook)
+        models[v] = m
     data = torch.utils.data.TensorDataset(torch.randn(args.steps * 16, args.width), torch.randn(args.steps * 16, args.width))
-    times: dict[str, list[float]] = {"without": [], "with": []}
+    wall: dict[str, list[float]] = {v: [] for v in names}
+    cpu: dict[str, list[float]] = {v: [] for v in names}
+    losses: dict[str, list[float]] = {v: [] for v in names}
 
-    def block(m: torch.nn.Module, key: str, record: bool) -> None:
+    def block(v: str, record: bool) -> None:
+        m = models[v]
+        on(v)
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-        loader = torch.utils.data.DataLoader(data, batch_size=16)
-        it = iter(loader)
+        it = iter(torch.utils.data.DataLoader(data, batch_size=16))
         for _ in range(args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()  # process: the backend's threads count too
             x, y = next(it)
             opt.zero_grad()
-            torch.nn.functional.mse_loss(m(x), y).backward()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
             opt.step()
             if record:
-                times[key].append(time.perf_counter() - t0)
+                wall[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
+            losses[v].append(float(loss.detach()))
+        off(v)
 
-    block(plain, "without", False)  # warm-up
-    on()
-    block(hooked, "with", False)
-    off()
-    for b in range(args.blocks):
-        order = (("without", plain), ("with", hooked)) if b % 2 == 0 else (("with", hooked), ("without", plain))
-        for key, m in order:
-            if key == "with":
-                on()
-            block(m, key, True)
-            if key == "with":
-                off()
+    for v in names:  # warm-up (and DDP's bucket rebuild after the first step)
+        block(v, False)
+    for b in range(args.blocks):  # rotate the order each block, reverse every other: no variant always follows another
+        order = names[b % len(names):] + names[: b % len(names)]
+        for v in order[::-1] if b % 2 else order:
+            block(v, True)
     if writer is not None:
         writer.close(0)
-    res = {k: statistics.median(v) for k, v in times.items()}
-    allres = [None] * world
+    same = {v: losses[v] == losses["builtin"] for v in names}  # every model trained the same steps from the same init
+    res = {v: {"wall": statistics.median(wall[v]), "cpu": statistics.median(cpu[v]), "same_losses": same[v]} for v in names}
+    allres: list[Any] = [None] * world
     dist.all_gather_object(allres, res)
     if rank == 0:
-        print(f"DDP on gloo, {world} ranks, Linear {args.width}x{args.width} x2, {args.blocks} alternating blocks of {args.steps} steps;"
-              f" hooks: {args.hooks}; writer: {'off' if args.no_writer else 'on'}")
-        print(f"{'rank':>4} {'without ms':>11} {'with ms':>9} {'ratio':>7}")
-        ratios = []
-        for r, d in enumerate(allres):
-            ratio = d["with"] / d["without"]
-            ratios.append(ratio)
-            print(f"{r:>4} {1e3 * d['without']:>11.2f} {1e3 * d['with']:>9.2f} {ratio:>7.3f}")
-        print(f"median ratio with/without: {statistics.median(ratios):.3f} (target <= 1.01)")
-        print(json.dumps({"median_ratio": statistics.median(ratios), "per_rank": allres}))
+        print(f"DDP on gloo, {world} ranks, Linear {args.width}x{args.width} x2, {args.blocks} rotating blocks of {args.steps} steps"
+              f" per variant; writer: {'off' if args.no_writer else 'on'}")
+        print("ratio = median over ranks of (rank's median step / its median 'builtin' step); cpu = process CPU time")
+        print(f"{'variant':>10} {'wall ms':>8} {'wall x':>7} {'cpu ms':>7} {'cpu x':>6} {'losses':>7}  what")
+        out = {}
+        for v in names:
+            rw = statistics.median(d[v]["wall"] / d["builtin"]["wall"] for d in allres)
+            rc = statistics.median(d[v]["cpu"] / d["builtin"]["cpu"] for d in allres)
+            ms_w = 1e3 * statistics.median(d[v]["wall"] for d in allres)
+            ms_c = 1e3 * statistics.median(d[v]["cpu"] for d in allres)
+            ok = all(d[v]["same_losses"] for d in allres)
+            out[v] = {"wall_ratio": rw, "cpu_ratio": rc, "wall_ms": ms_w, "cpu_ms": ms_c, "bit_identical_losses": ok}
+            print(f"{v:>10} {ms_w:>8.2f} {rw:>7.3f} {ms_c:>7.2f} {rc:>6.3f} {'same' if ok else 'DIFFER':>7}  {VARIANTS[v]}")
+        print(json.dumps(out))
     dist.destroy_process_group()
 
 
@@ -166,7 +199,7 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--hooks", default="torch_dist,phases", help="which hooks the 'with' blocks install")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     ap.add_argument("--no-writer", action="store_true", help="no background HDF5 writer in the 'with' blocks")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--micro", action="store_true")

@@ -197,12 +197,50 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], idx: dict[str, int], nam
     return kwargs.get(name)
 
 
-def _record_done(rec: Recorder, row: tuple[Any, ...], _fut: Any = None) -> None:
-    """Future callback: the Work completed now. Runs on a backend thread; never raises."""
+_cb_lock = threading.Lock()
+#: id(recorder) -> (recorder, the one ThreadBuffer every callback thread without one of its own shares)
+_cb_buffers: dict[int, tuple[Recorder, Any]] = {}
+
+
+def _add_from_callback(rec: Recorder, row: tuple[Any, ...], t1: int) -> None:
+    """Record ``row`` (t0 first, no t1) finished at ``t1`` from a future callback.
+
+    A backend's callback thread (gloo's workers) is a C++ thread: pybind11
+    gives it a fresh Python thread state each time it takes the GIL and drops
+    it afterwards, and with it every ``threading.local``. A plain ``rec.add``
+    there found no buffer each time and made a new one: a 16384-row chunk
+    (1.1 MB zeroed, ~200 us) per completed Work, kept in ``rec.buffers`` for the
+    rest of the run (measured: 79 buffers after 79 DDP buckets). Instead such
+    threads share one buffer, taken under a lock (only they write it, one at a
+    time: the recorder's one-writer-per-buffer rule holds). A thread that has a
+    buffer of its own (the callback ran inline on the program's thread because
+    the future had already completed) records into its own.
+
+    Uses the recorder's ``_local``/``_tb`` (the thread-local slot and its
+    factory): the recorder has no public way to lend a buffer. Never raises.
+    """
     try:
-        rec.add(row[0], now_ns(), *row[1:])
+        loc = rec._local
+        if getattr(loc, "tb", None) is not None:
+            rec.add(row[0], t1, *row[1:])
+            return
+        with _cb_lock:
+            ent = _cb_buffers.get(id(rec))
+            if ent is None or ent[0] is not rec:
+                ent = _cb_buffers[id(rec)] = (rec, rec._tb())  # makes, registers and lends it
+            else:
+                loc.tb = ent[1]
+            try:
+                rec.add(row[0], t1, *row[1:])
+            finally:
+                del loc.tb  # the next thread state on this OS thread must not inherit it
     except Exception:
         pass
+
+
+def _record_done(rec: Recorder, row: tuple[Any, ...], _fut: Any = None) -> None:
+    """Future callback: the Work completed now. Runs on a backend thread; never raises."""
+    _add_from_callback(rec, row, now_ns())
 
 
 def _track(rec: Recorder, name: str, work: Any, row: tuple[Any, ...]) -> None:
@@ -410,17 +448,16 @@ def _first_value(fut: Any) -> Any:
 
 
 def _first_value_and_record(rec: Recorder | None, row: tuple[Any, ...], fut: Any) -> Any:
+    t1 = now_ns()
     if rec is not None:
-        try:
-            rec.add(row[0], now_ns(), *row[1:])
-        except Exception:
-            pass
+        _add_from_callback(rec, row, t1)
     return fut.value()[0]
 
 
 _TORCH_DIR = ""
 _SHIM_DIR = __file__.rsplit("/", 2)[0]  # distdiag/shim
 _user_sites: dict[tuple[Any, int], int] = {}
+_internal_code: dict[Any, bool] = {}  # code object -> in torch or distdiag (a frame to walk past)
 
 
 def _user_site(rec: Recorder) -> int:
@@ -428,17 +465,27 @@ def _user_site(rec: Recorder) -> int:
 
     A bucket hook runs inside the autograd engine, below the program's backward
     call; straggler findings are actionable only with that line. A few frames'
-    walk per bucket (not per event).
+    walk per bucket (not per event), each a dict look-up by code object; the
+    line is keyed by bytecode offset (``f_lineno`` is computed on access).
+    0 when no Python frame is below the hook (an autograd device thread).
     """
-    f: types.FrameType | None = sys._getframe(2)
+    try:
+        f: types.FrameType | None = sys._getframe(2)
+    except ValueError:
+        return 0
+    internal = _internal_code
     while f is not None:
-        fn = f.f_code.co_filename
-        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_SHIM_DIR)):
+        code = f.f_code
+        inside = internal.get(code)
+        if inside is None:
+            fn = code.co_filename
+            inside = internal[code] = fn.startswith(_TORCH_DIR) or fn.startswith(_SHIM_DIR)
+        if not inside:
             break
         f = f.f_back
     if f is None:
         return 0
-    key = (f.f_code, f.f_lineno)
+    key = (f.f_code, f.f_lasti)
     i = _user_sites.get(key)
     if i is None:
         i = _user_sites[key] = rec.intern(f"{f.f_code.co_filename}:{f.f_lineno}")
@@ -446,24 +493,32 @@ def _user_site(rec: Recorder) -> int:
 
 
 def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
+    """DDP's comm hook: one ``COLL_ASYNC`` row per bucket, t0 at launch, t1 at completion.
+
+    Per bucket this costs a few microseconds of Python on the autograd thread
+    and one callback on the backend's thread, which DDP needs anyway to hand
+    the bucket back (``benchmarks/bench_torch_step.py --micro`` measures it).
+    What having *any* comm hook costs (the Reducer copies gradients into the
+    bucket unscaled, so the scaling is a second pass over the bucket) is
+    measured by ``bench_torch_step.py --variants``.
+    """
     rec = _REC
     inner = st.inner
     if rec is None:
         return inner(st.inner_state, bucket) if inner is not None else _default_bucket_hook(st, bucket)
     t0 = now_ns()
-    try:
-        buf = bucket.buffer()
-        nbytes = _nbytes(buf)
-        aux = _dtype_id(rec, buf)
-    except Exception:
-        nbytes, aux = 0, 0
-    try:
-        site = _user_site(rec) if _TORCH_DIR else 0
-    except Exception:
-        site = 0
     seq = st.seq
     st.seq = seq + 1
-    row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, nbytes, aux, site)
+    try:
+        buf = bucket.buffer()
+        dt = buf.dtype
+        aux = _dtype_ids.get(dt)
+        if aux is None:
+            aux = _dtype_id(rec, buf)
+        row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, buf.numel() * buf.element_size(), aux,
+               _user_site(rec) if _TORCH_DIR else 0)  # fmt: skip
+    except Exception:
+        row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, 0, 0, 0)
     if inner is None:
         return _default_bucket_hook(st, bucket, row)
     tls = _tls
@@ -629,8 +684,10 @@ def _on_ddp_module(mod: types.ModuleType) -> None:
 
 
 def _forget_recorder() -> None:
-    global _REC
+    global _REC, _cb_lock
     _REC = None
+    _cb_lock = threading.Lock()  # another thread may have held it at fork
+    _cb_buffers.clear()
 
 
 def install(rec: Recorder, cfg: Any = None) -> None:
@@ -661,4 +718,6 @@ def uninstall() -> None:
     _dtype_ids.clear()
     _future_ok.clear()
     _wait_ids.clear()
+    _cb_buffers.clear()
+    _user_sites.clear()
     _ddp_count = 0
