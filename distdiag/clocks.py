@@ -380,6 +380,45 @@ def _map_by_rank(times: np.ndarray, ranks: np.ndarray, models: dict[int, RankClo
     return out, done
 
 
+def _rank_spans(ranks: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(rank, lo, hi) of each run of equal ranks when ``ranks`` is sorted, else None
+    (vectorized on a contiguous copy of the column; the loop is per rank)."""
+    if len(ranks) == 0:
+        return []
+    r = np.ascontiguousarray(ranks)
+    if not bool((r[1:] >= r[:-1]).all()):
+        return None
+    lo = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+    hi = np.append(lo[1:], len(r))
+    return [(int(k), int(a), int(b)) for k, a, b in zip(r[lo], lo, hi)]
+
+
+def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, RankClock]) -> None:
+    """Map the time columns ``cols`` of ``table`` (rank-sorted: the event table) in place.
+
+    The same numbers as ``_map_by_rank`` (one rank's slice at a time, -1 stays
+    -1) without a full-size copy of the table or of a column: the working set
+    is one rank's slice. Falls back to ``_map_by_rank`` when rows are not
+    sorted by rank."""
+    spans = _rank_spans(table["rank"])
+    for c in cols:  # a couple of time columns
+        col = table[c]
+        if spans is None:
+            col[:], _ = _map_by_rank(col, table["rank"], models)
+            continue
+        for rank, lo, hi in spans:  # per rank: numpy inside
+            m = models.get(rank)
+            if m is None:
+                continue
+            t = col[lo:hi].astype(np.int64)
+            valid = t != -1
+            if valid.all():
+                col[lo:hi] = m.map(t)
+            else:
+                t[valid] = m.map(t[valid])
+                col[lo:hi] = t
+
+
 def _raw_collectives(run: Run) -> Any:
     """Collectives matched on the raw run: matching is by (comm, seq), so it holds for
     any clock model; only the member times need mapping."""
@@ -605,12 +644,13 @@ def _violations(g: np.ndarray, t0: np.ndarray, t1: np.ndarray, ng: int) -> tuple
     return last, last[g] - t1
 
 
-def check_causality(run: Run, model: ClockModel, repair: bool = True, raw_colls: Any = None) -> Run:
+def check_causality(run: Run, model: ClockModel, repair: bool = True, raw_colls: Any = None, inplace: bool = False) -> Run:
     """Count (and repair) exits from synchronizing collectives that precede the last entry.
 
     ``run`` is aligned; the counts go into ``model``. Returns the repaired run.
     ``raw_colls``: the collectives matched on the run before alignment (their
     times are mapped with ``model``), which saves matching again.
+    ``inplace``: repair ``run.events`` in place (align's own table) instead of a copy.
     """
     from distdiag.match import MatchState, match_collectives
 
@@ -675,10 +715,21 @@ def check_causality(run: Run, model: ClockModel, repair: bool = True, raw_colls:
     model.repair_passes = len(repairs)
     model.violations_after_repair = int(viol.sum())
 
-    ev = run.events.copy()
-    er = ev["rank"].astype(np.int64)
-    ev["t0_ns"] = _apply_repairs(ev["t0_ns"], er, repairs, base)
-    ev["t1_ns"] = _apply_repairs(ev["t1_ns"], er, repairs, base)
+    ev = run.events if inplace else run.events.copy()
+    spans = _rank_spans(ev["rank"])
+    if spans is None:
+        er = ev["rank"].astype(np.int64)
+        ev["t0_ns"] = _apply_repairs(ev["t0_ns"], er, repairs, base)
+        ev["t1_ns"] = _apply_repairs(ev["t1_ns"], er, repairs, base)
+    else:  # rank-sorted (always, from load_run): repair only the touched ranks' slices
+        touched = {rk for rep in repairs for rk in rep}
+        for rk, lo, hi in spans:  # per rank; numpy inside
+            if rk not in touched:
+                continue
+            sl = ev[lo:hi]
+            rr = np.full(hi - lo, rk, np.int64)
+            for c in ("t0_ns", "t1_ns"):  # two time columns
+                sl[c] = _apply_repairs(sl[c], rr, repairs, base)
     inf = run.inflight.copy()
     inf["t0_ns"] = _apply_repairs(inf["t0_ns"], inf["rank"].astype(np.int64), repairs, base)
     gpu = run.gpu.copy()
@@ -695,22 +746,33 @@ def check_causality(run: Run, model: ClockModel, repair: bool = True, raw_colls:
 # the stage
 
 
-def align(run: Run, repair: bool = True) -> Run:
+def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     """A new Run whose event, in-flight and GPU times and rank bounds are on rank 0's clock.
 
     ``run.cache["clock_model"]`` holds the :class:`ClockModel`; ``run.offset_ns``
     each rank's offset at its start. Sync rows stay raw (each rank's own clock).
+
+    ``inplace=True``: the caller gives ``run``'s event table up (the pipeline,
+    which loaded it and keeps no other reference): its t0/t1 columns are mapped
+    in place, rank slice by rank slice, instead of in a copy of the whole table
+    (73 bytes an event, the largest allocation of the analysis). The input
+    ``run`` must not be used afterwards. The default copies, so ``run`` stays raw.
     """
     if run.aligned:
         return run
     run = run.replace()  # a private cache for the raw match
     model = fit(run)
     models = model.ranks
-    ev = run.events.copy()
+    # The raw match (fit may have made it for the exit fallback) must see raw
+    # times: make it before the event table is mapped in place.
+    raw_colls: Any
+    try:
+        raw_colls = _raw_collectives(run)
+    except Exception as e:  # reported by the causality check below, as before
+        raw_colls = e
+    ev = run.events if inplace else run.events.copy()
     if len(ev):
-        er = ev["rank"]
-        ev["t0_ns"], _ = _map_by_rank(ev["t0_ns"], er, models)
-        ev["t1_ns"], _ = _map_by_rank(ev["t1_ns"], er, models)
+        _map_inplace(ev, ("t0_ns", "t1_ns"), models)
         # No re-sort: each rank's map is monotone, so (rank, t0) order is kept.
     inf = run.inflight.copy()
     if len(inf):
@@ -731,7 +793,10 @@ def align(run: Run, repair: bool = True) -> Run:
         ranks[r] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
     out = run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, aligned=True, offset_ns=off)
     try:
-        out = check_causality(out, model, repair=repair, raw_colls=_raw_collectives(run))
+        if isinstance(raw_colls, Exception):
+            raise raw_colls
+        # ``out.events`` is align's own table by now (a copy, or the caller's given up with inplace).
+        out = check_causality(out, model, repair=repair, raw_colls=raw_colls, inplace=True)
     except Exception as e:  # the check is a refinement: never lose the report to it
         log.debug("causality check failed", exc_info=True)
         model.warnings.append(f"clock causality check failed ({type(e).__name__}: {e}); alignment unrepaired")

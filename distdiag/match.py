@@ -156,68 +156,91 @@ def _empty(strings: np.ndarray) -> Collectives:
 
 
 def match_collectives(run: Run) -> Collectives:
-    """Group every collective row (finished or in flight) by (comm key, seq)."""
+    """Group every collective row (finished or in flight) by (comm key, seq).
+
+    Memory: the working set is a few int64 columns per collective row, never
+    a copy of the event table. Each needed field is gathered once, straight
+    from the event table in the final (group, arrival) order; the int64 keys
+    are built in place and dropped as soon as the order is known.
+    """
     kinds = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
-    sel = np.isin(run.events["kind"], kinds) & (run.events["seq"] >= 0)
-    # Work on plain column arrays: gathering 8-byte columns is ~10x cheaper
-    # than gathering 73-byte structured rows.
-    fields = ("t0_ns", "t1_ns", "kind", "name_id", "comm_id", "seq", "peer", "nbytes", "site_id", "rank")
-    cols = {f: run.events[f][sel] for f in fields}
-    if len(run.inflight):
-        isel = np.isin(run.inflight["kind"], kinds) & (run.inflight["seq"] >= 0)
-        if isel.any():
-            cols = {f: np.concatenate([cols[f], run.inflight[f][isel]]) for f in fields}
-    n = len(cols["seq"])
+    ev, inf = run.events, run.inflight
+    sel_idx = np.flatnonzero(np.isin(ev["kind"], kinds) & (ev["seq"] >= 0))
+    inf_idx = np.zeros(0, np.int64)
+    if len(inf):
+        inf_idx = np.flatnonzero(np.isin(inf["kind"], kinds) & (inf["seq"] >= 0))
+    n_ev = len(sel_idx)
+    n = n_ev + len(inf_idx)
     if n == 0:
         return _empty(run.strings)
 
-    comm = cols["comm_id"].astype(np.int64)
-    seq = cols["seq"].astype(np.int64)
-    rank = cols["rank"].astype(np.int64)
+    def col(f: str, at: np.ndarray | None = None) -> np.ndarray:
+        """Field ``f`` of the collective rows (events, then in-flight rows), in order ``at``."""
+        if not len(inf_idx):
+            return ev[f][sel_idx if at is None else sel_idx[at]]
+        both = np.concatenate([ev[f][sel_idx], inf[f][inf_idx]])
+        return both if at is None else both[at]
+
+    t0_raw = col("t0_ns")
+    rank = col("rank").astype(np.int64)
     n_rank = int(rank.max()) + 1
-    n_seq = int(seq.max()) + 1
     # One int64 key per (comm, seq) and per (comm, seq, rank); comm ids index
     # the string table and seqs count calls, so the products stay far below 2^63.
-    gkey = comm * n_seq + seq
-    rkey = gkey * n_rank + rank
-
-    # Communicator membership: every rank that ever used the key.
-    cr = np.unique(comm * n_rank + rank)
-    cr_comm, cr_rank = cr // n_rank, cr % n_rank
-    comm_ids, cstart = np.unique(cr_comm, return_index=True)
-    comm_members = {int(c): m.astype(np.int32) for c, m in zip(comm_ids, np.split(cr_rank, cstart[1:]))}
-    comm_size = np.diff(np.append(cstart, len(cr)))
+    gkey = col("comm_id").astype(np.int64)
+    seq = col("seq")
+    n_seq = int(seq.max()) + 1
+    gkey *= n_seq
+    gkey += seq
+    del seq
+    rkey = gkey * n_rank
+    rkey += rank
 
     # Order by (comm, seq), then arrival, then rank: two stable int64 sorts.
-    order = np.argsort(cols["t0_ns"], kind="stable")
+    order = np.argsort(t0_raw, kind="stable")
     order = order[np.argsort(gkey[order], kind="stable")]
 
     # A rank can appear twice in one (comm, seq) only through a damaged file or
     # a hook bug; keep its earliest row so every member counts once.
     srk = np.sort(rkey)
-    n_dup = int(np.count_nonzero(srk[1:] == srk[:-1]))
+    first_rk = np.r_[True, srk[1:] != srk[:-1]]
+    n_dup = int(len(srk) - np.count_nonzero(first_rk))
     if n_dup:
         run.warnings.append(f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once")
-        o2 = np.lexsort((cols["t0_ns"], rkey))
+        o2 = np.lexsort((t0_raw, rkey))
         first = np.r_[True, rkey[o2][1:] != rkey[o2][:-1]]
         keep = np.zeros(n, bool)
         keep[o2[first]] = True
         order = order[keep[order]]
+    del rkey, t0_raw
 
-    rows = {f: cols[f][order] for f in fields}
+    # Communicator membership: every rank that ever used the key (from the
+    # distinct (comm, seq, rank) keys: one small unique, not one over every row).
+    ur = srk[first_rk]
+    del srk, first_rk
+    cr = np.unique((ur // n_rank) // n_seq * n_rank + ur % n_rank)
+    del ur
+    cr_comm, cr_rank = cr // n_rank, cr % n_rank
+    comm_ids, cstart = np.unique(cr_comm, return_index=True)
+    comm_members = {int(c): m.astype(np.int32) for c, m in zip(comm_ids, np.split(cr_rank, cstart[1:]))}
+    comm_size = np.diff(np.append(cstart, len(cr)))
+
     gk = gkey[order]
+    del gkey
     newg = np.r_[True, gk[1:] != gk[:-1]]
     gid = np.cumsum(newg) - 1
-    starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    starts = np.flatnonzero(newg)
+    g_comm = (gk[starts] // n_seq).astype(np.int32)
+    g_seq = (gk[starts] % n_seq).astype(np.int64)
+    del gk, newg
     n_g = len(starts)
     g_start = np.append(starts, len(gid)).astype(np.int64)
     n_mem = np.diff(g_start).astype(np.int32)
     last_idx = g_start[1:] - 1
     second_idx = np.maximum(last_idx - 1, starts)
-
-    g_comm = rows["comm_id"][starts].astype(np.int32)
-    g_seq = rows["seq"][starts].astype(np.int64)
     n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
+    rows = {f: col(f, order) for f in ("t0_ns", "t1_ns", "kind", "name_id", "peer", "nbytes", "site_id")}
+    rows["rank"] = rank[order]
+    del rank, order
 
     # Op: the most common name among members; mismatch when any member differs.
     op = rows["name_id"]
@@ -272,15 +295,15 @@ def match_collectives(run: Run) -> Collectives:
         g_last_rank=rows["rank"][last_idx].astype(np.int32),
         g_exit_ns=exit_ns.astype(np.int64),
         g_start=g_start,
-        m_group=gid.astype(np.int64),
+        m_group=gid.astype(np.int64, copy=False),
         m_rank=rows["rank"].astype(np.int32),
-        m_t0_ns=rows["t0_ns"].astype(np.int64),
-        m_t1_ns=t1.astype(np.int64),
-        m_op=op.astype(np.int32),
-        m_nbytes=nb.astype(np.int64),
-        m_peer=peer.astype(np.int32),
-        m_site=rows["site_id"].astype(np.int32),
-        m_kind=rows["kind"].astype(np.uint8),
+        m_t0_ns=rows["t0_ns"].astype(np.int64, copy=False),
+        m_t1_ns=t1.astype(np.int64, copy=False),
+        m_op=op.astype(np.int32, copy=False),
+        m_nbytes=nb.astype(np.int64, copy=False),
+        m_peer=peer.astype(np.int32, copy=False),
+        m_site=rows["site_id"].astype(np.int32, copy=False),
+        m_kind=rows["kind"].astype(np.uint8, copy=False),
         comm_members=comm_members,
         strings=run.strings,
     )

@@ -132,7 +132,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
     from distdiag.config import Config
     from distdiag.pipeline import analyze_run
 
-    report = analyze_run(run, cfg or Config())
+    report = analyze_run(run, cfg or Config(), inplace=True)  # the assembled run is ours alone
     t_end = time.perf_counter()
     report.run.cache["parallel"] = {
         "workers": n_workers,

@@ -108,10 +108,15 @@ def _incomplete_warnings(run: Run, colls: Collectives, limit: int = 3) -> list[s
     return out
 
 
-def analyze_run(run: Run, cfg: Config | None = None) -> Report:
-    """Align, match, detect and rank on an already loaded run."""
+def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False) -> Report:
+    """Align, match, detect and rank on an already loaded run.
+
+    ``inplace=True`` gives ``run``'s event table to the analysis: the clock
+    mapping rewrites its time columns instead of copying the whole table (see
+    :func:`distdiag.clocks.align`); use it when nothing else holds ``run``.
+    """
     cfg = cfg or Config()
-    run = clocks.align(run)
+    run = clocks.align(run, inplace=inplace)
     colls = collectives_of(run)
     run.warnings.extend(_incomplete_warnings(run, colls))
     # Slurm accounting (cached on the run: queue_wait and launch_overhead read it too).
@@ -148,4 +153,4 @@ def analyze(run_dir: str | Path, cfg: Config | None = None) -> Report:
     """Load the run directory and analyze it. Raises DistdiagError when nothing can be analyzed."""
     if cfg is None:
         cfg = load_config()
-    return analyze_run(load_run(run_dir), cfg)
+    return analyze_run(load_run(run_dir), cfg, inplace=True)  # nobody else holds the loaded run

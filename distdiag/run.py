@@ -537,6 +537,10 @@ def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | 
     if out is None:
         out = np.empty(len(arr), dtype)
     n = len(arr)
+    if arr.dtype == dtype:  # already carries the rank column (a packed view)
+        out[:] = arr
+        out["rank"] = rank
+        return out
     src = np.ascontiguousarray(arr)
     if src.dtype.itemsize + 4 == dtype.itemsize and dtype.fields is not None and dtype.fields["rank"][1] == src.dtype.itemsize:
         if n:
@@ -550,23 +554,89 @@ def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | 
     return out
 
 
+class _Packer:
+    """Every rank's event rows, copied as they are read into ONE ``RUN_EVENT_DTYPE`` buffer.
+
+    The run's event table is this buffer (``_assemble`` takes it as is when the
+    ranks come in file order, the normal case), so loading never holds the
+    per-rank arrays and the table at once (it did: 148 bytes an event at the
+    peak, now 73 plus one rank's rows). The first capacity is an upper bound
+    from the file sizes (a shim-written file holds at most size / 69 rows):
+    ``np.empty`` only reserves address space, and pages never written are
+    never resident. A file that holds more rows (compressed by another tool)
+    grows the buffer by doubling and re-points the views handed out before.
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.buf = np.empty(max(0, rows), RUN_EVENT_DTYPE)
+        self.used = 0
+        self.views: list[_RankData] = []
+
+    def take(self, d: _RankData) -> None:
+        """Copy ``d.events`` (file rows) into the buffer with the rank column; ``d.events`` becomes the view."""
+        n = len(d.events)
+        if self.used + n > len(self.buf):
+            new = np.empty(max(2 * len(self.buf), self.used + n), RUN_EVENT_DTYPE)
+            new[: self.used] = self.buf[: self.used]
+            for v in self.views:  # per rank taken so far: re-point its view
+                lo = self._offset(v.events)
+                v.events = new[lo : lo + len(v.events)]
+            self.buf = new
+        out = self.buf[self.used : self.used + n]
+        d.events = _attach_rank(d.events, RUN_EVENT_DTYPE, d.info.rank, out=out)
+        self.used += n
+        self.views.append(d)
+
+    def _offset(self, view: np.ndarray) -> int:
+        if len(view) == 0:
+            return 0
+        return (view.__array_interface__["data"][0] - self.buf.__array_interface__["data"][0]) // RUN_EVENT_DTYPE.itemsize
+
+    def table_of(self, parts: list[_RankData]) -> np.ndarray | None:
+        """The buffer as the run's table when ``parts`` (kept ranks, ascending) fill it in order, else None."""
+        off = 0
+        for d in parts:  # per rank: two integers
+            if len(d.events) and (d.events.base is not self.buf or self._offset(d.events) != off):
+                return None
+            off += len(d.events)
+        return self.buf[:off]
+
+
+def _capacity_rows(files: list[Path]) -> int:
+    """Upper bound on the event rows in ``files``: a shim-written file stores its rows uncompressed."""
+    total = 0
+    for fp in files:  # one stat per rank file
+        try:
+            total += fp.stat().st_size // EVENT_DTYPE.itemsize + 1
+        except OSError:
+            continue
+    return total
+
+
 def load_run(path: str | Path, progress: Callable[[int, int], None] | None = None) -> Run:
     """Read every rank file of a run directory into one :class:`Run`.
 
     Raises :class:`DistdiagError` only when nothing can be analyzed; every other
     problem is one line in ``run.warnings``. ``progress(done, total)`` is called
     after each rank file (the CLI's progress bar).
+
+    Each rank's rows are copied into one packed table as soon as its file is
+    read (:class:`_Packer`), so the peak is the table plus one rank's rows.
     """
     p, files = rank_files_of(path)
     warnings: list[str] = []
-    got_all = []
+    got_all: list[_RankData | str] = []
+    packer = _Packer(_capacity_rows(files))
     for i_file, fp in enumerate(files):  # one per rank file
         if progress is not None:
             progress(i_file, len(files))
-        got_all.append(_read_rank(fp, warnings))
+        got = _read_rank(fp, warnings)
+        if isinstance(got, _RankData):
+            packer.take(got)
+        got_all.append(got)
     if progress is not None:
         progress(len(files), len(files))
-    return _assemble(path, p, files, got_all, warnings)
+    return _assemble(path, p, files, got_all, warnings, packer)
 
 
 def rank_files_of(path: str | Path) -> tuple[Path, list[Path]]:
@@ -582,11 +652,18 @@ def rank_files_of(path: str | Path) -> tuple[Path, list[Path]]:
     return p, files
 
 
-def _assemble(path: str | Path, p: Path, files: list[Path], got_all: list[_RankData | str], warnings: list[str]) -> Run:
+def _assemble(
+    path: str | Path, p: Path, files: list[Path], got_all: list[_RankData | str], warnings: list[str],
+    packer: _Packer | None = None,
+) -> Run:
     """One Run from what ``_read_rank`` gave for each of ``files`` (in order); see :func:`load_run`.
 
     Split from the reading so that distdiag.parallel can read the files on many
-    analysis ranks and assemble the very same Run on one."""
+    analysis ranks and assemble the very same Run on one. ``packer``: the
+    events of ``got_all`` are already views of one packed ``RUN_EVENT_DTYPE``
+    buffer; when the kept ranks fill it in rank order (file names in rank
+    order, no duplicate), it becomes the table without a copy and every step
+    below works in place on each rank's slice."""
     problems: list[str] = []
     loaded: dict[int, _RankData] = {}
     for fp, got in zip(files, got_all):  # one per rank file
@@ -652,12 +729,17 @@ def _assemble(path: str | Path, p: Path, files: list[Path], got_all: list[_RankD
     gstrings, lookups = _global_strings([loaded[r].strings for r in ranks])
     sync_parts, inf_parts, gpu_parts = [], [], []
     n_total = sum(len(loaded[r].events) for r in ranks)
-    events = np.empty(n_total, RUN_EVENT_DTYPE)
+    packed = packer.table_of([loaded[r] for r in ranks]) if packer is not None else None
+    events = packed if packed is not None else np.empty(n_total, RUN_EVENT_DTYPE)
+    if packer is not None:
+        packer.views = []  # the table (or the copy below) is the only owner from here on
     bad_ids = 0
     off = 0
     for r, lookup in zip(ranks, lookups):  # per rank, vectorized inside
         d = loaded[r]
-        ev = _attach_rank(d.events, RUN_EVENT_DTYPE, r, out=events[off : off + len(d.events)])
+        ev = events[off : off + len(d.events)]
+        if packed is None:
+            _attach_rank(d.events, RUN_EVENT_DTYPE, r, out=ev)
         # Threads flush chunks out of time order: sort each rank by t0 (ranks
         # are already in order, so the whole table ends up sorted by (rank, t0)).
         t0 = ev["t0_ns"]
@@ -670,7 +752,9 @@ def _assemble(path: str | Path, p: Path, files: list[Path], got_all: list[_RankD
         inf_parts.append(inf)
         sync_parts.append(_attach_rank(d.sync, RUN_SYNC_DTYPE, r))
         gpu_parts.append(_attach_rank(d.gpu, RUN_GPU_DTYPE, r))
-        loaded[r].events = d.events[:0]  # free the per-rank copy early
+        loaded[r].events = np.zeros(0, d.events.dtype)  # the table holds the rows now
+    if packer is not None and packed is None:
+        packer.buf = packer.buf[:0]  # copied out (ranks out of file order): let the packed rows go
     if bad_ids:
         warnings.append(f"{bad_ids} string ids point outside their file's string table (corrupt rows); shown as ''")
     job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
