@@ -146,15 +146,25 @@ def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np
 def _at_or_before(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: np.ndarray) -> np.ndarray:
     """Per query, how many marks of its own rank lie at or before ``q_t``.
 
-    ``b_*`` (the marks) must be sorted by (rank, t). One lexsort of marks and
-    queries together (a mark before a query at the same time), a running count
-    of marks, minus the marks of lower ranks. Marks of rank 0 at 5, 9 and of
-    rank 1 at 2; query (0, 9) -> 2, (1, 1) -> 0.
+    ``b_*`` (the marks) must be sorted by (rank, t). Like :func:`union_ns`, each
+    rank's times go into their own band (rank * span), so one binary search over
+    all marks finds the query's place; minus the marks of lower ranks. Marks of
+    rank 0 at 5, 9 and of rank 1 at 2; query (0, 9) -> 2, (1, 1) -> 0.
     """
     nb, nq = len(b_t), len(q_t)
     if nb == 0 or nq == 0:
         return np.zeros(nq, np.int64)
-    rank = np.concatenate([b_rank, q_rank]).astype(np.int64)
+    b_rank = b_rank.astype(np.int64)
+    q_rank = q_rank.astype(np.int64)
+    top = max(int(b_rank.max()), int(q_rank.max()))
+    below = np.concatenate([[0], np.cumsum(np.bincount(b_rank, minlength=top + 1))])[q_rank]  # marks of lower ranks
+    lo = min(int(b_t.min()), int(q_t.min()))
+    span = max(int(b_t.max()), int(q_t.max())) - lo + 1
+    if top < np.iinfo(np.int64).max // span - 1:
+        marks = b_rank * span + (b_t.astype(np.int64) - lo)
+        return np.searchsorted(marks, q_rank * span + (q_t.astype(np.int64) - lo), side="right") - below
+    # astronomically long runs: one lexsort of marks and queries together (a mark first at equal times)
+    rank = np.concatenate([b_rank, q_rank])
     t = np.concatenate([b_t, q_t]).astype(np.int64)
     is_q = np.concatenate([np.zeros(nb, np.int8), np.ones(nq, np.int8)])
     order = np.lexsort((is_q, t, rank))
@@ -162,7 +172,7 @@ def _at_or_before(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: 
     out = np.empty(nq, np.int64)
     q = order >= nb
     out[order[q] - nb] = seen[q]
-    return out - np.searchsorted(b_rank, q_rank, side="left")
+    return out - below
 
 
 def _collective_intervals(colls: Collectives, rank_end: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -329,13 +339,18 @@ def _columns(t: dict[str, np.ndarray], span_ns: np.ndarray, rows: np.ndarray) ->
 
 
 def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
-    """One row per present rank: rank, host, wall_s, the COLUMNS and INFO_COLUMNS, in seconds."""
+    """One row per present rank: rank, host, wall_s, the COLUMNS and INFO_COLUMNS, in seconds.
+
+    Also leaves :func:`step_breakdown`'s table in ``run.cache`` (computed from the same intervals).
+    """
     if colls is None:
         colls = collectives_of(run)
     start, end = run.rank_bounds()
     n = len(start)
     iv = _intervals(run, colls)
     t = _tally(iv["rank"], iv, n)
+    # the per-step table from the same intervals (small: one row per STEP row); the JSON and text read it
+    run.cache["step_breakdown"] = _step_frame(run, iv)
     present = np.array(sorted(run.ranks), np.int64)
     df = pd.DataFrame({"rank": present, "host": [run.host_of(r) for r in present]})
     for name, col in _columns(t, (end - start).astype(np.float64), present).items():
@@ -369,12 +384,17 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
         return cached  # type: ignore[no-any-return]
     if colls is None:
         colls = collectives_of(run)
+    df = _step_frame(run, _intervals(run, colls))
+    run.cache["step_breakdown"] = df
+    return df
+
+
+def _step_frame(run: Run, iv: dict[str, np.ndarray]) -> pd.DataFrame:
+    """step_breakdown's table from the run's categorized intervals."""
     cols = ["rank", "step", "t_s", "wall_s", *COLUMNS, *INFO_COLUMNS]
     s_rank, s_t = step_marks(run)
     if len(s_t) == 0:
-        df = pd.DataFrame({c: np.zeros(0, np.int64 if c in ("rank", "step") else np.float64) for c in cols})
-        run.cache["step_breakdown"] = df
-        return df
+        return pd.DataFrame({c: np.zeros(0, np.int64 if c in ("rank", "step") else np.float64) for c in cols})
     start, end = run.rank_bounds()
     n = len(start)
     n_per = np.bincount(s_rank, minlength=n)
@@ -393,7 +413,6 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     w0 = np.minimum(w0, s_t)
 
     # every interval, cut at the step marks: piece i of an interval lies in step k0 + i
-    iv = _intervals(run, colls)
     rank, t0, t1 = iv["rank"], iv["t0"], iv["t1"]
     k0 = _at_or_before(s_rank, s_t, rank, t0)
     k1 = np.minimum(_at_or_before(s_rank, s_t, rank, np.maximum(t1 - 1, t0)), n_per[rank] - 1)
@@ -413,9 +432,7 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     t = _tally(key, piece, len(s_t))
     data: dict[str, Any] = {"rank": s_rank, "step": k_of, "t_s": (w0 - run.start_ns) / 1e9}
     data.update(_columns(t, (s_t - w0).astype(np.float64), np.arange(len(s_t))))
-    df = pd.DataFrame(data, columns=cols)
-    run.cache["step_breakdown"] = df
-    return df
+    return pd.DataFrame(data, columns=cols)
 
 
 #: the per-step columns aggregated over ranks
