@@ -10,8 +10,10 @@ result exactly:
    This is the one stage whose cost grows with the file count and the I/O,
    and it needs nothing from other files.
 2. **Reduce**: each analysis rank ships its decoded tables to analysis rank 0
-   (metadata pickled; the event rows as one raw byte buffer, no pickling),
-   which assembles them with the same function :func:`distdiag.run.load_run`
+   (metadata pickled; the event rows, packed with their rank column while
+   reading, as one raw byte buffer, no pickling); rank 0 takes every block's
+   metadata first, allocates the run's table once at its exact size and
+   receives each block's rows straight into its slice of it, then assembles them with the same function :func:`distdiag.run.load_run`
    uses (``run._assemble``), in file order, and runs the same
    ``analyze_run``. Same inputs to the same functions: the JSON report is
    byte-for-byte the serial one (tests/test_parallel.py checks that under
@@ -37,8 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.run import DistdiagError, _assemble, _RankData, _read_rank, rank_files_of
-from distdiag.schema import EVENT_DTYPE
+from distdiag.run import (
+    RUN_EVENT_DTYPE,
+    DistdiagError,
+    _assemble,
+    _capacity_rows,
+    _Packer,
+    _RankData,
+    _read_rank,
+    rank_files_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +61,17 @@ def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
     return (k * n_items) // n_workers, ((k + 1) * n_items) // n_workers
 
 
-def _read_block(files: list[Path]) -> list[tuple[_RankData | str, list[str]]]:
+def _read_block(files: list[Path]) -> tuple[list[tuple[_RankData | str, list[str]]], _Packer]:
+    """This analysis rank's files, their event rows packed into one buffer (see ``run._Packer``)."""
     out = []
+    packer = _Packer(_capacity_rows(files))
     for fp in files:  # one per rank file of this block
         w: list[str] = []
-        out.append((_read_rank(fp, w), w))
-    return out
+        d = _read_rank(fp, w)
+        if isinstance(d, _RankData):
+            packer.take(d)
+        out.append((d, w))
+    return out, packer
 
 
 def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> Any:
@@ -85,48 +100,56 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
         return None
     assert files is not None  # for mypy: bcast gave the list when err is None
     lo, hi = block_of(k, n_workers, len(files))
-    mine = _read_block(files[lo:hi])
+    mine, packer = _read_block(files[lo:hi])
     t_read = time.perf_counter()
 
     if k != 0:
-        # Metadata pickled (small), event rows as raw bytes (no pickle, no copy).
-        evs = [d.events if isinstance(d, _RankData) else None for d, _ in mine]
+        # Metadata pickled (small); the event rows (rank column attached) as the
+        # packed buffer's raw bytes: already one contiguous block, no copy.
         meta = []
+        counts = []
         for d, w in mine:  # per rank file
+            counts.append(len(d.events) if isinstance(d, _RankData) else 0)
             if isinstance(d, _RankData):
-                d = _RankData(d.info, np.zeros(0, EVENT_DTYPE), d.strings, d.sync, d.inflight, d.gpu)
+                d = _RankData(d.info, np.zeros(0, RUN_EVENT_DTYPE), d.strings, d.sync, d.inflight, d.gpu)
             meta.append((d, w))
-        counts = [0 if e is None else len(e) for e in evs]
         comm.send((meta, counts), dest=0)
-        parts = [e for e in evs if e is not None and len(e)]
-        if parts:
-            buf = np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
-            del parts
-            comm.Send([buf.view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_EVENTS)
+        if packer.used:
+            comm.Send([packer.buf[: packer.used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_EVENTS)
         return None
 
-    got_all: list[_RankData | str] = []
-    warnings: list[str] = []
+    # Rank 0: every block's metadata first, so the run's table is allocated once,
+    # at its exact size, and each block's rows are received straight into it.
     blocks: list[list[tuple[_RankData | str, list[str]]]] = [mine]
+    block_counts: list[list[int]] = [[len(d.events) if isinstance(d, _RankData) else 0 for d, _ in mine]]
     for src in range(1, n_workers):  # per analysis rank, in file order
         meta, counts = comm.recv(source=src)
-        total = int(sum(counts))
-        if total:
-            buf = np.empty(total, EVENT_DTYPE)
-            comm.Recv([buf.view(np.uint8), MPI.BYTE], source=src, tag=_TAG_EVENTS)
-            offs = np.concatenate([[0], np.cumsum(counts)])
-            for i, (d, _) in enumerate(meta):  # per rank file of that block
-                if isinstance(d, _RankData):
-                    d.events = buf[offs[i] : offs[i + 1]]
         blocks.append(meta)
-    for blk in blocks:  # per analysis rank
-        for d, w in blk:  # per rank file
+        block_counts.append(counts)
+    total = sum(sum(c) for c in block_counts)
+    table = np.empty(total, RUN_EVENT_DTYPE)
+    table[: packer.used] = packer.buf[: packer.used]
+    packer.buf = table  # rank 0's own views are re-pointed below, with everyone's
+    off = 0
+    got_all: list[_RankData | str] = []
+    warnings: list[str] = []
+    views: list[_RankData] = []
+    for src, (blk, counts) in enumerate(zip(blocks, block_counts)):  # per analysis rank, in file order
+        n_blk = int(sum(counts))
+        if src and n_blk:
+            comm.Recv([table[off : off + n_blk].view(np.uint8), MPI.BYTE], source=src, tag=_TAG_EVENTS)
+        for (d, w), c in zip(blk, counts):  # per rank file of that block
+            if isinstance(d, _RankData):
+                d.events = table[off : off + c]
+                views.append(d)
+            off += c
             got_all.append(d)
             warnings.extend(w)
+    packer.used, packer.views = total, views
     t_gather = time.perf_counter()
     assert p is not None
-    run = _assemble(run_dir, p, files, got_all, warnings)
-    del got_all, blocks, mine
+    run = _assemble(run_dir, p, files, got_all, warnings, packer)
+    del got_all, blocks, mine, packer
     t_assemble = time.perf_counter()
 
     from distdiag.config import Config
