@@ -149,7 +149,11 @@ def test_per_step_rows_match_the_step_marks(tmp_path: Path) -> None:
     assert sum(js["summary"]["share"][c] for c in COLUMNS) == pytest.approx(1.0 + 0.005 / 0.7)  # that 5 ms again
     # the text report's one line
     text = TextRenderer(color=False).render(rep)
-    assert "steps: 3, median 100.0 ms" in text, text
+    assert "steps: 3, median 100.0 ms (slowest rank's 100.0 ms): compute " in text, text
+    # the pandas API hands out the same table
+    from distdiag.frames import RunFrames
+
+    assert RunFrames(rep).per_step.equals(steps)
 
 
 def test_long_runs_bin_consecutive_steps(tmp_path: Path) -> None:

@@ -234,7 +234,7 @@ class TextRenderer:
         parts = [f"{LABELS[c]} {share[c]:.0%}" for c in sorted(COLUMNS, key=lambda c: -share[c]) if share[c] >= 0.005]
         hidden = share["comm_overlapped_s"]
         tail = f"; async collectives hidden behind compute {hidden:.0%}" if hidden >= 0.005 else ""
-        return [f"  steps: {s['steps']}, median {fmt_s(t['median'])} (slowest rank {fmt_s(t['max_rank_median'])}): "
+        return [f"  steps: {s['steps']}, median {fmt_s(t['median'])} (slowest rank's {fmt_s(t['max_rank_median'])}): "
                 + ", ".join(parts) + tail]
 
 
