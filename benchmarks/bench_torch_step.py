@@ -190,7 +190,69 @@ def micro() -> None:
         torch_dist.uninstall()
         phases.uninstall()
         print(f"{name:<40} {base:>11.0f} {wrapped:>9.0f} {wrapped - base:>9.0f}")
+    micro_buckets(rec)
     dist.destroy_process_group()
+
+
+def micro_buckets(rec: Any, layers: int = 16, width: int = 128, steps: int = 200, rounds: int = 7) -> None:
+    """CPU time per DDP bucket, 1 rank: the builtin path, torch's C++ hook, a Python hook, distdiag's.
+
+    One bucket per layer (``bucket_cap_mb`` below a layer's size), 64 KB each:
+    small enough that the per-bucket fixed cost (hook call, callback, row)
+    shows, not the scaling pass. Rounds alternate the variants; best of rounds.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distdiag.shim.hooks import torch_dist
+
+    def first(fut):  # type: ignore[no-untyped-def]
+        return fut.value()[0]
+
+    def py_hook(pg, bucket):  # type: ignore[no-untyped-def]
+        return pg.allreduce([bucket.buffer().div_(1)]).get_future().then(first)
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+    cap = width * width * 4 / 2**20 * 0.9
+    models = {}
+    for v in ("builtin", "cpp_hook", "py_hook", "buckets"):
+        if v == "buckets":
+            torch_dist.install(rec)
+        m = DDP(model(), bucket_cap_mb=cap)
+        torch_dist.uninstall()
+        if v == "cpp_hook":
+            m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        elif v == "py_hook":
+            m.register_comm_hook(dist.group.WORLD, py_hook)
+        models[v] = m
+    x = torch.randn(4, width)
+
+    def run(v: str) -> float:
+        m = models[v]
+        if v == "buckets":
+            torch_dist.install(rec)
+        c0 = time.process_time_ns()
+        for _ in range(steps):
+            m(x).sum().backward()
+        c = (time.process_time_ns() - c0) / steps
+        torch_dist.uninstall()
+        return c
+
+    best = {v: float("inf") for v in models}
+    for v in models:
+        run(v)  # warm-up, bucket rebuild
+    for r in range(rounds):
+        for v in list(models)[:: 1 if r % 2 == 0 else -1]:
+            best[v] = min(best[v], run(v))
+    nb = layers
+    print(f"DDP backward, 1 rank, {nb} buckets of {width * width * 4 // 1024} KB: CPU per bucket")
+    print(f"{'variant':<10} {'us/bucket':>10} {'added vs builtin':>17} {'added vs py_hook':>17}")
+    for v, c in best.items():
+        print(f"{v:<10} {c / nb / 1e3:>10.1f} {(c - best['builtin']) / nb / 1e3:>17.1f} {(c - best['py_hook']) / nb / 1e3:>17.1f}")
 
 
 def main() -> int:

@@ -198,8 +198,9 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], idx: dict[str, int], nam
 
 
 _cb_lock = threading.Lock()
-#: id(recorder) -> (recorder, the one ThreadBuffer every callback thread without one of its own shares)
-_cb_buffers: dict[int, tuple[Recorder, Any]] = {}
+#: (recorder, the one ThreadBuffer that callback threads without a buffer of their own share);
+#: kept across uninstall/install with the same recorder, so re-installing makes no new chunk
+_cb_buffer: tuple[Recorder, Any] | None = None
 
 
 def _add_from_callback(rec: Recorder, row: tuple[Any, ...], t1: int) -> None:
@@ -219,15 +220,16 @@ def _add_from_callback(rec: Recorder, row: tuple[Any, ...], t1: int) -> None:
     Uses the recorder's ``_local``/``_tb`` (the thread-local slot and its
     factory): the recorder has no public way to lend a buffer. Never raises.
     """
+    global _cb_buffer
     try:
         loc = rec._local
         if getattr(loc, "tb", None) is not None:
             rec.add(row[0], t1, *row[1:])
             return
         with _cb_lock:
-            ent = _cb_buffers.get(id(rec))
+            ent = _cb_buffer
             if ent is None or ent[0] is not rec:
-                ent = _cb_buffers[id(rec)] = (rec, rec._tb())  # makes, registers and lends it
+                _cb_buffer = (rec, rec._tb())  # makes, registers and lends it
             else:
                 loc.tb = ent[1]
             try:
@@ -456,8 +458,10 @@ def _first_value_and_record(rec: Recorder | None, row: tuple[Any, ...], fut: Any
 
 _TORCH_DIR = ""
 _SHIM_DIR = __file__.rsplit("/", 2)[0]  # distdiag/shim
-_user_sites: dict[tuple[Any, int], int] = {}
-_internal_code: dict[Any, bool] = {}  # code object -> in torch or distdiag (a frame to walk past)
+_user_sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> string id of "file:line"
+#: id(code) -> (code, in torch or distdiag: a frame to walk past). Keyed by id (hashing a code
+#: object hashes its bytecode, ~150 ns); holding the code keeps its id from being reused.
+_internal_code: dict[int, tuple[Any, bool]] = {}
 
 
 def _user_site(rec: Recorder) -> int:
@@ -465,9 +469,9 @@ def _user_site(rec: Recorder) -> int:
 
     A bucket hook runs inside the autograd engine, below the program's backward
     call; straggler findings are actionable only with that line. A few frames'
-    walk per bucket (not per event), each a dict look-up by code object; the
-    line is keyed by bytecode offset (``f_lineno`` is computed on access).
-    0 when no Python frame is below the hook (an autograd device thread).
+    walk per bucket (not per event), one dict look-up each; the line is keyed
+    by bytecode offset (``f_lineno`` is computed on every access). 0 when no
+    Python frame is below the hook (an autograd device thread).
     """
     try:
         f: types.FrameType | None = sys._getframe(2)
@@ -476,16 +480,16 @@ def _user_site(rec: Recorder) -> int:
     internal = _internal_code
     while f is not None:
         code = f.f_code
-        inside = internal.get(code)
-        if inside is None:
+        ent = internal.get(id(code))
+        if ent is None:
             fn = code.co_filename
-            inside = internal[code] = fn.startswith(_TORCH_DIR) or fn.startswith(_SHIM_DIR)
-        if not inside:
+            ent = internal[id(code)] = (code, fn.startswith(_TORCH_DIR) or fn.startswith(_SHIM_DIR))
+        if not ent[1]:
             break
         f = f.f_back
     if f is None:
         return 0
-    key = (f.f_code, f.f_lasti)
+    key = (id(f.f_code), f.f_lasti)
     i = _user_sites.get(key)
     if i is None:
         i = _user_sites[key] = rec.intern(f"{f.f_code.co_filename}:{f.f_lineno}")
@@ -684,10 +688,10 @@ def _on_ddp_module(mod: types.ModuleType) -> None:
 
 
 def _forget_recorder() -> None:
-    global _REC, _cb_lock
+    global _REC, _cb_lock, _cb_buffer
     _REC = None
     _cb_lock = threading.Lock()  # another thread may have held it at fork
-    _cb_buffers.clear()
+    _cb_buffer = None
 
 
 def install(rec: Recorder, cfg: Any = None) -> None:
@@ -718,6 +722,5 @@ def uninstall() -> None:
     _dtype_ids.clear()
     _future_ok.clear()
     _wait_ids.clear()
-    _cb_buffers.clear()
     _user_sites.clear()
     _ddp_count = 0
