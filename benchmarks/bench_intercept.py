@@ -1,6 +1,7 @@
 """Interception cost of the mpi4py hook: ns added per call, side by side in one run.
 
     mpiexec -n 2 python benchmarks/bench_intercept.py [--rounds 15] [--scale 1.0]
+    python benchmarks/bench_intercept.py --compare /tmp/old-worktree [--blocks 4] [--rounds 5] [--scale 0.5]
 
 (Without mpiexec it re-launches itself under ``mpiexec -n 2``.)
 
@@ -15,6 +16,12 @@ Two communicators:
 * ``world`` (2 ranks): the real calls; the difference includes network noise.
 * ``self`` (1 rank, a ~100 ns Barrier): the shim's bookkeeping alone, precise.
 
+``--compare TREE``: the same measurement of two source trees (this one and
+TREE, e.g. a ``git worktree`` of an older commit; each imported through
+PYTHONPATH, never installed) in alternating blocks of ``mpiexec -n 2`` runs
+(this, TREE, TREE, this, ...), reporting rank 0's CPU ns added per call of
+each: min and median over all rounds of all blocks.
+
 The recorder's full chunks are dropped between blocks (the writer would take
 them), so memory stays flat.
 """
@@ -22,6 +29,7 @@ them), so memory stays flat.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -44,7 +52,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the calls per block")
+    ap.add_argument("--compare", metavar="TREE", help="also measure the source tree TREE, in alternating blocks")
+    ap.add_argument("--blocks", type=int, default=4, help="with --compare: mpiexec runs per tree")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # rank 0 prints one JSON line (--compare's child)
     a = ap.parse_args()
+    if a.compare:
+        return _compare(a)
     if "PMI_RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and not os.environ.get("DISTDIAG_BENCH_CHILD"):
         return _relaunch()
 
@@ -103,6 +116,10 @@ def main() -> int:
     allcpu = plain_world.gather(cpu, root=0)
     if rank != 0:
         return 0
+    if a.json:
+        print("BENCH_JSON " + json.dumps({"cpu": allcpu[0], "breakdown": breakdown}), flush=True)
+        hook.uninstall()
+        return 0
     print(f"# mpi4py hook interception cost: mpiexec -n 2, {a.rounds} rounds, per-call ns")
     print(f"# rows recorded on rank 0: {sum(tb.n for tb in rec.buffers)} in the open chunk, lost_events={rec.lost_events}")
     print(f"# load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs inflate every figure)")
@@ -117,31 +134,12 @@ def main() -> int:
         cwm = statistics.median(allcpu[0][name]["wrapped"])
         cpmin, cwmin = min(allcpu[0][name]["plain"]), min(allcpu[0][name]["wrapped"])
         print(f"{name:24s} {pm:10.0f} {wm:12.0f} {wm - pm:10.0f} {wmin - pmin:10.0f} {cwm - cpm:14.0f} {cwmin - cpmin:14.0f}")
-    print(breakdown)
+    print(_breakdown_text(breakdown, a.rounds))
     hook.uninstall()
     return 0
 
 
-class _NullRecorder:
-    """Takes the hook's calls and does nothing: what is left is the hook's own logic."""
-
-    def enter(self, *a: Any) -> int:
-        return 0
-
-    def leave(self, t1: Any = None) -> None:
-        pass
-
-    def site(self, depth: int = 2) -> int:
-        return 0
-
-    def intern(self, s: str) -> int:
-        return 1
-
-    def add(self, *a: Any) -> None:
-        pass
-
-
-def _breakdown(hook: Any, rec: Any, plain: Any, wrapped: Any, n: int, rounds: int) -> str:
+def _breakdown(hook: Any, rec: Any, plain: Any, wrapped: Any, n: int, rounds: int) -> dict[str, float]:
     """Where the added time of a wrapped COMM_SELF.Barrier() goes (CPU ns per call, min of rounds)."""
 
     def cpu_per_call(fn: Callable[[], Any]) -> float:
@@ -157,22 +155,71 @@ def _breakdown(hook: Any, rec: Any, plain: Any, wrapped: Any, n: int, rounds: in
     empty = cpu_per_call(lambda: None)
     base = cpu_per_call(plain.Barrier)
     full = cpu_per_call(wrapped.Barrier)
-    hook._rec = _NullRecorder()
+    hook._rec = None  # the wrapper passes straight through: what the Python layer alone costs
     try:
-        logic = cpu_per_call(wrapped.Barrier)
+        through = cpu_per_call(wrapped.Barrier)
     finally:
         hook._rec = rec
     enter_leave = cpu_per_call(lambda: (rec.enter(1, 2, 3, 4, -1, 0, 0, 0), rec.leave())) - empty
     site = cpu_per_call(lambda: rec.site(1)) - empty
+    return {"empty": empty, "added": full - base, "pass_through": through - base, "enter_leave": enter_leave, "site": site}
+
+
+def _breakdown_text(b: dict[str, float], rounds: int) -> str:
     return "\n".join(
         [
-            f"# breakdown of self Barrier() (CPU ns/call, min of {rounds} rounds; an empty Python call costs {empty:.0f} here):",
-            f"#   added in total   {full - base:6.0f}",
-            f"#   hook logic       {logic - base:6.0f}   (recorder replaced by a null object: includes calling its 3 methods)",
-            f"#   rec.enter+leave  {enter_leave:6.0f}   (two clock reads + the row)",
-            f"#   rec.site         {site:6.0f}   (the caller's file:line)",
+            f"# breakdown of self Barrier() (CPU ns/call, min of {rounds} rounds; an empty Python call costs {b['empty']:.0f} here):",
+            f"#   added in total   {b['added']:6.0f}",
+            f"#   pass-through     {b['pass_through']:6.0f}   (recorder None: the wrapper's call and check alone)",
+            f"#   rec.enter+leave  {b['enter_leave']:6.0f}   (the Recorder's two-call API, as torch_dist uses it)",
+            f"#   rec.site         {b['site']:6.0f}   (the caller's file:line, Recorder API)",
         ]
     )
+
+
+def _compare(a: argparse.Namespace) -> int:
+    """This tree and ``a.compare`` in alternating blocks of mpiexec runs; CPU ns added per call, rank 0."""
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        print("bench_intercept: mpiexec not found (pip install mpich)", file=sys.stderr)
+        return 2
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"new": here, "old": os.path.abspath(a.compare)}
+    cpu: dict[str, dict[str, dict[str, list[float]]]] = {t: {} for t in trees}
+    brk: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
+    for blk in range(a.blocks):
+        for label in (("new", "old") if blk % 2 == 0 else ("old", "new")):
+            env = dict(os.environ, PYTHONPATH=trees[label], DISTDIAG_BENCH_CHILD="1")
+            cmd = [mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__), "--json",
+                   "--rounds", str(a.rounds), "--scale", str(a.scale)]  # fmt: skip
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=trees[label])
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("BENCH_JSON ")), None)
+            if p.returncode != 0 or line is None:
+                print(f"bench_intercept: the {label} run failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            got = json.loads(line.split(" ", 1)[1])
+            for case, d in got["cpu"].items():
+                for variant, xs in d.items():
+                    cpu[label].setdefault(case, {}).setdefault(variant, []).extend(xs)
+            brk[label].append(got["breakdown"])
+    n_rounds = a.blocks * a.rounds
+    print(f"# mpi4py hook, CPU ns added per call on rank 0 (wrapped - plain): old = {trees['old']}, new = {trees['new']}")
+    print(f"# {a.blocks} mpiexec -n 2 runs per tree, alternating; {n_rounds} rounds each; "
+          f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
+    print(f"{'call':24s} {'old min':>9s} {'new min':>9s} {'old med':>9s} {'new med':>9s}")
+    for case in cpu["new"]:
+        row = []
+        for stat in (min, statistics.median):
+            for label in ("old", "new"):
+                d = cpu[label][case]
+                row.append(stat(d["wrapped"]) - stat(d["plain"]))
+        print(f"{case:24s} {row[0]:9.0f} {row[1]:9.0f} {row[2]:9.0f} {row[3]:9.0f}")
+    print("# breakdown of self Barrier() (CPU ns/call, best block of each tree):")
+    for key in ("added", "pass_through", "enter_leave", "site"):
+        o = min(b[key] for b in brk["old"])
+        n = min(b[key] for b in brk["new"])
+        print(f"#   {key:14s} old {o:6.0f}   new {n:6.0f}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,17 @@ sees a LOST row).
 
 A hook never raises into user code: every hook wraps its bookkeeping in
 ``try/except`` itself; this module's methods do not raise on valid input.
+
+Writing a row inline (the protocol the mpi4py hook's generated wrappers use
+to skip two method calls a call, ~0.5 us on this machine,
+``benchmarks/bench_intercept.py``): take the thread's buffer (``tb =
+rec._local.tb``, else ``rec._tb()``), and for a blocking call set ``tb.cur``
+to the full row with ``t1 = -1`` before it (what ``/inflight`` shows if the
+rank dies inside the call); after it set ``tb.cur = None``, then ``n =
+tb.n``, ``if n >= tb.cap: n = rec._rotate(tb)``, ``pack_row(tb.buf, n *
+ROW_SIZE, t0, t1, ...)`` and last ``tb.n = n + 1`` (the publish).
+:meth:`enter`/:meth:`leave` do the same in two calls and stay for the
+other hooks.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ from distdiag.schema import EVENT_DTYPE, Kind
 _ROW = struct.Struct("<qqBiiqiqqiid")
 assert _ROW.size == EVENT_DTYPE.itemsize  # the struct and the dtype describe one row
 ROW_SIZE = _ROW.size
+#: ``pack_row(buf, offset, t0, t1, kind, name_id, comm_id, seq, peer, nbytes, aux, site_id, tid, value)``
+pack_row = _ROW.pack_into
 
 #: The event clock. One monotonic clock per rank; the analyzer aligns ranks.
 now_ns = time.perf_counter_ns
@@ -95,7 +108,11 @@ class Recorder:
         self._local = threading.local()
         self._tids = itertools.count()
         self._buf_lock = threading.Lock()
-        self._sites: dict[tuple[Any, int], int] = {}
+        #: (id(code), f_lasti) -> string id of "file:line"; _site_codes keeps
+        #: each code object alive so that its id is never reused. Keyed by id:
+        #: hashing a code object hashes its bytecode and constants (~150 ns).
+        self._sites: dict[tuple[int, int], int] = {}
+        self._site_codes: dict[int, Any] = {}
         self.intern = self.strings.intern
 
     # -- per-thread buffer ----------------------------------------------------
@@ -109,7 +126,7 @@ class Recorder:
             self._local.tb = tb
             return tb
 
-    def _rotate(self, tb: ThreadBuffer) -> None:
+    def _rotate(self, tb: ThreadBuffer) -> int:
         # Order matters: the flusher reads ``tb.buf`` then ``tb.n``. Resetting
         # ``n`` before swapping ``buf`` means it can never pair the fresh
         # (empty) chunk with the old chunk's row count; the old chunk is
@@ -121,6 +138,7 @@ class Recorder:
             self.lost_events += rows  # may include rows already flushed: an upper bound
         else:
             self.full.append((old, rows))
+        return 0  # the row index to write next
 
     # -- the hot path -----------------------------------------------------------
     def add(
@@ -144,9 +162,8 @@ class Recorder:
             tb = self._tb()
         n = tb.n
         if n >= tb.cap:
-            self._rotate(tb)
-            n = 0
-        _ROW.pack_into(tb.buf, n * ROW_SIZE, t0, t1, kind, name_id, comm_id, seq, peer, nbytes, aux, site_id, tb.tid, value)
+            n = self._rotate(tb)
+        pack_row(tb.buf, n * ROW_SIZE, t0, t1, kind, name_id, comm_id, seq, peer, nbytes, aux, site_id, tb.tid, value)
         tb.n = n + 1
 
     def enter(
@@ -182,11 +199,10 @@ class Recorder:
         tb.cur = None
         n = tb.n
         if n >= tb.cap:
-            self._rotate(tb)
-            n = 0
+            n = self._rotate(tb)
         # unpacking beats list(cur) + *row by ~190 ns a call (measured)
         t0, _, kind, name_id, comm_id, seq, peer, nbytes, aux, site_id, tid, value = cur
-        _ROW.pack_into(
+        pack_row(
             tb.buf, n * ROW_SIZE, t0, now_ns() if t1 is None else t1,
             kind, name_id, comm_id, seq, peer, nbytes, aux, site_id, tid, value,
         )
@@ -198,12 +214,18 @@ class Recorder:
             f = sys._getframe(depth)
         except ValueError:
             return 0
+        return self.site_of(f)
+
+    def site_of(self, f: Any) -> int:
+        """String id of frame ``f``'s current ``file:line``."""
         # keyed by the bytecode offset: f_lineno is computed from the line
         # table on every access, f_lasti is a plain field (~150 ns less a call)
-        key = (f.f_code, f.f_lasti)
+        c = f.f_code
+        key = (id(c), f.f_lasti)
         i = self._sites.get(key)
         if i is None:
-            i = self.intern(f"{f.f_code.co_filename}:{f.f_lineno}")
+            self._site_codes[id(c)] = c
+            i = self.intern(f"{c.co_filename}:{f.f_lineno}")
             self._sites[key] = i
         return i
 

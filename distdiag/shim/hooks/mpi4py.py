@@ -59,10 +59,11 @@ Rows (see ``distdiag.schema``)
   t1 when it returned, so the time a rank waits for the others at launch is
   recorded (``distdiag.slurm.rank_busy_until``). COMM_SELF's is an instant.
 
-Wrappers are generated with the wrapped method's own signature (see
-:func:`_gen`), falling back to ``(*args, **kw)`` ones if a signature is not
-what we expect. Cost: ``benchmarks/bench_intercept.py``. Bookkeeping never
-raises into the program; results and exceptions of the MPI calls pass through.
+Wrappers are generated from one template with the wrapped method's own
+signature (see :func:`_make`), falling back to ``(*args, **kw)`` ones from
+the same template if a signature is not what we expect. Cost:
+``benchmarks/bench_intercept.py``. Bookkeeping never raises into the
+program; results and exceptions of the MPI calls pass through.
 
 Not recorded: persistent (``*_init``) and partitioned requests,
 ``Isendrecv*``, probes, one-sided (``Win``) and ``MPI.File`` calls, and
@@ -74,6 +75,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
 import zlib
 from typing import Any, Callable
@@ -82,7 +84,10 @@ from numpy import ndarray as _ndarray
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
+from distdiag.shim.recorder import ROW_SIZE as _ROW_SIZE
 from distdiag.shim.recorder import now_ns
+from distdiag.shim.recorder import now_ns as _now
+from distdiag.shim.recorder import pack_row as _pack
 
 log = logging.getLogger(__name__)
 
@@ -349,23 +354,26 @@ _ICOLL_SPECS: dict[str, _CollSpec] = {_iname(k): v for k, v in _COLL_SPECS.items
 _ICOLL_SPECS["ibarrier"] = (None, None, None, True)
 
 
-def _payload(spec: _CollSpec, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[int, int, int]:
-    """(nbytes, aux, root) of a collective call."""
-    prim, alt, root_at, obj = spec
-    root = _arg(args, kw, root_at[0], root_at[1], 0) if root_at is not None else -1
-    if prim is None:
-        return 0, 0, root
-    if obj:
-        return _obj_nbytes(_arg(args, kw, prim[0], prim[1], None)), _ids.obj, root
-    b = _arg(args, kw, prim[0], prim[1], None)
-    if (b is None or b is _mpi.IN_PLACE) and alt is not None:
-        nb, aux = _spec_info(_arg(args, kw, alt[0], alt[1], None), alt[2])
-    else:
-        nb, aux = _spec_info(b, prim[2])
-    return nb, aux, root
-
-
-# -- wrapper factories ---------------------------------------------------------------
+# -- the wrapper generator -----------------------------------------------------------
+# Every collective and point-to-point wrapper is compiled from one template
+# (:func:`_make`): the call's own parameter list when ``inspect.signature``
+# reads mpi4py's Cython method as we expect (arguments are locals; the
+# original is called positionally with the very default objects), else
+# ``(self, *args, **kw)`` with the same body reading the arguments through
+# ``_arg`` (the fallback; tests/test_mpi_hook.py checks both give the same rows).
+#
+# The hot path, per call, as measured in benchmarks/bench_intercept.py:
+# * the row is written inline with the Recorder's protocol (see
+#   distdiag.shim.recorder): ``tb.cur`` holds the open row while the call
+#   runs (so a rank killed inside it shows it in flight) and after it one
+#   ``pack_row`` writes t0, t1 and the fields from locals. No
+#   ``rec.enter``/``rec.leave`` method calls, no re-read of the open row.
+# * the call site: a per-wrapper dict ``f_lasti -> (code, site id)`` of the
+#   caller's frame, checked by code identity (an int-keyed lookup; the
+#   Recorder's own cache is the miss path). Cleared at every install.
+# * names, comm keys and constants are closure cells or default-free globals
+#   read once; the recorder's name id sits in ``cell`` with the recorder it
+#   belongs to.
 def _name_cell(name: str) -> list[Any]:
     """[name id, recorder it belongs to]: a wrapper's cached op-name id."""
     return [0, None]
@@ -377,6 +385,17 @@ def _bind_name(cell: list[Any], name: str, rec: Any) -> int:
     return cell[0]  # type: ignore[no-any-return]
 
 
+#: every generated wrapper's call-site cache (f_lasti -> (code, site id)); install() clears them
+_site_caches: list[dict[int, tuple[Any, int]]] = []
+
+
+def _site_miss(sites: dict[int, tuple[Any, int]], f: Any, rec: Any) -> int:
+    """The call site of frame ``f`` (the wrapper's caller), cached in ``sites``."""
+    i = rec.site_of(f)
+    sites[f.f_lasti] = (f.f_code, i)
+    return i  # type: ignore[no-any-return]
+
+
 def _finish_wrapper(wrapper: Callable[..., Any], name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__name__ = wrapper.__qualname__ = name
     wrapper.__doc__ = getattr(orig, "__doc__", None)
@@ -384,154 +403,13 @@ def _finish_wrapper(wrapper: Callable[..., Any], name: str, orig: Callable[..., 
     return wrapper
 
 
-def _mk_coll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[..., Any]:
-    """A blocking collective: enter/leave so a killed rank shows it in flight.
-
-    Three shapes, because every attribute lookup here is paid on each call:
-    no arguments (Barrier), one pickled object (allreduce(1)), buffers.
-    Everything the hot path needs is a closure variable or a local.
-    """
-    cell = _name_cell(name)
-    prim, _alt, root_at, obj = spec
-
-    if prim is None and root_at is None:
-
-        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
-            rec = _rec
-            if rec is None:
-                return orig(self, *args, **kw)
-            try:
-                st = self._dd
-                seq = st.seq
-                st.seq = seq + 1
-                rec.enter(
-                    COLL,
-                    cell[0] if cell[1] is rec else _bind_name(cell, name, rec),
-                    st.kid if st.rec is rec else st.bind(rec),
-                    seq,
-                    -1,
-                    0,
-                    0,
-                    rec.site(2),
-                )
-            except Exception:
-                _oops(name)
-            try:
-                return orig(self, *args, **kw)
-            finally:
-                try:
-                    rec.leave()
-                except Exception:
-                    _oops(name)
-
-        return _finish_wrapper(wrapper, name, orig)
-
-    if obj and root_at is None and prim is not None:
-        kwname = prim[1]
-
-        def wrapper_obj(self: Any, *args: Any, **kw: Any) -> Any:
-            rec = _rec
-            if rec is None:
-                return orig(self, *args, **kw)
-            try:
-                st = self._dd
-                seq = st.seq
-                st.seq = seq + 1
-                o = args[0] if args else kw.get(kwname)
-                t = type(o)
-                rec.enter(
-                    COLL,
-                    cell[0] if cell[1] is rec else _bind_name(cell, name, rec),
-                    st.kid if st.rec is rec else st.bind(rec),
-                    seq,
-                    -1,
-                    0 if (t is int or t is float) else _obj_nbytes(o),
-                    _ids.obj,
-                    rec.site(2),
-                )
-            except Exception:
-                _oops(name)
-            try:
-                return orig(self, *args, **kw)
-            finally:
-                try:
-                    rec.leave()
-                except Exception:
-                    _oops(name)
-
-        return _finish_wrapper(wrapper_obj, name, orig)
-
-    def wrapper_buf(self: Any, *args: Any, **kw: Any) -> Any:
-        rec = _rec
-        if rec is None:
-            return orig(self, *args, **kw)
-        try:
-            st = self._dd
-            seq = st.seq
-            st.seq = seq + 1
-            nb, aux, root = _payload(spec, args, kw)
-            rec.enter(
-                COLL,
-                cell[0] if cell[1] is rec else _bind_name(cell, name, rec),
-                st.kid if st.rec is rec else st.bind(rec),
-                seq,
-                root,
-                nb,
-                aux,
-                rec.site(2),
-            )
-        except Exception:
-            _oops(name)
-        try:
-            return orig(self, *args, **kw)
-        finally:
-            try:
-                rec.leave()
-            except Exception:
-                _oops(name)
-
-    return _finish_wrapper(wrapper_buf, name, orig)
-
-
-def _mk_icoll(name: str, orig: Callable[..., Any], spec: _CollSpec) -> Callable[..., Any]:
-    """A non-blocking collective: the returned request carries the row to finish."""
-
-    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
-        rec = _rec
-        if rec is None:
-            return orig(self, *args, **kw)
-        info = None
-        try:
-            st = self._dd
-            seq = st.seq
-            st.seq = seq + 1
-            nb, aux, root = _payload(spec, args, kw)
-            info = [COLL_ASYNC, _ids.names.get(name) or _nid(name), _kid(st, rec), seq, root, nb, aux, rec.site(2), 0]
-        except Exception:
-            _oops(name)
-        t0 = now_ns()
-        req = orig(self, *args, **kw)
-        if info is None:
-            return req
-        return _track(req, info, t0)
-
-    wrapper.__name__ = wrapper.__qualname__ = name
-    wrapper.__doc__ = getattr(orig, "__doc__", None)
-    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wrapper
-
-
-# -- generated wrappers with the original's exact signature -------------------------------
-# A wrapper ``def f(self, *args, **kw)`` pays for packing a tuple and a dict on
-# every call, and for fishing arguments out of them; one generated with the
-# wrapped method's own parameter list (inspect.signature works on mpi4py's
-# Cython methods) reads them as locals and calls the original positionally.
-# Same defaults (the very objects), so the call mpi4py sees is the same.
 _IN_PLACE: Any = None  # MPI.IN_PLACE, set when the module is hooked
 _Status: Any = None  # MPI.Status, likewise
+_getframe = sys._getframe
 
 
 def _params(orig: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """The original's parameters when a wrapper can take them as they are, else None."""
     try:
         ps = list(inspect.signature(orig).parameters.values())
     except (TypeError, ValueError):
@@ -543,187 +421,211 @@ def _params(orig: Callable[..., Any]) -> list[inspect.Parameter] | None:
     return ps
 
 
-_RESERVED = frozenset({"rec", "st", "seq", "peer", "nb", "aux", "t", "info", "ok", "result", "req", "t0", "orig", "cell", "NAME"})
+#: the generated body's own names (a parameter called so gets the generic wrapper)
+_RESERVED = frozenset(
+    {"rec", "st", "seq", "peer", "nb", "aux", "t", "info", "ok", "result", "req", "t0", "t1", "orig", "cell",
+     "NAME", "row", "tb", "n", "f", "s", "site", "nid", "kid", "sites", "args", "kw", "b_", "o_"}
+)  # fmt: skip
 
 
-def _gen(name: str, orig: Callable[..., Any], body: str, ps: list[inspect.Parameter], extra: dict[str, Any]) -> Callable[..., Any]:
-    """Compile ``def <name>(<orig's params>): <body>`` as a closure over ``orig``, ``extra``."""
-    defaults = {f"_d{i}": p.default for i, p in enumerate(ps) if p.default is not inspect.Parameter.empty}
-    sig = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}=_d{i}" for i, p in enumerate(ps))
-    call = ", ".join(p.name for p in ps)
-    free = ["orig", "cell", "NAME", *defaults, *extra]
-    src = f"def _factory({', '.join(free)}):\n    def {name}({sig}):\n" + body.replace("CALL", call) + f"    return {name}\n"
-    ns: dict[str, Any] = {}
-    exec(compile(src, f"<distdiag mpi4py wrapper {name}>", "exec"), globals(), ns)
-    fn = ns["_factory"](orig, _name_cell(name), name, *defaults.values(), *extra.values())
-    return _finish_wrapper(fn, name, orig)
+# A p2p spec: (kind, buffer (index, kwname) or None, peer (index, kwname),
+# object-mode?, status index or -1)
+_P2PSpec = tuple[int, "tuple[int, str] | None", "tuple[int, str]", bool, int]
 
 
-def _payload_src(spec: _CollSpec, ps: list[inspect.Parameter]) -> str | None:
-    """Source lines setting ``peer, nb, aux`` from the parameters, or None if the names disagree."""
+class _Args:
+    """How the generated body reads argument ``i`` called ``kw``: a local, or ``_arg`` (generic)."""
+
+    def __init__(self, ps: list[inspect.Parameter] | None) -> None:
+        self.names = [p.name for p in ps[1:]] if ps is not None else None
+
+    def __call__(self, i: int, kw: str, default: str) -> str | None:
+        if self.names is None:
+            return f"_arg(args, kw, {i}, {kw!r}, {default})"
+        return kw if i < len(self.names) and self.names[i] == kw else None
+
+
+def _payload_src(spec: _CollSpec, at: _Args, peer_default: str) -> list[str] | None:
+    """Lines setting ``peer, nb, aux`` from the arguments, or None if the names disagree."""
     prim, alt, root_at, obj = spec
-    names = [p.name for p in ps[1:]]
-
-    def at(i: int, kw: str) -> str | None:
-        return kw if i < len(names) and names[i] == kw else None
-
-    ind = " " * 12
-    lines = []
     if root_at is None:
-        lines.append("peer = -1")
+        lines = ["peer = -1"]
     else:
-        r = at(*root_at)
+        r = at(root_at[0], root_at[1], peer_default)
         if r is None:
             return None
-        lines.append(f"peer = {r}")
+        lines = [f"peer = {r}"]
     if prim is None:
-        lines.append("nb = 0")
-        lines.append("aux = 0")
-    elif obj:
-        o = at(prim[0], prim[1])
-        if o is None:
-            return None
-        lines += [f"t = type({o})", f"nb = 0 if (t is int or t is float) else _obj_nbytes({o})", "aux = _ids.obj"]
-    else:
-        b = at(prim[0], prim[1])
-        if b is None:
-            return None
-        if alt is not None:
-            a = at(alt[0], alt[1])
-            if a is None:
-                return None
-            lines += [
-                f"if {b} is None or {b} is _IN_PLACE:",
-                f"    nb, aux = _spec_info({a}, {alt[2]})",
-                "else:",
-                f"    nb, aux = _spec_info({b}, {prim[2]})",
-            ]
-        else:
-            lines.append(f"nb, aux = _spec_info({b}, {prim[2]})")
-    return "".join(ind + ln + "\n" for ln in lines)
+        return lines + ["nb = 0", "aux = 0"]
+    b = at(prim[0], prim[1], "None")
+    if b is None:
+        return None
+    if obj:
+        return lines + [f"o_ = {b}", "t = type(o_)", "nb = 0 if (t is int or t is float) else _obj_nbytes(o_)", "aux = _ids.obj"]
+    if alt is None:
+        return lines + [f"nb, aux = _spec_info({b}, {prim[2]})"]
+    a = at(alt[0], alt[1], "None")
+    if a is None:
+        return None
+    return lines + [
+        f"b_ = {b}",
+        "if b_ is None or b_ is _IN_PLACE:",
+        f"    nb, aux = _spec_info({a}, {alt[2]})",
+        "else:",
+        f"    nb, aux = _spec_info(b_, {prim[2]})",
+    ]
 
 
-_HEAD = """\
+_TEMPLATE = """\
         rec = _rec
         if rec is None:
             return orig(CALL)
-"""
-_IDS = "cell[0] if cell[1] is rec else _bind_name(cell, NAME, rec), st.kid if st.rec is rec else st.bind(rec)"
-
-_BLOCKING = (
-    _HEAD
-    + """\
+        row = None
         try:
             st = self._dd
-{seq}{payload}            rec.enter({kind}, {ids}, {seqv}, peer, nb, aux, rec.site(2))
+{prepare}
+            f = _getframe(1)
+            s = sites.get(f.f_lasti)
+            site = s[1] if s is not None and s[0] is f.f_code else _site_miss(sites, f, rec)
+            nid = cell[0] if cell[1] is rec else _bind_name(cell, NAME, rec)
+            kid = st.kid if st.rec is rec else st.bind(rec)
+{open}
         except Exception:
             _oops(NAME)
+{call}
+"""
+_SEQ = "seq = st.seq\nst.seq = seq + 1"
+# a blocking call: the open row in tb.cur while it runs
+_OPEN_ROW = """\
+            try:
+                tb = rec._local.tb
+            except AttributeError:
+                tb = rec._tb()
+            t0 = _now()
+            row = tb.cur = (t0, -1, KIND, nid, kid, SEQ, peer, nb, aux, site, tb.tid, 0.0)"""
+_WRITE_ROW = """\
+                    tb.cur = None
+                    n = tb.n
+                    if n >= tb.cap:
+                        n = rec._rotate(tb)
+                    _pack(tb.buf, n * _ROW_SIZE, t0, t1, KIND, nid, kid, SEQ, peer, nb, aux, site, tb.tid, 0.0)
+                    tb.n = n + 1"""
+_CALL_BLOCKING = f"""\
         try:
             return orig(CALL)
         finally:
-            try:
-                rec.leave()
-            except Exception:
-                _oops(NAME)
-"""
-)
-_ASYNC = (
-    _HEAD
-    + """\
-        info = None
-        try:
-            st = self._dd
-{seq}{payload}            info = [{kind}, {ids}, {seqv}, peer, nb, aux, rec.site(2), 0]
-        except Exception:
-            _oops(NAME)
-        t0 = now_ns()
-        req = orig(CALL)
-        if info is None:
-            return req
-        return _track(req, info, t0)
-"""
-)
-_SEQ = """\
-            seq = st.seq
-            st.seq = seq + 1
-"""
-
-
-def _gen_coll(name: str, orig: Callable[..., Any], spec: _CollSpec, blocking: bool) -> Callable[..., Any] | None:
-    ps = _params(orig)
-    if ps is None:
-        return None
-    payload = _payload_src(spec, ps)
-    if payload is None:
-        return None
-    tmpl = _BLOCKING if blocking else _ASYNC
-    body = tmpl.format(seq=_SEQ, payload=payload, kind="COLL" if blocking else "COLL_ASYNC", ids=_IDS, seqv="seq")
-    return _gen(name, orig, body, ps, {})
-
-
-_RECV_BODY = (
-    _HEAD
-    + """\
-        info = None
-        try:
-            st = self._dd
-{payload}            rec.enter(RECV, {ids}, -1, peer, nb, aux, rec.site(2))
-            info = peer
-            if peer == _any_source and status is None:
-                status = _Status()  # to learn the actual source; mpi4py fills it
-        except Exception:
-            _oops(NAME)
+            if row is not None:
+                try:
+                    t1 = _now()
+{_WRITE_ROW}
+                except Exception:
+                    _oops(NAME)"""
+# a receive learns its source (ANY_SOURCE) and a pickled one its size only on return
+_CALL_RECV = f"""\
         ok = False
         try:
             result = orig(CALL)
             ok = True
             return result
         finally:
-            try:
-                if ok and info is not None and ({obj} or info == _any_source):
-                    _amend_leave(rec, status.Get_source() if info == _any_source else info, {nb_after})
-                else:
-                    rec.leave()
-            except Exception:
-                _oops(NAME)
-"""
-)
+            if row is not None:
+                try:
+                    t1 = _now()
+                    if ok:
+                        if peer == _any_source and status is not None:
+                            peer = status.Get_source()
+{{nb_after}}
+{_WRITE_ROW}
+                except Exception:
+                    _oops(NAME)"""
+# a non-blocking call: the request carries the row, finished at its completion
+_OPEN_ASYNC = "            row = [KIND, nid, kid, SEQ, peer, nb, aux, site, 0]"
+_CALL_ASYNC = """\
+        t0 = _now()
+        req = orig(CALL)
+        if row is None:
+            return req
+        return _track(req, row, t0)"""
 
 
-def _amend_leave(rec: Any, peer: int, nb: int) -> None:
-    """``rec.leave()``, with the peer and size a receive learns only on return.
+def _indent(lines: list[str], n: int = 12) -> str:
+    return "\n".join(" " * n + ln for ln in lines)
 
-    The open row sits in the recorder's per-thread ``cur`` tuple (t0, t1, kind,
-    name_id, comm_id, seq, peer, nbytes, ...); we replace its peer and nbytes.
+
+def _make(name: str, orig: Callable[..., Any], kind: int, spec: _CollSpec, *, generic: bool = False,
+          seq: bool = True, status_at: int = -1) -> Callable[..., Any] | None:  # fmt: skip
+    """Compile the wrapper of one collective or point-to-point call (see the section comment).
+
+    ``kind``: COLL / SEND (blocking: an open row while it runs), RECV
+    (blocking, peer and size amended on return), or COLL_ASYNC / SEND_ASYNC /
+    RECV_ASYNC (the returned request finishes the row). ``seq``: a
+    collective (numbered per communicator). ``status_at``: a receive's
+    ``status`` argument index. Returns None where the exact signature is
+    not what ``spec`` expects and ``generic`` is False.
     """
-    tb = rec._local.tb
-    cur = tb.cur
-    if cur is not None:
-        tb.cur = cur[:6] + (peer, nb if nb >= 0 else cur[7]) + cur[8:]
-    rec.leave()
-
-
-def _gen_p2p(name: str, orig: Callable[..., Any], spec: tuple[int, tuple[int, str] | None, tuple[int, str], bool, int]) -> Callable[..., Any] | None:
-    """Point-to-point calls except Sendrecv (generic)."""
-    kind, bspec, pspec, obj, st_at = spec
-    ps = _params(orig)
-    if ps is None:
+    ps = None if generic else _params(orig)
+    if ps is None and not generic:
         return None
-    cspec: _CollSpec = ((bspec[0], bspec[1], False) if bspec is not None else None, None, pspec, obj)
-    payload = _payload_src(cspec, ps)
-    if payload is None:
+    at = _Args(ps)
+    peer_default = "0" if seq else "_any_source"
+    lines = _payload_src(spec, at, peer_default)
+    if lines is None:
         return None
-    if bspec is None:  # recv/irecv(buf=None, ...): size known on return / at completion
-        payload += " " * 12 + "aux = _ids.obj\n"
+    if seq:
+        lines = _SEQ.split("\n") + lines
+    if spec[0] is None and not seq:  # recv/irecv(buf=None): the size is known on return / at completion
+        lines.append("aux = _ids.obj")
+    nb_after = ""
     if kind == RECV:
-        if len(ps) <= st_at + 1 or ps[st_at + 1].name != "status":
-            return None
-        body = _RECV_BODY.format(payload=payload, ids=_IDS, obj=str(obj), nb_after="_obj_nbytes(result)" if obj else "-1")
-        return _gen(name, orig, body, ps, {})
-    is_async = kind in (SEND_ASYNC, RECV_ASYNC)
-    kname = {SEND: "SEND", SEND_ASYNC: "SEND_ASYNC", RECV_ASYNC: "RECV_ASYNC"}[kind]
-    body = (_ASYNC if is_async else _BLOCKING).format(seq="", payload=payload, kind=kname, ids=_IDS, seqv="-1")
-    return _gen(name, orig, body, ps, {})
+        if ps is not None:
+            if len(ps) <= status_at + 1 or ps[status_at + 1].name != "status":
+                return None
+            lines += ["if peer == _any_source and status is None:", "    status = _Status()  # mpi4py fills in the actual source"]
+        else:
+            lines += [
+                f"status = _arg(args, kw, {status_at}, 'status', None)",
+                f"if peer == _any_source and status is None and len(args) <= {status_at}:",
+                "    status = _Status()  # mpi4py fills in the actual source",
+                "    kw = dict(kw, status=status)",
+            ]
+        nb_after = " " * 24 + ("nb = _obj_nbytes(result)" if spec[3] else "pass")
+    if kind in (COLL_ASYNC, SEND_ASYNC, RECV_ASYNC):
+        opened, call = _OPEN_ASYNC, _CALL_ASYNC
+    else:
+        opened, call = _OPEN_ROW, (_CALL_RECV.format(nb_after=nb_after) if kind == RECV else _CALL_BLOCKING)
+    body = _TEMPLATE.format(prepare=_indent(lines), open=opened, call=call)
+    body = body.replace("KIND", str(kind)).replace("SEQ", "seq" if seq else "-1")
+    if ps is None:
+        sig = call_args = "self, *args, **kw"
+        defaults: dict[str, Any] = {}
+    else:
+        defaults = {f"_d{i}": p.default for i, p in enumerate(ps) if p.default is not inspect.Parameter.empty}
+        sig = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}=_d{i}" for i, p in enumerate(ps))
+        call_args = ", ".join(p.name for p in ps)
+    free = ["orig", "cell", "NAME", "sites", *defaults]
+    src = f"def _factory({', '.join(free)}):\n    def {name}({sig}):\n" + body.replace("CALL", call_args) + f"\n    return {name}\n"
+    ns: dict[str, Any] = {}
+    exec(compile(src, f"<distdiag mpi4py wrapper {name}>", "exec"), globals(), ns)
+    sites: dict[int, tuple[Any, int]] = {}
+    _site_caches.append(sites)
+    fn = ns["_factory"](orig, _name_cell(name), name, sites, *defaults.values())
+    return _finish_wrapper(fn, name, orig)
+
+
+def _wrap_coll(name: str, orig: Callable[..., Any], spec: _CollSpec, blocking: bool) -> Callable[..., Any]:
+    kind = COLL if blocking else COLL_ASYNC
+    fn = _make(name, orig, kind, spec) or _make(name, orig, kind, spec, generic=True)
+    assert fn is not None  # the generic wrapper always compiles
+    return fn
+
+
+def _wrap_p2p(name: str, orig: Callable[..., Any], pspec: _P2PSpec) -> Callable[..., Any]:
+    kind, bspec, peer_at, obj, st_at = pspec
+    spec: _CollSpec = ((bspec[0], bspec[1], False) if bspec is not None else None, None, peer_at, obj)
+    fn = _make(name, orig, kind, spec, seq=False, status_at=st_at)
+    fn = fn or _make(name, orig, kind, spec, generic=True, seq=False, status_at=st_at)
+    assert fn is not None
+    return fn
 
 
 def _track(req: Any, info: list[Any], t0: int) -> Any:
@@ -738,9 +640,7 @@ def _track(req: Any, info: list[Any], t0: int) -> Any:
         return req
 
 
-# p2p specs: name -> (kind, buffer (index, kwname) or None, peer (index, kwname),
-# object-mode?, status index or -1)
-_P2P_SPECS: dict[str, tuple[int, tuple[int, str] | None, tuple[int, str], bool, int]] = {
+_P2P_SPECS: dict[str, _P2PSpec] = {
     "Send": (SEND, (0, "buf"), (1, "dest"), False, -1),
     "Ssend": (SEND, (0, "buf"), (1, "dest"), False, -1),
     "Bsend": (SEND, (0, "buf"), (1, "dest"), False, -1),
@@ -760,98 +660,6 @@ _P2P_SPECS: dict[str, tuple[int, tuple[int, str] | None, tuple[int, str], bool, 
     "ibsend": (SEND_ASYNC, (0, "obj"), (1, "dest"), True, -1),
     "irecv": (RECV_ASYNC, None, (1, "source"), True, -1),
 }
-
-
-def _p2p_size(bspec: tuple[int, str] | None, obj: bool, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[int, int]:
-    if bspec is None:
-        return 0, (_ids.obj if obj else 0)
-    b = _arg(args, kw, bspec[0], bspec[1], None)
-    if obj:
-        return _obj_nbytes(b), _ids.obj
-    return _spec_info(b, False)
-
-
-def _finish(rec: Any, t0: int, kind: int, nid: int, kid: int, peer: int, nb: int, aux: int, site: int) -> None:
-    """Like ``rec.leave()`` but with the peer / size learned only after the call.
-
-    The Recorder's ``leave`` writes the row ``enter`` opened; a receive from
-    ANY_SOURCE learns its source (and a pickled receive its size) only on
-    return, so we drop the open row and add the finished one.
-    """
-    try:
-        rec._local.tb.cur = None
-    except AttributeError:
-        pass
-    rec.add(t0, now_ns(), kind, nid, kid, -1, peer, nb, aux, site)
-
-
-def _mk_p2p(name: str, orig: Callable[..., Any], spec: tuple[int, tuple[int, str] | None, tuple[int, str], bool, int]) -> Callable[..., Any]:
-    kind, bspec, pspec, obj, st_at = spec
-    is_async = kind in (SEND_ASYNC, RECV_ASYNC)
-    is_recv = kind == RECV
-
-    def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
-        rec = _rec
-        if rec is None:
-            return orig(self, *args, **kw)
-        info = None
-        try:
-            st = self._dd
-            nid = _ids.names.get(name) or _nid(name)
-            kid = _kid(st, rec)
-            peer = _arg(args, kw, pspec[0], pspec[1], _any_source)
-            nb, aux = _p2p_size(bspec, obj, args, kw)
-            site = rec.site(2)
-            if is_async:
-                info = [kind, nid, kid, -1, peer, nb, aux, site, 0]
-            else:
-                t0 = rec.enter(kind, nid, kid, -1, peer, nb, aux, site)
-                info = [t0, nid, kid, peer, nb, aux, site]
-        except Exception:
-            _oops(name)
-        if is_async:
-            t0 = now_ns()
-            req = orig(self, *args, **kw)
-            return req if info is None else _track(req, info, t0)
-        if not is_recv or info is None:
-            try:
-                return orig(self, *args, **kw)
-            finally:
-                try:
-                    rec.leave()
-                except Exception:
-                    _oops(name)
-        # a blocking receive: learn the actual source of ANY_SOURCE from a status
-        status = None
-        if info[3] == _any_source:
-            try:
-                status = _arg(args, kw, st_at, "status", None)
-                if status is None and len(args) <= st_at:
-                    status = _mpi.Status()
-                    kw = dict(kw, status=status)
-            except Exception:
-                _oops(name)
-        ok = False
-        try:
-            result = orig(self, *args, **kw)
-            ok = True
-            return result
-        finally:
-            try:
-                peer = info[3]
-                if status is not None and ok:
-                    peer = status.Get_source()
-                nb = info[4]
-                if obj and ok:
-                    nb = _obj_nbytes(result)
-                _finish(rec, info[0], RECV, info[1], info[2], peer, nb, info[5], info[6])
-            except Exception:
-                _oops(name)
-
-    wrapper.__name__ = wrapper.__qualname__ = name
-    wrapper.__doc__ = getattr(orig, "__doc__", None)
-    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wrapper
 
 
 def _mk_sendrecv(name: str, orig: Callable[..., Any], obj: bool, replace: bool) -> Callable[..., Any]:
@@ -1221,16 +1029,13 @@ def _build_classes(MPI: Any) -> dict[str, type]:
         # the generic (*args, **kw) ones otherwise
         for name, spec in _COLL_SPECS.items():
             if hasattr(base, name):
-                f = getattr(base, name)
-                ns[name] = _gen_coll(name, f, spec, True) or _mk_coll(name, f, spec)
+                ns[name] = _wrap_coll(name, getattr(base, name), spec, True)
         for name, spec in _ICOLL_SPECS.items():
             if hasattr(base, name):
-                f = getattr(base, name)
-                ns[name] = _gen_coll(name, f, spec, False) or _mk_icoll(name, f, spec)
+                ns[name] = _wrap_coll(name, getattr(base, name), spec, False)
         for name, pspec in _P2P_SPECS.items():
             if hasattr(base, name):
-                f = getattr(base, name)
-                ns[name] = _gen_p2p(name, f, pspec) or _mk_p2p(name, f, pspec)
+                ns[name] = _wrap_p2p(name, getattr(base, name), pspec)
         for name, obj, replace in (("Sendrecv", False, False), ("sendrecv", True, False), ("Sendrecv_replace", False, True)):
             if hasattr(base, name):
                 ns[name] = _mk_sendrecv(name, getattr(base, name), obj, replace)
@@ -1293,8 +1098,10 @@ def install(rec: Any, cfg: Any = None) -> None:
     global _rec
     if _rec is not None:
         uninstall()
-    _rec = rec
     _ids.bind(rec)
+    for sites in _site_caches:  # site ids belong to a recorder
+        sites.clear()
+    _rec = rec
     _hooks.when_imported(_MODULE, _on_import)
 
 
