@@ -1,6 +1,6 @@
 """Cost of the per-rank breakdown with exposed DDP bucket time, and of the per-step breakdown, side by side.
 
-    python benchmarks/bench_breakdown.py [--ranks 16] [--steps 20000] [--reps 3] [--baseline REV]
+    python benchmarks/bench_breakdown.py [--ranks 16] [--steps 20000] [--reps 3] [--baseline REV] [--mpi]
 
 A synthetic DDP run (vectorized, written through the shim's writer): per rank
 and step a loader wait, forward, backward with 3 gradient buckets (COLL_ASYNC,
@@ -10,6 +10,9 @@ step. Timed on the same aligned run, in alternating blocks, CPU time
 (default: the commit before exposed/per-step, loaded with ``git show``), the
 breakdown now (per rank and, from the same intervals, per step), ``step_breakdown``
 alone (its cache cleared: what a run without ``breakdown()`` pays) and ``per_step_json``.
+``--mpi``: instead, the MPI run of ``tests/factories.make_run`` (an all-reduce and
+a file read per iteration, no async collective, no STEP row): what the new
+rules cost a job that has nothing for them.
 """
 
 from __future__ import annotations
@@ -94,10 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--baseline", default="14c896f~1")
+    ap.add_argument("--mpi", action="store_true", help="time on make_run's MPI run instead of the DDP one")
     ns = ap.parse_args(argv)
     base = _baseline(ns.baseline)
     with tempfile.TemporaryDirectory() as tmp:
-        n = write_ddp_run(Path(tmp) / "run", ns.ranks, ns.steps)
+        if ns.mpi:
+            sys.path.insert(0, str(REPO / "tests"))
+            from factories import make_run
+
+            make_run(Path(tmp) / "run", world_size=ns.ranks, iters=ns.steps, io_ms=0.1, slow_rank=1, slow_ms=1.0)
+            n = ns.ranks * ns.steps * 2
+        else:
+            n = write_ddp_run(Path(tmp) / "run", ns.ranks, ns.steps)
         run = align(load_run(Path(tmp) / "run"))
         colls = collectives_of(run)
         print(f"run: {ns.ranks} ranks x {ns.steps} steps = {n:,} events")

@@ -352,8 +352,8 @@ def _tally(key: np.ndarray, iv: dict[str, np.ndarray], n_keys: int) -> dict[str,
     busy = union_ns(k, a, b, n_keys)
     ex = iv["exposed"]
     exposed = union_ns(key[ex], t0[ex], t1[ex], n_keys)
-    # the async spans' time outside every category = |spans U busy| - |busy|
-    overlapped = np.maximum(0.0, union_ns(key, t0, t1, n_keys) - busy)
+    # the async spans' time outside every category = |spans U busy| - |busy| (no spans: none; MPI runs skip the sort)
+    overlapped = np.maximum(0.0, union_ns(key, t0, t1, n_keys) - busy) if not own.all() else np.zeros(n_keys)
     return {"per_cat": per_cat, "busy": busy, "exposed": exposed, "overlapped": overlapped}
 
 
