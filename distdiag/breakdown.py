@@ -19,7 +19,8 @@ Columns (seconds, per rank, between the rank's shim start and end):
   (forward, backward, optimizer, ``distdiag.phase``) count as compute, minus
   the calls recorded inside them and minus exposed communication.
 
-These seven (``COLUMNS``) add up to ``wall_s``. Two more columns are
+These seven (``COLUMNS``) add up to ``wall_s`` (more only where two threads
+ran calls of different categories at once, see below). Two more columns are
 information only and are *not* part of that sum (``INFO_COLUMNS``):
 
 * ``comm_exposed_s``: the exposed part of non-blocking collectives; already
@@ -47,6 +48,9 @@ like a blocking collective: while one of the buckets still in flight lacked a
 member rank's launch (matched by comm key and seq), the rank waits for others
 (``comm_wait_s``: [c, L), L the latest such moment); after that, transfer
 (``comm_transfer_s``: [L, Y)).
+What the rule cannot see: autograd work after the last launch (gradients of
+inputs that are not parameters) counts as exposed while a bucket is in flight,
+and a backward whose buckets were all done before it ended shows none.
 Non-blocking spans outside a backward phase are not exposed here: where the
 program blocked on them it did so in a ``Work.wait``/``MPI_Wait`` row, which
 stays in ``other_s`` as before.
