@@ -310,25 +310,44 @@ def _int_attr(attrs: Any, name: str, default: Any = None) -> Any:
         return default
 
 
-def _read_table(f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[str]) -> np.ndarray:
-    """A dataset as ``dtype``; rows up to the first unreadable block if damaged."""
+def _read_table(f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[str], refresh: bool = True) -> np.ndarray:
+    """A dataset as ``dtype``; rows up to the first unreadable block if damaged.
+
+    ``refresh``: see rows a still-running writer appended since the open (SWMR);
+    not needed for a file its writer closed. Cost per call matters at 16k rank
+    files: h5py's ``shape``/``dtype`` properties and slicing each cost tens of
+    microseconds, so each is asked once, and a healthy table of up to
+    ``_READ_BLOCK_ROWS`` rows is read with one low-level read."""
     if name not in f:
         return np.zeros(0, dtype)
     ds = f[name]
     shape = getattr(ds, "shape", None)
-    names = getattr(getattr(ds, "dtype", None), "names", None) or ()
-    if shape is None or len(shape) != 1 or not set(names) & set(dtype.names or ()):
+    ds_dtype = getattr(ds, "dtype", None)
+    names = getattr(ds_dtype, "names", None) or ()
+    if ds_dtype is None or shape is None or len(shape) != 1 or not set(names) & set(dtype.names or ()):
         warnings.append(f"{fname}: /{name} is not a table of {name} rows (corrupt, or written by another tool); ignored")
         return np.zeros(0, dtype)
-    try:
-        ds.refresh()  # SWMR: see rows appended since open
-    except Exception:
-        pass
-    n = int(ds.shape[0]) if ds.shape else 0
-    cap = _max_rows(f, ds.dtype.itemsize)
+    if refresh:
+        try:
+            ds.refresh()  # SWMR: see rows appended since open
+            shape = ds.shape
+        except Exception:
+            pass
+    n = int(shape[0]) if shape else 0
+    cap = _max_rows(f, ds_dtype.itemsize)
     if n > cap:
         warnings.append(f"{fname}: /{name} claims {n} rows, more than the file can hold (corrupt header); reading {cap}")
         n = cap
+    if n <= _READ_BLOCK_ROWS and n == int(shape[0]):
+        import h5py
+
+        whole = np.empty(n, ds_dtype)
+        try:
+            if n:
+                ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, whole)
+            return _as_dtype(whole, dtype)
+        except _H5_ERRORS:
+            pass  # damaged: the block-wise read below keeps what it can
     parts = []
     got = 0
     for lo in range(0, n, _READ_BLOCK_ROWS):  # one iteration per million rows
@@ -349,7 +368,11 @@ def _read_table(f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[s
         got += len(block)
     if not parts:
         return np.zeros(0, dtype)
-    raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return _as_dtype(parts[0] if len(parts) == 1 else np.concatenate(parts), dtype)
+
+
+def _as_dtype(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``raw`` with the fields of ``dtype`` (missing ones zero)."""
     if raw.dtype == dtype:
         return raw
     out = np.zeros(len(raw), dtype)
@@ -428,21 +451,23 @@ def _read_rank(path: Path, warnings: list[str]) -> _RankData | str:
             if "events" not in f or "strings" not in f:
                 return f"{fname} lacks the /events or /strings table (corrupt, or killed before its first flush); skipped"
 
-            events = _read_table(f, "events", EVENT_DTYPE, fname, warnings)
+            # A file its writer closed gets no more rows: no SWMR refresh (4 per file otherwise).
+            live = not bool(_attr(attrs, "closed_cleanly", False))
+            events = _read_table(f, "events", EVENT_DTYPE, fname, warnings, refresh=live)
             strings = _read_strings(f, fname, warnings)
             if isinstance(strings, str):
                 return strings
             if len(strings) == 0:
                 strings = np.array([""], dtype=object)
-            sync = _read_table(f, "clock_sync", SYNC_DTYPE, fname, warnings)
-            inflight = _read_table(f, "inflight", EVENT_DTYPE, fname, warnings)
-            gpu = _read_table(f, "gpu", GPU_DTYPE, fname, warnings)
+            sync = _read_table(f, "clock_sync", SYNC_DTYPE, fname, warnings, refresh=live)
+            inflight = _read_table(f, "inflight", EVENT_DTYPE, fname, warnings, refresh=live)
+            gpu = _read_table(f, "gpu", GPU_DTYPE, fname, warnings, refresh=live)
 
             mono0 = _int_attr(attrs, "mono_ns_at_start")
             wall0 = _int_attr(attrs, "wall_ns_at_start")
             end = _int_attr(attrs, "end_mono_ns")
             last_flush = _int_attr(attrs, "last_flush_mono_ns")
-            closed = bool(_attr(attrs, "closed_cleanly", False))
+            closed = not live
             has_ev = len(events) > 0
             ev_t0 = int(events["t0_ns"].min()) if has_ev else None
             ev_t1 = int(max(events["t1_ns"].max(), events["t0_ns"].max())) if has_ev else None
