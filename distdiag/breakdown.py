@@ -49,8 +49,7 @@ member rank's launch (matched by comm key and seq), the rank waits for others
 (``comm_wait_s``: [c, L), L the latest such moment); after that, transfer
 (``comm_transfer_s``: [L, Y)).
 What the rule cannot see: autograd work after the last launch (gradients of
-inputs that are not parameters) counts as exposed while a bucket is in flight,
-and a backward whose buckets were all done before it ended shows none.
+inputs that are not parameters) counts as exposed while a bucket is in flight.
 Non-blocking spans outside a backward phase are not exposed here: where the
 program blocked on them it did so in a ``Work.wait``/``MPI_Wait`` row, which
 stays in ``other_s`` as before.
