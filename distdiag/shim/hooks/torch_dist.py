@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
+from distdiag.shim import recorder as _recorder
 from distdiag.shim.recorder import Recorder, now_ns
 
 log = logging.getLogger(__name__)
@@ -198,44 +199,58 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], idx: dict[str, int], nam
 
 
 _cb_lock = threading.Lock()
-#: (recorder, the one ThreadBuffer that callback threads without a buffer of their own share);
+#: (recorder, the one ThreadBuffer every future callback writes into, under _cb_lock);
 #: kept across uninstall/install with the same recorder, so re-installing makes no new chunk
 _cb_buffer: tuple[Recorder, Any] | None = None
+_pack = getattr(_recorder, "pack_row", None) or _recorder._ROW.pack_into
+
+
+def _shared_buffer(rec: Recorder) -> Any:
+    """A recorder buffer of its own for future callbacks, made by a short-lived thread.
+
+    ``rec._tb()`` makes, registers and returns the calling thread's buffer; a
+    helper thread calls it so that no thread's own slot is touched.
+    """
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(rec._tb()), name="distdiag-callback-buffer", daemon=True)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def _callback_buffer(rec: Recorder) -> Any:
+    """The shared callback buffer of ``rec``, made on first use. Call with _cb_lock held."""
+    global _cb_buffer
+    ent = _cb_buffer
+    if ent is None or ent[0] is not rec:
+        ent = _cb_buffer = (rec, _shared_buffer(rec))
+    return ent[1]
 
 
 def _add_from_callback(rec: Recorder, row: tuple[Any, ...], t1: int) -> None:
-    """Record ``row`` (t0 first, no t1) finished at ``t1`` from a future callback.
+    """Record ``row`` (t0 first, no t1) finished at ``t1`` from a future callback. Never raises.
 
-    A backend's callback thread (gloo's workers) is a C++ thread: pybind11
-    gives it a fresh Python thread state each time it takes the GIL and drops
-    it afterwards, and with it every ``threading.local``. A plain ``rec.add``
-    there found no buffer each time and made a new one: a 16384-row chunk
-    (1.1 MB zeroed, ~200 us) per completed Work, kept in ``rec.buffers`` for the
-    rest of the run (measured: 79 buffers after 79 DDP buckets). Instead such
-    threads share one buffer, taken under a lock (only they write it, one at a
-    time: the recorder's one-writer-per-buffer rule holds). A thread that has a
-    buffer of its own (the callback ran inline on the program's thread because
-    the future had already completed) records into its own.
-
-    Uses the recorder's ``_local``/``_tb`` (the thread-local slot and its
-    factory): the recorder has no public way to lend a buffer. Never raises.
+    Every callback writes into one shared buffer, one at a time under a lock
+    (the recorder's rule, one writer per buffer, holds), following the
+    recorder's inline-row protocol (pack, then publish ``n``). Why not
+    ``rec.add``: a backend's callback thread (gloo's workers) is a C++ thread
+    that pybind11 gives a fresh Python thread state each time it takes the GIL
+    and drops afterwards, and with it every ``threading.local``. ``rec.add``
+    there found no buffer each time and made one: a 16384-row chunk (1.1 MB
+    zeroed, ~200 us) per completed Work, kept for the rest of the run
+    (measured: 79 buffers after 79 DDP buckets). Even touching a thread-local
+    in such a fresh thread state costs ~35 us of CPU (first access: the state's
+    dict and the local's per-thread dict are made), so this path touches none.
     """
-    global _cb_buffer
     try:
-        loc = rec._local
-        if getattr(loc, "tb", None) is not None:
-            rec.add(row[0], t1, *row[1:])
-            return
         with _cb_lock:
-            ent = _cb_buffer
-            if ent is None or ent[0] is not rec:
-                _cb_buffer = (rec, rec._tb())  # makes, registers and lends it
-            else:
-                loc.tb = ent[1]
-            try:
-                rec.add(row[0], t1, *row[1:])
-            finally:
-                del loc.tb  # the next thread state on this OS thread must not inherit it
+            tb = _callback_buffer(rec)
+            n = tb.n
+            if n >= tb.cap:
+                rec._rotate(tb)
+                n = 0
+            _pack(tb.buf, n * _recorder.ROW_SIZE, row[0], t1, *row[1:], tb.tid, 0.0)
+            tb.n = n + 1  # publish after the row is complete
     except Exception:
         pass
 
@@ -558,6 +573,8 @@ def _attach_ddp(ddp: Any) -> None:
         div=int(pg.size()),
         as_view=bool(getattr(ddp, "gradient_as_bucket_view", False)),
     )
+    with _cb_lock:  # made now, on the program's thread, not by the first bucket's callback
+        _callback_buffer(rec)
     _original("_register_comm_hook")(reducer, st, _bucket_hook)
     _ddp_states[ddp] = st
 
