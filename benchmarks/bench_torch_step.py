@@ -1,17 +1,26 @@
-"""DDP step time with and without distdiag's torch hooks, side by side in one run.
+"""DDP step time under distdiag's torch hooks against torch's own variants, side by side in one run.
 
-    python benchmarks/bench_torch_step.py [--nproc 4] [--width 1024] [--blocks 12] [--steps 10]
-    python benchmarks/bench_torch_step.py --micro      # ns added per module call / collective, 1 process
+    python benchmarks/bench_torch_step.py [--nproc 4] [--width 1024] [--blocks 12] [--steps 10] [--variants ...]
+    python benchmarks/bench_torch_step.py --micro      # ns per module call / collective, us per DDP bucket, 1 process
 
 The launcher starts itself under ``torchrun --standalone``. Every rank builds
-two identical DDP models: one while the hooks are installed (it carries the
-bucket-recording comm hook) and one without. It then alternates blocks of
-``--steps`` training steps (DataLoader, forward, backward, SGD step): a block
-on the plain model with the hooks uninstalled, a block on the hooked model
-with the torch_dist and phases hooks installed and a real ``Writer`` flushing
-the rows to an HDF5 file in the background, as under ``distdiag-wrap``.
-Alternating blocks cancel the drift of a shared machine's load; the figure is
-the ratio of the median step times (target <= 1.01).
+one identical DDP model per variant (``VARIANTS``): ``builtin`` (no comm hook,
+no distdiag), ``cpp_hook`` (torch's C++ allreduce hook: what having any comm
+hook costs), ``py_hook`` (a minimal Python hook doing what the built-in does),
+``buckets`` (distdiag's bucket-recording hook), ``full`` (+ the phases hook),
+``no_buckets`` (``DISTDIAG_DDP_BUCKETS=0``). It then runs blocks of
+``--steps`` training steps (DataLoader, forward, backward, SGD step), one
+block per variant per round, rotating and reversing the order each round so
+that no variant always follows another; distdiag's hooks are installed only
+around their variants' blocks, and a real ``Writer`` flushes the rows to an
+HDF5 file in the background throughout, as under ``distdiag-wrap``.
+
+Figures: the ratio of each rank's median step to its median ``builtin`` step,
+median over ranks, for wall time and for process CPU time (which counts the
+backend's threads). On a shared, oversubscribed machine the wall ratio swings
+by +-10 % between runs; the CPU ratio is the steadier one. Every variant
+trains the same steps from the same weights, so the losses are compared
+exactly ("same": bit-identical to ``builtin`` on every rank).
 """
 
 from __future__ import annotations

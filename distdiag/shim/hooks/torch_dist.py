@@ -28,6 +28,22 @@ What is recorded, and how:
   (N = DDP construction order, the same on every rank) so their sequence numbers
   stay consistent whatever Python-level collectives the program interleaves.
 
+  What it costs (``benchmarks/bench_torch_step.py``, 2-core machine): nearly
+  all of it is the price of having *a* comm hook, which the recording cannot
+  avoid. With any hook the Reducer copies gradients into the bucket unscaled,
+  so the 1/world scaling is a second pass over the bucket (~0.4 ms of CPU per
+  4 MB here; torch's own C++ allreduce hook pays it too), and a Python hook
+  adds a GIL hand-off and a ``then`` callback per bucket (~25 us). Recording on
+  top of that is ~9 us per bucket. Ruled out, measured: sampling steps (the
+  Reducer takes one hook for its lifetime, so unsampled steps would still pay
+  the hook and save only those ~9 us, while the analyzer would lose per-step
+  rows); a Python kernel for ``c10d::allreduce_`` at the Autograd key, which
+  would keep the built-in path (+72 us CPU on *every* allreduce of the process,
+  more than a hook costs on a GPU); a ``ProcessGroup`` subclass (the Reducer
+  never calls Python); DDP's runtime logging (averages per DDP, no per-bucket
+  rows to match across ranks); a bucket's completion time without a callback
+  (gloo Works have no duration; a Python hook must return a ``then`` future).
+
 Process-group key (the ``comm_id`` string, identical on every rank): ``default``
 for the world group, ``pg<name>`` for others, where ``<name>`` is torch's own
 ``group_name`` (a creation counter that every rank advances in step, since every
