@@ -18,9 +18,30 @@ times of analysis rank 0 (read / gather / assemble / analyze).
 ``--shim`` measures the shim's writer at scale first: file bytes per million
 events and the flush's CPU per event, as a share of a busy rank's time.
 
+``--baseline DIR --repeat N`` measures each size with another checkout too
+(e.g. ``git worktree add /tmp/wt <old commit>``; it is put first on
+PYTHONPATH, never installed), alternating A B / B A blocks in this one run,
+and prints the ratios of the best CPU runs.
+
 Sizes whose events exceed ``--max-events`` are skipped with a note: the
-analyzer holds the whole run in memory (~310 bytes of peak RSS per event,
+analyzer holds the whole run in memory (~250-290 bytes of peak RSS per event,
 measured), and a run that would not fit must not take the shared machine down.
+
+Measured (issue 10, 2-core machine at load 4-9, ``--grid 256x10000,1024x10000
+--baseline <worktree of 53bae35> --repeat 2``, best CPU run of each)::
+
+    size          events      CPU s  before -> after     peak RSS  before -> after
+    256 x 10k     2.56 M       7.4 -> 5.4  (1.37x)          732 -> 725 MB
+    1024 x 10k   10.27 M      37.9 -> 26.4 (1.44x)         2837 -> 2567 MB (1.20x); 276 -> 250 B/event
+
+Per stage at 1024 x 10k (``/proc/self/clear_refs`` between stages; live RSS
+after matching 1781 -> 1119 MB): read 6.0 / 6.8 s CPU (~5 ms a rank file,
+then the rows), assemble 1.5 -> 1.2 s and 73 -> 0 B/event extra, align 8.5 ->
+4.0 s and a 135 -> 51 B/event transient, match 3.2 -> 0 s (align's match is
+reused), collective_mismatch 1.7 -> 0.04 s; the peak is now distdiag.breakdown's
+transient (+147 B/event over the live set, 6.8 s); serial_section +64 B/event,
+2.8 s; straggler 2.5 s. Extrapolated: 1,024 x 100,000 events would take ~250 s
+of CPU and ~25 GB (target 60 s, 4 GB): see distdiag/run.py for what comes next.
 """
 
 from __future__ import annotations
@@ -129,8 +150,9 @@ def _ensure_run(base: Path, ranks: int, events: int) -> tuple[Path, dict]:
     return d, json.loads(meta.read_text())
 
 
-def _measure(argv: list[str], timeout: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _measure(argv: list[str], timeout: float, tree: Path = REPO) -> dict:
+    """Run ``argv`` with ``tree``'s distdiag first on the path; its last JSON line."""
+    env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     got = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     outer = time.perf_counter() - t0
@@ -147,6 +169,13 @@ def _size(s: str) -> tuple[int, int]:
     return int(r), int(float(m))
 
 
+def _print_row(label: str, res: dict) -> None:
+    print(f"{label:9}{res['ranks']:>6} x {res['events']:>7,} = {res['total']:>12,} events: wall {res['wall_s']:7.1f} s, "
+          f"cpu {res['cpu_s']:7.1f} s ({res['cpu_s'] / res['total'] * 1e6:.2f} µs/event), peak RSS "
+          f"{res['rss_mb']:7.0f} MB ({res['rss_mb'] * 1e6 / res['total']:.0f} B/event), "
+          f"verdict {res['verdict']} (load {res['load']:.1f})", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", default="16x10000,64x10000,256x10000,1024x1000,1024x10000,16x100000,64x100000")
@@ -156,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-events", type=float, default=2e7)
     ap.add_argument("--timeout", type=float, default=3000)
     ap.add_argument("--shim", action="store_true", help="also measure the shim writer at scale")
+    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an older commit): "
+                    "each size is measured with both trees, alternating, in this one run")
+    ap.add_argument("--repeat", type=int, default=1, help="measurements per tree and size (alternating blocks)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-parallel", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
@@ -171,20 +203,27 @@ def main(argv: list[str] | None = None) -> int:
         ranks, events = _size(spec)
         if ranks * events > ns.max_events:
             print(f"{spec}: skipped ({ranks * events:.2e} events > --max-events {ns.max_events:.0e}: "
-                  f"~{ranks * events * 310 / 1e9:.0f} GB of RSS)", flush=True)  # fmt: skip
+                  f"~{ranks * events * 280 / 1e9:.0f} GB of RSS)", flush=True)  # fmt: skip
             continue
         d, truth = _ensure_run(ns.base, ranks, events)
-        res = _measure([sys.executable, __file__, "--child", str(d)], ns.timeout)
-        res.update(ranks=ranks, events=events, total=truth["total_events"], disk_gb=truth["bytes_on_disk"] / 1e9,
-                   load=os.getloadavg()[0])  # fmt: skip
-        rows.append(res)
-        if "error" in res:
-            print(f"{spec}: FAILED {res['error']}", flush=True)
-            continue
-        print(f"{ranks:>6} x {events:>7,} = {res['total']:>12,} events: wall {res['wall_s']:7.1f} s, "
-              f"cpu {res['cpu_s']:7.1f} s ({res['cpu_s'] / res['total'] * 1e6:.2f} µs/event), peak RSS "
-              f"{res['rss_mb']:7.0f} MB ({res['rss_mb'] * 1e6 / res['total']:.0f} B/event), "
-              f"verdict {res['verdict']} (load {res['load']:.1f})", flush=True)  # fmt: skip
+        trees = [("", REPO)] + ([("baseline ", ns.baseline.resolve())] if ns.baseline else [])
+        best: dict[str, dict] = {}
+        for i in range(ns.repeat):  # alternating blocks: A B, B A, ...
+            for label, tree in trees if i % 2 == 0 else trees[::-1]:  # one or two trees
+                res = _measure([sys.executable, __file__, "--child", str(d)], ns.timeout, tree)
+                res.update(ranks=ranks, events=events, total=truth["total_events"],
+                           disk_gb=truth["bytes_on_disk"] / 1e9, load=os.getloadavg()[0], tree=label)  # fmt: skip
+                rows.append(res)
+                if "error" in res:
+                    print(f"{label}{spec}: FAILED {res['error']}", flush=True)
+                    continue
+                _print_row(label, res)
+                if label not in best or res["cpu_s"] < best[label]["cpu_s"]:
+                    best[label] = res
+        if len(best) == 2:
+            new, old = best[""], best["baseline "]
+            print(f"{'':8}{ranks}x{events}: baseline / this tree: cpu {old['cpu_s'] / new['cpu_s']:.2f}x, "
+                  f"peak RSS {old['rss_mb'] / new['rss_mb']:.2f}x (best of {ns.repeat} each)", flush=True)  # fmt: skip
 
     if ns.parallel:
         ranks, events = _size(ns.parallel)

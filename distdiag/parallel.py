@@ -25,6 +25,25 @@ and the detectors still run on analysis rank 0 over the whole run, so the
 speed-up is bounded by the share of the reading in the total (Amdahl), and
 rank 0 still needs the memory of the whole run.
 
+What comes next (design, not built; see also distdiag/run.py):
+
+* Clock model: each analysis rank fits its ranks' sync rows (independent per
+  rank; the exit fallback needs the matched collectives, so it stays on the
+  owners below), maps its own rows in place, and ships aligned rows.
+* Matching by sequence ranges: the collective rows are the only cross-rank
+  input. Each analysis rank sends each (comm, seq) row to the owner of that
+  seq range (``block_of`` over seq, one ``Alltoallv`` of the collective
+  columns, ~45 B a row); owners run ``match_collectives`` on their ranges
+  (groups never straddle owners: a group is one (comm, seq)).
+* Per-rank stages (breakdown unions, input/h2d/io/metadata detectors) run
+  where the rank's rows were read; their per-rank partials are gathered (a
+  few numbers per rank). Group stages (straggler, serial section, mismatch,
+  hang) run on each owner's groups plus the last group of the previous range
+  (straggler's inherited lateness looks one seq back); findings are reduced
+  on rank 0 and ranked there, as now.
+* Byte-identical output is kept by reducing in (comm, seq) / rank order and
+  rendering only on rank 0, as the serial path orders them.
+
 Errors: a problem that leaves nothing to analyze is raised on rank 0 as
 :class:`DistdiagError` (the CLI prints one line); the other ranks return
 quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs.

@@ -20,6 +20,35 @@ with what is there.
 
 Timestamps stay in each rank's own clock until :func:`distdiag.clocks.align`
 maps them onto rank 0's timeline (``run.aligned`` says which).
+
+Memory (measured with benchmarks/bench_scale.py and a per-stage probe, issue 10):
+the table is 73 bytes an event and the analysis holds it to the end. Loading
+packs each rank's rows into it as the file is read (:class:`_Packer`: no
+per-rank arrays + concatenated copy), ``pipeline.analyze`` maps the clocks in
+place (``align(inplace=True)``) and matches collectives once (~53 bytes per
+collective row, kept: the detectors share it). The rest of the peak is
+transient: distdiag.breakdown (~140 B/event at 2.6 M events) and
+serial_section (~45 B/event). At ~200-280 B/event one machine holds ~10^8
+events in 24 GB: 1,024 x 100,000 does not fit in 4 GB, 16,384 x 10,000 not
+in 24 GB; both need what comes next.
+
+What comes next (design, not built):
+
+1. A narrower table: a dense core every stage reads (t0, t1, rank, kind,
+   name_id, comm_id, site_id: ~37 B) and sparse side columns only for the
+   kinds that use them (seq/peer/nbytes/aux of collectives and p2p, value of
+   STEP, nbytes/aux of file events), ~40-45 B/event in all. Lossless, but every
+   detector that reads ``run.events[col]`` for those columns must go through an
+   accessor, so it is one change across the detectors.
+2. Streaming by rank, two passes over the files. Pass 1 reads each rank's
+   clock-sync rows and collective rows only and fits the clock model (it needs
+   nothing else). Pass 2 reads a rank, maps its times, and computes everything
+   per rank from that slice (breakdown unions, input/h2d/io/metadata
+   partials), keeping only its collective rows (the match's input, ~45 B per
+   collective row) before dropping the rank. Cross-rank stages (match,
+   straggler, serial section, mismatch, hang) then run on the collectives
+   table alone. Peak: collectives + one rank, so 1,024 x 100,000 (half of it
+   collectives) would need ~2.3 GB; the price is reading each file twice.
 """
 
 from __future__ import annotations
