@@ -1,0 +1,69 @@
+"""load_run's packed table (run._Packer) and the in-place analysis give the same results as copies.
+
+The loader copies each rank's rows into one buffer as it reads; the table is
+that buffer when ranks come in file order, and a copy otherwise (files named
+out of rank order). The capacity comes from the file sizes; a buffer that is
+too small grows and re-points what it handed out. All three paths must give
+the very same table, and ``analyze_run(inplace=True)`` the same report as the
+copying one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distdiag.run as run_mod
+from distdiag.config import Config
+from distdiag.pipeline import analyze_run
+from distdiag.render import render
+from distdiag.run import load_run
+from distdiag.schema import rank_file_name
+from factories import make_run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pack") / "r"
+    make_run(d, iters=40, io_ms=0.5, clock_offsets_ms=[0, 700.0, -300.0, 20.0], slow_rank=2, slow_ms=3.0, shuffle_strings=True)
+    return d
+
+
+def test_the_packed_table_is_the_buffer_and_equals_a_grown_one(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = load_run(run_dir)
+    assert ref.events.base is not None  # a view of the packing buffer: no copy was made
+    monkeypatch.setattr(run_mod, "_capacity_rows", lambda files: 1)  # forces the buffer to grow on every rank
+    grown = load_run(run_dir)
+    assert grown.events.base is not None  # still the (grown) buffer, not a copy: the views were re-pointed
+    np.testing.assert_array_equal(grown.events, ref.events)
+    assert grown.warnings == ref.warnings
+
+
+def test_files_named_out_of_rank_order_give_the_same_table(run_dir: Path, tmp_path: Path) -> None:
+    ref = load_run(run_dir)
+    d = tmp_path / "swapped"
+    d.mkdir()
+    # rank 1's file named as rank 3's and the other way round: file order is no longer rank order
+    names = {0: 0, 1: 3, 2: 2, 3: 1}
+    for r, as_r in names.items():
+        shutil.copy(run_dir / rank_file_name(r), d / rank_file_name(as_r))
+    got = load_run(d)
+    assert got.events.base is None  # the fallback: copied into rank order
+    np.testing.assert_array_equal(got.events, ref.events)
+    assert sorted(got.ranks) == [0, 1, 2, 3]
+
+
+def test_inplace_analysis_gives_the_copying_analysis_report(run_dir: Path) -> None:
+    cfg = Config()
+    copied = json.loads(render(analyze_run(load_run(run_dir), cfg), "json"))
+    raw = load_run(run_dir)
+    t0_before = raw.events["t0_ns"].copy()
+    kept = analyze_run(raw, cfg)  # the default copies: the input run stays raw
+    np.testing.assert_array_equal(raw.events["t0_ns"], t0_before)
+    inplace = json.loads(render(analyze_run(load_run(run_dir), cfg, inplace=True), "json"))
+    assert inplace == copied == json.loads(render(kept, "json"))
+    assert [f["ranks"] for f in copied["findings"] if f["kind"] == "straggler"] == [[2]], "rank 2 is slow: the report must name it"
