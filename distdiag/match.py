@@ -159,13 +159,29 @@ def _empty(strings: np.ndarray) -> Collectives:
     )  # fmt: skip
 
 
+#: The event fields match_collectives reads.
+_MATCH_FIELDS = ("t0_ns", "t1_ns", "kind", "name_id", "comm_id", "seq", "peer", "nbytes", "site_id", "aux", "rank")
+#: Rows per block of :func:`_gather` (4.7 MB of 73-byte rows: stays in cache).
+_GATHER_ROWS = 1 << 16
+
+
+def _gather(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """``{f: tab[f][idx]}`` for every field, in one pass over the rows (blocks of whole rows)."""
+    out = {f: np.empty(len(idx), tab.dtype[f]) for f in fields}
+    for lo in range(0, len(idx), _GATHER_ROWS):  # per block of 65,536 rows
+        sub = tab[idx[lo : lo + _GATHER_ROWS]]
+        for f in fields:  # a dozen fields
+            out[f][lo : lo + len(sub)] = sub[f]
+    return out
+
+
 def match_collectives(run: Run) -> Collectives:
     """Group every collective row (finished or in flight) by (comm key, seq).
 
-    Memory: the working set is a few int64 columns per collective row, never
-    a copy of the event table. Each needed field is gathered once, straight
-    from the event table in the final (group, arrival) order; the int64 keys
-    are built in place and dropped as soon as the order is known.
+    Memory: the working set is a few columns per collective row (~60 bytes),
+    never a copy of the event table. The fields are gathered in one pass, then
+    each is put in (group, arrival) order and its table-order copy dropped;
+    the int64 keys are built in place and dropped once the order is known.
     """
     kinds = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
     ev, inf = run.events, run.inflight
@@ -178,12 +194,19 @@ def match_collectives(run: Run) -> Collectives:
     if n == 0:
         return _empty(run.strings)
 
+    # Every field match needs, gathered in ONE pass over the selected rows in
+    # blocks that stay in cache (a strided gather per field re-read each 73-byte
+    # row once per field: 12 passes, 1.1 s of 1.8 at 2.6 M events, measured).
+    got = _gather(ev, sel_idx, _MATCH_FIELDS)
+    if len(inf_idx):
+        got_inf = _gather(inf, inf_idx, _MATCH_FIELDS)
+        got = {f: np.concatenate([got[f], got_inf[f]]) for f in _MATCH_FIELDS}
+
     def col(f: str, at: np.ndarray | None = None) -> np.ndarray:
-        """Field ``f`` of the collective rows (events, then in-flight rows), in order ``at``."""
-        if not len(inf_idx):
-            return ev[f][sel_idx if at is None else sel_idx[at]]
-        both = np.concatenate([ev[f][sel_idx], inf[f][inf_idx]])
-        return both if at is None else both[at]
+        """Field ``f`` of the collective rows (events, then in-flight rows), in order ``at``;
+        each field is taken once (its table-order copy is dropped)."""
+        rows = got.pop(f)
+        return rows if at is None else rows[at]
 
     t0_raw = col("t0_ns")
     rank = col("rank").astype(np.int64)
@@ -215,7 +238,7 @@ def match_collectives(run: Run) -> Collectives:
         keep = np.zeros(n, bool)
         keep[o2[first]] = True
         order = order[keep[order]]
-    del rkey, t0_raw
+    del rkey
 
     # Communicator membership: every rank that ever used the key (from the
     # distinct (comm, seq, rank) keys: one small unique, not one over every row).
@@ -242,9 +265,10 @@ def match_collectives(run: Run) -> Collectives:
     last_idx = g_start[1:] - 1
     second_idx = np.maximum(last_idx - 1, starts)
     n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
-    rows = {f: col(f, order) for f in ("t0_ns", "t1_ns", "kind", "name_id", "peer", "nbytes", "site_id", "aux")}
+    rows = {f: col(f, order) for f in ("t1_ns", "kind", "name_id", "peer", "nbytes", "site_id", "aux")}
+    rows["t0_ns"] = t0_raw[order]
     rows["rank"] = rank[order]
-    del rank, order
+    del rank, order, t0_raw, got
 
     # Op: the most common name among members; mismatch when any member differs.
     op = rows["name_id"]
