@@ -7,7 +7,9 @@ The launcher starts itself under ``torchrun --standalone``. Every rank builds
 one identical DDP model per variant (``VARIANTS``): ``builtin`` (no comm hook,
 no distdiag), ``cpp_hook`` (torch's C++ allreduce hook: what having any comm
 hook costs), ``py_hook`` (a minimal Python hook doing what the built-in does),
-``buckets`` (distdiag's bucket-recording hook), ``full`` (+ the phases hook),
+``buckets`` (distdiag's bucket capture: for a CPU DDP the allreduce kernel),
+``buckets_hook`` (the same through distdiag's comm hook, as for CUDA DDPs),
+``full`` (+ the phases hook),
 ``no_buckets`` (``DISTDIAG_DDP_BUCKETS=0``). It then runs blocks of
 ``--steps`` training steps (DataLoader, forward, backward, SGD step), one
 block per variant per round, rotating and reversing the order each round so
@@ -26,6 +28,7 @@ exactly ("same": bit-identical to ``builtin`` on every rank).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,13 +39,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 
 VARIANTS = {
     "builtin": "DDP as torch ships it: no comm hook, no distdiag hook",
     "cpp_hook": "torch's own C++ allreduce comm hook (what any comm hook costs: the unscaled copy + a div pass)",
     "py_hook": "a Python comm hook doing what the builtin does (div_, allreduce, then)",
-    "buckets": "distdiag torch_dist only: the bucket-recording comm hook",
+    "buckets": "distdiag torch_dist only: bucket capture (a CPU DDP: the allreduce kernel, no comm hook)",
+    "buckets_hook": "distdiag torch_dist only, bucket capture forced through distdiag's comm hook",
     "full": "distdiag torch_dist + phases (as under distdiag-wrap)",
     "no_buckets": "distdiag torch_dist + phases, DDP_BUCKETS=0 (no comm hook)",
 }
@@ -91,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         return pg.allreduce([buf]).get_future().then(first)
 
     def on(v: str) -> None:
-        if v in ("buckets", "full", "no_buckets"):
+        if v in ("buckets", "buckets_hook", "full", "no_buckets"):
             torch_dist.install(rec, cfg_nb if v == "no_buckets" else cfg)
         if v in ("full", "no_buckets"):
             phases.install(rec, cfg)
@@ -102,13 +107,17 @@ def worker(args: argparse.Namespace) -> None:
 
     models: dict[str, torch.nn.Module] = {}
     for v in names:
+        # every model on a group of its own, made the same way: distdiag records one DDP per
+        # group with its kernel (others get the hook), and a fresh group can run faster than the default
+        pg = dist.new_group(list(range(world)))
         on(v)
-        m = DDP(model())
+        with mock.patch.object(torch_dist, "_ensure_kernel", lambda: False) if v == "buckets_hook" else contextlib.nullcontext():
+            m = DDP(model(), process_group=pg)
         off(v)
         if v == "cpp_hook":
             m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
         elif v == "py_hook":
-            m.register_comm_hook(dist.group.WORLD, py_hook)
+            m.register_comm_hook(pg, py_hook)
         models[v] = m
     data = torch.utils.data.TensorDataset(torch.randn(args.steps * 16, args.width), torch.randn(args.steps * 16, args.width))
     wall: dict[str, list[float]] = {v: [] for v in names}
@@ -204,7 +213,7 @@ def micro() -> None:
 
 
 def micro_buckets(rec: Any, layers: int = 16, width: int = 128, steps: int = 200, rounds: int = 7) -> None:
-    """CPU time per DDP bucket, 1 rank: the builtin path, torch's C++ hook, a Python hook, distdiag's.
+    """CPU time per DDP bucket, 1 rank: the builtin path, torch's C++ hook, a Python hook, distdiag's two ways.
 
     One bucket per layer (``bucket_cap_mb`` below a layer's size), 64 KB each:
     small enough that the per-bucket fixed cost (hook call, callback, row)
@@ -228,10 +237,11 @@ def micro_buckets(rec: Any, layers: int = 16, width: int = 128, steps: int = 200
 
     cap = width * width * 4 / 2**20 * 0.9
     models = {}
-    for v in ("builtin", "cpp_hook", "py_hook", "buckets"):
-        if v == "buckets":
+    for v in ("builtin", "cpp_hook", "py_hook", "buckets", "buckets_hook"):
+        if v.startswith("buckets"):
             torch_dist.install(rec)
-        m = DDP(model(), bucket_cap_mb=cap)
+        with mock.patch.object(torch_dist, "_ensure_kernel", lambda: False) if v == "buckets_hook" else contextlib.nullcontext():
+            m = DDP(model(), bucket_cap_mb=cap)
         torch_dist.uninstall()
         if v == "cpp_hook":
             m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
@@ -242,7 +252,7 @@ def micro_buckets(rec: Any, layers: int = 16, width: int = 128, steps: int = 200
 
     def run(v: str) -> float:
         m = models[v]
-        if v == "buckets":
+        if v.startswith("buckets"):
             torch_dist.install(rec)
         c0 = time.process_time_ns()
         for _ in range(steps):

@@ -17,32 +17,42 @@ What is recorded, and how:
   ``all_gather_object`` -> ``all_gather``) are not recorded twice.
 
 * **DDP gradient buckets** do not pass through those Python functions: the C++
-  Reducer calls the process group directly. Measured here (torch 2.13, gloo):
-  a comm hook sees every bucket. So ``DistributedDataParallel.__init__`` is
-  wrapped to register our hook on each new DDP; it replicates the Reducer's
-  built-in default (pre-divide by the group size, sum all-reduce) so the
-  gradients are bit-identical. A hook the user registers later through
-  ``register_comm_hook`` (or ``_register_builtin_comm_hook``) is not lost: it
-  becomes the inner hook that ours times. Bucket rows are ``COLL_ASYNC`` named
-  ``ddp_bucket_allreduce`` on their own communicator key ``ddp<N>:<group key>``
-  (N = DDP construction order, the same on every rank) so their sequence numbers
-  stay consistent whatever Python-level collectives the program interleaves.
+  Reducer calls the process group directly. ``DistributedDataParallel.__init__``
+  is wrapped to attach each new DDP in one of two ways:
 
-  What it costs (``benchmarks/bench_torch_step.py``, 2-core machine): nearly
-  all of it is the price of having *a* comm hook, which the recording cannot
-  avoid. With any hook the Reducer copies gradients into the bucket unscaled,
-  so the 1/world scaling is a second pass over the bucket (~0.4 ms of CPU per
+  - *DDP on CPU* (gloo): no comm hook. The Reducer keeps its built-in path
+    (results bit-identical by construction) and launches each bucket through
+    the dispatcher op ``c10d::allreduce_``, where our kernel at the
+    AutogradCPU key runs first, launches the real one and records the row
+    (:func:`_ensure_kernel` says why and what it costs). One such DDP per
+    process group; a second on the same group takes the comm hook.
+  - *Otherwise* (CUDA, or a second DDP on a group): our comm hook, which
+    replicates the Reducer's built-in default (pre-divide by the group size,
+    sum all-reduce) so the gradients are bit-identical.
+
+  A hook the user registers later through ``register_comm_hook`` is not lost:
+  it becomes the inner hook that ours times (a kernel-recorded DDP switches to
+  our hook then). ``_register_builtin_comm_hook`` on a kernel-recorded DDP is
+  torch's own (its C++ hook's all-reduce reaches the kernel); on a hooked DDP
+  its Python equivalent runs inside ours. Bucket rows are ``COLL_ASYNC`` named
+  ``ddp_bucket_allreduce`` (t0 at launch, t1 at the Work's completion) on their
+  own communicator key ``ddp<N>:<group key>`` (N = DDP construction order, the
+  same on every rank) so their sequence numbers stay consistent whatever
+  Python-level collectives the program interleaves.
+
+  What it costs (``benchmarks/bench_torch_step.py``, 2-core machine). With any
+  comm hook the Reducer copies gradients into the bucket unscaled, so the
+  1/world scaling is a second pass over the bucket (~0.2-0.4 ms of CPU per
   4 MB here; torch's own C++ allreduce hook pays it too), and a Python hook
-  adds a GIL hand-off and a ``then`` callback per bucket (~25 us). Recording on
-  top of that is ~9 us per bucket. Ruled out, measured: sampling steps (the
-  Reducer takes one hook for its lifetime, so unsampled steps would still pay
-  the hook and save only those ~9 us, while the analyzer would lose per-step
-  rows); a Python kernel for ``c10d::allreduce_`` at the Autograd key, which
-  would keep the built-in path (+72 us CPU on *every* allreduce of the process,
-  more than a hook costs on a GPU); a ``ProcessGroup`` subclass (the Reducer
+  adds GIL hand-offs and a ``then`` callback per bucket (~25-50 us); recording
+  inside the hook adds ~9 us. That floor is why CPU DDPs use the kernel (~12 us
+  per call plus a completion callback, no extra pass). Ruled out, measured:
+  sampling steps (the Reducer takes one hook for its lifetime, so unsampled
+  steps would still pay the hook floor and save only the ~9 us, while the
+  analyzer would lose per-step rows); a ``ProcessGroup`` subclass (the Reducer
   never calls Python); DDP's runtime logging (averages per DDP, no per-bucket
-  rows to match across ranks); a bucket's completion time without a callback
-  (gloo Works have no duration; a Python hook must return a ``then`` future).
+  rows to match across ranks); a completion time without a callback (gloo
+  Works have no duration; a Python hook must return a ``then`` future).
 
 Process-group key (the ``comm_id`` string, identical on every rank): ``default``
 for the world group, ``pg<name>`` for others, where ``<name>`` is torch's own
@@ -119,6 +129,7 @@ class _TLS(threading.local):
     busy = False  # inside a recorded call: calls torch makes from within it are not recorded again
     batch: list[tuple[Any, ...]] | None = None  # rows posted inside batch_isend_irecv without their own Work
     batch_site = 0
+    ddp_join = False  # inside DDP's join hook shadowing the other ranks' bucket all-reduces
 
 
 _tls = _TLS()
@@ -439,7 +450,8 @@ def _wait_name_id(rec: Recorder) -> int:
 class _DDPState:
     """Per-DDP bookkeeping; also the ``state`` our comm hook receives."""
 
-    __slots__ = ("pg", "comm_id", "name_id", "div", "as_view", "inner", "inner_state", "seq", "user_hooked", "__weakref__")
+    __slots__ = ("pg", "comm_id", "name_id", "div", "as_view", "inner", "inner_state", "seq", "user_hooked", "kernel",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self, pg: Any, comm_id: int, name_id: int, div: int, as_view: bool) -> None:
         self.pg = pg
@@ -451,6 +463,7 @@ class _DDPState:
         self.inner_state: Any = None
         self.seq = 0
         self.user_hooked = False
+        self.kernel = False  # recorded by the allreduce kernel, no comm hook (see _attach_ddp)
 
 
 def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None = None) -> Any:
@@ -470,7 +483,13 @@ def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None
         buf.div_(st.div)
     else:
         buf.mul_(1.0 / st.div)
-    fut = st.pg.allreduce([buf]).get_future()
+    tls = _tls
+    was_busy = tls.busy
+    tls.busy = True  # not a bucket of a kernel-recorded DDP on the same group
+    try:
+        fut = st.pg.allreduce([buf]).get_future()
+    finally:
+        tls.busy = was_busy
     if row is None:
         return fut.then(_first_value)
     return fut.then(functools.partial(_first_value_and_record, _REC, row))
@@ -591,8 +610,117 @@ def _attach_ddp(ddp: Any) -> None:
     )
     with _cb_lock:  # made now, on the program's thread, not by the first bucket's callback
         _callback_buffer(rec)
-    _original("_register_comm_hook")(reducer, st, _bucket_hook)
+    if getattr(ddp, "device_type", None) == "cpu" and _kernel_ddp(pg) is None and _ensure_kernel():
+        st.kernel = True
+        _kernel_pgs[id(pg)] = weakref.ref(st)
+    else:
+        _original("_register_comm_hook")(reducer, st, _bucket_hook)
     _ddp_states[ddp] = st
+
+
+# -- DDP on CPU: the Reducer's own path, recorded by an allreduce kernel --------------
+#: id(process group) -> the kernel-recorded DDP's state on it (at most one per group: its rows need
+#: one owner; a second DDP on the group gets the comm hook). Weak: a DDP's state lives as long as it.
+_kernel_pgs: dict[int, weakref.ref[_DDPState]] = {}
+
+
+def _kernel_ddp(group: Any) -> _DDPState | None:
+    r = _kernel_pgs.get(id(group))
+    st = r() if r is not None else None
+    return st if st is not None and st.pg is group else None
+_kernel_lib: Any = None
+_kernel_refs: tuple[Any, ...] = ()  # (op, keyset below autograd, ProcessGroup.unbox, Work.unbox, graph task id)
+
+
+def _ensure_kernel() -> bool:
+    """Register :func:`_allreduce_kernel` for ``c10d::allreduce_`` at the AutogradCPU key; False if torch can't.
+
+    Why, for DDP on CPU only: any comm hook makes the Reducer copy gradients
+    into the bucket unscaled, so the 1/world scaling becomes a second pass over
+    every bucket (~0.4 ms of CPU per 4 MB on the 2-core test machine, the bulk
+    of what bucket capture cost there). Without a hook the Reducer takes its
+    built-in path (scaling fused into the copy, results bit-identical by
+    construction) and calls ``c10d::allreduce_`` through the dispatcher, where
+    a kernel at the Autograd key runs first: it launches the real one
+    (``redispatch`` below autograd) and, for a DDP bucket, records the row.
+    The kernel costs ~12 us of CPU on *every* CPU allreduce of the process
+    (``bench_torch_step.py --micro``), small against a CPU all-reduce. On GPUs
+    the scaling pass is a cheap kernel and NCCL all-reduces are launched far
+    more often (tensor parallelism), so CUDA DDPs keep the comm hook.
+    """
+    global _kernel_lib, _kernel_refs
+    if _kernel_lib is not None:
+        return True
+    try:
+        import torch
+
+        op = torch.ops.c10d.allreduce_.default
+        refs = (op, torch._C._after_autograd_keyset, _dist.ProcessGroup.unbox, _dist.Work.unbox,  # type: ignore[union-attr]
+                torch._C._current_graph_task_id)  # fmt: skip
+        lib = torch.library.Library("c10d", "IMPL")
+        lib.impl("allreduce_", _allreduce_kernel, "AutogradCPU", with_keyset=True)
+    except Exception:
+        log.debug("distdiag: no allreduce kernel; DDP buckets go through a comm hook", exc_info=True)
+        return False
+    _kernel_refs, _kernel_lib = refs, lib
+    return True
+
+
+def _drop_kernel() -> None:
+    global _kernel_lib
+    lib, _kernel_lib = _kernel_lib, None
+    if lib is not None:
+        try:
+            lib._destroy()
+        except Exception:
+            log.debug("distdiag: could not remove the allreduce kernel", exc_info=True)
+
+
+def _allreduce_kernel(keyset: Any, tensors: Any, pg: Any, op: Any, sparse: Any, async_op: bool = True, timeout: int = -1) -> Any:
+    """``c10d::allreduce_`` at AutogradCPU: the real all-reduce, and a row if it is a kernel-recorded DDP's bucket.
+
+    A bucket: launched on that DDP's group, not from inside a recorded call
+    (our Python wrappers and comm hooks set ``_tls.busy``), from the autograd
+    engine (backward) or from DDP's join hook shadowing the others' buckets, on
+    a floating-point tensor (the unused-parameter map is int32).
+    """
+    refs = _kernel_refs
+    t0 = now_ns()
+    out = refs[0].redispatch(keyset & refs[1], tensors, pg, op, sparse, async_op, timeout)
+    if _kernel_pgs and not _tls.busy:
+        try:
+            _kernel_record(refs, t0, tensors, pg, out)
+        except Exception:
+            log.debug("distdiag: could not time a DDP bucket", exc_info=True)
+    return out
+
+
+def _kernel_record(refs: tuple[Any, ...], t0: int, tensors: Any, pg: Any, out: Any) -> None:
+    rec = _REC
+    if rec is None:
+        return
+    st = _kernel_ddp(refs[2](pg))
+    if st is None or not (_tls.ddp_join or refs[4]() >= 0):
+        return
+    buf = tensors[0]
+    if not buf.is_floating_point():
+        return
+    seq = st.seq
+    st.seq = seq + 1
+    aux = _dtype_ids.get(buf.dtype)
+    if aux is None:
+        aux = _dtype_id(rec, buf)
+    row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, buf.numel() * buf.element_size(), aux,
+           _user_site(rec) if _TORCH_DIR else 0)  # fmt: skip
+    refs[3](out[1]).get_future().add_done_callback(functools.partial(_record_done, rec, row))
+
+
+def _kernel_to_hook(st: _DDPState, reducer: Any, register: Callable[..., Any]) -> None:
+    """A kernel-recorded DDP gets a Python comm hook from the user: time it with ours around it."""
+    if _kernel_ddp(st.pg) is st:
+        del _kernel_pgs[id(st.pg)]
+    st.kernel = False
+    register(reducer, st, _bucket_hook)
 
 
 def _original(attr: str) -> Any:
@@ -640,10 +768,13 @@ def _make_register_comm_hook(orig: Callable[..., Any]) -> Callable[..., Any]:
 
         def capture(reducer: Any, s: Any, h: Any) -> None:
             st.inner, st.inner_state, st.user_hooked = h, s, True
+            if st.kernel:
+                _kernel_to_hook(st, reducer, cap.saved)
 
         # torch's checks and logging run unchanged; only the final registration
-        # with the Reducer (which already holds our hook) is redirected.
-        with _Capture("_register_comm_hook", capture):
+        # with the Reducer (which already holds our hook, or gets it now) is redirected.
+        cap = _Capture("_register_comm_hook", capture)
+        with cap:
             return orig(self, state, hook)
 
     register_comm_hook.__distdiag_original__ = orig  # type: ignore[attr-defined]
@@ -655,6 +786,9 @@ def _make_register_builtin(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
         st = _ddp_states.get(self)
         if st is None or st.user_hooked:
+            return orig(self, comm_hook_type)
+        if st.kernel:  # torch's C++ hook calls the group's allreduce: the kernel records it
+            st.user_hooked = True
             return orig(self, comm_hook_type)
 
         def capture(reducer: Any, t: Any) -> None:
@@ -671,6 +805,23 @@ def _make_register_builtin(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     _register_builtin_comm_hook.__distdiag_original__ = orig  # type: ignore[attr-defined]
     return _register_builtin_comm_hook
+
+
+def _make_join_shadow(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """DDP's join hook: a joined rank's shadow bucket all-reduces run outside backward; mark them."""
+
+    @functools.wraps(orig)
+    def _match_all_reduce_for_bwd_pass(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tls = _tls
+        was = tls.ddp_join
+        tls.ddp_join = True
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            tls.ddp_join = was
+
+    _match_all_reduce_for_bwd_pass.__distdiag_original__ = orig  # type: ignore[attr-defined]
+    return _match_all_reduce_for_bwd_pass
 
 
 # -- install ------------------------------------------------------------------------
@@ -701,6 +852,8 @@ def _on_torch_distributed(dist: types.ModuleType) -> None:
             _patch(work, "wait", _make_wait(work.wait))
         except (TypeError, AttributeError):
             log.debug("distdiag: Work.wait not patchable; async p2p completes unseen")
+    if _kernel_pgs:  # installed again: DDPs attached before record again
+        _ensure_kernel()
     _hooks.when_imported("torch.nn.parallel.distributed", _on_ddp_module)
 
 
@@ -716,6 +869,8 @@ def _on_ddp_module(mod: types.ModuleType) -> None:
         return
     _patch(ddp, "__init__", _make_ddp_init(ddp.__init__))
     _patch(ddp, "register_comm_hook", _make_register_comm_hook(ddp.register_comm_hook))
+    if hasattr(ddp, "_match_all_reduce_for_bwd_pass"):
+        _patch(ddp, "_match_all_reduce_for_bwd_pass", _make_join_shadow(ddp._match_all_reduce_for_bwd_pass))
     if hasattr(ddp, "_register_builtin_comm_hook"):
         _patch(ddp, "_register_builtin_comm_hook", _make_register_builtin(ddp._register_builtin_comm_hook))
 
@@ -744,6 +899,7 @@ def uninstall() -> None:
     global _REC, _installed, _ddp_count
     _REC = None
     _installed = False
+    _drop_kernel()
     while _patched:
         owner, attr, orig = _patched.pop()
         try:
