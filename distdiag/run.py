@@ -622,7 +622,10 @@ class _Packer:
     """
 
     def __init__(self, rows: int) -> None:
-        self.buf = np.empty(max(0, rows), RUN_EVENT_DTYPE)
+        try:
+            self.buf = np.empty(max(0, rows), RUN_EVENT_DTYPE)
+        except MemoryError:  # the kernel refuses the reservation (a run larger than RAM + swap): grow instead
+            self.buf = np.empty(min(max(0, rows), _READ_BLOCK_ROWS), RUN_EVENT_DTYPE)
         self.used = 0
         self.views: list[_RankData] = []
 
