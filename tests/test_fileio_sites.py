@@ -108,3 +108,25 @@ def test_a_finished_import_leaves_no_stale_site(libroot: tuple[Path, Recorder]) 
     sel = ev[(ev["name_id"] == pid) & (ev["kind"] == int(Kind.FILE_STAT))]
     got = [rec.strings.strings[int(i)] for i in sel["site_id"]][-4:]
     assert got == [f"{__file__}:{ln}" for ln in lines]
+
+
+def test_cached_call_sites_follow_the_calling_line(libroot: tuple[Path, Recorder]) -> None:
+    """The stat wrapper's own cache (by the caller's f_lasti, checked by code object): os.stat called
+    directly and os.path.exists (one library frame between) from two lines each, alternately and
+    repeatedly, name the right line on every call, also after the entries exist."""
+    root, rec = libroot
+    target = str(root / "probe.bin")
+    Path(target).write_bytes(b"x")
+    lines: list[int] = []
+    for _ in range(3):
+        lines.append(sys._getframe().f_lineno + 1)
+        os.stat(target)
+        lines.append(sys._getframe().f_lineno + 1)
+        os.path.exists(target)
+        lines.append(sys._getframe().f_lineno + 1)
+        os.stat(target)
+        lines.append(sys._getframe().f_lineno + 1)
+        os.path.exists(target)
+    ev = _events(rec)
+    sel = ev[(ev["name_id"] == rec.strings.ids[target]) & (ev["kind"] == int(Kind.FILE_STAT))]
+    assert [rec.strings.strings[int(i)] for i in sel["site_id"]] == [f"{__file__}:{ln}" for ln in lines]

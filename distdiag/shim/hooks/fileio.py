@@ -171,13 +171,16 @@ def _site() -> int:
     return _site_from(_getframe(2), None)
 
 
-def _site_from(f: Any, sites: dict[int, tuple[Any, int]] | None) -> int:
+def _site_from(f: Any, sites: dict[int, tuple[Any, int, Any, int]] | None) -> int:
     """:func:`_site`, starting the walk at frame ``f``.
 
-    ``sites``: a wrapper's own cache ``f_lasti -> (code, site id)`` of its
-    caller's frame (see :func:`_wrap_path_call`); filled when that frame is
-    the program's own, so a program that stats in a loop finds its line with
-    one int-keyed lookup and no walk.
+    ``sites``: a wrapper's own cache, by its caller's ``f_lasti``: ``(code,
+    site id, None, 0)`` when the caller is the program's own frame, ``(code,
+    site id, caller's caller's code, its f_lasti)`` when the caller is one
+    library function called by the program (``os.path.exists``). The wrapper
+    checks the code objects (and that f_lasti) before it trusts an entry, so
+    a program that stats in a loop finds its line with one int-keyed lookup
+    and no walk.
     """
     # Keyed by id(code): hashing a code object hashes its bytecode and
     # constants; _libcode holds each code object, so its id is never reused.
@@ -235,8 +238,11 @@ def _site_from(f: Any, sites: dict[int, tuple[Any, int]] | None) -> int:
                 _modsites.clear()
             for m in mods:
                 _modsites[id(m)] = (m.f_code, i)
-        elif sites is not None and f is first:
-            sites[f.f_lasti] = (c, i)
+        elif sites is not None:
+            if f is first:  # the program called the wrapper itself
+                sites[f.f_lasti] = (c, i, None, 0)
+            elif first.f_back is f:  # through one library function: os.path.exists, Path.stat
+                sites[first.f_lasti] = (first.f_code, i, c, f.f_lasti)
         return i
     except Exception:
         return 0
@@ -521,7 +527,7 @@ def _wrap_open(orig: Callable[..., Any], count: bool) -> Callable[..., Any]:
 
 def _wrap_path_call(orig: Callable[..., Any], kind: int) -> Callable[..., Any]:
     """stat / lstat: ``orig(path, *, dir_fd=None, follow_symlinks=True)``."""
-    sites: dict[int, tuple[Any, int]] = {}  # the caller's f_lasti -> (code, site id): see _site_from
+    sites: dict[int, tuple[Any, int, Any, int]] = {}  # the caller's f_lasti -> see _site_from
 
     @functools.wraps(orig)
     def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -545,7 +551,15 @@ def _wrap_path_call(orig: Callable[..., Any], kind: int) -> Callable[..., Any]:
                     try:
                         f = _getframe(1)
                         s = sites.get(f.f_lasti)
-                        site = s[1] if s is not None and s[0] is f.f_code else _site_from(f, sites)
+                        if s is not None and s[0] is f.f_code:
+                            if s[2] is None:
+                                site = s[1]
+                            else:
+                                b: Any = f.f_back
+                                hit = b is not None and b.f_code is s[2] and b.f_lasti == s[3]
+                                site = s[1] if hit else _site_from(f, sites)
+                        else:
+                            site = _site_from(f, sites)
                         try:
                             tb = _tls.tb
                         except AttributeError:
