@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scale.py [--grid 64x10000,1024x1000] [--base /tmp/distdiag-scale]
                                      [--parallel 64x10000 --ks 1,2,4] [--max-events 2e7] [--shim]
+                                     [--baseline /tmp/wt --repeat 2] [--stages 1024x10000]
 
 Each run dir is written once by ``distdiag.synth`` (straggler fault, 8 ranks
 per host; reused when its synth.json matches), then analyzed in a fresh child
@@ -27,21 +28,28 @@ Sizes whose events exceed ``--max-events`` are skipped with a note: the
 analyzer holds the whole run in memory (~250-290 bytes of peak RSS per event,
 measured), and a run that would not fit must not take the shared machine down.
 
-Measured (issue 10, 2-core machine at load 4-9, ``--grid 256x10000,1024x10000
---baseline <worktree of 53bae35> --repeat 2``, best CPU run of each)::
+Measured (issue 10, 2-core machine at load 4-12, ``--grid 256x10000,1024x10000
+--baseline <worktree of 53bae35> --repeat 2``, best CPU run of each; two runs)::
 
-    size          events      CPU s  before -> after     peak RSS  before -> after
-    256 x 10k     2.56 M       7.4 -> 5.4  (1.37x)          732 -> 725 MB
-    1024 x 10k   10.27 M      37.9 -> 26.4 (1.44x)         2837 -> 2567 MB (1.20x); 276 -> 250 B/event
+    size          events      CPU s  before -> after             peak RSS  before -> after
+    256 x 10k     2.56 M       7.4 -> 5.4 (1.37x); 8.9 -> 7.2 (1.23x)     ~730 -> ~720 MB
+    1024 x 10k   10.27 M      37.9 -> 26.4 (1.44x); 40.9 -> 30.9 (1.32x)  2837-2974 -> 2546-2567 MB (1.17-1.20x)
+                                                                          ~285 -> 248 B/event
 
-Per stage at 1024 x 10k (``/proc/self/clear_refs`` between stages; live RSS
-after matching 1781 -> 1119 MB): read 6.0 / 6.8 s CPU (~5 ms a rank file,
-then the rows), assemble 1.5 -> 1.2 s and 73 -> 0 B/event extra, align 8.5 ->
-4.0 s and a 135 -> 51 B/event transient, match 3.2 -> 0 s (align's match is
-reused), collective_mismatch 1.7 -> 0.04 s; the peak is now distdiag.breakdown's
-transient (+147 B/event over the live set, 6.8 s); serial_section +64 B/event,
-2.8 s; straggler 2.5 s. Extrapolated: 1,024 x 100,000 events would take ~250 s
-of CPU and ~25 GB (target 60 s, 4 GB): see distdiag/run.py for what comes next.
+``--stages RxM`` prints each analysis stage's CPU seconds and peak RSS
+(the high-water mark reset through ``/proc/self/clear_refs`` before each
+stage) in a fresh child, for this tree and the ``--baseline`` one.
+
+Per stage at 1024 x 10k (``--stages 1024x10000``, CPU s):
+read ~6 (~5 ms a rank file, then the rows); assemble 1.8 -> 1.3 and its
++73 B/event copy gone; align 8.7 -> 4.1 with a 139 -> 52 B/event transient
+(in place, one blocked gather); match 3.6 -> 0 (align's match is reused);
+collective_mismatch 2.6 -> 0.06; live RSS after matching 1781 -> 1119 MB.
+The peak is now distdiag.breakdown's transient (+148 B/event over the live
+set, 8.5 s of CPU; not this benchmark's code); serial_section +64 B/event,
+4.2 s; straggler 3.5 s. Extrapolated: 1,024 x 100,000 events would take
+~250-300 s of CPU and ~25 GB (target 60 s, 4 GB): see distdiag/run.py for
+what comes next.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,6 +97,85 @@ def _child(run_dir: str, parallel: bool) -> int:
             "verdict": None if top is None else [top.kind, top.ranks[:3], round(top.cost_s, 2)],
             "json_bytes": len(out), "stages": stages,
         }))  # fmt: skip
+    return 0
+
+
+def _stages_child(run_dir: str) -> int:
+    """Runs in the measured process: each stage of ``analyze`` + the JSON render with its
+    CPU seconds and its own peak RSS (the high-water mark is reset before each stage
+    through ``/proc/self/clear_refs``), printed as a table."""
+    import inspect
+
+    import numpy as np
+
+    from distdiag import clocks, pipeline
+    from distdiag import run as runmod
+    from distdiag.breakdown import breakdown
+    from distdiag.config import load_config
+    from distdiag.detectors import load_all
+    from distdiag.match import collectives_of
+    from distdiag.ranking import rank_findings
+    from distdiag.render import render
+    from distdiag.slurm import accounting_of
+
+    def vm() -> tuple[float, float]:
+        with open("/proc/self/status") as f:
+            d = {ln.split(":")[0]: ln.split()[1] for ln in f if ln.startswith("Vm")}
+        return int(d["VmRSS"]) / 1024, int(d["VmHWM"]) / 1024
+
+    rows: list[tuple[str, float, float, float, float]] = []
+
+    def stage(name: str, fn: Any, *a: Any, **k: Any) -> Any:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS to the current RSS
+        except OSError:
+            pass
+        r0, _ = vm()
+        c0 = time.process_time()
+        out = fn(*a, **k)
+        c = time.process_time() - c0
+        r1, hwm = vm()
+        rows.append((name, c, r0, r1, hwm))
+        return out
+
+    cfg = load_config()
+    p, files = runmod.rank_files_of(run_dir)
+    warnings: list[str] = []
+    # an older tree (--baseline) has no packer: it read every file, then assembled a copy
+    packer = runmod._Packer(runmod._capacity_rows(files)) if hasattr(runmod, "_Packer") else None
+
+    def read() -> list:
+        got = []
+        for fp in files:  # one per rank file
+            d = runmod._read_rank(fp, warnings)
+            if packer is not None and isinstance(d, runmod._RankData):
+                packer.take(d)
+            got.append(d)
+        return got
+
+    got = stage("read + pack", read)
+    extra = (packer,) if packer is not None else ()
+    run = stage("assemble", runmod._assemble, run_dir, p, files, got, warnings, *extra)
+    del got, packer, extra
+    kw = {"inplace": True} if "inplace" in inspect.signature(clocks.align).parameters else {}
+    run = stage("align", clocks.align, run, **kw)
+    colls = stage("match", collectives_of, run)
+    run.warnings.extend(pipeline._incomplete_warnings(run, colls))
+    sv = stage("slurm", accounting_of, run)
+    dets = load_all()
+    findings = []
+    for name in cfg.detectors or list(dets):  # one per detector
+        findings.extend(f for f in stage("det " + name, dets[name], run, cfg) if np.isfinite(float(f.cost_s)))
+    findings = stage("rank findings", rank_findings, findings, run, colls, cfg)
+    bd = stage("breakdown", breakdown, run, colls)
+    rep = pipeline.Report(run=run, findings=findings, breakdown=bd, collectives=colls, config=cfg, slurm=sv)
+    stage("render json", render, rep, "json")
+    n = max(1, len(run.events))
+    print(f"{run_dir}: {n:,} events, {sum(r[1] for r in rows):.1f} s of CPU, peak RSS {max(r[4] for r in rows):.0f} MB")
+    print(f"{'stage':28s} {'cpu s':>7s} {'ns/event':>8s} {'RSS before':>10s} {'after':>7s} {'peak':>7s} {'peak-before':>11s}")
+    for name, c, r0, r1, hwm in rows:  # a few dozen stages
+        print(f"{name:28s} {c:7.2f} {c / n * 1e9:8.0f} {r0:10.0f} {r1:7.0f} {hwm:7.0f} {(hwm - r0) * 1048576 / n:8.1f} B/ev")
     return 0
 
 
@@ -188,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an older commit): "
                     "each size is measured with both trees, alternating, in this one run")
     ap.add_argument("--repeat", type=int, default=1, help="measurements per tree and size (alternating blocks)")
+    ap.add_argument("--stages", default="", help="RxM run: CPU and peak RSS of each analysis stage (a fresh child, "
+                    "also with --baseline)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-stages", help=argparse.SUPPRESS)
     ap.add_argument("--child-parallel", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.child:
         return _child(ns.child, ns.child_parallel)
+    if ns.child_stages:
+        return _stages_child(ns.child_stages)
 
     ns.base.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
@@ -224,6 +317,14 @@ def main(argv: list[str] | None = None) -> int:
             new, old = best[""], best["baseline "]
             print(f"{'':8}{ranks}x{events}: baseline / this tree: cpu {old['cpu_s'] / new['cpu_s']:.2f}x, "
                   f"peak RSS {old['rss_mb'] / new['rss_mb']:.2f}x (best of {ns.repeat} each)", flush=True)  # fmt: skip
+
+    if ns.stages:
+        d, _ = _ensure_run(ns.base, *_size(ns.stages))
+        for label, tree in [("", REPO)] + ([("baseline ", ns.baseline.resolve())] if ns.baseline else []):  # 1-2 trees
+            env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            got = subprocess.run([sys.executable, __file__, "--child-stages", str(d)], capture_output=True, text=True,
+                                 timeout=ns.timeout, env=env)  # fmt: skip
+            print(f"{label or 'this tree'} ({tree}):\n{got.stdout}{got.stderr[-2000:] if got.returncode else ''}", flush=True)
 
     if ns.parallel:
         ranks, events = _size(ns.parallel)
