@@ -224,3 +224,27 @@ def test_user_comm_hook_still_runs_inside_the_recording(straggler: tuple[Path, d
         assert len(b) == 15 and list(b["seq"]) == list(range(15))
     # the all_reduce the user's hook makes belongs to the bucket row, not a row of its own
     assert run.sid("all_reduce") == -1 or not np.any(run.events["name_id"] == run.sid("all_reduce"))
+
+
+# -- how a DDP is attached: the allreduce kernel on CPU, our comm hook otherwise ----------------------
+def test_cpu_ddp_recorded_by_the_allreduce_kernel_and_the_hook_cases() -> None:
+    """One process, world size 1 (tests/jobs/torch_ddp_modes.py says what each case is)."""
+    job = REPO / "tests" / "jobs" / "torch_ddp_modes.py"
+    p = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["kernel_installed"] and not out["kernel_after_uninstall"]
+    assert out["same_grads"] == [True] * 3
+    assert out["user_hook_calls"] == 2  # the user's hook runs once registered on the kernel-recorded DDP
+    rows = out["rows"]
+    assert all(r[5] for r in rows)  # t1 >= t0
+    by = lambda name, comm: [(r[2], r[3], r[4]) for r in rows if r[0] == name and r[1].endswith(comm)]  # noqa: E731
+    f32 = 2 * (32 * 32 + 32) * 4
+    # the kernel-recorded DDP: 3 steps by the kernel, then 2 through our hook around the user's; seq goes on
+    assert by("ddp_bucket_allreduce", "ddp0:default") == [(i, f32, "torch.float32") for i in range(5)]
+    # the second DDP on the group: our comm hook; its all-reduces are not counted as the first's too
+    assert by("ddp_bucket_allreduce", "ddp1:default") == [(i, f32, "torch.float32") for i in range(3)]
+    # torch's FP16 hook on a kernel-recorded DDP: its half-precision all-reduce is the bucket
+    assert by("ddp_bucket_allreduce", ":pg1") == [(i, f32 // 2, "torch.float16") for i in range(2)]
+    # a Python-level all_reduce is its own row; the user hook's and ProcessGroup.allreduce outside backward are none
+    assert [(r[1], r[2], r[3]) for r in rows if r[0] == "all_reduce"] == [("default", 0, 16)]
