@@ -653,10 +653,15 @@ class _Packer:
         """The buffer as the run's table when ``parts`` (kept ranks, ascending) fill it in order, else None."""
         off = 0
         for d in parts:  # per rank: two integers
-            if len(d.events) and (d.events.base is not self.buf or self._offset(d.events) != off):
+            if len(d.events) and (_owner(d.events) is not _owner(self.buf) or self._offset(d.events) != off):
                 return None
             off += len(d.events)
         return self.buf[:off]
+
+
+def _owner(a: np.ndarray) -> Any:
+    """The array that owns ``a``'s memory (numpy points every slice's ``base`` at it)."""
+    return a if a.base is None else a.base
 
 
 def _capacity_rows(files: list[Path]) -> int:
