@@ -269,9 +269,28 @@ def micro_buckets(rec: Any, layers: int = 16, width: int = 128, steps: int = 200
             best[v] = min(best[v], run(v))
     nb = layers
     print(f"DDP backward, 1 rank, {nb} buckets of {width * width * 4 // 1024} KB: CPU per bucket")
-    print(f"{'variant':<10} {'us/bucket':>10} {'added vs builtin':>17} {'added vs py_hook':>17}")
+    print(f"{'variant':<12} {'us/bucket':>8} {'added vs builtin':>17} {'added vs py_hook':>17}")
     for v, c in best.items():
-        print(f"{v:<10} {c / nb / 1e3:>10.1f} {(c - best['builtin']) / nb / 1e3:>17.1f} {(c - best['py_hook']) / nb / 1e3:>17.1f}")
+        print(f"{v:<12} {c / nb / 1e3:>8.1f} {(c - best['builtin']) / nb / 1e3:>17.1f} {(c - best['py_hook']) / nb / 1e3:>17.1f}")
+
+    # what the kernel costs every other CPU all-reduce while a CPU DDP is attached (C++ path, as the Reducer calls it)
+    t = torch.ones(1)
+    pg = dist.distributed_c10d._get_default_group()
+
+    def launch_cpu(n: int = 2000) -> float:
+        c0 = time.process_time_ns()
+        works = [pg.allreduce([t]) for _ in range(n)]  # no wait() in the loop: distdiag wraps it too
+        works[-1].wait()
+        return (time.process_time_ns() - c0) / n
+
+    plain = kern = float("inf")
+    for _ in range(rounds):
+        plain = min(plain, launch_cpu())
+        torch_dist.install(rec)  # the kernel comes back with it: a kernel-recorded DDP exists
+        kern = min(kern, launch_cpu())
+        torch_dist.uninstall()
+    print(f"ProcessGroup.allreduce, 1 rank, 4 B: {plain / 1e3:.1f} us CPU without the kernel, {kern / 1e3:.1f} us with"
+          f" (+{(kern - plain) / 1e3:.1f} us)")
 
 
 def main() -> int:

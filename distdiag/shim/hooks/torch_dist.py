@@ -643,7 +643,7 @@ def _ensure_kernel() -> bool:
     construction) and calls ``c10d::allreduce_`` through the dispatcher, where
     a kernel at the Autograd key runs first: it launches the real one
     (``redispatch`` below autograd) and, for a DDP bucket, records the row.
-    The kernel costs ~12 us of CPU on *every* CPU allreduce of the process
+    The kernel costs ~12-14 us of CPU on *every* CPU allreduce of the process
     (``bench_torch_step.py --micro``), small against a CPU all-reduce. On GPUs
     the scaling pass is a cheap kernel and NCCL all-reduces are launched far
     more often (tensor parallelism), so CUDA DDPs keep the comm hook.
