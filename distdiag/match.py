@@ -213,12 +213,14 @@ def match_collectives(run: Run) -> Collectives:
     n_rank = int(rank.max()) + 1
     # One int64 key per (comm, seq) and per (comm, seq, rank); comm ids index
     # the string table and seqs count calls, so the products stay far below 2^63.
-    gkey = col("comm_id").astype(np.int64)
+    # (Damaged files can hold absurd seqs that overflow the keys: the grouping
+    # is then wrong but consistent, and comm/seq are never decoded from a key.)
+    comm = col("comm_id")
     seq = col("seq")
     n_seq = int(seq.max()) + 1
+    gkey = comm.astype(np.int64)
     gkey *= n_seq
     gkey += seq
-    del seq
     rkey = gkey * n_rank
     rkey += rank
 
@@ -229,8 +231,8 @@ def match_collectives(run: Run) -> Collectives:
     # A rank can appear twice in one (comm, seq) only through a damaged file or
     # a hook bug; keep its earliest row so every member counts once.
     srk = np.sort(rkey)
-    first_rk = np.r_[True, srk[1:] != srk[:-1]]
-    n_dup = int(len(srk) - np.count_nonzero(first_rk))
+    n_dup = int(np.count_nonzero(srk[1:] == srk[:-1]))
+    del srk
     if n_dup:
         run.warnings.append(f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once")
         o2 = np.lexsort((t0_raw, rkey))
@@ -240,12 +242,8 @@ def match_collectives(run: Run) -> Collectives:
         order = order[keep[order]]
     del rkey
 
-    # Communicator membership: every rank that ever used the key (from the
-    # distinct (comm, seq, rank) keys: one small unique, not one over every row).
-    ur = srk[first_rk]
-    del srk, first_rk
-    cr = np.unique((ur // n_rank) // n_seq * n_rank + ur % n_rank)
-    del ur
+    # Communicator membership: every rank that ever used the key.
+    cr = np.unique(comm.astype(np.int64) * n_rank + rank)
     cr_comm, cr_rank = cr // n_rank, cr % n_rank
     comm_ids, cstart = np.unique(cr_comm, return_index=True)
     comm_members = {int(c): m.astype(np.int32) for c, m in zip(comm_ids, np.split(cr_rank, cstart[1:]))}
@@ -256,9 +254,9 @@ def match_collectives(run: Run) -> Collectives:
     newg = np.r_[True, gk[1:] != gk[:-1]]
     gid = np.cumsum(newg) - 1
     starts = np.flatnonzero(newg)
-    g_comm = (gk[starts] // n_seq).astype(np.int32)
-    g_seq = (gk[starts] % n_seq).astype(np.int64)
-    del gk, newg
+    g_comm = comm[order[starts]].astype(np.int32)
+    g_seq = seq[order[starts]].astype(np.int64)
+    del gk, newg, comm, seq
     n_g = len(starts)
     g_start = np.append(starts, len(gid)).astype(np.int64)
     n_mem = np.diff(g_start).astype(np.int32)
