@@ -248,3 +248,30 @@ def test_cpu_ddp_recorded_by_the_allreduce_kernel_and_the_hook_cases() -> None:
     assert by("ddp_bucket_allreduce", ":pg1") == [(i, f32 // 2, "torch.float16") for i in range(2)]
     # a Python-level all_reduce is its own row; the user hook's and ProcessGroup.allreduce outside backward are none
     assert [(r[1], r[2], r[3]) for r in rows if r[0] == "all_reduce"] == [("default", 0, 16)]
+
+
+KERNEL_OFF_JOB = """
+import json, os, sys, tempfile, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/s", rank=0, world_size=1)
+m = DDP(torch.nn.Linear(32, 32))
+for _ in range(3):
+    m.zero_grad(); m(torch.randn(4, 32)).sum().backward()
+print(json.dumps({"kernel": "AutogradCPU" in torch._C._dispatch_dump("c10d::allreduce_")}))
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_kernel_off_records_buckets_through_the_comm_hook(tmp_path: Path) -> None:
+    """DISTDIAG_DDP_KERNEL=0 (the way out if the kernel ever misbehaves): no kernel, buckets still recorded."""
+    job = tmp_path / "job.py"
+    job.write_text(KERNEL_OFF_JOB)
+    env = dict(os.environ, DISTDIAG_DDP_KERNEL="0", DISTDIAG_HOOKS="fileio=0")
+    p = subprocess.run([sys.executable, "-m", "distdiag.wrap", "--dir", str(tmp_path / "run"), sys.executable, str(job)],
+                       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"kernel": False}
+    run = load_run(tmp_path / "run")
+    ev = run.events
+    buckets = ev[(ev["kind"] == int(Kind.COLL_ASYNC)) & (ev["name_id"] == run.sid("ddp_bucket_allreduce"))]
+    assert list(buckets["seq"]) == [0, 1, 2] and (buckets["t1_ns"] >= buckets["t0_ns"]).all()

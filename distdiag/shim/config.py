@@ -55,6 +55,10 @@ class ShimConfig:
     #: time DDP's gradient-bucket all-reduces through a comm hook (costs one
     #: Python callback per bucket; see benchmarks/bench_torch_step.py)
     ddp_buckets: bool = True
+    #: on CPU DDPs, record buckets with a kernel on the dispatcher's c10d::allreduce_
+    #: instead of a comm hook (cheaper: DDP keeps its built-in path; see
+    #: hooks/torch_dist.py); false: always the comm hook
+    ddp_kernel: bool = True
     #: count bytes of binary files opened with open() (the fileio hook gives them
     #: a counting raw layer under the real buffered object); false: opens only
     fileio_count_bytes: bool = True

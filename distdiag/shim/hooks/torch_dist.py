@@ -610,7 +610,8 @@ def _attach_ddp(ddp: Any) -> None:
     )
     with _cb_lock:  # made now, on the program's thread, not by the first bucket's callback
         _callback_buffer(rec)
-    if getattr(ddp, "device_type", None) == "cpu" and _kernel_ddp(pg) is None and _ensure_kernel():
+    use_kernel = getattr(_CFG, "ddp_kernel", True)  # DISTDIAG_DDP_KERNEL=0: the comm hook, as on GPUs
+    if use_kernel and getattr(ddp, "device_type", None) == "cpu" and _kernel_ddp(pg) is None and _ensure_kernel():
         st.kernel = True
         _kernel_pgs[id(pg)] = weakref.ref(st)
     else:
