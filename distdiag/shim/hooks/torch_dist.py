@@ -344,7 +344,8 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             data = _arg(args, kwargs, idx, payload) if payload else None
             nbytes = _nbytes(data)
             aux = _dtype_id(rec, data) if data is not None else 0
-            site = tls.batch_site if tls.batch is not None else rec.site(2)
+            # the program's line, also when torch calls this for it (FSDP's all-gathers)
+            site = tls.batch_site if tls.batch is not None else (_user_site(rec) if _TORCH_DIR else rec.site(2))
             nid = name_ids.get(id(rec))
             if nid is None:
                 nid = name_ids[id(rec)] = rec.intern(name)
@@ -389,7 +390,7 @@ def _make_batch_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         if rec is None or tls.busy or tls.batch is not None:
             return orig(p2p_op_list, *args, **kwargs)
         try:
-            tls.batch_site = rec.site(2)
+            tls.batch_site = _user_site(rec) if _TORCH_DIR else rec.site(2)
         except Exception:
             tls.batch_site = 0
         rows: list[tuple[Any, ...]] = []
