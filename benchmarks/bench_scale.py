@@ -40,14 +40,15 @@ Measured (issue 10, 2-core machine at load 4-12, ``--grid 256x10000,1024x10000
 (the high-water mark reset through ``/proc/self/clear_refs`` before each
 stage) in a fresh child, for this tree and the ``--baseline`` one.
 
-Per stage at 1024 x 10k (``--stages 1024x10000``, CPU s):
-read ~6 (~5 ms a rank file, then the rows); assemble 1.8 -> 1.3 and its
-+73 B/event copy gone; align 8.7 -> 4.1 with a 139 -> 52 B/event transient
-(in place, one blocked gather); match 3.6 -> 0 (align's match is reused);
-collective_mismatch 2.6 -> 0.06; live RSS after matching 1781 -> 1119 MB.
-The peak is now distdiag.breakdown's transient (+148 B/event over the live
-set, 8.5 s of CPU; not this benchmark's code); serial_section +64 B/event,
-4.2 s; straggler 3.5 s. Extrapolated: 1,024 x 100,000 events would take
+Per stage at 1024 x 10k (``--stages 1024x10000 --baseline``, one run, CPU s,
+before -> after): whole analysis 40.4 -> 31.7, peak 2896 -> 2547 MB; read 7.1
+-> 6.7 (~5 ms a rank file, then the rows); assemble 2.1 -> 1.3 and its +73
+B/event copy gone; align 9.1 -> 4.7 with a 137 -> 58 B/event transient (in
+place, one blocked gather); match 3.5 -> 0 (align's match is reused);
+collective_mismatch 2.2 -> 0.05; live RSS after matching 1801 -> 1120 MB.
+The peak is now distdiag.breakdown's transient (+141 B/event over the live
+set, 8-9 s of CPU; not this benchmark's code); serial_section +64 B/event,
+4 s; straggler 3.5-4 s. Extrapolated: 1,024 x 100,000 events would take
 ~250-300 s of CPU and ~25 GB (target 60 s, 4 GB): see distdiag/run.py for
 what comes next.
 """
