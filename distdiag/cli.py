@@ -82,7 +82,7 @@ def _analyze(ns: argparse.Namespace) -> int:
     run = load_run(ns.run_dir, progress=ProgressBar())
     from distdiag.pipeline import analyze_run
 
-    return emit(analyze_run(run, cfg), ns)
+    return emit(analyze_run(run, cfg, inplace=True), ns)
 
 
 def emit(report: object, ns: argparse.Namespace) -> int:
