@@ -9,7 +9,9 @@ step. Timed on the same aligned run, in alternating blocks, CPU time
 (``time.process_time``; this machine is shared): the breakdown of ``--baseline``
 (default: the commit before exposed/per-step, loaded with ``git show``), the
 breakdown now (per rank and, from the same intervals, per step), ``step_breakdown``
-alone (its cache cleared: what a run without ``breakdown()`` pays) and ``per_step_json``.
+alone (its cache cleared: what a run without ``breakdown()`` pays) and ``per_step_json``;
+each with its extra peak RSS per event over what was resident before it (the
+high-water mark reset through ``/proc/self/clear_refs``; the smallest of the reps).
 ``--mpi``: instead, the MPI run of ``tests/factories.make_run`` (an all-reduce and
 a file read per iteration, no async collective, no STEP row): what the new
 rules cost a job that has nothing for them.
@@ -79,6 +81,29 @@ def write_ddp_run(run_dir: Path, ranks: int, steps: int, seed: int = 0) -> int:
     return n
 
 
+def _vm(key: str) -> int:
+    """A ``/proc/self/status`` figure in bytes (-1 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":"))
+    except (OSError, StopIteration):
+        return -1
+
+
+def _reset_peak() -> int:
+    """Reset the peak RSS to the current RSS (``/proc/self/clear_refs``); return the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return 1 << 62  # no figure: the peak prints as nothing (peak - this is hugely negative)
+    return _vm("VmRSS")
+
+
+def _peak() -> int:
+    return _vm("VmHWM")
+
+
 def _baseline(rev: str) -> types.ModuleType | None:
     try:
         src = subprocess.run(["git", "show", f"{rev}:distdiag/breakdown.py"], cwd=REPO, capture_output=True,
@@ -123,14 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None:
             stages.insert(0, (f"breakdown {ns.baseline}", lambda: base.breakdown(run, colls)))
         cpu: dict[str, list[float]] = {name: [] for name, _ in stages}
+        peak: dict[str, list[float]] = {name: [] for name, _ in stages}
         for _ in range(ns.reps):  # alternating blocks
             for name, fn in stages:
+                r0 = _reset_peak()
                 t = time.process_time()
-                fn()
+                out = fn()
                 cpu[name].append(time.process_time() - t)
+                peak[name].append(_peak() - r0)
+                del out
         for name, ts in cpu.items():
             best = min(ts)
-            print(f"  {name:<24} {best:7.3f} s CPU (best of {len(ts)})  {n / best / 1e6:6.2f} M events/s")
+            extra = f"  {min(peak[name]) / n:+6.1f} B/event peak" if min(peak[name]) > -(1 << 61) else ""
+            print(f"  {name:<24} {best:7.3f} s CPU (best of {len(ts)})  {n / best / 1e6:6.2f} M events/s{extra}")
         if base is not None:
             ratio = min(cpu["breakdown now (+steps)"]) / min(cpu[f"breakdown {ns.baseline}"])
             print(f"  breakdown now / baseline: {ratio:.2f}x")

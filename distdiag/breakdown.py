@@ -210,13 +210,37 @@ def _marks_up_to(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: n
     return out
 
 
-def _collective_intervals(colls: Collectives, rank_end: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(rank, cat, t0, t1) of the wait and transfer parts of every blocking collective."""
-    blocking = colls.m_kind == Kind.COLL
-    g = colls.m_group[blocking]
-    rank = colls.m_rank[blocking].astype(np.int64)
-    t0 = colls.m_t0_ns[blocking]
-    t1 = colls.m_t1_ns[blocking]
+class _Band:
+    """A band of ranks [r_lo, r_hi): its event rows (a view: the table is sorted by rank) and its collective rows."""
+
+    def __init__(self, run: Run, colls: Collectives, r_lo: int, r_hi: int, e_lo: int, e_hi: int, whole: bool) -> None:
+        self.r_lo, self.r_hi = r_lo, r_hi
+        self.ev = run.events[e_lo:e_hi]
+        # the band's member rows, in the table's order (no copy when one band holds every rank)
+        self.rows: slice | np.ndarray = (
+            slice(None) if whole else np.flatnonzero((colls.m_rank >= r_lo) & (colls.m_rank < r_hi))
+        )
+        self.m_kind = colls.m_kind[self.rows]
+        self.m_t1 = colls.m_t1_ns[self.rows]
+
+
+def _bands(run: Run, n: int, band_events: int) -> list[tuple[int, int, int, int]]:
+    """(r_lo, r_hi, e_lo, e_hi): consecutive ranks holding about ``band_events`` event rows each."""
+    # one contiguous copy of the rank column (4 bytes a row, freed before any band starts)
+    bounds = np.searchsorted(np.ascontiguousarray(run.events["rank"]), np.arange(n + 1), side="left")
+    total = int(bounds[-1])
+    k = max(1, math.ceil(total / max(1, band_events)))
+    edges = np.unique(np.r_[0, np.searchsorted(bounds, np.arange(1, k) * (total / k)), n])
+    return [(int(a), int(b), int(bounds[a]), int(bounds[b])) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _collective_intervals(colls: Collectives, b: _Band, rank_end: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(rank, cat, t0, t1) of the wait and transfer parts of every blocking collective of the band."""
+    blocking = b.m_kind == Kind.COLL
+    g = colls.m_group[b.rows][blocking]
+    rank = colls.m_rank[b.rows][blocking].astype(np.int64)
+    t0 = colls.m_t0_ns[b.rows][blocking]
+    t1 = b.m_t1[blocking]
     open_ = t1 < 0
     t1 = np.where(open_, rank_end[rank], t1)  # still inside at the end of its record
     return _split_at_last_arrival(colls, g, rank, t0, t1)
@@ -234,21 +258,22 @@ def _split_at_last_arrival(
     last = colls.g_last_ns[g]
     split = np.where(never, t1, np.clip(last, t0, t1))
     ranks = np.concatenate([rank, rank])
-    cats = np.concatenate([np.full(len(rank), _WAIT), np.full(len(rank), _XFER)])
+    cats = np.concatenate([np.full(len(rank), _WAIT, np.uint8), np.full(len(rank), _XFER, np.uint8)])
     return ranks, cats, np.concatenate([t0, split]), np.concatenate([split, t1])
 
 
-def _exposed_async(ev: np.ndarray, colls: Collectives) -> tuple[np.ndarray, ...]:
-    """(rank, cat, t0, t1) of the exposed pieces of non-blocking collectives (module docstring)."""
-    a = (colls.m_kind == Kind.COLL_ASYNC) & (colls.m_t1_ns >= 0)
+def _exposed_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, ...]:
+    """(rank, cat, t0, t1) of the exposed pieces of the band's non-blocking collectives (module docstring)."""
+    ev = b.ev
+    a = (b.m_kind == Kind.COLL_ASYNC) & (b.m_t1 >= 0)
     bm = ev["kind"] == Kind.BACKWARD
     if not a.any() or not bm.any():
         z = np.zeros(0, np.int64)
-        return z, z, z, z
-    a_rank = colls.m_rank[a].astype(np.int64)
-    a0 = colls.m_t0_ns[a].astype(np.int64)
-    a1 = np.maximum(colls.m_t1_ns[a].astype(np.int64), a0)
-    g = colls.m_group[a]
+        return z, z.astype(np.uint8), z, z
+    a_rank = colls.m_rank[b.rows][a].astype(np.int64)
+    a0 = colls.m_t0_ns[b.rows][a].astype(np.int64)
+    a1 = np.maximum(b.m_t1[a].astype(np.int64), a0)
+    g = colls.m_group[b.rows][a]
     b_rank = ev["rank"][bm].astype(np.int64)
     b0 = ev["t0_ns"][bm].astype(np.int64)
     b1 = np.maximum(ev["t1_ns"][bm].astype(np.int64), b0)
@@ -278,33 +303,34 @@ def _exposed_async(ev: np.ndarray, colls: Collectives) -> tuple[np.ndarray, ...]
     np.maximum.at(L, jk, lasts)
     hit = np.flatnonzero(Y > c)
     rank = np.concatenate([b_rank[hit], b_rank[hit]])
-    cats = np.concatenate([np.full(len(hit), _WAIT), np.full(len(hit), _XFER)])
+    cats = np.concatenate([np.full(len(hit), _WAIT, np.uint8), np.full(len(hit), _XFER, np.uint8)])
     return rank, cats, np.concatenate([c[hit], L[hit]]), np.concatenate([L[hit], Y[hit]])
 
 
-def _intervals(run: Run, colls: Collectives) -> dict[str, np.ndarray]:
-    """Every categorized interval of every rank, clipped to the rank's record.
+def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
+    """Every categorized interval of the band's ranks, clipped to the rank's record.
 
-    ``rank``, ``cat`` (one of the category codes, or ``_ASYNC`` for a
-    non-blocking collective's whole span), ``t0``, ``t1`` and ``exposed``
-    (an exposed piece of a non-blocking collective).
+    ``rank`` (int64), ``cat`` (uint8: one of the category codes, or ``_ASYNC``
+    for a non-blocking collective's whole span), ``t0``, ``t1`` (int64) and
+    ``exposed`` (bool: an exposed piece of a non-blocking collective). Within
+    a rank, intervals come in the same order whatever the band.
     """
     start, end = run.rank_bounds()
-    ev = run.events
+    ev = b.ev
     kind = ev["kind"]
-    r_all = ev["rank"].astype(np.int64)
+    r_ev = ev["rank"]  # a view (int32)
 
     parts_rank, parts_cat, parts_t0, parts_t1, parts_exp = [], [], [], [], []
 
     def put(rank: np.ndarray, cat: np.ndarray | int, t0: np.ndarray, t1: np.ndarray, exposed: bool = False) -> None:
-        parts_rank.append(np.asarray(rank, np.int64))
-        parts_cat.append(np.broadcast_to(np.asarray(cat, np.int64), (len(rank),)))
-        parts_t0.append(np.asarray(t0, np.int64))
-        parts_t1.append(np.asarray(t1, np.int64))
+        parts_rank.append(rank)
+        parts_cat.append(np.broadcast_to(np.asarray(cat, np.uint8), (len(rank),)))
+        parts_t0.append(t0)
+        parts_t1.append(t1)
         parts_exp.append(np.full(len(rank), exposed))
 
     def add(mask: np.ndarray, cat: int) -> None:
-        put(r_all[mask], cat, ev["t0_ns"][mask], ev["t1_ns"][mask])
+        put(r_ev[mask], cat, ev["t0_ns"][mask], ev["t1_ns"][mask])
 
     add(np.isin(kind, np.array(sorted(FILE_KINDS), np.uint8)), _IO)
     add(kind == Kind.INPUT_WAIT, _INPUT)
@@ -313,6 +339,7 @@ def _intervals(run: Run, colls: Collectives) -> dict[str, np.ndarray]:
     # In-flight rows that are not collectives (a rank killed inside a read): until the end.
     inf = run.inflight
     if len(inf):
+        inf = inf[(inf["rank"] >= b.r_lo) & (inf["rank"] < b.r_hi)]
         ik = inf["kind"]
         ir = inf["rank"].astype(np.int64)
         for cat_code, m in (
@@ -322,59 +349,113 @@ def _intervals(run: Run, colls: Collectives) -> dict[str, np.ndarray]:
             (_OTHER, np.isin(ik, np.array(_OTHER_KINDS, np.uint8))),
         ):
             put(ir[m], cat_code, inf["t0_ns"][m], end[ir[m]])
-    cr, cc, c0, c1 = _collective_intervals(colls, end)
+    cr, cc, c0, c1 = _collective_intervals(colls, b, end)
     put(cr, cc, c0, c1)
-    er, ec, e0, e1 = _exposed_async(ev, colls)
+    del cr, cc, c0, c1
+    er, ec, e0, e1 = _exposed_async(b, colls)
     put(er, ec, e0, e1, exposed=True)
-    am = (colls.m_kind == Kind.COLL_ASYNC) & (colls.m_t1_ns >= 0)
-    put(colls.m_rank[am], _ASYNC, colls.m_t0_ns[am], colls.m_t1_ns[am])
+    am = (b.m_kind == Kind.COLL_ASYNC) & (b.m_t1 >= 0)
+    put(colls.m_rank[b.rows][am], _ASYNC, colls.m_t0_ns[b.rows][am], b.m_t1[am])
 
-    rank_of = np.concatenate(parts_rank)
+    rank_of = np.concatenate(parts_rank, dtype=np.int64, casting="same_kind")
+    del parts_rank
     # Clip to the rank's record: nothing before its start or after its end counts.
-    t0 = np.clip(np.concatenate(parts_t0), start[rank_of], end[rank_of])
-    t1 = np.clip(np.concatenate(parts_t1), start[rank_of], end[rank_of])
+    lo, hi = start[rank_of], end[rank_of]
+    t0 = np.concatenate(parts_t0, dtype=np.int64, casting="same_kind")
+    del parts_t0
+    np.clip(t0, lo, hi, out=t0)
+    t1 = np.concatenate(parts_t1, dtype=np.int64, casting="same_kind")
+    del parts_t1
+    np.clip(t1, lo, hi, out=t1)
+    del lo, hi
+    np.maximum(t0, t1, out=t1)
     return {
         "rank": rank_of,
         "cat": np.concatenate(parts_cat),
         "t0": t0,
-        "t1": np.maximum(t0, t1),
+        "t1": t1,
         "exposed": np.concatenate(parts_exp),
     }
 
 
-def _tally(key: np.ndarray, iv: dict[str, np.ndarray], n_keys: int) -> dict[str, np.ndarray]:
+class _Tally:
     """Per key (ns): each category's union, ``busy`` (the union of all of them), ``exposed``, ``overlapped``.
 
-    (One sort by (key, t0) shared by the three key-wide unions measured 25%
-    slower than four :func:`union_ns` calls: those sort nearly sorted runs.)
+    Filled band by band: a band's keys are one contiguous range ``[k_lo, k_hi)``.
     """
-    cat, t0, t1 = iv["cat"], iv["t0"], iv["t1"]
-    own = cat != _ASYNC
-    k, c, a, b = key[own], cat[own], t0[own], t1[own]
-    per_cat = union_ns(k * _N_CAT + c, a, b, n_keys * _N_CAT).reshape(n_keys, _N_CAT)
-    busy = union_ns(k, a, b, n_keys)
-    ex = iv["exposed"]
-    exposed = union_ns(key[ex], t0[ex], t1[ex], n_keys)
-    # the async spans' time outside every category = |spans U busy| - |busy| (no spans: none; MPI runs skip the sort)
-    overlapped = np.maximum(0.0, union_ns(key, t0, t1, n_keys) - busy) if not own.all() else np.zeros(n_keys)
-    return {"per_cat": per_cat, "busy": busy, "exposed": exposed, "overlapped": overlapped}
+
+    def __init__(self, n_keys: int) -> None:
+        self.per_cat = np.zeros((n_keys, _N_CAT))
+        self.busy = np.zeros(n_keys)
+        self.exposed = np.zeros(n_keys)
+        self.overlapped = np.zeros(n_keys)
+
+    def add(self, k_lo: int, k_hi: int, key: np.ndarray, cat: np.ndarray, t0: np.ndarray, t1: np.ndarray,
+            ex: np.ndarray) -> None:  # fmt: skip
+        """Tally intervals whose keys (relative to ``k_lo``) lie in ``[0, k_hi - k_lo)``.
+
+        (One sort by (key, t0) shared by the three key-wide unions measured 25%
+        slower than four :func:`union_ns` calls: those sort nearly sorted runs.)
+        """
+        n = k_hi - k_lo
+        own = cat != _ASYNC
+        k, c, a, b = key[own], cat[own], t0[own], t1[own]
+        self.per_cat[k_lo:k_hi] = union_ns(k * _N_CAT + c, a, b, n * _N_CAT).reshape(n, _N_CAT)
+        del c
+        busy = union_ns(k, a, b, n)
+        del k, a, b
+        self.busy[k_lo:k_hi] = busy
+        self.exposed[k_lo:k_hi] = union_ns(key[ex], t0[ex], t1[ex], n)
+        # the async spans' time outside every category = |spans U busy| - |busy| (no spans: none; MPI runs skip the sort)
+        if not own.all():
+            self.overlapped[k_lo:k_hi] = np.maximum(0.0, union_ns(key, t0, t1, n) - busy)
 
 
-def _columns(t: dict[str, np.ndarray], span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
+def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
     """The seconds columns for the keys ``rows`` of a tally."""
-    pc = t["per_cat"]
+    pc = t.per_cat
     return {
         "wall_s": span_ns[rows] / 1e9,
-        "compute_s": np.maximum(0.0, span_ns - t["busy"])[rows] / 1e9,
+        "compute_s": np.maximum(0.0, span_ns - t.busy)[rows] / 1e9,
         "comm_wait_s": pc[rows, _WAIT] / 1e9,
         "comm_transfer_s": pc[rows, _XFER] / 1e9,
         "io_s": pc[rows, _IO] / 1e9,
         "input_wait_s": pc[rows, _INPUT] / 1e9,
         "h2d_s": pc[rows, _H2D] / 1e9,
         "other_s": pc[rows, _OTHER] / 1e9,
-        "comm_exposed_s": t["exposed"][rows] / 1e9,
-        "comm_overlapped_s": t["overlapped"][rows] / 1e9,
+        "comm_exposed_s": t.exposed[rows] / 1e9,
+        "comm_overlapped_s": t.overlapped[rows] / 1e9,
     }
+
+
+#: ranks are tallied in bands of consecutive ranks holding about this many event rows
+#: each, so the temporaries (~150 bytes per interval) scale with a band, not the run
+BAND_EVENTS = 1 << 20
+
+
+def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, pd.DataFrame]:
+    """The per-rank tally (when ``ranks``) and the per-step table, band of ranks by band of ranks.
+
+    Every number is a rank's own: a band's intervals, unions and step pieces
+    involve only its ranks' rows (the event table is sorted by rank, so a
+    band's events are a slice of it), and the result does not depend on the
+    band size (each union is a sum of whole nanoseconds, exact in float64).
+    """
+    start, end = run.rank_bounds()
+    n = len(start)
+    tally = _Tally(n) if ranks else None
+    steps = _Steps(run, n)
+    if tally is None and steps.n == 0:
+        return None, steps.frame(run)
+    bands = _bands(run, n, BAND_EVENTS)
+    for r_lo, r_hi, e_lo, e_hi in bands:  # a few bands, each vectorized
+        b = _Band(run, colls, r_lo, r_hi, e_lo, e_hi, whole=len(bands) == 1)
+        iv = _intervals(run, colls, b)
+        if tally is not None:
+            tally.add(r_lo, r_hi, iv["rank"] - r_lo, iv["cat"], iv["t0"], iv["t1"], iv["exposed"])
+        steps.add(r_lo, r_hi, iv)
+        del iv, b
+    return tally, steps.frame(run)
 
 
 def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
@@ -385,11 +466,10 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     if colls is None:
         colls = collectives_of(run)
     start, end = run.rank_bounds()
-    n = len(start)
-    iv = _intervals(run, colls)
-    t = _tally(iv["rank"], iv, n)
+    t, steps = _compute(run, colls, ranks=True)
+    assert t is not None
     # the per-step table from the same intervals (small: one row per STEP row); the JSON and text read it
-    run.cache["step_breakdown"] = _step_frame(run, iv)
+    run.cache["step_breakdown"] = steps
     present = np.array(sorted(run.ranks), np.int64)
     df = pd.DataFrame({"rank": present, "host": [run.host_of(r) for r in present]})
     for name, col in _columns(t, (end - start).astype(np.float64), present).items():
@@ -423,58 +503,74 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
         return cached  # type: ignore[no-any-return]
     if colls is None:
         colls = collectives_of(run)
-    df = _step_frame(run, _intervals(run, colls))
+    _, df = _compute(run, colls, ranks=False)
     run.cache["step_breakdown"] = df
     return df
 
 
-def _step_frame(run: Run, iv: dict[str, np.ndarray]) -> pd.DataFrame:
-    """step_breakdown's table from the run's categorized intervals."""
-    cols = ["rank", "step", "t_s", "wall_s", *COLUMNS, *INFO_COLUMNS]
-    s_rank, s_t = step_marks(run)
-    if len(s_t) == 0:
-        return pd.DataFrame({c: np.zeros(0, np.int64 if c in ("rank", "step") else np.float64) for c in cols})
-    start, end = run.rank_bounds()
-    n = len(start)
-    n_per = np.bincount(s_rank, minlength=n)
-    first = np.concatenate([[0], np.cumsum(n_per)])[:-1]
-    k_of = np.arange(len(s_t)) - first[s_rank]
-    # step windows [w0, s_t): step 0 from the rank's first phase row before its first mark, else its start
-    ev = run.events
-    wm = np.isin(ev["kind"], np.array([int(k) for k in _WINDOW_KINDS], np.uint8))
-    phase0 = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(phase0, ev["rank"][wm].astype(np.int64), ev["t0_ns"][wm].astype(np.int64))
-    w0 = np.empty_like(s_t)
-    w0[1:] = s_t[:-1]
-    z = k_of == 0
-    r0 = s_rank[z]
-    w0[z] = np.where(phase0[r0] < s_t[z], np.maximum(phase0[r0], start[r0]), start[r0])
-    w0 = np.minimum(w0, s_t)
+class _Steps:
+    """step_breakdown's table, tallied band by band from the bands' categorized intervals."""
 
-    # every interval, cut at the step marks: piece i of an interval lies in step k0 + i
-    rank, t0, t1 = iv["rank"], iv["t0"], iv["t1"]
-    k0 = _at_or_before(s_rank, s_t, rank, t0)
-    ok = (t1 > t0) & (k0 < n_per[rank])
-    # most calls end in the step they began in: search again only for those that cross its mark
-    k1 = k0.copy()
-    cross = np.flatnonzero(ok & (t1 > s_t[first[rank] + np.minimum(k0, n_per[rank] - 1)]))
-    k1[cross] = np.minimum(_at_or_before(s_rank, s_t, rank[cross], t1[cross] - 1), n_per[rank[cross]] - 1)
-    idx = np.flatnonzero(ok)
-    reps = (k1 - k0 + 1)[idx]
-    idx = np.repeat(idx, reps)
-    k = k0[idx] + np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)
-    key = first[rank[idx]] + k
-    piece = {
-        "cat": iv["cat"][idx],
-        "t0": np.maximum(t0[idx], w0[key]),
-        "t1": np.minimum(t1[idx], s_t[key]),
-        "exposed": iv["exposed"][idx],
-    }
-    piece["t1"] = np.maximum(piece["t0"], piece["t1"])
-    t = _tally(key, piece, len(s_t))
-    data: dict[str, Any] = {"rank": s_rank, "step": k_of, "t_s": (w0 - run.start_ns) / 1e9}
-    data.update(_columns(t, (s_t - w0).astype(np.float64), np.arange(len(s_t))))
-    return pd.DataFrame(data, columns=cols)
+    def __init__(self, run: Run, n: int) -> None:
+        self.s_rank, self.s_t = s_rank, s_t = step_marks(run)
+        self.n = len(s_t)
+        if self.n == 0:
+            return
+        start, _ = run.rank_bounds()
+        self.n_per = n_per = np.bincount(s_rank, minlength=n)
+        self.first = np.concatenate([[0], np.cumsum(n_per)])  # rank r's marks: first[r]:first[r + 1]
+        self.k_of = np.arange(len(s_t)) - self.first[s_rank]
+        # step windows [w0, s_t): step 0 from the rank's first phase row before its first mark, else its start
+        ev = run.events
+        wm = np.isin(ev["kind"], np.array([int(k) for k in _WINDOW_KINDS], np.uint8))
+        phase0 = np.full(n, np.iinfo(np.int64).max)
+        np.minimum.at(phase0, ev["rank"][wm].astype(np.int64), ev["t0_ns"][wm].astype(np.int64))
+        del wm
+        w0 = np.empty_like(s_t)
+        w0[1:] = s_t[:-1]
+        z = self.k_of == 0
+        r0 = s_rank[z]
+        w0[z] = np.where(phase0[r0] < s_t[z], np.maximum(phase0[r0], start[r0]), start[r0])
+        self.w0 = np.minimum(w0, s_t)
+        self.tally = _Tally(len(s_t))
+
+    def add(self, r_lo: int, r_hi: int, iv: dict[str, np.ndarray]) -> None:
+        """Tally the band's intervals, cut at the step marks: piece i of an interval lies in step k0 + i."""
+        if self.n == 0:
+            return
+        s_rank, s_t, n_per, first, w0 = self.s_rank, self.s_t, self.n_per, self.first, self.w0
+        k_lo, k_hi = int(first[r_lo]), int(first[r_hi])
+        if k_hi == k_lo:
+            return
+        rank, t0, t1 = iv["rank"], iv["t0"], iv["t1"]
+        k0 = _at_or_before(s_rank, s_t, rank, t0)
+        ok = (t1 > t0) & (k0 < n_per[rank])
+        # most calls end in the step they began in: search again only for those that cross its mark
+        k1 = k0.copy()
+        cross = np.flatnonzero(ok & (t1 > s_t[first[rank] + np.minimum(k0, n_per[rank] - 1)]))
+        k1[cross] = np.minimum(_at_or_before(s_rank, s_t, rank[cross], t1[cross] - 1), n_per[rank[cross]] - 1)
+        del cross
+        idx = np.flatnonzero(ok)
+        del ok
+        reps = (k1 - k0 + 1)[idx]
+        del k1
+        idx = np.repeat(idx, reps)
+        k = k0[idx] + np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)
+        del k0, reps
+        key = first[rank[idx]] + k
+        del k
+        p0 = np.maximum(t0[idx], w0[key])
+        p1 = np.minimum(t1[idx], s_t[key])
+        np.maximum(p0, p1, out=p1)
+        self.tally.add(k_lo, k_hi, key - k_lo, iv["cat"][idx], p0, p1, iv["exposed"][idx])
+
+    def frame(self, run: Run) -> pd.DataFrame:
+        cols = ["rank", "step", "t_s", "wall_s", *COLUMNS, *INFO_COLUMNS]
+        if self.n == 0:
+            return pd.DataFrame({c: np.zeros(0, np.int64 if c in ("rank", "step") else np.float64) for c in cols})
+        data: dict[str, Any] = {"rank": self.s_rank, "step": self.k_of, "t_s": (self.w0 - run.start_ns) / 1e9}
+        data.update(_columns(self.tally, (self.s_t - self.w0).astype(np.float64), np.arange(self.n)))
+        return pd.DataFrame(data, columns=cols)
 
 
 #: the per-step columns aggregated over ranks
