@@ -214,7 +214,8 @@ class Recorder:
             f = sys._getframe(depth)
         except ValueError:
             return 0
-        return self.site_of(f)
+        i = self._sites.get((id(f.f_code), f.f_lasti))
+        return i if i is not None else self.site_of(f)
 
     def site_of(self, f: Any) -> int:
         """String id of frame ``f``'s current ``file:line``."""
