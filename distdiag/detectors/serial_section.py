@@ -102,30 +102,44 @@ def member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
     n = len(colls.m_rank)
     if n == 0:
         return np.zeros(0, np.int64)
-    rank = colls.m_rank.astype(np.int64)
-    t0 = colls.m_t0_ns.astype(np.int64)
-    t1 = np.where(colls.m_t1_ns >= 0, colls.m_t1_ns, colls.m_t0_ns).astype(np.int64)
-    blocking = colls.m_kind == Kind.COLL
-    order = np.lexsort((t0, rank))
-    r_s, t0_s, t1_s, b_s = rank[order], t0[order], t1[order], blocking[order]
+    # Few full-size temporaries (this runs on every collective row): work in the
+    # sorted order, in place, and free each one once it is used.
+    order = np.lexsort((colls.m_t0_ns, colls.m_rank))
+    r_s = colls.m_rank[order]  # int32
     start, _ = run.rank_bounds()
-    # exits of blocking rows only; non-blocking posts do not end the rank's work
-    ex = np.where(b_s, t1_s, np.iinfo(np.int64).min)
-    # running max of exits within each rank: shift ranks into disjoint bands
-    lo = int(min(t0.min(), t1.min(), start[rank].min()))
-    span = int(max(t0.max(), t1.max())) - lo + 2
-    band = r_s * span
-    ex_b = np.where(ex > np.iinfo(np.int64).min, ex - lo + band, band)
-    run_max = np.maximum.accumulate(ex_b)
-    prev = np.empty(n, np.int64)
-    prev[1:] = run_max[:-1]
-    first = np.r_[True, r_s[1:] != r_s[:-1]]
-    prev_exit = prev - band + lo
     rstart = start[np.minimum(r_s, len(start) - 1)]
-    prev_exit = np.where(first | (prev <= band), rstart, np.maximum(prev_exit, rstart))
-    gap_s = np.maximum(0, t0_s - prev_exit)
+    t0_s = colls.m_t0_ns[order].astype(np.int64)
+    x = colls.m_t1_ns[order].astype(np.int64)  # the exit, the arrival while in flight
+    open_ = x < 0
+    x[open_] = t0_s[open_]
+    del open_
+    # running max of exits within each rank: shift ranks into disjoint bands
+    lo = int(min(t0_s.min(), x.min(), rstart.min()))
+    span = int(max(t0_s.max(), x.max())) - lo + 2
+    band = r_s.astype(np.int64)
+    band *= span
+    # exits of blocking rows only; non-blocking posts do not end the rank's work
+    x -= lo
+    x += band
+    nb = colls.m_kind[order] != Kind.COLL
+    x[nb] = band[nb]
+    del nb
+    np.maximum.accumulate(x, out=x)
+    # row i > 0: the latest exit before it (x[i - 1]) when one of its own rank is there
+    pe = x[:-1] - band[1:]
+    del x, band
+    none = (pe <= 0) | (r_s[1:] != r_s[:-1])
+    pe += lo
+    np.maximum(pe, rstart[1:], out=pe)
+    pe[none] = rstart[1:][none]
+    del none
+    # the gap: arrival minus the previous exit (the rank's start for its first row), at least 0
+    t0_s[0] -= rstart[0]
+    t0_s[1:] -= pe
+    del pe, rstart
+    np.maximum(t0_s, 0, out=t0_s)
     gap = np.empty(n, np.int64)
-    gap[order] = gap_s
+    gap[order] = t0_s
     return gap
 
 
@@ -140,8 +154,21 @@ def _others_median(colls: Collectives, gap: np.ndarray) -> np.ndarray:
     out = np.zeros(n_g, np.float64)
     if len(g) == 0:
         return out
-    order = np.lexsort((v, g))
-    g, v = g[order], v[order]
+    # sort the gaps within each group: one sort of values keyed (group, gap) in
+    # int64 (a tenth of a lexsort's time); gaps are >= 0
+    mult = int(v.max()) + 1
+    if n_g < np.iinfo(np.int64).max // mult - 1:
+        key = g.astype(np.int64)
+        key *= mult
+        key += v
+        del g, v
+        key.sort()
+        g = key // mult
+        v = key - g * mult
+        del key
+    else:  # astronomically long gaps
+        order = np.lexsort((v, g))
+        g, v = g[order], v[order]
     cnt = np.bincount(g, minlength=n_g)
     first = np.concatenate([[0], np.cumsum(cnt)[:-1]])
     has = cnt > 0
@@ -157,17 +184,25 @@ def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray)
     if len(rank) == 0:
         return out
     ev = run.events
-    sel = np.isin(ev["kind"], _ACTIVITY_KINDS)
-    er = ev["rank"][sel].astype(np.int64)
-    et0 = ev["t0_ns"][sel].astype(np.int64)
-    dur = np.maximum(0, ev["t1_ns"][sel].astype(np.int64) - et0).astype(np.float64)
-    if len(er) == 0:
+    idx = np.flatnonzero(np.isin(ev["kind"], _ACTIVITY_KINDS))
+    if len(idx) == 0:
         return out
+    et0 = ev["t0_ns"][idx]
+    dur = ev["t1_ns"][idx]
+    dur -= et0
+    np.maximum(dur, 0, out=dur)
+    csum = np.zeros(len(idx) + 1)
+    np.cumsum(dur, dtype=np.float64, out=csum[1:])
+    del dur
     # events are sorted by (rank, t0): one composite key for both searches
     lo_t = int(min(et0.min(), a_ns.min()))
     span = int(max(et0.max(), b_ns.max())) - lo_t + 1
-    key = er * span + (et0 - lo_t)
-    csum = np.concatenate([[0.0], np.cumsum(dur)])
+    key = ev["rank"][idx].astype(np.int64)
+    del idx
+    key *= span
+    et0 -= lo_t
+    key += et0
+    del et0
     i0 = np.searchsorted(key, rank * span + (a_ns - lo_t), side="left")
     i1 = np.searchsorted(key, rank * span + (b_ns - lo_t), side="right")
     return np.minimum(csum[i1] - csum[i0], (b_ns - a_ns).astype(np.float64))
