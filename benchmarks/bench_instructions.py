@@ -44,12 +44,16 @@ CASES: dict[str, tuple[str, str, str]] = {
     "allreduce": (_MPI_HOOKED + "c = MPI.COMM_SELF\n", _MPI_HOOKED + "c = hook._saved['COMM_SELF']\n", "c.allreduce(1)"),
     "stat": ("from distdiag.shim.hooks import fileio\nfileio.install(rec, None)\n", "", "os.stat(p)"),
     "exists": ("from distdiag.shim.hooks import fileio\nfileio.install(rec, None)\n", "", "os.path.exists(p)"),
+    "open_rb": ("from distdiag.shim.hooks import fileio\nfileio.install(rec, None)\n", "", "open(p, 'rb').close()"),
+    "open_text": ("from distdiag.shim.hooks import fileio\nfileio.install(rec, None)\n", "", "open(p).close()"),
 }
 LABELS = {
     "barrier": "mpi COMM_SELF.Barrier()",
     "allreduce": "mpi COMM_SELF.allreduce(1)",
     "stat": "os.stat(path)",
     "exists": "os.path.exists(path)",
+    "open_rb": "open(path, 'rb').close()",
+    "open_text": "open(path).close()",
 }
 
 
