@@ -64,7 +64,11 @@ class SlurmCluster:
         """Block until the job left the queue (finished, failed or cancelled)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            p = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False, timeout_s=10)
+            try:
+                p = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False, timeout_s=20)
+            except subprocess.TimeoutExpired:
+                # slurmctld busy (a full suite on 2 loaded cores kept it >10 s once): ask again
+                continue
             if p.returncode != 0 or not p.stdout.strip():
                 return
             time.sleep(0.3)
