@@ -300,8 +300,9 @@ def _exposed_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, ...]:
     b_rank = ev["rank"][bm].astype(np.int64)
     b0 = ev["t0_ns"][bm].astype(np.int64)
     b1 = np.maximum(ev["t1_ns"][bm].astype(np.int64), b0)
-    o = np.lexsort((b0, b_rank))
-    b_rank, b0, b1 = b_rank[o], b0[o], b1[o]
+    if not _sorted_by_rank_time(b_rank, b0):  # the table is sorted by (rank, t0): never, but cheap to check
+        o = np.lexsort((b0, b_rank))
+        b_rank, b0, b1 = b_rank[o], b0[o], b1[o]
     # the backward row each launch falls in: the rank's last one that began at or before it
     j = _marks_up_to(b_rank, b0, a_rank, a0) - 1
     jj = np.maximum(j, 0)
@@ -512,8 +513,15 @@ def step_marks(run: Run) -> tuple[np.ndarray, np.ndarray]:
             m = m_auto
     rank = ev["rank"][m].astype(np.int64)
     t = ev["t0_ns"][m].astype(np.int64)
+    if _sorted_by_rank_time(rank, t):  # the table is sorted so
+        return rank, t
     o = np.lexsort((t, rank))
     return rank[o], t[o]
+
+
+def _sorted_by_rank_time(rank: np.ndarray, t: np.ndarray) -> bool:
+    """Whether rows are in (rank, t) order."""
+    return bool(np.all((rank[1:] > rank[:-1]) | ((rank[1:] == rank[:-1]) & (t[1:] >= t[:-1]))))
 
 
 def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
