@@ -453,8 +453,10 @@ def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.n
 
 
 #: ranks are tallied in bands of consecutive ranks holding about this many event rows
-#: each, so the temporaries (~150 bytes per interval) scale with a band, not the run
-BAND_EVENTS = 1 << 20
+#: each, so the temporaries (~150 bytes per interval) scale with a band, not the run.
+#: Measured (2.56 M events, bench_breakdown's DDP run / a synth run): 2^20 -> 2^18
+#: took +63 -> +45 / +54 -> +26 bytes a run's event of peak and no more CPU (a bit less)
+BAND_EVENTS = 1 << 18
 
 
 def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, pd.DataFrame]:
