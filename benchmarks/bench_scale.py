@@ -46,11 +46,19 @@ before -> after): whole analysis 40.4 -> 31.7, peak 2896 -> 2547 MB; read 7.1
 B/event copy gone; align 9.1 -> 4.7 with a 137 -> 58 B/event transient (in
 place, one blocked gather); match 3.5 -> 0 (align's match is reused);
 collective_mismatch 2.2 -> 0.05; live RSS after matching 1801 -> 1120 MB.
-The peak is now distdiag.breakdown's transient (+141 B/event over the live
+The peak was then distdiag.breakdown's transient (+141 B/event over the live
 set, 8-9 s of CPU; not this benchmark's code); serial_section +64 B/event,
 4 s; straggler 3.5-4 s. Extrapolated: 1,024 x 100,000 events would take
 ~250-300 s of CPU and ~25 GB (target 60 s, 4 GB): see distdiag/run.py for
 what comes next.
+
+Then breakdown by bands of ranks and serial_section's temporaries (``--stages
+1024x10000 --baseline <worktree of 8f3430c>``, two runs, CPU s, before ->
+after): breakdown 5.9-6.4 -> 2.0-3.2 with a +148 -> +13-16 B/event
+transient; serial_section 2.6-3.1 -> 1.3-1.7, +64 -> +24-28 B/event; whole
+analysis 20.4-24.2 -> 15.6-19.2 s; peak 2546 -> 1395 MB, now set by align's
++58 B/event and straggler's +28 B/event over the live set (1.1 GB after
+matching, ~108 B/event).
 """
 
 from __future__ import annotations
