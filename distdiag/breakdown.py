@@ -430,7 +430,8 @@ class _Tally:
         del k, a, b
         self.busy[k_lo:k_hi] = busy
         self.exposed[k_lo:k_hi] = union_ns(key[ex], t0[ex], t1[ex], n)
-        # the async spans' time outside every category = |spans U busy| - |busy| (no spans: none; MPI runs skip the sort)
+        # the async spans' time outside every category = |spans U busy| - |busy|
+        # (no spans: none; MPI runs skip the sort)
         if not own.all():
             self.overlapped[k_lo:k_hi] = np.maximum(0.0, union_ns(key, t0, t1, n) - busy)
 

@@ -25,7 +25,8 @@ def _row(t0_ms: float, t1_ms: float, kind: int, name: str, s: list[str]) -> tupl
 
 
 def _ddp_run(run_dir: Path, ranks: int = 5, steps: int = 6) -> None:
-    """DDP-like rows: backward with two buckets (the last rank launches late), optimizer, STEP; a read in flight on rank 2."""
+    """DDP-like rows: backward with two buckets (the last rank launches late), optimizer, STEP;
+    a read in flight on rank 2."""
     for rank in range(ranks):  # a handful of ranks and steps: test data
         s = [""]
         rows = []
