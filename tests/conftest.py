@@ -44,6 +44,12 @@ class SlurmCluster:
         # A test runs inside no allocation: drop any a developer's shell holds.
         for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
             del env[k]
+        # The mpich wheel's PMI-2 client and Slurm 22.05's pmi2 plugin fall out
+        # of step now and then on a loaded machine (slurmd: "value not properly
+        # terminated", the job hangs in MPI_Init; twice in 2 full-suite runs at
+        # load 8+). The same plugin also speaks PMI-1, a different wire format:
+        # MPI jobs under srun here use that (README, "MPI under srun").
+        env.setdefault("MPIR_CVAR_PMI_VERSION", "1")
         env.update(extra)
         return env
 
