@@ -434,6 +434,8 @@ def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[
 #: kinds at which a rank meets its peers at start: communicator creation (MPI
 #: init, init_process_group's store) and the first useful work
 RENDEZVOUS_KINDS = frozenset(USEFUL_KINDS | {Kind.COMM_CREATE})
+#: rows where a rank waits for others (the rest of RENDEZVOUS_KINDS wait for nobody)
+_SYNC_KINDS = np.array(sorted(int(k) for k in COMM_KINDS | P2P_KINDS | {Kind.COMM_CREATE}), np.uint8)
 
 
 def rank_busy_until(run: Any) -> dict[int, float]:
@@ -456,6 +458,12 @@ def rank_busy_until(run: Any) -> dict[int, float]:
     when the rank stopped working on its own and began to wait, so anything a
     rank records while blocked in MPI_Init (a loader thread's file reads)
     does not make it look busy.
+
+    A rank whose first such row waits for nobody (a phase or a ``distdiag.step``
+    marker: a job with no collective before it) was on its own until that row:
+    it is busy until then. Worked example: rank 1 sleeps 6 s, then marks its
+    first step; rank 0 marks its first at +0.4 s: rank 1 is named, not
+    whichever rank's imports ran longer.
     """
     wm = _wall_map_ns(run)
     ev = run.events
@@ -466,7 +474,12 @@ def rank_busy_until(run: Any) -> dict[int, float]:
     sel = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in RENDEZVOUS_KINDS), np.uint8))]
     if len(sel) == 0:
         return {}
-    np.minimum.at(first, sel["rank"], sel["t0_ns"])
+    order = np.lexsort((sel["t0_ns"], sel["rank"]))
+    head = order[np.r_[True, sel["rank"][order][1:] != sel["rank"][order][:-1]]]  # each rank's first row
+    first[sel["rank"][head]] = sel["t0_ns"][head]
+    # A first row that waits for nobody (a phase, a step marker) is no
+    # rendezvous: the rank worked on its own right up to it.
+    lone_rank = sel["rank"][head][~np.isin(sel["kind"][head], _SYNC_KINDS)]
     thr = first[ev["rank"]]
     own = ev["kind"] != int(Kind.SHIM)
     pre = ev[(ev["t0_ns"] < thr) & own]
@@ -481,6 +494,7 @@ def rank_busy_until(run: Any) -> dict[int, float]:
         if r < n:
             starts[r] = i.start_ns
     busy = np.maximum(until, starts)
+    busy[lone_rank] = first[lone_rank]
     return {int(r): (int(busy[r]) + wm) / 1e9 for r in np.flatnonzero(has)}
 
 

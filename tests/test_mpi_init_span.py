@@ -86,3 +86,20 @@ def test_launch_overhead_names_the_rank_busy_before_mpi_init(run_dir: Path) -> N
     f = {x.kind: x for x in rep.findings}["launch_overhead"]
     assert f.ranks == [1], f.summary
     assert f.evidence["shim_start_to_rendezvous_s"] > BUSY_S - 0.5
+
+
+def test_a_rank_whose_first_work_waits_for_nobody_is_busy_until_it(tmp_path: Path) -> None:
+    """No rendezvous before the first step marker: the rank that marked it last is the late one,
+    even when another rank's imports (file rows) ran longer."""
+    from factories import coll, write_rank
+
+    strings: list[str] = [""]
+    rank0 = [coll(float(t), t + 50.0, -1, strings, op="/site/mod.py", kind=Kind.FILE_OPEN) for t in range(0, 500, 50)]
+    rank0.append(coll(600.0, 600.0, -1, strings, op="step", kind=Kind.STEP))
+    rank1 = [coll(10.0, 20.0, -1, strings, op="/site/mod.py", kind=Kind.FILE_OPEN),
+             coll(6000.0, 6000.0, -1, strings, op="step", kind=Kind.STEP)]  # slept 6 s: nothing recorded
+    write_rank(tmp_path, 0, 2, rank0, strings)
+    write_rank(tmp_path, 1, 2, rank1, strings)
+    busy = rank_busy_until(load_run(tmp_path))
+    wall0 = 1_700_000_000.0
+    assert busy[0] - wall0 == pytest.approx(0.6) and busy[1] - wall0 == pytest.approx(6.0), busy

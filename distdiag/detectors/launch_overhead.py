@@ -22,10 +22,6 @@ imported torch from a slow shared file system); the others were ready by
 The fraction is of the job's turnaround (submit to end), like queue_wait's;
 an overhead within sacct's one-second resolution is not a finding.
 
-When the ranks' first works lie more than a second apart (no rendezvous
-lined them up), the latest is named; a test under Slurm (one rank sleeping
-6 s before its first step marker) named the wrong rank by import jitter before.
-
 The rank named is the one busy longest on its own before its first recorded
 rendezvous (distdiag.slurm.rank_busy_until). MPI_Init runs inside ``import
 mpi4py.MPI``; the mpi4py hook records that import as COMM_WORLD's COMM_CREATE
@@ -45,8 +41,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-
-import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
@@ -80,12 +74,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     # longest on its own before it (distdiag.slurm.rank_busy_until), unless some
     # rank never got going at all.
     busy = view.rank_busy_until_s
-    # No rendezvous lined the ranks up (no MPI_Init or init_process_group
-    # before the first work, e.g. a step marker): the first works themselves
-    # spread out, and the latest is the one the job waited for.
-    others = [ready[r] for r in ready if r != latest]
-    unaligned = bool(others) and ready_s - float(np.median(others)) > RESOLUTION_S
-    if stuck or not busy or unaligned:
+    if stuck or not busy:
         slowest = latest
     else:
         # Ties (ranks with nothing recorded before the rendezvous): the later first work.
