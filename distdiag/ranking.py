@@ -219,17 +219,19 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
         return _serial(f, run, stretch=True)
     if f.kind != "straggler" or len(colls) == 0 or not f.ranks:
         return None
-    from distdiag.detectors.serial_section import holds_others, member_gaps_ns
+    from distdiag.detectors.serial_section import holds_others
+    from distdiag.detectors.straggler import own_lateness_ns, startup_groups
+    from distdiag.match import member_gaps_ns
 
     ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & holds_others(run, colls)
-    ok &= ~_first_groups(colls)  # launch skew: the straggler detector leaves each rank's first collective out
+    ok &= ~startup_groups(colls)  # launch skew: the straggler detector leaves each rank's first collective out
     g = np.flatnonzero(ok & np.isin(colls.g_last_rank, np.asarray(f.ranks)))
     if len(g) == 0:
         return None
     last_row = colls.g_start[1:][g] - 1
     gap = member_gaps_ns(run, colls)[last_row]
     t1 = colls.g_last_ns[g].astype(np.int64)
-    charge = (colls.g_last_ns[g] - colls.g_second_ns[g]).astype(np.int64)
+    charge = own_lateness_ns(run, colls)[g]  # what the straggler detector charged
     if f.evidence.get("level") == "host":
         # a slow node: charged from the last arrival on any other host (straggler._fold_hosts)
         charge = t1 - _other_host_last_ns(run, colls)[g]
@@ -249,18 +251,6 @@ def _other_host_last_ns(run: Any, colls: Collectives) -> np.ndarray:
     t = np.where(mh != h_last[colls.m_group], colls.m_t0_ns, np.iinfo(np.int64).min)
     out = np.maximum.reduceat(t, starts)
     return np.where(out > np.iinfo(np.int64).min, out, colls.g_second_ns)
-
-
-def _first_groups(colls: Collectives) -> np.ndarray:
-    """Per group: True where it is some member's first collective of the run (the straggler detector's rule)."""
-    out = np.zeros(len(colls), bool)
-    if len(colls.m_rank) == 0:
-        return out
-    order = np.lexsort((colls.m_t0_ns, colls.m_rank))
-    r = colls.m_rank[order]
-    first = np.r_[True, r[1:] != r[:-1]]
-    out[colls.m_group[order[first]]] = True
-    return out
 
 
 def _serial(f: Finding, run: Any, stretch: bool) -> Any:

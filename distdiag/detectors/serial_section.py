@@ -56,7 +56,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.detectors.straggler import nobody_waits, secs, tally
-from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.match import Collectives, MatchState, collectives_of, member_gaps_ns
 from distdiag.run import _ranges
 from distdiag.schema import Kind
 
@@ -89,58 +89,6 @@ def holds_others(run: Any, colls: Collectives) -> np.ndarray:
     detector's rule (:func:`distdiag.detectors.straggler.nobody_waits`).
     """
     return np.asarray(~nobody_waits(run, colls))
-
-
-def member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
-    """Per member row: its own time since its previous blocking collective (or its start), in ns.
-
-    The rank's blocking collectives run one after another on its thread, so
-    sorting its rows by arrival, the gap of a row is its arrival minus the
-    latest exit among the rows before it (the running maximum, so an
-    exit-less in-flight row never makes a gap negative).
-    """
-    n = len(colls.m_rank)
-    if n == 0:
-        return np.zeros(0, np.int64)
-    # Few full-size temporaries (this runs on every collective row): work in the
-    # sorted order, in place, and free each one once it is used.
-    order = np.lexsort((colls.m_t0_ns, colls.m_rank))
-    r_s = colls.m_rank[order]  # int32
-    start, _ = run.rank_bounds()
-    rstart = start[np.minimum(r_s, len(start) - 1)]
-    t0_s = colls.m_t0_ns[order].astype(np.int64)
-    x = colls.m_t1_ns[order].astype(np.int64)  # the exit, the arrival while in flight
-    open_ = x < 0
-    x[open_] = t0_s[open_]
-    del open_
-    # running max of exits within each rank: shift ranks into disjoint bands
-    lo = int(min(t0_s.min(), x.min(), rstart.min()))
-    span = int(max(t0_s.max(), x.max())) - lo + 2
-    band = r_s.astype(np.int64)
-    band *= span
-    # exits of blocking rows only; non-blocking posts do not end the rank's work
-    x -= lo
-    x += band
-    nb = colls.m_kind[order] != Kind.COLL
-    x[nb] = band[nb]
-    del nb
-    np.maximum.accumulate(x, out=x)
-    # row i > 0: the latest exit before it (x[i - 1]) when one of its own rank is there
-    pe = x[:-1] - band[1:]
-    del x, band
-    none = (pe <= 0) | (r_s[1:] != r_s[:-1])
-    pe += lo
-    np.maximum(pe, rstart[1:], out=pe)
-    pe[none] = rstart[1:][none]
-    del none
-    # the gap: arrival minus the previous exit (the rank's start for its first row), at least 0
-    t0_s[0] -= rstart[0]
-    t0_s[1:] -= pe
-    del pe, rstart
-    np.maximum(t0_s, 0, out=t0_s)
-    gap = np.empty(n, np.int64)
-    gap[order] = t0_s
-    return gap
 
 
 def _others_median(colls: Collectives, gap: np.ndarray) -> np.ndarray:

@@ -32,7 +32,7 @@ link on node 2), the arrival gap is discounted by that exit gap (see
 :func:`own_lateness_ns`); the slow link is slow_link's finding.
 
 Each rank's first collective is left out: waits there are launch skew
-(imports, start-up), which launch_overhead prices (see :func:`_startup_groups`).
+(imports, start-up), which launch_overhead prices (see :func:`startup_groups`).
 
 Rooted collectives that do not synchronize everyone are charged only when
 someone really waited: a late non-root of a broadcast/scatter, or a late root
@@ -54,7 +54,7 @@ import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.match import MatchState, collectives_of
+from distdiag.match import MatchState, collectives_of, member_gaps_ns
 from distdiag.run import _ranges
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,12 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         return []
 
     complete = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
-    complete &= ~_startup_groups(colls)
+    complete &= ~startup_groups(colls)
     ok = complete & ~nobody_waits(run, colls)
     g_idx = np.flatnonzero(ok)
     if len(g_idx) == 0:
         return []
-    wait_ns = own_lateness_ns(colls)[g_idx]
+    wait_ns = own_lateness_ns(run, colls)[g_idx]
     last = colls.g_last_rank[g_idx].astype(np.int64)
     n = int(max(run.world_size, colls.m_rank.max() + 1))
     cost_ns = np.bincount(last, weights=wait_ns, minlength=n)
@@ -155,34 +155,33 @@ ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Isc
 MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
 
 
-def own_lateness_ns(colls: Any) -> np.ndarray:
+def own_lateness_ns(run: Any, colls: Any) -> np.ndarray:
     """Per group: ``last - second_to_last`` arrival, less what the last arriver inherited.
 
-    A rank leaving its previous collective late arrives late at the next one
-    with no extra work of its own. When the last and second-to-last arrivers
-    each left their previous collective before entering this one (blocking
-    calls in sequence), the gap between those two exits is subtracted; the
-    result lies in ``[0, last - second_to_last]``. Worked example: ranks leave
+    A rank leaving its previous blocking collective late arrives late at the
+    next one with no extra work of its own. Each member's previous exit is its
+    arrival minus its own gap (:func:`distdiag.match.member_gaps_ns`: only
+    blocking collectives end a rank's work); the amount by which the last
+    arriver left later than the second-to-last is subtracted, and the result
+    lies in ``[0, last - second_to_last]``. Worked example: ranks leave
     all-reduce k at 10.0 (rank 0) and 10.04 ms (rank 1, behind the slow link),
     compute 5 ms each and arrive at k+1 at 15.0 and 15.045 ms: rank 1 is
-    charged 0.005 ms, not 0.045. Overlapping (async) collectives get no discount.
+    charged 0.005 ms, not 0.045. (At a rank's first collective the "exit" is
+    its start; those groups are launch skew and never charged.)
     """
     gap = (colls.g_last_ns - colls.g_second_ns).astype(np.int64)
     if len(gap) == 0:
         return gap
-    order = np.lexsort((colls.m_t0_ns, colls.m_rank))
-    prev_t1 = np.full(len(order), -1, np.int64)
-    same = colls.m_rank[order[1:]] == colls.m_rank[order[:-1]]
-    prev_t1[order[1:]] = np.where(same, colls.m_t1_ns[order[:-1]], -1)
+    own = member_gaps_ns(run, colls)
     last_row = colls.g_start[1:] - 1
     second_row = np.maximum(last_row - 1, colls.g_start[:-1])
-    pl, ps = prev_t1[last_row], prev_t1[second_row]
-    seq = (pl >= 0) & (ps >= 0) & (pl <= colls.m_t0_ns[last_row]) & (ps <= colls.m_t0_ns[second_row])
-    inherited = np.where(seq, np.maximum(pl - ps, 0), 0)
+    left_last = colls.m_t0_ns[last_row] - own[last_row]
+    left_second = colls.m_t0_ns[second_row] - own[second_row]
+    inherited = np.maximum(left_last - left_second, 0)
     return np.asarray(np.clip(gap - inherited, 0, gap))
 
 
-def _startup_groups(colls: Any) -> np.ndarray:
+def startup_groups(colls: Any) -> np.ndarray:
     """Per group: True where it is some member's first collective of the run.
 
     The first collective is where the ranks meet after launch: a rank that is
@@ -288,7 +287,7 @@ def _fold_hosts(
             continue  # one rank per node: the rank finding says it all
         single = max((rank_cost.get(r, 0.0) for r in ranks_here), default=0.0)
         # largest single-rank charge on this host, reported or not
-        if cost_ns[h] / 1e9 <= 1.5 * max(single, _max_rank_charge(colls, ok, ranks_here)):
+        if cost_ns[h] / 1e9 <= 1.5 * max(single, _max_rank_charge(run, colls, ok, ranks_here)):
             continue
         mine = hl == h
         last_ranks = colls.g_last_rank[g][mine]
@@ -328,11 +327,11 @@ def _fold_hosts(
     return out_hosts + [f for f in rank_findings if f.ranks[0] not in folded]
 
 
-def _max_rank_charge(colls: Any, ok: np.ndarray, ranks: list[int]) -> float:
+def _max_rank_charge(run: Any, colls: Any, ok: np.ndarray, ranks: list[int]) -> float:
     """The largest rank-level charge (last - second-to-last, summed) of any rank in ``ranks``, in s."""
     g = np.flatnonzero(ok)
     last = colls.g_last_rank[g]
-    wait = own_lateness_ns(colls)[g]
+    wait = own_lateness_ns(run, colls)[g]
     sel = np.isin(last, ranks)
     if not sel.any():
         return 0.0

@@ -630,6 +630,8 @@ def _kernel_ddp(group: Any) -> _DDPState | None:
     r = _kernel_pgs.get(id(group))
     st = r() if r is not None else None
     return st if st is not None and st.pg is group else None
+
+
 _kernel_lib: Any = None
 _kernel_refs: tuple[Any, ...] = ()  # (op, keyset below autograd, ProcessGroup.unbox, Work.unbox, graph task id)
 
