@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 
 def cpu_s_of(cmd: list[str], env: dict[str, str], timeout_s: float) -> float:
@@ -141,20 +142,7 @@ def synthetic(a: argparse.Namespace) -> int:
         mods = 0
         for r in range(a.reps):
             mods = make_tree(tmp, f"p{r}", a.depth, a.fanout)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
-        names = ["off", "on"] + (["on@compare"] if a.compare else [])
-        res: dict[str, list[float]] = {k: [] for k in names}
-        rows = 0
-        for r in range(a.rounds):
-            for name in names if r % 2 == 0 else reversed(names):
-                e = dict(env, PYTHONPATH=a.compare) if name == "on@compare" else env
-                out = subprocess.run(
-                    [sys.executable, __file__, "--synthetic-child", name.split("@")[0], "--root", tmp,
-                     "--reps", str(a.reps)],
-                    env=e, check=True, timeout=a.timeout_s, capture_output=True, text=True,
-                ).stdout.split()
-                res[name].append(int(out[0]) / 1e9)
-                rows = max(rows, int(out[1]))
+        res, rows = alternate(a, lambda hook: ["--synthetic-child", hook, "--root", tmp, "--reps", str(a.reps)])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"synthetic import tree: {mods} modules, imports nested {a.depth} deep, {rows} rows per import; "
@@ -167,7 +155,9 @@ def synthetic(a: argparse.Namespace) -> int:
     return 0
 
 
-def inproc(a: argparse.Namespace) -> int:
+def alternate(a: argparse.Namespace, child_args: Callable[[str], list[str]]) -> tuple[dict[str, list[float]], int]:
+    """Run this script's child (``child_args(hook)``) hook off / on / on with ``--compare``'s tree,
+    alternating the order every round; per variant the child's CPU seconds, and the most rows seen."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
     names = ["off", "on"] + (["on@compare"] if a.compare else [])
     res: dict[str, list[float]] = {k: [] for k in names}
@@ -175,12 +165,15 @@ def inproc(a: argparse.Namespace) -> int:
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else reversed(names):
             e = dict(env, PYTHONPATH=a.compare) if name == "on@compare" else env
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", name.split("@")[0], "--module", a.module],
-                env=e, check=True, timeout=a.timeout_s, capture_output=True, text=True,
-            ).stdout.split()
+            out = subprocess.run([sys.executable, __file__, *child_args(name.split("@")[0])],
+                                 env=e, check=True, timeout=a.timeout_s, capture_output=True, text=True).stdout.split()  # fmt: skip
             res[name].append(int(out[0]) / 1e9)
             rows = max(rows, int(out[1]))
+    return res, rows
+
+
+def inproc(a: argparse.Namespace) -> int:
+    res, rows = alternate(a, lambda hook: ["--child", hook, "--module", a.module])
     print(f"import {a.module} in-process: importing thread's CPU s, {a.rounds} rounds, load {os.getloadavg()[0]:.1f}")
     print(f"{'hook':10} {'best':>8} {'median':>8}")
     for k, v in res.items():
