@@ -3,7 +3,8 @@ sits on the FUSE mount of tests/slowfs.py (serialized, slow metadata server).
 
 * 4 ranks each open and read 500 small files at start, then train: the
   verdict is `metadata_storm`, naming the mount, costing what the ranks
-  really spent blocked (measured by the job itself, ±25%), and its window on
+  really spent blocked (measured by the job itself: ±25% for data files,
+  0.6-1.1x for an import phase, whose own Python work is no metadata time), and its window on
   the aligned timeline covers the real loading phase;
 * the same job reading one packed file: no `metadata_storm`;
 * a rank that writes a large checkpoint while the others wait: `io_bandwidth`
@@ -139,4 +140,9 @@ def test_import_storm_from_slow_mount_is_a_metadata_storm(slow_mount: Path, tmp_
     assert top["evidence"]["mount"] == str(slow_mount)
     assert top["evidence"]["import_share"] >= 0.5 and "imports" in top["summary"]
     assert top["paths"][0] == str(slow_mount / "pylib")
-    assert top["cost_s"] == pytest.approx(max(r["blocked_s"] for r in recs), rel=0.25)
+    # The job times the whole import phase; the storm is the metadata calls in
+    # it. The import system's own Python work between those calls is the rest:
+    # measured 0.76-0.81 of the phase in 8 runs here, with this tree and the
+    # previous session's alike (a full suite once saw 0.74).
+    blocked = max(r["blocked_s"] for r in recs)
+    assert 0.6 * blocked <= top["cost_s"] <= 1.1 * blocked, (top["cost_s"], blocked)
