@@ -102,9 +102,10 @@ def test_dependency_hold_is_submit_to_eligible(slurm: SlurmCluster, tmp_path: Pa
     assert ev["submit_to_eligible_s"] == held_s and ev["eligible_to_start_s"] <= 1
     assert "held" in qw[0]["summary"]
     assert qw[0]["cost_s"] == held_s + ev["eligible_to_start_s"]
-    # Held until the first job ended: that is when it became eligible.
+    # Held until the first job ended: that is when it became eligible (give or
+    # take slurmctld's next scheduling pass: 3 s once in a full suite here).
     first_end_s = slurm.sacct(first)["time"]["end"]
-    assert abs(rec["time"]["eligible"] - first_end_s) <= 2, (rec["time"], first_end_s)
+    assert abs(rec["time"]["eligible"] - first_end_s) <= 5, (rec["time"], first_end_s)
     assert time.time() - t_submit >= held_s
 
 
