@@ -13,8 +13,12 @@ Columns (seconds, per rank, between the rank's shim start and end):
 * ``io_s``: file-system calls (open, stat, listdir, read, write, close).
 * ``input_wait_s``: blocked in the data loader. ``h2d_s``: host-to-device copies.
 * ``other_s``: other recorded calls: point-to-point, Wait/Test loops
-  (``Work.wait``, ``MPI_Wait``), communicator creation, collectives without a
-  sequence number.
+  (``Work.wait``, ``MPI_Wait``) on point-to-point requests, communicator
+  creation, collectives without a sequence number. A wait on a non-blocking
+  *collective* (``dist.all_reduce(..., async_op=True).wait()``, ``Iallreduce``
+  then ``Wait``) is that collective's exposed time instead: it is split like a
+  blocking collective at the collective's last arrival, into ``comm_wait_s``
+  and ``comm_transfer_s`` (and counted in ``comm_exposed_s``).
 * ``compute_s``: the rest: time outside every call above. User phases
   (forward, backward, optimizer, ``distdiag.phase``) count as compute, minus
   the calls recorded inside them and minus exposed communication.
@@ -50,9 +54,10 @@ member rank's launch (matched by comm key and seq), the rank waits for others
 (``comm_transfer_s``: [L, Y)).
 What the rule cannot see: autograd work after the last launch (gradients of
 inputs that are not parameters) counts as exposed while a bucket is in flight.
-Non-blocking spans outside a backward phase are not exposed here: where the
-program blocked on them it did so in a ``Work.wait``/``MPI_Wait`` row, which
-stays in ``other_s`` as before.
+Non-blocking spans outside a backward phase are exposed only where the
+program blocked on them: in a ``Work.wait``/``MPI_Wait`` row that names the
+collective (comm, seq, op), split at the collective's last arrival like a
+blocking one (the early ranks wait for the late poster, then the transfer).
 
 Worked example (ms): a backward phase [0, 100); bucket 1 launched at 40,
 completed at 70; bucket 2 launched at 80 (c = 80), completed at 95; the last
@@ -331,6 +336,36 @@ def _exposed_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, ...]:
     return rank, cats, np.concatenate([c[hit], L[hit]]), np.concatenate([L[hit], Y[hit]])
 
 
+def _waits_on_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, groups): the band's WAIT rows that wait on one of the rank's non-blocking collectives.
+
+    A ``Work.wait`` / ``MPI_Wait`` row names what it waits for (comm key, seq and
+    op, recorded by the shim; seq is -1 for point-to-point). It is linked to the
+    rank's COLL_ASYNC member row with the same (rank, comm, seq, op): one sort of
+    both key sets together, no loop per row.
+    """
+    ev = b.ev
+    w = np.flatnonzero((ev["kind"] == Kind.WAIT) & (ev["seq"] >= 0))
+    am = b.rows[b.m_kind == Kind.COLL_ASYNC]
+    z = np.zeros(0, np.int64)
+    if len(w) == 0 or len(am) == 0:
+        return z, z
+    g = colls.m_group[am]
+    nm = len(am)
+    r = np.concatenate([colls.m_rank[am], ev["rank"][w]]).astype(np.int64)
+    c = np.concatenate([colls.g_comm[g], ev["comm_id"][w]]).astype(np.int64)
+    q = np.concatenate([colls.g_seq[g], ev["seq"][w]]).astype(np.int64)
+    o = np.concatenate([colls.m_op[am], ev["aux"][w]]).astype(np.int64)
+    is_w = np.r_[np.zeros(nm, np.int8), np.ones(len(w), np.int8)]
+    order = np.lexsort((is_w, o, q, c, r))  # within one key: the member first, then its waits
+    rs, cs, qs, os_ = r[order], c[order], q[order], o[order]
+    new_key = np.r_[True, (rs[1:] != rs[:-1]) | (cs[1:] != cs[:-1]) | (qs[1:] != qs[:-1]) | (os_[1:] != os_[:-1])]
+    key_start = np.maximum.accumulate(np.where(new_key, np.arange(len(order)), 0))
+    head = order[key_start]  # the first row of each sorted row's key: a member when there is one
+    hit = (order >= nm) & (head < nm)
+    return w[order[hit] - nm], g[head[hit]]
+
+
 def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
     """Every categorized interval of the band's ranks, clipped to the rank's record.
 
@@ -359,7 +394,16 @@ def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
     add(np.isin(kind, np.array(sorted(FILE_KINDS), np.uint8)), _IO)
     add(kind == Kind.INPUT_WAIT, _INPUT)
     add(kind == Kind.H2D, _H2D)
-    add(np.isin(kind, np.array(_OTHER_KINDS, np.uint8)) | ((kind == Kind.COLL) & (ev["seq"] < 0)), _OTHER)
+    linked, lg = _waits_on_async(b, colls)
+    other = np.isin(kind, np.array(_OTHER_KINDS, np.uint8)) | ((kind == Kind.COLL) & (ev["seq"] < 0))
+    other[linked] = False
+    add(other, _OTHER)
+    del other
+    if len(linked):  # a wait on a non-blocking collective is that collective's exposed time
+        wr, wc, w0, w1 = _split_at_last_arrival(
+            colls, lg, r_ev[linked].astype(np.int64), ev["t0_ns"][linked], ev["t1_ns"][linked]
+        )
+        put(wr, wc, w0, w1, exposed=True)
     # In-flight rows that are not collectives (a rank killed inside a read): until the end.
     inf = run.inflight
     if len(inf):

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from distdiag.schema import Kind
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_NVML = REPO / "tests" / "fake_pynvml"
@@ -46,7 +47,10 @@ def test_install_patches_and_uninstall_restores_every_attribute(single: dict[str
 
 @pytest.mark.torch
 def test_blocking_async_and_nested_collectives(single: dict[str, Any]) -> None:
-    rows = [r for r in single["rows"] if r[2] == "default"]
+    rows = [r for r in single["rows"] if r[2] == "default" and r[0] != int(Kind.WAIT)]
+    # the async all_reduce's wait() names the collective it waits for (comm, seq), as MPI's Wait does
+    waits = [(r[1], r[2], r[3]) for r in single["rows"] if r[0] == int(Kind.WAIT)]
+    assert waits == [("Work.wait", "default", 2)], waits
     assert [(r[0], r[1], r[3]) for r in rows] == [
         (1, "all_reduce", 0),  # bound with `from torch.distributed import all_reduce` after install
         (1, "all_gather_object", 1),  # one row: its inner all_gather is not recorded twice

@@ -143,6 +143,9 @@ _default_comm_id = 0
 _future_ok: dict[tuple[str, int], bool] = {}
 #: async Works whose backend has no future: recorded when the program's wait() returns
 _pending: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+#: async Works completed through their future: (comm, seq, op) for the WAIT row of a later wait(),
+#: so the analysis can split that wait at the collective's last arrival (distdiag.breakdown)
+_issued: weakref.WeakKeyDictionary[Any, tuple[int, int, int]] = weakref.WeakKeyDictionary()
 _ddp_states: weakref.WeakKeyDictionary[Any, _DDPState] = weakref.WeakKeyDictionary()
 _ddp_count = 0
 _c10d: types.ModuleType | None = None
@@ -301,6 +304,8 @@ def _track(rec: Recorder, name: str, work: Any, row: tuple[Any, ...]) -> None:
         try:
             fut = work.get_future()
             fut.add_done_callback(functools.partial(_record_done, rec, row))
+            if row[4] >= 0:  # a collective: its wait() names it
+                _issued[work] = (row[3], row[4], row[2])
             return
         except Exception:  # gloo p2p: "Work::getFuture not implemented"
             _future_ok[key] = False
@@ -422,9 +427,14 @@ def _make_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, *args, **kwargs)
         try:
             row = _pending.pop(self, None)
+            got = (row[3], row[4], row[2]) if row is not None else _issued.get(self)
         except TypeError:
-            row = None
-        rec.enter(Kind.WAIT, _wait_name_id(rec), row[3] if row else 0, -1, row[5] if row else -1)
+            row = got = None
+        # (comm, seq, op) of what it waits for, as MPI's Wait rows: seq is -1 for point-to-point
+        if got is not None:
+            rec.enter(Kind.WAIT, _wait_name_id(rec), got[0], got[1], row[5] if row else -1, 0, got[2])
+        else:
+            rec.enter(Kind.WAIT, _wait_name_id(rec), 0, -1, -1)
         try:
             return orig(self, *args, **kwargs)
         finally:
