@@ -14,8 +14,11 @@ the markup through a figure.
 Layout: the verdict (what binds, what it costs, what to do, what binds
 next), the ranked findings with their evidence, the figures (timeline,
 wait heatmap, breakdown bars, link matrix, metadata ops/s, Slurm
-timeline, GPU), the per-rank breakdown table, the busiest paths, the
-Slurm record, warnings. A figure the run has no data for is listed as
+timeline, GPU), the per-rank breakdown table, the per-step section
+(stacked bars of each step's median over ranks, binned like the JSON's
+``breakdown.per_step`` past 200 steps, and the slowest steps with the
+rank that was slowest in each; one line when the run has no STEP rows),
+the busiest paths, the Slurm record, warnings. A figure the run has no data for is listed as
 not shown, with the reason.
 """
 
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.breakdown import COLUMNS
+from distdiag.breakdown import COLUMNS, LABELS
 from distdiag.render.fmt import fmt_s, short_list
 from distdiag.schema import FILE_KINDS, Kind
 
@@ -42,7 +45,7 @@ _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1180px;padding:16px 24px;color:#222}
-h1{font-size:20px;margin:8px 0}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
+h1{font-size:20px;margin:8px 0}h3{font-size:14px;margin:14px 0 4px}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .meta{color:#555}.verdict{border-left:6px solid #d1495b;background:#fdf1f2;padding:10px 14px;margin:12px 0}
 .verdict.healthy{border-color:#4c9f70;background:#eff8f2}.verdict b.k{font-size:16px}
 table{border-collapse:collapse;margin:6px 0;font-size:13px}td,th{border-bottom:1px solid #e5e5e5;padding:3px 8px;text-align:left;vertical-align:top}
@@ -81,6 +84,7 @@ class HtmlRenderer:
             self._findings(report),
             self._figures(report),
             self._breakdown(report),
+            self._steps(report),
             self._paths(report),
             self._slurm(report),
             self._warnings(report),
@@ -223,6 +227,66 @@ class HtmlRenderer:
                         + "".join(f'<td class="n">{v:.3f}</td>' for v in vals) + "</tr>")  # fmt: skip
         return ("<h2>Per-rank breakdown (seconds)</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in heads)
                 + "</tr>" + "".join(rows) + "</table>")  # fmt: skip
+
+    def _steps(self, report: Any) -> str:
+        """Per step: the stacked bars (binned like breakdown.per_step past 200 steps) and the slowest steps.
+
+        Reads step_breakdown's table that the breakdown stage left in
+        ``run.cache``; a run without STEP rows gets one line saying so.
+        """
+        from distdiag.render.plots import MAX_SLOW_STEPS, NO_STEPS, per_step_of, slowest_steps
+
+        head = '<h2 id="per-step">Per step</h2>'
+        agg = per_step_of(report)
+        if len(agg) == 0:
+            return f'{head}<p class="meta" id="no-steps">No per-step time: {e(NO_STEPS)}.</p>'
+        med = agg["median_wall_s"].to_numpy(dtype=float)
+        out = [head, f'<p class="meta">{len(agg)} steps; step time (median over ranks) median '
+                     f"{e(fmt_s(np.median(med)))}, slowest {e(fmt_s(med.max()))}. Each step runs from one "
+                     "optimizer step (or <code>distdiag.step()</code>) to the next; the JSON report has every "
+                     "step.</p>"]  # fmt: skip
+        out.append(self._steps_figure(report))
+        slow = slowest_steps(report, MAX_SLOW_STEPS)
+        rows = []
+        for r in slow.itertuples(index=False):  # at most MAX_SLOW_STEPS
+            rank = int(r.max_rank)
+            rows.append(
+                f'<tr><td class="n">{int(r.step)}</td><td class="n">+{float(r.t_s):.3f} s</td>'
+                f'<td class="n">{int(r.ranks)}</td><td class="n">{e(fmt_s(r.median_wall_s))}</td>'
+                f'<td class="n">{e(fmt_s(r.max_wall_s))}</td><td class="n">{rank}</td>'
+                f"<td>{e(report.run.host_of(rank))}</td>"
+                f"<td>{e(LABELS[str(r.top_col)])} {e(fmt_s(r.top_s))}</td></tr>"
+            )
+        out.append(
+            f'<h3>Slowest {len(slow)} of {len(agg)} steps</h3><table id="slowest-steps"><tr><th>step</th>'
+            "<th>start</th><th>ranks</th><th>median over ranks</th><th>max over ranks</th><th>slowest rank</th>"
+            "<th>host</th><th>its largest part</th></tr>" + "".join(rows) + "</table>"
+        )
+        return "\n".join(p for p in out if p)
+
+    def _steps_figure(self, report: Any) -> str:
+        if not self.figures:
+            return ""
+        try:
+            from distdiag.render.plots import NoData, figure_png, plot_steps, step_bars
+        except ImportError as exc:  # matplotlib missing: the table still tells the story
+            return f'<p class="warn">no figure: {e(exc)} (pip install \'distdiag[report]\')</p>'
+        try:
+            bars = step_bars(report)
+            png = figure_png(plot_steps, report, dpi=self.dpi)
+        except NoData:
+            return ""
+        except Exception as exc:  # a broken figure must not cost the report
+            log.warning("figure steps failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+            return f'<p class="meta">Per-step figure not shown (failed: {e(type(exc).__name__)}: {e(exc)})</p>'
+        b64 = base64.b64encode(png).decode("ascii")
+        per = (f"Each bar holds {bars.bin} consecutive steps ({len(bars.first)} bars): the means of their medians"
+               if bars.bin > 1 else "Each bar is one step")  # fmt: skip
+        return (
+            f'<figure id="fig-steps"><img alt="Per-step breakdown" src="data:image/png;base64,{b64}">'
+            f"<figcaption><b>Per-step breakdown.</b> {e(per)}; a part's height is its median over ranks, in the "
+            "per-rank bars' colors. The dash is the slowest rank's step time.</figcaption></figure>"
+        )
 
     def _paths(self, report: Any) -> str:
         run = report.run

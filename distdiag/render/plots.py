@@ -22,13 +22,15 @@ the longest events are kept, the rest are too short to see anyway).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import pandas as pd
 
-from distdiag.breakdown import COLUMNS, LABELS
+from distdiag.breakdown import COLUMNS, LABELS, MAX_STEP_ROWS, per_step, step_breakdown
 from distdiag.match import MatchState
 from distdiag.schema import FILE_KINDS, Kind
 
@@ -332,6 +334,167 @@ def plot_breakdown(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS) -> A
         more = f" ({len(sub)} of {len(df)} ranks)" if len(sub) < len(df) else ""
         ax.set_title("Where each rank's wall-clock went" + more)
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+# -- per step ---------------------------------------------------------------------------------
+#: the per-step figure draws at most this many bars; longer runs bin consecutive steps
+#: exactly as ``breakdown.per_step`` in the JSON does (same limit, same rule)
+MAX_STEP_BARS = MAX_STEP_ROWS
+#: the HTML report's table of the slowest steps lists this many
+MAX_SLOW_STEPS = 10
+#: why a run has no per-step figure or table (the HTML report says it in one line)
+NO_STEPS = ("the run recorded no STEP rows (they come from a torch optimizer's step(), "
+            "or from distdiag.step() in the training loop)")  # fmt: skip
+
+
+def per_step_of(report: Any) -> pd.DataFrame:
+    """:func:`distdiag.breakdown.per_step` of the report's step table (median and max over ranks per step).
+
+    The step table is ``step_breakdown``'s, cached on ``run.cache`` by the
+    breakdown stage (not recomputed); its one group-by over (rank, step) rows is
+    cached there too, so the figure and the table share it.
+    """
+    report = as_report(report)
+    run = report.run
+    steps = step_breakdown(run, report.collectives)
+    hit = run.cache.get(_PER_STEP_KEY)
+    if hit is not None and hit[0] is steps:
+        return hit[1]  # type: ignore[no-any-return]
+    agg = per_step(steps)
+    run.cache[_PER_STEP_KEY] = (steps, agg)
+    return agg
+
+
+_PER_STEP_KEY = "render.per_step"
+
+
+@dataclass(frozen=True)
+class StepBars:
+    """The per-step figure's data: one bar per step, or per ``bin`` consecutive steps past ``max_bars``.
+
+    A bar's values are, per column, the mean over its steps of the median over
+    ranks (seconds); with ``bin == 1`` simply each step's median over ranks.
+    The rule is :func:`distdiag.breakdown.per_step_json`'s: bar ``i`` holds the
+    steps ``s`` with ``s // bin == i``, ``bin = ceil(steps / max_bars)``.
+    """
+
+    #: steps in the run (distinct step indices)
+    steps: int
+    #: steps per bar
+    bin: int
+    #: per bar: its first step and how many steps it holds
+    first: np.ndarray
+    count: np.ndarray
+    #: per column of COLUMNS: per bar, the mean over its steps of the median over ranks (s)
+    median_s: dict[str, np.ndarray]
+    #: per bar: the mean over its steps of the slowest rank's step time (s)
+    max_wall_s: np.ndarray
+
+
+def step_bars(report: Any, max_bars: int = MAX_STEP_BARS) -> StepBars:
+    """The bars of :func:`plot_steps` (raises NoData when the run has no steps)."""
+    agg = per_step_of(report)
+    n = len(agg)
+    if n == 0:
+        raise NoData(NO_STEPS)
+    bin_ = max(1, math.ceil(n / max(1, max_bars)))
+    step = agg["step"].to_numpy(np.int64)
+    # one bincount per column over the per-step rows (a bar = steps s with s // bin == i)
+    _, inv, count = np.unique(step // bin_, return_inverse=True, return_counts=True)
+    first = np.full(len(count), np.iinfo(np.int64).max)
+    np.minimum.at(first, inv, step)
+
+    def mean(col: str) -> np.ndarray:
+        return np.bincount(inv, weights=agg[col].to_numpy(np.float64), minlength=len(count)) / count
+
+    return StepBars(steps=n, bin=bin_, first=first, count=count,
+                    median_s={c: mean(f"median_{c}") for c in COLUMNS}, max_wall_s=mean("max_wall_s"))  # fmt: skip
+
+
+def slowest_steps(report: Any, limit: int = MAX_SLOW_STEPS) -> pd.DataFrame:
+    """The ``limit`` slowest steps, slowest first: step, t_s (earliest start), ranks, median_wall_s,
+    max_wall_s, max_rank (the rank with the max), top_col and top_s (that rank's largest column in the step).
+
+    Slowest = the largest step time of the slowest rank (``max_wall_s``), ties
+    broken by the median then by the earlier step: in a synchronous job every
+    rank waits for that one, so it is what the step cost. Only the chosen
+    steps' (rank, step) rows are read to find the rank and its column.
+    """
+    report = as_report(report)
+    agg = per_step_of(report)
+    cols = ["step", "t_s", "ranks", "median_wall_s", "max_wall_s", "max_rank", "top_col", "top_s"]
+    if len(agg) == 0:
+        return pd.DataFrame({c: [] for c in cols})
+    a_step = agg["step"].to_numpy(np.int64)
+    a_max = agg["max_wall_s"].to_numpy(np.float64)
+    a_med = agg["median_wall_s"].to_numpy(np.float64)
+    top = np.lexsort((a_step, -a_med, -a_max))[:limit]
+    steps = step_breakdown(report.run, report.collectives)
+    s_step = steps["step"].to_numpy(np.int64)
+    sub = np.flatnonzero(np.isin(s_step, a_step[top]))
+    s_step = s_step[sub]
+    s_rank = steps["rank"].to_numpy(np.int64)[sub]
+    s_wall = steps["wall_s"].to_numpy(np.float64)[sub]
+    # per step, its slowest rank (the lowest rank on a tie): first row in (step, -wall, rank) order
+    o = np.lexsort((s_rank, -s_wall, s_step))
+    lead = o[np.r_[True, s_step[o][1:] != s_step[o][:-1]]]
+    part = steps[list(COLUMNS)].to_numpy(np.float64)[sub[lead]]
+    which = np.argmax(part, axis=1)
+    by_step = {int(s): i for i, s in enumerate(s_step[lead])}  # at most ``limit`` steps
+    pick = np.array([by_step[int(s)] for s in a_step[top]], np.int64)
+    return pd.DataFrame({
+        "step": a_step[top], "t_s": agg["t_s"].to_numpy(np.float64)[top],
+        "ranks": agg["ranks"].to_numpy(np.int64)[top], "median_wall_s": a_med[top], "max_wall_s": a_max[top],
+        "max_rank": s_rank[lead][pick], "top_col": np.asarray(COLUMNS)[which[pick]],
+        "top_s": part[pick, which[pick]],
+    }, columns=cols)  # fmt: skip
+
+
+def plot_steps(report: Any, ax: Any = None, max_bars: int = MAX_STEP_BARS) -> Any:
+    """Stacked bars per step (binned past ``max_bars``): each breakdown column's median over ranks, and a
+    dash at the slowest rank's step time.
+
+    Each column is one PolyCollection of ``n_bars`` rectangles, labelled like the
+    per-rank figure's bars (``ax.bar`` adds one patch per bar: 200 bars x 7
+    columns took 1.5 s of CPU to draw and save, the collections 0.3 s).
+    """
+    from matplotlib.collections import PolyCollection
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    bars = step_bars(report, max_bars)
+    n_bars = len(bars.first)
+    ax = _axes(ax, (11, 3.6))
+    with _rc():
+        top = max(float(bars.max_wall_s.max()), float(np.sum(list(bars.median_s.values()), axis=0).max()))
+        scale, unit = (1.0, "s") if top >= 1.0 else (1e3, "ms")
+        # a bar spans its steps on the step axis; single steps keep a gap between them
+        half = bars.count * (0.85 if bars.bin == 1 else 1.0) / 2
+        x = bars.first + (bars.count - 1) / 2
+        bottom = np.zeros(n_bars)
+        dash: dict[str, Any] = {"linestyle": "none", "marker": "_", "color": "k", "label": "slowest rank's step"}
+        handles: list[Any] = [Line2D([], [], markersize=10, **dash)]
+        for col in COLUMNS:  # seven categories, one collection each
+            v = bars.median_s[col] * scale
+            color = _BREAKDOWN_COLORS[col]
+            verts = _rects(bottom, x - half, x + half, 0.0)
+            verts[:, 1, 1] = verts[:, 2, 1] = bottom + v
+            coll = PolyCollection(verts, facecolors=color, edgecolors="none")  # type: ignore[arg-type]
+            coll.set_label(LABELS[col])
+            coll.set_gid(f"steps-{col}")
+            ax.add_collection(coll)
+            handles.append(Patch(color=color, label=LABELS[col]))
+            bottom += v
+        ax.plot(x, bars.max_wall_s * scale, markersize=max(3.0, min(12.0, 600 / n_bars)), **dash)
+        ax.set_xlim(-0.5, float(bars.first[-1] + bars.count[-1]) - 0.5)
+        ax.set_ylim(0, top * scale * 1.08)  # room for the dashes on the tallest bars
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step" + (f" ({bars.bin} steps per bar: means of their medians)" if bars.bin > 1 else ""))
+        ax.set_ylabel(unit)
+        ax.set_title(f"Where each step's time went, median over ranks ({bars.steps} steps)")
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
 
 
