@@ -194,11 +194,16 @@ def startup_groups(colls: Any) -> np.ndarray:
     out = np.zeros(len(colls.g_seq), bool)
     if len(colls.m_rank) == 0:
         return out
-    order = np.lexsort((colls.m_t0_ns, colls.m_rank))
-    ranks = colls.m_rank[order]
-    first = np.ones(len(order), bool)
-    first[1:] = ranks[1:] != ranks[:-1]
-    out[colls.m_group[order[first]]] = True
+    # Each rank's first row: its earliest arrival, the lowest member row among equal
+    # ones (what a stable sort by (rank, t0) puts first), found without sorting
+    # (the per-rank minimum, then the first row that equals it).
+    rank = colls.m_rank.astype(np.intp)
+    t0 = colls.m_t0_ns
+    first_t0 = np.full(int(rank.max()) + 1, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(first_t0, rank, t0)
+    cand = np.flatnonzero(t0 == first_t0[rank])
+    _, i = np.unique(rank[cand], return_index=True)
+    out[colls.m_group[cand[i]]] = True
     return out
 
 
