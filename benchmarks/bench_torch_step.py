@@ -43,7 +43,7 @@ every run)::
 
 The step-time (wall) ratio of ``full`` is inside the A/A control's spread
 in both sets; its CPU cost is 0-4 %, about what torch's own C++ comm hook
-costs. One process, 4 layers (``phases`` only, ``/tmp``-style probe): the
+costs. One process alternating the phase hooks on and off around blocks of steps: the
 phase hooks add ~50-57 us of CPU a step (forward, backward, optimizer,
 loader rows), 0.4 % of this bench's step.
 """
