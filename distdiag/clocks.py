@@ -652,13 +652,10 @@ def _count_violations(colls: Any, ok_g: np.ndarray, models: dict[int, RankClock]
     """(member exits checked, exits before their group's last entry), the numbers
     :func:`check_causality` counts, computed over blocks of whole groups (members of
     a group are contiguous). ``models``: map the member times first (raw collectives)."""
-    gs = colls.g_start
-    ng = len(colls)
+    from distdiag.match import group_blocks
+
     checked = viol = 0
-    g_lo = 0
-    while g_lo < ng:  # per block of ~262,144 member rows
-        g_hi = min(ng, max(g_lo + 1, int(np.searchsorted(gs, gs[g_lo] + _CHECK_ROWS, side="right")) - 1))
-        a, b = int(gs[g_lo]), int(gs[g_hi])
+    for g_lo, g_hi, a, b in group_blocks(colls, _CHECK_ROWS):  # per block of ~262,144 member rows
         g = colls.m_group[a:b]
         sel = ok_g[g] & (colls.m_t1_ns[a:b] >= 0)
         if sel.any():
@@ -672,7 +669,6 @@ def _count_violations(colls: Any, ok_g: np.ndarray, models: dict[int, RankClock]
             _, late = _violations(gg, t0, t1, g_hi - g_lo)
             checked += int(sel.sum())
             viol += int(np.count_nonzero(late > 0))
-        g_lo = g_hi
     return checked, viol
 
 

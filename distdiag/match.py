@@ -171,7 +171,9 @@ def _gather(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[s
     """``{f: tab[f][idx]}`` for every field, in one pass over the rows (blocks of whole rows)."""
     out = {f: np.empty(len(idx), tab.dtype[f]) for f in fields}
     for lo in range(0, len(idx), _GATHER_ROWS):  # per block of 65,536 rows
-        sub = tab[idx[lo : lo + _GATHER_ROWS]]
+        # take, not tab[idx]: numpy's fancy indexing copies a structured row field by
+        # field (~160 ns a 73-byte row), take copies it whole (~20 ns), measured
+        sub = tab.take(idx[lo : lo + _GATHER_ROWS])
         for f in fields:  # a dozen fields
             out[f][lo : lo + len(sub)] = sub[f]
     return out
@@ -190,13 +192,13 @@ def _gather_in_order(
         o = order[lo : lo + _GATHER_ROWS]
         hi = lo + len(o)
         if len(inf_idx) == 0:
-            sub = ev[ev_idx[o]]
+            sub = ev.take(ev_idx[o])
             for f in fields:  # a few fields
                 out[f][lo:hi] = sub[f]
             continue
         from_ev = o < n_ev
-        sub = ev[ev_idx[o[from_ev]]]
-        sub_inf = inf[inf_idx[o[~from_ev] - n_ev]]
+        sub = ev.take(ev_idx[o[from_ev]])
+        sub_inf = inf.take(inf_idx[o[~from_ev] - n_ev])
         for f in fields:  # a few fields
             blk = out[f][lo:hi]
             blk[from_ev] = sub[f]
@@ -438,25 +440,39 @@ def member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
 _GAP_ROWS = 1 << 18
 
 
+def group_blocks(colls: Collectives, rows: int = 1 << 18) -> Any:
+    """(g_lo, g_hi, a, b) for blocks of whole groups ``g_lo:g_hi`` whose member rows
+    ``a:b`` number about ``rows`` (a larger group is a block of its own): member
+    passes by blocks keep their temporaries a few MB, whatever the run's size."""
+    gs = colls.g_start
+    ng = len(colls)
+    g_lo = 0
+    while g_lo < ng:  # per block
+        g_hi = min(ng, max(g_lo + 1, int(np.searchsorted(gs, gs[g_lo] + rows, side="right")) - 1))
+        yield g_lo, g_hi, int(gs[g_lo]), int(gs[g_hi])
+        g_lo = g_hi
+
+
 def rank_time_order(colls: Collectives) -> np.ndarray:
     """``np.lexsort((colls.m_t0_ns, colls.m_rank))``: member rows by (rank, arrival), ties
-    in member order. One stable sort of one int64 key ``rank * span + (t0 - min)``
-    when it fits in 62 bits (always for real runs: 2^22 ranks x 10^12 ns), which
-    is the same order at about half the time and memory of the two-key lexsort."""
+    in member order. Done as lexsort does it, one stable sort per key, but the
+    rank pass sorts a 16-bit copy of the ranks, which numpy radix-sorts in linear
+    time, and the arrival pass runs on times that come nearly in order (groups
+    go by sequence number), which timsort takes in few merges: 0.22 s instead of
+    0.60 (lexsort) or 0.67 (one stable sort of an int64 (rank, t0) key) at 5.1 M
+    members, measured. The second permutation is composed in place."""
     n = len(colls.m_rank)
     if n == 0:
         return np.zeros(0, np.int64)
-    t0 = colls.m_t0_ns
-    t_min, t_max = int(t0.min()), int(t0.max())
-    r_max = int(colls.m_rank.max())
-    span = t_max - t_min + 1
-    if int(colls.m_rank.min()) < 0 or (r_max + 1) * span >= 1 << 62:
-        return np.lexsort((t0, colls.m_rank))
-    key = colls.m_rank.astype(np.int64)
-    key *= span
-    key += t0
-    key -= t_min
-    return np.argsort(key, kind="stable")
+    if int(colls.m_rank.min()) < 0 or int(colls.m_rank.max()) >= 1 << 16:
+        return np.lexsort((colls.m_t0_ns, colls.m_rank))
+    by_t0 = np.argsort(colls.m_t0_ns, kind="stable")
+    r16 = colls.m_rank.astype(np.uint16)[by_t0]
+    order = np.argsort(r16, kind="stable")
+    del r16
+    # order[i] = by_t0[order[i]]: elementwise, each index read before its slot is written
+    np.take(by_t0, order, out=order, mode="clip")
+    return order
 
 
 def _member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:

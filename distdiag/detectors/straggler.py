@@ -54,7 +54,7 @@ import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.match import MatchState, collectives_of, member_gaps_ns
+from distdiag.match import MatchState, collectives_of, group_blocks, member_gaps_ns
 from distdiag.run import _ranges
 
 log = logging.getLogger(__name__)
@@ -256,17 +256,29 @@ def _fold_hosts(
     if len(hosts) < 2:
         return rank_findings
     n_rank = int(max(run.world_size, int(colls.m_rank.max()) + 1))
-    host_of_rank = np.full(n_rank, -1, np.int64)
+    host_of_rank = np.full(n_rank, -1, np.int32)
     for r, info in run.ranks.items():  # one per rank
         host_of_rank[r] = hosts.index(info.host) if info.host in hosts else -1
-    mh = host_of_rank[colls.m_rank]
-    starts = colls.g_start[:-1]
     last_row = colls.g_start[1:] - 1
-    h_last = mh[last_row]
-    other = mh != h_last[colls.m_group]
-    t_other = np.where(other, colls.m_t0_ns, np.iinfo(np.int64).min)
-    other_max = np.maximum.reduceat(t_other, starts) if len(starts) else np.zeros(0, np.int64)
-    use = ok & (other_max > np.iinfo(np.int64).min) & (h_last >= 0)
+    h_last = host_of_rank[colls.m_rank[last_row]]
+    # Per group, the last arrival from another host than the last arriver's; per host,
+    # the collectives it took part in (complete ones, spanning hosts). Member-size
+    # temporaries by blocks of whole groups (all at once they were ~36 bytes per
+    # collective row, the detector's peak, measured).
+    no_t = np.iinfo(np.int64).min
+    other_max = np.full(len(colls), no_t, np.int64)
+    use = np.zeros(len(colls), bool)
+    n_part = np.zeros(len(hosts), np.int64)
+    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
+        mh = host_of_rank[colls.m_rank[a:b]]
+        gb = colls.m_group[a:b] - g_lo
+        t_other = np.where(mh != h_last[g_lo:g_hi][gb], colls.m_t0_ns[a:b], no_t)
+        other_max[g_lo:g_hi] = np.maximum.reduceat(t_other, colls.g_start[g_lo:g_hi] - a)
+        use[g_lo:g_hi] = ok[g_lo:g_hi] & (other_max[g_lo:g_hi] > no_t) & (h_last[g_lo:g_hi] >= 0)
+        member_use = use[g_lo:g_hi][gb]
+        if member_use.any():  # distinct (group, host) pairs: groups never span blocks
+            gh = np.unique(gb[member_use].astype(np.int64) * len(hosts) + mh[member_use])
+            n_part += np.bincount(gh % len(hosts), minlength=len(hosts))
     if not use.any():
         return rank_findings
     g = np.flatnonzero(use)
@@ -274,10 +286,6 @@ def _fold_hosts(
     hl = h_last[g]
     cost_ns = np.bincount(hl, weights=wait_ns, minlength=len(hosts))
     n_last = np.bincount(hl, minlength=len(hosts))
-    # collectives each host took part in (complete ones, spanning hosts)
-    member_use = use[colls.m_group]
-    gh = np.unique(colls.m_group[member_use].astype(np.int64) * len(hosts) + mh[member_use])
-    n_part = np.bincount(gh % len(hosts), minlength=len(hosts))
 
     rank_cost = {f.ranks[0]: f.cost_s for f in rank_findings}
     out_hosts: list[Finding] = []
