@@ -684,6 +684,77 @@ def _remap(arr: np.ndarray, lookup: np.ndarray) -> int:
     return bad
 
 
+#: Rows per block of the table-wide passes of _assemble (a few MB of temporaries).
+_ASSEMBLE_ROWS = 1 << 18
+
+
+def _sort_ranks_by_time(events: np.ndarray, spans: dict[int, tuple[int, int]]) -> None:
+    """Sort each rank's rows by t0 where they are not (threads flush chunks out of
+    time order), so the table is sorted by (rank, t0). The check runs over the
+    whole table by blocks (per rank it cost ~0.1 ms a rank, measured at 1,024
+    ranks); only ranks found out of order are sorted."""
+    n = len(events)
+    late: set[int] = set()
+    prev_t, prev_r = 0, -1
+    for a in range(0, n, _ASSEMBLE_ROWS):  # per block of rows
+        t0 = events["t0_ns"][a : a + _ASSEMBLE_ROWS]
+        r = events["rank"][a : a + _ASSEMBLE_ROWS]
+        back = np.flatnonzero((t0[1:] < t0[:-1]) & (r[1:] == r[:-1]))
+        late.update(int(x) for x in np.unique(r[back]))
+        if int(r[0]) == prev_r and int(t0[0]) < prev_t:  # across the block edge
+            late.add(prev_r)
+        prev_t, prev_r = int(t0[-1]), int(r[-1])
+    for rk in sorted(late):  # ranks out of time order: usually none
+        lo, hi = spans[rk]
+        ev = events[lo:hi]
+        ev[:] = ev.take(np.argsort(ev["t0_ns"], kind="stable"))
+
+
+def _remap_table(events: np.ndarray, ranks: list[int], lookups: list[np.ndarray]) -> int:
+    """:func:`_remap` of every rank's rows (``lookups[i]`` is rank ``ranks[i]``'s), done
+    over the whole table by blocks of rows: the per-rank lookups are concatenated
+    and each row finds its own through its rank (per rank, the remap cost ~0.7 ms
+    a rank, measured at 1,024 ranks). Returns how many ids were out of range."""
+    if len(events) == 0:
+        return 0
+    n_r = max(ranks) + 1
+    base = np.zeros(n_r, np.int64)
+    size = np.zeros(n_r, np.int64)
+    lens = np.array([len(lk) for lk in lookups], np.int64)
+    base[ranks] = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    size[ranks] = lens
+    cat = np.concatenate(lookups)
+
+    def mapped(ids: np.ndarray, b0: np.ndarray, ln: np.ndarray) -> tuple[np.ndarray, int]:
+        # lookup[ids] of each row's rank; ids out of its range -> 0 (""), counted
+        oob = (ids < 0) | (ids >= ln)
+        at = ids.astype(np.int64)
+        at += b0
+        n_bad = int(np.count_nonzero(oob))
+        if n_bad:
+            at[oob] = 0
+        out = cat[at]
+        if n_bad:
+            out[oob] = 0
+        return out, n_bad
+
+    bad = 0
+    for a in range(0, len(events), _ASSEMBLE_ROWS):  # per block of rows
+        blk = events[a : a + _ASSEMBLE_ROWS]
+        r = blk["rank"]
+        b0, ln = base[r], size[r]
+        for col in STRING_COLUMNS:  # three id columns
+            blk[col], b = mapped(blk[col], b0, ln)
+            bad += b
+        # aux holds a string id too for file events, collectives and waits (see _remap)
+        fk = np.isin(blk["kind"], _AUX_STRING_KINDS)
+        if fk.any():
+            aux = blk["aux"]
+            aux[fk], b = mapped(aux[fk], b0[fk], ln[fk])
+            bad += b
+    return bad
+
+
 def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | None = None) -> np.ndarray:
     """``arr`` with a rank column appended (into ``out`` when given).
 
@@ -905,17 +976,12 @@ def _assemble(
         packer.views = []  # the table (or the copy below) is the only owner from here on
     bad_ids = 0
     off = 0
-    for r, lookup in zip(ranks, lookups):  # per rank, vectorized inside
+    spans: dict[int, tuple[int, int]] = {}
+    for r, lookup in zip(ranks, lookups):  # per rank: small tables; the events are done table-wide below
         d = loaded[r]
-        ev = events[off : off + len(d.events)]
         if packed is None:
-            _attach_rank(d.events, RUN_EVENT_DTYPE, r, out=ev)
-        # Threads flush chunks out of time order: sort each rank by t0 (ranks
-        # are already in order, so the whole table ends up sorted by (rank, t0)).
-        t0 = ev["t0_ns"]
-        if len(t0) > 1 and not bool(np.all(t0[1:] >= t0[:-1])):
-            ev[:] = ev[np.argsort(t0, kind="stable")]
-        bad_ids += _remap(ev, lookup)
+            _attach_rank(d.events, RUN_EVENT_DTYPE, r, out=events[off : off + len(d.events)])
+        spans[r] = (off, off + len(d.events))
         off += len(d.events)
         inf = _attach_rank(d.inflight, RUN_EVENT_DTYPE, r)
         bad_ids += _remap(inf, lookup)
@@ -925,6 +991,8 @@ def _assemble(
         loaded[r].events = np.zeros(0, d.events.dtype)  # the table holds the rows now
     if packer is not None and packed is None:
         packer.buf = packer.buf[:0]  # copied out (ranks out of file order): let the packed rows go
+    _sort_ranks_by_time(events, spans)
+    bad_ids += _remap_table(events, ranks, lookups)
     if bad_ids:
         warnings.append(f"{bad_ids} string ids point outside their file's string table (corrupt rows); shown as ''")
     job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
