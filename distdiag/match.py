@@ -220,7 +220,12 @@ def match_collectives(run: Run) -> Collectives:
     """
     kinds = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
     ev, inf = run.events, run.inflight
-    sel_idx = np.flatnonzero(np.isin(ev["kind"], kinds) & (ev["seq"] >= 0))
+    is_comm = np.zeros(256, bool)
+    is_comm[kinds] = True
+    sel = is_comm[ev["kind"]]  # np.isin by a 256-entry table: one gather (half isin's time)
+    sel &= ev["seq"] >= 0
+    sel_idx = np.flatnonzero(sel)
+    del sel
     inf_idx = np.zeros(0, np.int64)
     if len(inf):
         inf_idx = np.flatnonzero(np.isin(inf["kind"], kinds) & (inf["seq"] >= 0))
@@ -285,10 +290,9 @@ def match_collectives(run: Run) -> Collectives:
     # this order), so they go as soon as the first sort is done.
     order = np.argsort(t0_raw, kind="stable")
     del t0_raw
-    gk = gkey[order]
-    o2 = np.argsort(gk, kind="stable")
-    del gk
-    order = order[o2]
+    o2 = stable_order(gkey[order])
+    np.take(order, o2, out=o2, mode="clip")  # o2[i] = order[o2[i]], in place
+    order = o2
     del o2
     if keep is not None:
         order = order[keep[order]]
@@ -451,6 +455,31 @@ def group_blocks(colls: Collectives, rows: int = 1 << 18) -> Any:
         g_hi = min(ng, max(g_lo + 1, int(np.searchsorted(gs, gs[g_lo] + rows, side="right")) - 1))
         yield g_lo, g_hi, int(gs[g_lo]), int(gs[g_hi])
         g_lo = g_hi
+
+
+def stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` of integer keys. numpy radix-sorts 16-bit
+    keys in linear time but timsorts wider ones, so keys spanning less than 2^32
+    are sorted as two stable 16-bit passes, low half then high half (an LSD radix
+    sort: same order, ties in input order). Measured on the 5.1 M (comm, seq) keys
+    of the 1024x10k run: 0.38 s (timsort) -> ~0.1 s."""
+    if len(key) == 0:
+        return np.zeros(0, np.intp)
+    lo = int(key.min())
+    span = int(key.max()) - lo
+    if span >= 1 << 32:
+        return np.argsort(key, kind="stable")
+    k = key.astype(np.int64)
+    k -= lo
+    if span < 1 << 16:
+        return np.argsort(k.astype(np.uint16), kind="stable")
+    order = np.argsort((k & 0xFFFF).astype(np.uint16), kind="stable")
+    k >>= 16
+    high = k.astype(np.uint16)[order]
+    del k
+    o2 = np.argsort(high, kind="stable")
+    np.take(order, o2, out=o2, mode="clip")  # o2[i] = order[o2[i]], in place
+    return o2
 
 
 def rank_time_order(colls: Collectives) -> np.ndarray:
