@@ -38,7 +38,9 @@ Measured (issue 10, 2-core machine at load 4-12, ``--grid 256x10000,1024x10000
 
 ``--stages RxM`` prints each analysis stage's CPU seconds and peak RSS
 (the high-water mark reset through ``/proc/self/clear_refs`` before each
-stage) in a fresh child, for this tree and the ``--baseline`` one.
+stage) in a fresh child, for this tree and the ``--baseline`` one; with
+``--repeat N`` the children alternate (A B, B A, ...) and the best CPU and
+transient of each stage per tree are printed side by side.
 
 Per stage at 1024 x 10k (``--stages 1024x10000 --baseline``, one run, CPU s,
 before -> after): whole analysis 40.4 -> 31.7, peak 2896 -> 2547 MB; read 7.1
@@ -59,6 +61,30 @@ transient; serial_section 2.6-3.1 -> 1.3-1.7, +64 -> +24-28 B/event; whole
 analysis 20.4-24.2 -> 15.6-19.2 s; peak 2546 -> 1395 MB, now set by align's
 +58 B/event and straggler's +28 B/event over the live set (1.1 GB after
 matching, ~108 B/event).
+
+Then cheaper per event, same JSON (issue 10, the in-memory pipeline made
+cheaper; the streaming design in distdiag/run.py is still to come). Per
+stage, CPU s best of 4 alternating children per tree (``--stages 1024x10000
+--baseline <worktree of 58e2557> --repeat 4``), two such runs at load 1-2::
+
+    stage            CPU s before -> after           transient over the live set, B/event
+    read + pack      4.6-5.7 -> 2.9-3.4              75.5 -> 74.9 (the table itself)
+    assemble         0.84-1.00 -> 0.64               0.4 -> 0.4
+    align            3.3-3.4 -> 2.4-2.7              58.3 -> 33.4 (28.5 of it: the match, kept)
+    straggler        2.2-2.4 -> 1.05-1.15            25.9 -> 13.1
+    whole analysis   14.6-16.3 -> 11.1-12.2          peak 1388 -> 1297 MB (135 -> 126 B/event)
+
+(read: attributes and dtypes through h5py's low-level API with a type cache,
+~5 -> ~3.3 ms a rank file; align's transient was the collective match and
+the causality check, not the time mapping: match gathers its sort keys, then
+the other fields in matched order with ``take``, and the causality check
+counts by blocks of groups; straggler: member gaps and the host fold by
+blocks, radix-pass sorts.) Whole analysis (``--grid 256x10000,1024x10000
+--baseline --repeat 2``, best CPU of 2, load 1.1): 1024 x 10k 16.4 -> 12.2 s
+(1.35x), peak 1388 -> 1296 MB; 256 x 10k 3.8 -> 3.0 s (1.26x), 420 -> 397 MB.
+The peak is now serial_section's +16 B/event and breakdown's +12.5 over the
+live set (1.10-1.14 GB, ~108 B/event: the 73-byte table, 28.5 B/event of
+matched collectives, 4 of member gaps).
 """
 
 from __future__ import annotations
@@ -173,7 +199,7 @@ def _stages_child(run_dir: str) -> int:
     run.warnings.extend(pipeline._incomplete_warnings(run, colls))
     sv = stage("slurm", accounting_of, run)
     dets = load_all()
-    findings = []
+    findings: list[Any] = []
     for name in cfg.detectors or list(dets):  # one per detector
         findings.extend(f for f in stage("det " + name, dets[name], run, cfg) if np.isfinite(float(f.cost_s)))
     findings = stage("rank findings", rank_findings, findings, run, colls, cfg)
@@ -329,11 +355,29 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.stages:
         d, _ = _ensure_run(ns.base, *_size(ns.stages))
-        for label, tree in [("", REPO)] + ([("baseline ", ns.baseline.resolve())] if ns.baseline else []):  # 1-2 trees
-            env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            got = subprocess.run([sys.executable, __file__, "--child-stages", str(d)], capture_output=True, text=True,
-                                 timeout=ns.timeout, env=env)  # fmt: skip
-            print(f"{label or 'this tree'} ({tree}):\n{got.stdout}{got.stderr[-2000:] if got.returncode else ''}", flush=True)
+        trees = [("", REPO)] + ([("baseline ", ns.baseline.resolve())] if ns.baseline else [])
+        per: dict[str, dict[str, list[tuple[float, float]]]] = {}
+        for i in range(ns.repeat):  # alternating blocks: A B, B A, ...
+            for label, tree in trees if i % 2 == 0 else trees[::-1]:  # 1-2 trees
+                env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                got = subprocess.run([sys.executable, __file__, "--child-stages", str(d)], capture_output=True,
+                                     text=True, timeout=ns.timeout, env=env)  # fmt: skip
+                print(f"{label or 'this tree'} ({tree}):\n{got.stdout}{got.stderr[-2000:] if got.returncode else ''}",
+                      flush=True)  # fmt: skip
+                for ln in got.stdout.splitlines():  # the child's table: one line per stage
+                    cells = ln.split()
+                    if len(cells) >= 8 and cells[-1] == "B/ev":
+                        per.setdefault(label, {}).setdefault(" ".join(cells[:-7]), []).append(
+                            (float(cells[-7]), float(cells[-2]))
+                        )
+        if len(per) == 2 and ns.repeat > 1:
+            print(f"best of {ns.repeat} per tree: {'stage':26s} {'cpu s base -> this':>20s} {'+B/ev base -> this':>20s}")
+            for stage_name, base_rows in per["baseline "].items():  # a few dozen stages
+                new_rows = per[""].get(stage_name, [(0.0, 0.0)])
+                cb, cn = min(r[0] for r in base_rows), min(r[0] for r in new_rows)
+                if max(cb, cn) >= 0.05:
+                    print(f"{'':21s}{stage_name:26s} {cb:9.2f} -> {cn:6.2f} {min(r[1] for r in base_rows):11.1f} -> "
+                          f"{min(r[1] for r in new_rows):5.1f}", flush=True)  # fmt: skip
 
     if ns.parallel:
         ranks, events = _size(ns.parallel)

@@ -32,6 +32,18 @@ serial_section (~45 B/event). At ~200-280 B/event one machine holds ~10^8
 events in 24 GB: 1,024 x 100,000 does not fit in 4 GB, 16,384 x 10,000 not
 in 24 GB; both need what comes next.
 
+Measured since (1024 x 10k, 10.27 M events, best of 4 alternating runs per
+tree of bench_scale's per-stage child, CPU s and peak RSS over the RSS
+before each stage): breakdown and serial_section by bands brought the peak
+to 1388 MB (135 B/event), set by align's +58 B/event (the collective match,
+~113 bytes per collective row at once, and the causality check's member
+arrays) and straggler's +26. Now align +33 (28.5 of it the match it keeps),
+straggler +13, peak 1297 MB (126 B/event), set by serial_section's +16 and
+breakdown's +12.5 over a live set of ~108 B/event. CPU: reading 4.6-5.7 ->
+2.9-3.4 s (a rank file ~5 -> ~3.3 ms: h5py's per-call overhead, not the
+rows, dominates at 10k events a rank), assembling 0.84-1.0 -> 0.64 s, the
+whole analysis 14.6-16.3 -> 11.1-12.2 s. See benchmarks/bench_scale.py.
+
 What comes next (design, not built):
 
 1. A narrower table: a dense core every stage reads (t0, t1, rank, kind,
