@@ -65,26 +65,31 @@ matching, ~108 B/event).
 Then cheaper per event, same JSON (issue 10, the in-memory pipeline made
 cheaper; the streaming design in distdiag/run.py is still to come). Per
 stage, CPU s best of 4 alternating children per tree (``--stages 1024x10000
---baseline <worktree of 58e2557> --repeat 4``), two such runs at load 1-2::
+--baseline <worktree of 58e2557> --repeat 4``), three such runs at load 1-2::
 
     stage            CPU s before -> after           transient over the live set, B/event
-    read + pack      4.6-5.7 -> 2.9-3.4              75.5 -> 74.9 (the table itself)
-    assemble         0.84-1.00 -> 0.64               0.4 -> 0.4
-    align            3.3-3.4 -> 2.4-2.7              58.3 -> 33.4 (28.5 of it: the match, kept)
-    straggler        2.2-2.4 -> 1.05-1.15            25.9 -> 13.1
-    whole analysis   14.6-16.3 -> 11.1-12.2          peak 1388 -> 1297 MB (135 -> 126 B/event)
+    read + pack      4.5-5.7 -> 2.9-3.6              75.5 -> 75.0 (the table itself)
+    assemble         0.79-1.00 -> 0.63-0.64          0.4 -> 0.4
+    align            3.0-3.4 -> 2.3-2.7              58.3 -> 33.4 (28.5 of it: the match, kept)
+    straggler        2.0-2.4 -> 1.05-1.15            25.9 -> 13.0
+    serial_section   0.25-0.34 -> 0.18               15.9 -> 5.2
+    whole analysis   13.4-16.3 -> 11.0-12.2          peak 1388 -> 1271 MB (135 -> 124 B/event)
 
 (read: attributes and dtypes through h5py's low-level API with a type cache,
 ~5 -> ~3.3 ms a rank file; align's transient was the collective match and
 the causality check, not the time mapping: match gathers its sort keys, then
 the other fields in matched order with ``take``, and the causality check
-counts by blocks of groups; straggler: member gaps and the host fold by
-blocks, radix-pass sorts.) Whole analysis (``--grid 256x10000,1024x10000
---baseline --repeat 2``, best CPU of 2, load 1.1): 1024 x 10k 16.4 -> 12.2 s
-(1.35x), peak 1388 -> 1296 MB; 256 x 10k 3.8 -> 3.0 s (1.26x), 420 -> 397 MB.
-The peak is now serial_section's +16 B/event and breakdown's +12.5 over the
-live set (1.10-1.14 GB, ~108 B/event: the 73-byte table, 28.5 B/event of
-matched collectives, 4 of member gaps).
+counts by blocks of groups; straggler and serial_section: member-size
+temporaries by blocks of groups, radix-pass sorts.) Whole analysis (``--grid
+256x10000,1024x10000 --baseline --repeat 2``, best CPU of 2, load 1.1, before
+the serial_section step): 1024 x 10k 16.4 -> 12.2 s (1.35x), peak 1388 ->
+1296 MB; 256 x 10k 3.8 -> 3.0 s (1.26x), 420 -> 397 MB. The peak is now
+breakdown's +12 B/event over the live set (1.10-1.15 GB, ~108 B/event: the
+73-byte table, 28.5 B/event of matched collectives, 4 of member gaps), then
+straggler's +13 over a smaller one. Tried and left out: allocating the packed
+table without numpy's huge-page advice (first touch 1.1 -> 0.7 s, but the
+whole analysis only 1.02-1.03x, within the noise, through a private numpy
+switch).
 """
 
 from __future__ import annotations

@@ -38,11 +38,11 @@ before each stage): breakdown and serial_section by bands brought the peak
 to 1388 MB (135 B/event), set by align's +58 B/event (the collective match,
 ~113 bytes per collective row at once, and the causality check's member
 arrays) and straggler's +26. Now align +33 (28.5 of it the match it keeps),
-straggler +13, peak 1297 MB (126 B/event), set by serial_section's +16 and
-breakdown's +12.5 over a live set of ~108 B/event. CPU: reading 4.6-5.7 ->
-2.9-3.4 s (a rank file ~5 -> ~3.3 ms: h5py's per-call overhead, not the
-rows, dominates at 10k events a rank), assembling 0.84-1.0 -> 0.64 s, the
-whole analysis 14.6-16.3 -> 11.1-12.2 s. See benchmarks/bench_scale.py.
+straggler +13, serial_section +16 -> +5, peak 1271 MB (124 B/event), set by
+breakdown's +12 over a live set of ~108 B/event. CPU: reading 4.5-5.7 ->
+2.9-3.6 s (a rank file ~5 -> ~3.3 ms: h5py's per-call overhead, not the
+rows, dominates at 10k events a rank), assembling 0.79-1.0 -> 0.63 s, the
+whole analysis 13.4-16.3 -> 11.0-12.2 s. See benchmarks/bench_scale.py.
 
 What comes next (design, not built):
 
