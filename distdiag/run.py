@@ -315,7 +315,9 @@ def _dtype_of(tid: Any) -> tuple[np.dtype, Any]:
             return dt, mt
     dt = tid.dtype
     mt = h5py.h5t.py_create(dt)
-    if len(seen) < 8:
+    # Only transient types are kept: a committed (named) type belongs to its file,
+    # and its id dies when the file closes.
+    if len(seen) < 8 and not tid.committed():
         seen.append((tid, dt, mt))
     return dt, mt
 
