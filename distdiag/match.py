@@ -420,7 +420,7 @@ def collectives_of(run: Run) -> Collectives:
     return c  # type: ignore[no-any-return]
 
 
-def member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
+def member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray:
     """Per member row: its own time since its previous blocking collective (or its start), in ns.
 
     Computed once per collectives table (straggler, serial_section and the
@@ -430,13 +430,22 @@ def member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
     sorting its rows by arrival, the gap of a row is its arrival minus the
     latest exit among the rows before it (the running maximum, so an
     exit-less in-flight row never makes a gap negative).
+
+    ``async_exits=True``: the completions of non-blocking collectives count as
+    exits too (a DDP step cannot start before its previous step's buckets
+    completed: that completion, not the rank's start, is where the ranks last
+    lined up). The straggler's inherited-lateness discount reads this one;
+    without any non-blocking collective it is the same array.
     """
-    hit = run.cache.get("member_gaps")
+    if async_exits and not np.any(colls.m_kind == Kind.COLL_ASYNC):
+        async_exits = False
+    key = "member_gaps_async" if async_exits else "member_gaps"
+    hit = run.cache.get(key)
     if hit is not None and hit[0] is colls:
         return hit[1]  # type: ignore[no-any-return]
-    gap = _member_gaps_ns(run, colls)
+    gap = _member_gaps_ns(run, colls, async_exits)
     gap.flags.writeable = False  # shared by every reader
-    run.cache["member_gaps"] = (colls, gap)
+    run.cache[key] = (colls, gap)
     return gap
 
 
@@ -504,7 +513,7 @@ def rank_time_order(colls: Collectives) -> np.ndarray:
     return order
 
 
-def _member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
+def _member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray:
     """See :func:`member_gaps_ns`. The rows are taken in (rank, arrival) order by blocks
     of ``_GAP_ROWS``: every temporary is block-sized (one full-size pass held ~50
     bytes per collective row at once, the straggler detector's peak, measured); the
@@ -541,8 +550,9 @@ def _member_gaps_ns(run: Any, colls: Collectives) -> np.ndarray:
         # exits of blocking rows only; non-blocking posts do not end the rank's work
         x -= lo
         x += band
-        nb = colls.m_kind[o] != Kind.COLL
-        x[nb] = band[nb]
+        if not async_exits:
+            nb = colls.m_kind[o] != Kind.COLL
+            x[nb] = band[nb]
         np.maximum.accumulate(x, out=x)
         if a:
             np.maximum(x, carry_x, out=x)  # the running max goes on across the block edge

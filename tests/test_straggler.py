@@ -9,6 +9,7 @@ import pytest
 
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
+from distdiag.schema import Kind
 from factories import coll, make_run, write_rank
 
 
@@ -170,3 +171,32 @@ def test_rooted_collectives_charge_only_lateness_someone_waited_for(
         write_rank(d, r, 4, rows, s)
     fs, _ = _stragglers(d)
     assert [f.ranks for f in fs] == ([[3]] if charged else [])
+
+
+def test_a_late_starting_rank_that_is_slow_at_every_ddp_bucket_is_still_the_straggler(tmp_path: Path) -> None:
+    """DDP-like: one non-blocking bucket all-reduce per step, no blocking collective at all.
+
+    Rank 2 starts 300 ms after the others (launch skew) and computes 40 ms a
+    step against their 10. Each step starts when the previous step's bucket
+    completed (DDP's finalize): that is where the ranks last lined up, so rank
+    2's 30 ms a step is its own lateness, not its launch skew inherited (the
+    discount once took the ranks' starts as their previous exits and charged
+    nothing here).
+    """
+    d = tmp_path / "r"
+    steps, late_start, work, slow = 20, 300.0, 10.0, 40.0
+    post = np.zeros((steps, 4))
+    t = np.array([0.0, 0.0, late_start, 0.0])
+    for i in range(steps):  # the step timeline: posts, then a common completion
+        post[i] = t + np.where(np.arange(4) == 2, slow, work)
+        t[:] = post[i].max() + 1.0
+    for r in range(4):
+        s = [""]
+        rows = [coll(post[i, r], post[i].max() + 1.0, i, s, op="ddp_bucket_allreduce", kind=Kind.COLL_ASYNC)
+                for i in range(steps)]  # fmt: skip
+        write_rank(d, r, 4, rows, s, mono_ns_at_start=int((late_start if r == 2 else 0.0) * 1e6))
+    rep = analyze(d, Config())
+    fs = [f for f in rep.findings if f.kind == "straggler"]
+    assert [f.ranks for f in fs] == [[2]], [(f.kind, f.ranks, f.cost_s) for f in rep.findings]
+    # every step but the first (launch skew): 30 ms waited for rank 2
+    assert fs[0].cost_s == pytest.approx((steps - 1) * (slow - work) * 1e-3, rel=1e-6)

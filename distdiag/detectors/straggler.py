@@ -158,10 +158,13 @@ MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Ig
 def own_lateness_ns(run: Any, colls: Any) -> np.ndarray:
     """Per group: ``last - second_to_last`` arrival, less what the last arriver inherited.
 
-    A rank leaving its previous blocking collective late arrives late at the
-    next one with no extra work of its own. Each member's previous exit is its
-    arrival minus its own gap (:func:`distdiag.match.member_gaps_ns`: only
-    blocking collectives end a rank's work); the amount by which the last
+    A rank leaving its previous collective late arrives late at the next one
+    with no extra work of its own. Each member's previous exit is its arrival
+    minus its own gap (:func:`distdiag.match.member_gaps_ns` with the
+    completions of non-blocking collectives counted as exits: a DDP step starts
+    after the previous step's buckets completed; counting only blocking ones
+    made a DDP rank's *launch* skew, its last blocking "exit", look inherited
+    at every bucket, and hid a real straggler that had started late); the amount by which the last
     arriver left later than the second-to-last is subtracted, and the result
     lies in ``[0, last - second_to_last]``. Worked example: ranks leave
     all-reduce k at 10.0 (rank 0) and 10.04 ms (rank 1, behind the slow link),
@@ -172,7 +175,7 @@ def own_lateness_ns(run: Any, colls: Any) -> np.ndarray:
     gap = (colls.g_last_ns - colls.g_second_ns).astype(np.int64)
     if len(gap) == 0:
         return gap
-    own = member_gaps_ns(run, colls)
+    own = member_gaps_ns(run, colls, async_exits=True)
     last_row = colls.g_start[1:] - 1
     second_row = np.maximum(last_row - 1, colls.g_start[:-1])
     left_last = colls.m_t0_ns[last_row] - own[last_row]
