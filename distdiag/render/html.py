@@ -189,10 +189,10 @@ class HtmlRenderer:
     def _figures(self, report: Any) -> str:
         if not self.figures:
             return ""
-        try:
-            from distdiag.render.plots import PLOTS, NoData, figure_png
-        except ImportError as exc:  # matplotlib missing: the tables still tell the story
-            return f"<h2>Figures</h2><p class=\"warn\">no figures: {e(exc)} (pip install 'distdiag[report]')</p>"
+        missing = _plots_missing()
+        if missing:
+            return f'<h2>Figures</h2><p class="warn">no figures: {missing}</p>'
+        from distdiag.render.plots import PLOTS, NoData, figure_png
         out = ["<h2>Figures</h2>"]
         skipped = []
         for p in PLOTS:  # a handful of figures
@@ -267,10 +267,10 @@ class HtmlRenderer:
     def _steps_figure(self, report: Any) -> str:
         if not self.figures:
             return ""
-        try:
-            from distdiag.render.plots import NoData, figure_png, plot_steps, step_bars
-        except ImportError as exc:  # matplotlib missing: the table still tells the story
-            return f'<p class="warn">no figure: {e(exc)} (pip install \'distdiag[report]\')</p>'
+        missing = _plots_missing()
+        if missing:
+            return f'<p class="warn">no figure: {missing}</p>'
+        from distdiag.render.plots import NoData, figure_png, plot_steps, step_bars
         try:
             bars = step_bars(report)
             png = figure_png(plot_steps, report, dpi=self.dpi)
@@ -333,6 +333,15 @@ class HtmlRenderer:
         if not ws:
             return ""
         return f"<h2>Warnings ({len(ws)})</h2><ul>" + "".join(f'<li class="warn">{e(w)}</li>' for w in ws) + "</ul>"
+
+
+def _plots_missing() -> str:
+    """'' when the figures can be drawn, else why not (escaped HTML): matplotlib missing, the tables still tell the story."""
+    try:
+        import distdiag.render.plots  # noqa: F401
+    except ImportError as exc:
+        return f"{e(exc)} (pip install 'distdiag[report]')"
+    return ""
 
 
 def _plain(x: Any) -> Any:
