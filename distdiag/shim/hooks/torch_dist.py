@@ -304,11 +304,15 @@ def _track(rec: Recorder, name: str, work: Any, row: tuple[Any, ...]) -> None:
         try:
             fut = work.get_future()
             fut.add_done_callback(functools.partial(_record_done, rec, row))
-            if row[4] >= 0:  # a collective: its wait() names it
-                _issued[work] = (row[3], row[4], row[2])
-            return
         except Exception:  # gloo p2p: "Work::getFuture not implemented"
             _future_ok[key] = False
+        else:
+            if row[4] >= 0:  # a collective: its wait() names it (a Work without weakrefs: nothing named)
+                try:
+                    _issued[work] = (row[3], row[4], row[2])
+                except TypeError:
+                    pass
+            return
     try:
         _pending[work] = row
     except TypeError:
