@@ -118,6 +118,12 @@ _WAIT, _XFER, _IO, _INPUT, _H2D, _OTHER = range(6)
 _N_CAT = 6
 _ASYNC = 6  # a non-blocking collective's whole span: only counted for comm_overlapped_s
 _OTHER_KINDS = tuple(int(k) for k in P2P_KINDS) + (int(Kind.WAIT), int(Kind.COMM_CREATE))
+# event kind -> category code (_NONE: not one of these; collectives are handled apart)
+_NONE = 255
+_CAT_OF_KIND = np.full(256, _NONE, np.uint8)
+for _cat, _kinds in ((_IO, FILE_KINDS), (_INPUT, (Kind.INPUT_WAIT,)), (_H2D, (Kind.H2D,)), (_OTHER, _OTHER_KINDS)):
+    assert (_CAT_OF_KIND[[int(k) for k in _kinds]] == _NONE).all()  # one category a kind (a module constant)
+    _CAT_OF_KIND[[int(k) for k in _kinds]] = _cat
 #: rows whose start opens a rank's step 0 (before the first one: start-up)
 _WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 #: the optimizer hook's STEP rows; preferred over distdiag.step() rows when both exist
@@ -167,16 +173,22 @@ def _sweep(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.n
     band = _band(key, t0, t1)
     if band is not None:
         lo, span = band
-        base = key * span - lo
-        covered = np.maximum.accumulate(base + t1) - base
+        base = key * span
+        base -= lo
+        covered = base + t1
+        np.maximum.accumulate(covered, out=covered)
+        covered -= base
+        del base
     else:  # astronomically long runs: let pandas do the grouped running max
         covered = pd.Series(t1).groupby(key).cummax().to_numpy()
     prev = np.empty_like(covered)
     prev[1:] = covered[:-1]
     first = np.r_[True, key[1:] != key[:-1]]
     prev[first] = np.iinfo(np.int64).min
-    contrib = np.maximum(0, t1 - np.maximum(t0, prev))
-    return np.bincount(key, weights=contrib.astype(np.float64), minlength=n_keys)
+    contrib = np.maximum(t0, prev, out=prev)
+    np.subtract(t1, contrib, out=contrib)
+    np.maximum(contrib, 0, out=contrib)
+    return np.bincount(key, weights=contrib, minlength=n_keys)
 
 
 def _at_or_before(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: np.ndarray) -> np.ndarray:
@@ -226,12 +238,17 @@ class _Band:
     """A band of ranks [r_lo, r_hi): its event rows (a view: the table is sorted by rank) and its collective rows."""
 
     def __init__(self, run: Run, colls: Collectives, r_lo: int, r_hi: int, e_lo: int, e_hi: int,
-                 rows: np.ndarray) -> None:  # fmt: skip
+                 rows: np.ndarray, first: np.ndarray, bounds: tuple[np.ndarray, np.ndarray]) -> None:  # fmt: skip
         self.r_lo, self.r_hi = r_lo, r_hi
+        self.start, self.end = bounds  # run.rank_bounds(), once for every band (O(ranks) each call)
         self.ev = run.events[e_lo:e_hi]
+        # the band's kind column, contiguous (1 byte a row): every per-kind mask reads it, not the 73-byte rows
+        self.kind = np.ascontiguousarray(self.ev["kind"])
         self.rows = rows
         self.m_kind = colls.m_kind[rows]
         self.m_t1 = colls.m_t1_ns[rows]
+        # the rows' ranks (int64) without a gather: rows come sorted by rank, ``first`` their offsets
+        self.m_rank = np.repeat(np.arange(r_lo, r_hi), np.diff(first[r_lo : r_hi + 1]))
 
 
 def _rows_by_rank(colls: Collectives, n: int, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
@@ -301,7 +318,7 @@ def _collective_intervals(colls: Collectives, b: _Band, rank_end: np.ndarray) ->
     blocking = b.m_kind == Kind.COLL
     rows = b.rows[blocking]
     g = colls.m_group[rows]
-    rank = colls.m_rank[rows].astype(np.int64)
+    rank = b.m_rank[blocking]
     t0 = colls.m_t0_ns[rows]
     t1 = b.m_t1[blocking]
     open_ = t1 < 0
@@ -329,12 +346,12 @@ def _exposed_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, ...]:
     """(rank, cat, t0, t1) of the exposed pieces of the band's non-blocking collectives (module docstring)."""
     ev = b.ev
     a = (b.m_kind == Kind.COLL_ASYNC) & (b.m_t1 >= 0)
-    bm = ev["kind"] == Kind.BACKWARD
+    bm = b.kind == Kind.BACKWARD
     if not a.any() or not bm.any():
         z = np.zeros(0, np.int64)
         return z, z.astype(np.uint8), z, z
     rows = b.rows[a]
-    a_rank = colls.m_rank[rows].astype(np.int64)
+    a_rank = b.m_rank[a]
     a0 = colls.m_t0_ns[rows].astype(np.int64)
     a1 = np.maximum(b.m_t1[a].astype(np.int64), a0)
     g = colls.m_group[rows]
@@ -381,14 +398,15 @@ def _waits_on_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, np.ndarra
     both key sets together, no loop per row.
     """
     ev = b.ev
-    w = np.flatnonzero((ev["kind"] == Kind.WAIT) & (ev["seq"] >= 0))
+    w = np.flatnonzero(b.kind == Kind.WAIT)
+    w = w[ev["seq"][w] >= 0]
     am = b.rows[b.m_kind == Kind.COLL_ASYNC]
     z = np.zeros(0, np.int64)
     if len(w) == 0 or len(am) == 0:
         return z, z
     g = colls.m_group[am]
     nm = len(am)
-    r = np.concatenate([colls.m_rank[am], ev["rank"][w]]).astype(np.int64)
+    r = np.concatenate([b.m_rank[b.m_kind == Kind.COLL_ASYNC], ev["rank"][w]]).astype(np.int64)
     c = np.concatenate([colls.g_comm[g], ev["comm_id"][w]]).astype(np.int64)
     q = np.concatenate([colls.g_seq[g], ev["seq"][w]]).astype(np.int64)
     o = np.concatenate([colls.m_op[am], ev["aux"][w]]).astype(np.int64)
@@ -410,9 +428,9 @@ def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
     ``exposed`` (bool: an exposed piece of a non-blocking collective). Within
     a rank, intervals come in the same order whatever the band.
     """
-    start, end = run.rank_bounds()
+    start, end = b.start, b.end
     ev = b.ev
-    kind = ev["kind"]
+    kind = b.kind
     r_ev = ev["rank"]  # a view (int32)
 
     parts_rank, parts_cat, parts_t0, parts_t1, parts_exp = [], [], [], [], []
@@ -422,20 +440,20 @@ def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
         parts_cat.append(np.broadcast_to(np.asarray(cat, np.uint8), (len(rank),)))
         parts_t0.append(t0)
         parts_t1.append(t1)
-        parts_exp.append(np.full(len(rank), exposed))
+        parts_exp.append(np.broadcast_to(exposed, (len(rank),)))
 
-    def add(mask: np.ndarray, cat: int) -> None:
-        put(r_ev[mask], cat, ev["t0_ns"][mask], ev["t1_ns"][mask])
-
-    add(np.isin(kind, np.array(sorted(FILE_KINDS), np.uint8)), _IO)
-    add(kind == Kind.INPUT_WAIT, _INPUT)
-    add(kind == Kind.H2D, _H2D)
+    # Every event row's category in one table lookup (not a mask per category);
+    # collectives without a sequence number are other calls.
+    code = _CAT_OF_KIND[kind]
+    coll = np.flatnonzero(kind == Kind.COLL)
+    code[coll[ev["seq"][coll] < 0]] = _OTHER
+    del coll
     linked, lg = _waits_on_async(b, colls)
-    other = np.isin(kind, np.array(_OTHER_KINDS, np.uint8)) | ((kind == Kind.COLL) & (ev["seq"] < 0))
-    other[linked] = False
-    add(other, _OTHER)
-    del other
-    if len(linked):  # a wait on a non-blocking collective is that collective's exposed time
+    code[linked] = _NONE  # a wait on a non-blocking collective is that collective's exposed time
+    sel = np.flatnonzero(code != _NONE)
+    put(r_ev[sel], code[sel], ev["t0_ns"][sel], ev["t1_ns"][sel])
+    del code, sel
+    if len(linked):
         wr, wc, w0, w1 = _split_at_last_arrival(
             colls, lg, r_ev[linked].astype(np.int64), ev["t0_ns"][linked], ev["t1_ns"][linked]
         )
@@ -459,7 +477,7 @@ def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
     er, ec, e0, e1 = _exposed_async(b, colls)
     put(er, ec, e0, e1, exposed=True)
     am = (b.m_kind == Kind.COLL_ASYNC) & (b.m_t1 >= 0)
-    put(colls.m_rank[b.rows[am]], _ASYNC, colls.m_t0_ns[b.rows[am]], b.m_t1[am])
+    put(b.m_rank[am], _ASYNC, colls.m_t0_ns[b.rows[am]], b.m_t1[am])
 
     rank_of = np.concatenate(parts_rank, dtype=np.int64, casting="same_kind")
     del parts_rank
@@ -478,7 +496,7 @@ def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
         "cat": np.concatenate(parts_cat),
         "t0": t0,
         "t1": t1,
-        "exposed": np.concatenate(parts_exp),
+        "exposed": np.concatenate(parts_exp, dtype=bool),
     }
 
 
@@ -503,7 +521,8 @@ class _Tally:
         """
         n = k_hi - k_lo
         own = cat != _ASYNC
-        k, c, a, b = key[own], cat[own], t0[own], t1[own]
+        spans = not own.all()  # no non-blocking spans (MPI runs): no copies, no overlapped union
+        k, c, a, b = (key[own], cat[own], t0[own], t1[own]) if spans else (key, cat, t0, t1)
         self.per_cat[k_lo:k_hi] = union_ns(k * _N_CAT + c, a, b, n * _N_CAT).reshape(n, _N_CAT)
         del c
         busy = union_ns(k, a, b, n)
@@ -512,7 +531,7 @@ class _Tally:
         self.exposed[k_lo:k_hi] = union_ns(key[ex], t0[ex], t1[ex], n)
         # the async spans' time outside every category = |spans U busy| - |busy|
         # (no spans: none; MPI runs skip the sort)
-        if not own.all():
+        if spans:
             self.overlapped[k_lo:k_hi] = np.maximum(0.0, union_ns(key, t0, t1, n) - busy)
 
 
@@ -556,7 +575,7 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
         return None, steps.frame(run)
     order, first = _rows_by_rank(colls, n)
     for r_lo, r_hi, e_lo, e_hi in _bands(run, n, BAND_EVENTS):  # a few bands, each vectorized
-        b = _Band(run, colls, r_lo, r_hi, e_lo, e_hi, order[first[r_lo] : first[r_hi]])
+        b = _Band(run, colls, r_lo, r_hi, e_lo, e_hi, order[first[r_lo] : first[r_hi]], first, (start, end))
         iv = _intervals(run, colls, b)
         if tally is not None:
             tally.add(r_lo, r_hi, iv["rank"] - r_lo, iv["cat"], iv["t0"], iv["t1"], iv["exposed"])
