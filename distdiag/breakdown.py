@@ -555,8 +555,12 @@ def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.n
 #: ranks are tallied in bands of consecutive ranks holding about this many event rows
 #: each, so the temporaries (~150 bytes per interval) scale with a band, not the run.
 #: Measured (2.56 M events, bench_breakdown's DDP run / a synth run): 2^20 -> 2^18
-#: took +63 -> +45 / +54 -> +26 bytes a run's event of peak and no more CPU (a bit less)
-BAND_EVENTS = 1 << 18
+#: took +63 -> +45 / +54 -> +26 bytes a run's event of peak and no more CPU (a bit less).
+#: Then (1,024 x 10k synth run, breakdown alone, first call in a fresh process, two runs):
+#: 2^18 / 2^17 / 2^16 / 2^15: +3.6 / +2.3 / +1.9 / +1.9 B/event (1.9 of it the rank
+#: order, see _rows_by_rank), 1.50-1.67 / 1.39-1.68 / 1.33-1.45 / 1.33-1.34 s of CPU
+#: (a band's temporaries stay in cache); a band costs ~0.2 ms of fixed overhead
+BAND_EVENTS = 1 << 16
 
 
 def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, pd.DataFrame]:
