@@ -140,9 +140,41 @@ def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np
     """
     if len(key) == 0:
         return np.zeros(n_keys)
-    key = key.astype(np.int64)
-    o = _key_time_order(key, t0)
-    return _sweep(key[o], t0[o], t1[o], n_keys)
+    return _union(key.astype(np.int64), t0, t1, n_keys, _band(key, t0, t1))
+
+
+def _union(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: tuple[int, int] | None) -> np.ndarray:
+    """union_ns with ``band`` from :func:`_band` of these intervals or of any superset of them.
+
+    In band coordinates (``key * span - lo + t``) every key's times lie in
+    ``[key * span, (key + 1) * span)``, so sorting the starts sorts by (key,
+    t0), and one running max of the ends over the whole array never carries a
+    value into the next key: at a key's first interval the previous keys' ends
+    all lie below its start. The sweep then needs no key-boundary mask and no
+    conversion back from band coordinates: 3 gathers and ~8 passes, not the
+    ~20 of a sort by (key, t0) and a sweep in times.
+    """
+    if len(key) == 0:
+        return np.zeros(n_keys)
+    if band is None:  # astronomically long runs
+        o = np.lexsort((t0, key))
+        return _sweep(key[o], t0[o], t1[o], n_keys)
+    lo, span = band
+    s0 = key * span
+    s0 -= lo
+    s1 = s0 + t1
+    s0 += t0
+    o = np.argsort(s0, kind="stable")  # timsort: the input is a few sorted runs
+    s0, s1, key = s0[o], s1[o], key[o]
+    del o
+    # reach[i]: the furthest end before interval i (its key's, or below its start)
+    reach = np.empty_like(s1)
+    reach[0] = np.iinfo(np.int64).min
+    np.maximum.accumulate(s1[:-1], out=reach[1:])
+    np.maximum(reach, s0, out=reach)
+    np.subtract(s1, reach, out=reach)
+    np.maximum(reach, 0, out=reach)
+    return np.bincount(key, weights=reach, minlength=n_keys)
 
 
 def _band(key: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[int, int] | None:
@@ -152,35 +184,9 @@ def _band(key: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[int, int] | 
     return (lo, span) if int(key.max()) < np.iinfo(np.int64).max // span - 1 else None
 
 
-def _key_time_order(key: np.ndarray, t0: np.ndarray) -> np.ndarray:
-    """The order that sorts by (key, t0)."""
-    # Offset every key's times into its own disjoint band (key * span), so one
-    # sort orders by (key, t0); timsort: the input is a few sorted runs.
-    band = _band(key, t0, t0)
-    if band is None:  # astronomically long runs
-        return np.lexsort((t0, key))
-    lo, span = band
-    return np.argsort(key * span - lo + t0, kind="stable")
-
-
 def _sweep(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
-    """union_ns on intervals already sorted by (key, t0) (any subset of a sorted array still is)."""
-    if len(key) == 0:
-        return np.zeros(n_keys)
-    # The running max of t1 inside each key without a Python loop: in bands
-    # (key * span) one running max over the whole array never carries a value
-    # from one key into the next.
-    band = _band(key, t0, t1)
-    if band is not None:
-        lo, span = band
-        base = key * span
-        base -= lo
-        covered = base + t1
-        np.maximum.accumulate(covered, out=covered)
-        covered -= base
-        del base
-    else:  # astronomically long runs: let pandas do the grouped running max
-        covered = pd.Series(t1).groupby(key).cummax().to_numpy()
+    """union_ns on intervals already sorted by (key, t0), for runs too long for band coordinates."""
+    covered = pd.Series(t1).groupby(key).cummax().to_numpy()  # the grouped running max
     prev = np.empty_like(covered)
     prev[1:] = covered[:-1]
     first = np.r_[True, key[1:] != key[:-1]]
@@ -526,19 +532,27 @@ class _Tally:
         slower than four :func:`union_ns` calls: those sort nearly sorted runs.)
         """
         n = k_hi - k_lo
+        if len(key) == 0:
+            return
         own = cat != _ASYNC
         spans = not own.all()  # no non-blocking spans (MPI runs): no copies, no overlapped union
         k, c, a, b = (key[own], cat[own], t0[own], t1[own]) if spans else (key, cat, t0, t1)
-        self.per_cat[k_lo:k_hi] = union_ns(k * _N_CAT + c, a, b, n * _N_CAT).reshape(n, _N_CAT)
-        del c
-        busy = union_ns(k, a, b, n)
+        # one band for every union below (each covers a subset of these intervals; keys < n * _N_CAT)
+        lo = min(int(t0.min()), int(t1.min()))
+        span = max(int(t0.max()), int(t1.max())) - lo + 1
+        band = (lo, span) if n * _N_CAT < np.iinfo(np.int64).max // span - 1 else None
+        kc = k * _N_CAT
+        kc += c
+        self.per_cat[k_lo:k_hi] = _union(kc, a, b, n * _N_CAT, band).reshape(n, _N_CAT)
+        del c, kc
+        busy = _union(k, a, b, n, band)
         del k, a, b
         self.busy[k_lo:k_hi] = busy
-        self.exposed[k_lo:k_hi] = union_ns(key[ex], t0[ex], t1[ex], n)
+        self.exposed[k_lo:k_hi] = _union(key[ex], t0[ex], t1[ex], n, band)
         # the async spans' time outside every category = |spans U busy| - |busy|
         # (no spans: none; MPI runs skip the sort)
         if spans:
-            self.overlapped[k_lo:k_hi] = np.maximum(0.0, union_ns(key, t0, t1, n) - busy)
+            self.overlapped[k_lo:k_hi] = np.maximum(0.0, _union(key, t0, t1, n, band) - busy)
 
 
 def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
