@@ -700,12 +700,21 @@ class _Steps:
         if k_hi == k_lo:
             return
         rank, t0, t1 = iv["rank"], iv["t0"], iv["t1"]
-        k0 = _at_or_before(s_rank, s_t, rank, t0)
+        if len(rank) == 0:
+            return
+        # searched among the band's own marks only (a slice: the marks are sorted by rank), not the run's
+        b_rank, b_t = s_rank[k_lo:k_hi], s_t[k_lo:k_hi]
+        before = first[rank] - k_lo  # the band's marks of lower ranks than each interval's
+        k0 = _marks_up_to(b_rank, b_t, rank, t0) - before
         ok = (t1 > t0) & (k0 < n_per[rank])
         # most calls end in the step they began in: search again only for those that cross its mark
         k1 = k0.copy()
         cross = np.flatnonzero(ok & (t1 > s_t[first[rank] + np.minimum(k0, n_per[rank] - 1)]))
-        k1[cross] = np.minimum(_at_or_before(s_rank, s_t, rank[cross], t1[cross] - 1), n_per[rank[cross]] - 1)
+        if len(cross):
+            rc = rank[cross]
+            k1[cross] = np.minimum(_marks_up_to(b_rank, b_t, rc, t1[cross] - 1) - before[cross], n_per[rc] - 1)
+            del rc
+        del before
         del cross
         idx = np.flatnonzero(ok)
         del ok
