@@ -84,8 +84,11 @@ Cost: everything above is per rank, so it is computed band of ranks by band of
 ranks (``BAND_EVENTS`` event rows a band; the event table is sorted by rank, so
 a band's events are a slice of it): the temporaries (~150 bytes an interval)
 scale with a band, not the run, and no number depends on where bands fall
-(tests/test_breakdown_bands.py). benchmarks/bench_breakdown.py and
-``benchmarks/bench_scale.py --stages`` measure it.
+(tests/test_breakdown_bands.py). What is run-wide is kept to one int32 per
+member row (their order by rank, built chunk by chunk) and the band bounds
+(a binary search over the rank column, never a copy of it).
+benchmarks/bench_breakdown.py and ``benchmarks/bench_scale.py --stages``
+measure it.
 """
 
 from __future__ import annotations
