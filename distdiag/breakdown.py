@@ -247,14 +247,16 @@ class _Band:
     """A band of ranks [r_lo, r_hi): its event rows (a view: the table is sorted by rank) and its collective rows."""
 
     def __init__(self, run: Run, colls: Collectives, r_lo: int, r_hi: int, e_lo: int, e_hi: int,
-                 rows: np.ndarray, first: np.ndarray, bounds: tuple[np.ndarray, np.ndarray]) -> None:  # fmt: skip
+                 rows: np.ndarray, first: np.ndarray, bounds: tuple[np.ndarray, np.ndarray],
+                 one_kind: int | None) -> None:  # fmt: skip
         self.r_lo, self.r_hi = r_lo, r_hi
         self.start, self.end = bounds  # run.rank_bounds(), once for every band (O(ranks) each call)
         self.ev = run.events[e_lo:e_hi]
         # the band's kind column, contiguous (1 byte a row): every per-kind mask reads it, not the 73-byte rows
         self.kind = np.ascontiguousarray(self.ev["kind"])
         self.rows = rows
-        self.m_kind = colls.m_kind[rows]
+        # one kind for every member (an MPI run: all blocking): no gather from the member table
+        self.m_kind = colls.m_kind[rows] if one_kind is None else np.full(len(rows), one_kind, np.uint8)
         self.m_t1 = colls.m_t1_ns[rows]
         # the rows' ranks (int64) without a gather: rows come sorted by rank, ``first`` their offsets
         self.m_rank = np.repeat(np.arange(r_lo, r_hi), np.diff(first[r_lo : r_hi + 1]))
@@ -601,8 +603,11 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
     if tally is None and steps.n == 0:
         return None, steps.frame(run)
     order, first = _rows_by_rank(colls, n)
+    mk = colls.m_kind
+    one_kind = int(mk[0]) if len(mk) and bool(np.all(mk == mk[0])) else None
     for r_lo, r_hi, e_lo, e_hi in _bands(run, n, BAND_EVENTS):  # a few bands, each vectorized
-        b = _Band(run, colls, r_lo, r_hi, e_lo, e_hi, order[first[r_lo] : first[r_hi]], first, (start, end))
+        b = _Band(run, colls, r_lo, r_hi, e_lo, e_hi, order[first[r_lo] : first[r_hi]], first, (start, end),
+                  one_kind)
         iv = _intervals(run, colls, b)
         if tally is not None:
             tally.add(r_lo, r_hi, iv["rank"] - r_lo, iv["cat"], iv["t0"], iv["t1"], iv["exposed"])
