@@ -92,9 +92,9 @@ whole analysis only 1.02-1.03x, within the noise, through a private numpy
 switch).
 
 Then distdiag.breakdown's CPU and transient, same JSON (``--grid 1024x10000
---stages 1024x10000 --baseline <worktree of c2dfff9> --repeat 2``, load 1.0;
-and the breakdown alone on the aligned run, first call in a fresh process,
-2 alternating runs per tree): breakdown 1.87-1.92 -> 1.12-1.28 s of CPU, its
+--stages 1024x10000 --baseline <worktree of c2dfff9> --repeat 2``, two runs at
+load 1.0; and the breakdown alone on the aligned run, first call in a fresh
+process, 2 alternating runs per tree): breakdown 1.87-2.19 -> 1.12-1.28 s of CPU, its
 transient over the live set +12.0 -> +0.4-0.5 B/event (alone: 1.89-1.96 ->
 1.13-1.22 s, +13.0 -> +2.0 B/event, 2.0 of it the int32 order of the member
 rows by rank). The transient was two run-wide copies (the band bounds'
@@ -102,9 +102,11 @@ rows by rank). The transient was two run-wide copies (the band bounds'
 B/event; the rank order's int64 argsort: 6), now a binary search over the
 view and a chunked sort into int32; CPU: bands of 2^16 rows (temporaries in
 cache), one category lookup per event row, unions in band coordinates, the
-step search within a band's marks. Whole analysis: best CPU of 2 10.5 ->
-9.3 s (the other stages' noise is ~1 s), peak 1269-1270 -> 1226-1227 MB
-(124 -> 119 B/event), now set by straggler's +13 B/event. Breakdown alone at
+step search within a band's marks. Whole analysis, best CPU of 2: 10.5 ->
+9.3 s and 8.7 -> 8.9 s (the ~0.8 s saved is within the other stages' noise,
+read + pack alone 2.5-3.0 s; the stages' sums 8.7-9.5 -> 7.8-9.3 s); peak
+1269-1270 -> 1226-1231 MB (124 -> 119-120 B/event), now set by straggler's
++13 B/event. Breakdown alone at
 64 x 100k 1.10 -> 0.67 s, +10.5 -> +0.2 B/event; 1024 x 1k 0.20 -> 0.11 s,
 +18.5 -> +1.2.
 """
