@@ -79,8 +79,8 @@ from typing import Any, Callable
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
-from distdiag.shim import recorder as _recorder
-from distdiag.shim.recorder import Recorder, now_ns
+from distdiag.shim.recorder import ROW_SIZE, Recorder, now_ns
+from distdiag.shim.recorder import pack_row as _pack
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,6 @@ _cb_lock = threading.Lock()
 #: (recorder, the one ThreadBuffer every future callback writes into, under _cb_lock);
 #: kept across uninstall/install with the same recorder, so re-installing makes no new chunk
 _cb_buffer: tuple[Recorder, Any] | None = None
-_pack = getattr(_recorder, "pack_row", None) or _recorder._ROW.pack_into
 
 
 def _shared_buffer(rec: Recorder) -> Any:
@@ -277,9 +276,8 @@ def _add_from_callback(rec: Recorder, row: tuple[Any, ...], t1: int) -> None:
             tb = _callback_buffer(rec)
             n = tb.n
             if n >= tb.cap:
-                rec._rotate(tb)
-                n = 0
-            _pack(tb.buf, n * _recorder.ROW_SIZE, row[0], t1, *row[1:], tb.tid, 0.0)
+                n = rec._rotate(tb)
+            _pack(tb.buf, n * ROW_SIZE, row[0], t1, *row[1:], tb.tid, 0.0)
             tb.n = n + 1  # publish after the row is complete
     except Exception:
         pass
