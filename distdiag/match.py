@@ -185,17 +185,13 @@ def _gather_in_order(
     """``fields`` of the collective rows (``ev[ev_idx]`` then ``inf[inf_idx]``) in ``order``,
     gathered straight from the tables by blocks of whole rows: no table-order copy of
     each field to permute afterwards (that copy and its permuted twin were the match's
-    peak: ~37 bytes per collective row held through the sort, measured)."""
+    peak: ~37 bytes per collective row held through the sort, measured). Without
+    in-flight rows the caller uses :func:`_gather` on ``ev_idx[order]``."""
     n_ev = len(ev_idx)
     out = {f: np.empty(len(order), ev.dtype[f]) for f in fields}
     for lo in range(0, len(order), _GATHER_ROWS):  # per block of 65,536 rows
         o = order[lo : lo + _GATHER_ROWS]
         hi = lo + len(o)
-        if len(inf_idx) == 0:
-            sub = ev.take(ev_idx[o])
-            for f in fields:  # a few fields
-                out[f][lo:hi] = sub[f]
-            continue
         from_ev = o < n_ev
         sub = ev.take(ev_idx[o[from_ev]])
         sub_inf = inf.take(inf_idx[o[~from_ev] - n_ev])
