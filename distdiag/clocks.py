@@ -701,9 +701,8 @@ def check_causality(
         model.causality_checked = checked
         model.violations = 0
         return run
+    # Some exit is late (so ``sel`` is not empty): the member-size arrays, to locate and repair.
     sel = ok_g[colls.m_group] & (colls.m_t1_ns >= 0)
-    if not sel.any():
-        return run
     g = colls.m_group[sel]
     r = colls.m_rank[sel].astype(np.int64)
     t0 = colls.m_t0_ns[sel].copy()
@@ -715,9 +714,7 @@ def check_causality(
     last, late = _violations(g, t0, t1, ng)
     viol = late > 0
     model.causality_checked = int(sel.sum())
-    model.violations = int(viol.sum())
-    if not viol.any():
-        return run
+    model.violations = int(viol.sum())  # == n_viol: the same test, on the whole array
     model.max_violation_ns = int(late[viol].max())
     # The last arriver of each group (for the pair bound): argmax of t0 per group.
     order = np.lexsort((t0, g))
