@@ -196,3 +196,17 @@ def test_a_run_without_steps_says_so_in_one_line(tmp_path: Path, figures: bool) 
     assert 'id="fig-steps"' not in page and "slowest-steps" not in page
     with pytest.raises(plots.NoData):
         plots.plot_steps(rep)
+
+
+def test_without_matplotlib_both_figure_sections_say_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # distdiag.render.plots imports matplotlib only inside its drawing functions,
+    # so the guard must try matplotlib itself (a None entry makes its import fail)
+    _many_steps(tmp_path / "r", 3)
+    rep = analyze(tmp_path / "r")
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    page = HtmlRenderer().render(rep)
+    hint = "(pip install 'distdiag[report]')"
+    assert '<h2>Figures</h2><p class="warn">no figures: ' in page and page.count(hint) == 2
+    assert "<img" not in page and 'id="slowest-steps"' in page

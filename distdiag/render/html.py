@@ -336,9 +336,14 @@ class HtmlRenderer:
 
 
 def _plots_missing() -> str:
-    """'' when the figures can be drawn, else why not (escaped HTML): matplotlib missing, the tables still tell the story."""
+    """'' when the figures can be drawn, else why not (escaped HTML): matplotlib missing, the tables still tell the story.
+
+    It imports matplotlib itself: distdiag.render.plots imports it only inside
+    the functions that draw, so importing that module proves nothing (every
+    figure then failed on its own, without the install hint).
+    """
     try:
-        import distdiag.render.plots  # noqa: F401
+        import matplotlib  # noqa: F401
     except ImportError as exc:
         return f"{e(exc)} (pip install 'distdiag[report]')"
     return ""
