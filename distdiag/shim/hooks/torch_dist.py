@@ -521,7 +521,6 @@ def _first_value_and_record(rec: Recorder | None, row: tuple[Any, ...], fut: Any
 
 _TORCH_DIR = ""
 _SHIM_DIR = __file__.rsplit("/", 2)[0]  # distdiag/shim
-_user_sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> string id of "file:line"
 #: id(code) -> (code, in torch or distdiag: a frame to walk past). Keyed by id (hashing a code
 #: object hashes its bytecode, ~150 ns); holding the code keeps its id from being reused.
 _internal_code: dict[int, tuple[Any, bool]] = {}
@@ -532,9 +531,10 @@ def _user_site(rec: Recorder) -> int:
 
     A bucket hook runs inside the autograd engine, below the program's backward
     call; straggler findings are actionable only with that line. A few frames'
-    walk per bucket (not per event), one dict look-up each; the line is keyed
-    by bytecode offset (``f_lineno`` is computed on every access). 0 when no
-    Python frame is below the hook (an autograd device thread).
+    walk per bucket (not per event), one dict look-up each; the line comes
+    from the recorder's own site cache (:meth:`Recorder.site_of`, by code and
+    bytecode offset, ids of that recorder). 0 when no Python frame is below
+    the hook (an autograd device thread).
     """
     try:
         f: types.FrameType | None = sys._getframe(2)
@@ -550,13 +550,16 @@ def _user_site(rec: Recorder) -> int:
         if not ent[1]:
             break
         f = f.f_back
-    if f is None:
-        return 0
-    key = (id(f.f_code), f.f_lasti)
-    i = _user_sites.get(key)
-    if i is None:
-        i = _user_sites[key] = rec.intern(f"{f.f_code.co_filename}:{f.f_lineno}")
-    return i
+    return rec.site_of(f) if f is not None else 0
+
+
+def _bucket_row(rec: Recorder, st: _DDPState, t0: int, seq: int, buf: Any) -> tuple[Any, ...]:
+    """The ``COLL_ASYNC`` row (t0 first, no t1) of bucket ``seq`` of ``st``, all-reducing ``buf``."""
+    aux = _dtype_ids.get(buf.dtype)
+    if aux is None:
+        aux = _dtype_id(rec, buf)
+    return (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, buf.numel() * buf.element_size(), aux,
+            _user_site(rec) if _TORCH_DIR else 0)  # fmt: skip
 
 
 def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
@@ -577,13 +580,7 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
     seq = st.seq
     st.seq = seq + 1
     try:
-        buf = bucket.buffer()
-        dt = buf.dtype
-        aux = _dtype_ids.get(dt)
-        if aux is None:
-            aux = _dtype_id(rec, buf)
-        row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, buf.numel() * buf.element_size(), aux,
-               _user_site(rec) if _TORCH_DIR else 0)  # fmt: skip
+        row = _bucket_row(rec, st, t0, seq, bucket.buffer())
     except Exception:
         row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, 0, 0, 0)
     if inner is None:
@@ -723,11 +720,7 @@ def _kernel_record(refs: tuple[Any, ...], t0: int, tensors: Any, pg: Any, out: A
         return
     seq = st.seq
     st.seq = seq + 1
-    aux = _dtype_ids.get(buf.dtype)
-    if aux is None:
-        aux = _dtype_id(rec, buf)
-    row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, buf.numel() * buf.element_size(), aux,
-           _user_site(rec) if _TORCH_DIR else 0)  # fmt: skip
+    row = _bucket_row(rec, st, t0, seq, buf)
     refs[3](out[1]).get_future().add_done_callback(functools.partial(_record_done, rec, row))
 
 
@@ -927,5 +920,4 @@ def uninstall() -> None:
     _dtype_ids.clear()
     _future_ok.clear()
     _wait_ids.clear()
-    _user_sites.clear()
     _ddp_count = 0
