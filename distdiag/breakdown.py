@@ -143,7 +143,7 @@ def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np
     """
     if len(key) == 0:
         return np.zeros(n_keys)
-    return _union(key.astype(np.int64), t0, t1, n_keys, _band(key, t0, t1))
+    return _union(key.astype(np.int64), t0, t1, n_keys, _band(int(key.max()), t0, t1))
 
 
 def _union(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: tuple[int, int] | None) -> np.ndarray:
@@ -180,11 +180,12 @@ def _union(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: t
     return np.bincount(key, weights=reach, minlength=n_keys)
 
 
-def _band(key: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[int, int] | None:
-    """(lo, span) that put every key's times into its own band ``key * span - lo``; None when int64 overflows."""
+def _band(key_max: int, t0: np.ndarray, t1: np.ndarray) -> tuple[int, int] | None:
+    """(lo, span) that put every key's times into its own band ``key * span - lo``, for keys up to
+    ``key_max`` (any upper bound); None when int64 overflows."""
     lo = min(int(t0.min()), int(t1.min()))
     span = max(int(t0.max()), int(t1.max())) - lo + 1
-    return (lo, span) if int(key.max()) < np.iinfo(np.int64).max // span - 1 else None
+    return (lo, span) if key_max < np.iinfo(np.int64).max // span - 1 else None
 
 
 def _sweep(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
@@ -479,15 +480,10 @@ def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
         put(wr, wc, w0, w1, exposed=True)
     # In-flight rows that are not collectives (a rank killed inside a read): until the end.
     if len(inf):
-        ik = inf["kind"]
-        ir = inf["rank"].astype(np.int64)
-        for cat_code, m in (
-            (_IO, np.isin(ik, np.array(sorted(FILE_KINDS), np.uint8))),
-            (_INPUT, ik == Kind.INPUT_WAIT),
-            (_H2D, ik == Kind.H2D),
-            (_OTHER, np.isin(ik, np.array(_OTHER_KINDS, np.uint8))),
-        ):
-            put(ir[m], cat_code, inf["t0_ns"][m], end[ir[m]])
+        ic = _CAT_OF_KIND[inf["kind"]]  # the same table as the event rows'
+        m = np.flatnonzero(ic != _NONE)
+        ir = inf["rank"][m].astype(np.int64)
+        put(ir, ic[m], inf["t0_ns"][m], end[ir])
     cr, cc, c0, c1 = _collective_intervals(colls, b, end)
     put(cr, cc, c0, c1)
     del cr, cc, c0, c1
@@ -543,9 +539,7 @@ class _Tally:
         spans = not own.all()  # no non-blocking spans (MPI runs): no copies, no overlapped union
         k, c, a, b = (key[own], cat[own], t0[own], t1[own]) if spans else (key, cat, t0, t1)
         # one band for every union below (each covers a subset of these intervals; keys < n * _N_CAT)
-        lo = min(int(t0.min()), int(t1.min()))
-        span = max(int(t0.max()), int(t1.max())) - lo + 1
-        band = (lo, span) if n * _N_CAT < np.iinfo(np.int64).max // span - 1 else None
+        band = _band(n * _N_CAT, t0, t1)
         kc = k * _N_CAT
         kc += c
         self.per_cat[k_lo:k_hi] = _union(kc, a, b, n * _N_CAT, band).reshape(n, _N_CAT)
