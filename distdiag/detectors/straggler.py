@@ -143,7 +143,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 ),
             )
         )
-    return _fold_hosts(run, colls, ok, findings, min_fraction, peer_ratio, wall_s, top_sites)
+    return _fold_hosts(run, colls, ok, cost_ns, findings, min_fraction, peer_ratio, wall_s, top_sites)
 
 
 #: Rooted collectives that do not synchronize everyone. One-to-many (the
@@ -234,6 +234,7 @@ def _fold_hosts(
     run: Any,
     colls: Any,
     ok: np.ndarray,
+    rank_cost_ns: np.ndarray,
     rank_findings: list[Finding],
     min_fraction: float,
     peer_ratio: float,
@@ -302,8 +303,8 @@ def _fold_hosts(
         if len(ranks_here) < 2:
             continue  # one rank per node: the rank finding says it all
         single = max((rank_cost.get(r, 0.0) for r in ranks_here), default=0.0)
-        # largest single-rank charge on this host, reported or not
-        if cost_ns[h] / 1e9 <= 1.5 * max(single, _max_rank_charge(run, colls, ok, ranks_here)):
+        # largest single-rank charge on this host, reported or not (detect's per-rank charges)
+        if cost_ns[h] / 1e9 <= 1.5 * max(single, float(rank_cost_ns[ranks_here].max()) / 1e9):
             continue
         mine = hl == h
         last_ranks = colls.g_last_rank[g][mine]
@@ -341,17 +342,6 @@ def _fold_hosts(
         )
         folded.update(ranks_here)
     return out_hosts + [f for f in rank_findings if f.ranks[0] not in folded]
-
-
-def _max_rank_charge(run: Any, colls: Any, ok: np.ndarray, ranks: list[int]) -> float:
-    """The largest rank-level charge (last - second-to-last, summed) of any rank in ``ranks``, in s."""
-    g = np.flatnonzero(ok)
-    last = colls.g_last_rank[g]
-    wait = own_lateness_ns(run, colls)[g]
-    sel = np.isin(last, ranks)
-    if not sel.any():
-        return 0.0
-    return float(np.bincount(last[sel].astype(np.int64), weights=wait[sel]).max()) / 1e9
 
 
 def secs(x: float) -> str:
