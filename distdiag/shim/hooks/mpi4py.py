@@ -86,7 +86,6 @@ from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
 from distdiag.shim.recorder import ROW_SIZE as _ROW_SIZE
 from distdiag.shim.recorder import now_ns
-from distdiag.shim.recorder import now_ns as _now
 from distdiag.shim.recorder import pack_row as _pack
 
 log = logging.getLogger(__name__)
@@ -501,7 +500,7 @@ _OPEN_ROW = """\
                 tb = rec._local.tb
             except AttributeError:
                 tb = rec._tb()
-            t0 = _now()
+            t0 = now_ns()
             row = tb.cur = (t0, -1, KIND, nid, kid, SEQ, peer, nb, aux, site, tb.tid, 0.0)"""
 _WRITE_ROW = """\
                     tb.cur = None
@@ -516,7 +515,7 @@ _CALL_BLOCKING = f"""\
         finally:
             if row is not None:
                 try:
-                    t1 = _now()
+                    t1 = now_ns()
 {_WRITE_ROW}
                 except Exception:
                     _oops(NAME)"""
@@ -530,7 +529,7 @@ _CALL_RECV = f"""\
         finally:
             if row is not None:
                 try:
-                    t1 = _now()
+                    t1 = now_ns()
                     if ok:
                         if peer == _any_source and status is not None:
                             peer = status.Get_source()
@@ -541,7 +540,7 @@ _CALL_RECV = f"""\
 # a non-blocking call: the request carries the row, finished at its completion
 _OPEN_ASYNC = "            row = [KIND, nid, kid, SEQ, peer, nb, aux, site, 0]"
 _CALL_ASYNC = """\
-        t0 = _now()
+        t0 = now_ns()
         req = orig(CALL)
         if row is None:
             return req
