@@ -66,8 +66,8 @@ def srun_runs(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> 
     for nodes in (1, 2):
         run_dir = tmp_path_factory.mktemp(f"srun{nodes}") / "run"
         layout = ["-N1", "-n4"] if nodes == 1 else ["-N2", "--ntasks-per-node=2"]
-        p = slurm.run(["srun", *layout, "--time=5", "--job-name", f"straggler{nodes}", *WRAP, "--dir", str(run_dir),
-                       *DEMO], timeout_s=300, cwd=run_dir.parent)  # fmt: skip
+        p = slurm.srun_mpi([*layout, "--time=5", *WRAP, "--dir", str(run_dir), *DEMO], f"straggler{nodes}",
+                           fresh=run_dir, cwd=run_dir.parent)  # fmt: skip
         assert "injected delay 2.000 s" in p.stdout, p.stdout + p.stderr
         out[nodes] = run_dir
     return out
