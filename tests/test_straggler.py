@@ -200,3 +200,22 @@ def test_a_late_starting_rank_that_is_slow_at_every_ddp_bucket_is_still_the_stra
     assert [f.ranks for f in fs] == [[2]], [(f.kind, f.ranks, f.cost_s) for f in rep.findings]
     # every step but the first (launch skew): 30 ms waited for rank 2
     assert fs[0].cost_s == pytest.approx((steps - 1) * (slow - work) * 1e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("steps", [0, 16])
+def test_a_slow_node_of_many_ranks_is_charged_from_the_last_other_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int
+) -> None:
+    # 20 ranks on each of 2 nodes, node1's all 2 ms late: the last arrival from
+    # another host lies 20 member rows back, past the fold's row-by-row steps
+    # (16), so the remaining groups are taken whole; with no steps at all every
+    # group is. The charge is the simulation's either way.
+    from distdiag.detectors import straggler
+
+    monkeypatch.setattr(straggler, "_STEPS", steps)
+    t = make_run(tmp_path / "r", world_size=40, iters=60, slow_rank=list(range(20, 40)), slow_ms=2.0,
+                 hosts=["node0"] * 20 + ["node1"] * 20)  # fmt: skip
+    fs, _ = _stragglers(tmp_path / "r")
+    assert [(f.hosts, f.evidence.get("level")) for f in fs] == [(["node1"], "host")]
+    assert fs[0].cost_s == pytest.approx(t.host_cost_s("node1"), rel=1e-6)
+    assert fs[0].evidence["collectives"] == 59 and fs[0].evidence["count"] == 59

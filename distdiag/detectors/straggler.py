@@ -84,17 +84,16 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     cost_ns = np.bincount(last, weights=wait_ns, minlength=n)
     n_last = np.bincount(last, minlength=n)
     # Complete groups each rank took part in: the denominator of "last at x%".
-    member_ok = complete[colls.m_group]
-    n_member = np.bincount(colls.m_rank[member_ok].astype(np.int64), minlength=n)
+    n_member = _members_per_rank(colls, complete, n)
 
     # The last arriver's own member row of each group: its op and call site.
     last_row = colls.g_start[1:][g_idx] - 1
     ops = colls.m_op[last_row]
     sites = colls.m_site[last_row]
 
-    findings = []
     took_part = n_member > 0
-    for r_ in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):  # ranks over threshold: few
+    blamed: list[tuple[int, float]] = []  # (rank, its peers' median charge), ranks over threshold: few
+    for r_ in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):
         r = int(r_)
         peers = took_part.copy()
         peers[r] = False
@@ -103,13 +102,18 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             log.debug("rank %d: %.3f s of waits, but its peers' median is %.3f s: shared jitter", r,
                       cost_ns[r] / 1e9, peer_median_ns / 1e9)  # fmt: skip
             continue
+        blamed.append((r, peer_median_ns))
+    rank_ops = _ops_per_rank(colls, complete, [r for r, _ in blamed])
+
+    findings = []
+    for r, peer_median_ns in blamed:  # the blamed ranks: few
         mine = last == r
         cost_s = float(cost_ns[r]) / 1e9
         frac_last = float(n_last[r]) / max(1, int(n_member[r]))
         per_op = tally(ops[mine], wait_ns[mine], run, limit=10)
         by_site = tally(sites[mine], wait_ns[mine], run, limit=top_sites)
         w = wait_ns[mine]
-        my_ops = np.unique(colls.m_op[member_ok & (colls.m_rank == r)])
+        my_ops = rank_ops[r]
         op_word = f"{run.s(int(my_ops[0]))} calls" if len(my_ops) == 1 else "collectives"
         summary = (
             f"rank {r} arrived last at {frac_last:.0%} of {int(n_member[r])} {op_word}; "
@@ -144,6 +148,45 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             )
         )
     return _fold_hosts(run, colls, ok, cost_ns, findings, min_fraction, peer_ratio, wall_s, top_sites)
+
+
+def _members_per_rank(colls: Any, groups: np.ndarray, n: int) -> np.ndarray:
+    """Per rank: how many of ``groups`` (a mask per group) it took part in. By blocks of
+    whole groups: a member-size mask and int64 copy of the ranks all at once were ~13
+    bytes per member row, the detector's peak after the member gaps (measured)."""
+    out = np.zeros(n, np.int64)
+    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
+        sel = groups[g_lo:g_hi]
+        if not sel.any():
+            continue
+        r = colls.m_rank[a:b]
+        if not sel.all():
+            r = r[np.repeat(sel, np.diff(colls.g_start[g_lo : g_hi + 1]))]
+        out += np.bincount(r, minlength=n)
+    return out
+
+
+def _ops_per_rank(colls: Any, groups: np.ndarray, ranks: list[int]) -> dict[int, np.ndarray]:
+    """rank -> the distinct op ids (ascending) of its member rows in ``groups``, for a few
+    ranks, in one pass by blocks of whole groups."""
+    out = {r: np.zeros(0, np.int64) for r in ranks}
+    if not ranks:
+        return out
+    want = np.zeros(int(max(ranks + [int(colls.m_rank.max())])) + 1, bool)
+    want[ranks] = True
+    n_op = int(colls.m_op.max()) + 1
+    keys = []
+    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
+        sel = want[colls.m_rank[a:b]]
+        sel &= np.repeat(groups[g_lo:g_hi], np.diff(colls.g_start[g_lo : g_hi + 1]))
+        k = colls.m_rank[a:b][sel].astype(np.int64)
+        k *= n_op
+        k += colls.m_op[a:b][sel]
+        keys.append(np.unique(k))
+    pairs = np.unique(np.concatenate(keys))
+    for r in ranks:  # a few
+        out[r] = pairs[pairs // n_op == r] % n_op
+    return out
 
 
 #: Rooted collectives that do not synchronize everyone. One-to-many (the
@@ -195,19 +238,27 @@ def startup_groups(colls: Any) -> np.ndarray:
     (measured here: 0.6 s at the first Barrier of a 4 s healthy run at load 18).
     """
     out = np.zeros(len(colls.g_seq), bool)
-    if len(colls.m_rank) == 0:
+    n = len(colls.m_rank)
+    if n == 0:
         return out
     # Each rank's first row: its earliest arrival, the lowest member row among equal
     # ones (what a stable sort by (rank, t0) puts first), found without sorting
-    # (the per-rank minimum, then the first row that equals it).
-    rank = colls.m_rank.astype(np.intp)
-    t0 = colls.m_t0_ns
+    # (the per-rank minimum, then the first row that equals it), by blocks of
+    # member rows (whole-column passes held ~17 bytes per member row, measured).
+    rank, t0 = colls.m_rank, colls.m_t0_ns
     first_t0 = np.full(int(rank.max()) + 1, np.iinfo(np.int64).max, np.int64)
-    np.minimum.at(first_t0, rank, t0)
-    cand = np.flatnonzero(t0 == first_t0[rank])
+    for a in range(0, n, _ROWS):  # per block of member rows
+        np.minimum.at(first_t0, rank[a : a + _ROWS], t0[a : a + _ROWS])
+    cand = np.concatenate([
+        np.flatnonzero(t0[a : a + _ROWS] == first_t0[rank[a : a + _ROWS]]) + a for a in range(0, n, _ROWS)
+    ])  # fmt: skip
     _, i = np.unique(rank[cand], return_index=True)
     out[colls.m_group[cand[i]]] = True
     return out
+
+
+#: Member rows per block of the passes over member rows.
+_ROWS = 1 << 18
 
 
 def nobody_waits(run: Any, colls: Any) -> np.ndarray:
@@ -265,24 +316,11 @@ def _fold_hosts(
         host_of_rank[r] = hosts.index(info.host) if info.host in hosts else -1
     last_row = colls.g_start[1:] - 1
     h_last = host_of_rank[colls.m_rank[last_row]]
-    # Per group, the last arrival from another host than the last arriver's; per host,
-    # the collectives it took part in (complete ones, spanning hosts). Member-size
-    # temporaries by blocks of whole groups (all at once they were ~36 bytes per
-    # collective row, the detector's peak, measured).
+    # Per group, the last arrival from another host than the last arriver's (see
+    # _other_host_last_ns); only the groups that can be charged.
     no_t = np.iinfo(np.int64).min
-    other_max = np.full(len(colls), no_t, np.int64)
-    use = np.zeros(len(colls), bool)
-    n_part = np.zeros(len(hosts), np.int64)
-    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
-        mh = host_of_rank[colls.m_rank[a:b]]
-        gb = colls.m_group[a:b] - g_lo
-        t_other = np.where(mh != h_last[g_lo:g_hi][gb], colls.m_t0_ns[a:b], no_t)
-        other_max[g_lo:g_hi] = np.maximum.reduceat(t_other, colls.g_start[g_lo:g_hi] - a)
-        use[g_lo:g_hi] = ok[g_lo:g_hi] & (other_max[g_lo:g_hi] > no_t) & (h_last[g_lo:g_hi] >= 0)
-        member_use = use[g_lo:g_hi][gb]
-        if member_use.any():  # distinct (group, host) pairs: groups never span blocks
-            gh = np.unique(gb[member_use].astype(np.int64) * len(hosts) + mh[member_use])
-            n_part += np.bincount(gh % len(hosts), minlength=len(hosts))
+    other_max = _other_host_last_ns(colls, host_of_rank, h_last, np.flatnonzero(ok & (h_last >= 0)))
+    use = ok & (other_max > no_t) & (h_last >= 0)
     if not use.any():
         return rank_findings
     g = np.flatnonzero(use)
@@ -292,8 +330,7 @@ def _fold_hosts(
     n_last = np.bincount(hl, minlength=len(hosts))
 
     rank_cost = {f.ranks[0]: f.cost_s for f in rank_findings}
-    out_hosts: list[Finding] = []
-    folded: set[int] = set()
+    blamed: list[tuple[int, np.ndarray, list[int]]] = []  # (host, other hosts' charges, its ranks)
     for h_ in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):  # hosts over threshold: few
         h = int(h_)
         others = np.delete(cost_ns, h)
@@ -306,6 +343,14 @@ def _fold_hosts(
         # largest single-rank charge on this host, reported or not (detect's per-rank charges)
         if cost_ns[h] / 1e9 <= 1.5 * max(single, float(rank_cost_ns[ranks_here].max()) / 1e9):
             continue
+        blamed.append((h, others, ranks_here))
+    if not blamed:
+        return rank_findings
+    n_part = _hosts_per_group(colls, host_of_rank, use, len(hosts), [h for h, _, _ in blamed])
+
+    out_hosts: list[Finding] = []
+    folded: set[int] = set()
+    for h, others, ranks_here in blamed:  # the blamed hosts: few
         mine = hl == h
         last_ranks = colls.g_last_rank[g][mine]
         ur, cnt = np.unique(last_ranks, return_counts=True)
@@ -342,6 +387,75 @@ def _fold_hosts(
         )
         folded.update(ranks_here)
     return out_hosts + [f for f in rank_findings if f.ranks[0] not in folded]
+
+
+#: Rows :func:`_other_host_last_ns` steps back from the last arriver, group by group,
+#: before it takes the remaining groups whole (a node of 8 ranks all late needs 8).
+_STEPS = 16
+
+
+def _other_host_last_ns(colls: Any, host_of_rank: np.ndarray, h_last: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Per group: the last arrival among members on another host than the last arriver's
+    (``h_last``), computed for ``groups`` (indices); int64 minimum where there is none
+    or the group was not asked for.
+
+    Members come sorted by arrival, so that is the arrival of the latest member row
+    whose host differs: found by stepping back from the second-to-last row, all
+    groups at once, a row per step. Usually the first step finds it (the
+    second-to-last arriver is on another node); groups still open after
+    ``_STEPS`` steps (many late ranks on one node) are taken whole, by blocks of
+    groups (a pass over every member row by blocks, with a ``np.unique`` per
+    block, was the detector's largest cost after the member gaps: 0.33 s of 1.3
+    at 1024 x 10k, measured).
+    """
+    no_t = np.iinfo(np.int64).min
+    out = np.full(len(colls), no_t, np.int64)
+    first = colls.g_start[:-1]
+    pend = groups
+    row = colls.g_start[1:][pend] - 2
+    for _ in range(_STEPS):  # a row per step, every open group at once
+        inside = row >= first[pend]  # groups with no row left have no other host
+        pend, row = pend[inside], row[inside]
+        if len(pend) == 0:
+            return out
+        other = host_of_rank[colls.m_rank[row]] != h_last[pend]
+        out[pend[other]] = colls.m_t0_ns[row[other]]
+        pend, row = pend[~other], row[~other] - 1
+    if len(pend) == 0:
+        return out
+    left = np.zeros(len(colls), bool)
+    left[pend] = True
+    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
+        sub = left[g_lo:g_hi]
+        if not sub.any():
+            continue
+        mh = host_of_rank[colls.m_rank[a:b]]
+        gb = colls.m_group[a:b] - g_lo
+        t_other = np.where(mh != h_last[g_lo:g_hi][gb], colls.m_t0_ns[a:b], no_t)
+        blk = np.maximum.reduceat(t_other, colls.g_start[g_lo:g_hi] - a)
+        out[g_lo:g_hi][sub] = blk[sub]
+    return out
+
+
+def _hosts_per_group(colls: Any, host_of_rank: np.ndarray, use: np.ndarray, n_hosts: int,
+                     wanted: list[int]) -> np.ndarray:
+    """Per host: how many of the ``use`` groups it took part in, counted for the
+    ``wanted`` hosts only (the reported ones: few; 0 for the others), by blocks of
+    whole groups (distinct (group, host) pairs: groups never span blocks)."""
+    n_part = np.zeros(n_hosts, np.int64)
+    want = np.isin(host_of_rank, np.asarray(wanted, np.int64))  # per rank
+    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
+        u = use[g_lo:g_hi]
+        if not u.any():
+            continue
+        sel = want[colls.m_rank[a:b]]
+        sel &= np.repeat(u, np.diff(colls.g_start[g_lo : g_hi + 1]))
+        if sel.any():
+            gh = colls.m_group[a:b][sel] - g_lo
+            gh *= n_hosts
+            gh += host_of_rank[colls.m_rank[a:b][sel]]
+            n_part += np.bincount(np.unique(gh) % n_hosts, minlength=n_hosts)
+    return n_part
 
 
 def secs(x: float) -> str:
