@@ -86,7 +86,7 @@ def _read_block(files: list[Path]) -> tuple[list[tuple[_RankData | str, list[str
     packer = _Packer(_capacity_rows(files))
     for fp in files:  # one per rank file of this block
         w: list[str] = []
-        d = _read_rank(fp, w)
+        d = _read_rank(fp, w, packer)
         if isinstance(d, _RankData):
             packer.take(d)
         out.append((d, w))
@@ -130,7 +130,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
         for d, w in mine:  # per rank file
             counts.append(len(d.events) if isinstance(d, _RankData) else 0)
             if isinstance(d, _RankData):
-                d = _RankData(d.info, np.zeros(0, RUN_EVENT_DTYPE), d.strings, d.sync, d.inflight, d.gpu)
+                d = _RankData(d.info, np.zeros(0, RUN_EVENT_DTYPE), d.strings, d.sync, d.inflight, d.gpu, d.scan)
             meta.append((d, w))
         comm.send((meta, counts), dest=0)
         if packer.used:

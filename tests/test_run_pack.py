@@ -90,3 +90,69 @@ def test_table_wide_sort_and_remap_do_not_depend_on_the_block_size(run_dir: Path
     np.testing.assert_array_equal(got.events, ref.events)
     monkeypatch.setattr(run_mod, "_ASSEMBLE_ROWS", 7)  # many blocks, most holding two ranks' rows somewhere
     np.testing.assert_array_equal(load_run(d).events, ref.events)
+
+
+def test_the_scan_while_reading_finds_late_rows_across_its_block_edges(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed read scans each block of rows while it is in cache (run._Scan) and
+    _assemble sorts only the ranks the scan found out of time order: a pair out of
+    order exactly across a scan block's edge, or inside one, is still sorted."""
+    import h5py
+
+    ref = load_run(run_dir)
+    d = tmp_path / "late"
+    shutil.copytree(run_dir, d)
+    j = 10  # rank 1's rows j and j + 1 swapped: the only out-of-order pair
+    with h5py.File(d / rank_file_name(1), "r+") as f:
+        ev = f["events"][:]
+        ev[[j, j + 1]] = ev[[j + 1, j]]
+        f["events"][:] = ev
+    for rows in (j + 1, 7, 1 << 20):  # the pair across a block edge; many blocks; one block
+        monkeypatch.setattr(run_mod, "_PACK_ROWS", rows)
+        got = load_run(d)
+        np.testing.assert_array_equal(got.events, ref.events)
+        assert [(i.start_ns, i.end_ns) for i in got.ranks.values()] == [(i.start_ns, i.end_ns) for i in ref.ranks.values()]
+
+
+def test_string_ids_out_of_range_are_found_on_ranks_whose_lookup_is_the_identity(tmp_path: Path) -> None:
+    """A rank whose string table maps onto the global one unchanged is skipped by the
+    remap only when its scan found every id in range: a corrupt id in name_id, comm_id,
+    site_id or a collective's aux (a datatype id) still becomes 0 ("") and is counted."""
+    import h5py
+
+    from distdiag.schema import Kind
+
+    d = tmp_path / "r"
+    make_run(d, iters=30)  # no shuffling: every rank's lookup is the identity
+    ref = load_run(d)
+    with h5py.File(d / rank_file_name(2), "r+") as f:
+        ev = f["events"][:]
+        n_str = len(f["strings"])
+        coll = int(np.flatnonzero(ev["kind"] == int(Kind.COLL))[3])
+        ev["name_id"][5] = n_str + 100
+        ev["comm_id"][6] = -3
+        ev["site_id"][7] = n_str
+        ev["aux"][coll] = n_str + 7
+        f["events"][:] = ev
+    got = load_run(d)
+    assert any("4 string ids point outside" in w for w in got.warnings), got.warnings
+    lo = int(np.searchsorted(got.events["rank"], 2))
+    rows = got.events[lo : lo + len(ev)]
+    assert rows["name_id"][5] == 0 and rows["comm_id"][6] == 0 and rows["site_id"][7] == 0 and rows["aux"][coll] == 0
+    changed = np.zeros(len(got.events), bool)
+    changed[[lo + 5, lo + 6, lo + 7, lo + coll]] = True
+    np.testing.assert_array_equal(got.events[~changed], ref.events[~changed])
+
+
+def test_the_packed_read_and_the_salvaging_read_give_the_same_run(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table the packed read cannot read goes through the salvaging read (_read_table's
+    own path) and is scanned afterwards: same table, same rank bounds, same warnings."""
+    ref = load_run(run_dir)
+
+    def fails(*a: object, **k: object) -> None:
+        raise OSError("damaged (simulated)")
+
+    monkeypatch.setattr(run_mod._Packer, "read_events", fails)
+    got = load_run(run_dir)
+    np.testing.assert_array_equal(got.events, ref.events)
+    assert got.ranks == ref.ranks and got.warnings == ref.warnings
+    np.testing.assert_array_equal(got.inflight, ref.inflight)
