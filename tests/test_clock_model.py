@@ -269,3 +269,37 @@ def test_controlled_logical_clock_moves_minimally_and_decays() -> None:
     # the 50 us jump decays at 1 - GAMMA = 1 %: gone 5 ms later
     assert f[11] - t[11] == pytest.approx(50_000 - 0.01 * 100_000, abs=1)
     assert (f[70:] == t[70:]).all()
+
+
+def _offset_by_interp(m: clocks.RankClock, t: np.ndarray) -> np.ndarray:
+    """RankClock.offset_ns as it was written with np.interp (the reference for its fast path)."""
+    x = (t - m.x0_ns).astype(np.float64)
+    kx, ky = m.knots_x, m.knots_y
+    y = np.interp(x, kx, ky)
+    lo, hi = x < kx[0], x > kx[-1]
+    y[lo] = ky[0] + m.slope * (x[lo] - kx[0])
+    y[hi] = ky[-1] + m.slope * (x[hi] - kx[-1])
+    return m.y0_ns + np.rint(y).astype(np.int64)
+
+
+def test_two_knot_offsets_equal_np_interp_to_the_nanosecond() -> None:
+    # The two-knot path computes the interpolation itself: it must give np.interp's
+    # numbers exactly (a 1 ns difference would change reports), at the knots too.
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        span = float(rng.choice([1e3, 1e9, 3.6e12, 1e14]))
+        kx = np.sort(rng.uniform(-span, span, 2)) if trial % 3 else np.array([0.0, span])
+        kx = np.rint(kx)
+        ky = rng.normal(0, 1e7, 2) + rng.normal(0, 1e9)
+        m = clocks.RankClock(rank=1, method="sync", x0_ns=BASE + int(rng.integers(-10**12, 10**12)),
+                             y0_ns=int(rng.integers(-10**10, 10**10)), knots_x=kx, knots_y=ky,
+                             slope=float(rng.normal(0, 1e-5)))  # fmt: skip
+        x = np.rint(rng.uniform(kx[0] - span / 4, kx[1] + span / 4, 4000)).astype(np.int64)
+        x[:4] = [int(kx[0]), int(kx[1]), int(kx[1]) - 1, int(kx[0]) + 1]
+        t = m.x0_ns + x
+        assert np.array_equal(m.offset_ns(t), _offset_by_interp(m, t)), trial
+    # one knot, or two at the same place: np.interp itself
+    for kx in (np.array([5.0]), np.array([5.0, 5.0])):
+        m = clocks.RankClock(rank=1, method="sync-single", knots_x=kx, knots_y=np.full(len(kx), 3.5), slope=1e-6)
+        t = np.arange(-20, 20, dtype=np.int64)
+        assert np.array_equal(m.offset_ns(t), _offset_by_interp(m, t))
