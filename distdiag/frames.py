@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from distdiag.match import Collectives, MatchState
+from distdiag.rows import events_of
 from distdiag.run import Run
 from distdiag.schema import FILE_KINDS, PHASE_KINDS, Kind
 
@@ -169,8 +170,7 @@ class RunFrames:
     def phases(self) -> pd.DataFrame:
         """Compute phases; ``phase`` is the user's name for ``distdiag.phase``, else the kind
         (forward, backward, optimizer, input_wait, h2d)."""
-        ev = self.run.events
-        sel = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in PHASE_KINDS), np.uint8))]
+        sel = events_of(self.run, PHASE_KINDS)  # the run's kind index (distdiag.rows)
         df = self._event_frame(sel)
         named = (sel["kind"] == Kind.PHASE) & (sel["name_id"] > 0)
         df.insert(2, "phase", np.where(named, df["name"].to_numpy(), df["kind"].to_numpy()))
@@ -180,8 +180,7 @@ class RunFrames:
     def files(self) -> pd.DataFrame:
         """File-system calls: ``op`` (open, close, stat, listdir, read, write), ``path``, ``fs``
         ("fstype:mountpoint"), bytes moved, call site."""
-        ev = self.run.events
-        sel = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in FILE_KINDS), np.uint8))]
+        sel = events_of(self.run, FILE_KINDS)
         df = self._event_frame(sel)
         df = df.rename(columns={"kind": "op", "name": "path"})
         # File events keep their file system's string id in aux (see run._remap).

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.rows import events_of, rows_of
 from distdiag.run import Run
 from distdiag.schema import Kind
 
@@ -152,7 +153,7 @@ def _symmetric_fill(n: int, key_i: np.ndarray, key_j: np.ndarray, vals: np.ndarr
 
 def probe_matrix(run: Run) -> LinkMatrix | None:
     """The probe's measurements as a unit x unit matrix, or None without probe rows."""
-    ev = run.events[run.events["kind"] == Kind.PROBE]
+    ev = events_of(run, Kind.PROBE)  # the run's kind index (distdiag.rows), not a scan
     if len(ev) == 0:
         return None
     span_id = run.sid("probe")
@@ -196,11 +197,13 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     if got is not None:
         return got  # type: ignore[no-any-return]
     ev = run.events
-    kind, peer = ev["kind"], ev["peer"]
-    ok = (peer >= 0) & (ev["t1_ns"] >= ev["t0_ns"])
-    # row indices, not row copies: selecting whole packed rows is the slow part
-    si = np.flatnonzero(((kind == Kind.SEND) | (kind == Kind.SEND_ASYNC)) & ok)
-    ri = np.flatnonzero(((kind == Kind.RECV) | (kind == Kind.RECV_ASYNC)) & ok)
+    peer = ev["peer"]
+    # row indices, not row copies: selecting whole packed rows is the slow part;
+    # the rows of each side from the run's kind index (distdiag.rows), ascending
+    si = rows_of(run, (Kind.SEND, Kind.SEND_ASYNC))
+    si = si[(peer[si] >= 0) & (ev["t1_ns"][si] >= ev["t0_ns"][si])]
+    ri = rows_of(run, (Kind.RECV, Kind.RECV_ASYNC))
+    ri = ri[(peer[ri] >= 0) & (ev["t1_ns"][ri] >= ev["t0_ns"][ri])]
     out: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
     out["xfer_s"] = np.zeros(0)
     if len(si) and len(ri):

@@ -68,6 +68,7 @@ import numpy as np
 
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState
+from distdiag.rows import rows_of
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -277,16 +278,17 @@ def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] |
     if kinds is None:
         return None
     ev = run.events
-    sel = np.isin(ev["kind"], np.array([int(k) for k in kinds], np.uint8))
+    sel = rows_of(run, kinds)  # the run's kind index (distdiag.rows): ascending rows, no scan
     ranks = list(c.ranks)
     if c.kind == "slow_link" and c.hosts and not ranks:
         ranks = [r for r, i in run.ranks.items() if i.host in set(c.hosts)]
     if ranks:
-        sel &= np.isin(ev["rank"], np.asarray(ranks))
-    if not sel.any():
+        sel = sel[np.isin(ev["rank"][sel], np.asarray(ranks))]
+    if len(sel) == 0:
         return None
-    return (ev["rank"][sel].astype(np.int64), ev["t0_ns"][sel].astype(np.int64),
-            np.maximum(ev["t1_ns"][sel], ev["t0_ns"][sel]).astype(np.int64))  # fmt: skip
+    t0 = ev["t0_ns"][sel]
+    return (ev["rank"][sel].astype(np.int64), t0.astype(np.int64),
+            np.maximum(ev["t1_ns"][sel], t0).astype(np.int64))  # fmt: skip
 
 
 def _explained_ns(win: Windows, claims: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.rows import rows_of, unique_sorted
 from distdiag.schema import COMM_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -404,13 +405,19 @@ def _wall_map_ns(run: Any) -> int | None:
     return None
 
 
-def _first_t0_s(ev: np.ndarray, kinds: frozenset[int], wall_map_ns: int) -> dict[int, float]:
-    """rank -> Unix seconds of its first event of ``kinds`` (events sorted by rank), vectorized."""
-    sel = ev[np.isin(ev["kind"], np.array(sorted(int(k) for k in kinds), np.uint8))]
-    if len(sel) == 0:
+def _first_t0_s(run: Any, kinds: frozenset[int], wall_map_ns: int) -> dict[int, float]:
+    """rank -> Unix seconds of its first event of ``kinds`` (events sorted by rank), vectorized.
+
+    The rows come from the run's kind index (distdiag.rows) and only their rank and
+    t0 columns are gathered: the kinds can cover nearly every row (collectives and
+    compute phases), and a mask then a copy of those 73-byte rows was a full pass
+    and a table-sized copy."""
+    idx = rows_of(run, kinds)
+    if len(idx) == 0:
         return {}
-    ranks, idx = np.unique(sel["rank"], return_index=True)
-    t0 = np.minimum.reduceat(sel["t0_ns"], idx)
+    ev = run.events
+    ranks, first = unique_sorted(ev["rank"][idx])
+    t0 = np.minimum.reduceat(ev["t0_ns"][idx], first)
     return {int(r): (int(t) + wall_map_ns) / 1e9 for r, t in zip(ranks, t0)}
 
 
@@ -426,8 +433,8 @@ def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[
         return {}, {}, {}, {}
     start = {int(r): (i.start_ns + wm) / 1e9 for r, i in run.ranks.items()}
     last = {int(r): (i.end_ns + wm) / 1e9 for r, i in run.ranks.items()}
-    first = _first_t0_s(run.events, USEFUL_KINDS, wm)
-    first_coll = _first_t0_s(run.events, frozenset(COMM_KINDS), wm)
+    first = _first_t0_s(run, USEFUL_KINDS, wm)
+    first_coll = _first_t0_s(run, frozenset(COMM_KINDS), wm)
     return start, first, first_coll, last
 
 
@@ -472,7 +479,7 @@ def rank_busy_until(run: Any) -> dict[int, float]:
     n = int(ev["rank"].max()) + 1
     first = np.full(n, np.iinfo(np.int64).max, np.int64)
     # The rendezvous rows' columns, not the rows: half the table can be collectives.
-    idx = np.flatnonzero(np.isin(ev["kind"], np.array(sorted(int(k) for k in RENDEZVOUS_KINDS), np.uint8)))
+    idx = rows_of(run, RENDEZVOUS_KINDS)  # the run's kind index (distdiag.rows): ascending rows
     if len(idx) == 0:
         return {}
     s_rank, s_t0 = ev["rank"][idx], ev["t0_ns"][idx]
@@ -487,8 +494,9 @@ def rank_busy_until(run: Any) -> dict[int, float]:
     # rendezvous: the rank worked on its own right up to it.
     lone_rank = head_rank[~np.isin(ev["kind"][idx[at_first[i]]], _SYNC_KINDS)]
     thr = first[ev["rank"]]
-    own = ev["kind"] != int(Kind.SHIM)
-    pre = ev[(ev["t0_ns"] < thr) & own]
+    before = ev["t0_ns"] < thr
+    before[rows_of(run, Kind.SHIM)] = False  # our own milestones are no activity of the rank's
+    pre = ev[before]
     has = first < np.iinfo(np.int64).max
     until = np.full(n, np.iinfo(np.int64).min, np.int64)
     if len(pre):

@@ -41,6 +41,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,11 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray:
     parts = []
     for tab in (run.events, run.inflight):  # two tables
         if len(tab):
-            sel = np.isin(tab["kind"], _COMM_ARR) & (tab["seq"] >= 0)
+            if tab is run.events:  # the run's kind index (distdiag.rows): no scan of the table's kinds
+                sel = rows_of(run, _COMM_ARR)
+                sel = sel[tab["seq"][sel] >= 0]
+            else:  # the in-flight rows: a handful per rank
+                sel = np.flatnonzero(np.isin(tab["kind"], _COMM_ARR) & (tab["seq"] >= 0))
             parts.append((tab["comm_id"][sel], tab["seq"][sel], tab["rank"][sel], tab["aux"][sel], tab["t0_ns"][sel]))
     if not parts:
         return out

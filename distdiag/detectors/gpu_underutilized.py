@@ -32,6 +32,7 @@ import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.rows import events_of
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     wall_s = run.wall_s
     if len(gpu) == 0 or wall_s <= 0:
         return []
-    ev = run.events
-    steps = ev[(ev["kind"] == Kind.STEP) & (ev["value"] > 0)]
+    steps = events_of(run, Kind.STEP)  # the run's kind index (distdiag.rows), not a scan
+    steps = steps[steps["value"] > 0]
     if len(steps) == 0:
         return []  # no flops from distdiag.step: achieved throughput unknown
     busy_pct = float(cfg.value("gpu_underutilized", "busy_pct", 80.0))

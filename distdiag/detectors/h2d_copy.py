@@ -17,6 +17,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.detectors.input_bound import priced
 from distdiag.findings import Finding
+from distdiag.rows import events_of
 from distdiag.schema import Kind
 
 #: Below this achieved rate (GB/s) the copies probably come from pageable memory.
@@ -29,7 +30,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if p is None:
         return []
     cost_s, n_it, named = p.cost_s, p.n_it, p.named
-    h = run.events[run.events["kind"] == Kind.H2D]
+    h = events_of(run, Kind.H2D)
     dur_s = float(np.maximum(h["t1_ns"] - h["t0_ns"], 0).sum()) / 1e9
     nbytes = int(h["nbytes"].sum())
     gbps = nbytes / dur_s / 1e9 if dur_s > 0 else 0.0

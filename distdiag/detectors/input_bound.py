@@ -34,6 +34,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
+from distdiag.rows import count_of, rows_of, unique_sorted
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,6 @@ COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 #: Phases that bound a rank's active window (before the first one: start-up).
 WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 AUTO_STEP_NAME = "optimizer_step"
-
-
-def _kinds(ev: np.ndarray, kinds: tuple[int, ...]) -> np.ndarray:
-    return np.isin(ev["kind"], np.array([int(k) for k in kinds], np.uint8))
 
 
 def merge_intervals(t0: np.ndarray, t1: np.ndarray, group: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,8 +80,7 @@ def covered(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def _step_rows(run: Any) -> np.ndarray:
-    ev = run.events
-    steps = ev[ev["kind"] == Kind.STEP]
+    steps = run.events.take(rows_of(run, Kind.STEP))
     if len(steps) == 0:
         return steps
     auto = run.sid(AUTO_STEP_NAME) if hasattr(run, "sid") else -1
@@ -101,26 +97,27 @@ def critical_path_cost(run: Any, kind: int) -> dict[str, Any]:
     ``ranks`` (the rank ids of the rows of the per-rank arrays).
     """
     ev = run.events
-    ranks = np.unique(ev["rank"]) if len(ev) else np.zeros(0, np.int32)
+    ranks = unique_sorted(ev["rank"])[0] if len(ev) else np.zeros(0, np.int32)
     empty = {"cost_ns": 0, "per_iter_ns": np.zeros(0), "rank_ns": np.zeros(len(ranks)), "busy_ns": np.zeros(len(ranks)),
              "n_iter": 0, "ranks": ranks, "count": 0}  # fmt: skip
-    target = ev[ev["kind"] == kind]
-    if len(target) == 0:
+    # Row numbers from the run's kind index (distdiag.rows), not masks over the
+    # whole table: the same rows in the same order, without a scan per kind.
+    t_idx = rows_of(run, kind)
+    if len(t_idx) == 0:
         return empty
+    target = ev.take(t_idx)
     tmin = int(min(ev["t0_ns"].min(), ev["t1_ns"].min()))
     tmax = int(max(ev["t0_ns"].max(), ev["t1_ns"].max()))
     span = tmax - tmin + 1
     R = len(ranks)
-    rix = np.searchsorted(ranks, ev["rank"])  # rank -> row 0..R-1
 
-    def rows_of(mask: np.ndarray) -> np.ndarray:
-        return rix[mask]
+    def rix(idx: np.ndarray) -> np.ndarray:  # rank -> row 0..R-1 of the rows ``idx``
+        return np.searchsorted(ranks, ev["rank"][idx])
 
     # 1. the target's time that no compute phase of the same rank overlaps
-    cmask = _kinds(ev, COMPUTE_KINDS)
-    cs, ce = merge_intervals(ev["t0_ns"][cmask] - tmin, ev["t1_ns"][cmask] - tmin, rows_of(cmask), span)
-    tmask = ev["kind"] == kind
-    tr = rows_of(tmask).astype(np.int64)
+    c_idx = rows_of(run, COMPUTE_KINDS)
+    cs, ce = merge_intervals(ev["t0_ns"][c_idx] - tmin, ev["t1_ns"][c_idx] - tmin, rix(c_idx), span)
+    tr = rix(t_idx).astype(np.int64)
     a0 = target["t0_ns"].astype(np.int64) - tmin + tr * span
     a1 = np.maximum(target["t1_ns"].astype(np.int64), target["t0_ns"]) - tmin + tr * span
     unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
@@ -138,12 +135,13 @@ def critical_path_cost(run: Any, kind: int) -> dict[str, Any]:
     def iteration(t_shifted: np.ndarray, r: np.ndarray) -> np.ndarray:
         return np.searchsorted(st, t_shifted, side="left") - first_step[r]
 
-    wmask = _kinds(ev, WINDOW_KINDS)
-    wr = rows_of(wmask).astype(np.int64)
+    w_idx = rows_of(run, WINDOW_KINDS)
+    wr = rix(w_idx).astype(np.int64)
     w_start = np.full(R, np.iinfo(np.int64).max)
     w_end = np.full(R, np.iinfo(np.int64).min)
-    np.minimum.at(w_start, wr, ev["t0_ns"][wmask].astype(np.int64) - tmin + wr * span)
-    np.maximum.at(w_end, wr, np.maximum(ev["t1_ns"][wmask], ev["t0_ns"][wmask]).astype(np.int64) - tmin + wr * span)
+    w_t0 = ev["t0_ns"][w_idx]
+    np.minimum.at(w_start, wr, w_t0.astype(np.int64) - tmin + wr * span)
+    np.maximum.at(w_end, wr, np.maximum(ev["t1_ns"][w_idx], w_t0).astype(np.int64) - tmin + wr * span)
     have = w_start <= w_end
     # boundaries[r] = [start, step_0, ..., step_{n-1}, end]: window i = (b[i], b[i+1]]
     L = np.full((R, n_iter), np.nan)
@@ -212,7 +210,7 @@ def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
     Shared by ``input_bound`` and ``h2d_copy``, which price their rows alike.
     """
     wall_s = run.wall_s
-    if wall_s <= 0:
+    if wall_s <= 0 or count_of(run, kind) == 0:  # nothing recorded: no pass over the table
         return None
     res = critical_path_cost(run, kind)
     cost_s = res["cost_ns"] / 1e9

@@ -45,6 +45,7 @@ import pandas as pd
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.rows import rows_of
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,10 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if wall_s <= 0:
         return []
     ev = run.events
-    ok = ev["t1_ns"] >= ev["t0_ns"]
-    data = ev[np.isin(ev["kind"], _DATA) & ok]
+    # Rows by the run's kind index (distdiag.rows): the file and stall rows are
+    # few; the masks over the whole table were a scan per kind (same rows, same order).
+    data = ev.take(rows_of(run, _DATA))
+    data = data[data["t1_ns"] >= data["t0_ns"]]
     if len(data) == 0:
         return []
     n = int(max(run.world_size, int(ev["rank"].max()) + 1))
@@ -114,15 +117,15 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     large = per_file[per_file >= min_bytes]
     if large.empty:
         return []
-    pair_key = ev["rank"].astype(np.int64) * (len(run.strings) + 1) + ev["name_id"]
     large_keys = np.array([r * (len(run.strings) + 1) + nm for r, nm in large.index], np.int64)
-    sel = np.isin(pair_key, large_keys) & ok & (np.isin(ev["kind"], _DATA) | np.isin(ev["kind"], _OPEN_CLOSE))
-    io = ev[sel]
+    io = ev.take(rows_of(run, np.r_[_DATA, _OPEN_CLOSE]))
+    pair_key = io["rank"].astype(np.int64) * (len(run.strings) + 1) + io["name_id"]
+    io = io[np.isin(pair_key, large_keys) & (io["t1_ns"] >= io["t0_ns"])]
     e_rank, e_t0, e_t1 = _merge(io["rank"].astype(np.int64), io["t0_ns"], io["t1_ns"], gap_ns)
 
     # 2. what the other ranks did during each episode
-    stall_kind = np.isin(ev["kind"], _STALL) & ok
-    st = ev[stall_kind]
+    st = ev.take(rows_of(run, _STALL))
+    st = st[st["t1_ns"] >= st["t0_ns"]]
     s_rank = np.r_[st["rank"].astype(np.int64), e_rank]
     s_t0 = np.r_[st["t0_ns"], e_t0]
     s_t1 = np.r_[st["t1_ns"], e_t1]

@@ -53,6 +53,7 @@ import pandas as pd
 from distdiag.breakdown import union_ns
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.rows import events_of
 from distdiag.schema import FILE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -143,9 +144,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if wall_s <= 0:
         return []
 
-    ev = run.events
-    is_file = np.isin(ev["kind"], _FILE_KINDS) & (ev["aux"] > 0) & (ev["t1_ns"] >= ev["t0_ns"])
-    fev = ev[is_file]
+    fev = events_of(run, _FILE_KINDS)  # the run's kind index: no scan of the whole table
+    fev = fev[(fev["aux"] > 0) & (fev["t1_ns"] >= fev["t0_ns"])]
     if len(fev) == 0:
         return []
     is_meta = np.isin(fev["kind"], META_KINDS)

@@ -57,6 +57,7 @@ from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.detectors.straggler import nobody_waits, secs, tally
 from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
+from distdiag.rows import rows_of
 from distdiag.run import _ranges
 from distdiag.schema import Kind
 
@@ -139,7 +140,7 @@ def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray)
     if len(rank) == 0:
         return out
     ev = run.events
-    idx = np.flatnonzero(np.isin(ev["kind"], _ACTIVITY_KINDS))
+    idx = rows_of(run, _ACTIVITY_KINDS)  # the run's kind index (distdiag.rows): ascending, like flatnonzero
     if len(idx) == 0:
         return out
     et0 = ev["t0_ns"][idx]
@@ -336,8 +337,8 @@ def _prev_sites(run: Any, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray
 def _what_it_did(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray, limit: int) -> list[dict[str, Any]]:
     """The recorded calls of ``rank[i]`` inside its stretch [a_ns[i], b_ns[i]], grouped by (kind, name, site), longest first."""
     ev = run.events
-    sel = np.isin(ev["rank"], rank) & np.isin(ev["kind"], _ACTIVITY_KINDS)
-    e = ev[sel]
+    idx = rows_of(run, _ACTIVITY_KINDS)
+    e = ev.take(idx[np.isin(ev["rank"][idx], rank)])
     if len(e) == 0 or len(a_ns) == 0:
         return []
     # windows of one rank never overlap; key them by (rank, start) like the events
