@@ -127,6 +127,29 @@ _CAT_OF_KIND = np.full(256, _NONE, np.uint8)
 for _cat, _kinds in ((_IO, FILE_KINDS), (_INPUT, (Kind.INPUT_WAIT,)), (_H2D, (Kind.H2D,)), (_OTHER, _OTHER_KINDS)):
     assert (_CAT_OF_KIND[[int(k) for k in _kinds]] == _NONE).all()  # one category a kind (a module constant)
     _CAT_OF_KIND[[int(k) for k in _kinds]] = _cat
+def _ranges_of(table: np.ndarray, other: int) -> list[tuple[int, int]]:
+    """The runs [lo, hi] of the indices whose entry is not ``other`` (a few: kinds are numbered by family)."""
+    on = np.flatnonzero(table != other)
+    if len(on) == 0:
+        return []
+    cut = np.flatnonzero(np.diff(on) > 1)
+    return list(zip(on[np.r_[0, cut + 1]].tolist(), on[np.r_[cut, len(on) - 1]].tolist()))
+
+
+#: the kinds with a category, as runs of kind numbers: a mask by comparisons (0.3 ns a row) instead
+#: of a table lookup (4 ns a row, numpy's fancy indexing by uint8)
+_CAT_RANGES = _ranges_of(_CAT_OF_KIND, _NONE)
+
+
+def _in_ranges(kind: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
+    """Whether each kind (uint8) lies in one of the runs [lo, hi]."""
+    m = np.zeros(len(kind), bool)
+    for lo, hi in ranges:  # a few
+        # kind - lo wraps below lo to large values: one comparison per run
+        m |= (kind - np.uint8(lo)) <= np.uint8(hi - lo)
+    return m
+
+
 #: rows whose start opens a rank's step 0 (before the first one: start-up)
 _WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 #: the optimizer hook's STEP rows; preferred over distdiag.step() rows when both exist
@@ -167,24 +190,52 @@ def _union(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: t
     s0 -= lo
     s1 = s0 + t1
     s0 += t0
-    o = np.argsort(s0, kind="stable")  # timsort: the input is a few sorted runs
-    s0, s1, key = s0[o], s1[o], key[o]
-    del o
-    # reach[i]: the furthest end before interval i (its key's, or below its start)
+    if not _nondecreasing(s0):  # often already sorted (one interval a member, in time order): no sort
+        o = np.argsort(s0, kind="stable")  # timsort: the input is a few sorted runs
+        s0, s1, key = s0[o], s1[o], key[o]
+        del o
+    # reach[i]: the furthest end before interval i (its key's, or below its start);
+    # when the ends never go back (no interval inside another), the previous end
     reach = np.empty_like(s1)
     reach[0] = np.iinfo(np.int64).min
-    np.maximum.accumulate(s1[:-1], out=reach[1:])
+    if _nondecreasing(s1):
+        reach[1:] = s1[:-1]
+    else:
+        np.maximum.accumulate(s1[:-1], out=reach[1:])
     np.maximum(reach, s0, out=reach)
     np.subtract(s1, reach, out=reach)
     np.maximum(reach, 0, out=reach)
-    return np.bincount(key, weights=reach, minlength=n_keys)
+    return _sum_by_key(key, reach, n_keys)
 
 
-def _band(key_max: int, t0: np.ndarray, t1: np.ndarray) -> tuple[int, int] | None:
+def _nondecreasing(x: np.ndarray) -> bool:
+    return bool(np.all(x[1:] >= x[:-1]))
+
+
+def _sum_by_key(key: np.ndarray, x: np.ndarray, n_keys: int) -> np.ndarray:
+    """Per key, the sum of the int64 ``x``, as float64; ``key`` sorted.
+
+    One sum per run of equal keys (``np.add.reduceat``, 2 ns an element, a
+    third of ``np.bincount`` with weights). The same numbers as bincount's: the
+    values are whole nanoseconds whose partial sums stay below 2^53 (a key's
+    union is at most its rank's wall-clock), so the float64 sums are exact.
+    """
+    out = np.zeros(n_keys)
+    if len(key) == 0:
+        return out
+    first = np.empty(len(key), bool)
+    first[0] = True
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    at = np.flatnonzero(first)
+    out[key[at]] = np.add.reduceat(x, at)
+    return out
+
+
+def _band(key_max: int, *times: np.ndarray) -> tuple[int, int] | None:
     """(lo, span) that put every key's times into its own band ``key * span - lo``, for keys up to
-    ``key_max`` (any upper bound); None when int64 overflows."""
-    lo = min(int(t0.min()), int(t1.min()))
-    span = max(int(t0.max()), int(t1.max())) - lo + 1
+    ``key_max`` (any upper bound) and times among ``times`` (non-empty arrays); None when int64 overflows."""
+    lo = min(int(t.min()) for t in times)
+    span = max(int(t.max()) for t in times) - lo + 1
     return (lo, span) if key_max < np.iinfo(np.int64).max // span - 1 else None
 
 
@@ -244,23 +295,200 @@ def _marks_up_to(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: n
     return out
 
 
-class _Band:
-    """A band of ranks [r_lo, r_hi): its event rows (a view: the table is sorted by rank) and its collective rows."""
+#: kinds whose rows (with a sequence number) are the match's members
+_IS_COMM = np.zeros(256, bool)
+_IS_COMM[[int(Kind.COLL), int(Kind.COLL_ASYNC)]] = True
+_COMM_RANGES = _ranges_of(_IS_COMM, False)
 
-    def __init__(self, run: Run, colls: Collectives, r_lo: int, r_hi: int, e_lo: int, e_hi: int,
-                 rows: np.ndarray, first: np.ndarray, bounds: tuple[np.ndarray, np.ndarray],
-                 one_kind: int | None) -> None:  # fmt: skip
+
+class _Ctx:
+    """What every band reads: the rank bounds, the kind column, the rank offsets of events and members,
+    and the (comm, seq) -> group lookup that lets a band take its members' columns from its own event rows."""
+
+    def __init__(self, run: Run, colls: Collectives, n: int, kind: np.ndarray) -> None:
+        self.run, self.colls, self.n = run, colls, n
+        self.start, self.end = run.rank_bounds()  # O(ranks) each call: once for every band
+        self.kind = kind
+        self.ev_first = _first_rows(run.events["rank"], n)  # rank r's event rows: ev_first[r]:ev_first[r + 1]
+        self.m_first = _member_first(colls, n)  # rank r's member rows, counted
+        self._order: np.ndarray | None = None
+        # the split of a member's span at its group's last arrival: min(max(split_at[g], t0), t1)
+        # (a group that never completed: its members waited throughout, split at their own t1)
+        never = (colls.g_state == MatchState.IN_FLIGHT) | (colls.g_exit_ns < 0)
+        self.split_at = np.where(never, np.iinfo(np.int64).max, colls.g_last_ns).astype(np.int64)
+        # the lookup works only when the members are exactly the event (and in-flight) rows of
+        # COLL/COLL_ASYNC kind with seq >= 0: no duplicate was dropped (else: the member table)
+        self.lookup = _GroupLookup(colls) if colls.n_dup == 0 else None
+
+    def order(self) -> np.ndarray:
+        """The member rows by rank (:func:`_rows_by_rank`), built on first use: bands whose members come
+        from their event rows never need it."""
+        if self._order is None:
+            self._order = _rows_by_rank(self.colls, self.n)[0]
+        return self._order
+
+
+class _GroupLookup:
+    """(comm, seq) -> group row: the groups are sorted by ``comm * n_seq + seq`` (distdiag.match),
+    so a dense table (or a binary search when the keys are sparse) finds each row's group."""
+
+    def __init__(self, colls: Collectives) -> None:
+        gs, gc = colls.g_seq, colls.g_comm
+        self.ok = False
+        self.n_g = ng = len(gs)
+        if ng == 0 or int(gs.min()) < 0 or int(gc.min()) < 0:
+            return
+        self.n_seq = int(gs.max()) + 1
+        self.c_max = int(gc.max())
+        if (self.c_max + 1) * self.n_seq >= 1 << 62:  # absurd ids (damaged files): the member table instead
+            return
+        gk = gc.astype(np.int64) * self.n_seq + gs
+        if not bool(np.all(gk[1:] > gk[:-1])):
+            return
+        self.gk = gk
+        self.table: np.ndarray | None = None
+        if int(gk[-1]) < 8 * ng + (1 << 16):  # dense keys (one communicator, seq 0, 1, ...): one gather
+            self.table = np.full(int(gk[-1]) + 1, -1, np.int64)
+            self.table[gk] = np.arange(ng)
+        self.ok = True
+
+    def __call__(self, comm: np.ndarray, seq: np.ndarray) -> np.ndarray | None:
+        """The group of each (comm, seq >= 0), or None when one has none."""
+        if not self.ok:
+            return None
+        comm = comm.astype(np.int64)
+        if len(comm) and (int(comm.min()) < 0 or int(comm.max()) > self.c_max or int(seq.max()) >= self.n_seq):
+            return None
+        key = comm * self.n_seq
+        key += seq
+        if self.table is not None:
+            g = self.table[key]
+            return None if len(g) and int(g.min()) < 0 else g
+        g = np.searchsorted(self.gk, key)
+        np.minimum(g, self.n_g - 1, out=g)
+        return g if bool(np.all(self.gk[g] == key)) else None
+
+
+def _member_first(colls: Collectives, n: int, chunk: int = 1 << 18) -> np.ndarray:
+    """Per r in 0..n, how many member rows have a rank below r (chunk by chunk: bincount casts to int64)."""
+    r = colls.m_rank
+    total = np.zeros(n, np.int64)
+    for a in range(0, len(r), chunk):  # a few dozen chunks
+        total += np.bincount(r[a : a + chunk], minlength=n)
+    first = np.zeros(n + 1, np.int64)
+    np.cumsum(total, out=first[1:])
+    return first
+
+
+class _Band:
+    """A band of ranks [r_lo, r_hi): its event rows (a view: the table is sorted by rank), their ranks,
+    and its collective members' columns rank by rank (``m_rank``, ``m_kind``, ``m_g``, ``m_t0``, ``m_t1``).
+
+    The members come from the band's own event rows (and in-flight rows) when the
+    match kept every COLL/COLL_ASYNC row with a seq: their columns are then read
+    from the band's slice of the table, which is in cache, and only their group
+    is looked up. Gathering them from the member table instead (sorted by group,
+    so a band's members are spread over all of it) cost a cache and TLB miss
+    per member and column: ~40% of the breakdown at 1,024 x 10k. The member
+    table is the fallback (duplicates dropped, a count that differs).
+    Within a rank, the members' order differs between the two (table order,
+    group order): no number depends on it (every union is order-free).
+    """
+
+    def __init__(self, ctx: _Ctx, r_lo: int, r_hi: int, e_lo: int, e_hi: int) -> None:
+        run = ctx.run
         self.r_lo, self.r_hi = r_lo, r_hi
-        self.start, self.end = bounds  # run.rank_bounds(), once for every band (O(ranks) each call)
+        self.start, self.end = ctx.start, ctx.end
         self.ev = run.events[e_lo:e_hi]
-        # the band's kind column, contiguous (1 byte a row): every per-kind mask reads it, not the 73-byte rows
-        self.kind = np.ascontiguousarray(self.ev["kind"])
-        self.rows = rows
-        # one kind for every member (an MPI run: all blocking): no gather from the member table
-        self.m_kind = colls.m_kind[rows] if one_kind is None else np.full(len(rows), one_kind, np.uint8)
+        self.kind = ctx.kind[e_lo:e_hi]  # 1 byte a row, contiguous: every per-kind mask reads it
+        self.ev_rank = np.repeat(np.arange(r_lo, r_hi), np.diff(ctx.ev_first[r_lo : r_hi + 1]))
+        inf = run.inflight
+        if len(inf):
+            inf = inf[(inf["rank"] >= r_lo) & (inf["rank"] < r_hi)]
+        self.inf = inf
+        self.n_members = int(ctx.m_first[r_hi] - ctx.m_first[r_lo])
+        if not self._from_events(ctx):
+            self._from_members(ctx)
+
+    def _from_events(self, ctx: _Ctx) -> bool:
+        ev, kind, inf = self.ev, self.kind, self.inf
+        ci = np.flatnonzero(_in_ranges(kind, _COMM_RANGES))
+        cols = _take(ev, ci, ("seq", "comm_id", "t0_ns", "t1_ns"))
+        seq = cols["seq"]
+        ok = seq >= 0
+        #: COLL rows without a sequence number: no member (other calls)
+        self.coll_no_seq = ci[:0] if ok.all() else ci[~ok & (kind[ci] == Kind.COLL)]
+        if not ok.all():
+            ci = ci[ok]
+            cols = {f: c[ok] for f, c in cols.items()}
+            seq = cols["seq"]
+        im = np.zeros(0, np.int64)
+        if len(inf):
+            im = np.flatnonzero(_IS_COMM[inf["kind"]] & (inf["seq"] >= 0))
+        if len(ci) + len(im) != self.n_members or ctx.lookup is None:
+            return False
+        inf_m = inf[im] if len(im) else None
+
+        def col(f: str) -> np.ndarray:  # the members' column: event rows, then in-flight rows
+            c = cols[f] if f in cols else ev[f][ci]
+            return c if inf_m is None else np.concatenate([c, inf_m[f]])
+
+        g = ctx.lookup(col("comm_id"), seq if len(im) == 0 else np.concatenate([seq, inf["seq"][im]]))
+        if g is None:
+            return False
+        self.m_g = g
+        self.m_rank = self.ev_rank[ci]
+        self.m_kind = kind[ci]
+        if len(im):
+            self.m_rank = np.concatenate([self.m_rank, inf["rank"][im].astype(np.int64)])
+            self.m_kind = np.concatenate([self.m_kind, inf["kind"][im]])
+        self.m_t0 = col("t0_ns")
+        self.m_t1 = col("t1_ns")
+        self._op = lambda: col("name_id")
+        return True
+
+    def _from_members(self, ctx: _Ctx) -> None:
+        colls, r_lo, r_hi = ctx.colls, self.r_lo, self.r_hi
+        rows = ctx.order()[ctx.m_first[r_lo] : ctx.m_first[r_hi]]
+        self.m_kind = colls.m_kind[rows]
+        self.m_g = colls.m_group[rows]
+        self.m_t0 = colls.m_t0_ns[rows]
         self.m_t1 = colls.m_t1_ns[rows]
-        # the rows' ranks (int64) without a gather: rows come sorted by rank, ``first`` their offsets
-        self.m_rank = np.repeat(np.arange(r_lo, r_hi), np.diff(first[r_lo : r_hi + 1]))
+        # the rows' ranks (int64) without a gather: rows come sorted by rank
+        self.m_rank = np.repeat(np.arange(r_lo, r_hi), np.diff(ctx.m_first[r_lo : r_hi + 1]))
+        self._op = lambda: colls.m_op[rows]
+        # The match's members are the COLL rows with seq >= 0 (and in-flight rows): when
+        # the band has no in-flight row and as many blocking members as COLL rows, no
+        # COLL row has seq < 0, and the seq column need not be read. Otherwise it is.
+        coll = np.flatnonzero(self.kind == Kind.COLL)
+        if len(self.inf) or len(coll) != np.count_nonzero(self.m_kind == Kind.COLL):
+            coll = coll[self.ev["seq"][coll] < 0]
+        else:
+            coll = coll[:0]
+        self.coll_no_seq = coll
+
+    def m_op(self) -> np.ndarray:
+        """The members' op (name id)."""
+        return self._op()  # type: ignore[no-any-return]
+
+
+#: rows a block of :func:`_take` (300 kB of 73-byte rows: stays in L2), measured best of 4k-64k
+_TAKE_ROWS = 1 << 12
+
+
+def _take(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """``{f: tab[f][idx]}``, block by block of whole rows (``take`` copies a 73-byte row at once).
+
+    A field gathered straight from the table re-reads each row's cache line per
+    field; measured on a band's collective rows (half its rows), 4 fields: 2.4x
+    faster so (as distdiag.match's gather, in smaller blocks).
+    """
+    out = {f: np.empty(len(idx), tab.dtype[f]) for f in fields}
+    for lo in range(0, len(idx), _TAKE_ROWS):  # a few blocks a band
+        sub = tab.take(idx[lo : lo + _TAKE_ROWS])
+        for f in fields:  # a few fields
+            out[f][lo : lo + len(sub)] = sub[f]
+    return out
 
 
 def _rows_by_rank(colls: Collectives, n: int, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
@@ -296,9 +524,11 @@ def _rows_by_rank(colls: Collectives, n: int, chunk: int = 1 << 18) -> tuple[np.
     return order, first
 
 
-def _bands(run: Run, n: int, band_events: int) -> list[tuple[int, int, int, int]]:
-    """(r_lo, r_hi, e_lo, e_hi): consecutive ranks holding about ``band_events`` event rows each."""
-    bounds = _first_rows(run.events["rank"], n)
+def _bands(run: Run, n: int, band_events: int, bounds: np.ndarray | None = None) -> list[tuple[int, int, int, int]]:
+    """(r_lo, r_hi, e_lo, e_hi): consecutive ranks holding about ``band_events`` event rows each
+    (``bounds``: :func:`_first_rows` of the rank column, when known)."""
+    if bounds is None:
+        bounds = _first_rows(run.events["rank"], n)
     total = int(bounds[-1])
     k = max(1, math.ceil(total / max(1, band_events)))
     edges = np.unique(np.r_[0, np.searchsorted(bounds, np.arange(1, k) * (total / k)), n])
@@ -325,49 +555,49 @@ def _first_rows(rank: np.ndarray, n: int) -> np.ndarray:
         hi[act[~below]] = mid[~below]
 
 
-def _collective_intervals(colls: Collectives, b: _Band, rank_end: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(rank, cat, t0, t1) of the wait and transfer parts of every blocking collective of the band."""
+def _collective_spans(b: _Band) -> tuple[np.ndarray, ...]:
+    """(rank, g, t0, t1) of every blocking collective member of the band (t1: the rank's end when in flight)."""
     blocking = b.m_kind == Kind.COLL
-    rows = b.rows[blocking]
-    g = colls.m_group[rows]
-    rank = b.m_rank[blocking]
-    t0 = colls.m_t0_ns[rows]
-    t1 = b.m_t1[blocking]
+    every = bool(blocking.all())  # an MPI run: no copies
+    g = b.m_g if every else b.m_g[blocking]
+    rank = b.m_rank if every else b.m_rank[blocking]
+    t0 = b.m_t0 if every else b.m_t0[blocking]
+    t1 = b.m_t1 if every else b.m_t1[blocking]
     open_ = t1 < 0
-    t1 = np.where(open_, rank_end[rank], t1)  # still inside at the end of its record
-    return _split_at_last_arrival(colls, g, rank, t0, t1)
+    if open_.any():
+        t1 = np.where(open_, b.end[rank], t1)  # still inside at the end of its record
+    return rank, g, t0, t1
 
 
-def _split_at_last_arrival(
-    colls: Collectives, g: np.ndarray, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray
-) -> tuple[np.ndarray, ...]:
-    """(rank, cat, t0, t1): each [t0, t1) of group g cut at the group's last arrival into wait and transfer."""
-    state = colls.g_state[g]
-    # A member who never came, or one that never left: everyone inside waited throughout.
-    never = (state == MatchState.IN_FLIGHT) | (colls.g_exit_ns[g] < 0)
-    # A group missing a rank whose file is lost did complete (everyone left):
-    # the present members' last arrival is then the best estimate of the split.
-    last = colls.g_last_ns[g]
-    split = np.where(never, t1, np.clip(last, t0, t1))
-    ranks = np.concatenate([rank, rank])
-    cats = np.concatenate([np.full(len(rank), _WAIT, np.uint8), np.full(len(rank), _XFER, np.uint8)])
-    return ranks, cats, np.concatenate([t0, split]), np.concatenate([split, t1])
+def _split_at_last_arrival(ctx: _Ctx, g: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
+    """Where each [t0, t1) of group g is cut at the group's last arrival: [t0, split) waits, [split, t1) transfers.
+
+    A member who never came, or one that never left: everyone inside waited
+    throughout (``split_at`` is then past every time: the split is t1). A group
+    missing a rank whose file is lost did complete (everyone left): the present
+    members' last arrival is then the best estimate of the split. So the split is
+    ``clip(split_at[g], t0, t1)``, written as numpy's clip is defined.
+    """
+    split = np.maximum(ctx.split_at[g], t0)
+    np.minimum(split, t1, out=split)
+    return split
 
 
-def _exposed_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, ...]:
-    """(rank, cat, t0, t1) of the exposed pieces of the band's non-blocking collectives (module docstring)."""
+def _exposed_async(b: _Band, ctx: _Ctx, a: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(rank, c, L, Y) per backward with exposed time: [c, L) waiting, [L, Y) transfer (module docstring);
+    ``a``: the band's finished non-blocking members (a mask of its members)."""
     ev = b.ev
-    a = (b.m_kind == Kind.COLL_ASYNC) & (b.m_t1 >= 0)
+    z = np.zeros(0, np.int64)
+    if not a.any():
+        return z, z, z, z
     bm = b.kind == Kind.BACKWARD
-    if not a.any() or not bm.any():
-        z = np.zeros(0, np.int64)
-        return z, z.astype(np.uint8), z, z
-    rows = b.rows[a]
+    if not bm.any():
+        return z, z, z, z
     a_rank = b.m_rank[a]
-    a0 = colls.m_t0_ns[rows].astype(np.int64)
+    a0 = b.m_t0[a].astype(np.int64)
     a1 = np.maximum(b.m_t1[a].astype(np.int64), a0)
-    g = colls.m_group[rows]
-    b_rank = ev["rank"][bm].astype(np.int64)
+    g = b.m_g[a]
+    b_rank = b.ev_rank[bm]
     b0 = ev["t0_ns"][bm].astype(np.int64)
     b1 = np.maximum(ev["t1_ns"][bm].astype(np.int64), b0)
     if not _sorted_by_rank_time(b_rank, b0):  # the table is sorted by (rank, t0): never, but cheap to check
@@ -388,40 +618,39 @@ def _exposed_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, ...]:
     keep = inside & (y > c[jj])
     jk = j[keep]
     y = y[keep]
-    gk = g[keep]
-    never = (colls.g_state[gk] == MatchState.IN_FLIGHT) | (colls.g_exit_ns[gk] < 0)
-    lasts = np.where(never, y, np.clip(colls.g_last_ns[gk], c[jk], y))
+    # the wait part's end per bucket: clip(split_at, c, y), as in _split_at_last_arrival
+    lasts = np.maximum(ctx.split_at[g[keep]], c[jk])
+    np.minimum(lasts, y, out=lasts)
     Y = c.copy()
     L = c.copy()
     np.maximum.at(Y, jk, y)
     np.maximum.at(L, jk, lasts)
     hit = np.flatnonzero(Y > c)
-    rank = np.concatenate([b_rank[hit], b_rank[hit]])
-    cats = np.concatenate([np.full(len(hit), _WAIT, np.uint8), np.full(len(hit), _XFER, np.uint8)])
-    return rank, cats, np.concatenate([c[hit], L[hit]]), np.concatenate([L[hit], Y[hit]])
+    return b_rank[hit], c[hit], L[hit], Y[hit]
 
 
-def _waits_on_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, np.ndarray]:
+def _waits_on_async(b: _Band, colls: Collectives, am: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows, groups): the band's WAIT rows that wait on one of the rank's non-blocking collectives.
 
     A ``Work.wait`` / ``MPI_Wait`` row names what it waits for (comm key, seq and
     op, recorded by the shim; seq is -1 for point-to-point). It is linked to the
     rank's COLL_ASYNC member row with the same (rank, comm, seq, op): one sort of
-    both key sets together, no loop per row.
+    both key sets together, no loop per row. ``am``: the band's non-blocking members (a mask).
     """
     ev = b.ev
+    z = np.zeros(0, np.int64)
+    if not am.any():
+        return z, z
     w = np.flatnonzero(b.kind == Kind.WAIT)
     w = w[ev["seq"][w] >= 0]
-    am = b.rows[b.m_kind == Kind.COLL_ASYNC]
-    z = np.zeros(0, np.int64)
-    if len(w) == 0 or len(am) == 0:
+    if len(w) == 0:
         return z, z
-    g = colls.m_group[am]
-    nm = len(am)
-    r = np.concatenate([b.m_rank[b.m_kind == Kind.COLL_ASYNC], ev["rank"][w]]).astype(np.int64)
+    g = b.m_g[am]
+    nm = len(g)
+    r = np.concatenate([b.m_rank[am], b.ev_rank[w]]).astype(np.int64)
     c = np.concatenate([colls.g_comm[g], ev["comm_id"][w]]).astype(np.int64)
     q = np.concatenate([colls.g_seq[g], ev["seq"][w]]).astype(np.int64)
-    o = np.concatenate([colls.m_op[am], ev["aux"][w]]).astype(np.int64)
+    o = np.concatenate([b.m_op()[am], ev["aux"][w]]).astype(np.int64)
     is_w = np.r_[np.zeros(nm, np.int8), np.ones(len(w), np.int8)]
     order = np.lexsort((is_w, o, q, c, r))  # within one key: the member first, then its waits
     rs, cs, qs, os_ = r[order], c[order], q[order], o[order]
@@ -432,85 +661,147 @@ def _waits_on_async(b: _Band, colls: Collectives) -> tuple[np.ndarray, np.ndarra
     return w[order[hit] - nm], g[head[hit]]
 
 
-def _intervals(run: Run, colls: Collectives, b: _Band) -> dict[str, np.ndarray]:
-    """Every categorized interval of the band's ranks, clipped to the rank's record.
+#: intervals: rank (int64), t0, t1 (int64, t0 <= t1)
+_Ivs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
-    ``rank`` (int64), ``cat`` (uint8: one of the category codes, or ``_ASYNC``
-    for a non-blocking collective's whole span), ``t0``, ``t1`` (int64) and
-    ``exposed`` (bool: an exposed piece of a non-blocking collective). Within
-    a rank, intervals come in the same order whatever the band.
+
+class _Intervals:
+    """A band's intervals, clipped to each rank's record (:func:`_intervals`), in parts.
+
+    * ``cat``: per category code, its parts; every categorized interval is in one.
+    * ``exposed``: the parts that are exposed pieces of non-blocking collectives.
+    * ``busy``: parts whose union per rank is the union of every category's:
+      a collective's wait and transfer pieces [t0, split) [split, t1) joined
+      into its span [t0, t1) (clipping keeps them adjacent).
+    * ``spans``: the non-blocking collectives' whole spans (``comm_overlapped_s`` only).
+
+    Each part comes in (rank, t0) order, or nearly (the event rows are sorted
+    so, a rank's collectives come in time order), so a union over one part
+    usually skips its sort, and parts are concatenated only where a union
+    needs more than one (a category fed by two sources, the busy union of a
+    run with file I/O as well as collectives).
     """
+
+    def __init__(self) -> None:
+        self.cat: dict[int, list[_Ivs]] = {}
+        self.exposed: list[_Ivs] = []
+        self.busy: list[_Ivs] = []
+        self.spans: list[_Ivs] = []
+
+    def put(self, cat: int, part: _Ivs, exposed: bool = False) -> None:
+        if len(part[0]):
+            self.cat.setdefault(cat, []).append(part)
+            if exposed:
+                self.exposed.append(part)
+
+    def map(self, fn: Any) -> _Intervals:
+        """The same parts, each replaced by ``fn(part)``."""
+        out = _Intervals()
+        memo: dict[int, _Ivs] = {}  # an exposed part is a category's part too: mapped once
+        for c, ps in self.cat.items():  # a few categories
+            out.cat[c] = [memo.setdefault(id(p), fn(p)) for p in ps]
+        out.exposed = [memo[id(p)] for p in self.exposed]
+        out.busy = [fn(p) for p in self.busy]
+        out.spans = [fn(p) for p in self.spans]
+        return out
+
+    def all_parts(self) -> list[_Ivs]:
+        return [p for ps in self.cat.values() for p in ps] + self.busy + self.spans
+
+
+def _one(parts: list[_Ivs]) -> _Ivs:
+    """The parts as one (rank, t0, t1), end to end."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    r, a, b = zip(*parts)
+    return np.concatenate(r), np.concatenate(a), np.concatenate(b)
+
+
+def _intervals(ctx: _Ctx, b: _Band) -> _Intervals:
+    """The band's intervals (:class:`_Intervals`), clipped to each rank's record."""
     start, end = b.start, b.end
     ev = b.ev
     kind = b.kind
-    r_ev = ev["rank"]  # a view (int32)
+    r_ev = b.ev_rank  # int64
+    iv = _Intervals()
+    # The band's record bounds: a part whose times all lie in every rank's record needs no clip
+    # (the usual case: the ranks start before the band's first call and end after its last).
+    lo_max = int(start[b.r_lo : b.r_hi].max()) if b.r_hi > b.r_lo else 0
+    hi_min = int(end[b.r_lo : b.r_hi].min()) if b.r_hi > b.r_lo else 0
 
-    parts_rank, parts_cat, parts_t0, parts_t1, parts_exp = [], [], [], [], []
+    def clip(rank: np.ndarray, *ts: np.ndarray) -> list[np.ndarray]:
+        """The times clipped to their rank's record: nothing before its start or after its end counts."""
+        ts64 = [t.astype(np.int64, copy=False) for t in ts]
+        if len(rank) == 0 or all(int(t.min()) >= lo_max and int(t.max()) <= hi_min for t in ts64):
+            return ts64
+        lo, hi = start[rank], end[rank]
+        return [np.clip(t, lo, hi) for t in ts64]
 
-    def put(rank: np.ndarray, cat: np.ndarray | int, t0: np.ndarray, t1: np.ndarray, exposed: bool = False) -> None:
-        parts_rank.append(rank)
-        parts_cat.append(np.broadcast_to(np.asarray(cat, np.uint8), (len(rank),)))
-        parts_t0.append(t0)
-        parts_t1.append(t1)
-        parts_exp.append(np.broadcast_to(exposed, (len(rank),)))
+    def pieces(rank: np.ndarray, t0: np.ndarray, split: np.ndarray, t1: np.ndarray, exposed: bool) -> None:
+        """A wait piece [t0, split) and a transfer piece [split, t1) each; their joined span [t0, t1) is busy."""
+        if len(rank) == 0:
+            return
+        t0, split, t1 = clip(rank, t0, split, t1)
+        iv.busy.append((rank, t0, np.maximum(t0, t1)))
+        iv.put(_WAIT, (rank, t0, np.maximum(t0, split)), exposed)
+        iv.put(_XFER, (rank, split, np.maximum(split, t1)), exposed)
 
-    # Every event row's category in one table lookup (not a mask per category);
-    # collectives without a sequence number are other calls.
-    code = _CAT_OF_KIND[kind]
-    coll = np.flatnonzero(kind == Kind.COLL)
-    inf = run.inflight
-    if len(inf):
-        inf = inf[(inf["rank"] >= b.r_lo) & (inf["rank"] < b.r_hi)]
-    # The match's members are the COLL rows with seq >= 0 (and in-flight rows): when
-    # the band has no in-flight row and as many blocking members as COLL rows, no
-    # COLL row has seq < 0, and the seq column (a gather from the 73-byte rows,
-    # 6% of the breakdown) need not be read. Otherwise it is.
-    if len(inf) or len(coll) != np.count_nonzero(b.m_kind == Kind.COLL):
-        code[coll[ev["seq"][coll] < 0]] = _OTHER
-    del coll
-    linked, lg = _waits_on_async(b, colls)
-    code[linked] = _NONE  # a wait on a non-blocking collective is that collective's exposed time
-    sel = np.flatnonzero(code != _NONE)
-    put(r_ev[sel], code[sel], ev["t0_ns"][sel], ev["t1_ns"][sel])
-    del code, sel
-    if len(linked):
-        wr, wc, w0, w1 = _split_at_last_arrival(
-            colls, lg, r_ev[linked].astype(np.int64), ev["t0_ns"][linked], ev["t1_ns"][linked]
-        )
-        put(wr, wc, w0, w1, exposed=True)
+    # The event rows with a category (collectives without a sequence number are other calls;
+    # a wait on a non-blocking collective is that collective's exposed time instead).
+    is_async = b.m_kind == Kind.COLL_ASYNC
+    linked, lg = _waits_on_async(b, ctx.colls, is_async)
+    m = _in_ranges(kind, _CAT_RANGES)
+    m[b.coll_no_seq] = True
+    m[linked] = False
+    sel = np.flatnonzero(m)
+    del m
+    code = np.take(_CAT_OF_KIND, kind[sel])
+    code[code == _NONE] = _OTHER  # the COLL rows without a seq: the only selected rows without a category
+    got = _take(ev, sel, ("t0_ns", "t1_ns"))
+    e_rank = r_ev[sel]
+    e0, e1 = clip(e_rank, got["t0_ns"], got["t1_ns"])
+    del sel, got
     # In-flight rows that are not collectives (a rank killed inside a read): until the end.
+    inf = b.inf
     if len(inf):
         ic = _CAT_OF_KIND[inf["kind"]]  # the same table as the event rows'
-        m = np.flatnonzero(ic != _NONE)
-        ir = inf["rank"][m].astype(np.int64)
-        put(ir, ic[m], inf["t0_ns"][m], end[ir])
-    cr, cc, c0, c1 = _collective_intervals(colls, b, end)
-    put(cr, cc, c0, c1)
-    del cr, cc, c0, c1
-    er, ec, e0, e1 = _exposed_async(b, colls)
-    put(er, ec, e0, e1, exposed=True)
-    am = (b.m_kind == Kind.COLL_ASYNC) & (b.m_t1 >= 0)
-    put(b.m_rank[am], _ASYNC, colls.m_t0_ns[b.rows[am]], b.m_t1[am])
+        mi = np.flatnonzero(ic != _NONE)
+        ir = inf["rank"][mi].astype(np.int64)
+        i0, i1 = clip(ir, inf["t0_ns"][mi], end[ir])
+        e_rank, code = np.concatenate([e_rank, ir]), np.concatenate([code, ic[mi]])
+        e0, e1 = np.concatenate([e0, i0]), np.concatenate([e1, i1])
+    e1 = np.maximum(e0, e1)
+    if len(code):
+        iv.busy.append((e_rank, e0, e1))  # (rank, t0) order (but for in-flight rows)
+        if int(code.min()) == int(code.max()):
+            iv.put(int(code[0]), (e_rank, e0, e1))
+        else:  # by category: a radix sort of 1-byte codes, then one slice a category
+            o = np.argsort(code, kind="stable")
+            code, e_rank, e0, e1 = code[o], e_rank[o], e0[o], e1[o]
+            cuts = np.searchsorted(code, np.arange(_N_CAT + 1))
+            for c in range(_N_CAT):  # six categories
+                sl = slice(int(cuts[c]), int(cuts[c + 1]))
+                iv.put(c, (e_rank[sl], e0[sl], e1[sl]))
+    del code, e_rank, e0, e1
 
-    rank_of = np.concatenate(parts_rank, dtype=np.int64, casting="same_kind")
-    del parts_rank
-    # Clip to the rank's record: nothing before its start or after its end counts.
-    lo, hi = start[rank_of], end[rank_of]
-    t0 = np.concatenate(parts_t0, dtype=np.int64, casting="same_kind")
-    del parts_t0
-    np.clip(t0, lo, hi, out=t0)
-    t1 = np.concatenate(parts_t1, dtype=np.int64, casting="same_kind")
-    del parts_t1
-    np.clip(t1, lo, hi, out=t1)
-    del lo, hi
-    np.maximum(t0, t1, out=t1)
-    return {
-        "rank": rank_of,
-        "cat": np.concatenate(parts_cat),
-        "t0": t0,
-        "t1": t1,
-        "exposed": np.concatenate(parts_exp, dtype=bool),
-    }
+    cr, cg, c0, c1 = _collective_spans(b)
+    pieces(cr, c0, _split_at_last_arrival(ctx, cg, c0, c1), c1, False)
+    del cr, cg, c0, c1
+    if len(linked):
+        lr = r_ev[linked]
+        l0, l1 = ev["t0_ns"][linked], ev["t1_ns"][linked]
+        pieces(lr, l0, _split_at_last_arrival(ctx, lg, l0, l1), l1, True)
+    am = is_async & (b.m_t1 >= 0)
+    xr, xc, xl, xy = _exposed_async(b, ctx, am)
+    pieces(xr, xc, xl, xy, True)
+    if am.any():
+        sr = b.m_rank[am]
+        s0, s1 = clip(sr, b.m_t0[am], b.m_t1[am])
+        iv.spans.append((sr, s0, np.maximum(s0, s1)))
+    return iv
 
 
 class _Tally:
@@ -525,33 +816,31 @@ class _Tally:
         self.exposed = np.zeros(n_keys)
         self.overlapped = np.zeros(n_keys)
 
-    def add(self, k_lo: int, k_hi: int, key: np.ndarray, cat: np.ndarray, t0: np.ndarray, t1: np.ndarray,
-            ex: np.ndarray) -> None:  # fmt: skip
-        """Tally intervals whose keys (relative to ``k_lo``) lie in ``[0, k_hi - k_lo)``.
+    def add(self, k_lo: int, k_hi: int, iv: _Intervals) -> None:
+        """Tally a band's intervals, whose ranks are keys here (relative to ``k_lo``: in ``[0, k_hi - k_lo)``).
 
-        (One sort by (key, t0) shared by the three key-wide unions measured 25%
-        slower than four :func:`union_ns` calls: those sort nearly sorted runs.)
+        One union per category (over its parts, usually one), one over the busy
+        parts (a collective's span once, not its two pieces), one over the exposed
+        parts and, with non-blocking spans, one over the busy parts and the spans.
         """
         n = k_hi - k_lo
-        if len(key) == 0:
+        times = [t for p in iv.all_parts() for t in p[1:] if len(t)]
+        if not times:
             return
-        own = cat != _ASYNC
-        spans = not own.all()  # no non-blocking spans (MPI runs): no copies, no overlapped union
-        k, c, a, b = (key[own], cat[own], t0[own], t1[own]) if spans else (key, cat, t0, t1)
-        # one band for every union below (each covers a subset of these intervals; keys < n * _N_CAT)
-        band = _band(n * _N_CAT, t0, t1)
-        kc = k * _N_CAT
-        kc += c
-        self.per_cat[k_lo:k_hi] = _union(kc, a, b, n * _N_CAT, band).reshape(n, _N_CAT)
-        del c, kc
-        busy = _union(k, a, b, n, band)
-        del k, a, b
+        # one band for every union below (each covers a subset of these intervals; keys < n)
+        band = _band(n, *times)
+        for c, parts in iv.cat.items():  # a few categories
+            self.per_cat[k_lo:k_hi, c] = _union(*_one(parts), n, band)
+        busy_parts = _one(iv.busy)
+        busy = _union(*busy_parts, n, band)
         self.busy[k_lo:k_hi] = busy
-        self.exposed[k_lo:k_hi] = _union(key[ex], t0[ex], t1[ex], n, band)
+        if iv.exposed:
+            self.exposed[k_lo:k_hi] = _union(*_one(iv.exposed), n, band)
         # the async spans' time outside every category = |spans U busy| - |busy|
         # (no spans: none; MPI runs skip the sort)
-        if spans:
-            self.overlapped[k_lo:k_hi] = np.maximum(0.0, _union(key, t0, t1, n, band) - busy)
+        if iv.spans:
+            both = _one([busy_parts, *iv.spans])
+            self.overlapped[k_lo:k_hi] = np.maximum(0.0, _union(*both, n, band) - busy)
 
 
 def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -590,21 +879,20 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
     band's events are a slice of it), and the result does not depend on the
     band size (each union is a sum of whole nanoseconds, exact in float64).
     """
-    start, end = run.rank_bounds()
+    start, _ = run.rank_bounds()
     n = len(start)
     tally = _Tally(n) if ranks else None
-    steps = _Steps(run, n)
+    # the kind column once, contiguous (1 byte an event): the step marks and every band's masks read it
+    kind = np.ascontiguousarray(run.events["kind"])
+    steps = _Steps(run, n, kind)
     if tally is None and steps.n == 0:
         return None, steps.frame(run)
-    order, first = _rows_by_rank(colls, n)
-    mk = colls.m_kind
-    one_kind = int(mk[0]) if len(mk) and bool(np.all(mk == mk[0])) else None
-    for r_lo, r_hi, e_lo, e_hi in _bands(run, n, BAND_EVENTS):  # a few bands, each vectorized
-        b = _Band(run, colls, r_lo, r_hi, e_lo, e_hi, order[first[r_lo] : first[r_hi]], first, (start, end),
-                  one_kind)
-        iv = _intervals(run, colls, b)
+    ctx = _Ctx(run, colls, n, kind)
+    for r_lo, r_hi, e_lo, e_hi in _bands(run, n, BAND_EVENTS, ctx.ev_first):  # a few bands, each vectorized
+        b = _Band(ctx, r_lo, r_hi, e_lo, e_hi)
+        iv = _intervals(ctx, b)
         if tally is not None:
-            tally.add(r_lo, r_hi, iv["rank"] - r_lo, iv["cat"], iv["t0"], iv["t1"], iv["exposed"])
+            tally.add(r_lo, r_hi, iv.map(lambda p: (p[0] - r_lo, p[1], p[2])))
         steps.add(r_lo, r_hi, iv)
         del iv, b
     return tally, steps.frame(run)
@@ -630,10 +918,13 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
 
 
 # -- per step -------------------------------------------------------------------------------
-def step_marks(run: Run) -> tuple[np.ndarray, np.ndarray]:
-    """(rank, t_ns) of the STEP rows that end steps, sorted by (rank, t): see the module docstring."""
+def step_marks(run: Run, kind: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, t_ns) of the STEP rows that end steps, sorted by (rank, t): see the module docstring.
+
+    ``kind``: the event table's kind column, when the caller has it contiguous.
+    """
     ev = run.events
-    m = ev["kind"] == Kind.STEP
+    m = (ev["kind"] if kind is None else kind) == Kind.STEP
     auto = run.sid(AUTO_STEP_NAME)
     if auto >= 0:
         m_auto = m & (ev["name_id"] == auto)
@@ -670,8 +961,8 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
 class _Steps:
     """step_breakdown's table, tallied band by band from the bands' categorized intervals."""
 
-    def __init__(self, run: Run, n: int) -> None:
-        self.s_rank, self.s_t = s_rank, s_t = step_marks(run)
+    def __init__(self, run: Run, n: int, kind: np.ndarray) -> None:
+        self.s_rank, self.s_t = s_rank, s_t = step_marks(run, kind)
         self.n = len(s_t)
         if self.n == 0:
             return
@@ -681,7 +972,7 @@ class _Steps:
         self.k_of = np.arange(len(s_t)) - self.first[s_rank]
         # step windows [w0, s_t): step 0 from the rank's first phase row before its first mark, else its start
         ev = run.events
-        wm = np.isin(ev["kind"], np.array([int(k) for k in _WINDOW_KINDS], np.uint8))
+        wm = np.isin(kind, np.array([int(k) for k in _WINDOW_KINDS], np.uint8))
         phase0 = np.full(n, np.iinfo(np.int64).max)
         np.minimum.at(phase0, ev["rank"][wm].astype(np.int64), ev["t0_ns"][wm].astype(np.int64))
         del wm
@@ -693,17 +984,28 @@ class _Steps:
         self.w0 = np.minimum(w0, s_t)
         self.tally = _Tally(len(s_t))
 
-    def add(self, r_lo: int, r_hi: int, iv: dict[str, np.ndarray]) -> None:
-        """Tally the band's intervals, cut at the step marks: piece i of an interval lies in step k0 + i."""
+    def add(self, r_lo: int, r_hi: int, iv: _Intervals) -> None:
+        """Tally the band's intervals, each part cut at the step marks (:meth:`_cut`)."""
         if self.n == 0:
             return
-        s_rank, s_t, n_per, first, w0 = self.s_rank, self.s_t, self.n_per, self.first, self.w0
-        k_lo, k_hi = int(first[r_lo]), int(first[r_hi])
+        k_lo, k_hi = int(self.first[r_lo]), int(self.first[r_hi])
         if k_hi == k_lo:
             return
-        rank, t0, t1 = iv["rank"], iv["t0"], iv["t1"]
+
+        def cut(part: _Ivs) -> _Ivs:
+            key, p0, p1 = self._cut(k_lo, k_hi, *part)
+            return key - k_lo, p0, p1
+
+        self.tally.add(k_lo, k_hi, iv.map(cut))
+
+    def _cut(self, k_lo: int, k_hi: int, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(key, p0, p1): the intervals cut at the step marks: piece i of an interval lies in step
+        k0 + i, whose row in the per-step table is ``key``; [p0, p1) the piece. Pieces come in the
+        intervals' order."""
+        s_rank, s_t, n_per, first, w0 = self.s_rank, self.s_t, self.n_per, self.first, self.w0
         if len(rank) == 0:
-            return
+            z = np.zeros(0, np.int64)
+            return z, z, z
         # searched among the band's own marks only (a slice: the marks are sorted by rank), not the run's
         b_rank, b_t = s_rank[k_lo:k_hi], s_t[k_lo:k_hi]
         before = first[rank] - k_lo  # the band's marks of lower ranks than each interval's
@@ -730,7 +1032,7 @@ class _Steps:
         p0 = np.maximum(t0[idx], w0[key])
         p1 = np.minimum(t1[idx], s_t[key])
         np.maximum(p0, p1, out=p1)
-        self.tally.add(k_lo, k_hi, key - k_lo, iv["cat"][idx], p0, p1, iv["exposed"][idx])
+        return key, p0, p1
 
     def frame(self, run: Run) -> pd.DataFrame:
         cols = ["rank", "step", "t_s", "wall_s", *COLUMNS, *INFO_COLUMNS]
