@@ -95,7 +95,8 @@ def test_table_wide_sort_and_remap_do_not_depend_on_the_block_size(run_dir: Path
 def test_the_scan_while_reading_finds_late_rows_across_its_block_edges(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The packed read scans each block of rows while it is in cache (run._Scan) and
     _assemble sorts only the ranks the scan found out of time order: a pair out of
-    order exactly across a scan block's edge, or inside one, is still sorted."""
+    order exactly across a scan block's edge, or inside one, is still sorted, also
+    when the file is read by row ranges."""
     import h5py
 
     ref = load_run(run_dir)
@@ -106,8 +107,10 @@ def test_the_scan_while_reading_finds_late_rows_across_its_block_edges(run_dir: 
         ev = f["events"][:]
         ev[[j, j + 1]] = ev[[j + 1, j]]
         f["events"][:] = ev
-    for rows in (j + 1, 7, 1 << 20):  # the pair across a block edge; many blocks; one block
+    # the pair across a scan block's edge; many blocks; one block; the file read by row ranges
+    for rows, reads in ((j + 1, 1 << 20), (7, 1 << 20), (1 << 20, 1 << 20), (3, 11)):
         monkeypatch.setattr(run_mod, "_PACK_ROWS", rows)
+        monkeypatch.setattr(run_mod, "_READ_BLOCK_ROWS", reads)
         got = load_run(d)
         np.testing.assert_array_equal(got.events, ref.events)
         assert [(i.start_ns, i.end_ns) for i in got.ranks.values()] == [(i.start_ns, i.end_ns) for i in ref.ranks.values()]
