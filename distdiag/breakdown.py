@@ -154,6 +154,9 @@ def _in_ranges(kind: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
 _WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 #: the optimizer hook's STEP rows; preferred over distdiag.step() rows when both exist
 AUTO_STEP_NAME = "optimizer_step"
+_IS_WINDOW = np.zeros(256, bool)
+_IS_WINDOW[[int(k) for k in _WINDOW_KINDS]] = True
+_WINDOW_RANGES = _ranges_of(_IS_WINDOW, False)
 #: breakdown.per_step in the JSON holds at most this many rows; longer runs bin consecutive steps
 MAX_STEP_ROWS = 200
 
@@ -305,11 +308,11 @@ class _Ctx:
     """What every band reads: the rank bounds, the kind column, the rank offsets of events and members,
     and the (comm, seq) -> group lookup that lets a band take its members' columns from its own event rows."""
 
-    def __init__(self, run: Run, colls: Collectives, n: int, kind: np.ndarray) -> None:
+    def __init__(self, run: Run, colls: Collectives, n: int, kind: np.ndarray, ev_first: np.ndarray) -> None:
         self.run, self.colls, self.n = run, colls, n
         self.start, self.end = run.rank_bounds()  # O(ranks) each call: once for every band
         self.kind = kind
-        self.ev_first = _first_rows(run.events["rank"], n)  # rank r's event rows: ev_first[r]:ev_first[r + 1]
+        self.ev_first = ev_first  # rank r's event rows: ev_first[r]:ev_first[r + 1]
         self.m_first = _member_first(colls, n)  # rank r's member rows, counted
         self._order: np.ndarray | None = None
         # the split of a member's span at its group's last arrival: min(max(split_at[g], t0), t1)
@@ -598,8 +601,10 @@ def _exposed_async(b: _Band, ctx: _Ctx, a: np.ndarray) -> tuple[np.ndarray, ...]
     a1 = np.maximum(b.m_t1[a].astype(np.int64), a0)
     g = b.m_g[a]
     b_rank = b.ev_rank[bm]
-    b0 = ev["t0_ns"][bm].astype(np.int64)
-    b1 = np.maximum(ev["t1_ns"][bm].astype(np.int64), b0)
+    got = _take(ev, np.flatnonzero(bm), ("t0_ns", "t1_ns"))
+    b0 = got["t0_ns"].astype(np.int64, copy=False)
+    b1 = np.maximum(got["t1_ns"], b0)
+    del got
     if not _sorted_by_rank_time(b_rank, b0):  # the table is sorted by (rank, t0): never, but cheap to check
         o = np.lexsort((b0, b_rank))
         b_rank, b0, b1 = b_rank[o], b0[o], b1[o]
@@ -697,12 +702,15 @@ class _Intervals:
     def map(self, fn: Any) -> _Intervals:
         """The same parts, each replaced by ``fn(part)``."""
         out = _Intervals()
-        memo: dict[int, _Ivs] = {}  # an exposed part is a category's part too: mapped once
-        for c, ps in self.cat.items():  # a few categories
-            out.cat[c] = [memo.setdefault(id(p), fn(p)) for p in ps]
-        out.exposed = [memo[id(p)] for p in self.exposed]
-        out.busy = [fn(p) for p in self.busy]
-        out.spans = [fn(p) for p in self.spans]
+        memo: dict[int, _Ivs] = {}  # a part can be in two lists (exposed, busy): mapped once
+
+        def once(parts: list[_Ivs]) -> list[_Ivs]:
+            return [memo[id(p)] if id(p) in memo else memo.setdefault(id(p), fn(p)) for p in parts]
+
+        out.cat = {c: once(ps) for c, ps in self.cat.items()}
+        out.exposed = once(self.exposed)
+        out.busy = once(self.busy)
+        out.spans = once(self.spans)
         return out
 
     def all_parts(self) -> list[_Ivs]:
@@ -775,9 +783,10 @@ def _intervals(ctx: _Ctx, b: _Band) -> _Intervals:
         e0, e1 = np.concatenate([e0, i0]), np.concatenate([e1, i1])
     e1 = np.maximum(e0, e1)
     if len(code):
-        iv.busy.append((e_rank, e0, e1))  # (rank, t0) order (but for in-flight rows)
+        part = (e_rank, e0, e1)
+        iv.busy.append(part)  # (rank, t0) order (but for in-flight rows)
         if int(code.min()) == int(code.max()):
-            iv.put(int(code[0]), (e_rank, e0, e1))
+            iv.put(int(code[0]), part)  # the same part (cut once per step)
         else:  # by category: a radix sort of 1-byte codes, then one slice a category
             o = np.argsort(code, kind="stable")
             code, e_rank, e0, e1 = code[o], e_rank[o], e0[o], e1[o]
@@ -884,10 +893,11 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
     tally = _Tally(n) if ranks else None
     # the kind column once, contiguous (1 byte an event): the step marks and every band's masks read it
     kind = np.ascontiguousarray(run.events["kind"])
-    steps = _Steps(run, n, kind)
+    ev_first = _first_rows(run.events["rank"], n)  # rank r's event rows: ev_first[r]:ev_first[r + 1]
+    steps = _Steps(run, n, kind, ev_first)
     if tally is None and steps.n == 0:
         return None, steps.frame(run)
-    ctx = _Ctx(run, colls, n, kind)
+    ctx = _Ctx(run, colls, n, kind, ev_first)
     for r_lo, r_hi, e_lo, e_hi in _bands(run, n, BAND_EVENTS, ctx.ev_first):  # a few bands, each vectorized
         b = _Band(ctx, r_lo, r_hi, e_lo, e_hi)
         iv = _intervals(ctx, b)
@@ -924,11 +934,11 @@ def step_marks(run: Run, kind: np.ndarray | None = None) -> tuple[np.ndarray, np
     ``kind``: the event table's kind column, when the caller has it contiguous.
     """
     ev = run.events
-    m = (ev["kind"] if kind is None else kind) == Kind.STEP
+    m = np.flatnonzero((ev["kind"] if kind is None else kind) == Kind.STEP)
     auto = run.sid(AUTO_STEP_NAME)
     if auto >= 0:
-        m_auto = m & (ev["name_id"] == auto)
-        if m_auto.any():
+        m_auto = m[ev["name_id"][m] == auto]  # the STEP rows' names only, not the whole column
+        if len(m_auto):
             m = m_auto
     rank = ev["rank"][m].astype(np.int64)
     t = ev["t0_ns"][m].astype(np.int64)
@@ -961,7 +971,7 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
 class _Steps:
     """step_breakdown's table, tallied band by band from the bands' categorized intervals."""
 
-    def __init__(self, run: Run, n: int, kind: np.ndarray) -> None:
+    def __init__(self, run: Run, n: int, kind: np.ndarray, ev_first: np.ndarray) -> None:
         self.s_rank, self.s_t = s_rank, s_t = step_marks(run, kind)
         self.n = len(s_t)
         if self.n == 0:
@@ -971,11 +981,15 @@ class _Steps:
         self.first = np.concatenate([[0], np.cumsum(n_per)])  # rank r's marks: first[r]:first[r + 1]
         self.k_of = np.arange(len(s_t)) - self.first[s_rank]
         # step windows [w0, s_t): step 0 from the rank's first phase row before its first mark, else its start
-        ev = run.events
-        wm = np.isin(kind, np.array([int(k) for k in _WINDOW_KINDS], np.uint8))
+        # phase0: per rank, the earliest start of a phase row; the table is sorted by rank, so a
+        # rank's phase rows are one run of them: one minimum per run (reduceat), not a ufunc.at per row
+        wi = np.flatnonzero(_in_ranges(kind, _WINDOW_RANGES))
         phase0 = np.full(n, np.iinfo(np.int64).max)
-        np.minimum.at(phase0, ev["rank"][wm].astype(np.int64), ev["t0_ns"][wm].astype(np.int64))
-        del wm
+        lo = np.searchsorted(wi, ev_first)  # rank r's phase rows: wi[lo[r]:lo[r + 1]]
+        has = np.flatnonzero(lo[1:] > lo[:-1])
+        if len(has):
+            phase0[has] = np.minimum.reduceat(run.events["t0_ns"][wi].astype(np.int64), lo[has])
+        del wi, lo, has
         w0 = np.empty_like(s_t)
         w0[1:] = s_t[:-1]
         z = self.k_of == 0
@@ -1062,15 +1076,17 @@ def per_step(steps: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()[cols]
 
 
-def step_summary(steps: pd.DataFrame) -> dict[str, Any]:
+def step_summary(steps: pd.DataFrame, agg: pd.DataFrame | None = None) -> dict[str, Any]:
     """Over every step: how many, the step time (median over ranks) median/p90/max, each column's share.
 
     ``share``: the column's seconds over all ranks and steps divided by the
-    steps' wall-clock over all ranks (the COLUMNS add up to 1).
+    steps' wall-clock over all ranks (the COLUMNS add up to 1). ``agg``:
+    ``per_step(steps)`` when the caller has it.
     """
     if len(steps) == 0:
         return {"steps": 0}
-    agg = per_step(steps)
+    if agg is None:
+        agg = per_step(steps)
     dur = agg["median_wall_s"].to_numpy()
     wall = float(steps["wall_s"].sum()) or 1.0
     return {
@@ -1098,7 +1114,7 @@ def per_step_json(steps: pd.DataFrame, max_rows: int = MAX_STEP_ROWS) -> dict[st
     """
     agg = per_step(steps)
     n = len(agg)
-    out: dict[str, Any] = {"summary": step_summary(steps), "bin": 1, "rows": []}
+    out: dict[str, Any] = {"summary": step_summary(steps, agg), "bin": 1, "rows": []}
     if n == 0:
         return out
     bin_ = max(1, math.ceil(n / max(1, max_rows)))
