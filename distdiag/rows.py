@@ -35,12 +35,28 @@ of the analysis with the run; int64 above), plus a transient 1 B/event while
 it is built (the contiguous kind column; the sort goes by blocks, see
 :func:`build`).
 
-Measured (``benchmarks/bench_scale.py --stages 1024x10000 --baseline <worktree
-of 1f4f854> --repeat 2``, 10.27 M events, CPU s best of 2 alternating
-children per tree): see the figures in the commit that switched the
-consumers and in the report of issue 10; the index itself costs ~0.2 s to
-build at 10 M events (the strided read of the kind column, the radix sort,
-the int32 copy), once.
+Measured (issue 10; ``benchmarks/bench_scale.py --grid '' --stages 1024x10000
+--baseline <worktree of 95bf99e> --repeat 2`` on a checkout of d356c2f, 10.27 M
+events, CPU s best of 2 alternating children per tree, load 6-9 on 2 cores)::
+
+    stage                   CPU s before -> after    transient B/event before -> after
+    det input_bound         0.23 -> 0.18 (builds the index: ~0.17 s)   4.0 -> 7.1 (4 held)
+    det h2d_copy            0.22 -> 0.00                               4.0 -> 0
+    det metadata_storm      0.19 -> 0.00                               3.0 -> 0
+    det io_bandwidth        0.14 -> 0.00                               5.0 -> 0
+    det slow_link           0.07 -> 0.01                               0.2 -> 0.5
+    det serial_section      0.20 -> 0.22                               4.0 -> 4.5
+    det collective_mismatch 0.05 -> 0.05                               4.0 -> 4.0
+    these stages together   1.10 -> 0.46                peak RSS 1227 -> 1228 MB
+
+(the synthetic run has collectives, forward phases and probe rows only: the
+file and copy detectors now find no row of their kinds without reading the
+table; input_bound no longer sorts the rank column for np.unique when no
+input wait exists; serial_section's rows are half the table, its cost its
+own.) The whole analysis' CPU (9.5-11.2 s per child) is within the noise of
+read + pack on this shared machine. One ``argsort`` of the whole column
+instead of the blockwise build: the same order, but +16 B/event at
+input_bound, which then set the peak (1228 -> 1309 MB, measured).
 """
 
 from __future__ import annotations
