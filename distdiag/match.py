@@ -271,7 +271,7 @@ def match_collectives(run: Run) -> Collectives:
     # One int64 key per (comm, seq) and per (comm, seq, rank); comm ids index
     # the string table and seqs count calls, so the products stay far below 2^63.
     # (Damaged files can hold absurd seqs that overflow the keys: the grouping
-    # is then wrong but consistent, and comm/seq are never decoded from a key.)
+    # is then wrong but consistent, and comm/seq are then never decoded from a key.)
     n_seq = int(seq.max()) + 1
     gkey = comm.astype(np.int64)
     gkey *= n_seq
@@ -290,21 +290,33 @@ def match_collectives(run: Run) -> Collectives:
     comm_members = {int(c): m.astype(np.int32) for c, m in zip(comm_ids, np.split(cr_rank, cstart[1:]))}
     comm_size = np.diff(np.append(cstart, len(cr)))
     del cr, cr_comm, cr_rank
+    # Without overflow (comm >= 0, 0 <= seq < n_seq) a key is one (comm, seq):
+    # the groups' comm and seq are then decoded from their keys, and the two
+    # columns (12 bytes a row) go before the sort, the match's peak.
+    decodable = int(comm.min()) >= 0 and (int(comm.max()) + 1) * n_seq < 1 << 63
+    if decodable:
+        del comm, seq
 
     # Order by (comm, seq), then arrival, then row (:func:`arrival_order`).
     order, starts = arrival_order(gkey, t0_raw)
+    del t0_raw  # gathered again from the table in the rare case of repeated rows
     n_g = len(starts)
-    gid = np.repeat(np.arange(n_g, dtype=np.int64), np.diff(np.append(starts, n)))
     m_rank = rank[order]
 
     # A rank can appear twice in one (comm, seq) only through a damaged file or
     # a hook bug; keep its earliest row so every member counts once.
+    gid = np.repeat(np.arange(n_g, dtype=np.int64), np.diff(np.append(starts, n)))
     n_dup = _count_dups(gid, m_rank, n_rank, n_g, gkey, rank)
+    del gid
     if n_dup:
         run.warnings.append(f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once")
+        t0_raw = ev["t0_ns"][sel_idx]
+        if len(inf_idx):
+            t0_raw = np.concatenate([t0_raw, inf["t0_ns"][inf_idx]])
         rkey = gkey * n_rank
         rkey += rank
         o2 = np.lexsort((t0_raw, rkey))
+        del t0_raw
         first = np.r_[True, rkey[o2][1:] != rkey[o2][:-1]]
         keep = np.zeros(n, bool)
         keep[o2[first]] = True
@@ -314,21 +326,26 @@ def match_collectives(run: Run) -> Collectives:
         gk = gkey[order]
         newg = np.r_[True, gk[1:] != gk[:-1]]
         del gk
-        gid = np.cumsum(newg) - 1
         starts = np.flatnonzero(newg)
         del newg
         n_g = len(starts)
         m_rank = rank[order]
-    del t0_raw, gkey
-    g_comm = comm[order[starts]].astype(np.int32)
-    g_seq = seq[order[starts]].astype(np.int64)
-    del comm, seq
-    g_start = np.append(starts, len(gid)).astype(np.int64)
+    del rank
+    if decodable:
+        gk = gkey[order[starts]]
+        g_comm = (gk // n_seq).astype(np.int32)
+        g_seq = (gk % n_seq).astype(np.int64)
+        del gk
+    else:
+        g_comm = comm[order[starts]].astype(np.int32)
+        g_seq = seq[order[starts]].astype(np.int64)
+        del comm, seq
+    del gkey
+    g_start = np.append(starts, len(order)).astype(np.int64)
     n_mem = np.diff(g_start).astype(np.int32)
     last_idx = g_start[1:] - 1
     second_idx = np.maximum(last_idx - 1, starts)
     n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
-    del rank
     if len(inf_idx) == 0:  # the usual case: the order as rows of the event table
         src = sel_idx[order]
         del order, sel_idx
@@ -338,6 +355,8 @@ def match_collectives(run: Run) -> Collectives:
         rows = _gather_in_order(ev, inf, sel_idx, inf_idx, order, _ROW_FIELDS)
         del order, sel_idx
     del inf_idx
+    # the member rows' group, made once the gather's index is gone (part of the result)
+    gid = np.repeat(np.arange(n_g, dtype=np.int64), n_mem)
     m_t0 = rows["t0_ns"]
 
     # Op: the most common name among members; mismatch when any member differs.
@@ -493,8 +512,12 @@ def group_blocks(colls: Collectives, rows: int = 1 << 18) -> Any:
     """(g_lo, g_hi, a, b) for blocks of whole groups ``g_lo:g_hi`` whose member rows
     ``a:b`` number about ``rows`` (a larger group is a block of its own): member
     passes by blocks keep their temporaries a few MB, whatever the run's size."""
-    gs = colls.g_start
-    ng = len(colls)
+    return _blocks_of_groups(colls.g_start, rows)
+
+
+def _blocks_of_groups(gs: np.ndarray, rows: int) -> Any:
+    """:func:`group_blocks` for group starts ``gs`` (n_groups + 1 of them, the last one the row count)."""
+    ng = len(gs) - 1
     g_lo = 0
     while g_lo < ng:  # per block
         g_hi = min(ng, max(g_lo + 1, int(np.searchsorted(gs, gs[g_lo] + rows, side="right")) - 1))
@@ -558,8 +581,10 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
     days or the groups are huge; then a stable sort of the arrivals within the
     groups does it. Arrivals relative to the group, not to the run: a run's
     span and the row index together (hours of ns and 26 bits of rows) would
-    not fit. Measured at 1024x10k (5.1 M rows, CPU s): 0.55 (a stable argsort
-    of t0, a timsort merging the ranks' runs, then one of the keys) -> 0.3."""
+    not fit. The packed values are built and decoded by blocks of whole groups,
+    so the whole-size arrays are the key order and the packed values (16 bytes
+    a row). Measured at 1024x10k (5.1 M rows, CPU s): 0.55 (a stable argsort
+    of t0, a timsort merging the ranks' runs, then one of the keys) -> 0.3-0.4."""
     n = len(gkey)
     if n == 0:
         return np.zeros(0, np.intp), np.zeros(0, np.intp)
@@ -571,34 +596,51 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
     del gk
     starts = np.flatnonzero(newg)
     del newg
-    counts = np.diff(np.append(starts, n))
-    t0s = t0[o].astype(np.int64, copy=False)
+    ng = len(starts)
+    gs = np.append(starts, n).astype(np.int64)
+    counts = np.diff(gs)
+    blocks = list(_blocks_of_groups(gs, _ORDER_ROWS))
     # t0 differences cannot overflow int64 when the whole range spans < 2^62
-    if int(t0s.max()) - int(t0s.min()) < 1 << 62:
-        t0s -= np.repeat(np.minimum.reduceat(t0s, starts), counts)
-        bt, bp, bg = _bits(int(t0s.max())), _bits(int(counts.max()) - 1), _bits(len(starts) - 1)
+    if int(t0.max()) - int(t0.min()) < 1 << 62:
+        gmin = np.empty(ng, np.int64)
+        spread = 0
+        for g_lo, g_hi, a, b in blocks:  # per block of ~262,144 rows: each group's first arrival
+            ts = t0[o[a:b]].astype(np.int64, copy=False)
+            at = gs[g_lo:g_hi] - a
+            mn = np.minimum.reduceat(ts, at)
+            gmin[g_lo:g_hi] = mn
+            spread = max(spread, int((np.maximum.reduceat(ts, at) - mn).max()))
+        bt, bp, bg = _bits(spread), _bits(int(counts.max()) - 1), _bits(ng - 1)
         if bg + bt + bp <= 63:
-            key = np.repeat(np.arange(len(starts), dtype=np.int64), counts)
-            key <<= bt + bp
-            t0s <<= bp
-            key |= t0s
-            del t0s
-            first = np.repeat(starts.astype(np.int64), counts)
-            pos = np.arange(n, dtype=np.int64)
-            pos -= first  # the position within the group
-            key |= pos
-            del pos
-            key.sort()
-            key &= (1 << bp) - 1
-            key += first
-            del first
+            key = np.empty(n, np.int64)
+            for g_lo, g_hi, a, b in blocks:  # per block: (group, arrival - first arrival, position) packed
+                c = counts[g_lo:g_hi]
+                k = key[a:b]
+                np.left_shift(np.repeat(np.arange(g_lo, g_hi, dtype=np.int64), c), bt + bp, out=k)
+                ts = t0[o[a:b]].astype(np.int64)
+                ts -= np.repeat(gmin[g_lo:g_hi], c)
+                ts <<= bp
+                k |= ts
+                pos = np.arange(a, b, dtype=np.int64)
+                pos -= np.repeat(gs[g_lo:g_hi], c)
+                k |= pos
+            del gmin
+            key.sort()  # within each group's own range of values: the groups keep their rows
+            for g_lo, g_hi, a, b in blocks:  # per block: the position back to a row
+                k = key[a:b]
+                k &= (1 << bp) - 1
+                k += np.repeat(gs[g_lo:g_hi], counts[g_lo:g_hi])
             np.take(o, key, out=key)
             return key, starts
     # arrivals spread too far for the packed key: a stable sort by t0, then by group
-    gid = np.repeat(np.arange(len(starts), dtype=np.int64), counts)
+    gid = np.repeat(np.arange(ng, dtype=np.int64), counts)
     by_t0 = np.argsort(t0[o], kind="stable")
     o2 = stable_order(gid[by_t0])
     return o[by_t0[o2]], starts
+
+
+#: Rows per block of :func:`arrival_order`'s packing (temporaries of a few MB).
+_ORDER_ROWS = 1 << 18
 
 
 def rank_time_order(colls: Collectives) -> np.ndarray:
