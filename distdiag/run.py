@@ -104,6 +104,7 @@ RUN_GPU_DTYPE = _with_rank(GPU_DTYPE)
 #: An event row of the file as one void field, and a run row as that plus the rank
 #: (both packed, the rank after the file's last byte): one memcpy copies a row.
 _FILE_ROW = np.dtype(f"V{EVENT_DTYPE.itemsize}")
+_RUN_ROW = np.dtype(f"V{RUN_EVENT_DTYPE.itemsize}")
 _PACKED_ROW = np.dtype({"names": ["v", "rank"], "formats": [_FILE_ROW, "<i4"], "offsets": [0, EVENT_DTYPE.itemsize],
                         "itemsize": RUN_EVENT_DTYPE.itemsize})  # fmt: skip
 
@@ -783,7 +784,7 @@ def _remap(arr: np.ndarray, lookup: np.ndarray) -> int:
     # File events keep a string id in ``aux`` too: "fstype:mountpoint" (shim/hooks/fileio.py);
     # so do collectives (datatype name) and waits (the awaited op), so that equal
     # datatypes compare equal across ranks (distdiag.detectors.collective_mismatch).
-    fk = np.isin(arr["kind"], _AUX_STRING_KINDS)
+    fk = _AUX_KIND_TABLE.take(arr["kind"])  # np.isin, by one gather (isin: ~0.1 ms a call)
     if fk.any():
         mapped, b = _map_ids(arr["aux"][fk], lookup)
         arr["aux"][fk] = mapped
@@ -803,7 +804,8 @@ def _sort_late_ranks(events: np.ndarray, spans: dict[int, tuple[int, int]], late
     for rk in late:  # ranks out of time order: usually none
         lo, hi = spans[rk]
         ev = events[lo:hi]
-        ev[:] = ev.take(np.argsort(ev["t0_ns"], kind="stable"))
+        rows = ev.view(_RUN_ROW)  # whole rows as one void field: one memcpy a row (field by field: ~10x)
+        rows[:] = rows.take(np.argsort(ev["t0_ns"], kind="stable"))
 
 
 def _remap_table(
@@ -1155,7 +1157,13 @@ def _assemble(
             warnings.append(f"rank {r} exited with code {i.exit_code}")
 
     gstrings, lookups = _global_strings([loaded[r].strings for r in ranks])
-    sync_parts, inf_parts, gpu_parts = [], [], []
+    # the small tables are filled rank by rank into arrays of their final size
+    # (np.concatenate of 1,024 structured parts spent ~0.1 s promoting their dtypes)
+    side = {
+        name: np.empty(sum(len(getattr(loaded[r], name)) for r in ranks), dt)
+        for name, dt in (("sync", RUN_SYNC_DTYPE), ("inflight", RUN_EVENT_DTYPE), ("gpu", RUN_GPU_DTYPE))
+    }
+    side_off = dict.fromkeys(side, 0)
     n_total = sum(len(loaded[r].events) for r in ranks)
     packed = packer.table_of([loaded[r] for r in ranks]) if packer is not None else None
     events = packed if packed is not None else np.empty(n_total, RUN_EVENT_DTYPE)
@@ -1171,11 +1179,13 @@ def _assemble(
             _attach_rank(d.events, RUN_EVENT_DTYPE, r, out=events[off : off + len(d.events)])
         spans[r] = (off, off + len(d.events))
         off += len(d.events)
-        inf = _attach_rank(d.inflight, RUN_EVENT_DTYPE, r)
-        bad_ids += _remap(inf, lookup)
-        inf_parts.append(inf)
-        sync_parts.append(_attach_rank(d.sync, RUN_SYNC_DTYPE, r))
-        gpu_parts.append(_attach_rank(d.gpu, RUN_GPU_DTYPE, r))
+        for name, out in side.items():  # three small tables
+            rows = getattr(d, name)
+            a = side_off[name]
+            part = _attach_rank(rows, out.dtype, r, out=out[a : a + len(rows)])
+            side_off[name] = a + len(rows)
+            if name == "inflight":
+                bad_ids += _remap(part, lookup)
         loaded[r].events = np.zeros(0, d.events.dtype)  # the table holds the rows now
     if packer is not None and packed is None:
         packer.buf = packer.buf[:0]  # copied out (ranks out of file order): let the packed rows go
@@ -1193,9 +1203,9 @@ def _assemble(
         ranks=infos,
         events=events,
         strings=gstrings,
-        sync=np.concatenate(sync_parts),
-        inflight=np.concatenate(inf_parts),
-        gpu=np.concatenate(gpu_parts),
+        sync=side["sync"],
+        inflight=side["inflight"],
+        gpu=side["gpu"],
         world_size=world_size,
         job_id=job_ids[0] if job_ids else "",
         warnings=warnings,
