@@ -204,10 +204,13 @@ def _stages_child(run_dir: str) -> int:
     # an older tree (--baseline) has no packer: it read every file, then assembled a copy
     packer = runmod._Packer(runmod._capacity_rows(files)) if hasattr(runmod, "_Packer") else None
 
+    # a packer-aware reader reads the events straight into the packer (load_run's way)
+    into = (packer,) if packer is not None and "packer" in inspect.signature(runmod._read_rank).parameters else ()
+
     def read() -> list:
         got = []
         for fp in files:  # one per rank file
-            d = runmod._read_rank(fp, warnings)
+            d = runmod._read_rank(fp, warnings, *into)
             if packer is not None and isinstance(d, runmod._RankData):
                 packer.take(d)
             got.append(d)
