@@ -1169,6 +1169,7 @@ def _assemble(
     events = packed if packed is not None else np.empty(n_total, RUN_EVENT_DTYPE)
     if packer is not None:
         packer.views = []  # the table (or the copy below) is the only owner from here on
+        packer._scratch = None  # one rank's file rows: free before the sort's temporaries
     bad_ids = 0
     off = 0
     spans: dict[int, tuple[int, int]] = {}
