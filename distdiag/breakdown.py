@@ -82,13 +82,24 @@ last STEP row is no step. A call crossing a step boundary is split at it.
 
 Cost: everything above is per rank, so it is computed band of ranks by band of
 ranks (``BAND_EVENTS`` event rows a band; the event table is sorted by rank, so
-a band's events are a slice of it): the temporaries (~150 bytes an interval)
-scale with a band, not the run, and no number depends on where bands fall
-(tests/test_breakdown_bands.py). What is run-wide is kept to one int32 per
-member row (their order by rank, built chunk by chunk) and the band bounds
-(a binary search over the rank column, never a copy of it).
-benchmarks/bench_breakdown.py and ``benchmarks/bench_scale.py --stages``
-measure it.
+a band's events are a slice of it): the temporaries scale with a band, not the
+run, and no number depends on where bands fall (tests/test_breakdown_bands.py).
+What is run-wide is the kind column (1 byte an event, read once for the step
+marks and every band), the band bounds (a binary search over the rank column,
+never a copy of it) and one count of members per rank.
+
+A band reads its collective members' columns (t0, t1, comm, seq) from its own
+event rows, block by block of whole rows, and looks up only their group
+((comm, seq) -> group: a dense table); gathering them from the match's member
+table, which is sorted by group, cost a cache and TLB miss per member and
+column (:class:`_Band`; the member table stays the fallback, e.g. when the
+match dropped a duplicate row: tests/test_breakdown_members.py). Intervals
+stay in parts (a category's intervals from one source, in (rank, t0) order),
+so most unions need no sort: the union skips it when its starts are sorted,
+skips the running maximum when its ends are, and sums per key with
+``np.add.reduceat``. The busy union runs over a collective's span, not its two
+pieces. benchmarks/bench_breakdown.py and ``benchmarks/bench_scale.py
+--stages`` measure it.
 """
 
 from __future__ import annotations
@@ -101,6 +112,7 @@ import numpy as np
 import pandas as pd
 
 from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.rows import KindIndex, kind_index
 from distdiag.run import Run
 from distdiag.schema import FILE_KINDS, P2P_KINDS, Kind
 
@@ -127,18 +139,8 @@ _CAT_OF_KIND = np.full(256, _NONE, np.uint8)
 for _cat, _kinds in ((_IO, FILE_KINDS), (_INPUT, (Kind.INPUT_WAIT,)), (_H2D, (Kind.H2D,)), (_OTHER, _OTHER_KINDS)):
     assert (_CAT_OF_KIND[[int(k) for k in _kinds]] == _NONE).all()  # one category a kind (a module constant)
     _CAT_OF_KIND[[int(k) for k in _kinds]] = _cat
-def _ranges_of(table: np.ndarray, other: int) -> list[tuple[int, int]]:
-    """The runs [lo, hi] of the indices whose entry is not ``other`` (a few: kinds are numbered by family)."""
-    on = np.flatnonzero(table != other)
-    if len(on) == 0:
-        return []
-    cut = np.flatnonzero(np.diff(on) > 1)
-    return list(zip(on[np.r_[0, cut + 1]].tolist(), on[np.r_[cut, len(on) - 1]].tolist()))
-
-
-#: the kinds with a category, as runs of kind numbers: a mask by comparisons (0.3 ns a row) instead
-#: of a table lookup (4 ns a row, numpy's fancy indexing by uint8)
-_CAT_RANGES = _ranges_of(_CAT_OF_KIND, _NONE)
+#: the kinds with a category
+_CAT_KINDS = tuple(int(k) for k in np.flatnonzero(_CAT_OF_KIND != _NONE))
 
 
 def _in_ranges(kind: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
@@ -154,9 +156,6 @@ def _in_ranges(kind: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
 _WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 #: the optimizer hook's STEP rows; preferred over distdiag.step() rows when both exist
 AUTO_STEP_NAME = "optimizer_step"
-_IS_WINDOW = np.zeros(256, bool)
-_IS_WINDOW[[int(k) for k in _WINDOW_KINDS]] = True
-_WINDOW_RANGES = _ranges_of(_IS_WINDOW, False)
 #: breakdown.per_step in the JSON holds at most this many rows; longer runs bin consecutive steps
 MAX_STEP_ROWS = 200
 
@@ -301,17 +300,16 @@ def _marks_up_to(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: n
 #: kinds whose rows (with a sequence number) are the match's members
 _IS_COMM = np.zeros(256, bool)
 _IS_COMM[[int(Kind.COLL), int(Kind.COLL_ASYNC)]] = True
-_COMM_RANGES = _ranges_of(_IS_COMM, False)
 
 
 class _Ctx:
     """What every band reads: the rank bounds, the kind column, the rank offsets of events and members,
     and the (comm, seq) -> group lookup that lets a band take its members' columns from its own event rows."""
 
-    def __init__(self, run: Run, colls: Collectives, n: int, kind: np.ndarray, ev_first: np.ndarray) -> None:
+    def __init__(self, run: Run, colls: Collectives, n: int, kidx: KindIndex, ev_first: np.ndarray) -> None:
         self.run, self.colls, self.n = run, colls, n
         self.start, self.end = run.rank_bounds()  # O(ranks) each call: once for every band
-        self.kind = kind
+        self.kidx = kidx
         self.ev_first = ev_first  # rank r's event rows: ev_first[r]:ev_first[r + 1]
         self.m_first = _member_first(colls, n)  # rank r's member rows, counted
         self._order: np.ndarray | None = None
@@ -322,6 +320,24 @@ class _Ctx:
         # the lookup works only when the members are exactly the event (and in-flight) rows of
         # COLL/COLL_ASYNC kind with seq >= 0: no duplicate was dropped (else: the member table)
         self.lookup = _GroupLookup(colls) if colls.n_dup == 0 else None
+
+    def rows(self, kinds: tuple[int, ...], e_lo: int, e_hi: int) -> np.ndarray:
+        """The rows of ``kinds`` in ``[e_lo, e_hi)``, ascending, as int64 offsets from ``e_lo``: each
+        kind's rows are an ascending slice of the kind index, so two binary searches a kind."""
+        order, starts = self.kidx.order, self.kidx.starts
+        parts = []
+        for k in kinds:  # a few kinds
+            sl = order[starts[k] : starts[k + 1]]
+            if len(sl):
+                # bounds of the slice's own type: int64 ones would make searchsorted cast the whole slice
+                a, b = np.searchsorted(sl, np.array([e_lo, e_hi], sl.dtype))
+                if b > a:
+                    parts.append(sl[a:b])
+        if not parts:
+            return np.zeros(0, np.int64)
+        got = parts[0].astype(np.int64) if len(parts) == 1 else np.sort(np.concatenate(parts)).astype(np.int64)
+        got -= e_lo
+        return got
 
     def order(self) -> np.ndarray:
         """The member rows by rank (:func:`_rows_by_rank`), built on first use: bands whose members come
@@ -403,8 +419,9 @@ class _Band:
         self.r_lo, self.r_hi = r_lo, r_hi
         self.start, self.end = ctx.start, ctx.end
         self.ev = run.events[e_lo:e_hi]
-        self.kind = ctx.kind[e_lo:e_hi]  # 1 byte a row, contiguous: every per-kind mask reads it
-        self.ev_rank = np.repeat(np.arange(r_lo, r_hi), np.diff(ctx.ev_first[r_lo : r_hi + 1]))
+        self.e_lo, self.e_hi = e_lo, e_hi
+        self.ctx = ctx
+        self.ev_first = ctx.ev_first[r_lo : r_hi + 1] - e_lo  # rank r's rows: ev_first[r - r_lo]:...[r - r_lo + 1]
         inf = run.inflight
         if len(inf):
             inf = inf[(inf["rank"] >= r_lo) & (inf["rank"] < r_hi)]
@@ -413,14 +430,24 @@ class _Band:
         if not self._from_events(ctx):
             self._from_members(ctx)
 
+    def rows(self, *kinds: int) -> np.ndarray:
+        """The band's rows of ``kinds`` (offsets into ``ev``), ascending."""
+        return self.ctx.rows(kinds, self.e_lo, self.e_hi)
+
+    def rank_of(self, rows: np.ndarray, ascending: bool = True) -> np.ndarray:
+        """The rank (int64) of each of the band's rows ``rows``."""
+        if ascending:  # one repeat: the rows of each rank are a run
+            return np.repeat(np.arange(self.r_lo, self.r_hi, dtype=np.int64), np.diff(np.searchsorted(rows, self.ev_first)))
+        return np.searchsorted(self.ev_first, rows, side="right") - 1 + self.r_lo
+
     def _from_events(self, ctx: _Ctx) -> bool:
-        ev, kind, inf = self.ev, self.kind, self.inf
-        ci = np.flatnonzero(_in_ranges(kind, _COMM_RANGES))
-        cols = _take(ev, ci, ("seq", "comm_id", "t0_ns", "t1_ns"))
+        ev, inf = self.ev, self.inf
+        ci = self.rows(int(Kind.COLL), int(Kind.COLL_ASYNC))
+        cols = _take(ev, ci, ("seq", "comm_id", "t0_ns", "t1_ns", "kind"))
         seq = cols["seq"]
         ok = seq >= 0
         #: COLL rows without a sequence number: no member (other calls)
-        self.coll_no_seq = ci[:0] if ok.all() else ci[~ok & (kind[ci] == Kind.COLL)]
+        self.coll_no_seq = ci[:0] if ok.all() else ci[~ok & (cols["kind"] == Kind.COLL)]
         if not ok.all():
             ci = ci[ok]
             cols = {f: c[ok] for f, c in cols.items()}
@@ -440,8 +467,8 @@ class _Band:
         if g is None:
             return False
         self.m_g = g
-        self.m_rank = self.ev_rank[ci]
-        self.m_kind = kind[ci]
+        self.m_rank = self.rank_of(ci)
+        self.m_kind = cols["kind"]
         if len(im):
             self.m_rank = np.concatenate([self.m_rank, inf["rank"][im].astype(np.int64)])
             self.m_kind = np.concatenate([self.m_kind, inf["kind"][im]])
@@ -463,7 +490,7 @@ class _Band:
         # The match's members are the COLL rows with seq >= 0 (and in-flight rows): when
         # the band has no in-flight row and as many blocking members as COLL rows, no
         # COLL row has seq < 0, and the seq column need not be read. Otherwise it is.
-        coll = np.flatnonzero(self.kind == Kind.COLL)
+        coll = self.rows(int(Kind.COLL))
         if len(self.inf) or len(coll) != np.count_nonzero(self.m_kind == Kind.COLL):
             coll = coll[self.ev["seq"][coll] < 0]
         else:
@@ -496,7 +523,8 @@ def _take(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[str
 
 def _rows_by_rank(colls: Collectives, n: int, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
     """(order, first): the member rows sorted by rank, in the table's order within a rank; rank r's are
-    ``order[first[r]:first[r + 1]]``.
+    ``order[first[r]:first[r + 1]]``. Built only for bands whose members cannot be read from their
+    own event rows (:class:`_Band`).
 
     A stable radix sort on 16 bits, once (not a mask per band). With a rank's rows
     in table order its intervals come in a few sorted runs, which the unions'
@@ -593,15 +621,15 @@ def _exposed_async(b: _Band, ctx: _Ctx, a: np.ndarray) -> tuple[np.ndarray, ...]
     z = np.zeros(0, np.int64)
     if not a.any():
         return z, z, z, z
-    bm = b.kind == Kind.BACKWARD
-    if not bm.any():
+    bm = b.rows(int(Kind.BACKWARD))
+    if len(bm) == 0:
         return z, z, z, z
     a_rank = b.m_rank[a]
     a0 = b.m_t0[a].astype(np.int64)
     a1 = np.maximum(b.m_t1[a].astype(np.int64), a0)
     g = b.m_g[a]
-    b_rank = b.ev_rank[bm]
-    got = _take(ev, np.flatnonzero(bm), ("t0_ns", "t1_ns"))
+    b_rank = b.rank_of(bm)
+    got = _take(ev, bm, ("t0_ns", "t1_ns"))
     b0 = got["t0_ns"].astype(np.int64, copy=False)
     b1 = np.maximum(got["t1_ns"], b0)
     del got
@@ -646,13 +674,13 @@ def _waits_on_async(b: _Band, colls: Collectives, am: np.ndarray) -> tuple[np.nd
     z = np.zeros(0, np.int64)
     if not am.any():
         return z, z
-    w = np.flatnonzero(b.kind == Kind.WAIT)
+    w = b.rows(int(Kind.WAIT))
     w = w[ev["seq"][w] >= 0]
     if len(w) == 0:
         return z, z
     g = b.m_g[am]
     nm = len(g)
-    r = np.concatenate([b.m_rank[am], b.ev_rank[w]]).astype(np.int64)
+    r = np.concatenate([b.m_rank[am], b.rank_of(w)]).astype(np.int64)
     c = np.concatenate([colls.g_comm[g], ev["comm_id"][w]]).astype(np.int64)
     q = np.concatenate([colls.g_seq[g], ev["seq"][w]]).astype(np.int64)
     o = np.concatenate([b.m_op()[am], ev["aux"][w]]).astype(np.int64)
@@ -674,7 +702,8 @@ class _Intervals:
     """A band's intervals, clipped to each rank's record (:func:`_intervals`), in parts.
 
     * ``cat``: per category code, its parts; every categorized interval is in one.
-    * ``exposed``: the parts that are exposed pieces of non-blocking collectives.
+    * ``exposed``: parts whose union per rank is that of the exposed pieces of
+      non-blocking collectives (each exposed wait and transfer joined, as for ``busy``).
     * ``busy``: parts whose union per rank is the union of every category's:
       a collective's wait and transfer pieces [t0, split) [split, t1) joined
       into its span [t0, t1) (clipping keeps them adjacent).
@@ -693,11 +722,9 @@ class _Intervals:
         self.busy: list[_Ivs] = []
         self.spans: list[_Ivs] = []
 
-    def put(self, cat: int, part: _Ivs, exposed: bool = False) -> None:
+    def put(self, cat: int, part: _Ivs) -> None:
         if len(part[0]):
             self.cat.setdefault(cat, []).append(part)
-            if exposed:
-                self.exposed.append(part)
 
     def map(self, fn: Any) -> _Intervals:
         """The same parts, each replaced by ``fn(part)``."""
@@ -732,8 +759,6 @@ def _intervals(ctx: _Ctx, b: _Band) -> _Intervals:
     """The band's intervals (:class:`_Intervals`), clipped to each rank's record."""
     start, end = b.start, b.end
     ev = b.ev
-    kind = b.kind
-    r_ev = b.ev_rank  # int64
     iv = _Intervals()
     # The band's record bounds: a part whose times all lie in every rank's record needs no clip
     # (the usual case: the ranks start before the band's first call and end after its last).
@@ -753,23 +778,26 @@ def _intervals(ctx: _Ctx, b: _Band) -> _Intervals:
         if len(rank) == 0:
             return
         t0, split, t1 = clip(rank, t0, split, t1)
-        iv.busy.append((rank, t0, np.maximum(t0, t1)))
-        iv.put(_WAIT, (rank, t0, np.maximum(t0, split)), exposed)
-        iv.put(_XFER, (rank, split, np.maximum(split, t1)), exposed)
+        span = (rank, t0, np.maximum(t0, t1))
+        iv.busy.append(span)
+        if exposed:  # the exposed union, like the busy one, over the joined span: one part, not two
+            iv.exposed.append(span)
+        iv.put(_WAIT, (rank, t0, np.maximum(t0, split)))
+        iv.put(_XFER, (rank, split, np.maximum(split, t1)))
 
     # The event rows with a category (collectives without a sequence number are other calls;
     # a wait on a non-blocking collective is that collective's exposed time instead).
     is_async = b.m_kind == Kind.COLL_ASYNC
     linked, lg = _waits_on_async(b, ctx.colls, is_async)
-    m = _in_ranges(kind, _CAT_RANGES)
-    m[b.coll_no_seq] = True
-    m[linked] = False
-    sel = np.flatnonzero(m)
-    del m
-    code = np.take(_CAT_OF_KIND, kind[sel])
+    sel = b.rows(*_CAT_KINDS)
+    if len(b.coll_no_seq):
+        sel = np.union1d(sel, b.coll_no_seq)
+    if len(linked):
+        sel = np.setdiff1d(sel, linked, assume_unique=True)
+    got = _take(ev, sel, ("t0_ns", "t1_ns", "kind"))
+    code = np.take(_CAT_OF_KIND, got["kind"])
     code[code == _NONE] = _OTHER  # the COLL rows without a seq: the only selected rows without a category
-    got = _take(ev, sel, ("t0_ns", "t1_ns"))
-    e_rank = r_ev[sel]
+    e_rank = b.rank_of(sel)
     e0, e1 = clip(e_rank, got["t0_ns"], got["t1_ns"])
     del sel, got
     # In-flight rows that are not collectives (a rank killed inside a read): until the end.
@@ -800,7 +828,7 @@ def _intervals(ctx: _Ctx, b: _Band) -> _Intervals:
     pieces(cr, c0, _split_at_last_arrival(ctx, cg, c0, c1), c1, False)
     del cr, cg, c0, c1
     if len(linked):
-        lr = r_ev[linked]
+        lr = b.rank_of(linked, ascending=False)
         l0, l1 = ev["t0_ns"][linked], ev["t1_ns"][linked]
         pieces(lr, l0, _split_at_last_arrival(ctx, lg, l0, l1), l1, True)
     am = is_async & (b.m_t1 >= 0)
@@ -891,13 +919,14 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
     start, _ = run.rank_bounds()
     n = len(start)
     tally = _Tally(n) if ranks else None
-    # the kind column once, contiguous (1 byte an event): the step marks and every band's masks read it
-    kind = np.ascontiguousarray(run.events["kind"])
+    # the rows of each kind (distdiag.rows, built once per analysis and shared with the detectors):
+    # the step marks and every band find their rows of a kind there, never by a scan of the table
+    kidx = kind_index(run)
     ev_first = _first_rows(run.events["rank"], n)  # rank r's event rows: ev_first[r]:ev_first[r + 1]
-    steps = _Steps(run, n, kind, ev_first)
+    steps = _Steps(run, n, kidx, ev_first)
     if tally is None and steps.n == 0:
         return None, steps.frame(run)
-    ctx = _Ctx(run, colls, n, kind, ev_first)
+    ctx = _Ctx(run, colls, n, kidx, ev_first)
     for r_lo, r_hi, e_lo, e_hi in _bands(run, n, BAND_EVENTS, ctx.ev_first):  # a few bands, each vectorized
         b = _Band(ctx, r_lo, r_hi, e_lo, e_hi)
         iv = _intervals(ctx, b)
@@ -928,13 +957,10 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
 
 
 # -- per step -------------------------------------------------------------------------------
-def step_marks(run: Run, kind: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(rank, t_ns) of the STEP rows that end steps, sorted by (rank, t): see the module docstring.
-
-    ``kind``: the event table's kind column, when the caller has it contiguous.
-    """
+def step_marks(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, t_ns) of the STEP rows that end steps, sorted by (rank, t): see the module docstring."""
     ev = run.events
-    m = np.flatnonzero((ev["kind"] if kind is None else kind) == Kind.STEP)
+    m = kind_index(run).rows(int(Kind.STEP))
     auto = run.sid(AUTO_STEP_NAME)
     if auto >= 0:
         m_auto = m[ev["name_id"][m] == auto]  # the STEP rows' names only, not the whole column
@@ -971,8 +997,8 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
 class _Steps:
     """step_breakdown's table, tallied band by band from the bands' categorized intervals."""
 
-    def __init__(self, run: Run, n: int, kind: np.ndarray, ev_first: np.ndarray) -> None:
-        self.s_rank, self.s_t = s_rank, s_t = step_marks(run, kind)
+    def __init__(self, run: Run, n: int, kidx: KindIndex, ev_first: np.ndarray) -> None:
+        self.s_rank, self.s_t = s_rank, s_t = step_marks(run)
         self.n = len(s_t)
         if self.n == 0:
             return
@@ -982,13 +1008,15 @@ class _Steps:
         self.k_of = np.arange(len(s_t)) - self.first[s_rank]
         # step windows [w0, s_t): step 0 from the rank's first phase row before its first mark, else its start
         # phase0: per rank, the earliest start of a phase row; the table is sorted by rank, so a
-        # rank's phase rows are one run of them: one minimum per run (reduceat), not a ufunc.at per row
-        wi = np.flatnonzero(_in_ranges(kind, _WINDOW_RANGES))
+        # rank's rows of one kind are one run of that kind's rows: one minimum per run (reduceat)
         phase0 = np.full(n, np.iinfo(np.int64).max)
-        lo = np.searchsorted(wi, ev_first)  # rank r's phase rows: wi[lo[r]:lo[r + 1]]
-        has = np.flatnonzero(lo[1:] > lo[:-1])
-        if len(has):
-            phase0[has] = np.minimum.reduceat(run.events["t0_ns"][wi].astype(np.int64), lo[has])
+        for k in _WINDOW_KINDS:  # six kinds
+            wi = kidx.rows(int(k))
+            lo = np.searchsorted(wi, ev_first)  # rank r's rows of kind k: wi[lo[r]:lo[r + 1]]
+            has = np.flatnonzero(lo[1:] > lo[:-1])
+            if len(has):
+                mn = np.minimum.reduceat(run.events["t0_ns"][wi].astype(np.int64), lo[has])
+                phase0[has] = np.minimum(phase0[has], mn)
         del wi, lo, has
         w0 = np.empty_like(s_t)
         w0[1:] = s_t[:-1]
