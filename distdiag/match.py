@@ -239,13 +239,24 @@ def match_collectives(run: Run) -> Collectives:
     """Group every collective row (finished or in flight) by (comm key, seq).
 
     Memory: the working set is a few columns per collective row, never a copy
-    of the event table. Two passes over the selected rows: the four sort keys
-    in table order (t0, rank, comm, seq: 24 bytes a row), then, once the
-    (group, arrival) order is known, the other fields straight in that order
-    (blocks of whole rows). The int64 keys are built in place and dropped once
-    used. Measured at 1,024 ranks x 10,000 events (5.1 M collective rows): the
-    match's peak went from ~113 to ~75 bytes per collective row, of which 57
-    are its result.
+    of the event table. Two passes: the table by blocks, picking the
+    collective rows and their four sort keys (t0, rank, comm, seq: 24 bytes a
+    row), then, once the (group, arrival) order is known, the other fields of
+    those rows straight in that order (blocks of whole rows). The int64 keys
+    are built in place and dropped once used; comm and seq go before the sort
+    when the groups' keys decode to them, t0 once the order is known, and the
+    order packs and decodes by blocks of groups. Measured at 1,024 ranks x
+    10,000 events (5.1 M collective rows): the match's peak went from ~113 to
+    ~75 bytes per collective row, then to its result's 57 (align's transient
+    33.5 -> 29.6 B/event, all of it the kept match).
+
+    CPU (issue 10; align, which includes this match, best of alternating runs
+    on the loaded 2-core machine, see the commit messages for each step):
+    1024 x 10k 2.2-2.5 -> 1.7 s. Where it went: the selection and key gather
+    (two strided passes over the table, then a blocked gather of the rows)
+    0.53 -> 0.28 s in one blocked pass; the (comm, seq, arrival) order 0.55 ->
+    0.35 s (:func:`arrival_order`); the repeated-row check 0.10 -> 0.05 s (a
+    flag per (group, rank) instead of a sort).
     """
     kinds = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
     ev, inf = run.events, run.inflight

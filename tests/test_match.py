@@ -138,3 +138,26 @@ def test_a_repeated_row_counts_once(tmp_path: Path) -> None:
     c = _two_rank_run(tmp_path, [coll(1, 3, 0, s), coll(1.2, 3, 0, s)], [coll(2, 3, 0, s)], s)
     assert len(c) == 1 and c.g_n_members[0] == 2 and c.g_state[0] == MatchState.COMPLETE
     assert list(c.m_t0_ns) == [1 * MS, 2 * MS]
+
+
+@pytest.mark.parametrize("block_rows", [1, 5, 64, 1 << 18])
+def test_arrival_order_is_the_lexsort_of_group_key_then_arrival(block_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The packed-value sorts must give exactly the stable order (ties by row), whatever
+    # the blocks, and fall back when arrivals spread too far to pack (the last cases).
+    from distdiag import match
+
+    monkeypatch.setattr(match, "_ORDER_ROWS", block_rows)
+    rng = np.random.default_rng(block_rows)
+    i64 = np.iinfo(np.int64)
+    for trial in range(120):
+        n = int(rng.integers(1, 2000))
+        gkey = rng.integers(0, int(rng.integers(1, 60)), n) * int(rng.choice([1, 9, 1 << 20, 1 << 40]))
+        t0 = rng.integers(0, int(rng.choice([2, 1000, 1 << 40, 1 << 60])), n) + int(rng.choice([0, -7, 1 << 61]))
+        if trial % 10 == 0:
+            t0 = rng.choice(np.array([i64.min + 1, 0, i64.max]), n)
+        order, starts = match.arrival_order(gkey, t0)
+        ref = np.lexsort((t0, gkey))
+        np.testing.assert_array_equal(order, ref)
+        gk = gkey[ref]
+        np.testing.assert_array_equal(starts, np.flatnonzero(np.r_[True, gk[1:] != gk[:-1]]))
+        np.testing.assert_array_equal(match.stable_order(gkey), np.argsort(gkey, kind="stable"))
