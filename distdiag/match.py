@@ -676,14 +676,100 @@ def rank_time_order(colls: Collectives) -> np.ndarray:
     return order
 
 
+def _member_gaps_in_member_order(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray | None:
+    """:func:`_member_gaps_ns` by blocks of whole groups in member order, or None when
+    some rank's rows in member order do not come in arrival order.
+
+    Member order is (comm, seq): on one communicator (or several that every rank
+    goes through in the same time order) each rank's rows already come by
+    arrival, so the (rank, arrival) order is the stable order by rank, which a
+    block sorts locally (a 16-bit radix pass on block-sized columns in cache);
+    each rank's running maximum of exits and last arrival carry from block to
+    block. That skips :func:`rank_time_order` (two run-wide int64 permutations)
+    and its gathers in rank order, which jump a group's length at every row.
+    The order is checked as it goes (each arrival at least the rank's previous
+    one; equal ones keep member order, as rank_time_order does); the first row
+    out of order gives up, and the caller takes the global order.
+    Measured at 1024 x 10k (5.1 M member rows): 0.72-0.87 -> 0.47-0.54 s of CPU,
+    peak +20 -> +14 bytes per member row (8 of them the result; the rest
+    block-sized, ~30 MB at any size)."""
+    n = len(colls.m_rank)
+    start, _ = run.rank_bounds()
+    last_r = len(start) - 1
+    n_rank = int(colls.m_rank.max()) + 1
+    if int(colls.m_rank.min()) < 0 or n_rank > 1 << 16:
+        return None
+    rstart = start[np.minimum(np.arange(n_rank), last_r)].astype(np.int64)
+    none = np.iinfo(np.int64).min
+    carry_x = np.full(n_rank, none, np.int64)  # per rank: the latest exit so far (none: no exit yet)
+    carry_t0 = np.full(n_rank, none, np.int64)  # per rank: its last arrival so far
+    gap = np.empty(n, np.int64)
+    for _g_lo, _g_hi, a, b in group_blocks(colls, _GAP_ROWS // 2):  # per block of ~131,072 member rows
+        o = np.argsort(colls.m_rank[a:b].astype(np.uint16), kind="stable")
+        r_s = colls.m_rank[a:b][o]
+        t0 = colls.m_t0_ns[a:b][o]
+        first = np.ones(len(o), bool)  # each rank's first row in the block
+        np.not_equal(r_s[1:], r_s[:-1], out=first[1:])
+        prev_t0 = np.empty_like(t0)
+        prev_t0[1:] = t0[:-1]
+        prev_t0[first] = carry_t0[r_s[first]]
+        if np.any(t0 < prev_t0):
+            return None  # a rank's rows out of arrival order: the global order it is
+        x = colls.m_t1_ns[a:b][o]
+        x = np.where(x < 0, t0, x)  # the exit, the arrival while in flight
+        if not async_exits:
+            x[colls.m_kind[a:b][o] != Kind.COLL] = none  # non-blocking posts do not end the rank's work
+        seed = carry_x[r_s[first]]
+        # each rank's running maximum over the block, seeded with its carry: values
+        # relative to the block's smallest (1 and up; 0 for no exit), shifted into
+        # disjoint bands per rank so one accumulate serves all
+        base = int(t0.min())
+        for v in (x, seed):  # two
+            real = v[v != none]
+            if len(real):
+                base = min(base, int(real.min()))
+        rel = np.where(x == none, 0, x - (base - 1))
+        rel_seed = np.where(seed == none, 0, seed - (base - 1))
+        span = max(int(rel.max()), int(rel_seed.max())) + 1
+        if span * len(seed) >= 1 << 62:
+            return None  # the bands would overflow int64 (a run of years)
+        band = np.cumsum(first, dtype=np.int64)
+        band -= 1
+        band *= span
+        rel += band
+        rel[first] = np.maximum(rel[first], rel_seed + band[first])
+        np.maximum.accumulate(rel, out=rel)
+        rel -= band
+        del band
+        # the latest exit before each row: the running maximum one row up, the carry at a rank's first
+        prev = np.empty_like(rel)
+        prev[1:] = rel[:-1]
+        prev[first] = rel_seed
+        prev_exit = np.where(prev == 0, none, prev + (base - 1))
+        np.maximum(prev_exit, rstart[r_s], out=prev_exit)
+        t0 -= prev_exit
+        np.maximum(t0, 0, out=t0)
+        gap[a + o] = t0
+        last = np.ones(len(o), bool)  # each rank's last row in the block
+        last[:-1] = first[1:]
+        carry_t0[r_s[last]] = colls.m_t0_ns[a:b][o[last]]
+        carry_x[r_s[last]] = np.where(rel[last] == 0, none, rel[last] + (base - 1))
+    return gap
+
+
 def _member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray:
     """See :func:`member_gaps_ns`. The rows are taken in (rank, arrival) order by blocks
     of ``_GAP_ROWS``: every temporary is block-sized (one full-size pass held ~50
     bytes per collective row at once, the straggler detector's peak, measured); the
-    running maximum and the previous row carry over from one block to the next."""
+    running maximum and the previous row carry over from one block to the next.
+
+    First tried without that order: :func:`_member_gaps_in_member_order`."""
     n = len(colls.m_rank)
     if n == 0:
         return np.zeros(0, np.int64)
+    fast = _member_gaps_in_member_order(run, colls, async_exits)
+    if fast is not None:
+        return fast
     start, _ = run.rank_bounds()
     last_r = len(start) - 1
     # Bounds of the banded exits: over all rows, in any order (block by block).
