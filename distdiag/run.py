@@ -44,6 +44,31 @@ breakdown's +12 over a live set of ~108 B/event. CPU: reading 4.5-5.7 ->
 rows, dominates at 10k events a rank), assembling 0.79-1.0 -> 0.63 s, the
 whole analysis 13.4-16.3 -> 11.0-12.2 s. See benchmarks/bench_scale.py.
 
+Then loading by cache-sized blocks: each rank's events are read whole into a
+reused scratch (memory type = file type, so HDF5 copies bytes), then copied
+into the table with their rank and scanned (:class:`_Scan`) by blocks of
+16,384 rows while in cache. The scan gives the rank's time bounds and tells
+``_assemble`` which ranks need a sort by t0 and which need their string ids
+remapped or range-checked; those were two strided passes over the whole
+table. The small tables are filled in place (no concatenation of 1,024
+structured parts). ``bench_scale.py --stages RxM --baseline <worktree of
+1f4f854> --repeat 3``, best of 3 alternating children per tree, CPU s, at load 1-7::
+
+    size                read + pack     assemble       transient of both
+    1024 x 10k          3.21 -> 3.43    0.66 -> 0.06   74.8 -> 74.9 B/event
+    64 x 100k           0.66 -> 0.61    0.40 -> 0.02   77.4 -> 77.3 B/event
+
+(another run: 4.02 -> 3.35 and 0.77 -> 0.06 at 1024 x 10k). Reading did not
+get cheaper: the scan (~10 ns a row) costs what the three reductions a rank
+did, and the rest is what is left to cut. At 10k events a rank it is a cost a
+file, ~2 ms with a hot page cache: h5py's calls for 19 attributes (~0.8 ms,
+three h5py objects and their weak references each), five datasets, the
+open and close; the rows are ~0.3 ms (HDF5 read ~4 ns, copy ~9, scan ~10
+a row). At 100k a rank the kernel's first touch of the table's pages adds
+15-75 ns an event of system time on this VM (huge pages or not, depending on
+how fragmented memory is): a cost of the table's size, for the narrower
+table below.
+
 What comes next (design, not built):
 
 1. A narrower table: a dense core every stage reads (t0, t1, rank, kind,
@@ -122,8 +147,9 @@ _AUX_KIND_TABLE[_AUX_STRING_KINDS] = True
 #: middle of its events still yields every row before the damage.
 _READ_BLOCK_ROWS = 1 << 20
 #: Rows per block of the packed read's copy and scan (:meth:`_Packer.read_events`):
-#: ~0.6 MB of file rows that stay in cache between the two.
-_PACK_ROWS = 1 << 13
+#: ~1.1 MB of file rows that stay in cache between the two (8,192 rows: same per row,
+#: a second block's overhead at 10k rows a rank; measured).
+_PACK_ROWS = 1 << 14
 
 #: What h5py raises on damaged files: OSError mostly, RuntimeError for a
 #: mangled superblock, KeyError/ValueError/TypeError for broken objects,
@@ -293,8 +319,9 @@ class _Scan:
     (whether the rank's rows need sorting by t0, whether its string ids need a
     range check or a remap). Before, each was a strided pass over the whole
     73-byte-a-row table after loading (the sort check, the remap's range
-    checks) or over each rank's rows (three reductions): ~115 ns an event
-    together, against ~15 over a block of rows still in cache (issue 10)."""
+    checks: ~60-70 ns an event) or over each rank's rows (three reductions),
+    against ~10 ns a row over a block still in cache, plus ~25 us a block
+    (measured, issue 10)."""
 
     rows: int = 0
     t0_min: int = 0
