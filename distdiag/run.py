@@ -52,15 +52,17 @@ into the table with their rank and scanned (:class:`_Scan`) by blocks of
 remapped or range-checked; those were two strided passes over the whole
 table. The small tables are filled in place (no concatenation of 1,024
 structured parts). ``bench_scale.py --stages RxM --baseline <worktree of
-1f4f854> --repeat 3``, best of 3 alternating children per tree, CPU s, at load 1-7::
+1f4f854> --repeat N``, best of N alternating children per tree, CPU s, at
+load 1-7, three runs at 1024 x 10k and two at 64 x 100k::
 
-    size                read + pack     assemble       transient of both
-    1024 x 10k          3.21 -> 3.43    0.66 -> 0.06   74.8 -> 74.9 B/event
-    64 x 100k           0.66 -> 0.61    0.40 -> 0.02   77.4 -> 77.3 B/event
+    size           read + pack                          assemble                           transient
+    1024 x 10k     3.21->3.43, 4.02->3.35, 3.44->3.64   0.66->0.06, 0.77->0.06, 0.63->0.05   74.8 -> 74.8 B/event
+    64 x 100k      0.66->0.61, 0.52->0.56               0.40->0.02, 0.33->0.02               77.4 -> 77.3 B/event
 
-(another run: 4.02 -> 3.35 and 0.77 -> 0.06 at 1024 x 10k). Reading did not
-get cheaper: the scan (~10 ns a row) costs what the three reductions a rank
-did, and the rest is what is left to cut. At 10k events a rank it is a cost a
+Reading did not get cheaper (the read alone, user + sys, three alternating
+processes at 1024 x 10k: 2.71-3.08 s before, 2.63-3.52 after): the scan
+(~10 ns a row) costs what the three reductions a rank did, and the rest is
+what is left to cut. At 10k events a rank it is a cost a
 file, ~2 ms with a hot page cache: h5py's calls for 19 attributes (~0.8 ms,
 three h5py objects and their weak references each), five datasets, the
 open and close; the rows are ~0.3 ms (HDF5 read ~4 ns, copy ~9, scan ~10
