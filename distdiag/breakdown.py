@@ -84,9 +84,10 @@ Cost: everything above is per rank, so it is computed band of ranks by band of
 ranks (``BAND_EVENTS`` event rows a band; the event table is sorted by rank, so
 a band's events are a slice of it): the temporaries scale with a band, not the
 run, and no number depends on where bands fall (tests/test_breakdown_bands.py).
-What is run-wide is the kind column (1 byte an event, read once for the step
-marks and every band), the band bounds (a binary search over the rank column,
-never a copy of it) and one count of members per rank.
+What is run-wide is the band bounds (a binary search over the rank column,
+never a copy of it) and one count of members per rank; the rows of a kind
+come from the run's kind index (distdiag.rows: built once per analysis, the
+detectors' too), so neither the step marks nor a band scan the kind column.
 
 A band reads its collective members' columns (t0, t1, comm, seq) from its own
 event rows, block by block of whole rows, and looks up only their group
@@ -100,6 +101,24 @@ skips the running maximum when its ends are, and sums per key with
 ``np.add.reduceat``. The busy union runs over a collective's span, not its two
 pieces. benchmarks/bench_breakdown.py and ``benchmarks/bench_scale.py
 --stages`` measure it.
+
+Measured (issue 10: the breakdown stage of ``benchmarks/bench_scale.py
+--grid '' --stages RxM --baseline <worktree of 1f4f854> --repeat 2``, CPU s
+of the 2 alternating children per tree, 2 shared cores at load 4-7; the JSON
+report byte-identical on every synth fault, a DDP and a mixed run, and 1024 x
+10k)::
+
+    run                      CPU s before -> after      transient over the live set
+    1024 x 10k (10.3 M ev)   1.10-1.19 -> 0.40-0.46     0.4-0.5 -> 0.1 B/event
+    64 x 100k (6.4 M ev)     0.69-0.80 -> 0.24-0.27     0.2 -> 0.2 B/event
+
+(2.7-2.9x; the lead's 16.1 s at 1,024 x 100k would be ~5.5 s.) Where it
+went, 1024 x 10k: the members' gathers from the match's table and their rank
+order (~45%) -> their rows' block copies (~25% of what is left); unions'
+sorts, gathers and bincounts -> mostly none (a sortedness check each); a
+kind column and a mask per kind per band -> the kind index. The DDP run of
+bench_breakdown (16 x 20k, steps and async buckets) went 0.83-0.85 -> 0.65-0.76 s
+(the per-step cut of each part is now its largest cost).
 """
 
 from __future__ import annotations
@@ -141,15 +160,6 @@ for _cat, _kinds in ((_IO, FILE_KINDS), (_INPUT, (Kind.INPUT_WAIT,)), (_H2D, (Ki
     _CAT_OF_KIND[[int(k) for k in _kinds]] = _cat
 #: the kinds with a category
 _CAT_KINDS = tuple(int(k) for k in np.flatnonzero(_CAT_OF_KIND != _NONE))
-
-
-def _in_ranges(kind: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
-    """Whether each kind (uint8) lies in one of the runs [lo, hi]."""
-    m = np.zeros(len(kind), bool)
-    for lo, hi in ranges:  # a few
-        # kind - lo wraps below lo to large values: one comparison per run
-        m |= (kind - np.uint8(lo)) <= np.uint8(hi - lo)
-    return m
 
 
 #: rows whose start opens a rank's step 0 (before the first one: start-up)
@@ -303,7 +313,7 @@ _IS_COMM[[int(Kind.COLL), int(Kind.COLL_ASYNC)]] = True
 
 
 class _Ctx:
-    """What every band reads: the rank bounds, the kind column, the rank offsets of events and members,
+    """What every band reads: the rank bounds, the kind index, the rank offsets of events and members,
     and the (comm, seq) -> group lookup that lets a band take its members' columns from its own event rows."""
 
     def __init__(self, run: Run, colls: Collectives, n: int, kidx: KindIndex, ev_first: np.ndarray) -> None:
@@ -437,7 +447,8 @@ class _Band:
     def rank_of(self, rows: np.ndarray, ascending: bool = True) -> np.ndarray:
         """The rank (int64) of each of the band's rows ``rows``."""
         if ascending:  # one repeat: the rows of each rank are a run
-            return np.repeat(np.arange(self.r_lo, self.r_hi, dtype=np.int64), np.diff(np.searchsorted(rows, self.ev_first)))
+            n_of = np.diff(np.searchsorted(rows, self.ev_first))
+            return np.repeat(np.arange(self.r_lo, self.r_hi, dtype=np.int64), n_of)
         return np.searchsorted(self.ev_first, rows, side="right") - 1 + self.r_lo
 
     def _from_events(self, ctx: _Ctx) -> bool:
