@@ -181,8 +181,11 @@ def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np
     return _union(key.astype(np.int64), t0, t1, n_keys, _band(int(key.max()), t0, t1))
 
 
-def _union(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: tuple[int, int] | None) -> np.ndarray:
-    """union_ns with ``band`` from :func:`_band` of these intervals or of any superset of them.
+def _union(
+    key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: tuple[int, int] | None, key_lo: int = 0
+) -> np.ndarray:
+    """union_ns with ``band`` from :func:`_band` (for keys up to ``n_keys``) of these intervals or of any
+    superset of them; the keys lie in ``[key_lo, key_lo + n_keys)`` (a band's ranks, a band's steps).
 
     In band coordinates (``key * span - lo + t``) every key's times lie in
     ``[key * span, (key + 1) * span)``, so sorting the starts sorts by (key,
@@ -194,12 +197,15 @@ def _union(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: t
     """
     if len(key) == 0:
         return np.zeros(n_keys)
+    if band is not None and key_lo and (key_lo + n_keys) * band[1] >= 1 << 62:
+        key, key_lo = key - key_lo, 0  # absolute keys would overflow band coordinates: relative ones
     if band is None:  # astronomically long runs
+        key = key - key_lo
         o = np.lexsort((t0, key))
         return _sweep(key[o], t0[o], t1[o], n_keys)
     lo, span = band
     s0 = key * span
-    s0 -= lo
+    s0 -= lo + key_lo * span  # key_lo's band is band 0: no pass to make the keys relative
     s1 = s0 + t1
     s0 += t0
     if not _nondecreasing(s0):  # often already sorted (one interval a member, in time order): no sort
@@ -217,15 +223,15 @@ def _union(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: t
     np.maximum(reach, s0, out=reach)
     np.subtract(s1, reach, out=reach)
     np.maximum(reach, 0, out=reach)
-    return _sum_by_key(key, reach, n_keys)
+    return _sum_by_key(key, reach, n_keys, key_lo)
 
 
 def _nondecreasing(x: np.ndarray) -> bool:
     return bool(np.all(x[1:] >= x[:-1]))
 
 
-def _sum_by_key(key: np.ndarray, x: np.ndarray, n_keys: int) -> np.ndarray:
-    """Per key, the sum of the int64 ``x``, as float64; ``key`` sorted.
+def _sum_by_key(key: np.ndarray, x: np.ndarray, n_keys: int, key_lo: int = 0) -> np.ndarray:
+    """Per key in ``[key_lo, key_lo + n_keys)``, the sum of the int64 ``x``, as float64; ``key`` sorted.
 
     One sum per run of equal keys (``np.add.reduceat``, 2 ns an element, a
     third of ``np.bincount`` with weights). The same numbers as bincount's: the
@@ -239,15 +245,17 @@ def _sum_by_key(key: np.ndarray, x: np.ndarray, n_keys: int) -> np.ndarray:
     first[0] = True
     np.not_equal(key[1:], key[:-1], out=first[1:])
     at = np.flatnonzero(first)
-    out[key[at]] = np.add.reduceat(x, at)
+    out[key[at] - key_lo] = np.add.reduceat(x, at)
     return out
 
 
-def _band(key_max: int, *times: np.ndarray) -> tuple[int, int] | None:
+def _band(key_max: int, *times: np.ndarray, ends: tuple[np.ndarray, ...] | None = None) -> tuple[int, int] | None:
     """(lo, span) that put every key's times into its own band ``key * span - lo``, for keys up to
-    ``key_max`` (any upper bound) and times among ``times`` (non-empty arrays); None when int64 overflows."""
+    ``key_max`` (any upper bound) and times among ``times`` (non-empty arrays); None when int64 overflows.
+    With ``ends``, ``times`` are starts and ``ends`` the ends of the same intervals (each end >= its start):
+    the lowest start and the highest end then bound them all."""
     lo = min(int(t.min()) for t in times)
-    span = max(int(t.max()) for t in times) - lo + 1
+    span = max(int(t.max()) for t in (times if ends is None else ends)) - lo + 1
     return (lo, span) if key_max < np.iinfo(np.int64).max // span - 1 else None
 
 
@@ -865,30 +873,30 @@ class _Tally:
         self.overlapped = np.zeros(n_keys)
 
     def add(self, k_lo: int, k_hi: int, iv: _Intervals) -> None:
-        """Tally a band's intervals, whose ranks are keys here (relative to ``k_lo``: in ``[0, k_hi - k_lo)``).
+        """Tally a band's intervals, whose ranks are keys here (in ``[k_lo, k_hi)``).
 
         One union per category (over its parts, usually one), one over the busy
         parts (a collective's span once, not its two pieces), one over the exposed
         parts and, with non-blocking spans, one over the busy parts and the spans.
         """
         n = k_hi - k_lo
-        times = [t for p in iv.all_parts() for t in p[1:] if len(t)]
-        if not times:
+        parts = [p for p in iv.all_parts() if len(p[0])]
+        if not parts:
             return
-        # one band for every union below (each covers a subset of these intervals; keys < n)
-        band = _band(n, *times)
-        for c, parts in iv.cat.items():  # a few categories
-            self.per_cat[k_lo:k_hi, c] = _union(*_one(parts), n, band)
+        # one band for every union below (each covers a subset of these intervals; keys - k_lo < n)
+        band = _band(n, *(p[1] for p in parts), ends=tuple(p[2] for p in parts))
+        for c, ps in iv.cat.items():  # a few categories
+            self.per_cat[k_lo:k_hi, c] = _union(*_one(ps), n, band, k_lo)
         busy_parts = _one(iv.busy)
-        busy = _union(*busy_parts, n, band)
+        busy = _union(*busy_parts, n, band, k_lo)
         self.busy[k_lo:k_hi] = busy
         if iv.exposed:
-            self.exposed[k_lo:k_hi] = _union(*_one(iv.exposed), n, band)
+            self.exposed[k_lo:k_hi] = _union(*_one(iv.exposed), n, band, k_lo)
         # the async spans' time outside every category = |spans U busy| - |busy|
         # (no spans: none; MPI runs skip the sort)
         if iv.spans:
             both = _one([busy_parts, *iv.spans])
-            self.overlapped[k_lo:k_hi] = np.maximum(0.0, _union(*both, n, band) - busy)
+            self.overlapped[k_lo:k_hi] = np.maximum(0.0, _union(*both, n, band, k_lo) - busy)
 
 
 def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -942,7 +950,7 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
         b = _Band(ctx, r_lo, r_hi, e_lo, e_hi)
         iv = _intervals(ctx, b)
         if tally is not None:
-            tally.add(r_lo, r_hi, iv.map(lambda p: (p[0] - r_lo, p[1], p[2])))
+            tally.add(r_lo, r_hi, iv)
         steps.add(r_lo, r_hi, iv)
         del iv, b
     return tally, steps.frame(run)
@@ -1045,11 +1053,7 @@ class _Steps:
         if k_hi == k_lo:
             return
 
-        def cut(part: _Ivs) -> _Ivs:
-            key, p0, p1 = self._cut(k_lo, k_hi, *part)
-            return key - k_lo, p0, p1
-
-        self.tally.add(k_lo, k_hi, iv.map(cut))
+        self.tally.add(k_lo, k_hi, iv.map(lambda part: self._cut(k_lo, k_hi, *part)))
 
     def _cut(self, k_lo: int, k_hi: int, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, ...]:
         """(key, p0, p1): the intervals cut at the step marks: piece i of an interval lies in step
