@@ -23,6 +23,14 @@ s and extra peak per event): bands of ranks, rows ordered by rank once
 ~20 B/event, are part of that); ``step_breakdown`` alone 0.72 s. ``--mpi``
 (0.64 M events, one band): 0.31 -> 0.22 s, peak unchanged (one band is the
 whole run below ``BAND_EVENTS``).
+
+Then (issue 10, ``--baseline 1f4f854``, best of 3, load 4-7): members read
+from each band's own event rows, unions that skip sorted sorts, rows of a kind
+from the run's kind index, per_step computed once per per_step_json. DDP
+16 x 20k: breakdown 0.70-1.07 -> 0.48-0.82 s (0.69-0.77x; the per-step cut of
+each part is now its largest cost), peak unchanged (+42 B/event), per_step_json
+0.16 -> 0.08-0.12 s; ``--mpi``: 0.36x. Same tables (tests/test_breakdown_members.py,
+tests/test_breakdown_bands.py) and a byte-identical JSON report.
 """
 
 from __future__ import annotations
