@@ -110,6 +110,7 @@ report byte-identical on every synth fault, a DDP and a mixed run, and 1024 x
 
     run                      CPU s before -> after      transient over the live set
     1024 x 10k (10.3 M ev)   1.10-1.19 -> 0.40-0.46     0.4-0.5 -> 0.1 B/event
+      again, at 388e99a      1.67-1.73 -> 0.31-0.40     0.5 -> 0.1 B/event (busier machine)
     64 x 100k (6.4 M ev)     0.69-0.80 -> 0.24-0.27     0.2 -> 0.2 B/event
 
 (2.7-2.9x; the lead's 16.1 s at 1,024 x 100k would be ~5.5 s.) Where it
