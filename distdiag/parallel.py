@@ -64,8 +64,10 @@ from distdiag.run import (
     _assemble,
     _capacity_rows,
     _Packer,
+    _populate,
     _RankData,
     _read_rank,
+    new_table,
     rank_files_of,
 )
 
@@ -149,7 +151,8 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
     if len(packer.buf) >= total:  # rank 0's own buffer has room (K = 1, or a generous bound): no copy
         table = packer.buf[:total]
     else:
-        table = np.empty(total, RUN_EVENT_DTYPE)
+        table = new_table(total)
+        _populate(table)  # every row is written below: fault the pages in at once (see run.new_table)
         table[: packer.used] = packer.buf[: packer.used]
     packer.buf = table  # rank 0's own views are re-pointed below, with everyone's
     off = 0

@@ -159,3 +159,34 @@ def test_the_packed_read_and_the_salvaging_read_give_the_same_run(run_dir: Path,
     np.testing.assert_array_equal(got.events, ref.events)
     assert got.ranks == ref.ranks and got.warnings == ref.warnings
     np.testing.assert_array_equal(got.inflight, ref.inflight)
+
+
+@pytest.mark.skipif(run_mod._POPULATE_WRITE is None, reason="madvise(MADV_POPULATE_WRITE) is Linux-only")
+def test_the_table_is_its_own_mapping_and_each_rank_range_is_faulted_in_at_once(run_dir: Path) -> None:
+    import mmap
+    import resource
+
+    ref = load_run(run_dir)
+    owner = run_mod._owner(ref.events)
+    assert isinstance(owner.base, memoryview) and isinstance(owner.base.obj, mmap.mmap)  # new_table's, no copy
+    t = run_mod.new_table(1 << 16)  # 4.6 MB, untouched
+    part = t[1000:40_000]
+    run_mod._populate(part)
+    if run_mod._POPULATE_WRITE is None:
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE")
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    part["rank"] = 7  # resident already: (almost) no fault
+    populated = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    rest = t[45_000:]
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    rest["rank"] = 7  # never populated: a fault a 4 kB page
+    faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    assert populated <= 2 and faulted >= rest.nbytes // mmap.PAGESIZE // 2
+
+
+def test_without_the_mapping_the_table_is_numpys_and_the_same(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = load_run(run_dir)
+    monkeypatch.setattr(run_mod, "_POPULATE_WRITE", None)  # an older kernel, or not Linux
+    plain = load_run(run_dir)
+    assert run_mod._owner(plain.events).base is None  # np.empty's buffer
+    assert plain.events.tobytes() == ref.events.tobytes()
