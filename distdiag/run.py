@@ -71,6 +71,30 @@ a row). At 100k a rank the kernel's first touch of the table's pages adds
 how fragmented memory is): a cost of the table's size, for the narrower
 table below.
 
+Then the table's first touch (issue 10): the table is its own anonymous
+mapping (:func:`new_table`) and each rank's range is faulted in by one
+``madvise(MADV_POPULATE_WRITE)`` before its rows are copied. The faults had
+cost 14-119 ns an event of system time (numpy advises huge pages: each 2 MB
+fault zeroes, and often first compacts, memory that the page cache fills),
+now a steady 19-26. Read alone (user + sys, alternating processes,
+``getrusage``): 64 x 100k 160/203/139 -> 127/144/160 ns an event, sys
+66-104 -> 43-52; 1024 x 10k 4.06-4.31 -> 3.32-3.85 s, sys 0.54-1.00 ->
+0.51-0.53 s. ``bench_scale --stages 64x100000 --baseline --repeat 2``:
+read + pack 1.02 -> 0.77 s CPU, align (4 kB pages now) 0.98 -> 0.87.
+Where an event's ~120 ns go at 100k a rank (64 x 100k, cProfile and
+in-cache loops): page population ~22, HDF5's read into the scratch ~11,
+the copy with the rank ~13 (9 for the 69 bytes, 4 for the rank), the scan
+~15, the rest per file (~2-3.5 ms: 19 attributes ~0.9 ms under cProfile,
+five datasets, open and close). Tried and left out: reading straight into
+the table with a compound memory type of the table's offsets and itemsize
+73 (HDF5 then converts through its type-conversion buffer: 77 ns an event
+against ~24 for read + copy); reading raw chunks (``read_direct_chunk``,
+4,096 rows each, so the copy and scan read L2) is within the noise (61-74
+against 67-77 ns an event); a 2-D view for name_id + comm_id in the scan
+(8.4 ns a row against 2.7). The capacity bound (file sizes / 69 bytes,
+~28% above the rows) now costs address space only: pages are populated
+rank by rank, never past the last row.
+
 What comes next (design, not built):
 
 1. A narrower table: a dense core every stage reads (t0, t1, rank, kind,
