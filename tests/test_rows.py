@@ -85,6 +85,22 @@ def test_the_blockwise_build_is_one_stable_sort_by_kind(aligned: Run, block_rows
     assert np.array_equal(np.diff(idx.starts), np.bincount(aligned.events["kind"], minlength=256))
 
 
+@pytest.mark.parametrize("n_kinds", [1, 3, 8, 9, 40])
+def test_the_per_kind_fill_and_the_sort_fallback_give_one_stable_sort(aligned: Run, n_kinds: int) -> None:
+    # the real table's rows with their kinds redrawn: blocks of up to 8 kinds are counted and
+    # filled one compare per kind, blocks of more are sorted; a kind first seen in a late block
+    # (after blocks that were counted by compares only) must be counted by the fallback
+    rng = np.random.default_rng(n_kinds)
+    t = aligned.events.copy()
+    kinds = rng.choice(255, n_kinds, replace=False)
+    t["kind"] = rng.choice(kinds, len(t), p=rng.dirichlet(np.full(n_kinds, 0.3)))
+    t["kind"][-5:] = 255  # a new kind in the last block
+    for block_rows in (3, 64, 1000, 1 << 16):
+        idx = build(t, block_rows=block_rows)
+        assert np.array_equal(idx.order, np.argsort(t["kind"], kind="stable")), block_rows
+        assert np.array_equal(np.diff(idx.starts), np.bincount(t["kind"], minlength=256)), block_rows
+
+
 def test_values_outside_the_kind_range_match_nothing(aligned: Run) -> None:
     assert len(rows_of(aligned, [-1, 256, 1000])) == 0
     assert np.array_equal(rows_of(aligned, [int(Kind.PROBE), 300]), _mask_rows(aligned, [int(Kind.PROBE)]))
