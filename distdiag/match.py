@@ -163,14 +163,16 @@ def _empty(strings: np.ndarray) -> Collectives:
 _KEY_FIELDS = ("t0_ns", "rank", "comm_id", "seq")
 #: The other fields it keeps (read in the matched order, second pass).
 _ROW_FIELDS = ("t0_ns", "t1_ns", "kind", "name_id", "peer", "nbytes", "site_id", "aux")
-#: Rows per block of :func:`_gather` (4.7 MB of 73-byte rows: stays in cache).
-_GATHER_ROWS = 1 << 16
+#: Rows per block of :func:`_gather` (300 kB of 73-byte rows: stays in L2). At 64 x 100k
+#: (3.2 M rows in match order, best of 3-4 interleaved, CPU s): 2^16 rows 0.20-0.27,
+#: 2^12 0.15-0.19, 2^11 0.12-0.24 (noisier), measured.
+_GATHER_ROWS = 1 << 12
 
 
 def _gather(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
     """``{f: tab[f][idx]}`` for every field, in one pass over the rows (blocks of whole rows)."""
     out = {f: np.empty(len(idx), tab.dtype[f]) for f in fields}
-    for lo in range(0, len(idx), _GATHER_ROWS):  # per block of 65,536 rows
+    for lo in range(0, len(idx), _GATHER_ROWS):  # per block of 4,096 rows
         # take, not tab[idx]: numpy's fancy indexing copies a structured row field by
         # field (~160 ns a 73-byte row), take copies it whole (~20 ns), measured
         sub = tab.take(idx[lo : lo + _GATHER_ROWS])
@@ -189,7 +191,7 @@ def _gather_in_order(
     in-flight rows the caller uses :func:`_gather` on ``ev_idx[order]``."""
     n_ev = len(ev_idx)
     out = {f: np.empty(len(order), ev.dtype[f]) for f in fields}
-    for lo in range(0, len(order), _GATHER_ROWS):  # per block of 65,536 rows
+    for lo in range(0, len(order), _GATHER_ROWS):  # per block of 4,096 rows
         o = order[lo : lo + _GATHER_ROWS]
         hi = lo + len(o)
         from_ev = o < n_ev
@@ -382,8 +384,9 @@ def match_collectives(run: Run) -> Collectives:
 
     # Root: rooted collectives carry the root in peer (>= 0 on every member).
     peer = rows["peer"]
-    rooted = np.maximum.reduceat(peer, starts) >= 0
-    root_mismatch = rooted & (np.minimum.reduceat(peer, starts) != np.maximum.reduceat(peer, starts))
+    peer_max = np.maximum.reduceat(peer, starts)
+    root_mismatch = (peer_max >= 0) & (np.minimum.reduceat(peer, starts) != peer_max)
+    del peer_max
 
     # Size: only for ops that require equal counts on every member.
     checked_ids = np.array([run.sid(o) for o in SIZE_CHECKED_OPS if run.sid(o) >= 0], np.int64)
@@ -553,8 +556,15 @@ def stable_order(key: np.ndarray) -> np.ndarray:
     than 2^32 are sorted as two stable 16-bit radix passes, low half then high
     half (an LSD radix sort: same order). Measured on the 5.1 M (comm, seq) keys
     of the 1024x10k run (CPU s): 0.38 (timsort) -> 0.20 (radix) -> 0.11 (packed)."""
+    return _stable_order_keys(key)[0]
+
+
+def _stable_order_keys(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(:func:`stable_order` of ``key``, ``key`` in that order): when the order comes from
+    the packed values, the sorted keys are their high bits, decoded by one
+    sequential pass instead of a gather ``key[order]`` (a random read a row)."""
     if len(key) == 0:
-        return np.zeros(0, np.intp)
+        return np.zeros(0, np.intp), key[:0]
     lo = int(key.min())
     span = int(key.max()) - lo
     b = _bits(len(key) - 1)
@@ -564,21 +574,25 @@ def stable_order(key: np.ndarray) -> np.ndarray:
         k <<= b
         k |= np.arange(len(key), dtype=np.int64)
         k.sort()
+        sk = k >> b
+        sk += lo
         k &= (1 << b) - 1
-        return k
+        return k, sk.astype(key.dtype, copy=False)
     if span >= 1 << 32:
-        return np.argsort(key, kind="stable")
+        o = np.argsort(key, kind="stable")
+        return o, key[o]
     k = key.astype(np.int64)
     k -= lo
     if span < 1 << 16:
-        return np.argsort(k.astype(np.uint16), kind="stable")
+        o = np.argsort(k.astype(np.uint16), kind="stable")
+        return o, key[o]
     order = np.argsort((k & 0xFFFF).astype(np.uint16), kind="stable")
     k >>= 16
     high = k.astype(np.uint16)[order]
     del k
     o2 = np.argsort(high, kind="stable")
     np.take(order, o2, out=o2, mode="clip")  # o2[i] = order[o2[i]], in place
-    return o2
+    return o2, key[o2]
 
 
 def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -595,12 +609,21 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
     not fit. The packed values are built and decoded by blocks of whole groups,
     so the whole-size arrays are the key order and the packed values (16 bytes
     a row). Measured at 1024x10k (5.1 M rows, CPU s): 0.55 (a stable argsort
-    of t0, a timsort merging the ranks' runs, then one of the keys) -> 0.3-0.4."""
+    of t0, a timsort merging the ranks' runs, then one of the keys) -> 0.3-0.4.
+
+    Then (issue 10, at 64 x 100k: 3.2 M rows): the sorted keys decoded from
+    the first sort's packed values (no gather ``gkey[order]``); the arrivals
+    gathered once in key order, into the packed values' own array (the
+    second pass packs them in place: no second random gather of t0); and
+    the second sort done block by block of whole groups, each block packed,
+    sorted and decoded while it is in cache (the values never cross a block's
+    groups, so the blocks' sorts are the whole sort). CPU s, interleaved runs:
+    0.20-0.27 -> 0.15-0.19."""
     n = len(gkey)
     if n == 0:
         return np.zeros(0, np.intp), np.zeros(0, np.intp)
-    o = stable_order(gkey)
-    gk = gkey[o]
+    t0 = np.asarray(t0, dtype=np.int64)
+    o, gk = _stable_order_keys(gkey)
     newg = np.empty(n, bool)
     newg[0] = True
     np.not_equal(gk[1:], gk[:-1], out=newg[1:])
@@ -613,34 +636,33 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
     blocks = list(_blocks_of_groups(gs, _ORDER_ROWS))
     # t0 differences cannot overflow int64 when the whole range spans < 2^62
     if int(t0.max()) - int(t0.min()) < 1 << 62:
+        key = np.empty(n, np.int64)  # the arrivals in key order first, then their packed values
         gmin = np.empty(ng, np.int64)
         spread = 0
-        for g_lo, g_hi, a, b in blocks:  # per block of ~262,144 rows: each group's first arrival
-            ts = t0[o[a:b]].astype(np.int64, copy=False)
+        for g_lo, g_hi, a, b in blocks:  # per block of ~ _ORDER_ROWS rows: each group's first arrival
+            ts = key[a:b]
+            np.take(t0, o[a:b], out=ts)
             at = gs[g_lo:g_hi] - a
             mn = np.minimum.reduceat(ts, at)
             gmin[g_lo:g_hi] = mn
             spread = max(spread, int((np.maximum.reduceat(ts, at) - mn).max()))
         bt, bp, bg = _bits(spread), _bits(int(counts.max()) - 1), _bits(ng - 1)
         if bg + bt + bp <= 63:
-            key = np.empty(n, np.int64)
-            for g_lo, g_hi, a, b in blocks:  # per block: (group, arrival - first arrival, position) packed
+            low = (1 << bp) - 1
+            for g_lo, g_hi, a, b in blocks:  # per block: (group, arrival - first arrival, position) packed, sorted, decoded
                 c = counts[g_lo:g_hi]
                 k = key[a:b]
-                np.left_shift(np.repeat(np.arange(g_lo, g_hi, dtype=np.int64), c), bt + bp, out=k)
-                ts = t0[o[a:b]].astype(np.int64)
-                ts -= np.repeat(gmin[g_lo:g_hi], c)
-                ts <<= bp
-                k |= ts
+                k -= np.repeat(gmin[g_lo:g_hi], c)
+                k <<= bp
+                k |= np.left_shift(np.repeat(np.arange(g_lo, g_hi, dtype=np.int64), c), bt + bp)
                 pos = np.arange(a, b, dtype=np.int64)
-                pos -= np.repeat(gs[g_lo:g_hi], c)
+                first = np.repeat(gs[g_lo:g_hi], c)
+                pos -= first
                 k |= pos
+                k.sort()  # within the block's groups: each group's values stay in its own range
+                k &= low
+                k += first
             del gmin
-            key.sort()  # within each group's own range of values: the groups keep their rows
-            for g_lo, g_hi, a, b in blocks:  # per block: the position back to a row
-                k = key[a:b]
-                k &= (1 << bp) - 1
-                k += np.repeat(gs[g_lo:g_hi], counts[g_lo:g_hi])
             np.take(o, key, out=key)
             return key, starts
     # arrivals spread too far for the packed key: a stable sort by t0, then by group
@@ -650,8 +672,11 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
     return o[by_t0[o2]], starts
 
 
-#: Rows per block of :func:`arrival_order`'s packing (temporaries of a few MB).
-_ORDER_ROWS = 1 << 18
+#: Rows per block of :func:`arrival_order`'s packing and second sort (512 kB of values:
+#: sorted in cache). At 64 x 100k (3.2 M rows, CPU s, 4 interleaved runs): 2^18 rows
+#: 0.17-0.26, 2^16 0.15-0.21, 2^14 0.14-0.19, measured; 2^16 keeps the blocks' Python
+#: overhead small when groups are large.
+_ORDER_ROWS = 1 << 16
 
 
 def rank_time_order(colls: Collectives) -> np.ndarray:

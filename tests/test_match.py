@@ -161,3 +161,6 @@ def test_arrival_order_is_the_lexsort_of_group_key_then_arrival(block_rows: int,
         gk = gkey[ref]
         np.testing.assert_array_equal(starts, np.flatnonzero(np.r_[True, gk[1:] != gk[:-1]]))
         np.testing.assert_array_equal(match.stable_order(gkey), np.argsort(gkey, kind="stable"))
+        o, sk = match._stable_order_keys(gkey)  # the sorted keys, decoded or gathered
+        np.testing.assert_array_equal(sk, gkey[o])
+        assert sk.dtype == gkey.dtype
