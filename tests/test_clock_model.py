@@ -303,3 +303,75 @@ def test_two_knot_offsets_equal_np_interp_to_the_nanosecond() -> None:
         m = clocks.RankClock(rank=1, method="sync-single", knots_x=kx, knots_y=np.full(len(kx), 3.5), slope=1e-6)
         t = np.arange(-20, 20, dtype=np.int64)
         assert np.array_equal(m.offset_ns(t), _offset_by_interp(m, t))
+
+
+def test_offsets_of_blocks_on_one_side_of_the_knots_equal_np_interp() -> None:
+    # offset_ns builds its masks only when the times' min and max say some time lies
+    # at the last knot or outside the knots: blocks wholly between, at, before and
+    # after the knots must still give np.interp's numbers.
+    rng = np.random.default_rng(11)
+    for trial in range(100):
+        kx = np.rint(np.sort(rng.uniform(-1e12, 1e12, 2)))
+        m = clocks.RankClock(rank=1, method="sync", x0_ns=BASE, y0_ns=int(rng.integers(-10**9, 10**9)),
+                             knots_x=kx, knots_y=rng.normal(0, 1e7, 2), slope=float(rng.normal(0, 1e-5)))  # fmt: skip
+        x = np.rint(rng.uniform(kx[0] - 1e11, kx[1] + 1e11, 500)).astype(np.int64)
+        x[:2] = [int(kx[0]), int(kx[1])]
+        for sub in (x[(x > kx[0]) & (x < kx[1])], x[x >= kx[1]], x[x <= kx[0]], x[x < kx[0]], x[:1], x[1:2], x[:0]):
+            t = m.x0_ns + sub
+            assert np.array_equal(m.offset_ns(t), _offset_by_interp(m, t)), trial
+
+
+def test_mapping_in_place_by_blocks_equals_mapping_by_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # _map_inplace maps each row by its rank's model, block by block, whatever the
+    # table's order (sorted runs of ranks, or a shuffled block that goes by sort).
+    from distdiag.run import RUN_EVENT_DTYPE
+
+    rng = np.random.default_rng(3)
+    models = {
+        r: clocks.RankClock(rank=r, method="sync", x0_ns=BASE, y0_ns=1000 * r, knots_x=np.array([0.0, 1e9]),
+                            knots_y=np.array([0.0, 50.0 * r]), slope=1e-7 * r)  # fmt: skip
+        for r in (0, 1, 3, 4)  # rank 2 has no model: left as it is
+    }
+    for rows in (1, 7, 64, 1 << 14):
+        monkeypatch.setattr(clocks, "_MAP_ROWS", rows)
+        ranks = np.sort(rng.integers(0, 5, 3000)).astype(np.int32)
+        ranks[1000:1300] = rng.permutation(ranks[1000:1300])  # an unsorted stretch
+        ranks[2000:2400] = rng.integers(0, 5, 400)  # many runs in a block
+        tab = np.zeros(len(ranks), RUN_EVENT_DTYPE)
+        tab["rank"] = ranks
+        tab["t0_ns"] = BASE + rng.integers(-10**9, 2 * 10**9, len(ranks))
+        tab["t1_ns"] = np.where(rng.random(len(ranks)) < 0.1, -1, tab["t0_ns"] + 5)
+        want = {c: clocks._map_by_rank(tab[c], tab["rank"], models)[0] for c in ("t0_ns", "t1_ns")}
+        clocks._map_inplace(tab, ("t0_ns", "t1_ns"), models)
+        for c in ("t0_ns", "t1_ns"):
+            assert np.array_equal(tab[c], want[c]), (rows, c)
+
+
+@pytest.mark.parametrize("block_rows", [1, 50, 1 << 18])
+def test_violation_count_on_own_times_equals_the_general_count(
+    tmp_path: Path, block_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the collectives' own times the count reads each group's last entry from
+    # g_last_ns; the general path (a model per rank, here none: identity) takes the
+    # group maximum of the selected members. Same numbers, with violations, groups
+    # that are not checked and members in flight.
+    from distdiag.match import MatchState, match_collectives
+
+    monkeypatch.setattr(clocks, "_CHECK_ROWS", block_rows)
+    sim = simulate(tmp_path / "run", sync={3: "start"})
+    import h5py
+
+    with h5py.File(sim.run_dir / rank_file_name(3), "r+") as f:
+        s = f["clock_sync"][...]
+        s["t_ref_ns"] -= 3 * MS
+        f["clock_sync"][...] = s
+    al = clocks.align(load_run(sim.run_dir), repair=False)
+    colls = match_collectives(al.replace())
+    ok_g = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
+    ok_g[::5] = False
+    fast = clocks._count_violations(colls, ok_g, None)
+    assert fast == clocks._count_violations(colls, ok_g, {}) and fast[1] > 0
+    # a member in flight in a checked group (not a match's own state): the general path for its block
+    colls.m_t1_ns[colls.g_start[1]] = -1
+    ok_g[1] = True
+    assert clocks._count_violations(colls, ok_g, None) == clocks._count_violations(colls, ok_g, {})
