@@ -219,3 +219,31 @@ def test_a_slow_node_of_many_ranks_is_charged_from_the_last_other_host(
     assert [(f.hosts, f.evidence.get("level")) for f in fs] == [(["node1"], "host")]
     assert fs[0].cost_s == pytest.approx(t.host_cost_s("node1"), rel=1e-6)
     assert fs[0].evidence["collectives"] == 59 and fs[0].evidence["count"] == 59
+
+
+@pytest.mark.parametrize("fault", ["straggler", "skew"])
+def test_startup_groups_from_the_early_rows_are_those_of_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   fault: str) -> None:  # fmt: skip
+    # real synthetic runs; the block that bounds each rank's first arrival made small enough that
+    # the early-rows path runs (a block without every rank falls back to the pass over every row)
+    from distdiag import clocks
+    from distdiag.detectors import straggler
+    from distdiag.match import collectives_of
+    from distdiag.run import load_run
+    from distdiag.synth import synth
+
+    synth(tmp_path / "r", ranks=16, events=2000, fault=fault, ranks_per_host=4)
+    colls = collectives_of(clocks.align(load_run(tmp_path / "r")))
+    monkeypatch.setattr(straggler, "_early_rows", lambda c: None)
+    every = straggler.startup_groups(colls)
+    monkeypatch.undo()
+    assert every.sum() >= 1
+    took = []
+    for block in (8, 16, 40, 1000):  # 8 rows: half the ranks, no bound; the others: the early rows
+        monkeypatch.setattr(straggler, "_ROWS", block)
+        rows = straggler._early_rows(colls)
+        took.append(rows is not None)
+        if rows is not None:
+            assert np.all(np.diff(rows) > 0) and len(rows) < len(colls.m_rank)
+        assert np.array_equal(straggler.startup_groups(colls), every), block
+    assert took[0] is False and any(took)
