@@ -72,28 +72,38 @@ how fragmented memory is): a cost of the table's size, for the narrower
 table below.
 
 Then the table's first touch (issue 10): the table is its own anonymous
-mapping (:func:`new_table`) and each rank's range is faulted in by one
-``madvise(MADV_POPULATE_WRITE)`` before its rows are copied. The faults had
-cost 14-119 ns an event of system time (numpy advises huge pages: each 2 MB
-fault zeroes, and often first compacts, memory that the page cache fills),
-now a steady 19-26. Read alone (user + sys, alternating processes,
-``getrusage``): 64 x 100k 160/203/139 -> 127/144/160 ns an event, sys
-66-104 -> 43-52; 1024 x 10k 4.06-4.31 -> 3.32-3.85 s, sys 0.54-1.00 ->
-0.51-0.53 s. ``bench_scale --stages 64x100000 --baseline --repeat 2``:
-read + pack 1.02 -> 0.77 s CPU, align (4 kB pages now) 0.98 -> 0.87.
+mapping (:func:`new_table`, 4 kB pages) and each rank's range is faulted in
+by one ``madvise(MADV_POPULATE_WRITE)`` before its rows are copied. With
+numpy's allocation (huge-page advice) the faults cost 9-119 ns an event of
+system time, depending on whether free 2 MB pages exist or memory must be
+compacted first (the page cache fills this machine); populated 4 kB pages
+cost a steady 19-26 (``resource.getrusage`` over 6.4 M rows filled by
+blocks, nine alternating processes). So this trades the best case for a
+bounded one. Read alone (user + sys, seven alternating processes a tree,
+64 x 100k): 0.73-0.93 s, mean 0.81, against 0.67-1.16 s, mean 0.92, before;
+1024 x 10k, three pairs: 3.32-3.85 against 4.06-4.31 s. ``bench_scale
+--stages --baseline <worktree of 3599750>`` (best of N children, which
+favours the lucky huge-page runs): 64 x 100k read + pack 1.02 -> 0.77 s
+(memory fragmented), then 0.57 -> 0.92 and 0.64 -> 0.96 (2 MB pages free);
+1024 x 10k 3.27 -> 3.36; align, straggler and breakdown no slower on the
+4 kB table (align 1.89 -> 1.60 at 1024 x 10k, 1.13 -> 0.87 at 64 x 100k).
+Huge-page advice + populate: mean 0.94 s, 0.68-1.47, left out.
 Where an event's ~120 ns go at 100k a rank (64 x 100k, cProfile and
 in-cache loops): page population ~22, HDF5's read into the scratch ~11,
 the copy with the rank ~13 (9 for the 69 bytes, 4 for the rank), the scan
-~15, the rest per file (~2-3.5 ms: 19 attributes ~0.9 ms under cProfile,
-five datasets, open and close). Tried and left out: reading straight into
+~15, the rest per file (~2.3-2.9 ms at 1,000 rows a rank: 19 attributes
+~0.7-0.9 ms at ~40 us each, the strings ~0.2, open ~0.25, four small
+tables ~0.06 each, close). Tried and left out: reading straight into
 the table with a compound memory type of the table's offsets and itemsize
 73 (HDF5 then converts through its type-conversion buffer: 77 ns an event
 against ~24 for read + copy); reading raw chunks (``read_direct_chunk``,
 4,096 rows each, so the copy and scan read L2) is within the noise (61-74
 against 67-77 ns an event); a 2-D view for name_id + comm_id in the scan
-(8.4 ns a row against 2.7). The capacity bound (file sizes / 69 bytes,
-~28% above the rows) now costs address space only: pages are populated
-rank by rank, never past the last row.
+(8.4 ns a row against 2.7); a thread populating 32 MB ahead of the reader
+(ctypes ``madvise``, which lets go of the GIL): wall 0.90 against 0.96 s
+at 64 x 100k but sys 0.38 against 0.32 s. The capacity bound (file sizes
+/ 69 bytes, ~28% above the rows) costs address space only, before and now:
+pages never written are never resident, and populating goes rank by rank.
 
 What comes next (design, not built):
 
@@ -1103,14 +1113,15 @@ def new_table(rows: int) -> np.ndarray:
 
     Why (issue 10, measured with ``resource.getrusage`` filling 6.4 M rows by
     blocks of 16,384, as the packer does): the first touch of the table's pages
-    cost 14-110 ns a row of system time with numpy's allocation (it advises
-    huge pages above 4 MB; each 2 MB fault zeroes and often compacts memory
-    first, so the cost depends on how fragmented memory is: the page cache
-    fills this machine) and 32-119 ns with 4 kB faults, but 19-26 ns, steadily,
-    when ``madvise(MADV_POPULATE_WRITE)`` faults each rank's range in before
-    its rows are copied (one call a rank file; huge pages + populate: 54-74).
-    Pages never written are never resident, as with ``np.empty``. The mapping
-    is unmapped when the last view of the table dies."""
+    cost 9-110 ns a row of system time with numpy's allocation (it advises
+    huge pages above 4 MB; a 2 MB fault is cheap when free huge pages exist,
+    dear when memory must be compacted first, and the page cache fills this
+    machine) and 32-119 ns with 4 kB faults, but 19-26 ns, steadily, when
+    ``madvise(MADV_POPULATE_WRITE)`` faults each rank's range in before its
+    rows are copied (one call a rank file; huge pages + populate: 11-74).
+    A bounded cost instead of a best case: see the module docstring for what
+    it gives the read. Pages never written are never resident, as with
+    ``np.empty``. The mapping is unmapped when the last view of the table dies."""
     if rows <= 0 or _POPULATE_WRITE is None:
         return np.empty(max(0, rows), RUN_EVENT_DTYPE)
     try:
