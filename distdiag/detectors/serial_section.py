@@ -194,6 +194,21 @@ def _others_at_most(colls: Collectives, gap: np.ndarray, x: np.ndarray, want: np
     return out
 
 
+def _lead(colls: Collectives, idle_m: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Per group of ``groups`` (ascending indices): the lowest busy (not idle) rank among its
+    members, int32 max where none. By blocks of whole groups, skipping the blocks without
+    one of ``groups`` (the serial groups: usually few, so no pass over every member)."""
+    big = np.iinfo(np.int32).max
+    out = np.full(len(colls), big, np.int32)
+    want = np.zeros(len(colls), bool)
+    want[groups] = True
+    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
+        if want[g_lo:g_hi].any():
+            ranks = np.where(idle_m[a:b], np.int32(big), colls.m_rank[a:b].astype(np.int32, copy=False))
+            out[g_lo:g_hi] = np.minimum.reduceat(ranks, colls.g_start[g_lo:g_hi] - a)
+    return out[groups]
+
+
 def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray) -> np.ndarray:
     """Per window [a, b] of rank ``rank``: ns of recorded activity calls starting inside it (capped at b - a)."""
     out = np.zeros(len(rank), np.float64)
@@ -261,15 +276,21 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     del t_idle
     t_idle_last = np.where(t_idle_last > np.iinfo(np.int64).min, t_idle_last, colls.g_second_ns)
     charge = (colls.g_last_ns - t_idle_last).astype(np.float64)
-    big = np.iinfo(np.int32).max
-    lead = np.minimum.reduceat(np.where(idle_m, np.int32(big), colls.m_rank.astype(np.int32, copy=False)), starts)
     # Who held whom: a late non-root of a bcast delays nobody there, unless the
     # root is one of the busy ranks too (the few work, the rest wait for the
     # root, and the last busy rank holds the next collective): then the
-    # section's charge still runs to the last busy arrival.
+    # section's charge still runs to the last busy arrival. (Whether the root
+    # is busy is looked at only in the groups where it decides: not held.)
+    held = holds_others(run, colls)
+    ok = complete & blocking & held
     root = colls.m_peer[starts].astype(np.int64)
-    root_busy = np.maximum.reduceat(((colls.m_rank == np.repeat(root, sizes)) & ~idle_m).astype(np.int8), starts) > 0
-    ok = complete & blocking & (holds_others(run, colls) | root_busy)
+    need = complete & blocking & ~held
+    for g_lo, g_hi, a, b in group_blocks(colls) if need.any() else ():  # per block of ~262,144 member rows
+        w = need[g_lo:g_hi]
+        if w.any():
+            busy_root = (colls.m_rank[a:b] == np.repeat(root[g_lo:g_hi], sizes[g_lo:g_hi])) & ~idle_m[a:b]
+            rb = np.maximum.reduceat(busy_root.astype(np.int8), starts[g_lo:g_hi] - a) > 0
+            ok[g_lo:g_hi] |= w & rb
     idle = ok & (charge >= min_window_ns)
     if not idle.any():
         return []
@@ -306,7 +327,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if len(serial) == 0:
         return []
 
-    s_lead = np.clip(lead[serial], 0, n_rank - 1).astype(np.int64)
+    s_lead = np.clip(_lead(colls, idle_m, serial), 0, n_rank - 1).astype(np.int64)
     in_serial = np.zeros(len(colls), bool)
     in_serial[serial] = True
     others = _others_median(colls, gap, want=in_serial)  # for the evidence: the serial groups' only
