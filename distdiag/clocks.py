@@ -422,7 +422,7 @@ def _rank_spans(ranks: np.ndarray) -> list[tuple[int, int, int]] | None:
     return [(int(k), int(a), int(b)) for k, a, b in zip(r[lo], lo, hi)]
 
 
-def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, RankClock]) -> None:
+def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, RankClock], on_block: Any = None) -> None:
     """Map the time columns ``cols`` of ``table`` (the event table) in place.
 
     The same numbers as ``_map_by_rank`` (each row by its own rank's model, -1
@@ -438,7 +438,12 @@ def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, Ran
     instead of by a full-size contiguous copy of the rank column and a pass
     checking its order (0.04-0.08 s), and :meth:`RankClock.offset_ns`'s range
     checks by the block's min and max: 0.26-0.30 -> 0.16-0.24 (4 runs each, loaded
-    2-core machine)."""
+    2-core machine).
+
+    ``on_block(rows, lo)``, if given, is called with each block once its columns
+    are mapped (rows ``lo:lo + len(rows)``, in table order): align's collective
+    selection (:class:`distdiag.match.KeySelector`) reads the block while it is
+    in cache."""
     views = [table[c] for c in cols]
     rank_col = table["rank"]
     for a in range(0, len(table), _MAP_ROWS):  # per block of the table: every column while in cache
@@ -448,6 +453,8 @@ def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, Ran
         if len(cut) > _MAP_MAX_RUNS:  # not rank-sorted here: each rank's rows gathered
             for col in views:  # a couple of time columns
                 col[a:b], _ = _map_by_rank(col[a:b], r, models)
+            if on_block is not None:
+                on_block(table[a:b], a)
             continue
         edges = [0, *(cut + 1).tolist(), b - a]
         for lo, hi in zip(edges[:-1], edges[1:]):  # per run of one rank in the block (1-2 when sorted)
@@ -463,6 +470,8 @@ def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, Ran
                     valid = ~invalid
                     t[valid] = m.map(t[valid])
                     col[a + lo : a + hi] = t
+        if on_block is not None:
+            on_block(table[a:b], a)
 
 
 #: More runs of one rank than this in a block of :func:`_map_inplace`: the block is
@@ -891,8 +900,15 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     # times. When fit matched the raw run (exit fallback), the check maps it.
     raw_colls: Any = run.cache.get("raw_collectives")
     ev = run.events if inplace else run.events.copy()
+    selector: Any = None
     if len(ev):
-        _map_inplace(ev, ("t0_ns", "t1_ns"), models)
+        on_block = None
+        if raw_colls is None:  # the match below: its selection made in the mapping pass
+            from distdiag.match import KeySelector
+
+            selector = KeySelector(len(ev), ev.dtype)
+            on_block = selector.add
+        _map_inplace(ev, ("t0_ns", "t1_ns"), models, on_block=on_block)
         # No re-sort: each rank's map is monotone, so (rank, t0) order is kept.
     inf = run.inflight.copy()
     if len(inf):
@@ -918,7 +934,12 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
         if raw_colls is None:
             from distdiag.match import match_collectives
 
+            from distdiag.match import SELECTED_KEYS
+
             probe = out.replace()  # matching may add a warning: kept for collectives_of
+            if selector is not None:
+                probe.cache[SELECTED_KEYS] = (ev, selector)
+            del selector
             aligned_colls = match_collectives(probe)
             pending = probe.warnings[len(out.warnings) :]
         # ``out.events`` is align's own table by now (a copy, or the caller's given up with inplace).

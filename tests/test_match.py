@@ -164,3 +164,44 @@ def test_arrival_order_is_the_lexsort_of_group_key_then_arrival(block_rows: int,
         o, sk = match._stable_order_keys(gkey)  # the sorted keys, decoded or gathered
         np.testing.assert_array_equal(sk, gkey[o])
         assert sk.dtype == gkey.dtype
+
+
+def test_key_selector_by_blocks_equals_one_pass_and_is_taken_only_for_its_table(tmp_path: Path) -> None:
+    # align selects the collective rows while it maps the table (KeySelector, fed by its
+    # blocks): the same rows and keys as one pass, whatever the blocks; a selection
+    # made on another table, or not fed to the end, is ignored by match_collectives.
+    from distdiag import match
+
+    s = [""]
+    write_rank(tmp_path, 0, 2, [coll(2 * i, 2 * i + 1.5, i, s) for i in range(40)], strings=s)
+    write_rank(tmp_path, 1, 2, [coll(2 * i + 0.5, 2 * i + 1.5, i, s) for i in range(40)], strings=s)
+    run = load_run(tmp_path)
+    ev = run.events
+    want_idx, want = match._select_keys(ev, match._comm_kind_table())
+    assert len(want_idx) == 80
+    for cuts in ([0, 80], [0, 1, 2, 50, 80], [0, 7, 13, 80]):
+        ks = match.KeySelector(len(ev), ev.dtype)
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            ks.add(ev[lo:hi], lo)
+        idx, got = ks.result()
+        np.testing.assert_array_equal(idx, want_idx)
+        for f in want:
+            np.testing.assert_array_equal(got[f], want[f])
+    with pytest.raises(ValueError):
+        match.KeySelector(len(ev), ev.dtype).add(ev[5:9], 5)
+    ref = match_collectives(run.replace())
+    assert list(ref.m_rank[:2]) == [0, 1]
+    # keys of another table (rank 1 arriving first): not used, unless given as this table's
+    other = ev.copy()
+    other["t0_ns"][other["rank"] == 1] -= MS
+    ks = match.KeySelector(len(ev), ev.dtype)
+    ks.add(other, 0)
+    for pre in ((other, ks), (ev, match.KeySelector(len(ev), ev.dtype))):  # another table; unfinished
+        probe = run.replace()
+        probe.cache[match.SELECTED_KEYS] = pre
+        c = match_collectives(probe)
+        np.testing.assert_array_equal(c.m_rank, ref.m_rank)
+        assert match.SELECTED_KEYS not in probe.cache
+    probe = run.replace()
+    probe.cache[match.SELECTED_KEYS] = (ev, ks)  # this table, fed to the end: its keys order the members
+    assert list(match_collectives(probe).m_rank[:2]) == [1, 0]
