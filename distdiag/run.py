@@ -88,6 +88,16 @@ favours the lucky huge-page runs): 64 x 100k read + pack 1.02 -> 0.77 s
 1024 x 10k 3.27 -> 3.36; align, straggler and breakdown no slower on the
 4 kB table (align 1.89 -> 1.60 at 1024 x 10k, 1.13 -> 0.87 at 64 x 100k).
 Huge-page advice + populate: mean 0.94 s, 0.68-1.47, left out.
+Then the files opened without a chunk cache (:func:`_open_h5`): the events
+read alone 24-70 -> 14-19 ns an event; the whole read in alternating
+processes (64 x 100k, four pairs) 0.80 -> 0.75 s mean. Both changes
+against 3599750, read alone, alternating processes at load 2-4: 64 x 100k
+0.94 -> 0.91 s mean (four triples; with the same tree on 2 MB pages 0.92),
+1024 x 10k 4.50 -> 4.13 s mean (four pairs, sys 0.62-1.29 -> 0.54-0.74).
+``bench_scale --stages --repeat 3`` at the end: 64 x 100k best 0.68 -> 0.85
+(this tree a steady 0.85-0.86, the baseline 0.68-1.17), 1024 x 10k best of
+2 3.26 -> 3.58 (3.58/4.66 against 3.26/4.53 at a rising load): within the
+noise of this shared machine, a narrower spread rather than a lower best.
 Where an event's ~120 ns go at 100k a rank (64 x 100k, cProfile and
 in-cache loops): page population ~22, HDF5's read into the scratch ~11,
 the copy with the rank ~13 (9 for the 69 bytes, 4 for the rank), the scan
