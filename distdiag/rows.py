@@ -60,6 +60,19 @@ own.) The whole analysis' CPU (9.5-11.2 s per child) is within the noise of
 read + pack on this shared machine. One ``argsort`` of the whole column
 instead of the blockwise build: the same order, but +16 B/event at
 input_bound, which then set the peak (1228 -> 1309 MB, measured).
+
+Then the build by compares (:func:`build`; issue 10, 100k events a rank).
+The index still holds every kind's rows: ``distdiag.breakdown`` reads the
+order of the dominant kinds (COLL, the phases) band by band, so a lazy
+index of the rare kinds only would move the cost there. ``--stages RxM
+--baseline <worktree of 3599750> --repeat 2``, best CPU of 2 alternating
+children per tree, load 2-3::
+
+    stage              64 x 100k (6.4 M events)        1024 x 10k (10.3 M)
+    det input_bound    0.11-0.15 -> 0.08-0.09 s         0.20-0.24 -> 0.13-0.14 s
+      its transient    7.1 -> 3.2 B/event               6.3 -> 4.0 B/event
+
+(input_bound finds no INPUT_WAIT row here: the stage is the index build.)
 """
 
 from __future__ import annotations

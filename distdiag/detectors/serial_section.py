@@ -44,6 +44,20 @@ most ``1/s`` times faster (5% serial caps you at 20x).
 Settings (``[analyze.serial_section]``, documented in configs/default.toml):
 ``idle_ratio`` (0.1), ``max_share`` (0.5), ``activity_share`` (0.1),
 ``min_window_ms`` (1.0), ``min_fraction`` ([analyze], 0.02), ``top`` (5).
+
+Cost (issue 10): the others' median gap, a sort of every member's (group,
+gap) key, is decided by counting instead (:func:`_others_at_most`) and only
+for the groups the cheaper tests left; the root's busyness only where it
+decides, the lead rank only for the serial groups (:func:`_lead`); per-member
+group values by ``np.repeat`` (a group's rows are contiguous), not gathers.
+Same findings and the same JSON on every synth fault and 1024 x 10k.
+Measured (``bench_scale.py --grid '' --stages RxM --baseline <worktree of
+3599750> --repeat 2``, best CPU of 2 alternating children per tree, load
+2-3): the stage 0.12 -> 0.04-0.05 s at 64 x 100k (3.2 M member rows), 0.22-0.24
+-> 0.08-0.10 s at 1024 x 10k; its transient reads +0.6 -> +4.0 B/event only
+because input_bound's, just before, shrank (7.1 -> 3.2 B/event) and no longer
+leaves freed pages for it: the analysis' peak RSS is unchanged (798 -> 795 MB,
+1221 -> 1217 MB).
 """
 
 from __future__ import annotations

@@ -58,6 +58,16 @@ analysis stage (``bench_scale.py --stages --baseline --repeat 2``, load 5-8)
 :func:`distdiag.match.member_gaps_ns` (its (rank, arrival) order: two
 run-wide int64 permutations and gathers in rank order), which the detector
 pays for serial_section and the ranking.
+
+Then (issue 10, 100k events a rank): :func:`startup_groups` looks only at
+the early rows (:func:`_early_rows`: a bound on every rank's first arrival
+from the first block of members), :func:`_ops_per_rank` finds the blamed
+ranks' rows by compares, not a gather per member row. Detect alone, member
+gaps cached: ~75 -> ~34-40 ms at 64 x 100k (startup_groups 27 -> 2.5 ms);
+the stage (``--stages --baseline <worktree of 3599750> --repeat 2``, load
+2-3) 0.31-0.34 -> 0.26-0.32 s at 64 x 100k, 0.48-0.58 -> 0.40-0.53 s at
+1024 x 10k: the rest is still the member gaps. Same JSON (every synth fault,
+1024 x 10k).
 """
 
 from __future__ import annotations
