@@ -909,6 +909,7 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
             selector = KeySelector(len(ev), ev.dtype)
             on_block = selector.add
         _map_inplace(ev, ("t0_ns", "t1_ns"), models, on_block=on_block)
+        del on_block  # a bound method: it would keep the selection alive past the match
         # No re-sort: each rank's map is monotone, so (rank, t0) order is kept.
     inf = run.inflight.copy()
     if len(inf):
