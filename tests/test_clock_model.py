@@ -375,3 +375,36 @@ def test_violation_count_on_own_times_equals_the_general_count(
     colls.m_t1_ns[colls.g_start[1]] = -1
     ok_g[1] = True
     assert clocks._count_violations(colls, ok_g, None) == clocks._count_violations(colls, ok_g, {})
+
+
+def test_align_keeps_no_key_selection_alive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The collective selection made in align's mapping pass holds full-size columns:
+    # once the match took it, nothing may keep it (a bound method of it once did:
+    # +20 B/event of align's transient).
+    import gc
+    import weakref
+
+    from distdiag import match
+
+    made: list[weakref.ref] = []
+
+    class Tracked(match.KeySelector):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            made.append(weakref.ref(self))
+
+    alive_after_match: list[bool] = []
+    real_match = match.match_collectives
+
+    def match_and_look(run: Any) -> Any:
+        c = real_match(run)
+        gc.collect()
+        alive_after_match.append(any(r() is not None for r in made))
+        return c
+
+    monkeypatch.setattr(match, "KeySelector", Tracked)
+    monkeypatch.setattr(match, "match_collectives", match_and_look)
+    sim = simulate(tmp_path / "run")
+    out = clocks.align(load_run(sim.run_dir))
+    assert len(made) == 1 and alive_after_match == [False]  # gone while align still runs
+    assert len(out.cache["collectives"]) == sim.iters
