@@ -58,6 +58,19 @@ def _tables(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
     return per_rank, run.cache.pop("step_breakdown")
 
 
+def _spy_on_from_events(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record, per band, whether it read its members from its own event rows."""
+    took: list[bool] = []
+    from_events = bd._Band._from_events
+
+    def spy(self: Any, ctx: Any) -> bool:
+        took.append(from_events(self, ctx))
+        return took[-1]
+
+    monkeypatch.setattr(bd._Band, "_from_events", spy)
+    return took
+
+
 @pytest.mark.parametrize("kind", ["mpi", "ddp", "mixed"])
 @pytest.mark.parametrize("band_events", [1 << 40, 17])
 def test_members_from_event_rows_equal_members_from_the_match(
@@ -71,14 +84,7 @@ def test_members_from_event_rows_equal_members_from_the_match(
         _mixed_run(tmp_path / "r")
     run = align(load_run(tmp_path / "r"))
     monkeypatch.setattr(bd, "BAND_EVENTS", band_events)
-    took: list[bool] = []
-    from_events = bd._Band._from_events
-
-    def spy(self: Any, ctx: Any) -> bool:
-        took.append(from_events(self, ctx))
-        return took[-1]
-
-    monkeypatch.setattr(bd._Band, "_from_events", spy)
+    took = _spy_on_from_events(monkeypatch)
     per_rank, steps = _tables(run)
     assert took and all(took)  # every band read its members from its own rows
     monkeypatch.setattr(bd._Band, "_from_events", lambda self, ctx: False)
@@ -99,14 +105,7 @@ def test_a_duplicate_row_falls_back_to_the_member_table(tmp_path: Path, monkeypa
     _mixed_run(tmp_path / "r", dup=True)
     run = align(load_run(tmp_path / "r"))
     assert collectives_of(run).n_dup == 1
-    took: list[bool] = []
-    from_events = bd._Band._from_events
-
-    def spy(self: Any, ctx: Any) -> bool:
-        took.append(from_events(self, ctx))
-        return took[-1]
-
-    monkeypatch.setattr(bd._Band, "_from_events", spy)
+    took = _spy_on_from_events(monkeypatch)
     per_rank, steps = _tables(run)
     assert took and not any(took)
     np.testing.assert_allclose(per_rank[list(bd.COLUMNS)].sum(axis=1), per_rank["wall_s"], rtol=1e-9)
