@@ -25,8 +25,8 @@ PYTHONPATH, never installed), alternating A B / B A blocks in this one run,
 and prints the ratios of the best CPU runs.
 
 Sizes whose events exceed ``--max-events`` are skipped with a note: the
-analyzer holds the whole run in memory (~250-290 bytes of peak RSS per event,
-measured), and a run that would not fit must not take the shared machine down.
+analyzer holds the whole run in memory (~110-120 bytes of peak RSS per event,
+measured at 10^7-10^8 events), and a run that would not fit must not take the shared machine down.
 
 Measured (issue 10, 2-core machine at load 4-12, ``--grid 256x10000,1024x10000
 --baseline <worktree of 53bae35> --repeat 2``, best CPU run of each; two runs)::
@@ -109,6 +109,31 @@ read + pack alone 2.5-3.0 s; the stages' sums 8.7-9.5 -> 7.8-9.3 s); peak
 +13 B/event. Breakdown alone at
 64 x 100k 1.10 -> 0.67 s, +10.5 -> +0.2 B/event; 1024 x 1k 0.20 -> 0.11 s,
 +18.5 -> +1.2.
+
+Then the whole pipeline cheaper per event at 100k events a rank, same JSON
+(byte for byte on every synth fault, 256x10k, 1024x10k and 1024x100k against
+1f4f854): one kind index for the detectors (distdiag/rows.py), breakdown
+members from the band's own rows, the match's arrival order by packed int64
+sorts and its member gaps in member order, the clock mapping by cache
+blocks, the collective rows selected in the mapping pass, rank files read
+whole into a reused scratch with the table's pages faulted in by
+``MADV_POPULATE_WRITE``, detectors' member-size passes cut (figures in each
+module's docstring). ``--grid 1024x100000 --baseline <worktree of 1f4f854>
+--repeat 2`` at load 1.0, then ``--grid 256x10000,1024x10000,64x100000``::
+
+    size           events     CPU s before -> after (best of 2)   wall s after    peak RSS before -> after
+    1024 x 100k    102.4 M    105.3 -> 45.4 (2.32x)                45.3-64.5       11,296 -> 11,244 MB
+    64 x 100k        6.4 M      5.8 -> 3.2 (1.81x)                   3.0-4.0          805 -> 797 MB
+    1024 x 10k      10.3 M     14.2 -> 7.8 (1.83x)                   7.6-11.0       1,226 -> 1,208 MB
+    256 x 10k        2.6 M      3.8 -> 2.7 (1.38x)                   2.6-3.2          380 -> 369 MB
+
+The slower first run of each pair read rank files the previous size had
+pushed out of the page cache. 16,384 x 10,000 (164 M events, 14.5 GB of rank
+files; ``--child`` run alone under ``oom_score_adj`` 1000): completes, 176-201
+s wall, 160-178 s CPU, peak RSS 18.0-18.1 GB (110 B/event); the previous stop
+ran out of memory. The 4 GB target at 1024 x 100k is not met: the live set is
+the 73-byte table plus ~28.5 B/event of matched collectives; see the streaming
+design in distdiag/run.py.
 """
 
 from __future__ import annotations

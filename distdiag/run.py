@@ -28,9 +28,10 @@ per-rank arrays + concatenated copy), ``pipeline.analyze`` maps the clocks in
 place (``align(inplace=True)``) and matches collectives once (~53 bytes per
 collective row, kept: the detectors share it). The rest of the peak is
 transient: distdiag.breakdown (~140 B/event at 2.6 M events) and
-serial_section (~45 B/event). At ~200-280 B/event one machine holds ~10^8
-events in 24 GB: 1,024 x 100,000 does not fit in 4 GB, 16,384 x 10,000 not
-in 24 GB; both need what comes next.
+serial_section (~45 B/event). At ~200-280 B/event one machine held ~10^8
+events in 24 GB. Since then (the figures below) the peak is ~110-120
+B/event: 16,384 x 10,000 (164 M events) completes in 18 GB, 1,024 x 100,000
+takes 11.2 GB; 4 GB there needs what comes next.
 
 Measured since (1024 x 10k, 10.27 M events, best of 4 alternating runs per
 tree of bench_scale's per-stage child, CPU s and peak RSS over the RSS
