@@ -128,7 +128,11 @@ module's docstring). ``--grid 1024x100000 --baseline <worktree of 1f4f854>
     256 x 10k        2.6 M      3.8 -> 2.7 (1.38x)                   2.6-3.2          380 -> 369 MB
 
 The slower first run of each pair read rank files the previous size had
-pushed out of the page cache. 16,384 x 10,000 (164 M events, 14.5 GB of rank
+pushed out of the page cache. Per stage at 1024 x 100k (``--stages``, one
+child, CPU s, session start -> end): read + pack 18.6 -> 12.5, assemble 6.8
+-> 0.3, align 25.4 -> 11.3, straggler 13.0 -> 3.4, input_bound + h2d_copy +
+metadata_storm + io_bandwidth 10.4 -> 1.4 (the kind index), serial_section
+2.6 -> 0.7, breakdown 16.1 -> 2.7; sum 94.4 -> 32.4. 16,384 x 10,000 (164 M events, 14.5 GB of rank
 files; ``--child`` run alone under ``oom_score_adj`` 1000): completes, 176-201
 s wall, 160-178 s CPU, peak RSS 18.0-18.1 GB (110 B/event); the previous stop
 ran out of memory. The 4 GB target at 1024 x 100k is not met: the live set is
