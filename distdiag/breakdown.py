@@ -362,7 +362,7 @@ class _Ctx:
         """The member rows by rank (:func:`_rows_by_rank`), built on first use: bands whose members come
         from their event rows never need it."""
         if self._order is None:
-            self._order = _rows_by_rank(self.colls, self.n)[0]
+            self._order = _rows_by_rank(self.colls, self.m_first)
         return self._order
 
 
@@ -541,10 +541,10 @@ def _take(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[str
     return out
 
 
-def _rows_by_rank(colls: Collectives, n: int, chunk: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
-    """(order, first): the member rows sorted by rank, in the table's order within a rank; rank r's are
-    ``order[first[r]:first[r + 1]]``. Built only for bands whose members cannot be read from their
-    own event rows (:class:`_Band`).
+def _rows_by_rank(colls: Collectives, first: np.ndarray, chunk: int = 1 << 18) -> np.ndarray:
+    """The member rows sorted by rank, in the table's order within a rank: rank r's are
+    ``order[first[r]:first[r + 1]]`` (``first``: :func:`_member_first`). Built only for bands
+    whose members cannot be read from their own event rows (:class:`_Band`).
 
     A stable radix sort on 16 bits, once (not a mask per band). With a rank's rows
     in table order its intervals come in a few sorted runs, which the unions'
@@ -556,15 +556,10 @@ def _rows_by_rank(colls: Collectives, n: int, chunk: int = 1 << 18) -> tuple[np.
     """
     r = colls.m_rank
     m = len(r)
-    bounds = range(0, m, chunk)
-    total = np.zeros(n, np.int64)
-    for a in bounds:  # a chunk at a time: bincount casts to int64
-        total += np.bincount(r[a : a + chunk], minlength=n)
-    first = np.zeros(n + 1, np.int64)
-    np.cumsum(total, out=first[1:])
+    n = len(first) - 1
     order = np.empty(m, np.int32 if m < np.iinfo(np.int32).max else np.int64)
     seen = first[:-1].copy()  # where each rank's next rows go
-    for a in bounds:  # a few dozen chunks
+    for a in range(0, m, chunk):  # a few dozen chunks
         rc = r[a : a + chunk]
         o = np.argsort(rc.astype(np.uint16) if n <= 1 << 16 else rc, kind="stable")
         cnt = np.bincount(rc, minlength=n)
@@ -572,7 +567,7 @@ def _rows_by_rank(colls: Collectives, n: int, chunk: int = 1 << 18) -> tuple[np.
         base = seen - (np.cumsum(cnt) - cnt)
         order[base[rc[o]] + np.arange(len(o))] = o + a
         seen += cnt
-    return order, first
+    return order
 
 
 def _bands(run: Run, n: int, band_events: int, bounds: np.ndarray | None = None) -> list[tuple[int, int, int, int]]:
