@@ -933,9 +933,7 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     pending: list[str] = []
     try:
         if raw_colls is None:
-            from distdiag.match import match_collectives
-
-            from distdiag.match import SELECTED_KEYS
+            from distdiag.match import SELECTED_KEYS, match_collectives
 
             probe = out.replace()  # matching may add a warning: kept for collectives_of
             if selector is not None:

@@ -209,7 +209,7 @@ def _gather_in_order(
 _SELECT_ROWS = 1 << 12
 
 
-def _select_keys(ev: np.ndarray, is_comm: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _select_keys(ev: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(indices of the collective rows of ``ev``, ``{f: ev[f][those]}`` for the sort keys),
     in one pass over the table by blocks of ``_SELECT_ROWS`` rows: each block's kind
     and seq pick its rows, whose key fields are read while the block is in cache.
@@ -218,7 +218,7 @@ def _select_keys(ev: np.ndarray, is_comm: np.ndarray) -> tuple[np.ndarray, dict[
     no count pass, no concatenation. Measured at 1024x10k (CPU s): 0.53 (a
     strided pass for kind, one for seq, then blocked gathers of whole selected
     rows) -> 0.28."""
-    sel = KeySelector(len(ev), ev.dtype, is_comm)
+    sel = KeySelector(len(ev), ev.dtype)
     sel.add(ev, 0)
     return sel.result()
 
@@ -234,8 +234,8 @@ class KeySelector:
     alternating runs of each, twice, a loaded 2-core machine): separate passes
     min 0.39-0.41 / median 0.50-0.56, fused min 0.32-0.38 / median 0.44."""
 
-    def __init__(self, n_ev: int, dtype: np.dtype, is_comm: np.ndarray | None = None) -> None:
-        self.is_comm = _comm_kind_table() if is_comm is None else is_comm
+    def __init__(self, n_ev: int, dtype: np.dtype) -> None:
+        self.is_comm = _comm_kind_table()
         self.sel_idx = np.empty(n_ev, np.int64)
         self.out = {f: np.empty(n_ev, dtype[f]) for f in _KEY_FIELDS}
         self.k = 0
@@ -282,8 +282,9 @@ def match_collectives(run: Run) -> Collectives:
     Memory: the working set is a few columns per collective row, never a copy
     of the event table. Two passes: the table by blocks, picking the
     collective rows and their four sort keys (t0, rank, comm, seq: 24 bytes a
-    row; align does it in its mapping pass, :class:`KeySelector`), then, once the (group, arrival) order is known, the other fields of
-    those rows straight in that order (blocks of whole rows). The int64 keys
+    row; align does it in its mapping pass, :class:`KeySelector`), then, once
+    the (group, arrival) order is known, the other fields of those rows
+    straight in that order (blocks of whole rows). The int64 keys
     are built in place and dropped once used; comm and seq go before the sort
     when the groups' keys decode to them, t0 once the order is known, and the
     order packs and decodes by blocks of groups. Measured at 1,024 ranks x
@@ -310,7 +311,6 @@ def match_collectives(run: Run) -> Collectives:
     no change beyond the noise was measured (1.86 -> 1.95 s, one run, a loaded
     machine: read + pack, not touched, went 3.24 -> 4.06 in the same run).
     """
-    kinds = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
     ev, inf = run.events, run.inflight
     # The selection and the sort keys in ONE pass over the table, by blocks that
     # stay in cache (a strided pass per field re-read each 73-byte row once per
@@ -319,11 +319,11 @@ def match_collectives(run: Run) -> Collectives:
     if pre is not None and pre[0] is ev and pre[1].next == len(ev):
         sel_idx, got = pre[1].result()
     else:
-        sel_idx, got = _select_keys(ev, _comm_kind_table())
+        sel_idx, got = _select_keys(ev)
     del pre
     inf_idx = np.zeros(0, np.int64)
     if len(inf):
-        inf_idx = np.flatnonzero(np.isin(inf["kind"], kinds) & (inf["seq"] >= 0))
+        inf_idx = np.flatnonzero(_comm_kind_table()[inf["kind"]] & (inf["seq"] >= 0))
     n = len(sel_idx) + len(inf_idx)
     if n == 0:
         return _empty(run.strings)
