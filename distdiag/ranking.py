@@ -221,7 +221,7 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
     if f.kind != "straggler" or len(colls) == 0 or not f.ranks:
         return None
     from distdiag.detectors.serial_section import holds_others
-    from distdiag.detectors.straggler import own_lateness_ns, startup_groups
+    from distdiag.detectors.straggler import other_host_last_ns, own_lateness_ns, startup_groups
     from distdiag.match import member_gaps_ns
 
     ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & holds_others(run, colls)
@@ -235,23 +235,9 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
     charge = own_lateness_ns(run, colls)[g]  # what the straggler detector charged
     if f.evidence.get("level") == "host":
         # a slow node: charged from the last arrival on any other host (straggler._fold_hosts)
-        charge = t1 - _other_host_last_ns(run, colls)[g]
+        other = other_host_last_ns(run, colls, g)[g]
+        charge = t1 - np.where(other > np.iinfo(np.int64).min, other, colls.g_second_ns[g])
     return colls.g_last_rank[g].astype(np.int64), t1 - gap, t1, charge
-
-
-def _other_host_last_ns(run: Any, colls: Collectives) -> np.ndarray:
-    """Per group: the last arrival among members on another host than the last arriver's."""
-    n_rank = int(max(run.world_size, int(colls.m_rank.max()) + 1))
-    hosts = run.hosts
-    host_of = np.full(n_rank, -1, np.int64)
-    for r, info in run.ranks.items():  # one per rank
-        host_of[r] = hosts.index(info.host) if info.host in hosts else -1
-    mh = host_of[colls.m_rank]
-    starts = colls.g_start[:-1]
-    h_last = mh[colls.g_start[1:] - 1]
-    t = np.where(mh != h_last[colls.m_group], colls.m_t0_ns, np.iinfo(np.int64).min)
-    out = np.maximum.reduceat(t, starts)
-    return np.where(out > np.iinfo(np.int64).min, out, colls.g_second_ns)
 
 
 def _serial(f: Finding, run: Any, stretch: bool) -> Any:

@@ -383,12 +383,7 @@ def _fold_hosts(
     hosts = run.hosts
     if len(hosts) < 2:
         return rank_findings
-    n_rank = int(max(run.world_size, int(colls.m_rank.max()) + 1))
-    host_of_rank = np.full(n_rank, -1, np.int32)
-    for r, info in run.ranks.items():  # one per rank
-        host_of_rank[r] = hosts.index(info.host) if info.host in hosts else -1
-    last_row = colls.g_start[1:] - 1
-    h_last = host_of_rank[colls.m_rank[last_row]]
+    host_of_rank, h_last = _hosts_of(run, colls)
     # Per group, the last arrival from another host than the last arriver's (see
     # _other_host_last_ns); only the groups that can be charged.
     no_t = np.iinfo(np.int64).min
@@ -429,7 +424,7 @@ def _fold_hosts(
         ur, cnt = np.unique(last_ranks, return_counts=True)
         cost_s = float(cost_ns[h]) / 1e9
         frac = float(n_last[h]) / max(1, int(n_part[h]))
-        sites = colls.m_site[last_row[g][mine]]
+        sites = colls.m_site[colls.g_start[1:][g][mine] - 1]  # the last arrivers' own rows
         by_site = tally(sites, wait_ns[mine], run, limit=top_sites)
         out_hosts.append(
             Finding(
@@ -460,6 +455,25 @@ def _fold_hosts(
         )
         folded.update(ranks_here)
     return out_hosts + [f for f in rank_findings if f.ranks[0] not in folded]
+
+
+def _hosts_of(run: Any, colls: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(per rank, per group): the index in ``run.hosts`` of each rank's host and of each
+    group's last arriver's (-1: unknown)."""
+    hosts = run.hosts
+    n_rank = int(max(run.world_size, int(colls.m_rank.max()) + 1))
+    host_of_rank = np.full(n_rank, -1, np.int32)
+    for r, info in run.ranks.items():  # one per rank
+        host_of_rank[r] = hosts.index(info.host) if info.host in hosts else -1
+    return host_of_rank, host_of_rank[colls.m_rank[colls.g_start[1:] - 1]]
+
+
+def other_host_last_ns(run: Any, colls: Any, groups: np.ndarray) -> np.ndarray:
+    """Per group of ``groups`` (indices): the last arrival among members on another host than
+    the last arriver's, the node-level charge's start (:func:`_fold_hosts`); int64 minimum
+    where there is none or the group was not asked for (ranking's explanation of a node)."""
+    host_of_rank, h_last = _hosts_of(run, colls)
+    return _other_host_last_ns(colls, host_of_rank, h_last, groups)
 
 
 #: Rows :func:`_other_host_last_ns` steps back from the last arriver, group by group,
