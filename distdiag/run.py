@@ -186,7 +186,6 @@ _PACKED_ROW = np.dtype({"names": ["v", "rank"], "formats": [_FILE_ROW, "<i4"], "
 STRING_COLUMNS = ("name_id", "comm_id", "site_id")
 #: Kinds whose ``aux`` is a string id as well: the file system of a file event,
 #: the datatype of a collective ("MPI_DOUBLE", "float32"), the op a WAIT waits on.
-_FILE_KIND_ARR = np.array(sorted(FILE_KINDS), np.uint8)
 _AUX_STRING_KINDS = np.array(sorted({*FILE_KINDS, int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT)}), np.uint8)
 #: kind -> whether its aux is a string id (np.isin by one gather)
 _AUX_KIND_TABLE = np.zeros(256, bool)
@@ -893,13 +892,13 @@ def _sort_late_ranks(events: np.ndarray, spans: dict[int, tuple[int, int]], late
 
 
 def _remap_table(
-    events: np.ndarray, ranks: list[int], lookups: list[np.ndarray], clean: list[bool] | None = None
+    events: np.ndarray, ranks: list[int], lookups: list[np.ndarray], in_range: list[bool]
 ) -> int:
     """:func:`_remap` of every rank's rows (``lookups[i]`` is rank ``ranks[i]``'s), done
     over the whole table (sorted by rank) by blocks of rows. Returns how many ids
-    were out of range. ``clean[i]``: rank ``ranks[i]``'s rows are known to need
-    nothing (an identity lookup, and its scan found every id in range), and
-    blocks of clean ranks only are not looked at: the usual run costs nothing here.
+    were out of range. ``in_range[i]``: rank ``ranks[i]``'s scan found every id in
+    range; such a rank with an identity lookup needs nothing, and blocks of those
+    ranks only are not looked at: the usual run costs nothing here.
 
     The usual case is cheap: the ranks of an SPMD job meet their strings in the
     same order, so most lookups are the identity, and a block whose ranks all
@@ -918,12 +917,10 @@ def _remap_table(
     size[ranks] = lens
     ident[ranks] = [bool(np.array_equal(lk, np.arange(len(lk)))) for lk in lookups]
     n_ident = np.concatenate([[0], np.cumsum(ident)])
-    dirty = np.zeros(n_r, np.int64)
-    dirty[ranks] = [not c for c in clean] if clean is not None else 1
+    dirty = np.zeros(n_r, bool)
+    dirty[ranks] = ~(ident[ranks] & np.array(in_range, bool))
     n_dirty = np.concatenate([[0], np.cumsum(dirty)])
     cat = np.concatenate(lookups)
-    aux_kind = np.zeros(256, bool)
-    aux_kind[_AUX_STRING_KINDS] = True
 
     def mapped(ids: np.ndarray, r: np.ndarray, ln_min: int, identity: bool) -> tuple[np.ndarray | None, int]:
         """lookup[ids] of each row's rank (None: unchanged); ids out of its range -> 0 (""), counted."""
@@ -957,7 +954,7 @@ def _remap_table(
                 blk[col] = out
             bad += b
         # aux holds a string id too for file events, collectives and waits (see _remap)
-        fk = aux_kind[blk["kind"]]  # np.isin by a 256-entry table: one gather
+        fk = _AUX_KIND_TABLE[blk["kind"]]  # np.isin by a 256-entry table: one gather
         if fk.any():
             aux = blk["aux"]
             out, b = mapped(aux[fk], r[fk], ln_min, identity)
@@ -1005,7 +1002,8 @@ class _Packer:
     The run's event table is this buffer (``_assemble`` takes it as is when the
     ranks come in file order, the normal case), so loading never holds the
     per-rank arrays and the table at once (it did: 148 bytes an event at the
-    peak, now 73 plus one block of rows). The first capacity is an upper bound
+    peak, now 73 plus one rank's file rows, up to ``_READ_BLOCK_ROWS``, in a
+    reused scratch: see :meth:`read_events`). The first capacity is an upper bound
     from the file sizes (a shim-written file holds at most size / 69 rows):
     ``np.empty`` only reserves address space, and pages never written are
     never resident. A file that holds more rows (compressed by another tool)
@@ -1325,11 +1323,8 @@ def _assemble(
     if packer is not None and packed is None:
         packer.buf = packer.buf[:0]  # copied out (ranks out of file order): let the packed rows go
     _sort_late_ranks(events, spans, [r for r, sc in zip(ranks, scans) if sc.unsorted])
-    clean = [
-        sc.rows == 0 or (sc.id_umax < len(lk) and bool(np.array_equal(lk, np.arange(len(lk)))))
-        for sc, lk in zip(scans, lookups)
-    ]  # per rank: two integers and its string lookup
-    bad_ids += _remap_table(events, ranks, lookups, clean)
+    in_range = [sc.rows == 0 or sc.id_umax < len(lk) for sc, lk in zip(scans, lookups)]  # per rank: two integers
+    bad_ids += _remap_table(events, ranks, lookups, in_range)
     if bad_ids:
         warnings.append(f"{bad_ids} string ids point outside their file's string table (corrupt rows); shown as ''")
     job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
