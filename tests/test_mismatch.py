@@ -206,3 +206,34 @@ def test_healthy_run_and_legitimately_different_sizes_are_silent(tmp_path: Path)
     assert _mismatch(_write(tmp_path / "ok", {})) == []
     # gathers of different sizes (v-variants, pickled objects) and bcast payloads are not compared
     assert _mismatch(_write(tmp_path / "v", {r: {"op": "Allgatherv", "nbytes": 8 * (r + 1)} for r in range(4)})) == []
+
+
+
+@pytest.mark.parametrize("inflight", [False, True])
+def test_member_datatypes_found_again_from_the_rows_equal_the_matchs(tmp_path: Path, inflight: bool) -> None:
+    """Without the match's gathered aux (or after it dropped a duplicate) member_aux finds each
+    member's row again by (comm, seq, rank), in-flight rows included: the same datatype ids."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from distdiag.detectors.collective_mismatch import member_aux
+    from distdiag.match import collectives_of
+    from distdiag.run import load_run
+
+    for r in range(4):
+        s = [""]
+        rows = [coll(10.0 * i + 0.1 * r, 10.0 * i + 2, i, s) for i in range(6)]
+        inf = [rows.pop()] if inflight and r == 3 else None  # rank 3 killed inside its last call
+        for tab in (rows, inf or []):
+            for j, row in enumerate(tab):
+                s.append(f"T{r}_{row[5]}")  # a datatype of its own per (rank, seq)
+                tab[j] = (*row[:8], len(s) - 1, *row[9:])
+        write_rank(tmp_path, r, 4, rows, s, inflight=inf)
+    run = load_run(tmp_path)
+    colls = collectives_of(run)
+    assert colls.m_aux is not None and colls.n_dup == 0 and len(colls.m_rank) == 24
+    want = colls.m_aux.astype(np.int64)
+    assert int(want.min()) > 0 and len(np.unique(want)) == 24
+    np.testing.assert_array_equal(member_aux(run, replace(colls, m_aux=None)), want)
+    assert len(run.inflight) == int(inflight)

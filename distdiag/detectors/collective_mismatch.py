@@ -69,18 +69,17 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray:
     out = np.zeros(len(colls.m_rank), np.int64)
     if len(out) == 0:
         return out
-    parts = []
-    for tab in (run.events, run.inflight):  # two tables
-        if len(tab):
-            if tab is run.events:  # the run's kind index (distdiag.rows): no scan of the table's kinds
-                sel = rows_of(run, _COMM_ARR)
-                sel = sel[tab["seq"][sel] >= 0]
-            else:  # the in-flight rows: a handful per rank
-                sel = np.flatnonzero(np.isin(tab["kind"], _COMM_ARR) & (tab["seq"] >= 0))
-            parts.append((tab["comm_id"][sel], tab["seq"][sel], tab["rank"][sel], tab["aux"][sel], tab["t0_ns"][sel]))
-    if not parts:
+    # the member rows: the events' from the run's kind index (distdiag.rows: no scan of
+    # the table's kinds), the in-flight rows' by a mask (a handful per rank)
+    ev, inf = run.events, run.inflight
+    sel = rows_of(run, _COMM_ARR)
+    picks = [(ev, sel[ev["seq"][sel] >= 0])]
+    if len(inf):
+        picks.append((inf, np.flatnonzero(np.isin(inf["kind"], _COMM_ARR) & (inf["seq"] >= 0))))
+    fields = ("comm_id", "seq", "rank", "aux")
+    c, s, r, a = (np.concatenate([tab[f][i] for tab, i in picks]).astype(np.int64) for f in fields)
+    if len(c) == 0:
         return out
-    c, s, r, a, _t = (np.concatenate(x).astype(np.int64) for x in zip(*parts))
     n_s = int(max(s.max(), colls.g_seq.max())) + 1
     n_r = int(max(r.max(), colls.m_rank.max())) + 1
     key = (c * n_s + s) * n_r + r
