@@ -51,6 +51,7 @@ quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -132,7 +133,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
         for d, w in mine:  # per rank file
             counts.append(len(d.events) if isinstance(d, _RankData) else 0)
             if isinstance(d, _RankData):
-                d = _RankData(d.info, np.zeros(0, RUN_EVENT_DTYPE), d.strings, d.sync, d.inflight, d.gpu, d.scan)
+                d = dataclasses.replace(d, events=np.zeros(0, RUN_EVENT_DTYPE))  # the rows go by buffer below
             meta.append((d, w))
         comm.send((meta, counts), dest=0)
         if packer.used:

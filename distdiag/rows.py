@@ -15,6 +15,7 @@ sort of the selected rows only.
     rows_of(run, kinds)    int64 row numbers into run.events, ascending
     count_of(run, kinds)   how many rows (no copy; 0 for an absent kind)
     events_of(run, kinds)  the rows themselves (run.events.take(rows_of(...)))
+    unique_sorted(values)  np.unique(values, return_index=True), one pass when ascending
 
 Where it lives, and why it is only built on the final table: the index is
 cached in ``run.cache[KEY]`` on first use. :meth:`distdiag.run.Run.replace`
