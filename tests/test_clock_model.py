@@ -291,6 +291,8 @@ def test_two_knot_offsets_equal_np_interp_to_the_nanosecond() -> None:
         kx = np.sort(rng.uniform(-span, span, 2)) if trial % 3 else np.array([0.0, span])
         kx = np.rint(kx)
         ky = rng.normal(0, 1e7, 2) + rng.normal(0, 1e9)
+        if trial % 2:  # a tie at the last knot, far from the first: np.interp gives ky[1] there,
+            ky[1] = np.floor(ky[0] + rng.normal(0, 1e9)) + 0.5  # the slope formula can miss it by a bit
         m = clocks.RankClock(rank=1, method="sync", x0_ns=BASE + int(rng.integers(-10**12, 10**12)),
                              y0_ns=int(rng.integers(-10**10, 10**10)), knots_x=kx, knots_y=ky,
                              slope=float(rng.normal(0, 1e-5)))  # fmt: skip
@@ -312,8 +314,10 @@ def test_offsets_of_blocks_on_one_side_of_the_knots_equal_np_interp() -> None:
     rng = np.random.default_rng(11)
     for trial in range(100):
         kx = np.rint(np.sort(rng.uniform(-1e12, 1e12, 2)))
+        ky = rng.normal(0, 1e7, 2)
+        ky[1] = np.floor(ky[1]) + 0.5  # a tie at the last knot: only np.interp's own ky[1] rounds it right
         m = clocks.RankClock(rank=1, method="sync", x0_ns=BASE, y0_ns=int(rng.integers(-10**9, 10**9)),
-                             knots_x=kx, knots_y=rng.normal(0, 1e7, 2), slope=float(rng.normal(0, 1e-5)))  # fmt: skip
+                             knots_x=kx, knots_y=ky, slope=float(rng.normal(0, 1e-5)))  # fmt: skip
         x = np.rint(rng.uniform(kx[0] - 1e11, kx[1] + 1e11, 500)).astype(np.int64)
         x[:2] = [int(kx[0]), int(kx[1])]
         for sub in (x[(x > kx[0]) & (x < kx[1])], x[x >= kx[1]], x[x <= kx[0]], x[x < kx[0]], x[:1], x[1:2], x[:0]):
