@@ -453,23 +453,21 @@ def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, Ran
         if len(cut) > _MAP_MAX_RUNS:  # not rank-sorted here: each rank's rows gathered
             for col in views:  # a couple of time columns
                 col[a:b], _ = _map_by_rank(col[a:b], r, models)
-            if on_block is not None:
-                on_block(table[a:b], a)
-            continue
-        edges = [0, *(cut + 1).tolist(), b - a]
-        for lo, hi in zip(edges[:-1], edges[1:]):  # per run of one rank in the block (1-2 when sorted)
-            m = models.get(int(r[lo]))
-            if m is None:
-                continue
-            for col in views:  # a couple of time columns
-                t = col[a + lo : a + hi].astype(np.int64)
-                invalid = t == -1
-                if not invalid.any():
-                    col[a + lo : a + hi] = m.map(t)
-                else:
-                    valid = ~invalid
-                    t[valid] = m.map(t[valid])
-                    col[a + lo : a + hi] = t
+        else:
+            edges = [0, *(cut + 1).tolist(), b - a]
+            for lo, hi in zip(edges[:-1], edges[1:]):  # per run of one rank in the block (1-2 when sorted)
+                m = models.get(int(r[lo]))
+                if m is None:
+                    continue
+                for col in views:  # a couple of time columns
+                    t = col[a + lo : a + hi].astype(np.int64)
+                    invalid = t == -1
+                    if not invalid.any():
+                        col[a + lo : a + hi] = m.map(t)
+                    else:
+                        valid = ~invalid
+                        t[valid] = m.map(t[valid])
+                        col[a + lo : a + hi] = t
         if on_block is not None:
             on_block(table[a:b], a)
 
