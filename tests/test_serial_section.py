@@ -262,3 +262,24 @@ def test_mpi_straggler_stays_a_straggler(tmp_path: Path) -> None:
     top = rep.verdict
     assert top is not None and top.kind == "straggler" and top.ranks == [2], [(f.kind, f.summary) for f in rep.findings]
     assert top.cost_s == pytest.approx(slow_s, rel=0.25)
+
+
+@pytest.mark.parametrize("n", [4, 5])  # 3 others a group (odd), 4 (even: the mean of two middle gaps)
+def test_the_others_median_decided_by_counting_equals_the_median(tmp_path: Path, n: int) -> None:
+    """serial_section._others_at_most (counts, sorting only the groups a count cannot decide)
+    gives the verdicts ``median of the others' gaps <= x`` of a plain per-group median."""
+    from distdiag.clocks import align
+    from distdiag.detectors.serial_section import _others_at_most
+    from distdiag.match import collectives_of
+    from distdiag.run import load_run
+
+    colls = collectives_of(align(load_run(simulate(tmp_path / "r", n=n).run_dir)))
+    rng = np.random.default_rng(n)
+    gap = rng.integers(0, 6, len(colls.m_rank)).astype(np.int64)  # few values: ties and near-misses
+    x = rng.integers(0, 6, len(colls)) + rng.choice([0.0, 0.5], len(colls))
+    want = rng.random(len(colls)) < 0.8
+    want[:2] = True
+    med = np.array([np.median(gap[a : b - 1]) for a, b in zip(colls.g_start[:-1], colls.g_start[1:])])
+    between = want & (np.floor(med) != med) & (x == med)  # x at a mean of two different middle gaps
+    assert n == 4 or between.any()  # the case a count leaves to the sort
+    np.testing.assert_array_equal(_others_at_most(colls, gap, x, want), want & (med <= x))

@@ -106,8 +106,8 @@ def holds_others(run: Any, colls: Collectives) -> np.ndarray:
     return np.asarray(~nobody_waits(run, colls))
 
 
-def _others_median(colls: Collectives, gap: np.ndarray, want: np.ndarray | None = None) -> np.ndarray:
-    """Per group: the median gap of the members other than the last arriver.
+def _others_median(colls: Collectives, gap: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per group of ``want``: the median gap of the members other than the last arriver.
 
     By blocks of whole groups (:func:`distdiag.match.group_blocks`): a group's
     median needs only its own members, and the temporaries stay block-sized
@@ -116,19 +116,17 @@ def _others_median(colls: Collectives, gap: np.ndarray, want: np.ndarray | None 
 
     ``want`` (bool per group) limits the work to those groups: the others'
     medians come out 0, and a block with no wanted group is skipped without
-    a pass. :func:`detect` asks only for the groups its cheaper tests left
-    (the sort here was over half of the detector's own CPU)."""
+    a pass. Only the groups :func:`_others_at_most` cannot decide by counting,
+    and the serial groups' evidence, come here (the sort here was over half of
+    the detector's own CPU)."""
     n_g = len(colls)
     out = np.zeros(n_g, np.float64)
     last_row = colls.g_start[1:] - 1
     for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
-        if want is None:
-            keep = np.ones(b - a, bool)
-        else:
-            w = want[g_lo:g_hi]
-            if not w.any():
-                continue
-            keep = w[colls.m_group[a:b] - g_lo]  # members of the wanted groups
+        w = want[g_lo:g_hi]
+        if not w.any():
+            continue
+        keep = w[colls.m_group[a:b] - g_lo]  # members of the wanted groups
         keep[last_row[g_lo:g_hi] - a] = False
         g = colls.m_group[a:b][keep] - g_lo
         v = gap[a:b][keep]
