@@ -428,8 +428,8 @@ class _RankData:
     sync: np.ndarray
     inflight: np.ndarray
     gpu: np.ndarray
-    #: the scan of ``events`` (None: not made; _assemble makes it)
-    scan: _Scan | None = None
+    #: the scan of ``events``, made while reading (:func:`_read_rank`)
+    scan: _Scan
 
 
 def _open_h5(path: Path) -> Any:
@@ -1305,7 +1305,7 @@ def _assemble(
     bad_ids = 0
     off = 0
     spans: dict[int, tuple[int, int]] = {}
-    scans = [loaded[r].scan or _Scan.of(loaded[r].events) for r in ranks]
+    scans = [loaded[r].scan for r in ranks]
     for r, lookup in zip(ranks, lookups):  # per rank: small tables; the events are done table-wide below
         d = loaded[r]
         if packed is None:
