@@ -278,14 +278,13 @@ def startup_groups(colls: Any) -> np.ndarray:
     # (the per-rank minimum, then the first row that equals it), by blocks of
     # member rows (whole-column passes held ~17 bytes per member row, measured).
     rank, t0 = colls.m_rank, colls.m_t0_ns
+    first_t0 = np.full(int(rank.max()) + 1, np.iinfo(np.int64).max, np.int64)
     rows = _early_rows(colls)
     if rows is not None:  # only the rows that can be a rank's first (see _early_rows)
-        first_t0 = np.full(int(rank.max()) + 1, np.iinfo(np.int64).max, np.int64)
         r_rank, r_t0 = rank[rows], t0[rows]
         np.minimum.at(first_t0, r_rank, r_t0)
         cand = rows[r_t0 == first_t0[r_rank]]
     else:
-        first_t0 = np.full(int(rank.max()) + 1, np.iinfo(np.int64).max, np.int64)
         for a in range(0, n, _ROWS):  # per block of member rows
             np.minimum.at(first_t0, rank[a : a + _ROWS], t0[a : a + _ROWS])
         cand = np.concatenate([
