@@ -57,8 +57,10 @@ def small_blocks(monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(match, "_GAP_ROWS", 40)
 
 
+@pytest.mark.parametrize("gap_rows", [40, 2])
 @pytest.mark.parametrize("async_exits", [False, True])
-def test_one_communicator_takes_the_fast_path_and_equals_the_global_order(tmp_path, monkeypatch, async_exits):
+def test_one_communicator_takes_the_fast_path_and_equals_the_global_order(tmp_path, monkeypatch, async_exits, gap_rows):
+    monkeypatch.setattr(match, "_GAP_ROWS", gap_rows)  # 2: one group a block, every row's predecessor carried
     run, colls = _run(tmp_path, [["world", "world"]], steps=400, seed=1)
     fast = match._member_gaps_in_member_order(run, colls, async_exits)
     assert fast is not None  # the path under test was really taken
@@ -68,10 +70,13 @@ def test_one_communicator_takes_the_fast_path_and_equals_the_global_order(tmp_pa
     assert ref.max() > 0  # gaps are not trivially zero
 
 
+@pytest.mark.parametrize("gap_rows", [40, 2])
 @pytest.mark.parametrize("async_exits", [False, True])
-def test_communicators_out_of_step_fall_back_to_the_same_gaps(tmp_path, monkeypatch, async_exits):
+def test_communicators_out_of_step_fall_back_to_the_same_gaps(tmp_path, monkeypatch, async_exits, gap_rows):
     # 'world' every third call, 'even'/'odd' in between: in (comm, seq) order a rank's
-    # rows jump back in time, so the member-order pass must give up
+    # rows jump back in time, so the member-order pass must give up (gap_rows 2: one
+    # group a block, so only the arrival carried from the previous block sees the jump)
+    monkeypatch.setattr(match, "_GAP_ROWS", gap_rows)
     run, colls = _run(tmp_path, [["world", "world"], ["even", "odd"], ["even", "odd"]], steps=300, seed=3)
     assert match._member_gaps_in_member_order(run, colls, async_exits) is None
     ref = _global(run, colls, async_exits, monkeypatch)
