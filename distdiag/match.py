@@ -739,7 +739,12 @@ def rank_time_order(colls: Collectives) -> np.ndarray:
     time, and the arrival pass runs on times that come nearly in order (groups
     go by sequence number), which timsort takes in few merges: 0.22 s instead of
     0.60 (lexsort) or 0.67 (one stable sort of an int64 (rank, t0) key) at 5.1 M
-    members, measured. The second permutation is composed in place."""
+    members, measured. The second permutation is composed in place.
+
+    The same order as ``arrival_order(colls.m_rank, colls.m_t0_ns)[0]``, kept
+    apart because member arrivals come nearly sorted (timsort's good case) while
+    arrival_order packs and sorts from scratch: 0.018 s against 0.042 at 256 x
+    10k (1.28 M members, CPU, 4 alternating runs each), measured."""
     n = len(colls.m_rank)
     if n == 0:
         return np.zeros(0, np.int64)
