@@ -34,7 +34,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
-from distdiag.rows import count_of, rows_of, unique_sorted
+from distdiag.rows import count_of, events_of, rows_of, unique_sorted
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def covered(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def _step_rows(run: Any) -> np.ndarray:
-    steps = run.events.take(rows_of(run, Kind.STEP))
+    steps = events_of(run, Kind.STEP)
     if len(steps) == 0:
         return steps
     auto = run.sid(AUTO_STEP_NAME) if hasattr(run, "sid") else -1

@@ -45,7 +45,7 @@ import pandas as pd
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.rows import rows_of
+from distdiag.rows import events_of
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     ev = run.events
     # Rows by the run's kind index (distdiag.rows): the file and stall rows are
     # few; the masks over the whole table were a scan per kind (same rows, same order).
-    data = ev.take(rows_of(run, _DATA))
+    data = events_of(run, _DATA)
     data = data[data["t1_ns"] >= data["t0_ns"]]
     if len(data) == 0:
         return []
@@ -118,13 +118,13 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if large.empty:
         return []
     large_keys = np.array([r * (len(run.strings) + 1) + nm for r, nm in large.index], np.int64)
-    io = ev.take(rows_of(run, np.r_[_DATA, _OPEN_CLOSE]))
+    io = events_of(run, np.r_[_DATA, _OPEN_CLOSE])
     pair_key = io["rank"].astype(np.int64) * (len(run.strings) + 1) + io["name_id"]
     io = io[np.isin(pair_key, large_keys) & (io["t1_ns"] >= io["t0_ns"])]
     e_rank, e_t0, e_t1 = _merge(io["rank"].astype(np.int64), io["t0_ns"], io["t1_ns"], gap_ns)
 
     # 2. what the other ranks did during each episode
-    st = ev.take(rows_of(run, _STALL))
+    st = events_of(run, _STALL)
     st = st[st["t1_ns"] >= st["t0_ns"]]
     s_rank = np.r_[st["rank"].astype(np.int64), e_rank]
     s_t0 = np.r_[st["t0_ns"], e_t0]
