@@ -918,7 +918,8 @@ def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.n
 #: took +63 -> +45 / +54 -> +26 bytes a run's event of peak and no more CPU (a bit less).
 #: Then (1,024 x 10k synth run, breakdown alone, first call in a fresh process, two runs):
 #: 2^18 / 2^17 / 2^16 / 2^15: +3.6 / +2.3 / +1.9 / +1.9 B/event (1.9 of it the rank
-#: order, see _rows_by_rank), 1.50-1.67 / 1.39-1.68 / 1.33-1.45 / 1.33-1.34 s of CPU
+#: order of _rows_by_rank, built then for every run, now only for a band that falls back
+#: to the member table), 1.50-1.67 / 1.39-1.68 / 1.33-1.45 / 1.33-1.34 s of CPU
 #: (a band's temporaries stay in cache); a band costs ~0.2 ms of fixed overhead
 BAND_EVENTS = 1 << 16
 
