@@ -605,10 +605,11 @@ def stable_order(key: np.ndarray) -> np.ndarray:
     several times faster. So when the key's span and the row index fit in 63
     bits together, each row becomes the one value ``(key - min) << b | index``:
     all distinct, so any sort orders them as a stable sort would (ties by
-    index), and the low ``b`` bits are the order. Otherwise keys spanning less
-    than 2^32 are sorted as two stable 16-bit radix passes, low half then high
-    half (an LSD radix sort: same order). Measured on the 5.1 M (comm, seq) keys
-    of the 1024x10k run (CPU s): 0.38 (timsort) -> 0.20 (radix) -> 0.11 (packed)."""
+    index), and the low ``b`` bits are the order. Otherwise (a span near 2^63)
+    numpy's stable argsort. Measured on the 5.1 M (comm, seq) keys of the
+    1024x10k run (CPU s): 0.38 (timsort) -> 0.20 (two stable 16-bit radix
+    passes, since dropped: the packed value fits every span under 2^32 up to
+    2^31 rows) -> 0.11 (packed)."""
     return _stable_order_keys(key)[0]
 
 
@@ -631,21 +632,10 @@ def _stable_order_keys(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sk += lo
         k &= (1 << b) - 1
         return k, sk.astype(key.dtype, copy=False)
-    if span >= 1 << 32:
-        o = np.argsort(key, kind="stable")
-        return o, key[o]
-    k = key.astype(np.int64)
-    k -= lo
-    if span < 1 << 16:
-        o = np.argsort(k.astype(np.uint16), kind="stable")
-        return o, key[o]
-    order = np.argsort((k & 0xFFFF).astype(np.uint16), kind="stable")
-    k >>= 16
-    high = k.astype(np.uint16)[order]
-    del k
-    o2 = np.argsort(high, kind="stable")
-    np.take(order, o2, out=o2, mode="clip")  # o2[i] = order[o2[i]], in place
-    return o2, key[o2]
+    # The span and the index do not fit one int64: keys spread over near 2^63 (damaged
+    # ones), or spans under 2^32 with more than 2^31 rows. numpy's stable sort.
+    o = np.argsort(key, kind="stable")
+    return o, key[o]
 
 
 def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
