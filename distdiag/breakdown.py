@@ -164,7 +164,7 @@ _CAT_KINDS = tuple(int(k) for k in np.flatnonzero(_CAT_OF_KIND != _NONE))
 
 
 #: rows whose start opens a rank's step 0 (before the first one: start-up)
-_WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
+WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 #: the optimizer hook's STEP rows; preferred over distdiag.step() rows when both exist
 AUTO_STEP_NAME = "optimizer_step"
 #: breakdown.per_step in the JSON holds at most this many rows; longer runs bin consecutive steps
@@ -1026,7 +1026,7 @@ class _Steps:
         # phase0: per rank, the earliest start of a phase row; the table is sorted by rank, so a
         # rank's rows of one kind are one run of that kind's rows: one minimum per run (reduceat)
         phase0 = np.full(n, np.iinfo(np.int64).max)
-        for k in _WINDOW_KINDS:  # six kinds
+        for k in WINDOW_KINDS:  # six kinds
             wi = kidx.rows(int(k))
             lo = np.searchsorted(wi, ev_first)  # rank r's rows of kind k: wi[lo[r]:lo[r + 1]]
             has = np.flatnonzero(lo[1:] > lo[:-1])

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS  # the window and step marks the breakdown uses
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
@@ -41,9 +42,6 @@ log = logging.getLogger(__name__)
 
 #: Phases that keep the compute busy (an input wait overlapping one is hidden).
 COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
-#: Phases that bound a rank's active window (before the first one: start-up).
-WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
-AUTO_STEP_NAME = "optimizer_step"
 
 
 def merge_intervals(t0: np.ndarray, t1: np.ndarray, group: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
