@@ -273,20 +273,6 @@ def _sweep(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.n
     return np.bincount(key, weights=contrib, minlength=n_keys)
 
 
-def _at_or_before(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: np.ndarray) -> np.ndarray:
-    """Per query, how many marks of its own rank lie at or before ``q_t``.
-
-    ``b_*`` (the marks) must be sorted by (rank, t). Marks of rank 0 at 5, 9
-    and of rank 1 at 2; query (0, 9) -> 2, (1, 1) -> 0.
-    """
-    if len(b_t) == 0 or len(q_t) == 0:
-        return np.zeros(len(q_t), np.int64)
-    q_rank = q_rank.astype(np.int64)
-    top = max(int(b_rank.max()), int(q_rank.max()))
-    below = np.concatenate([[0], np.cumsum(np.bincount(b_rank.astype(np.int64), minlength=top + 1))])[q_rank]
-    return _marks_up_to(b_rank, b_t, q_rank, q_t) - below
-
-
 def _marks_up_to(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: np.ndarray) -> np.ndarray:
     """Per query, how many marks sort at or before (q_rank, q_t) in (rank, t) order; marks sorted so.
 

@@ -178,9 +178,9 @@ def test_no_step_marks_gives_an_empty_per_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("far", [0, np.iinfo(np.int64).max // 4], ids=["banded", "lexsort"])
-def test_marks_at_or_before_a_time_are_counted_per_rank(far: int) -> None:
+def test_marks_at_or_before_a_time_are_counted_in_rank_time_order(far: int) -> None:
     """Both paths of the search (rank bands, and the lexsort for time ranges too long for bands) against a count."""
-    from distdiag.breakdown import _at_or_before
+    from distdiag.breakdown import _marks_up_to
 
     rng = np.random.default_rng(1)
     b_rank, b_t = rng.integers(0, 5, 200), rng.integers(0, 1000, 200)
@@ -189,5 +189,5 @@ def test_marks_at_or_before_a_time_are_counted_per_rank(far: int) -> None:
     b_rank, b_t = b_rank[o], b_t[o]
     q_rank, q_t = rng.integers(0, 6, 500), rng.integers(-5, 1005, 500)
     q_t = q_t + np.where(q_t > 500, far, 0)
-    want = [int(((b_rank == r) & (b_t <= t)).sum()) for r, t in zip(q_rank, q_t)]
-    assert _at_or_before(b_rank, b_t, q_rank, q_t).tolist() == want
+    want = [int(((b_rank < r) | ((b_rank == r) & (b_t <= t))).sum()) for r, t in zip(q_rank, q_t)]
+    assert _marks_up_to(b_rank, b_t, q_rank, q_t).tolist() == want
