@@ -72,14 +72,17 @@ def _perfetto(report: object, ns: argparse.Namespace) -> int:
 
 def _analyze(ns: argparse.Namespace) -> int:
     from distdiag.config import load_config
-    from distdiag.run import load_run
+    from distdiag.run import load_run, streamed_kinds_for
 
     from distdiag.render.progress import ProgressBar
 
     cfg = load_config(ns.config)
     # Load before importing the pipeline (pandas, every detector): a wrong
     # path is answered in a fraction of the time. The bar shows on a terminal only.
-    run = load_run(ns.run_dir, progress=ProgressBar())
+    # text and JSON need no row drawn: a large run streams its compute phases (distdiag.bands)
+    stream = ns.format in ("text", "json") and not getattr(ns, "perfetto", None)
+    kinds = streamed_kinds_for(ns.run_dir, cfg.stream_events) if stream else ()
+    run = load_run(ns.run_dir, progress=ProgressBar(), streamed_kinds=kinds)
     from distdiag.pipeline import analyze_run
 
     return emit(analyze_run(run, cfg, inplace=True), ns)

@@ -239,6 +239,9 @@ class ClockModel:
     repair_passes: int = 0
     #: rank -> (constraint times, lower bounds) per repair pass, on the aligned timeline
     repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]] = field(default_factory=list, repr=False)
+    #: the origin the repairs' float arithmetic used (:func:`_clc_map`): rows mapped later
+    #: (a streamed band, distdiag.run._Stream) must use the same one to get the same nanoseconds
+    repair_base: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -825,7 +828,13 @@ def check_causality(
         model.violations_after_repair = model.violations
         return run
 
-    base = int(min(run.events["t0_ns"].min(), t0.min())) if len(run.events) else int(t0.min())
+    base = int(t0.min())
+    ev_min = run.stream.t0_min(model.ranks) if run.stream is not None else None  # streamed rows count too
+    if len(run.events):
+        ev_min = int(run.events["t0_ns"].min()) if ev_min is None else min(ev_min, int(run.events["t0_ns"].min()))
+    if ev_min is not None:
+        base = min(base, ev_min)
+    model.repair_base = base
     repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
     for _pass in range(MAX_REPAIR_PASSES):  # each pass vectorized; usually 1-2
         if not viol.any():

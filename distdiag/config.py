@@ -36,6 +36,11 @@ class Config:
     min_fraction: float = 0.02
     #: how many findings the text report lists (the JSON has them all)
     max_findings: int = 10
+    #: a run with more event rows than this (estimated from its file sizes) is analyzed
+    #: streaming: the compute phases stay out of the in-memory table and are read band by
+    #: band from the rank files (distdiag.bands); 0 streams always, -1 never. Text and JSON
+    #: reports only: HTML and Perfetto draw every row, so they load everything.
+    stream_events: int = 20_000_000
     #: detectors to run; empty = every registered one
     detectors: list[str] = dataclasses.field(default_factory=list)
     #: per-detector tables: [analyze.<name>] -> {key: value}

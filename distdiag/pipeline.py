@@ -23,7 +23,7 @@ from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.ranking import rank_findings
-from distdiag.run import Run, _ranges, load_run
+from distdiag.run import Run, _ranges, load_run, streamed_kinds_for
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
 log = logging.getLogger(__name__)
@@ -149,8 +149,15 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False) -> R
     )
 
 
-def analyze(run_dir: str | Path, cfg: Config | None = None) -> Report:
-    """Load the run directory and analyze it. Raises DistdiagError when nothing can be analyzed."""
+def analyze(run_dir: str | Path, cfg: Config | None = None, stream: bool = False) -> Report:
+    """Load the run directory and analyze it. Raises DistdiagError when nothing can be analyzed.
+
+    ``stream=True`` lets a large run be analyzed streaming (:func:`distdiag.run.streamed_kinds_for`):
+    the report is the same, the memory that of the cross-rank rows plus one band (see
+    ``Config.stream_events``), but
+    ``report.run.events`` then lacks the compute phases (the pandas API and the HTML
+    report want them: they call this with the default)."""
     if cfg is None:
         cfg = load_config()
-    return analyze_run(load_run(run_dir), cfg, inplace=True)  # nobody else holds the loaded run
+    kinds = streamed_kinds_for(run_dir, cfg.stream_events) if stream else ()
+    return analyze_run(load_run(run_dir, streamed_kinds=kinds), cfg, inplace=True)  # nobody else holds the run

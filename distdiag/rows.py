@@ -218,14 +218,27 @@ def kind_index(run: Any) -> KindIndex:
     return idx
 
 
+def _resident(run: Any, kinds: Kinds) -> None:
+    """Raise when ``kinds`` names a kind the run streams (not in ``run.events``): a stage that
+    asks for those rows here would silently see none; it must read them through distdiag.bands."""
+    streamed = getattr(run, "streamed_kinds", ())
+    if streamed and np.isin(_kind_ids(kinds), np.asarray(streamed, np.int64)).any():
+        raise RuntimeError(
+            f"rows of kinds {sorted(set(_kind_ids(kinds).tolist()) & set(streamed))} are streamed on this run: "
+            "read them through distdiag.bands.bands(run), not run.events"
+        )
+
+
 def rows_of(run: Any, kinds: Kinds) -> np.ndarray:
     """int64 row numbers into ``run.events`` of the rows of ``kinds``, ascending:
     the rows ``np.isin(run.events["kind"], kinds)`` selects, in the same order."""
+    _resident(run, kinds)
     return kind_index(run).rows(kinds)
 
 
 def count_of(run: Any, kinds: Kinds) -> int:
     """How many rows of ``run.events`` have one of ``kinds`` (0 for an absent kind: no copy)."""
+    _resident(run, kinds)
     return kind_index(run).count(kinds)
 
 

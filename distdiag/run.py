@@ -264,6 +264,11 @@ class Run:
     offset_ns: np.ndarray | None = None
     #: stage results cached on the run (e.g. "collectives" from distdiag.match)
     cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: kinds whose rows are NOT in ``events`` (streamed: read band by band from the rank
+    #: files through :func:`distdiag.bands.bands`); empty when the table holds every row
+    streamed_kinds: tuple[int, ...] = ()
+    #: the :class:`_Stream` that reads them (None when nothing is streamed)
+    stream: Any = field(default=None, repr=False)
     _string_ids: dict[str, int] | None = field(default=None, repr=False)
 
     # -- strings ----------------------------------------------------------------
@@ -1017,7 +1022,15 @@ class _Packer:
     damaged table) is read as before and copied in by :meth:`take`.
     """
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, drop: Iterable[int] = ()) -> None:
+        #: kind -> not kept in the table (streamed); None: every row is kept
+        self.drop: np.ndarray | None = None
+        drop = sorted({int(k) for k in drop})
+        if drop:
+            self.drop = np.zeros(256, bool)
+            self.drop[drop] = True
+        #: rank -> what the streamed rows of that rank need (:class:`_RankStream`)
+        self.stats: dict[int, _RankStream] = {}
         try:
             self.buf = new_table(max(0, rows))
         except MemoryError:  # the kernel refuses the reservation (a run larger than RAM + swap): grow instead
@@ -1091,9 +1104,35 @@ class _Packer:
             self._reserve(n)
             out = self.buf[self.used : self.used + n]
             d.events = _attach_rank(d.events, RUN_EVENT_DTYPE, d.info.rank, out=out)
+        if self.drop is not None:
+            d.events = self._keep(d)
+            n = len(d.events)
         self.used += n
         self.views.append(d)
         self._written = None
+
+    def _keep(self, d: _RankData) -> np.ndarray:
+        """Compact ``d``'s rows (at ``used``) to those of kinds not dropped, in order, and note
+        what the dropped ones need later (:class:`_RankStream`). One rank's rows: the
+        transient is that rank's kept rows."""
+        ev = d.events
+        assert self.drop is not None
+        kind = ev["kind"]
+        dropped = self.drop.take(kind)
+        st = _RankStream(n_all=len(ev), kind_counts=np.bincount(kind[dropped], minlength=256).astype(np.int64))
+        if len(ev):
+            t0, t1 = ev["t0_ns"], ev["t1_ns"]
+            st.t_min = int(min(t0.min(), t1.min()))
+            st.t_max = int(max(t0.max(), t1.max()))
+            st.t0_min = int(t0.min())
+        st.unsorted = d.scan.unsorted
+        self.stats[d.info.rank] = st
+        if not dropped.any():
+            return ev
+        kept = ev[~dropped]  # a copy: the target range overlaps the source
+        out = ev[: len(kept)]
+        out[:] = kept
+        return out
 
     def _offset(self, view: np.ndarray) -> int:
         if len(view) == 0:
@@ -1175,8 +1214,15 @@ def _capacity_rows(files: list[Path]) -> int:
     return total
 
 
-def load_run(path: str | Path, progress: Callable[[int, int], None] | None = None) -> Run:
+def load_run(
+    path: str | Path, progress: Callable[[int, int], None] | None = None, streamed_kinds: Iterable[int] = ()
+) -> Run:
     """Read every rank file of a run directory into one :class:`Run`.
+
+    ``streamed_kinds``: rows of these kinds are read and checked like every row
+    but not kept in ``run.events``: the stages read them band by band through
+    :func:`distdiag.bands.bands`, which reads them again from the files
+    (:class:`_Stream`). See :data:`STREAMED_KINDS` and ``pipeline.analyze``.
 
     Raises :class:`DistdiagError` only when nothing can be analyzed; every other
     problem is one line in ``run.warnings``. ``progress(done, total)`` is called
@@ -1188,7 +1234,7 @@ def load_run(path: str | Path, progress: Callable[[int, int], None] | None = Non
     p, files = rank_files_of(path)
     warnings: list[str] = []
     got_all: list[_RankData | str] = []
-    packer = _Packer(_capacity_rows(files))
+    packer = _Packer(_capacity_rows(files), drop=streamed_kinds)
     for i_file, fp in enumerate(files):  # one per rank file
         if progress is not None:
             progress(i_file, len(files))
@@ -1328,6 +1374,14 @@ def _assemble(
     if bad_ids:
         warnings.append(f"{bad_ids} string ids point outside their file's string table (corrupt rows); shown as ''")
     job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
+    stream = None
+    if packer is not None and packer.drop is not None:
+        stream = _Stream(
+            kinds=tuple(int(k) for k in np.flatnonzero(packer.drop)),
+            ranks={r: packer.stats[r] for r in ranks},
+            lookups=dict(zip(ranks, lookups)),
+            in_range=dict(zip(ranks, in_range)),
+        )
     return Run(
         path=p,
         ranks=infos,
@@ -1340,7 +1394,146 @@ def _assemble(
         job_id=job_ids[0] if job_ids else "",
         warnings=warnings,
         missing_ranks=missing,
+        streamed_kinds=stream.kinds if stream is not None else (),
+        stream=stream,
     )
+
+
+#: The kinds ``pipeline.analyze`` streams on a large run: the compute phases. They
+#: are the bulk of a training run's rows besides the collectives, and only per-rank
+#: stages read them (the breakdown, input_bound's critical path, serial_section's
+#: activity, hang, the Slurm view), all through :func:`distdiag.bands.bands`.
+#: Everything cross-rank (collectives, sync rows, step marks, file and p2p calls,
+#: probes) stays in ``run.events``.
+STREAMED_KINDS = (int(Kind.PHASE), int(Kind.FORWARD), int(Kind.BACKWARD), int(Kind.OPTIMIZER))
+
+
+def streamed_kinds_for(path: str | Path, limit: int) -> tuple[int, ...]:
+    """The kinds to stream for the run dir ``path``: :data:`STREAMED_KINDS` when its files hold
+    more than ``limit`` event rows (0: always, -1: never; ``Config.stream_events``), else none.
+    The estimate is the files' bytes over a row's 69 (an upper bound: no file is opened)."""
+    if limit < 0:
+        return ()
+    if limit == 0:
+        return STREAMED_KINDS
+    _, files = rank_files_of(path)
+    rows = sum(f.stat().st_size for f in files) // EVENT_DTYPE.itemsize
+    return STREAMED_KINDS if rows > limit else ()
+
+
+@dataclass
+class _RankStream:
+    """What one rank's streamed rows need after loading: its row count (every kind), the
+    counts of the streamed kinds, raw time bounds over every row, whether its rows
+    needed sorting."""
+
+    n_all: int
+    kind_counts: np.ndarray
+    t_min: int = 0
+    t_max: int = 0
+    t0_min: int = 0
+    unsorted: bool = False
+
+
+@dataclass
+class _Stream:
+    """Reads a band of ranks' rows again from their files, exactly as :func:`load_run`
+    and :func:`distdiag.clocks.align` made the table's (string ids remapped, sorted
+    by t0, clocks mapped, causality repairs applied): see :func:`distdiag.bands.bands`."""
+
+    kinds: tuple[int, ...]
+    ranks: dict[int, _RankStream]
+    lookups: dict[int, np.ndarray]
+    in_range: dict[int, bool]
+
+    def rank_rows(self, n: int) -> np.ndarray:
+        """Per r in 0..n: rows (every kind) of the ranks below r."""
+        cnt = np.zeros(n, np.int64)
+        for r, st in self.ranks.items():  # per rank: one integer
+            if r < n:
+                cnt[r] = st.n_all
+        out = np.zeros(n + 1, np.int64)
+        np.cumsum(cnt, out=out[1:])
+        return out
+
+    def count(self, kind_ids: np.ndarray) -> int:
+        """Rows of the kinds ``kind_ids`` (int64 kind values): the table's plus the streamed ones."""
+        return sum(int(st.kind_counts[kind_ids].sum()) for st in self.ranks.values())
+
+    def _times(self, run: Run, raw: dict[int, int]) -> dict[int, int]:
+        """Raw per-rank instants mapped as align mapped the table's (clock model, then repairs)."""
+        from distdiag.clocks import _apply_repairs, _map_by_rank
+
+        model = run.cache.get("clock_model") if run.aligned else None
+        if model is None or not raw:
+            return dict(raw)
+        rk = np.array(sorted(raw), np.int64)
+        t = np.array([raw[r] for r in rk], np.int64)
+        t, _ = _map_by_rank(t, rk, model.ranks)
+        if model.repairs:
+            t = _apply_repairs(t, rk, model.repairs, model.repair_base)
+        return dict(zip(rk.tolist(), t.tolist()))
+
+    def time_bounds(self, run: Run) -> tuple[int, int]:
+        """(min, max) over t0_ns and t1_ns of every row, mapped (see :func:`distdiag.bands.time_bounds`):
+        each rank's map is monotone, so its mapped extremes are its raw extremes mapped."""
+        have = {r: st for r, st in self.ranks.items() if st.n_all}
+        if not have:
+            return (0, 0)
+        lo = self._times(run, {r: st.t_min for r, st in have.items()})
+        hi = self._times(run, {r: st.t_max for r, st in have.items()})
+        return (min(lo.values()), max(hi.values()))
+
+    def t0_min(self, models: dict[int, Any]) -> int | None:
+        """The smallest t0_ns of every row, mapped with the per-rank clocks ``models`` (before
+        any repair), or None without rows: what ``run.events["t0_ns"].min()`` gives in memory."""
+        from distdiag.clocks import _map_by_rank
+
+        have = sorted(r for r, st in self.ranks.items() if st.n_all)
+        if not have:
+            return None
+        rk = np.array(have, np.int64)
+        t, _ = _map_by_rank(np.array([self.ranks[r].t0_min for r in have], np.int64), rk, models)
+        return int(t.min())
+
+    def read_band(self, run: Run, r_lo: int, r_hi: int) -> np.ndarray:
+        """Every row (every kind) of the ranks in ``[r_lo, r_hi)``, as the in-memory table holds them."""
+        from distdiag.clocks import _apply_repairs, _map_inplace
+
+        ranks = [r for r in range(r_lo, r_hi) if r in self.ranks and self.ranks[r].n_all]
+        total = sum(self.ranks[r].n_all for r in ranks)
+        ev = np.empty(total, RUN_EVENT_DTYPE)
+        spans: dict[int, tuple[int, int]] = {}
+        off = 0
+        for r in ranks:  # per rank of the band: one file read
+            got = _read_rank(run.ranks[r].path, [])
+            if isinstance(got, str) or len(got.events) != self.ranks[r].n_all:
+                raise DistdiagError(
+                    f"{run.ranks[r].path.name} changed while it was analyzed (its rows are read twice on a large "
+                    "run); analyze a finished run dir"
+                )
+            n = len(got.events)
+            _attach_rank(got.events, RUN_EVENT_DTYPE, r, out=ev[off : off + n])
+            spans[r] = (off, off + n)
+            off += n
+        if not total:
+            return ev
+        _sort_late_ranks(ev, spans, [r for r in ranks if self.ranks[r].unsorted])
+        _remap_table(ev, ranks, [self.lookups[r] for r in ranks], [self.in_range[r] for r in ranks])
+        model = run.cache.get("clock_model") if run.aligned else None
+        if model is not None:
+            _map_inplace(ev, ("t0_ns", "t1_ns"), model.ranks)
+            if model.repairs:
+                touched = {rk for rep in model.repairs for rk in rep}
+                for r in ranks:  # per rank of the band
+                    if r not in touched:
+                        continue
+                    lo, hi = spans[r]
+                    sl = ev[lo:hi]
+                    rr = np.full(hi - lo, r, np.int64)
+                    for c in ("t0_ns", "t1_ns"):  # two time columns
+                        sl[c] = _apply_repairs(sl[c], rr, model.repairs, model.repair_base)
+        return ev
 
 
 def _name_rank(path: Path) -> int:
