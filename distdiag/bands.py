@@ -191,6 +191,7 @@ def event_ranks(run: Any) -> np.ndarray:
 
 def count(run: Any, kinds: Kinds) -> int:
     """Rows of ``kinds`` over ALL events (streamed kinds included)."""
+    n = kind_index(run).count(kinds)
     if getattr(run, "streamed_kinds", ()):
-        return int(run.stream.count(_kind_ids(kinds)))
-    return kind_index(run).count(kinds)
+        n += int(run.stream.count(_kind_ids(kinds)))
+    return n
