@@ -168,9 +168,13 @@ def _child(run_dir: str, parallel: bool) -> int:
         stages = rep.run.cache.get("parallel") if rep is not None else None
         rank = MPI.COMM_WORLD.Get_rank()
     else:
+        import inspect
+
         from distdiag.pipeline import analyze
 
-        rep = analyze(run_dir)
+        # as `distdiag analyze --format json` does: a large run streams (an older tree cannot)
+        kw: dict[str, Any] = {"stream": True} if "stream" in inspect.signature(analyze).parameters else {}
+        rep = analyze(run_dir, **kw)
         stages, rank = None, 0
     if rep is not None:
         from distdiag.render import render
@@ -231,7 +235,12 @@ def _stages_child(run_dir: str) -> int:
     p, files = runmod.rank_files_of(run_dir)
     warnings: list[str] = []
     # an older tree (--baseline) has no packer: it read every file, then assembled a copy
-    packer = runmod._Packer(runmod._capacity_rows(files)) if hasattr(runmod, "_Packer") else None
+    # a tree that streams (distdiag.bands) keeps the compute phases out of the table on a large run
+    drop = runmod.streamed_kinds_for(run_dir, cfg.stream_events) if hasattr(runmod, "streamed_kinds_for") else ()
+    if not hasattr(runmod, "_Packer"):
+        packer = None
+    else:
+        packer = runmod._Packer(runmod._capacity_rows(files), drop=drop) if drop else runmod._Packer(runmod._capacity_rows(files))
 
     # a packer-aware reader reads the events straight into the packer (load_run's way)
     into = (packer,) if packer is not None and "packer" in inspect.signature(runmod._read_rank).parameters else ()
@@ -262,8 +271,8 @@ def _stages_child(run_dir: str) -> int:
     bd = stage("breakdown", breakdown, run, colls)
     rep = pipeline.Report(run=run, findings=findings, breakdown=bd, collectives=colls, config=cfg, slurm=sv)
     stage("render json", render, rep, "json")
-    n = max(1, len(run.events))
-    print(f"{run_dir}: {n:,} events, {sum(r[1] for r in rows):.1f} s of CPU, peak RSS {max(r[4] for r in rows):.0f} MB")
+    n = max(1, sum(i.n_events for i in run.ranks.values()))
+    print(f"{run_dir}: {n:,} events ({len(run.events):,} in the table), {sum(r[1] for r in rows):.1f} s of CPU, peak RSS {max(r[4] for r in rows):.0f} MB")
     print(f"{'stage':28s} {'cpu s':>7s} {'ns/event':>8s} {'RSS before':>10s} {'after':>7s} {'peak':>7s} {'peak-before':>11s}")
     for name, c, r0, r1, hwm in rows:  # a few dozen stages
         print(f"{name:28s} {c:7.2f} {c / n * 1e9:8.0f} {r0:10.0f} {r1:7.0f} {hwm:7.0f} {(hwm - r0) * 1048576 / n:8.1f} B/ev")
