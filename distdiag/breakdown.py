@@ -81,13 +81,23 @@ one comes before its first STEP row, else at the rank's start. Time after the
 last STEP row is no step. A call crossing a step boundary is split at it.
 
 Cost: everything above is per rank, so it is computed band of ranks by band of
-ranks (``BAND_EVENTS`` event rows a band; the event table is sorted by rank, so
-a band's events are a slice of it): the temporaries scale with a band, not the
-run, and no number depends on where bands fall (tests/test_breakdown_bands.py).
-What is run-wide is the band bounds (a binary search over the rank column,
-never a copy of it) and one count of members per rank; the rows of a kind
-come from the run's kind index (distdiag.rows: built once per analysis, the
-detectors' too), so neither the step marks nor a band scan the kind column.
+ranks (:func:`distdiag.bands.bands`, ``distdiag.bands.BAND_EVENTS`` event rows
+a band, every kind, sorted by (rank, t0)): the temporaries scale with a band,
+not the run, and no number depends on where bands fall
+(tests/test_breakdown_bands.py). The compute phases (forward, backward,
+optimizer, ``distdiag.phase``) are read only from the bands: a streamed run
+(``run.streamed_kinds``) holds them nowhere else, and its bands are fresh
+arrays read from the rank files, not views of ``run.events`` (so no row
+number here crosses a band: a band's rows of a kind are ``Band.rows``,
+offsets into its own events). What is run-wide is the band bounds
+(:func:`distdiag.bands.rank_rows`), one count of members per rank and the
+STEP rows that end steps (a resident kind, from the run's kind index,
+distdiag.rows); a band's rows of a kind come from that index too when the
+band is a view of the table, so neither scans the kind column. The band size
+(measured for the breakdown, 1,024 x 10k, breakdown alone: 2^18 / 2^17 / 2^16
+/ 2^15 rows took 1.50-1.67 / 1.39-1.68 / 1.33-1.45 / 1.33-1.34 s of CPU and
+~2 B/event of transient each; a band costs ~0.2 ms of fixed overhead) is
+2^16.
 
 A band reads its collective members' columns (t0, t1, comm, seq) from its own
 event rows, block by block of whole rows, and looks up only their group
@@ -131,8 +141,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from distdiag.bands import Band, bands
 from distdiag.match import Collectives, MatchState, collectives_of
-from distdiag.rows import KindIndex, kind_index
+from distdiag.rows import kind_index
 from distdiag.run import Run
 from distdiag.schema import FILE_KINDS, P2P_KINDS, Kind
 
@@ -308,14 +319,12 @@ _IS_COMM[[int(Kind.COLL), int(Kind.COLL_ASYNC)]] = True
 
 
 class _Ctx:
-    """What every band reads: the rank bounds, the kind index, the rank offsets of events and members,
-    and the (comm, seq) -> group lookup that lets a band take its members' columns from its own event rows."""
+    """What every band reads: the rank bounds, the member rows' rank offsets, and the (comm, seq) ->
+    group lookup that lets a band take its members' columns from its own event rows."""
 
-    def __init__(self, run: Run, colls: Collectives, n: int, kidx: KindIndex, ev_first: np.ndarray) -> None:
+    def __init__(self, run: Run, colls: Collectives, n: int) -> None:
         self.run, self.colls, self.n = run, colls, n
         self.start, self.end = run.rank_bounds()  # O(ranks) each call: once for every band
-        self.kidx = kidx
-        self.ev_first = ev_first  # rank r's event rows: ev_first[r]:ev_first[r + 1]
         self.m_first = _member_first(colls, n)  # rank r's member rows, counted
         self._order: np.ndarray | None = None
         # the split of a member's span at its group's last arrival: min(max(split_at[g], t0), t1)
@@ -325,24 +334,6 @@ class _Ctx:
         # the lookup works only when the members are exactly the event (and in-flight) rows of
         # COLL/COLL_ASYNC kind with seq >= 0: no duplicate was dropped (else: the member table)
         self.lookup = _GroupLookup(colls) if colls.n_dup == 0 else None
-
-    def rows(self, kinds: tuple[int, ...], e_lo: int, e_hi: int) -> np.ndarray:
-        """The rows of ``kinds`` in ``[e_lo, e_hi)``, ascending, as int64 offsets from ``e_lo``: each
-        kind's rows are an ascending slice of the kind index, so two binary searches a kind."""
-        order, starts = self.kidx.order, self.kidx.starts
-        parts = []
-        for k in kinds:  # a few kinds
-            sl = order[starts[k] : starts[k + 1]]
-            if len(sl):
-                # bounds of the slice's own type: int64 ones would make searchsorted cast the whole slice
-                a, b = np.searchsorted(sl, np.array([e_lo, e_hi], sl.dtype))
-                if b > a:
-                    parts.append(sl[a:b])
-        if not parts:
-            return np.zeros(0, np.int64)
-        got = parts[0].astype(np.int64) if len(parts) == 1 else np.sort(np.concatenate(parts)).astype(np.int64)
-        got -= e_lo
-        return got
 
     def order(self) -> np.ndarray:
         """The member rows by rank (:func:`_rows_by_rank`), built on first use: bands whose members come
@@ -419,32 +410,27 @@ class _Band:
     group order): no number depends on it (every union is order-free).
     """
 
-    def __init__(self, ctx: _Ctx, r_lo: int, r_hi: int, e_lo: int, e_hi: int) -> None:
-        run = ctx.run
-        self.r_lo, self.r_hi = r_lo, r_hi
+    def __init__(self, ctx: _Ctx, band: Band) -> None:
+        self.r_lo, self.r_hi = r_lo, r_hi = band.r_lo, band.r_hi
         self.start, self.end = ctx.start, ctx.end
-        self.ev = run.events[e_lo:e_hi]
-        self.e_lo, self.e_hi = e_lo, e_hi
-        self.ctx = ctx
-        self.ev_first = ctx.ev_first[r_lo : r_hi + 1] - e_lo  # rank r's rows: ev_first[r - r_lo]:...[r - r_lo + 1]
-        inf = run.inflight
-        if len(inf):
-            inf = inf[(inf["rank"] >= r_lo) & (inf["rank"] < r_hi)]
-        self.inf = inf
+        self.band = band
+        self.ev = band.events  # a view of run.events, or the rows read from the files (streamed)
+        self.ev_first = band.first  # rank r's rows: ev_first[r - r_lo]:ev_first[r - r_lo + 1]
+        self.inf = band.inflight
         self.n_members = int(ctx.m_first[r_hi] - ctx.m_first[r_lo])
         if not self._from_events(ctx):
             self._from_members(ctx)
 
     def rows(self, *kinds: int) -> np.ndarray:
         """The band's rows of ``kinds`` (offsets into ``ev``), ascending."""
-        return self.ctx.rows(kinds, self.e_lo, self.e_hi)
+        return self.band.rows(kinds)
 
     def rank_of(self, rows: np.ndarray, ascending: bool = True) -> np.ndarray:
         """The rank (int64) of each of the band's rows ``rows``."""
         if ascending:  # one repeat: the rows of each rank are a run
             n_of = np.diff(np.searchsorted(rows, self.ev_first))
             return np.repeat(np.arange(self.r_lo, self.r_hi, dtype=np.int64), n_of)
-        return np.searchsorted(self.ev_first, rows, side="right") - 1 + self.r_lo
+        return self.band.rank_of(rows)
 
     def _from_events(self, ctx: _Ctx) -> bool:
         ev, inf = self.ev, self.inf
@@ -554,37 +540,6 @@ def _rows_by_rank(colls: Collectives, first: np.ndarray, chunk: int = 1 << 18) -
         order[base[rc[o]] + np.arange(len(o))] = o + a
         seen += cnt
     return order
-
-
-def _bands(run: Run, n: int, band_events: int, bounds: np.ndarray | None = None) -> list[tuple[int, int, int, int]]:
-    """(r_lo, r_hi, e_lo, e_hi): consecutive ranks holding about ``band_events`` event rows each
-    (``bounds``: :func:`_first_rows` of the rank column, when known)."""
-    if bounds is None:
-        bounds = _first_rows(run.events["rank"], n)
-    total = int(bounds[-1])
-    k = max(1, math.ceil(total / max(1, band_events)))
-    edges = np.unique(np.r_[0, np.searchsorted(bounds, np.arange(1, k) * (total / k)), n])
-    return [(int(a), int(b), int(bounds[a]), int(bounds[b])) for a, b in zip(edges[:-1], edges[1:])]
-
-
-def _first_rows(rank: np.ndarray, n: int) -> np.ndarray:
-    """Per r in 0..n, the first row whose rank is >= r in the rank-sorted column ``rank`` (a strided view).
-
-    One binary search per rank, all ranks at once (~log2(rows) steps over n + 1
-    lanes): ``np.searchsorted`` would copy the strided int32 column, then cast it
-    to int64 for int64 queries (12 bytes an event of transient, breakdown's peak).
-    """
-    q = np.arange(n + 1)
-    lo = np.zeros(n + 1, np.int64)
-    hi = np.full(n + 1, len(rank), np.int64)
-    while True:  # ~log2(rows) steps
-        act = np.flatnonzero(lo < hi)
-        if len(act) == 0:
-            return lo
-        mid = (lo[act] + hi[act]) >> 1
-        below = rank[mid] < q[act]
-        lo[act[below]] = mid[below] + 1
-        hi[act[~below]] = mid[~below]
 
 
 def _collective_spans(b: _Band) -> tuple[np.ndarray, ...]:
@@ -898,18 +853,6 @@ def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.n
     }
 
 
-#: ranks are tallied in bands of consecutive ranks holding about this many event rows
-#: each, so the temporaries (~150 bytes per interval) scale with a band, not the run.
-#: Measured (2.56 M events, bench_breakdown's DDP run / a synth run): 2^20 -> 2^18
-#: took +63 -> +45 / +54 -> +26 bytes a run's event of peak and no more CPU (a bit less).
-#: Then (1,024 x 10k synth run, breakdown alone, first call in a fresh process, two runs):
-#: 2^18 / 2^17 / 2^16 / 2^15: +3.6 / +2.3 / +1.9 / +1.9 B/event (1.9 of it the rank
-#: order of _rows_by_rank, built then for every run, now only for a band that falls back
-#: to the member table), 1.50-1.67 / 1.39-1.68 / 1.33-1.45 / 1.33-1.34 s of CPU
-#: (a band's temporaries stay in cache); a band costs ~0.2 ms of fixed overhead
-BAND_EVENTS = 1 << 16
-
-
 def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, pd.DataFrame]:
     """The per-rank tally (when ``ranks``) and the per-step table, band of ranks by band of ranks.
 
@@ -919,23 +862,19 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
     band size (each union is a sum of whole nanoseconds, exact in float64).
     """
     start, _ = run.rank_bounds()
-    n = len(start)
+    n = len(start)  # == distdiag.bands.n_ranks(run): every rank of 0..n is in one band
     tally = _Tally(n) if ranks else None
-    # the rows of each kind (distdiag.rows, built once per analysis and shared with the detectors):
-    # the step marks and every band find their rows of a kind there, never by a scan of the table
-    kidx = kind_index(run)
-    ev_first = _first_rows(run.events["rank"], n)  # rank r's event rows: ev_first[r]:ev_first[r + 1]
-    steps = _Steps(run, n, kidx, ev_first)
+    steps = _Steps(run, n)
     if tally is None and steps.n == 0:
         return None, steps.frame(run)
-    ctx = _Ctx(run, colls, n, kidx, ev_first)
-    for r_lo, r_hi, e_lo, e_hi in _bands(run, n, BAND_EVENTS, ctx.ev_first):  # a few bands, each vectorized
-        b = _Band(ctx, r_lo, r_hi, e_lo, e_hi)
+    ctx = _Ctx(run, colls, n)
+    for band in bands(run):  # a few bands, each vectorized
+        b = _Band(ctx, band)
         iv = _intervals(ctx, b)
         if tally is not None:
-            tally.add(r_lo, r_hi, iv)
-        steps.add(r_lo, r_hi, iv)
-        del iv, b
+            tally.add(b.r_lo, b.r_hi, iv)
+        steps.add(b, iv)
+        del iv, b, band
     return tally, steps.frame(run)
 
 
@@ -999,44 +938,55 @@ def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
 class _Steps:
     """step_breakdown's table, tallied band by band from the bands' categorized intervals."""
 
-    def __init__(self, run: Run, n: int, kidx: KindIndex, ev_first: np.ndarray) -> None:
+    def __init__(self, run: Run, n: int) -> None:
         self.s_rank, self.s_t = s_rank, s_t = step_marks(run)
         self.n = len(s_t)
         if self.n == 0:
             return
-        start, _ = run.rank_bounds()
+        self.start, _ = run.rank_bounds()
         self.n_per = n_per = np.bincount(s_rank, minlength=n)
         self.first = np.concatenate([[0], np.cumsum(n_per)])  # rank r's marks: first[r]:first[r + 1]
         self.k_of = np.arange(len(s_t)) - self.first[s_rank]
-        # step windows [w0, s_t): step 0 from the rank's first phase row before its first mark, else its start
-        # phase0: per rank, the earliest start of a phase row; the table is sorted by rank, so a
-        # rank's rows of one kind are one run of that kind's rows: one minimum per run (reduceat)
-        phase0 = np.full(n, np.iinfo(np.int64).max)
-        for k in WINDOW_KINDS:  # six kinds
-            wi = kidx.rows(int(k))
-            lo = np.searchsorted(wi, ev_first)  # rank r's rows of kind k: wi[lo[r]:lo[r + 1]]
-            has = np.flatnonzero(lo[1:] > lo[:-1])
-            if len(has):
-                mn = np.minimum.reduceat(run.events["t0_ns"][wi].astype(np.int64), lo[has])
-                phase0[has] = np.minimum(phase0[has], mn)
-        del wi, lo, has
-        w0 = np.empty_like(s_t)
+        # step windows [w0, s_t): step k > 0 from the rank's previous mark; step 0 from the rank's first
+        # phase row when that comes before its first mark, else its start: set band by band (_open)
+        self.w0 = w0 = np.empty_like(s_t)
         w0[1:] = s_t[:-1]
         z = self.k_of == 0
-        r0 = s_rank[z]
-        w0[z] = np.where(phase0[r0] < s_t[z], np.maximum(phase0[r0], start[r0]), start[r0])
-        self.w0 = np.minimum(w0, s_t)
+        w0[z] = self.start[s_rank[z]]
+        np.minimum(w0, s_t, out=w0)
         self.tally = _Tally(len(s_t))
 
-    def add(self, r_lo: int, r_hi: int, iv: _Intervals) -> None:
+    def add(self, b: _Band, iv: _Intervals) -> None:
         """Tally the band's intervals, each part cut at the step marks (:meth:`_cut`)."""
         if self.n == 0:
             return
-        k_lo, k_hi = int(self.first[r_lo]), int(self.first[r_hi])
+        k_lo, k_hi = int(self.first[b.r_lo]), int(self.first[b.r_hi])
         if k_hi == k_lo:
             return
-
+        self._open(b, k_lo, k_hi)
         self.tally.add(k_lo, k_hi, iv.map(lambda part: self._cut(k_lo, k_hi, *part)))
+
+    def _open(self, b: _Band, k_lo: int, k_hi: int) -> None:
+        """Where step 0 of each of the band's ranks starts (``w0`` of its first mark): the rank's
+        earliest phase row (WINDOW_KINDS) when that comes before the mark, not before the rank's start.
+
+        Read from the band's own rows (the phases are the kinds a streamed run holds only band by
+        band): a rank's rows of one kind are one run of the band's rows of that kind, one minimum a
+        run (reduceat), then the minimum over the kinds.
+        """
+        phase0 = np.full(b.r_hi - b.r_lo, np.iinfo(np.int64).max)
+        for k in WINDOW_KINDS:  # six kinds
+            wi = b.rows(int(k))
+            if len(wi) == 0:
+                continue
+            lo = np.searchsorted(wi, b.ev_first)  # rank r_lo + i's rows of kind k: wi[lo[i]:lo[i + 1]]
+            has = np.flatnonzero(lo[1:] > lo[:-1])
+            mn = np.minimum.reduceat(b.ev["t0_ns"][wi].astype(np.int64), lo[has])
+            phase0[has] = np.minimum(phase0[has], mn)
+        z = k_lo + np.flatnonzero(self.k_of[k_lo:k_hi] == 0)  # the band's ranks' first marks
+        r0 = self.s_rank[z]
+        p0, s0, t = phase0[r0 - b.r_lo], self.start[r0], self.s_t[z]
+        self.w0[z] = np.minimum(np.where(p0 < t, np.maximum(p0, s0), s0), t)
 
     def _cut(self, k_lo: int, k_hi: int, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, ...]:
         """(key, p0, p1): the intervals cut at the step marks: piece i of an interval lies in step

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 from test_breakdown_bands import _ddp_run
 
+from distdiag import bands
 from distdiag import breakdown as bd
 from distdiag.clocks import align
 from distdiag.match import collectives_of
@@ -83,7 +84,7 @@ def test_members_from_event_rows_equal_members_from_the_match(
     else:
         _mixed_run(tmp_path / "r")
     run = align(load_run(tmp_path / "r"))
-    monkeypatch.setattr(bd, "BAND_EVENTS", band_events)
+    monkeypatch.setattr(bands, "BAND_EVENTS", band_events)
     took = _spy_on_from_events(monkeypatch)
     per_rank, steps = _tables(run)
     assert took and all(took)  # every band read its members from its own rows
