@@ -35,7 +35,8 @@ from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS  # the window and st
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
-from distdiag.rows import count_of, events_of, rows_of, unique_sorted
+from distdiag.bands import bands, event_ranks, time_bounds
+from distdiag.rows import count_of, rows_of
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -77,111 +78,174 @@ def covered(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.ndarray:
     return before[np.maximum(k, 0)] * (k >= 0) + inside
 
 
-def _step_rows(run: Any) -> np.ndarray:
-    steps = events_of(run, Kind.STEP)
-    if len(steps) == 0:
-        return steps
-    auto = run.sid(AUTO_STEP_NAME) if hasattr(run, "sid") else -1
-    if auto is not None and auto >= 0 and np.any(steps["name_id"] == auto):
-        steps = steps[steps["name_id"] == auto]
-    return steps
+def _step_name(run: Any) -> int:
+    """The name id of the STEP rows that mark iterations: the optimizer hook's when any rank
+    has one (preferred over distdiag.step() rows, as the breakdown does), else -1 (every STEP row)."""
+    auto = run.sid(AUTO_STEP_NAME)
+    if auto >= 0 and np.any(run.events["name_id"][rows_of(run, Kind.STEP)] == auto):  # STEP rows are resident
+        return int(auto)
+    return -1
 
 
-def critical_path_cost(run: Any, kind: int) -> dict[str, Any]:
+def _iteration(st: np.ndarray, first_step: np.ndarray, t: np.ndarray, r: np.ndarray, n_iter: int) -> np.ndarray:
+    """The iteration of times ``t`` (shifted by rank ``r``): how many of rank r's step marks
+    (``st[first_step[r]:first_step[r + 1]]``, shifted alike, ascending) come before each."""
+    return np.clip(np.searchsorted(st, t, side="left") - first_step[r], 0, n_iter - 1)
+
+
+def _collective_waits(run: Any, tmin: int, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each rank's waits for other ranks at complete collectives, merged: (rank, start, length).
+
+    A member waits from its own arrival to the last member's arrival; a rank's
+    waits are unioned (segments shifted by ``rank * span``, times from
+    ``tmin``), so the segments come sorted by (rank, start). From the matched
+    collectives (cross-rank data, resident), for the bands to slice.
+    """
+    colls = collectives_of(run)
+    z = np.zeros(0, np.int64)
+    if not len(colls):
+        return z, z, np.zeros(0)
+    ok = (colls.g_state == MatchState.COMPLETE)[colls.m_group]
+    m_rank = colls.m_rank[ok].astype(np.int64)
+    m_t0 = colls.m_t0_ns[ok].astype(np.int64) - tmin
+    m_last = colls.g_last_ns[colls.m_group[ok]].astype(np.int64) - tmin
+    keep = m_last > m_t0
+    if not np.any(keep):
+        return z, z, np.zeros(0)
+    ws, we = merge_intervals(m_t0[keep], m_last[keep], m_rank[keep], span)
+    return ws // span, ws, (we - ws).astype(np.float64)
+
+
+def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> dict[str, Any]:
     """Per-iteration critical-path cost of the time ranks spend in ``kind`` rows.
 
     Returns ``cost_ns`` (total), ``per_iter_ns`` (array), ``rank_ns`` (each rank's
     unhidden time in ``kind``), ``busy_ns`` (each rank's own work), ``n_iter`` and
     ``ranks`` (the rank ids of the rows of the per-rank arrays).
+
+    Band by band (:func:`distdiag.bands.bands`, ``band_events`` rows each): a
+    rank's a, b and window lengths need only its own rows (the compute phases
+    are streamed kinds), so each band fills its ranks' rows of the per-rank x
+    iteration tables and folds them into the run-wide results: the per-rank
+    sums, and per iteration the running maxima of ``a + b`` and ``b`` (a max
+    is exact in any grouping). What is run-wide comes first: the ranks with
+    events and the time bounds (:mod:`distdiag.bands`), the number of
+    iterations (the most STEP rows of a rank, + 1; STEP rows are resident)
+    and the collective waits w. Times are shifted by ``band rank * span``
+    inside a band instead of ``run rank * span``: every number taken from them
+    is a difference of two times of one rank, so the same integer. Each table
+    cell sums the same rows in the same (t0) order and each row of the tables
+    has the run's ``n_iter`` columns, so the floats are those of one band:
+    nothing depends on the band size (tests/test_input_bound_bands.py).
+    Memory: the tables (a, L, w, b) of one band's ranks x iterations at a time, not of all ranks.
     """
-    ev = run.events
-    ranks = unique_sorted(ev["rank"])[0] if len(ev) else np.zeros(0, np.int32)
-    empty = {"cost_ns": 0, "per_iter_ns": np.zeros(0), "rank_ns": np.zeros(len(ranks)), "busy_ns": np.zeros(len(ranks)),
-             "n_iter": 0, "ranks": ranks, "count": 0}  # fmt: skip
-    # Row numbers from the run's kind index (distdiag.rows), not masks over the
-    # whole table: the same rows in the same order, without a scan per kind.
-    t_idx = rows_of(run, kind)
-    if len(t_idx) == 0:
-        return empty
-    target = ev.take(t_idx)
-    tmin = int(min(ev["t0_ns"].min(), ev["t1_ns"].min()))
-    tmax = int(max(ev["t0_ns"].max(), ev["t1_ns"].max()))
-    span = tmax - tmin + 1
+    ranks = event_ranks(run)
     R = len(ranks)
+    n_target = count_of(run, kind)
+    if n_target == 0:
+        return {"cost_ns": 0, "per_iter_ns": np.zeros(0), "rank_ns": np.zeros(R), "busy_ns": np.zeros(R),
+                "n_iter": 0, "ranks": ranks, "count": 0}  # fmt: skip
+    tmin, tmax = time_bounds(run)
+    span = tmax - tmin + 1
+    step_name = _step_name(run)
+    s_idx = rows_of(run, Kind.STEP)
+    if step_name >= 0:
+        s_idx = s_idx[run.events["name_id"][s_idx] == step_name]
+    # iteration i of a rank: the window after its i-th step mark; n_iter: the most marks a rank has, + 1
+    n_iter = int(np.bincount(run.events["rank"][s_idx]).max()) + 1 if len(s_idx) else 1
+    del s_idx
+    w_rank, w_s, w_len = _collective_waits(run, tmin, span)
 
-    def rix(idx: np.ndarray) -> np.ndarray:  # rank -> row 0..R-1 of the rows ``idx``
-        return np.searchsorted(ranks, ev["rank"][idx])
+    rank_ns = np.zeros(R)
+    busy_ns = np.zeros(R)
+    ab_max = np.full(n_iter, -np.inf)  # per iteration: max over ranks of a + b, of b (valid windows only)
+    b_max = np.full(n_iter, -np.inf)
+    any_valid = np.zeros(n_iter, bool)
+    for band in bands(run, band_events):  # bands of ranks: a few numpy calls each
+        r_lo, nb = band.r_lo, band.r_hi - band.r_lo
+        p_lo, p_hi = np.searchsorted(ranks, [r_lo, band.r_hi])
+        if p_hi == p_lo:
+            continue  # no rank of the band has an event
+        ev = band.events
+        t0, t1 = ev["t0_ns"], ev["t1_ns"]
 
-    # 1. the target's time that no compute phase of the same rank overlaps
-    c_idx = rows_of(run, COMPUTE_KINDS)
-    cs, ce = merge_intervals(ev["t0_ns"][c_idx] - tmin, ev["t1_ns"][c_idx] - tmin, rix(c_idx), span)
-    tr = rix(t_idx).astype(np.int64)
-    a0 = target["t0_ns"].astype(np.int64) - tmin + tr * span
-    a1 = np.maximum(target["t1_ns"].astype(np.int64), target["t0_ns"]) - tmin + tr * span
-    unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
+        # the band's step marks, shifted by its rank (band rank r = rank - r_lo) and sorted
+        s = band.rows(Kind.STEP)
+        if step_name >= 0:
+            s = s[ev["name_id"][s] == step_name]
+        sr = band.rank_of(s) - r_lo
+        st = t0[s].astype(np.int64) - tmin + sr * span
+        so = np.argsort(st, kind="stable")
+        st, sr = st[so], sr[so]
+        first_step = np.concatenate([[0], np.cumsum(np.bincount(sr, minlength=nb))])  # rank r's marks: st[f[r]:f[r+1]]
 
-    # 2. iteration windows from the STEP rows
-    steps = _step_rows(run)
-    srix = np.searchsorted(ranks, steps["rank"]).astype(np.int64)
-    st = steps["t0_ns"].astype(np.int64) - tmin + srix * span
-    so = np.argsort(st, kind="stable")
-    st, srix = st[so], srix[so]
-    n_steps = np.bincount(srix, minlength=R)
-    first_step = np.concatenate([[0], np.cumsum(n_steps)])  # index of rank r's first step in st
-    n_iter = int(n_steps.max()) + 1 if len(st) else 1
+        # 1. a: the target's time that no compute phase of the same rank overlaps
+        A = np.zeros((nb, n_iter))
+        t = band.rows(kind)
+        if len(t):
+            c = band.rows(COMPUTE_KINDS)
+            cs, ce = merge_intervals(t0[c] - tmin, t1[c] - tmin, band.rank_of(c) - r_lo, span)
+            tr = band.rank_of(t) - r_lo
+            a0 = t0[t].astype(np.int64) - tmin + tr * span
+            a1 = np.maximum(t1[t].astype(np.int64), t0[t]) - tmin + tr * span
+            unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
+            np.add.at(A, (tr, _iteration(st, first_step, a0, tr, n_iter)), unhidden)
 
-    def iteration(t_shifted: np.ndarray, r: np.ndarray) -> np.ndarray:
-        return np.searchsorted(st, t_shifted, side="left") - first_step[r]
+        # 2. L: the windows [first window row, step_0, ..., step_{n-1}, end of the last window row]
+        L = np.full((nb, n_iter), np.nan)
+        w = band.rows(WINDOW_KINDS)
+        if len(w):
+            wr = band.rank_of(w) - r_lo  # ascending: the band's rows go by rank
+            g = np.flatnonzero(np.r_[True, wr[1:] != wr[:-1]])
+            have = np.zeros(nb, bool)
+            have[wr[g]] = True
+            w_start = np.zeros(nb, np.int64)
+            w_end = np.zeros(nb, np.int64)
+            w_t0 = t0[w]
+            w_start[wr[g]] = np.minimum.reduceat(w_t0.astype(np.int64) - tmin + wr * span, g)
+            w_end[wr[g]] = np.maximum.reduceat(np.maximum(t1[w], w_t0).astype(np.int64) - tmin + wr * span, g)
+            # (w_end >= w_start: a row ends at or after its start)
+            # window k of rank r ends at its k-th mark and starts at the mark before (the first: at w_start)
+            m = have[sr]
+            k = np.arange(len(st)) - first_step[sr]
+            prev = np.r_[np.int64(0), st[:-1]]
+            prev[k == 0] = w_start[sr[k == 0]]
+            L[sr[m], k[m]] = np.maximum(st[m] - prev[m], 0)
+            # the last window: from the last mark (or w_start) to the end
+            n_r = np.diff(first_step)
+            hv = np.flatnonzero(have)
+            last = w_start[hv]
+            marked = n_r[hv] > 0
+            last[marked] = st[first_step[hv[marked] + 1] - 1]
+            L[hv, n_r[hv]] = np.maximum(w_end[hv] - last, 0)
 
-    w_idx = rows_of(run, WINDOW_KINDS)
-    wr = rix(w_idx).astype(np.int64)
-    w_start = np.full(R, np.iinfo(np.int64).max)
-    w_end = np.full(R, np.iinfo(np.int64).min)
-    w_t0 = ev["t0_ns"][w_idx]
-    np.minimum.at(w_start, wr, w_t0.astype(np.int64) - tmin + wr * span)
-    np.maximum.at(w_end, wr, np.maximum(ev["t1_ns"][w_idx], w_t0).astype(np.int64) - tmin + wr * span)
-    have = w_start <= w_end
-    # boundaries[r] = [start, step_0, ..., step_{n-1}, end]: window i = (b[i], b[i+1]]
-    L = np.full((R, n_iter), np.nan)
-    for r in np.flatnonzero(have):  # per rank: a handful of array ops, not per event
-        b = np.concatenate([[w_start[r]], st[first_step[r] : first_step[r + 1]], [max(w_end[r], w_start[r])]])
-        L[r, : len(b) - 1] = np.maximum(np.diff(b), 0)
+        # 3. w: waiting for other ranks at collectives (merged run-wide, sliced here)
+        W = np.zeros((nb, n_iter))
+        j0, j1 = np.searchsorted(w_rank, [r_lo, band.r_hi])
+        if j1 > j0:
+            wr_b = w_rank[j0:j1] - r_lo
+            np.add.at(W, (wr_b, _iteration(st, first_step, w_s[j0:j1] - r_lo * span, wr_b, n_iter)), w_len[j0:j1])
 
-    A = np.zeros((R, n_iter))
-    it = np.clip(iteration(a0, tr), 0, n_iter - 1)
-    np.add.at(A, (tr, it), unhidden)
+        Lz = np.nan_to_num(L)
+        B = np.clip(Lz - A - W, 0, None)
+        valid = ~np.isnan(L)
+        np.maximum(ab_max, np.where(valid, np.minimum(A, Lz) + B, -np.inf).max(axis=0), out=ab_max)
+        np.maximum(b_max, np.where(valid, B, -np.inf).max(axis=0), out=b_max)
+        any_valid |= valid.any(axis=0)
+        mine = ranks[p_lo:p_hi] - r_lo
+        rank_ns[p_lo:p_hi] = A[mine].sum(axis=1)
+        busy_ns[p_lo:p_hi] = B[mine].sum(axis=1)
 
-    # 3. waiting for other ranks at collectives: [own arrival, last arrival], merged per rank
-    W = np.zeros((R, n_iter))
-    colls = collectives_of(run)
-    if len(colls):
-        ok = (colls.g_state == MatchState.COMPLETE)[colls.m_group]
-        m_r = np.searchsorted(ranks, colls.m_rank[ok]).astype(np.int64)
-        m_t0 = colls.m_t0_ns[ok].astype(np.int64) - tmin
-        m_last = colls.g_last_ns[colls.m_group[ok]].astype(np.int64) - tmin
-        keep = (m_last > m_t0) & (m_r < R)
-        if np.any(keep):
-            ws, we = merge_intervals(m_t0[keep], m_last[keep], m_r[keep], span)
-            wrank = ws // span
-            wit = np.clip(iteration(ws, wrank), 0, n_iter - 1)
-            np.add.at(W, (wrank, wit), (we - ws).astype(np.float64))
-
-    Lz = np.nan_to_num(L)
-    B = np.clip(Lz - A - W, 0, None)
-    valid = ~np.isnan(L)
-    AB = np.where(valid, np.minimum(A, Lz) + B, -np.inf)
-    Bv = np.where(valid, B, -np.inf)
-    any_valid = valid.any(axis=0)
-    per_iter = np.where(any_valid, AB.max(axis=0, initial=-np.inf) - Bv.max(axis=0, initial=-np.inf), 0.0)
+    per_iter = np.where(any_valid, ab_max - b_max, 0.0)
     per_iter = np.clip(np.nan_to_num(per_iter, neginf=0.0, posinf=0.0), 0, None)
     return {
         "cost_ns": float(per_iter.sum()),
         "per_iter_ns": per_iter,
-        "rank_ns": A.sum(axis=1),
-        "busy_ns": B.sum(axis=1),
+        "rank_ns": rank_ns,
+        "busy_ns": busy_ns,
         "n_iter": int(n_iter),
         "ranks": ranks,
-        "count": int(len(target)),
+        "count": n_target,
     }
 
 
