@@ -148,14 +148,24 @@ def band_edges(bounds: np.ndarray, band_events: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def bands(run: Any, band_events: int | None = None) -> Iterator[Band]:
+def bands(run: Any, band_events: int | None = None, ranks: np.ndarray | None = None) -> Iterator[Band]:
     """The run's events as :class:`Band` s of about ``band_events`` rows (default :data:`BAND_EVENTS`),
-    in rank order; every rank of ``0..n_ranks(run)`` is in exactly one band."""
+    in rank order; every rank of ``0..n_ranks(run)`` is in exactly one band.
+
+    ``ranks``: only the bands holding one of these ranks (a streamed run reads only
+    their files: a stage that asks about a few ranks should say which)."""
     band_events = BAND_EVENTS if band_events is None else band_events
     bounds = rank_rows(run)
     inf = run.inflight
     streamed = bool(getattr(run, "streamed_kinds", ()))
+    want = None
+    if ranks is not None:
+        want = np.zeros(len(bounds), bool)
+        r = np.asarray(ranks, np.int64)
+        want[r[(r >= 0) & (r < len(bounds) - 1)]] = True
     for r_lo, r_hi in band_edges(bounds, band_events):  # a few dozen bands
+        if want is not None and not want[r_lo:r_hi].any():
+            continue
         b_inf = inf[(inf["rank"] >= r_lo) & (inf["rank"] < r_hi)] if len(inf) else inf
         first = bounds[r_lo : r_hi + 1] - bounds[r_lo]
         if streamed:
