@@ -217,7 +217,7 @@ class RunFrames:
                 "group": g,
                 "comm": _decode(st, c.g_comm[g]),
                 "seq": c.g_seq[g],
-                "op": _decode(st, c.m_op),
+                "op": _decode(st, np.asarray(c.m_op)),
                 "state": _STATE_NAME[c.g_state[g].astype(np.int64)] if len(g) else np.zeros(0, object),
                 "rank": c.m_rank.astype(np.int64),
                 "host": self._hosts(c.m_rank),
@@ -232,9 +232,9 @@ class RunFrames:
                 "dur_s": np.where(in_flight, np.nan, (t1 - c.m_t0_ns) / 1e9),
                 "last_rank": c.g_last_rank[g].astype(np.int64),
                 "is_last": c.m_rank == c.g_last_rank[g],
-                "nbytes": c.m_nbytes,
-                "root": c.m_peer,
-                "site": _decode(st, c.m_site),
+                "nbytes": np.asarray(c.m_nbytes),  # the per-group columns, materialized: a frame holds them anyway
+                "root": np.asarray(c.m_peer),
+                "site": _decode(st, np.asarray(c.m_site)),
             }
         )
 

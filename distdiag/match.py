@@ -22,9 +22,10 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from distdiag.run import Run
 from distdiag.schema import COMM_KINDS, Kind
@@ -67,6 +68,191 @@ SIZE_CHECKED_OPS = frozenset(
 )  # fmt: skip
 
 
+class GroupColumn(NDArrayOperatorsMixin):
+    """A member column that is constant within almost every group, stored per group.
+
+    SPMD ranks call the n-th collective of a communicator with the same op, byte
+    count, root, datatype and (usually) call site, so a member column such as
+    ``m_op`` holds the same value on every member of nearly every group. It is
+    kept as one value per group (``group_values``: the value of the group's
+    FIRST member in member order, i.e. its first arriver: free to take while
+    matching, no count needed; a per-group mode would save exceptions only in
+    mismatched groups, which are rare) plus the members that differ from it
+    (``exc_rows``: their member rows, sorted; ``exc_values``: their values).
+    ``m_group`` (the Collectives' own column, shared, not copied) maps a member
+    to its group. At 1024 x 100k (51 M members) the five such columns took 28
+    bytes a member as plain arrays; this takes ~0 (a few bytes per group).
+
+    It reads like the 1-D array it replaces, read-only: ``col[i]`` (a numpy
+    scalar), ``col[a:b]``, ``col[int array]``, ``col[bool mask]`` give plain
+    ndarrays of ``dtype``, computed for the asked rows only (a gather of the
+    group values, then the exceptions in range patched in: a subset never
+    materializes the whole column); ``len``, ``dtype``, ``shape``, ``max()``,
+    ``min()`` without materializing. ``np.asarray(col)``, ``astype`` and any
+    ufunc or operator (``col == 3``) materialize the whole column, transiently.
+    ``group_max()`` / ``varies()`` give per-group facts from the exceptions alone.
+    """
+
+    __slots__ = ("group_values", "exc_rows", "exc_values", "m_group")
+
+    def __init__(self, group_values: np.ndarray, m_group: np.ndarray, exc_rows: np.ndarray, exc_values: np.ndarray) -> None:
+        self.group_values = group_values
+        self.m_group = m_group
+        self.exc_rows = exc_rows.astype(np.int64, copy=False)
+        self.exc_values = exc_values.astype(group_values.dtype, copy=False)
+
+    @classmethod
+    def from_array(cls, values: np.ndarray, m_group: np.ndarray, g_start: np.ndarray) -> GroupColumn:
+        """The column of a plain member array (members of group g at ``g_start[g]:g_start[g + 1]``)."""
+        values = np.asarray(values)
+        gv = values[g_start[:-1]] if len(values) else values[:0]
+        rows = np.flatnonzero(values != gv[m_group]) if len(values) else np.zeros(0, np.int64)
+        return cls(gv, m_group, rows, values[rows])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.group_values.dtype
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self.m_group),)
+
+    ndim = 1
+
+    @property
+    def size(self) -> int:
+        return len(self.m_group)
+
+    def __len__(self) -> int:
+        return len(self.m_group)
+
+    def __repr__(self) -> str:
+        return (f"GroupColumn({len(self)} members, {len(self.group_values)} groups, "
+                f"{len(self.exc_rows)} exceptions, dtype={self.dtype})")  # fmt: skip
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.group_values[self.m_group]
+        out[self.exc_rows] = self.exc_values
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def astype(self, dtype: Any, copy: bool = True) -> np.ndarray:
+        """The whole column as a plain array of ``dtype`` (materialized: a transient)."""
+        return np.asarray(self).astype(dtype, copy=False)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if any(isinstance(o, GroupColumn) for o in kwargs.get("out", ())):
+            return NotImplemented  # read-only
+        args = [np.asarray(x) if isinstance(x, GroupColumn) else x for x in inputs]
+        return getattr(ufunc, method)(*args, **kwargs)
+
+    @overload
+    def __getitem__(self, key: int | np.integer) -> Any: ...
+    @overload
+    def __getitem__(self, key: slice | np.ndarray | list[Any]) -> np.ndarray: ...
+
+    def __getitem__(self, key: Any) -> Any:
+        n = len(self.m_group)
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step != 1:
+                return self._take(np.arange(start, stop, step))
+            out = self.group_values[self.m_group[start:stop]]
+            if len(self.exc_rows) and stop > start:
+                i, j = np.searchsorted(self.exc_rows, (start, stop))
+                out[self.exc_rows[i:j] - start] = self.exc_values[i:j]
+            return out
+        if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+            i = int(key)
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of bounds for a column of {n} members")
+            i %= n
+            if len(self.exc_rows):
+                p = int(np.searchsorted(self.exc_rows, i))
+                if p < len(self.exc_rows) and self.exc_rows[p] == i:
+                    return self.exc_values[p]
+            return self.group_values[self.m_group[i]]
+        if isinstance(key, tuple) or key is None or key is Ellipsis:
+            return np.asarray(self)[key]  # numpy's own semantics, on a materialized copy
+        k = np.asarray(key)
+        if k.dtype == bool and k.ndim == 1:
+            return self._mask(k)
+        if k.size == 0 and k.dtype.kind not in "iub":
+            k = k.astype(np.intp)
+        if k.dtype.kind in "iu":
+            return self._take(k)
+        return np.asarray(self)[key]  # any other key: numpy's own semantics, on a materialized copy
+
+    def _take(self, idx: np.ndarray) -> np.ndarray:
+        """Rows ``idx`` (integers of any shape, negative ones from the end)."""
+        n = len(self.m_group)
+        if idx.size and int(idx.min()) < 0:
+            idx = np.where(idx < 0, idx + n, idx)
+            if int(idx.min()) < 0:
+                raise IndexError(f"index {int(idx.min()) - n} is out of bounds for a column of {n} members")
+        out = self.group_values[self.m_group[idx]]  # raises numpy's IndexError when out of range
+        if len(self.exc_rows) and out.size:
+            flat = idx.reshape(-1)
+            p = np.searchsorted(self.exc_rows, flat)
+            np.minimum(p, len(self.exc_rows) - 1, out=p)
+            hit = self.exc_rows[p] == flat
+            if hit.any():
+                out.reshape(-1)[hit] = self.exc_values[p[hit]]
+        return out
+
+    def _mask(self, mask: np.ndarray) -> np.ndarray:
+        """Rows where ``mask`` (one flag per row) is True."""
+        out = self.group_values[self.m_group[mask]]  # raises numpy's IndexError on a wrong length
+        e = self.exc_rows
+        if len(e) and len(out):
+            hit = mask[e]
+            if hit.any():
+                # an exception's place in the output: the True flags before its row,
+                # counted between consecutive exceptions (no row-sized cumsum)
+                seg = np.add.reduceat(mask, e, dtype=np.int64)
+                before = np.empty(len(e), np.int64)
+                before[0] = np.count_nonzero(mask[: e[0]])
+                np.cumsum(seg[:-1], out=before[1:])
+                before[1:] += before[0]
+                out[before[hit]] = self.exc_values[hit]
+        return out
+
+    def max(self, *args: Any, **kwargs: Any) -> Any:
+        """The largest value (every group has a member, its first one holds ``group_values``)."""
+        if args or kwargs or len(self) == 0:
+            return np.asarray(self).max(*args, **kwargs)
+        m = self.group_values.max()
+        return max(m, self.exc_values.max()) if len(self.exc_values) else m
+
+    def min(self, *args: Any, **kwargs: Any) -> Any:
+        """The smallest value (see :meth:`max`)."""
+        if args or kwargs or len(self) == 0:
+            return np.asarray(self).min(*args, **kwargs)
+        m = self.group_values.min()
+        return min(m, self.exc_values.min()) if len(self.exc_values) else m
+
+    def exc_groups(self) -> np.ndarray:
+        """The group of each exception (ascending, like ``exc_rows``)."""
+        return self.m_group[self.exc_rows]
+
+    def varies(self) -> np.ndarray:
+        """Per group: True where its members do not all hold one value."""
+        out = np.zeros(len(self.group_values), bool)
+        out[self.exc_groups()] = True
+        return out
+
+    def group_max(self) -> np.ndarray:
+        """Per group: the largest value among its members (``np.maximum.reduceat`` over the groups)."""
+        out = self.group_values.copy()
+        np.maximum.at(out, self.exc_groups(), self.exc_values)  # exceptions: few
+        return out
+
+    def group_min(self) -> np.ndarray:
+        """Per group: the smallest value among its members."""
+        out = self.group_values.copy()
+        np.minimum.at(out, self.exc_groups(), self.exc_values)
+        return out
+
+
 @dataclass
 class Collectives:
     """Matched collectives, columnar. Times are on the run's timeline (aligned if the run was)."""
@@ -85,20 +271,22 @@ class Collectives:
     g_exit_ns: np.ndarray  # i8 last exit among members (-1 when one is still in flight)
     g_start: np.ndarray  # i8 [n_groups + 1]: member rows of group g are g_start[g]:g_start[g+1]
     # one row per (group, member), sorted by (group, arrival) -----------------------
-    m_group: np.ndarray  # i8
+    # plain arrays, 25 bytes a member:
+    m_group: np.ndarray  # i4 (i8 only past 2^31 - 1 groups); index arrays with it, never multiply it unwidened
     m_rank: np.ndarray  # i4
     m_t0_ns: np.ndarray  # i8 arrival
     m_t1_ns: np.ndarray  # i8 exit, -1 when still inside (in flight)
-    m_op: np.ndarray  # i4
-    m_nbytes: np.ndarray  # i8
-    m_peer: np.ndarray  # i4 root for rooted collectives
-    m_site: np.ndarray  # i4
     m_kind: np.ndarray  # u1
+    # one value per group plus the members that differ (:class:`GroupColumn`), read like arrays:
+    m_op: GroupColumn  # i4
+    m_nbytes: GroupColumn  # i8
+    m_peer: GroupColumn  # i4 root for rooted collectives
+    m_site: GroupColumn  # i4
     #: comm key id -> sorted member ranks
     comm_members: dict[int, np.ndarray]
     strings: np.ndarray
     #: i8 per member: ``aux`` of its row (the datatype's string id); None when not gathered
-    m_aux: np.ndarray | None = None
+    m_aux: GroupColumn | None = None
     #: rows dropped because they repeated a (comm, seq, rank) (damaged files only)
     n_dup: int = 0
 
@@ -149,20 +337,34 @@ class Collectives:
 
 def _empty(strings: np.ndarray) -> Collectives:
     z = np.zeros(0, np.int64)
+    g = z.astype(np.int32)
+
+    def col(dt: Any) -> GroupColumn:
+        return GroupColumn(z.astype(dt), g, z, z)
+
     return Collectives(
         g_comm=z.astype(np.int32), g_seq=z, g_op=z.astype(np.int32), g_state=z.astype(np.int8),
         g_n_members=z.astype(np.int32), g_n_expected=z.astype(np.int32), g_first_ns=z, g_last_ns=z,
         g_second_ns=z, g_last_rank=z.astype(np.int32), g_exit_ns=z, g_start=np.zeros(1, np.int64),
-        m_group=z, m_rank=z.astype(np.int32), m_t0_ns=z, m_t1_ns=z, m_op=z.astype(np.int32), m_nbytes=z,
-        m_peer=z.astype(np.int32), m_site=z.astype(np.int32), m_kind=z.astype(np.uint8),
-        comm_members={}, strings=strings,
+        m_group=g, m_rank=z.astype(np.int32), m_t0_ns=z, m_t1_ns=z, m_op=col(np.int32), m_nbytes=col(np.int64),
+        m_peer=col(np.int32), m_site=col(np.int32), m_kind=z.astype(np.uint8),
+        comm_members={}, strings=strings, m_aux=col(np.int64),
     )  # fmt: skip
 
 
 #: The event fields match_collectives sorts by (read in table order, first pass).
 _KEY_FIELDS = ("t0_ns", "rank", "comm_id", "seq")
-#: The other fields it keeps (read in the matched order, second pass).
-_ROW_FIELDS = ("t0_ns", "t1_ns", "kind", "name_id", "peer", "nbytes", "site_id", "aux")
+#: The other fields it keeps (read in the matched order, second pass): plain member
+#: columns (the hot ones, read by every detector) ...
+_HOT_FIELDS = ("t0_ns", "t1_ns", "kind")
+#: ... and per-group ones (:class:`GroupColumn`): event field -> (Collectives field, dtype).
+_GROUP_FIELDS = {
+    "name_id": ("m_op", np.int32),
+    "nbytes": ("m_nbytes", np.int64),
+    "peer": ("m_peer", np.int32),
+    "site_id": ("m_site", np.int32),
+    "aux": ("m_aux", np.int64),
+}
 #: Rows per block of :func:`_gather` (300 kB of 73-byte rows: stays in L2). At 64 x 100k
 #: (3.2 M rows in match order, best of 3-4 interleaved, CPU s): 2^16 rows 0.20-0.27,
 #: 2^12 0.15-0.19, 2^11 0.12-0.24 (noisier), measured.
@@ -181,27 +383,69 @@ def _gather(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[s
     return out
 
 
-def _gather_in_order(
-    ev: np.ndarray, inf: np.ndarray, ev_idx: np.ndarray, inf_idx: np.ndarray, order: np.ndarray, fields: tuple[str, ...]
-) -> dict[str, np.ndarray]:
-    """``fields`` of the collective rows (``ev[ev_idx]`` then ``inf[inf_idx]``) in ``order``,
-    gathered straight from the tables by blocks of whole rows: no table-order copy of
-    each field to permute afterwards (that copy and its permuted twin were the match's
-    peak: ~37 bytes per collective row held through the sort, measured). Without
-    in-flight rows the caller uses :func:`_gather` on ``ev_idx[order]``."""
-    n_ev = len(ev_idx)
-    out = {f: np.empty(len(order), ev.dtype[f]) for f in fields}
-    for lo in range(0, len(order), _GATHER_ROWS):  # per block of 4,096 rows
-        o = order[lo : lo + _GATHER_ROWS]
-        hi = lo + len(o)
-        from_ev = o < n_ev
-        sub = ev.take(ev_idx[o[from_ev]])
-        sub_inf = inf.take(inf_idx[o[~from_ev] - n_ev])
-        for f in fields:  # a few fields
-            blk = out[f][lo:hi]
-            blk[from_ev] = sub[f]
-            blk[~from_ev] = sub_inf[f]
-    return out
+def _gather_members(
+    take: Any, n: int, dtype: np.dtype, starts: np.ndarray, gid: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, GroupColumn]]:
+    """The member columns from the matched rows, by blocks of whole rows in member
+    order (``take(lo, hi)``: the rows of members ``lo:hi`` of the ``n``, as a
+    structured block): ``_HOT_FIELDS`` as plain arrays, ``_GROUP_FIELDS`` as
+    :class:`GroupColumn` columns, made in the same pass: each block first sets the
+    values of the groups that start in it (their first member's), then keeps
+    its rows that differ from their group's value (any group of the block has
+    its value by then: members come group by group). No member-size copy of a
+    per-group field exists at any time (the five took 28 bytes a member).
+
+    The in-flight rows travel in the same blocks (``take`` merges them), so the
+    rows are gathered once, in order, straight from the tables: no table-order
+    copy of each field to permute afterwards (that copy and its permuted twin
+    were the match's peak: ~37 bytes per collective row held through the sort,
+    measured)."""
+    hot = {f: np.empty(n, dtype[f]) for f in _HOT_FIELDS}
+    n_g = len(starts)
+    gv = {f: np.empty(n_g, dt) for f, (_, dt) in _GROUP_FIELDS.items()}
+    exc: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {f: [] for f in _GROUP_FIELDS}
+    p = 0  # groups before p started in earlier blocks
+    chg = np.empty(_GATHER_ROWS, bool)
+    tmp = np.empty(_GATHER_ROWS, bool)
+    inner = np.empty(_GATHER_ROWS, bool)
+    for lo in range(0, n, _GATHER_ROWS):  # per block of 4,096 member rows
+        sub = take(lo, min(n, lo + _GATHER_ROWS))
+        hi = lo + len(sub)
+        k = hi - lo
+        for f in _HOT_FIELDS:  # three
+            hot[f][lo:hi] = sub[f]
+        q = p + int(np.searchsorted(starts[p:], hi))
+        first = starts[p:q] - lo
+        g0 = int(gid[lo])  # the group of the block's first row (began here or before)
+        # A member differs from its group's first iff some value changes between two
+        # neighbours inside the group: one contiguous compare a field, no gather of
+        # the group values; the exact rows only in a block where something changed.
+        c, t, ins = chg[: k - 1], tmp[: k - 1], inner[: k - 1]
+        ins.fill(True)
+        ins[first[first > 0] - 1] = False  # (row i, i + 1) where i + 1 starts a group
+        c.fill(False)
+        edge = False
+        for f in _GROUP_FIELDS:  # five
+            v = sub[f]
+            gv[f][p:q] = v[first]
+            np.not_equal(v[1:], v[:-1], out=t)
+            c |= t
+            edge |= bool(v[0] != gv[f][g0])  # the first row against its group (when it began before)
+        c &= ins
+        if edge or c.any():  # rare: the rows unlike their group's first
+            g = gid[lo:hi]
+            for f in _GROUP_FIELDS:  # five
+                v = sub[f]
+                d = np.flatnonzero(v != gv[f][g])
+                if len(d):
+                    exc[f].append((d + lo, v[d]))
+        p = q
+    cols = {}
+    for f, (name, dt) in _GROUP_FIELDS.items():  # five
+        rows = np.concatenate([r for r, _ in exc[f]]) if exc[f] else np.zeros(0, np.int64)
+        vals = np.concatenate([v for _, v in exc[f]]) if exc[f] else np.zeros(0, dt)
+        cols[name] = GroupColumn(gv[f], gid, rows, vals)
+    return hot, cols
 
 
 #: Table rows per block of :func:`_select_keys` (300 kB of 73-byte rows: stays in L2;
@@ -412,45 +656,48 @@ def match_collectives(run: Run) -> Collectives:
     last_idx = g_start[1:] - 1
     second_idx = np.maximum(last_idx - 1, starts)
     n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
+    # the member rows' group (part of the result): int32 up to 2^31 - 1 groups
+    gid = np.repeat(np.arange(n_g, dtype=np.int32 if n_g < 1 << 31 else np.int64), n_mem)
     if len(inf_idx) == 0:  # the usual case: the order as rows of the event table
         src = sel_idx[order]
         del order, sel_idx
-        rows = _gather(ev, src, _ROW_FIELDS)
+
+        hot, cols = _gather_members(lambda lo, hi: ev.take(src[lo:hi]), len(src), ev.dtype, starts, gid)
         del src
     else:
-        rows = _gather_in_order(ev, inf, sel_idx, inf_idx, order, _ROW_FIELDS)
-        del order, sel_idx
-    del inf_idx
-    # the member rows' group, made once the gather's index is gone (part of the result)
-    gid = np.repeat(np.arange(n_g, dtype=np.int64), n_mem)
-    m_t0 = rows["t0_ns"]
+        n_ev = len(sel_idx)
 
-    # Op: the most common name among members; mismatch when any member differs.
-    op = rows["name_id"]
-    op_min = np.minimum.reduceat(op, starts)
-    op_max = np.maximum.reduceat(op, starts)
-    op_mismatch = op_min != op_max
-    g_op = op[starts].astype(np.int64)
+        def take(lo: int, hi: int) -> np.ndarray:  # the block's event rows and in-flight rows, merged
+            o = order[lo:hi]
+            from_ev = o < n_ev
+            blk = np.empty(len(o), ev.dtype)
+            blk[from_ev] = ev.take(sel_idx[o[from_ev]])
+            blk[~from_ev] = inf.take(inf_idx[o[~from_ev] - n_ev])
+            return blk
+
+        hot, cols = _gather_members(take, len(order), ev.dtype, starts, gid)
+        del take, order, sel_idx
+    del inf_idx
+    m_t0 = hot["t0_ns"]
+
+    # Op: the most common name among members; mismatch when any member differs
+    # (from its group's first: a member min != max, said by the exceptions alone).
+    op = cols["m_op"]
+    op_mismatch = op.varies()
+    g_op = op.group_values.astype(np.int64)
     if op_mismatch.any():  # rare: only then pay for a per-group mode
         sel = op_mismatch[gid]
         g_op[op_mismatch] = _mode_per_group(op[sel], gid[sel], n_g)[op_mismatch]
 
     # Root: rooted collectives carry the root in peer (>= 0 on every member).
-    peer = rows["peer"]
-    peer_max = np.maximum.reduceat(peer, starts)
-    root_mismatch = (peer_max >= 0) & (np.minimum.reduceat(peer, starts) != peer_max)
-    del peer_max
+    peer = cols["m_peer"]
+    root_mismatch = peer.varies() & (peer.group_max() >= 0)
 
     # Size: only for ops that require equal counts on every member.
     checked_ids = np.array([run.sid(o) for o in SIZE_CHECKED_OPS if run.sid(o) >= 0], np.int64)
-    nb = rows["nbytes"]
-    size_mismatch = (
-        np.isin(g_op, checked_ids)
-        & (np.minimum.reduceat(nb, starts) != np.maximum.reduceat(nb, starts))
-        & ~op_mismatch
-    )
+    size_mismatch = np.isin(g_op, checked_ids) & cols["m_nbytes"].varies() & ~op_mismatch
 
-    t1 = rows["t1_ns"]
+    t1 = hot["t1_ns"]
     in_flight = np.minimum.reduceat(t1, starts) < 0
     missing = n_mem < n_exp
 
@@ -479,18 +726,18 @@ def match_collectives(run: Run) -> Collectives:
         g_last_rank=m_rank[last_idx].astype(np.int32),
         g_exit_ns=exit_ns.astype(np.int64),
         g_start=g_start,
-        m_group=gid.astype(np.int64, copy=False),
+        m_group=gid,
         m_rank=m_rank.astype(np.int32, copy=False),
         m_t0_ns=m_t0.astype(np.int64, copy=False),
         m_t1_ns=t1.astype(np.int64, copy=False),
-        m_op=op.astype(np.int32, copy=False),
-        m_nbytes=nb.astype(np.int64, copy=False),
-        m_peer=peer.astype(np.int32, copy=False),
-        m_site=rows["site_id"].astype(np.int32, copy=False),
-        m_kind=rows["kind"].astype(np.uint8, copy=False),
+        m_kind=hot["kind"].astype(np.uint8, copy=False),
+        m_op=op,
+        m_nbytes=cols["m_nbytes"],
+        m_peer=peer,
+        m_site=cols["m_site"],
         comm_members=comm_members,
         strings=run.strings,
-        m_aux=rows["aux"].astype(np.int64, copy=False),
+        m_aux=cols["m_aux"],
         n_dup=n_dup,
     )
 

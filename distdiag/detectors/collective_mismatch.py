@@ -46,7 +46,7 @@ import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.match import Collectives, GroupColumn, MatchState, collectives_of
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS
 
@@ -56,16 +56,18 @@ _COMM_ARR = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
 _MISMATCH_STATES = (MatchState.OP_MISMATCH, MatchState.SIZE_MISMATCH, MatchState.ROOT_MISMATCH)
 
 
-def member_aux(run: Any, colls: Collectives) -> np.ndarray:
+def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
     """The ``aux`` (datatype id) of every member row of ``colls``, aligned with ``m_rank``.
 
-    Matching gathers it (``colls.m_aux``): then no second pass over the event
-    table (it cost 0.2 us and 50 bytes of peak RSS per event at 2.6 M events).
-    Without it, or when match dropped repeated rows, the rows are found again
-    by (comm, seq, rank), which is unique per member (match keeps one row each).
+    Matching gathers it (``colls.m_aux``, a :class:`~distdiag.match.GroupColumn`:
+    one value per group plus the members that differ; returned as it is, never
+    materialized): then no second pass over the event table (it cost 0.2 us and
+    50 bytes of peak RSS per event at 2.6 M events). Without it, or when match
+    dropped repeated rows, the rows are found again by (comm, seq, rank), which
+    is unique per member (match keeps one row each): a plain int64 array.
     """
     if colls.m_aux is not None and colls.n_dup == 0:
-        return colls.m_aux.astype(np.int64, copy=False)
+        return colls.m_aux
     out = np.zeros(len(colls.m_rank), np.int64)
     if len(out) == 0:
         return out
@@ -118,7 +120,7 @@ def _ranks_txt(rs: np.ndarray, limit: int = 16) -> str:
     return txt + (f" and {len(rs) - limit} more" if len(rs) > limit else "")
 
 
-def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray, dtype_bad: bool) -> dict[str, Any]:
+def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColumn, dtype_bad: bool) -> dict[str, Any]:
     """State, odd ranks out and a sentence for one mismatched group."""
     sl = colls.members(g)
     ranks = colls.m_rank[sl].astype(np.int64)
@@ -167,25 +169,36 @@ def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray, dtype_bad: 
     return {"state": state, "odd": [int(r) for r in odd], "text": text, "values": values}
 
 
-def mismatches(run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def mismatches(run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | GroupColumn]:
     """``(bad, dtype_bad, skipped, aux)``: per group, whether it mismatches (any state), whether
-    by datatype, whether a member skipped it; and the members' datatype ids. Cached on the run."""
+    by datatype, whether a member skipped it; and the members' datatype ids (:func:`member_aux`).
+    Cached on the run."""
     got = run.cache.get("collective_mismatch")
     if got is not None and got[0] is colls:
         return got[1]  # type: ignore[no-any-return]
     starts = colls.g_start[:-1]
     aux = member_aux(run, colls)
     # dtype: the members that recorded one (aux > 0) disagree, and nothing else does.
-    # (A group's largest recorded id is its largest id when that is > 0, else there is none:
-    # no member-size np.where for it; nor for the smallest when every member recorded one,
-    # the usual case: 64 x 100k, 3.2 M members, ~25 -> ~7 ms.)
+    # Per group: the largest recorded id (-1: none) and the smallest (big: none).
     big = np.iinfo(np.int64).max
-    a_max = np.maximum.reduceat(aux, starts) if len(aux) else np.zeros(0, np.int64)
-    a_max[a_max <= 0] = -1
-    if len(aux) and int(aux.min()) > 0:
-        a_min = np.minimum.reduceat(aux, starts)
+    if isinstance(aux, GroupColumn):
+        # from the group values and the exceptions alone: no member-size array (a group
+        # with no exception holds one value, so its smallest and largest agree)
+        a_max = aux.group_max().astype(np.int64)
+        gv = aux.group_values.astype(np.int64)
+        a_min = np.where(gv > 0, gv, big)
+        rec = aux.exc_values > 0
+        np.minimum.at(a_min, aux.exc_groups()[rec], aux.exc_values[rec])  # exceptions: few
     else:
-        a_min = np.minimum.reduceat(np.where(aux > 0, aux, big), starts)
+        # (A group's largest recorded id is its largest id when that is > 0, else there is none:
+        # no member-size np.where for it; nor for the smallest when every member recorded one,
+        # the usual case: 64 x 100k, 3.2 M members, ~25 -> ~7 ms.)
+        a_max = np.maximum.reduceat(aux, starts) if len(aux) else np.zeros(0, np.int64)
+        if len(aux) and int(aux.min()) > 0:
+            a_min = np.minimum.reduceat(aux, starts)
+        else:
+            a_min = np.minimum.reduceat(np.where(aux > 0, aux, big), starts)
+    a_max[a_max <= 0] = -1
     dtype_bad = (a_max > 0) & (a_min != a_max) & ~np.isin(colls.g_state, _MISMATCH_STATES)
     inside_any = np.minimum.reduceat(colls.m_t1_ns, starts) < 0
     _, end = run.rank_bounds()

@@ -213,7 +213,7 @@ def _ops_per_rank(colls: Any, groups: np.ndarray, ranks: list[int]) -> dict[int,
         sel = sel[groups[colls.m_group[a:b][sel]]]  # the few selected rows' groups, not a repeat over all
         k = colls.m_rank[a:b][sel].astype(np.int64)
         k *= n_op
-        k += colls.m_op[a:b][sel]
+        k += colls.m_op[sel + a]  # the selected rows only (m_op is per group: a slice would build the block's)
         keys.append(np.unique(k))
     pairs = np.unique(np.concatenate(keys))
     for r in ranks:  # a few
@@ -537,7 +537,8 @@ def _hosts_per_group(colls: Any, host_of_rank: np.ndarray, use: np.ndarray, n_ho
         sel = want[colls.m_rank[a:b]]
         sel &= np.repeat(u, np.diff(colls.g_start[g_lo : g_hi + 1]))
         if sel.any():
-            gh = colls.m_group[a:b][sel] - g_lo
+            gh = colls.m_group[a:b][sel].astype(np.int64)  # m_group is int32: widened before the product
+            gh -= g_lo
             gh *= n_hosts
             gh += host_of_rank[colls.m_rank[a:b][sel]]
             n_part += np.bincount(np.unique(gh) % n_hosts, minlength=n_hosts)
