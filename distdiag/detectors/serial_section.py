@@ -58,20 +58,34 @@ Measured (``bench_scale.py --grid '' --stages RxM --baseline <worktree of
 because input_bound's, just before, shrank (7.1 -> 3.2 B/event) and no longer
 leaves freed pages for it: the analysis' peak RSS is unchanged (798 -> 795 MB,
 1221 -> 1217 MB).
+
+Bands (issue 10): the late rank's recorded activity inside its window
+(:func:`_activity_ns`) and what it did there (:func:`_what_it_did`) read the
+activity rows through :func:`distdiag.bands.bands`, not ``run.events``: the
+compute phases among those kinds are streamed. Each window goes to its rank's
+band, bands without a window are skipped, none past the last one's is read,
+and every section's evidence comes from one pass. Same JSON as before (every
+synth fault, 1024 x 10k, 256 x 10k, and the serial fault at 256 x 10k and
+1024 x 3k, rank 700). Measured (baseline module and this one in one process,
+alternating, best CPU, tracemalloc peak): the serial fault at 256 x 10k,
+detector 0.15 -> 0.05 s and 51 -> 28 MB; windows on every rank of 1024 x 10k
+(5,000 windows, all 157 bands): activity 0.34 -> 0.31 s and 205 -> 1.8 MB,
+what it did 0.46 -> 0.42 s and 580 -> 5.9 MB (it copied every activity row of
+the windows' ranks before).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from distdiag.bands import Band, bands
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.detectors.straggler import nobody_waits, secs, tally
 from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
-from distdiag.rows import rows_of
 from distdiag.run import _ranges
 from distdiag.schema import Kind
 
@@ -221,34 +235,61 @@ def _lead(colls: Collectives, idle_m: np.ndarray, groups: np.ndarray) -> np.ndar
     return out[groups]
 
 
+def _by_band(run: Any, rank: np.ndarray) -> Iterator[tuple[Band, np.ndarray]]:
+    """Per band of :func:`distdiag.bands.bands` holding ranks of ``rank`` (one query per entry):
+    the band and the indices of its queries. Stops after the last band a query
+    needs (a streamed run reads no band past it)."""
+    order = np.argsort(rank, kind="stable")
+    r_sorted = rank[order]
+    for band in bands(run):  # a few dozen bands
+        i, j = np.searchsorted(r_sorted, [band.r_lo, band.r_hi])
+        if j > i:
+            yield band, order[i:j]
+        if j == len(r_sorted):
+            return
+
+
 def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray) -> np.ndarray:
-    """Per window [a, b] of rank ``rank``: ns of recorded activity calls starting inside it (capped at b - a)."""
+    """Per window [a, b] of rank ``rank``: ns of recorded activity calls starting inside it (capped at b - a).
+
+    Band by band (:mod:`distdiag.bands`: the compute phases among the activity
+    kinds are streamed): each window is answered from its rank's band by a
+    prefix sum over the band's activity rows. The prefix sum is exact int64 ns,
+    converted after the difference, so the result does not depend on where the
+    bands fall (a float64 prefix sum over the whole run, as before, gave the same
+    numbers while the run's activity stays under 2^53 ns, ~104 days of rank-time).
+    """
     out = np.zeros(len(rank), np.float64)
     if len(rank) == 0:
         return out
-    ev = run.events
-    idx = rows_of(run, _ACTIVITY_KINDS)  # the run's kind index (distdiag.rows): ascending, like flatnonzero
-    if len(idx) == 0:
-        return out
-    et0 = ev["t0_ns"][idx]
-    dur = ev["t1_ns"][idx]
-    dur -= et0
-    np.maximum(dur, 0, out=dur)
-    csum = np.zeros(len(idx) + 1)
-    np.cumsum(dur, dtype=np.float64, out=csum[1:])
-    del dur
-    # events are sorted by (rank, t0): one composite key for both searches
-    lo_t = int(min(et0.min(), a_ns.min()))
-    span = int(max(et0.max(), b_ns.max())) - lo_t + 1
-    key = ev["rank"][idx].astype(np.int64)
-    del idx
-    key *= span
-    et0 -= lo_t
-    key += et0
-    del et0
-    i0 = np.searchsorted(key, rank * span + (a_ns - lo_t), side="left")
-    i1 = np.searchsorted(key, rank * span + (b_ns - lo_t), side="right")
-    return np.minimum(csum[i1] - csum[i0], (b_ns - a_ns).astype(np.float64))
+    for band, q in _by_band(run, rank):
+        ev = band.events
+        rows = band.rows(_ACTIVITY_KINDS)  # ascending, so sorted by (rank, t0) like the band
+        if len(rows) == 0:
+            continue
+        et0 = ev["t0_ns"][rows]
+        dur = ev["t1_ns"][rows]
+        dur -= et0
+        np.maximum(dur, 0, out=dur)
+        csum = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(dur, out=csum[1:])
+        del dur
+        qr, qa, qb = rank[q], a_ns[q], b_ns[q]
+        # one composite (rank, t0) key for both searches
+        lo_t = int(min(et0.min(), qa.min()))
+        span = int(max(et0.max(), qb.max())) - lo_t + 1
+        key = ev["rank"][rows].astype(np.int64)
+        del rows
+        key -= band.r_lo
+        key *= span
+        et0 -= lo_t
+        key += et0
+        del et0
+        qk = (qr - band.r_lo) * span
+        i0 = np.searchsorted(key, qk + (qa - lo_t), side="left")
+        i1 = np.searchsorted(key, qk + (qb - lo_t), side="right")
+        out[q] = np.minimum((csum[i1] - csum[i0]).astype(np.float64), (qb - qa).astype(np.float64))
+    return out
 
 
 @register("serial_section")
@@ -347,9 +388,15 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     windows: dict[int, tuple[np.ndarray, ...]] = {}
     findings = []
     t_run0 = run.start_ns
-    for k_ in np.flatnonzero(per_lead_ns >= min_fraction * wall_s * 1e9):  # sections over threshold: few
-        k = int(k_)
-        mine = serial[s_lead == k]
+    leads = [int(k) for k in np.flatnonzero(per_lead_ns >= min_fraction * wall_s * 1e9)]  # over threshold: few
+    sections = [serial[s_lead == k] for k in leads]
+    # what the late ranks did in their stretches, every section in one pass over the bands
+    sec_of = np.repeat(np.arange(len(leads)), [len(m) for m in sections])
+    g_all = np.concatenate(sections) if sections else np.zeros(0, np.int64)
+    lr_all = last_row[g_all]
+    dids = _what_it_did(run, sec_of, colls.g_last_rank[g_all].astype(np.int64), colls.m_t0_ns[lr_all] - gap[lr_all],
+                        colls.m_t0_ns[lr_all], len(leads), top)  # fmt: skip
+    for k, mine, did in zip(leads, sections, dids):
         lr = last_row[mine]
         late_rank = colls.g_last_rank[mine].astype(np.int64)
         windows[k] = (late_rank, (colls.g_last_ns[mine] - gap[lr]).astype(np.int64),
@@ -364,7 +411,6 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         ops = tally(colls.g_op[mine], charge[mine], run, top, key="s", ndigits=4)
         # the late rank's previous collective: where the serial stretch starts
         prev_site = _prev_sites(run, colls, late_rank, colls.m_t0_ns[lr] - gap[lr], top)
-        did = _what_it_did(run, late_rank, colls.m_t0_ns[lr] - gap[lr], colls.m_t0_ns[lr], top)
         top_site = next(iter(coll_sites), "?")
         top_op = next(iter(ops), "collective")
         # how many of the lead rank's calls at that site were serial
@@ -434,26 +480,49 @@ def _prev_sites(run: Any, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray
     return {run.s(int(u[i])) or "?": int(c[i]) for i in order}
 
 
-def _what_it_did(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray, limit: int) -> list[dict[str, Any]]:
-    """The recorded calls of ``rank[i]`` inside its stretch [a_ns[i], b_ns[i]], grouped by (kind, name, site), longest first."""
-    ev = run.events
-    idx = rows_of(run, _ACTIVITY_KINDS)
-    e = ev.take(idx[np.isin(ev["rank"][idx], rank)])
-    if len(e) == 0 or len(a_ns) == 0:
-        return []
-    # windows of one rank never overlap; key them by (rank, start) like the events
-    lo = int(min(e["t0_ns"].min(), a_ns.min()))
-    span = int(max(e["t0_ns"].max(), b_ns.max())) - lo + 1
-    wa = rank.astype(np.int64) * span + (a_ns.astype(np.int64) - lo)
-    wb = rank.astype(np.int64) * span + (b_ns.astype(np.int64) - lo)
-    o = np.argsort(wa)
-    a, b = wa[o], wb[o]
-    et = e["rank"].astype(np.int64) * span + (e["t0_ns"].astype(np.int64) - lo)
-    k = np.searchsorted(a, et, side="right") - 1
-    inside = (k >= 0) & (et <= b[np.maximum(k, 0)])
-    e = e[inside]
-    if len(e) == 0:
-        return []
+def _what_it_did(
+    run: Any, sec: np.ndarray, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray, n_sec: int, limit: int
+) -> list[list[dict[str, Any]]]:
+    """Per section ``0..n_sec``: the recorded calls of ``rank[i]`` inside its stretch [a_ns[i], b_ns[i]]
+    (the windows ``i`` with ``sec[i]`` that section), grouped by (kind, name, site), longest first.
+
+    One pass over the bands (:mod:`distdiag.bands`) for every section: each
+    window is answered from its rank's band, and a section's calls are kept in
+    the run's row order (bands in rank order, rows ascending in a band), so its
+    sums add the same numbers in the same order whatever the band size.
+    """
+    picked: list[list[np.ndarray]] = [[] for _ in range(n_sec)]
+    for band, q in _by_band(run, rank):
+        rows = band.rows(_ACTIVITY_KINDS)
+        if len(rows) == 0:
+            continue
+        ev = band.events
+        r_rows = ev["rank"][rows]
+        for s in np.unique(sec[q]):  # the sections with windows in this band: few
+            qs = q[sec[q] == s]
+            got = rows[np.isin(r_rows, rank[qs])]
+            if len(got) == 0:
+                continue
+            t0 = ev["t0_ns"][got]
+            # windows of one rank never overlap; key them by (rank, start) like the events
+            # (ties, degenerate zero-length windows, resolved to the longest)
+            lo = int(min(t0.min(), a_ns[qs].min()))
+            span = int(max(t0.max(), b_ns[qs].max())) - lo + 1
+            wr = (rank[qs] - band.r_lo) * span
+            wa = wr + (a_ns[qs].astype(np.int64) - lo)
+            wb = wr + (b_ns[qs].astype(np.int64) - lo)
+            o = np.lexsort((wb, wa))
+            a, b = wa[o], wb[o]
+            et = (ev["rank"][got].astype(np.int64) - band.r_lo) * span + (t0.astype(np.int64) - lo)
+            k = np.searchsorted(a, et, side="right") - 1
+            inside = (k >= 0) & (et <= b[np.maximum(k, 0)])
+            if inside.any():
+                picked[s].append(ev.take(got[inside]))
+    return [_calls(run, np.concatenate(p), limit) if p else [] for p in picked]
+
+
+def _calls(run: Any, e: np.ndarray, limit: int) -> list[dict[str, Any]]:
+    """Event rows ``e`` grouped by (kind, name, site): the ``limit`` longest in all, with count and seconds."""
     key = np.stack([e["kind"].astype(np.int64), e["name_id"].astype(np.int64), e["site_id"].astype(np.int64)], 1)
     u, inv, cnt = np.unique(key, axis=0, return_inverse=True, return_counts=True)
     inv = inv.reshape(-1)
