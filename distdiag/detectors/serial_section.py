@@ -237,16 +237,14 @@ def _lead(colls: Collectives, idle_m: np.ndarray, groups: np.ndarray) -> np.ndar
 
 def _by_band(run: Any, rank: np.ndarray) -> Iterator[tuple[Band, np.ndarray]]:
     """Per band of :func:`distdiag.bands.bands` holding ranks of ``rank`` (one query per entry):
-    the band and the indices of its queries. Stops after the last band a query
-    needs (a streamed run reads no band past it)."""
+    the band and the indices of its queries. Only the bands holding a queried rank
+    are made (a streamed run reads no other file)."""
     order = np.argsort(rank, kind="stable")
     r_sorted = rank[order]
-    for band in bands(run):  # a few dozen bands
+    for band in bands(run, ranks=np.unique(r_sorted)):  # the bands of the queried ranks
         i, j = np.searchsorted(r_sorted, [band.r_lo, band.r_hi])
         if j > i:
             yield band, order[i:j]
-        if j == len(r_sorted):
-            return
 
 
 def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray) -> np.ndarray:
