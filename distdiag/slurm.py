@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.rows import rows_of, unique_sorted
+from distdiag.bands import bands, n_ranks
+from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,16 @@ RESOLUTION_S = 1.0
 _LIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "COMPLETING"})
 #: kinds that count as a rank's first useful work (not imports: file events; not the shim's own marks)
 USEFUL_KINDS = frozenset(COMM_KINDS | P2P_KINDS | PHASE_KINDS | {Kind.STEP})
+#: kinds at which a rank meets its peers at start: communicator creation (MPI
+#: init, init_process_group's store) and the first useful work
+RENDEZVOUS_KINDS = frozenset(USEFUL_KINDS | {Kind.COMM_CREATE})
+#: rows where a rank waits for others (the rest of RENDEZVOUS_KINDS wait for nobody)
+_SYNC_KINDS = frozenset(COMM_KINDS | P2P_KINDS | {Kind.COMM_CREATE})
+#: the kinds whose rows can show a rank busy before its first rendezvous: every kind but
+#: the rendezvous kinds (a rank's rows of those start at or after its first one, by
+#: definition) and the shim's own milestones. The streamed compute phases
+#: (distdiag.run.STREAMED_KINDS) are all rendezvous kinds, so these rows are all in run.events.
+_BEFORE_KINDS = np.setdiff1d(np.arange(256), [int(k) for k in RENDEZVOUS_KINDS | {Kind.SHIM}]).astype(np.uint8)
 
 
 class SlurmError(Exception):
@@ -405,20 +416,78 @@ def _wall_map_ns(run: Any) -> int | None:
     return None
 
 
-def _first_t0_s(run: Any, kinds: frozenset[int], wall_map_ns: int) -> dict[int, float]:
-    """rank -> Unix seconds of its first event of ``kinds`` (events sorted by rank), vectorized.
+def _table(kinds: frozenset[int] | set[int]) -> np.ndarray:
+    """A 256-entry bool lookup: ``_table(k)[kind]`` says whether a uint8 kind is one of ``kinds``."""
+    t = np.zeros(256, bool)
+    t[sorted(int(k) for k in kinds)] = True
+    return t
 
-    The rows come from the run's kind index (distdiag.rows) and only their rank and
-    t0 columns are gathered: the kinds can cover nearly every row (collectives and
-    compute phases), and a mask then a copy of those 73-byte rows was a full pass
-    and a table-sized copy."""
-    idx = rows_of(run, kinds)
-    if len(idx) == 0:
-        return {}
-    ev = run.events
-    ranks, first = unique_sorted(ev["rank"][idx])
-    t0 = np.minimum.reduceat(ev["t0_ns"][idx], first)
-    return {int(r): (int(t) + wall_map_ns) / 1e9 for r, t in zip(ranks, t0)}
+
+@dataclass
+class _RankFirsts:
+    """Per rank (index = rank, :func:`distdiag.bands.n_ranks` entries), the t0_ns of its first
+    row of each kind set (``_NONE`` when it has none), on the run's aligned timeline."""
+
+    useful_ns: np.ndarray  # USEFUL_KINDS
+    coll_ns: np.ndarray  # COMM_KINDS
+    rendezvous_ns: np.ndarray  # RENDEZVOUS_KINDS
+    #: the rank's first rendezvous row (at rendezvous_ns; the earliest such row in (rank, t0) order)
+    #: waits for nobody: a phase or a step marker, no collective, p2p call or communicator creation
+    lone: np.ndarray
+
+
+_NONE = np.iinfo(np.int64).max
+_USEFUL_TABLE = _table(USEFUL_KINDS)
+_COMM_TABLE = _table(COMM_KINDS)
+_SYNC_TABLE = _table(_SYNC_KINDS)
+
+
+def _rank_firsts(run: Any) -> _RankFirsts:
+    """The first useful, collective and rendezvous instants of every rank, in one pass over
+    :func:`distdiag.bands.bands` (cached on the run).
+
+    The useful kinds include the compute phases, which a large run streams
+    (absent from ``run.events``): so each band's rows of RENDEZVOUS_KINDS (a
+    superset of the others) are read once, and per rank the three minima are
+    reductions over its segment of them (``np.minimum.reduceat``; a rank's
+    segment is found by a search of the band's per-rank row bounds, no rank
+    column is gathered). Nothing depends on where the bands fall: each rank's
+    rows are all in one band, and every number is the rank's own."""
+    got = run.cache.get("slurm.rank_firsts")
+    if isinstance(got, _RankFirsts):
+        return got
+    n = n_ranks(run)
+    useful = np.full(n, _NONE, np.int64)
+    coll = np.full(n, _NONE, np.int64)
+    rdv = np.full(n, _NONE, np.int64)
+    lone = np.zeros(n, bool)
+    for band in bands(run):  # a few dozen bands, each O(1) numpy calls over its rows
+        rows = band.rows(RENDEZVOUS_KINDS)
+        if len(rows) == 0:
+            continue
+        seg = np.searchsorted(rows, band.first)  # rank r_lo + i: rows[seg[i]:seg[i + 1]]
+        cnt = np.diff(seg)
+        have = np.flatnonzero(cnt)  # the band's ranks with such rows (offsets from r_lo)
+        at = seg[:-1][have]  # the start of each one's segment: consecutive, none empty
+        t0 = band.events["t0_ns"][rows]
+        kind = band.events["kind"][rows]
+        r = have + band.r_lo
+        rdv[r] = np.minimum.reduceat(t0, at)
+        useful[r] = np.minimum.reduceat(np.where(_USEFUL_TABLE[kind], t0, _NONE), at)
+        coll[r] = np.minimum.reduceat(np.where(_COMM_TABLE[kind], t0, _NONE), at)
+        # each rank's first row at its minimum (rows ascend, so the earliest in table order)
+        hits = np.flatnonzero(t0 == np.repeat(rdv[r], cnt[have]))
+        head = hits[np.searchsorted(hits, at)]  # every segment holds its minimum: a hit in it
+        lone[r] = ~_SYNC_TABLE[kind[head]]
+    got = _RankFirsts(useful, coll, rdv, lone)
+    run.cache["slurm.rank_firsts"] = got
+    return got
+
+
+def _as_wall_s(first_ns: np.ndarray, wall_map_ns: int) -> dict[int, float]:
+    """rank -> Unix seconds of each rank's instant in ``first_ns`` (``_NONE``: left out), ascending ranks."""
+    ranks = np.flatnonzero(first_ns != _NONE)
+    return {int(r): (int(t) + wall_map_ns) / 1e9 for r, t in zip(ranks, first_ns[ranks])}
 
 
 def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[int, float], dict[int, float]]:
@@ -433,16 +502,10 @@ def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[
         return {}, {}, {}, {}
     start = {int(r): (i.start_ns + wm) / 1e9 for r, i in run.ranks.items()}
     last = {int(r): (i.end_ns + wm) / 1e9 for r, i in run.ranks.items()}
-    first = _first_t0_s(run, USEFUL_KINDS, wm)
-    first_coll = _first_t0_s(run, frozenset(COMM_KINDS), wm)
+    firsts = _rank_firsts(run)
+    first = _as_wall_s(firsts.useful_ns, wm)
+    first_coll = _as_wall_s(firsts.coll_ns, wm)
     return start, first, first_coll, last
-
-
-#: kinds at which a rank meets its peers at start: communicator creation (MPI
-#: init, init_process_group's store) and the first useful work
-RENDEZVOUS_KINDS = frozenset(USEFUL_KINDS | {Kind.COMM_CREATE})
-#: rows where a rank waits for others (the rest of RENDEZVOUS_KINDS wait for nobody)
-_SYNC_KINDS = np.array(sorted(int(k) for k in COMM_KINDS | P2P_KINDS | {Kind.COMM_CREATE}), np.uint8)
 
 
 def rank_busy_until(run: Any) -> dict[int, float]:
@@ -473,42 +536,37 @@ def rank_busy_until(run: Any) -> dict[int, float]:
     whichever rank's imports ran longer.
     """
     wm = _wall_map_ns(run)
+    if wm is None:
+        return {}
+    firsts = _rank_firsts(run)  # one pass over the bands, shared with rank_milestones
+    first = firsts.rendezvous_ns
+    has = first != _NONE
+    if not has.any():
+        return {}
+    n = len(first)
+    # Rows before the rank's first rendezvous: only kinds outside RENDEZVOUS_KINDS can be
+    # (_BEFORE_KINDS: all resident in run.events). Their rank and time columns, not the rows.
     ev = run.events
-    if wm is None or len(ev) == 0:
-        return {}
-    n = int(ev["rank"].max()) + 1
-    first = np.full(n, np.iinfo(np.int64).max, np.int64)
-    # The rendezvous rows' columns, not the rows: half the table can be collectives.
-    idx = rows_of(run, RENDEZVOUS_KINDS)  # the run's kind index (distdiag.rows): ascending rows
-    if len(idx) == 0:
-        return {}
-    s_rank, s_t0 = ev["rank"][idx], ev["t0_ns"][idx]
-    np.minimum.at(first, s_rank, s_t0)
-    # Each rank's first row: among its rows at its first time, the earliest in the
-    # table (np.unique's index is the first occurrence). No sort of all the rows:
-    # a lexsort by (rank, t0) cost 0.6 s CPU at 5 M rendezvous rows, this 0.05 (measured).
-    at_first = np.flatnonzero(s_t0 == first[s_rank])
-    head_rank, i = np.unique(s_rank[at_first], return_index=True)
-    del s_rank, s_t0
-    # A first row that waits for nobody (a phase, a step marker) is no
-    # rendezvous: the rank worked on its own right up to it.
-    lone_rank = head_rank[~np.isin(ev["kind"][idx[at_first[i]]], _SYNC_KINDS)]
-    thr = first[ev["rank"]]
-    before = ev["t0_ns"] < thr
-    before[rows_of(run, Kind.SHIM)] = False  # our own milestones are no activity of the rank's
-    pre = ev[before]
-    has = first < np.iinfo(np.int64).max
+    idx = rows_of(run, _BEFORE_KINDS)  # the run's kind index (distdiag.rows): ascending rows
+    p_rank = ev["rank"][idx].astype(np.int64)
+    p_t0 = ev["t0_ns"][idx]
+    before = p_t0 < first[p_rank]
+    idx, p_rank, p_t0 = idx[before], p_rank[before], p_t0[before]
     until = np.full(n, np.iinfo(np.int64).min, np.int64)
-    if len(pre):
-        t_end = np.where(pre["t1_ns"] >= pre["t0_ns"], pre["t1_ns"], pre["t0_ns"])
-        np.maximum.at(until, pre["rank"], np.minimum(t_end, first[pre["rank"]]))
+    if len(idx):
+        p_t1 = ev["t1_ns"][idx]
+        t_end = np.where(p_t1 >= p_t0, p_t1, p_t0)
+        np.maximum.at(until, p_rank, np.minimum(t_end, first[p_rank]))
     # No own activity before the rendezvous: the rank was ready at its shim start.
     starts = np.full(n, np.iinfo(np.int64).min, np.int64)
     for r, i in run.ranks.items():  # one per rank
         if r < n:
             starts[r] = i.start_ns
     busy = np.maximum(until, starts)
-    busy[lone_rank] = first[lone_rank]
+    # A first row that waits for nobody (a phase, a step marker) is no
+    # rendezvous: the rank worked on its own right up to it.
+    lone = has & firsts.lone
+    busy[lone] = first[lone]
     return {int(r): (int(busy[r]) + wm) / 1e9 for r in np.flatnonzero(has)}
 
 
