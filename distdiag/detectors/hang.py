@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.bands import bands
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import Collectives, collectives_of
@@ -147,12 +148,32 @@ def _last_per_comm(run: Any, colls: Collectives) -> dict[str, dict[str, list[int
     return out
 
 
-def _doing(run: Any, rank: int, end_ns: int, slices: dict[int, slice]) -> dict[str, Any]:
-    """What ``rank`` was doing at the end of its record, in words and data."""
+def _describe(run: Any, ranks: np.ndarray, end_ns: dict[int, int]) -> list[dict[str, Any]]:
+    """:func:`_doing` for each of ``ranks`` (ascending, at most MAX_DESCRIBED), in that order.
+
+    A rank's last rows can be of any kind, the compute phases included, which a
+    large run streams (absent from ``run.events``): so each rank's rows come
+    from its band (:func:`distdiag.bands.bands`), all of them, in table order;
+    only the bands holding these ranks are read (a streamed run reads their
+    files, no others). A rank's rows are all in one band, whatever the band
+    size, so the description does not depend on it."""
+    want = [int(r) for r in ranks]
+    got: dict[int, dict[str, Any]] = {}
+    if want:
+        for band in bands(run, ranks=np.asarray(want, np.int64)):  # at most one band a rank wanted
+            for r in want:  # a handful
+                if band.r_lo <= r < band.r_hi:
+                    i = r - band.r_lo
+                    got[r] = _doing(run, r, end_ns[r], band.events[int(band.first[i]) : int(band.first[i + 1])])
+    # a rank past every band (none: bands cover 0..n_ranks) has no rows
+    return [got[r] if r in got else _doing(run, r, end_ns[r], run.events[:0]) for r in want]
+
+
+def _doing(run: Any, rank: int, end_ns: int, ev: np.ndarray) -> dict[str, Any]:
+    """What ``rank`` was doing at the end of its record, in words and data (``ev``: its rows, every kind, in order)."""
     if rank not in run.ranks:
         return {"rank": rank, "what": "left no usable file (never started, or its file is lost)", "for_s": None}
     inf = run.inflight[run.inflight["rank"] == rank]
-    ev = run.events[slices.get(rank, slice(0, 0))]
     out: dict[str, Any] = {"rank": rank, "host": run.host_of(rank)}
     if len(inf):
         o = np.argsort(inf["t0_ns"], kind="stable")
@@ -266,15 +287,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                      all_missing.tolist())
             return []
     culprits = all_missing if deadlock else free
-    # Slices of the culprits' rows only (events are sorted by rank): one contiguous copy of
-    # the rank column, a search per culprit (run.rank_slices() searches every rank).
-    rank_col = np.ascontiguousarray(run.events["rank"])
-    slices = {int(r): slice(*(int(x) for x in np.searchsorted(rank_col, [int(r), int(r) + 1])))
-              for r in culprits[:MAX_DESCRIBED]}  # fmt: skip
-    described = []
-    for r in culprits[:MAX_DESCRIBED]:  # bounded
-        rr = int(r)
-        described.append(_doing(run, rr, int(end[rr]) if rr < len(end) and rr in run.ranks else waiting_end, slices))
+    described = _describe(run, culprits[:MAX_DESCRIBED], {
+        int(r): int(end[r]) if int(r) < len(end) and int(r) in run.ranks else waiting_end
+        for r in culprits[:MAX_DESCRIBED]})  # fmt: skip
 
     ranks_txt = ", ".join(str(int(r)) for r in culprits[:MAX_DESCRIBED])
     if len(culprits) > MAX_DESCRIBED:
