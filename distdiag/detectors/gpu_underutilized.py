@@ -100,7 +100,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     wall_s = run.wall_s
     if len(gpu) == 0 or wall_s <= 0:
         return []
-    steps = events_of(run, Kind.STEP)  # the run's kind index (distdiag.rows), not a scan
+    # the run's kind index (distdiag.rows), not a scan; STEP rows stay in run.events on a
+    # streamed run (only the compute phases are streamed), so no pass over distdiag.bands
+    steps = events_of(run, Kind.STEP)
     steps = steps[steps["value"] > 0]
     if len(steps) == 0:
         return []  # no flops from distdiag.step: achieved throughput unknown
