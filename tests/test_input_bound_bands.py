@@ -13,7 +13,15 @@ import pytest
 from distdiag import bands as bd
 from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS
 from distdiag.clocks import align
-from distdiag.detectors.input_bound import COMPUTE_KINDS, covered, critical_path_cost, merge_intervals, priced
+from distdiag.detectors.input_bound import (
+    COMPUTE_KINDS,
+    _collective_waits,
+    covered,
+    critical_path_cost,
+    merge_intervals,
+    priced,
+    union_sorted,
+)
 from distdiag.match import MatchState, collectives_of
 from distdiag.run import STREAMED_KINDS, load_run
 from distdiag.schema import Kind
@@ -213,3 +221,46 @@ def test_worked_example_and_a_rank_without_rows(tmp_path: Path) -> None:
         # rank's last window row (t = 280): empty
         np.testing.assert_array_equal(got["per_iter_ns"], [30 * MS, 30 * MS, 30 * MS, 0])
         assert got["cost_ns"] == 90 * MS
+
+
+def _merge_by_start(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The textbook union: intervals sorted by start, a new segment where one starts after
+    the running end (the way merge_intervals did it before it sorted starts and ends apart)."""
+    o = np.argsort(s, kind="stable")
+    s, e = s[o], e[o]
+    run_end = np.maximum.accumulate(e)
+    new = np.r_[True, s[1:] > run_end[:-1]]
+    return s[new], np.maximum.reduceat(e, np.flatnonzero(new))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_union_of_starts_and_ends_sorted_apart_is_the_union(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    group = rng.integers(0, 5, n)
+    t0 = rng.integers(0, 60, n)  # few distinct times: ties, touching, nested and empty intervals
+    t1 = t0 + rng.integers(-3, 12, n) * (rng.random(n) < 0.9)  # some end before they start: clamped
+    got = merge_intervals(t0, t1, group, 100)
+    shift = group * 100
+    want = _merge_by_start(t0 + shift, np.maximum(t0, t1) + shift)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    # already sorted starts (a band's rows) take the check-only path: same segments
+    o = np.lexsort((t0, group))
+    got = merge_intervals(t0[o], t1[o], group[o], 100)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    z = np.zeros(0, np.int64)
+    assert all(len(x) == 0 for x in union_sorted(z.copy(), z.copy()))
+
+
+def test_collective_waits_by_blocks_of_members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _irregular_run(tmp_path / "r", "auto")
+    run = align(load_run(tmp_path / "r"))
+    tmin, tmax = bd.time_bounds(run)
+    one = _collective_waits(run, tmin, tmax - tmin + 1)
+    assert len(one[0]) > 100
+    monkeypatch.setattr("distdiag.detectors.input_bound._MEMBER_BLOCK", 7)
+    got = _collective_waits(run, tmin, tmax - tmin + 1)
+    np.testing.assert_array_equal(got[0], one[0])
+    np.testing.assert_array_equal(got[1], one[1])
