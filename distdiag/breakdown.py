@@ -396,12 +396,12 @@ def _member_first(colls: Collectives, n: int, chunk: int = 1 << 18) -> np.ndarra
 
 
 class _Band:
-    """A band of ranks [r_lo, r_hi): its event rows (a view: the table is sorted by rank), their ranks,
-    and its collective members' columns rank by rank (``m_rank``, ``m_kind``, ``m_g``, ``m_t0``, ``m_t1``).
+    """A band of ranks [r_lo, r_hi) (a :class:`distdiag.bands.Band`: its event rows, every kind, a view of
+    the table or read from the files), their ranks, and its collective members' columns rank by rank (``m_rank``, ``m_kind``, ``m_g``, ``m_t0``, ``m_t1``).
 
     The members come from the band's own event rows (and in-flight rows) when the
     match kept every COLL/COLL_ASYNC row with a seq: their columns are then read
-    from the band's slice of the table, which is in cache, and only their group
+    from the band's own rows, which are in cache, and only their group
     is looked up. Gathering them from the member table instead (sorted by group,
     so a band's members are spread over all of it) cost a cache and TLB miss
     per member and column: ~40% of the breakdown at 1,024 x 10k. The member
@@ -857,8 +857,8 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
     """The per-rank tally (when ``ranks``) and the per-step table, band of ranks by band of ranks.
 
     Every number is a rank's own: a band's intervals, unions and step pieces
-    involve only its ranks' rows (the event table is sorted by rank, so a
-    band's events are a slice of it), and the result does not depend on the
+    involve only its ranks' rows (:func:`distdiag.bands.bands`: every kind, the
+    phases included, whether streamed or not), and the result does not depend on the
     band size (each union is a sum of whole nanoseconds, exact in float64).
     """
     start, _ = run.rank_bounds()
