@@ -130,6 +130,14 @@ sorts, gathers and bincounts -> mostly none (a sortedness check each); a
 kind column and a mask per kind per band -> the kind index. The DDP run of
 bench_breakdown (16 x 20k, steps and async buckets) went 0.83-0.85 -> 0.65-0.76 s
 (the per-step cut of each part is now its largest cost).
+
+Reading the rows through distdiag.bands only (issue 10; ``--stages RxM
+--baseline <worktree of daba0eb> --repeat 2``, best CPU of 2 per tree, load
+3-6): breakdown 0.33 -> 0.33 s at 1,024 x 10k, 0.18 -> 0.19 s at 64 x 100k,
+transient 0.1-0.2 B/event both; bench_breakdown's DDP run 0.441 -> 0.446 s.
+Streamed (256 x 10k, ``stream_events = 0``): 0.40 s against 0.08 s in memory,
+three quarters of it the bands' reads from the rank files
+(``run._Stream.read_band``), ~0.03 s each band's own kind index.
 """
 
 from __future__ import annotations
