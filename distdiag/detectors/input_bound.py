@@ -174,8 +174,24 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
     is a difference of two times of one rank, so the same integer. Each table
     cell sums the same rows in the same (t0) order and each row of the tables
     has the run's ``n_iter`` columns, so the floats are those of one band:
-    nothing depends on the band size (tests/test_input_bound_bands.py).
-    Memory: the tables (a, L, w, b) of one band's ranks x iterations at a time, not of all ranks.
+    nothing depends on the band size (tests/test_input_bound_bands.py; the
+    row sums need the run's column count: numpy's pairwise sum groups a row's
+    additions by its length).
+
+    Memory: the tables (a, L, w, b) of one band's ranks x iterations at a
+    time, not of all ranks (a band of ranks that are short of events while
+    another rank has many steps still gets wide tables; the whole-table
+    computation held them for every rank); the run-wide collective waits, 16
+    B a waiting member. Measured (issue 10, ``benchmarks/bench_input_bound.py
+    --size 64x100000 --baseline <worktree of daba0eb> --repeat 2``: a DDP-like
+    run, 6.4 M events, 800 k each of input waits, copies, bucket all-reduces,
+    step marks; best CPU s of 2 alternating children per tree, peak RSS over
+    the RSS before): input_bound 1.31-1.59 -> 0.82-0.90 s, +68-75 -> +1.7
+    B/event (the whole-table one: run-wide masks and copies, then ~105 B a
+    member to merge the collective waits: 34 B now); h2d_copy alike. Streamed
+    (the phases read again from the rank files, band by band): 1.12-1.16 s,
+    +4 B/event. Same JSON, byte for byte, on that run, the synth faults,
+    1024 x 10k and the torch detectors' simulated runs.
     """
     ranks = event_ranks(run)
     R = len(ranks)
