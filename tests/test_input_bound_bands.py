@@ -15,9 +15,11 @@ from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS
 from distdiag.clocks import align
 from distdiag.detectors.input_bound import (
     COMPUTE_KINDS,
+    PRICED_KEY,
     _collective_waits,
     covered,
     critical_path_cost,
+    critical_path_costs,
     merge_intervals,
     priced,
     union_sorted,
@@ -180,10 +182,16 @@ def test_band_size_changes_no_number(tmp_path: Path, steps: str, kind: int, monk
     for band in (1, 60, 250):  # one rank a band (a band of rank 4 alone has no row), a few, uneven
         assert len(list(bd.bands(run, band))) > 1
         _assert_same(critical_path_cost(run, kind, band_events=band), one)
+    # both kinds in one pass: the windows, phases and waits they share made once
+    other = Kind.H2D if kind == Kind.INPUT_WAIT else Kind.INPUT_WAIT
+    both = critical_path_costs(run, (other, kind), band_events=60)
+    _assert_same(both[int(kind)], one)
+    _assert_same(both[int(other)], critical_path_cost(run, other, band_events=1 << 40))
     monkeypatch.setattr(bd, "BAND_EVENTS", 1)  # the detectors' default
     p = priced(run, kind, 0.0)
     assert p is not None and p.cost_s == one["cost_ns"] / 1e9
     np.testing.assert_array_equal(p.busy_s, one["busy_ns"] / 1e9)
+    assert set(run.cache[PRICED_KEY]) == {int(Kind.INPUT_WAIT), int(Kind.H2D)}  # the other one is priced too
     # streamed: the compute phases are not in run.events, only in the bands read from the files
     st = align(load_run(tmp_path / "r", streamed_kinds=STREAMED_KINDS), inplace=True)
     assert not np.isin(st.events["kind"], COMPUTE_KINDS).any()

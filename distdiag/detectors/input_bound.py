@@ -159,7 +159,8 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
 
     Returns ``cost_ns`` (total), ``per_iter_ns`` (array), ``rank_ns`` (each rank's
     unhidden time in ``kind``), ``busy_ns`` (each rank's own work), ``n_iter`` and
-    ``ranks`` (the rank ids of the rows of the per-rank arrays).
+    ``ranks`` (the rank ids of the rows of the per-rank arrays). One kind of
+    :func:`critical_path_costs`, which prices several kinds in one pass.
 
     Band by band (:func:`distdiag.bands.bands`, ``band_events`` rows each): a
     rank's a, b and window lengths need only its own rows (the compute phases
@@ -183,22 +184,36 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
     another rank has many steps still gets wide tables; the whole-table
     computation held them for every rank); the run-wide collective waits, 16
     B a waiting member. Measured (issue 10, ``benchmarks/bench_input_bound.py
-    --size 64x100000 --baseline <worktree of daba0eb> --repeat 2``: a DDP-like
-    run, 6.4 M events, 800 k each of input waits, copies, bucket all-reduces,
-    step marks; best CPU s of 2 alternating children per tree, peak RSS over
-    the RSS before): input_bound 1.31-1.59 -> 0.82-0.90 s, +68-75 -> +1.7
-    B/event (the whole-table one: run-wide masks and copies, then ~105 B a
-    member to merge the collective waits: 34 B now); h2d_copy alike. Streamed
-    (the phases read again from the rank files, band by band): 1.12-1.16 s,
-    +4 B/event. Same JSON, byte for byte, on that run, the synth faults,
-    1024 x 10k and the torch detectors' simulated runs.
+    --size 64x100000 --baseline <worktree of daba0eb> --repeat 2 --stream``: a
+    DDP-like run, 6.4 M events, 800 k each of input waits, copies, bucket
+    all-reduces, step marks; best CPU s of 2 alternating children per tree,
+    peak RSS over the RSS before): input_bound then h2d_copy, as the pipeline
+    runs them, 2.78 -> 0.92 s (both kinds in one pass, :func:`priced`), +68
+    -> +1.8 B/event (the whole-table one: run-wide masks and row copies, then
+    ~105 B a member to merge the collective waits: 34 B now); either alone
+    1.40 -> 0.85 s. Streamed (the phases read again from the rank files, once):
+    1.36 s for both, +6 B/event. Same JSON, byte for byte, on that run, the
+    synth faults, 1024 x 10k and the torch detectors' simulated runs.
     """
+    return critical_path_costs(run, (kind,), band_events)[int(kind)]
+
+
+def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | None = None) -> dict[int, dict[str, Any]]:
+    """:func:`critical_path_cost` of each of ``kinds``, in one pass over the bands: the windows,
+    the compute phases' union and the collective waits are the same for every kind, and a
+    streamed run reads its phases from the rank files once for all (a pass each was 0.3 s of
+    1.1 at 64 x 100k, the read of the phases again)."""
     ranks = event_ranks(run)
     R = len(ranks)
-    n_target = count_of(run, kind)
-    if n_target == 0:
-        return {"cost_ns": 0, "per_iter_ns": np.zeros(0), "rank_ns": np.zeros(R), "busy_ns": np.zeros(R),
-                "n_iter": 0, "ranks": ranks, "count": 0}  # fmt: skip
+    counts = {int(k): count_of(run, k) for k in kinds}
+    out: dict[int, dict[str, Any]] = {}
+    for k, n in counts.items():  # a kind without rows: nothing to price
+        if n == 0:
+            out[k] = {"cost_ns": 0, "per_iter_ns": np.zeros(0), "rank_ns": np.zeros(R), "busy_ns": np.zeros(R),
+                      "n_iter": 0, "ranks": ranks, "count": 0}  # fmt: skip
+    todo = [k for k, n in counts.items() if n > 0]
+    if not todo:
+        return out
     tmin, tmax = time_bounds(run)
     span = tmax - tmin + 1
     step_name = _step_name(run)
@@ -210,10 +225,9 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
     del s_idx
     w_s, w_e = _collective_waits(run, tmin, span)
 
-    rank_ns = np.zeros(R)
-    busy_ns = np.zeros(R)
-    ab_max = np.full(n_iter, -np.inf)  # per iteration: max over ranks of a + b, of b (valid windows only)
-    b_max = np.full(n_iter, -np.inf)
+    # per kind: each rank's a and b summed; per iteration the max over ranks of a + b and of b
+    # (valid windows only)
+    acc = {k: (np.zeros(R), np.zeros(R), np.full(n_iter, -np.inf), np.full(n_iter, -np.inf)) for k in todo}
     any_valid = np.zeros(n_iter, bool)
     for band in bands(run, band_events):  # bands of ranks: a few numpy calls each
         r_lo, nb = band.r_lo, band.r_hi - band.r_lo
@@ -233,19 +247,7 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
         st, sr = st[so], sr[so]
         first_step = np.concatenate([[0], np.cumsum(np.bincount(sr, minlength=nb))])  # rank r's marks: st[f[r]:f[r+1]]
 
-        # 1. a: the target's time that no compute phase of the same rank overlaps
-        A = np.zeros((nb, n_iter))
-        t = band.rows(kind)
-        if len(t):  # a[r, i]: sums in row (t0) order
-            c = band.rows(COMPUTE_KINDS)
-            cs, ce = merge_intervals(t0[c] - tmin, t1[c] - tmin, band.rank_of(c) - r_lo, span)
-            tr = band.rank_of(t) - r_lo
-            a0 = t0[t].astype(np.int64) - tmin + tr * span
-            a1 = np.maximum(t1[t].astype(np.int64), t0[t]) - tmin + tr * span
-            unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
-            A = _cell_sums(tr, _iteration(st, first_step, a0, tr, n_iter), unhidden, A.shape)
-
-        # 2. L: the windows [first window row, step_0, ..., step_{n-1}, end of the last window row]
+        # L: the windows [first window row, step_0, ..., step_{n-1}, end of the last window row]
         L = np.full((nb, n_iter), np.nan)
         w = band.rows(WINDOW_KINDS)
         if len(w):
@@ -272,8 +274,12 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
             marked = n_r[hv] > 0
             last[marked] = st[first_step[hv[marked] + 1] - 1]
             L[hv, n_r[hv]] = np.maximum(w_end[hv] - last, 0)
+        Lz = np.nan_to_num(L)
+        valid = ~np.isnan(L)
+        any_valid |= valid.any(axis=0)
+        mine = ranks[p_lo:p_hi] - r_lo
 
-        # 3. w: waiting for other ranks at collectives (merged run-wide, sliced here)
+        # w: waiting for other ranks at collectives (merged run-wide, sliced here)
         W = np.zeros((nb, n_iter))
         j0, j1 = np.searchsorted(w_s, [r_lo * span, band.r_hi * span])
         if j1 > j0:
@@ -281,27 +287,41 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
             wr_b = ws // span
             W = _cell_sums(wr_b, _iteration(st, first_step, ws, wr_b, n_iter), (w_e[j0:j1] - w_s[j0:j1]) * 1.0, W.shape)
 
-        Lz = np.nan_to_num(L)
-        B = np.clip(Lz - A - W, 0, None)
-        valid = ~np.isnan(L)
-        np.maximum(ab_max, np.where(valid, np.minimum(A, Lz) + B, -np.inf).max(axis=0), out=ab_max)
-        np.maximum(b_max, np.where(valid, B, -np.inf).max(axis=0), out=b_max)
-        any_valid |= valid.any(axis=0)
-        mine = ranks[p_lo:p_hi] - r_lo
-        rank_ns[p_lo:p_hi] = A[mine].sum(axis=1)
-        busy_ns[p_lo:p_hi] = B[mine].sum(axis=1)
+        cs = ce = None  # the compute phases' union, per rank: made once, when a kind has rows here
+        for kind in todo:  # one or two kinds
+            # a: the kind's time that no compute phase of the same rank overlaps
+            A = np.zeros((nb, n_iter))
+            t = band.rows(kind)
+            if len(t):  # a[r, i]: sums in row (t0) order
+                if cs is None or ce is None:
+                    c = band.rows(COMPUTE_KINDS)
+                    cs, ce = merge_intervals(t0[c] - tmin, t1[c] - tmin, band.rank_of(c) - r_lo, span)
+                tr = band.rank_of(t) - r_lo
+                a0 = t0[t].astype(np.int64) - tmin + tr * span
+                a1 = np.maximum(t1[t].astype(np.int64), t0[t]) - tmin + tr * span
+                unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
+                A = _cell_sums(tr, _iteration(st, first_step, a0, tr, n_iter), unhidden, A.shape)
+            B = np.clip(Lz - A - W, 0, None)
+            rank_ns, busy_ns, ab_max, b_max = acc[kind]
+            np.maximum(ab_max, np.where(valid, np.minimum(A, Lz) + B, -np.inf).max(axis=0), out=ab_max)
+            np.maximum(b_max, np.where(valid, B, -np.inf).max(axis=0), out=b_max)
+            rank_ns[p_lo:p_hi] = A[mine].sum(axis=1)
+            busy_ns[p_lo:p_hi] = B[mine].sum(axis=1)
 
-    per_iter = np.where(any_valid, ab_max - b_max, 0.0)
-    per_iter = np.clip(np.nan_to_num(per_iter, neginf=0.0, posinf=0.0), 0, None)
-    return {
-        "cost_ns": float(per_iter.sum()),
-        "per_iter_ns": per_iter,
-        "rank_ns": rank_ns,
-        "busy_ns": busy_ns,
-        "n_iter": int(n_iter),
-        "ranks": ranks,
-        "count": n_target,
-    }
+    for kind in todo:  # one or two kinds
+        rank_ns, busy_ns, ab_max, b_max = acc[kind]
+        per_iter = np.where(any_valid, ab_max - b_max, 0.0)
+        per_iter = np.clip(np.nan_to_num(per_iter, neginf=0.0, posinf=0.0), 0, None)
+        out[kind] = {
+            "cost_ns": float(per_iter.sum()),
+            "per_iter_ns": per_iter,
+            "rank_ns": rank_ns,
+            "busy_ns": busy_ns,
+            "n_iter": int(n_iter),
+            "ranks": ranks,
+            "count": counts[kind],
+        }
+    return out
 
 
 @dataclass
@@ -320,6 +340,10 @@ class Priced:
     count: int
 
 
+#: run.cache key of :func:`critical_path_costs` of the kinds :func:`priced` prices (read-only)
+PRICED_KEY = "input_bound.critical_path_costs"
+
+
 def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
     """:func:`critical_path_cost` of ``kind``, or None when it stays under
     ``min_fraction`` of the wall-clock (or nothing was recorded).
@@ -329,7 +353,11 @@ def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
     wall_s = run.wall_s
     if wall_s <= 0 or count_of(run, kind) == 0:  # nothing recorded: no pass over the table
         return None
-    res = critical_path_cost(run, kind)
+    costs = run.cache.get(PRICED_KEY)
+    if costs is None or int(kind) not in costs:  # both kinds in one pass (the first detector to ask)
+        costs = critical_path_costs(run, tuple(sorted({int(Kind.INPUT_WAIT), int(Kind.H2D), int(kind)})))
+        run.cache[PRICED_KEY] = costs
+    res = costs[int(kind)]
     cost_s = res["cost_ns"] / 1e9
     if res["count"] == 0 or cost_s < min_fraction * wall_s:
         return None
