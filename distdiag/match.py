@@ -356,7 +356,7 @@ def _empty(strings: np.ndarray) -> Collectives:
 _KEY_FIELDS = ("t0_ns", "rank", "comm_id", "seq")
 #: The other fields it keeps (read in the matched order, second pass): plain member
 #: columns (the hot ones, read by every detector) ...
-_HOT_FIELDS = ("t0_ns", "t1_ns", "kind")
+_HOT_FIELDS = ("t0_ns", "t1_ns", "kind", "rank")
 #: ... and per-group ones (:class:`GroupColumn`): event field -> (Collectives field, dtype).
 _GROUP_FIELDS = {
     "name_id": ("m_op", np.int32),
@@ -384,8 +384,8 @@ def _gather(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[s
 
 
 def _gather_members(
-    take: Any, n: int, dtype: np.dtype, starts: np.ndarray, gid: np.ndarray
-) -> tuple[dict[str, np.ndarray], dict[str, GroupColumn]]:
+    take: Any, n: int, dtype: np.dtype, starts: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, GroupColumn], np.ndarray]:
     """The member columns from the matched rows, by blocks of whole rows in member
     order (``take(lo, hi)``: the rows of members ``lo:hi`` of the ``n``, as a
     structured block): ``_HOT_FIELDS`` as plain arrays, ``_GROUP_FIELDS`` as
@@ -400,11 +400,14 @@ def _gather_members(
     copy of each field to permute afterwards (that copy and its permuted twin
     were the match's peak: ~37 bytes per collective row held through the sort,
     measured)."""
-    hot = {f: np.empty(n, dtype[f]) for f in _HOT_FIELDS}
     n_g = len(starts)
+    # the member rows' group (part of the result): int32 up to 2^31 - 1 groups
+    gid = np.repeat(np.arange(n_g, dtype=np.int32 if n_g < 1 << 31 else np.int64), np.diff(np.append(starts, n)))
+    hot = {f: np.empty(n, dtype[f]) for f in _HOT_FIELDS}
     gv = {f: np.empty(n_g, dt) for f, (_, dt) in _GROUP_FIELDS.items()}
     exc: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {f: [] for f in _GROUP_FIELDS}
     p = 0  # groups before p started in earlier blocks
+    buf = {f: np.empty(_GATHER_ROWS, dt) for f, (_, dt) in _GROUP_FIELDS.items()}  # a block's values, contiguous
     chg = np.empty(_GATHER_ROWS, bool)
     tmp = np.empty(_GATHER_ROWS, bool)
     inner = np.empty(_GATHER_ROWS, bool)
@@ -418,15 +421,17 @@ def _gather_members(
         first = starts[p:q] - lo
         g0 = int(gid[lo])  # the group of the block's first row (began here or before)
         # A member differs from its group's first iff some value changes between two
-        # neighbours inside the group: one contiguous compare a field, no gather of
-        # the group values; the exact rows only in a block where something changed.
+        # neighbours inside the group: a compare a field on the block's contiguous
+        # copy (the 73-byte stride of the rows made it 3x slower, measured), no
+        # gather of the group values; the exact rows only in a block with a change.
         c, t, ins = chg[: k - 1], tmp[: k - 1], inner[: k - 1]
         ins.fill(True)
         ins[first[first > 0] - 1] = False  # (row i, i + 1) where i + 1 starts a group
         c.fill(False)
         edge = False
         for f in _GROUP_FIELDS:  # five
-            v = sub[f]
+            v = buf[f][:k]
+            v[:] = sub[f]
             gv[f][p:q] = v[first]
             np.not_equal(v[1:], v[:-1], out=t)
             c |= t
@@ -435,7 +440,7 @@ def _gather_members(
         if edge or c.any():  # rare: the rows unlike their group's first
             g = gid[lo:hi]
             for f in _GROUP_FIELDS:  # five
-                v = sub[f]
+                v = buf[f][:k]
                 d = np.flatnonzero(v != gv[f][g])
                 if len(d):
                     exc[f].append((d + lo, v[d]))
@@ -445,7 +450,7 @@ def _gather_members(
         rows = np.concatenate([r for r, _ in exc[f]]) if exc[f] else np.zeros(0, np.int64)
         vals = np.concatenate([v for _, v in exc[f]]) if exc[f] else np.zeros(0, dt)
         cols[name] = GroupColumn(gv[f], gid, rows, vals)
-    return hot, cols
+    return hot, cols, gid
 
 
 #: Table rows per block of :func:`_select_keys` (300 kB of 73-byte rows: stays in L2;
@@ -578,14 +583,26 @@ def match_collectives(run: Run) -> Collectives:
     t0_raw, rank, comm, seq = (got.pop(f) for f in _KEY_FIELDS)
     del got
     n_rank = int(rank.max()) + 1
-    # One int64 key per (comm, seq) and per (comm, seq, rank); comm ids index
-    # the string table and seqs count calls, so the products stay far below 2^63.
+    # One int64 key per (comm, seq); comm ids index the string table and seqs
+    # count calls, so the products stay far below 2^63.
     # (Damaged files can hold absurd seqs that overflow the keys: the grouping
     # is then wrong but consistent, and comm/seq are then never decoded from a key.)
     n_seq = int(seq.max()) + 1
-    gkey = comm.astype(np.int64)
-    gkey *= n_seq
-    gkey += seq
+    # Without overflow (comm >= 0, 0 <= seq < n_seq) a key is one (comm, seq):
+    # the groups' comm and seq are then decoded from their keys, and the keys
+    # are built in seq's own array (no third int64 column at the match's peak).
+    decodable = int(comm.min()) >= 0 and (int(comm.max()) + 1) * n_seq < 1 << 63
+    if decodable:
+        gkey = seq
+        for a in range(0, n, _ORDER_ROWS):  # per block: seq + comm * n_seq, in place
+            c = comm[a : a + _ORDER_ROWS].astype(np.int64)
+            c *= n_seq
+            gkey[a : a + _ORDER_ROWS] += c
+        del c
+    else:
+        gkey = comm.astype(np.int64)
+        gkey *= n_seq
+        gkey += seq
 
     # Communicator membership: every rank that ever used the key. Rows come
     # rank by rank, so only the rows where (rank, comm) changes can add a pair:
@@ -600,84 +617,73 @@ def match_collectives(run: Run) -> Collectives:
     comm_members = {int(c): m.astype(np.int32) for c, m in zip(comm_ids, np.split(cr_rank, cstart[1:]))}
     comm_size = np.diff(np.append(cstart, len(cr)))
     del cr, cr_comm, cr_rank
-    # Without overflow (comm >= 0, 0 <= seq < n_seq) a key is one (comm, seq):
-    # the groups' comm and seq are then decoded from their keys, and the two
-    # columns (12 bytes a row) go before the sort, the match's peak.
-    decodable = int(comm.min()) >= 0 and (int(comm.max()) + 1) * n_seq < 1 << 63
+    # Decodable keys: comm and seq (12 bytes a row) go before the sort, the match's peak.
     if decodable:
         del comm, seq
+    del rank  # the members' ranks come again with their rows, in member order
 
     # Order by (comm, seq), then arrival, then row (:func:`arrival_order`).
     order, starts = arrival_order(gkey, t0_raw)
-    del t0_raw  # gathered again from the table in the rare case of repeated rows
-    n_g = len(starts)
-    m_rank = rank[order]
-
-    # A rank can appear twice in one (comm, seq) only through a damaged file or
-    # a hook bug; keep its earliest row so every member counts once.
-    gid = np.repeat(np.arange(n_g, dtype=np.int64), np.diff(np.append(starts, n)))
-    n_dup = _count_dups(gid, m_rank, n_rank, n_g, gkey, rank)
-    del gid
-    if n_dup:
-        run.warnings.append(f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once")
-        t0_raw = ev["t0_ns"][sel_idx]
-        if len(inf_idx):
-            t0_raw = np.concatenate([t0_raw, inf["t0_ns"][inf_idx]])
-        rkey = gkey * n_rank
-        rkey += rank
-        o2 = np.lexsort((t0_raw, rkey))
-        del t0_raw
-        first = np.r_[True, rkey[o2][1:] != rkey[o2][:-1]]
-        keep = np.zeros(n, bool)
-        keep[o2[first]] = True
-        del rkey, o2, first
-        order = order[keep[order]]
-        del keep
-        gk = gkey[order]
-        newg = np.r_[True, gk[1:] != gk[:-1]]
-        del gk
-        starts = np.flatnonzero(newg)
-        del newg
-        n_g = len(starts)
-        m_rank = rank[order]
-    del rank
+    del t0_raw
+    head = order[starts]  # each group's first row
     if decodable:
-        gk = gkey[order[starts]]
+        gk = gkey[head]
         g_comm = (gk // n_seq).astype(np.int32)
         g_seq = (gk % n_seq).astype(np.int64)
         del gk
     else:
-        g_comm = comm[order[starts]].astype(np.int32)
-        g_seq = seq[order[starts]].astype(np.int64)
+        g_comm = comm[head].astype(np.int32)
+        g_seq = seq[head].astype(np.int64)
         del comm, seq
-    del gkey
-    g_start = np.append(starts, len(order)).astype(np.int64)
-    n_mem = np.diff(g_start).astype(np.int32)
-    last_idx = g_start[1:] - 1
-    second_idx = np.maximum(last_idx - 1, starts)
-    n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
-    # the member rows' group (part of the result): int32 up to 2^31 - 1 groups
-    gid = np.repeat(np.arange(n_g, dtype=np.int32 if n_g < 1 << 31 else np.int64), n_mem)
+    del gkey, head
+
+    # The member columns, gathered from the rows in member order: ``pick`` says
+    # which rows (table rows; or positions in the table's selection, then the
+    # in-flight rows', merged block by block when there are in-flight rows).
     if len(inf_idx) == 0:  # the usual case: the order as rows of the event table
-        src = sel_idx[order]
+        pick = sel_idx[order]
         del order, sel_idx
 
-        hot, cols = _gather_members(lambda lo, hi: ev.take(src[lo:hi]), len(src), ev.dtype, starts, gid)
-        del src
+        def take(lo: int, hi: int) -> np.ndarray:
+            return ev.take(pick[lo:hi])
+
     else:
+        pick = order
+        del order
         n_ev = len(sel_idx)
 
         def take(lo: int, hi: int) -> np.ndarray:  # the block's event rows and in-flight rows, merged
-            o = order[lo:hi]
+            o = pick[lo:hi]
             from_ev = o < n_ev
             blk = np.empty(len(o), ev.dtype)
             blk[from_ev] = ev.take(sel_idx[o[from_ev]])
             blk[~from_ev] = inf.take(inf_idx[o[~from_ev] - n_ev])
             return blk
 
-        hot, cols = _gather_members(take, len(order), ev.dtype, starts, gid)
-        del take, order, sel_idx
-    del inf_idx
+    hot, cols, gid = _gather_members(take, len(pick), ev.dtype, starts)
+    m_rank = hot["rank"]
+
+    # A rank can appear twice in one (comm, seq) only through a damaged file or
+    # a hook bug; keep its earliest row so every member counts once: its first
+    # in member order (members go by arrival, ties in row order).
+    n_dup = _count_dups(starts, m_rank)
+    if n_dup:
+        run.warnings.append(f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once")
+        keep = _first_of_each_rank(starts, m_rank)
+        del hot, cols, gid, m_rank
+        kept = np.add.reduceat(keep, starts, dtype=np.int64)  # every group keeps its first member
+        starts = np.cumsum(kept) - kept
+        pick = pick[keep]
+        del keep, kept
+        hot, cols, gid = _gather_members(take, len(pick), ev.dtype, starts)
+        m_rank = hot["rank"]
+    del take, pick, inf_idx
+    n_g = len(starts)
+    g_start = np.append(starts, len(m_rank)).astype(np.int64)
+    n_mem = np.diff(g_start).astype(np.int32)
+    last_idx = g_start[1:] - 1
+    second_idx = np.maximum(last_idx - 1, starts)
+    n_exp = comm_size[np.searchsorted(comm_ids, g_comm)].astype(np.int32)
     m_t0 = hot["t0_ns"]
 
     # Op: the most common name among members; mismatch when any member differs
@@ -742,27 +748,48 @@ def match_collectives(run: Run) -> Collectives:
     )
 
 
-def _count_dups(
-    gid: np.ndarray, m_rank: np.ndarray, n_rank: int, n_g: int, gkey: np.ndarray, rank: np.ndarray
-) -> int:
-    """Rows that repeat a (group, rank): rows minus distinct pairs. A table of one
-    flag per (group, rank) when it is at most a few bytes per row (every group
-    near complete: one scatter, ~0.02 s at 5.1 M rows), else a sort of the pairs
-    (the way it was done before: ~0.1 s, measured)."""
-    n = len(gid)
-    # (the pair table only where the sorted keys cannot overflow either: same count)
-    fits = n > 0 and int(gkey.min()) >= 0 and (int(gkey.max()) + 1) * n_rank < 1 << 63
-    if fits and int(m_rank.min()) >= 0 and n_g * n_rank <= 4 * n + (1 << 20):
-        pair = gid * n_rank
-        pair += m_rank
-        seen = np.zeros(n_g * n_rank, bool)
-        seen[pair] = True
-        del pair
-        return n - int(np.count_nonzero(seen))
-    rkey = gkey * n_rank
-    rkey += rank
-    rkey.sort()
-    return int(np.count_nonzero(rkey[1:] == rkey[:-1]))
+def _rank_pairs(starts: np.ndarray, m_rank: np.ndarray) -> Any:
+    """(a, key, pairs) for blocks of whole groups, members ``a:a + len(key)``: one int64 per
+    member naming its (group within the block, rank), equal for a repeated rank.
+    Block-local group numbers keep the keys small (no overflow, whatever the ids);
+    ``pairs``: the keys' range, 0 up to it."""
+    n = len(m_rank)
+    if n == 0:
+        return
+    r_lo = int(m_rank.min())
+    span = int(m_rank.max()) - r_lo + 1
+    gs = np.append(starts, n).astype(np.int64)
+    for g_lo, g_hi, a, b in _blocks_of_groups(gs, _GAP_ROWS):  # per block of ~262,144 members
+        key = np.repeat(np.arange(g_hi - g_lo, dtype=np.int64), np.diff(gs[g_lo : g_hi + 1]))
+        key *= span
+        key += m_rank[a:b]
+        key -= r_lo
+        yield a, key, (g_hi - g_lo) * span
+
+
+def _count_dups(starts: np.ndarray, m_rank: np.ndarray) -> int:
+    """Members that repeat a (group, rank): members minus distinct pairs, by blocks of
+    groups. A flag per (group, rank) when that is at most a few bytes a member (groups
+    near complete: one scatter), else a sort of the block's pairs."""
+    dup = 0
+    for _a, key, n_pairs in _rank_pairs(starts, m_rank):  # per block of ~262,144 members
+        if n_pairs <= 4 * len(key) + (1 << 20):
+            seen = np.zeros(n_pairs, bool)
+            seen[key] = True
+            dup += len(key) - int(np.count_nonzero(seen))
+        else:
+            key.sort()
+            dup += int(np.count_nonzero(key[1:] == key[:-1]))
+    return dup
+
+
+def _first_of_each_rank(starts: np.ndarray, m_rank: np.ndarray) -> np.ndarray:
+    """Per member: True for the first member of its (group, rank) in member order."""
+    keep = np.zeros(len(m_rank), bool)
+    for a, key, _ in _rank_pairs(starts, m_rank):  # per block of ~262,144 members
+        _, first = np.unique(key, return_index=True)  # the first occurrence of each
+        keep[a + first] = True
+    return keep
 
 
 def _mode_per_group(values: np.ndarray, gid: np.ndarray, n_g: int) -> np.ndarray:
@@ -953,7 +980,9 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
                 k &= low
                 k += first
             del gmin
-            np.take(o, key, out=key)
+            for a in range(0, n, _ORDER_ROWS):  # per block: key = o[key], in place (np.take with out=key
+                k = key[a : a + _ORDER_ROWS]  # copies the whole index first: +8 bytes a row at the match's peak)
+                k[:] = o[k]
             return key, starts
     # arrivals spread too far for the packed key: a stable sort by t0, then by group
     gid = np.repeat(np.arange(ng, dtype=np.int64), counts)

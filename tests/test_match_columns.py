@@ -133,9 +133,11 @@ def test_per_group_columns_read_exactly_like_the_plain_ones(
     tmp_path: Path, gather_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Whatever the gather's blocks (a group across many blocks, or many groups a block),
-    # the group values and the exceptions give back every member's own value.
+    # the group values and the exceptions give back every member's own value (of the
+    # earliest row where a rank repeated one: the later one's values are not in ``truth``).
     truth = _write_differing_run(tmp_path / "r")
     monkeypatch.setattr(match, "_GATHER_ROWS", gather_rows)
+    monkeypatch.setattr(match, "_GAP_ROWS", gather_rows)  # the repeated-rank check's blocks of groups too
     run = align(load_run(tmp_path / "r"))
     c = match_collectives(run)
     assert c.n_dup == 1 and c.m_group.dtype == np.int32
@@ -194,3 +196,20 @@ def test_datatype_mismatch_from_the_group_column_equals_the_member_array(tmp_pat
         np.testing.assert_array_equal(a, b)
     assert got[1].sum() == len([g for g in range(len(c)) if c.comm_name(g) == "c_dtype" and got[1][g]]) > 0
     np.testing.assert_array_equal(np.asarray(got[3]), ref[3])
+
+
+def test_sequence_numbers_too_large_to_decode_still_group_each_call(tmp_path: Path) -> None:
+    # A damaged seq near 2^62 makes (comm, seq) keys overflow: the groups' comm and seq
+    # are then read from their first rows, not decoded from the keys (the other path).
+    s = ["", "world", "Allreduce", "job.py:7"]
+    seqs = [0, 1, 1 << 62]
+    for r in range(2):
+        rows = [(int((i + 1 + 0.1 * r) * MS), int((i + 1.5) * MS), int(Kind.COLL), 2, 1, q, -1, 8 * (i + 1), 0, 3, 0, 0.0)
+                for i, q in enumerate(seqs)]  # fmt: skip
+        write_rank(tmp_path / "r", r, 2, rows, s)
+    c = match_collectives(load_run(tmp_path / "r"))
+    assert len(c) == 3 and sorted(int(q) for q in c.g_seq) == seqs
+    assert all(c.comm_name(g) == "world" and c.g_n_members[g] == 2 for g in range(3))
+    by_seq = {int(c.g_seq[g]): g for g in range(3)}
+    assert [int(c.m_nbytes.group_values[by_seq[q]]) for q in seqs] == [8, 16, 24]
+    assert np.all(c.g_state == match.MatchState.COMPLETE)
