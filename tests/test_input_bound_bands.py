@@ -13,6 +13,7 @@ import pytest
 from distdiag import bands as bd
 from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS
 from distdiag.clocks import align
+from distdiag.detectors import input_bound as ib
 from distdiag.detectors.input_bound import (
     COMPUTE_KINDS,
     PRICED_KEY,
@@ -182,6 +183,11 @@ def test_band_size_changes_no_number(tmp_path: Path, steps: str, kind: int, monk
     for band in (1, 60, 250):  # one rank a band (a band of rank 4 alone has no row), a few, uneven
         assert len(list(bd.bands(run, band))) > 1
         _assert_same(critical_path_cost(run, kind, band_events=band), one)
+    for cells in (1, 3 * 24):  # tables of one rank, of three: the bands' ranks in chunks
+        monkeypatch.setattr(ib, "_TABLE_CELLS", cells)
+        _assert_same(critical_path_cost(run, kind, band_events=1 << 40), one)
+        _assert_same(critical_path_cost(run, kind, band_events=250), one)
+    monkeypatch.undo()
     # both kinds in one pass: the windows, phases and waits they share made once
     other = Kind.H2D if kind == Kind.INPUT_WAIT else Kind.INPUT_WAIT
     both = critical_path_costs(run, (other, kind), band_events=60)

@@ -35,7 +35,7 @@ from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS  # the window and st
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
-from distdiag.bands import bands, event_ranks, time_bounds
+from distdiag.bands import Band, bands, event_ranks, time_bounds
 from distdiag.rows import count_of, rows_of
 from distdiag.schema import Kind
 
@@ -121,6 +121,10 @@ def _cell_sums(r: np.ndarray, i: np.ndarray, v: np.ndarray, shape: tuple[int, ..
     return np.bincount(flat, weights=v, minlength=shape[0] * shape[1]).reshape(shape)
 
 
+#: cells (ranks x iterations) of one table of :func:`critical_path_costs` at most (8 MB of
+#: float64): a band of ranks with few rows each in a run where some rank has many steps
+#: is done in chunks of ranks
+_TABLE_CELLS = 1 << 20
 #: members per block while the collective waits are gathered (their temporaries: one block's)
 _MEMBER_BLOCK = 1 << 18
 
@@ -154,6 +158,90 @@ def _collective_waits(run: Any, tmin: int, span: int) -> tuple[np.ndarray, np.nd
     return union_sorted(s[:k], e[:k])
 
 
+def _fold(band: Band, r_lo: int, r_hi: int, rows: dict[Any, np.ndarray], todo: list[int], ranks: np.ndarray,
+          acc: dict[int, tuple[np.ndarray, ...]], any_valid: np.ndarray, w_s: np.ndarray, w_e: np.ndarray,
+          step_name: int, tmin: int, span: int, n_iter: int) -> None:  # fmt: skip
+    """One table of :func:`critical_path_costs`: ranks ``[r_lo, r_hi)`` of ``band``, whose rows of
+    each set (``rows``: offsets into ``band.events``) are given, folded into ``acc`` and ``any_valid``."""
+    nb = r_hi - r_lo
+    p_lo, p_hi = np.searchsorted(ranks, [r_lo, r_hi])
+    if p_hi == p_lo:
+        return  # none of these ranks has an event
+    ev = band.events
+    t0, t1 = ev["t0_ns"], ev["t1_ns"]
+
+    # the step marks, shifted by their rank (table rank r = rank - r_lo) and sorted
+    s = rows["step"]
+    if step_name >= 0:
+        s = s[ev["name_id"][s] == step_name]
+    sr = band.rank_of(s) - r_lo
+    st = t0[s].astype(np.int64) - tmin + sr * span
+    so = np.argsort(st, kind="stable")
+    st, sr = st[so], sr[so]
+    first_step = np.concatenate([[0], np.cumsum(np.bincount(sr, minlength=nb))])  # rank r's marks: st[f[r]:f[r+1]]
+
+    # L: the windows [first window row, step_0, ..., step_{n-1}, end of the last window row]
+    L = np.full((nb, n_iter), np.nan)
+    w = rows["window"]
+    if len(w):
+        wr = band.rank_of(w) - r_lo  # ascending: the band's rows go by rank
+        g = np.flatnonzero(np.r_[True, wr[1:] != wr[:-1]])
+        have = np.zeros(nb, bool)
+        have[wr[g]] = True
+        w_start = np.zeros(nb, np.int64)
+        w_end = np.zeros(nb, np.int64)
+        w_t0 = t0[w]
+        w_start[wr[g]] = np.minimum.reduceat(w_t0.astype(np.int64) - tmin + wr * span, g)
+        w_end[wr[g]] = np.maximum.reduceat(np.maximum(t1[w], w_t0).astype(np.int64) - tmin + wr * span, g)
+        # (w_end >= w_start: a row ends at or after its start)
+        # window k of rank r ends at its k-th mark and starts at the mark before (the first: at w_start)
+        m = have[sr]
+        k = np.arange(len(st)) - first_step[sr]
+        prev = np.r_[np.int64(0), st[:-1]]
+        prev[k == 0] = w_start[sr[k == 0]]
+        L[sr[m], k[m]] = np.maximum(st[m] - prev[m], 0)
+        # the last window: from the last mark (or w_start) to the end
+        n_r = np.diff(first_step)
+        hv = np.flatnonzero(have)
+        last = w_start[hv]
+        marked = n_r[hv] > 0
+        last[marked] = st[first_step[hv[marked] + 1] - 1]
+        L[hv, n_r[hv]] = np.maximum(w_end[hv] - last, 0)
+    Lz = np.nan_to_num(L)
+    valid = ~np.isnan(L)
+    any_valid |= valid.any(axis=0)
+    mine = ranks[p_lo:p_hi] - r_lo
+
+    # w: waiting for other ranks at collectives (merged run-wide, sliced here)
+    W = np.zeros((nb, n_iter))
+    j0, j1 = np.searchsorted(w_s, [r_lo * span, r_hi * span])
+    if j1 > j0:
+        ws = w_s[j0:j1] - r_lo * span
+        wr_b = ws // span
+        W = _cell_sums(wr_b, _iteration(st, first_step, ws, wr_b, n_iter), (w_e[j0:j1] - w_s[j0:j1]) * 1.0, W.shape)
+
+    cs = ce = None  # the compute phases' union, per rank: made once, when a kind has rows here
+    for kind in todo:  # one or two kinds
+        # a: the kind's time that no compute phase of the same rank overlaps
+        A = np.zeros((nb, n_iter))
+        t = rows[kind]
+        if len(t):  # a[r, i]: sums in row (t0) order
+            if cs is None or ce is None:
+                c = rows["compute"]
+                cs, ce = merge_intervals(t0[c] - tmin, t1[c] - tmin, band.rank_of(c) - r_lo, span)
+            tr = band.rank_of(t) - r_lo
+            a0 = t0[t].astype(np.int64) - tmin + tr * span
+            a1 = np.maximum(t1[t].astype(np.int64), t0[t]) - tmin + tr * span
+            unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
+            A = _cell_sums(tr, _iteration(st, first_step, a0, tr, n_iter), unhidden, A.shape)
+        B = np.clip(Lz - A - W, 0, None)
+        rank_ns, busy_ns, ab_max, b_max = acc[kind]
+        np.maximum(ab_max, np.where(valid, np.minimum(A, Lz) + B, -np.inf).max(axis=0), out=ab_max)
+        np.maximum(b_max, np.where(valid, B, -np.inf).max(axis=0), out=b_max)
+        rank_ns[p_lo:p_hi] = A[mine].sum(axis=1)
+        busy_ns[p_lo:p_hi] = B[mine].sum(axis=1)
+
+
 def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> dict[str, Any]:
     """Per-iteration critical-path cost of the time ranks spend in ``kind`` rows.
 
@@ -180,10 +268,10 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
     additions by its length).
 
     Memory: the tables (a, L, w, b) of one band's ranks x iterations at a
-    time, not of all ranks (a band of ranks that are short of events while
-    another rank has many steps still gets wide tables; the whole-table
-    computation held them for every rank); the run-wide collective waits, 16
-    B a waiting member. Measured (issue 10, ``benchmarks/bench_input_bound.py
+    time, not of all ranks (and at most :data:`_TABLE_CELLS` cells each: a
+    band of ranks with few rows each, in a run where some rank has many
+    steps, goes in chunks of ranks); the run-wide collective waits, 16 B a
+    waiting member. Measured (issue 10, ``benchmarks/bench_input_bound.py
     --size 64x100000 --baseline <worktree of daba0eb> --repeat 2 --stream``: a
     DDP-like run, 6.4 M events, 800 k each of input waits, copies, bucket
     all-reduces, step marks; best CPU s of 2 alternating children per tree,
@@ -227,86 +315,24 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
 
     # per kind: each rank's a and b summed; per iteration the max over ranks of a + b and of b
     # (valid windows only)
-    acc = {k: (np.zeros(R), np.zeros(R), np.full(n_iter, -np.inf), np.full(n_iter, -np.inf)) for k in todo}
+    acc: dict[int, tuple[np.ndarray, ...]] = {
+        k: (np.zeros(R), np.zeros(R), np.full(n_iter, -np.inf), np.full(n_iter, -np.inf)) for k in todo
+    }
     any_valid = np.zeros(n_iter, bool)
+    chunk = max(1, _TABLE_CELLS // n_iter)  # ranks per table
     for band in bands(run, band_events):  # bands of ranks: a few numpy calls each
-        r_lo, nb = band.r_lo, band.r_hi - band.r_lo
-        p_lo, p_hi = np.searchsorted(ranks, [r_lo, band.r_hi])
-        if p_hi == p_lo:
-            continue  # no rank of the band has an event
-        ev = band.events
-        t0, t1 = ev["t0_ns"], ev["t1_ns"]
-
-        # the band's step marks, shifted by its rank (band rank r = rank - r_lo) and sorted
-        s = band.rows(Kind.STEP)
-        if step_name >= 0:
-            s = s[ev["name_id"][s] == step_name]
-        sr = band.rank_of(s) - r_lo
-        st = t0[s].astype(np.int64) - tmin + sr * span
-        so = np.argsort(st, kind="stable")
-        st, sr = st[so], sr[so]
-        first_step = np.concatenate([[0], np.cumsum(np.bincount(sr, minlength=nb))])  # rank r's marks: st[f[r]:f[r+1]]
-
-        # L: the windows [first window row, step_0, ..., step_{n-1}, end of the last window row]
-        L = np.full((nb, n_iter), np.nan)
-        w = band.rows(WINDOW_KINDS)
-        if len(w):
-            wr = band.rank_of(w) - r_lo  # ascending: the band's rows go by rank
-            g = np.flatnonzero(np.r_[True, wr[1:] != wr[:-1]])
-            have = np.zeros(nb, bool)
-            have[wr[g]] = True
-            w_start = np.zeros(nb, np.int64)
-            w_end = np.zeros(nb, np.int64)
-            w_t0 = t0[w]
-            w_start[wr[g]] = np.minimum.reduceat(w_t0.astype(np.int64) - tmin + wr * span, g)
-            w_end[wr[g]] = np.maximum.reduceat(np.maximum(t1[w], w_t0).astype(np.int64) - tmin + wr * span, g)
-            # (w_end >= w_start: a row ends at or after its start)
-            # window k of rank r ends at its k-th mark and starts at the mark before (the first: at w_start)
-            m = have[sr]
-            k = np.arange(len(st)) - first_step[sr]
-            prev = np.r_[np.int64(0), st[:-1]]
-            prev[k == 0] = w_start[sr[k == 0]]
-            L[sr[m], k[m]] = np.maximum(st[m] - prev[m], 0)
-            # the last window: from the last mark (or w_start) to the end
-            n_r = np.diff(first_step)
-            hv = np.flatnonzero(have)
-            last = w_start[hv]
-            marked = n_r[hv] > 0
-            last[marked] = st[first_step[hv[marked] + 1] - 1]
-            L[hv, n_r[hv]] = np.maximum(w_end[hv] - last, 0)
-        Lz = np.nan_to_num(L)
-        valid = ~np.isnan(L)
-        any_valid |= valid.any(axis=0)
-        mine = ranks[p_lo:p_hi] - r_lo
-
-        # w: waiting for other ranks at collectives (merged run-wide, sliced here)
-        W = np.zeros((nb, n_iter))
-        j0, j1 = np.searchsorted(w_s, [r_lo * span, band.r_hi * span])
-        if j1 > j0:
-            ws = w_s[j0:j1] - r_lo * span
-            wr_b = ws // span
-            W = _cell_sums(wr_b, _iteration(st, first_step, ws, wr_b, n_iter), (w_e[j0:j1] - w_s[j0:j1]) * 1.0, W.shape)
-
-        cs = ce = None  # the compute phases' union, per rank: made once, when a kind has rows here
-        for kind in todo:  # one or two kinds
-            # a: the kind's time that no compute phase of the same rank overlaps
-            A = np.zeros((nb, n_iter))
-            t = band.rows(kind)
-            if len(t):  # a[r, i]: sums in row (t0) order
-                if cs is None or ce is None:
-                    c = band.rows(COMPUTE_KINDS)
-                    cs, ce = merge_intervals(t0[c] - tmin, t1[c] - tmin, band.rank_of(c) - r_lo, span)
-                tr = band.rank_of(t) - r_lo
-                a0 = t0[t].astype(np.int64) - tmin + tr * span
-                a1 = np.maximum(t1[t].astype(np.int64), t0[t]) - tmin + tr * span
-                unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
-                A = _cell_sums(tr, _iteration(st, first_step, a0, tr, n_iter), unhidden, A.shape)
-            B = np.clip(Lz - A - W, 0, None)
-            rank_ns, busy_ns, ab_max, b_max = acc[kind]
-            np.maximum(ab_max, np.where(valid, np.minimum(A, Lz) + B, -np.inf).max(axis=0), out=ab_max)
-            np.maximum(b_max, np.where(valid, B, -np.inf).max(axis=0), out=b_max)
-            rank_ns[p_lo:p_hi] = A[mine].sum(axis=1)
-            busy_ns[p_lo:p_hi] = B[mine].sum(axis=1)
+        rows: dict[Any, np.ndarray] = {"step": band.rows(Kind.STEP), "window": band.rows(WINDOW_KINDS)}
+        rows.update({k: band.rows(k) for k in todo})
+        if any(len(rows[k]) for k in todo):
+            rows["compute"] = band.rows(COMPUTE_KINDS)
+        for r_lo in range(band.r_lo, band.r_hi, chunk):  # one chunk, unless ranks with few rows meet many steps
+            r_hi = min(band.r_hi, r_lo + chunk)
+            if chunk < band.r_hi - band.r_lo:  # the rows of ranks [r_lo, r_hi): their offsets are a range
+                e0, e1 = band.first[r_lo - band.r_lo], band.first[r_hi - band.r_lo]
+                sub = {k: v[np.searchsorted(v, e0) : np.searchsorted(v, e1)] for k, v in rows.items()}
+            else:
+                sub = rows
+            _fold(band, r_lo, r_hi, sub, todo, ranks, acc, any_valid, w_s, w_e, step_name, tmin, span, n_iter)
 
     for kind in todo:  # one or two kinds
         rank_ns, busy_ns, ab_max, b_max = acc[kind]
