@@ -14,7 +14,10 @@ its file ended (``IN_FLIGHT``).
 
 Everything here is columnar: one row per group (``Collectives.g_*``) and one
 row per (group, member) (``Collectives.m_*``), members of group ``g`` at
-``m_*[g_start[g]:g_start[g+1]]`` sorted by arrival.
+``m_*[g_start[g]:g_start[g+1]]`` sorted by arrival. The member columns that
+SPMD ranks agree on (op, bytes, root, site, datatype) are kept per group plus
+the members that differ (:class:`GroupColumn`, read like arrays): the match
+is the cross-rank store a streamed analysis keeps whole, at 25 bytes a member.
 """
 
 from __future__ import annotations
@@ -540,6 +543,22 @@ def match_collectives(run: Run) -> Collectives:
     10,000 events (5.1 M collective rows): the match's peak went from ~113 to
     ~75 bytes per collective row, then to its result's 57 (align's transient
     33.5 -> 29.6 B/event, all of it the kept match).
+
+    Then (issue 10) the result: 57 -> 25 bytes a member. ``m_group`` is int32;
+    op, nbytes, root, site and datatype are :class:`GroupColumn` columns (a value
+    per group plus the members that differ, built in the gather's pass); the
+    ranks come with the gathered rows (no ``rank[order]`` held through the
+    sort); repeated ranks are counted by blocks of groups (no int64 group id
+    and pair key per row); the keys are built in seq's own array; and
+    :func:`arrival_order`'s last take runs by blocks (``np.take(out=)`` onto
+    its own index copied the index first). ``bench_scale.py --stages
+    --baseline <worktree of 485fb9d> --repeat 2``, best of 2 alternating
+    children: 1024 x 10k, kept after align 27.6 -> 12.4 B/event, align's
+    transient 28.8 -> 20.6 B/event (now the sort, 40 bytes a collective row:
+    selection index, t0 and keys, plus the two sort arrays), whole-run peak
+    RSS 1209 -> 1053 MB, align 1.25 -> 1.23 s of CPU; 64 x 100k, align 29.0 ->
+    19.8 B/event, 0.63 -> 0.58 s, peak 796 -> 699 MB. At 1024 x 100k (51 M
+    members) the kept match is ~1.3 GB instead of ~2.9.
 
     CPU (issue 10; align, which includes this match, best of alternating runs
     on the loaded 2-core machine, see the commit messages for each step):
