@@ -214,7 +214,7 @@ class RunFrames:
                            np.maximum(0, np.minimum(last, inside_to) - c.m_t0_ns))  # fmt: skip
         return pd.DataFrame(
             {
-                "group": g,
+                "group": g.astype(np.int64),  # m_group is int32 (the match kept compact); the frame keeps int64
                 "comm": _decode(st, c.g_comm[g]),
                 "seq": c.g_seq[g],
                 "op": _decode(st, np.asarray(c.m_op)),

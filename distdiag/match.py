@@ -134,6 +134,8 @@ class GroupColumn(NDArrayOperatorsMixin):
                 f"{len(self.exc_rows)} exceptions, dtype={self.dtype})")  # fmt: skip
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a GroupColumn has no array to view: np.asarray makes one (a copy)")
         out = self.group_values[self.m_group]
         out[self.exc_rows] = self.exc_values
         return out if dtype is None else out.astype(dtype, copy=False)

@@ -6,6 +6,7 @@ root, datatype and call site, with in-flight rows and a repeated row."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,9 @@ def _assert_reads_like(col: GroupColumn, want: np.ndarray, starts: np.ndarray, s
     np.testing.assert_array_equal(np.maximum.reduceat(col, starts), np.maximum.reduceat(want, starts))
     np.testing.assert_array_equal(np.unique(col), np.unique(want))
     np.testing.assert_array_equal(col[np.arange(n) < 3, ...], want[np.arange(n) < 3, ...])
+    with pytest.raises(ValueError):
+        np.asarray(col, copy=False)  # read-only and per group: there is no array to view
+    np.testing.assert_array_equal(np.asarray(pickle.loads(pickle.dumps(col))), want)
 
 
 @pytest.mark.parametrize("gather_rows", [1, 3, 64, 1 << 12])
