@@ -25,17 +25,20 @@ files: the CPU then includes that read).
 The match and the kind index are built before the measured detector (the
 pipeline's match stage, or the first detector that asks, builds them).
 
-Measured (issue 10, 2-core machine at load 3-5, ``--size 64x100000 --baseline
+Measured (issue 10, 2-core machine at load 2-5, ``--size 64x100000 --baseline
 <worktree of daba0eb> --repeat 2 --stream``; baseline = the whole-table
 computation, one pass per detector; this = band by band, both kinds priced in
-the first detector's pass; best CPU s of 2 children per tree)::
+the first detector's pass; best CPU s of 2 children per tree, range over three
+runs)::
 
     detector            CPU s baseline -> this (streamed)     peak RSS over the live set, B/event
-    input_bound         1.40 -> 0.85 (1.32)                  68.3 -> 1.7 (6.2)
-    h2d_copy            1.44 -> 0.90 (1.22)                  68.3 -> 1.7 (6.2)
-    both, in turn       2.78 -> 0.92 (1.36)                  68.4 -> 1.8 (6.2)
+    input_bound         1.27-1.51 -> 0.83-0.94 (1.25-1.32)   68.3 -> 1.7-3.1 (6.2)
+    h2d_copy            1.42-1.47 -> 0.90-1.04 (1.22-1.64)   68.3 -> 1.7-3.1 (3.4-6.2)
+    both, in turn       2.69-2.82 -> 0.91-1.05 (1.36-1.57)   68.4 -> 1.8-3.1 (3.4-6.2)
 
 (each child computes the run's time bounds once: ~0.1 s of the above).
+At 256 x 10k and 1024 x 1k (``--repeat 2``), both in turn: 0.95 -> 0.35 s and
+0.36 -> 0.14 s, +61-63 -> +3-5 B/event.
 """
 
 from __future__ import annotations

@@ -272,16 +272,18 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
     band of ranks with few rows each, in a run where some rank has many
     steps, goes in chunks of ranks); the run-wide collective waits, 16 B a
     waiting member. Measured (issue 10, ``benchmarks/bench_input_bound.py
-    --size 64x100000 --baseline <worktree of daba0eb> --repeat 2 --stream``: a
+    --size 64x100000 --baseline <worktree of daba0eb> --repeat 2-3``: a
     DDP-like run, 6.4 M events, 800 k each of input waits, copies, bucket
-    all-reduces, step marks; best CPU s of 2 alternating children per tree,
-    peak RSS over the RSS before): input_bound then h2d_copy, as the pipeline
-    runs them, 2.78 -> 0.92 s (both kinds in one pass, :func:`priced`), +68
-    -> +1.8 B/event (the whole-table one: run-wide masks and row copies, then
-    ~105 B a member to merge the collective waits: 34 B now); either alone
-    1.40 -> 0.85 s. Streamed (the phases read again from the rank files, once):
-    1.36 s for both, +6 B/event. Same JSON, byte for byte, on that run, the
-    synth faults, 1024 x 10k and the torch detectors' simulated runs.
+    all-reduces, step marks; best CPU s of 2-3 alternating children per tree
+    in each of three runs, peak RSS over the RSS before): input_bound then
+    h2d_copy, as the pipeline runs them, 2.7-2.8 -> 0.9-1.05 s (both kinds in
+    one pass, :func:`priced`), +68 -> +2-3 B/event (the whole-table one:
+    run-wide masks and row copies, then ~105 B a member to merge the
+    collective waits: 34 B now); either alone 1.3-1.5 -> 0.83-0.94 s.
+    Streamed (the phases read again from the rank files, once): 1.25-1.6 s
+    for both, +3-6 B/event. Same JSON, byte for byte, on that run, 256 x 10k
+    and 1024 x 1k ones, the synth faults, 1024 x 10k and the torch
+    detectors' simulated runs.
     """
     return critical_path_costs(run, (kind,), band_events)[int(kind)]
 
