@@ -20,7 +20,9 @@ cost = max(70, 30) - max(30, 30) = 40: the wait is on the critical path. Rank 0
 waits 40 but rank 1 computes 70 (a slower rank, not the input, binds): cost
 max(70, 70) - max(30, 70) = 0.
 
-The same machinery prices host-to-device copies (``h2d_copy``).
+The same machinery prices host-to-device copies (``h2d_copy``), in the same
+pass. The tables are filled band of ranks by band (:mod:`distdiag.bands`): a
+streamed run's compute phases are only there (see :func:`critical_path_cost`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.bands import Band, bands, event_ranks, time_bounds
 from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS  # the window and step marks the breakdown uses
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
-from distdiag.bands import Band, bands, event_ranks, time_bounds
 from distdiag.rows import count_of, rows_of
 from distdiag.schema import Kind
 
