@@ -643,20 +643,19 @@ def match_collectives(run: Run) -> Collectives:
         del comm, seq
     del rank  # the members' ranks come again with their rows, in member order
 
-    # Order by (comm, seq), then arrival, then row (:func:`arrival_order`).
-    order, starts = arrival_order(gkey, t0_raw)
-    del t0_raw
-    head = order[starts]  # each group's first row
+    # Order by (comm, seq), then arrival, then row (:func:`arrival_order`); the
+    # keys' array becomes the key order (no copy of it in the sort).
+    order, starts, gk = _arrival_order(gkey, t0_raw, consume=True)
+    del t0_raw, gkey
     if decodable:
-        gk = gkey[head]
         g_comm = (gk // n_seq).astype(np.int32)
         g_seq = (gk % n_seq).astype(np.int64)
-        del gk
     else:
+        head = order[starts]  # each group's first row
         g_comm = comm[head].astype(np.int32)
         g_seq = seq[head].astype(np.int64)
-        del comm, seq
-    del gkey, head
+        del comm, seq, head
+    del gk
 
     # The member columns, gathered from the rows in member order: ``pick`` says
     # which rows (table rows; or positions in the table's selection, then the
@@ -957,17 +956,19 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
     sorted and decoded while it is in cache (the values never cross a block's
     groups, so the blocks' sorts are the whole sort). CPU s, interleaved runs:
     0.20-0.27 -> 0.15-0.19."""
+    order, starts, _ = _arrival_order(gkey, t0, consume=False)
+    return order, starts
+
+
+def _arrival_order(gkey: np.ndarray, t0: np.ndarray, consume: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`arrival_order`, and each group's key. ``consume=True``: ``gkey`` (int64,
+    writable, the caller's to lose) is sorted in place into the key order (see
+    :func:`_key_groups`), so the sort holds 8 bytes a row over the keys, not 16."""
     n = len(gkey)
     if n == 0:
-        return np.zeros(0, np.intp), np.zeros(0, np.intp)
+        return np.zeros(0, np.intp), np.zeros(0, np.intp), gkey[:0]
     t0 = np.asarray(t0, dtype=np.int64)
-    o, gk = _stable_order_keys(gkey)
-    newg = np.empty(n, bool)
-    newg[0] = True
-    np.not_equal(gk[1:], gk[:-1], out=newg[1:])
-    del gk
-    starts = np.flatnonzero(newg)
-    del newg
+    o, starts, gkeys = _key_groups(gkey, consume)
     ng = len(starts)
     gs = np.append(starts, n).astype(np.int64)
     counts = np.diff(gs)
@@ -1004,12 +1005,50 @@ def arrival_order(gkey: np.ndarray, t0: np.ndarray) -> tuple[np.ndarray, np.ndar
             for a in range(0, n, _ORDER_ROWS):  # per block: key = o[key], in place (np.take with out=key
                 k = key[a : a + _ORDER_ROWS]  # copies the whole index first: +8 bytes a row at the match's peak)
                 k[:] = o[k]
-            return key, starts
+            return key, starts, gkeys
     # arrivals spread too far for the packed key: a stable sort by t0, then by group
     gid = np.repeat(np.arange(ng, dtype=np.int64), counts)
     by_t0 = np.argsort(t0[o], kind="stable")
     o2 = stable_order(gid[by_t0])
-    return o[by_t0[o2]], starts
+    return o[by_t0[o2]], starts, gkeys
+
+
+def _key_groups(key: np.ndarray, consume: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(:func:`stable_order` of ``key``, where each run of equal keys starts in it, each
+    run's key), as :func:`_stable_order_keys` sorts, but the run starts and keys are
+    read off the sorted packed values by blocks: no sorted copy of the keys. With
+    ``consume`` an int64 writable ``key`` is packed, sorted and decoded in its own
+    array, which is returned as the order (a copy of the keys and of the sorted
+    keys, 16 bytes a row, avoided)."""
+    n = len(key)
+    lo = int(key.min())
+    span = int(key.max()) - lo
+    b = _bits(n - 1)
+    if _bits(span) + b > 63:  # see _stable_order_keys
+        o, gk = _stable_order_keys(key)
+        newg = np.r_[True, gk[1:] != gk[:-1]]
+        starts = np.flatnonzero(newg)
+        return o, starts, gk[starts]
+    mine = consume and key.dtype == np.int64 and key.flags.writeable
+    k = key if mine else key.astype(np.int64)
+    for a in range(0, n, _ORDER_ROWS):  # per block: (key - lo) << b | index, in place
+        blk = k[a : a + _ORDER_ROWS]
+        blk -= lo
+        blk <<= b
+        blk |= np.arange(a, a + len(blk), dtype=np.int64)
+    k.sort()
+    newg = np.empty(n, bool)
+    newg[0] = True
+    for a in range(0, n - 1, _ORDER_ROWS):  # per block: pairs (i, i + 1) for i in a:hi
+        hi = min(n - 1, a + _ORDER_ROWS)
+        x = k[a : hi + 1] >> b
+        np.not_equal(x[1:], x[:-1], out=newg[a + 1 : hi + 1])
+    starts = np.flatnonzero(newg)
+    del newg
+    gkeys = k[starts] >> b
+    gkeys += lo
+    k &= (1 << b) - 1
+    return k, starts, gkeys.astype(key.dtype, copy=False)
 
 
 #: Rows per block of :func:`arrival_order`'s packing and second sort (512 kB of values:
