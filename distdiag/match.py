@@ -551,15 +551,17 @@ def match_collectives(run: Run) -> Collectives:
     per group plus the members that differ, built in the gather's pass); the
     ranks come with the gathered rows (no ``rank[order]`` held through the
     sort); repeated ranks are counted by blocks of groups (no int64 group id
-    and pair key per row); the keys are built in seq's own array; and
-    :func:`arrival_order`'s last take runs by blocks (``np.take(out=)`` onto
-    its own index copied the index first). ``bench_scale.py --stages
-    --baseline <worktree of 485fb9d> --repeat 2``, best of 2 alternating
-    children: 1024 x 10k, kept after align 27.6 -> 12.4 B/event, align's
-    transient 28.8 -> 20.6 B/event (now the sort, 40 bytes a collective row:
-    selection index, t0 and keys, plus the two sort arrays), whole-run peak
-    RSS 1209 -> 1053 MB, align 1.25 -> 1.23 s of CPU; 64 x 100k, align 29.0 ->
-    19.8 B/event, 0.63 -> 0.58 s, peak 796 -> 699 MB. At 1024 x 100k (51 M
+    and pair key per row); the keys are built in seq's own array and sorted
+    in it (:func:`_key_groups`); :func:`arrival_order`'s last take runs by
+    blocks (``np.take(out=)`` onto its own index copied the index first).
+    ``bench_scale.py --stages --baseline <worktree of 485fb9d> --repeat 2``,
+    best of 2 alternating children: at 1024 x 10k, kept after align 27.6 ->
+    12.4 B/event; align's transient 28.8 -> 17.6 B/event (now the sort, ~32
+    bytes a collective row: selection index, t0, the keys sorted in place and
+    the packed arrivals; or the gather, ~33: row index, group, the plain
+    columns); whole-run peak RSS 1209 -> 1054 MB; align 1.17 -> 1.06 s of
+    CPU. At 64 x 100k: align 29.0 -> 17.5 B/event, 0.88 -> 0.55 s (0.63 ->
+    0.58 in a quieter run), peak 797 -> 696-702 MB. At 1024 x 100k (51 M
     members) the kept match is ~1.3 GB instead of ~2.9.
 
     CPU (issue 10; align, which includes this match, best of alternating runs
