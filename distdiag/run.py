@@ -116,23 +116,37 @@ at 64 x 100k but sys 0.38 against 0.32 s. The capacity bound (file sizes
 / 69 bytes, ~28% above the rows) costs address space only, before and now:
 pages never written are never resident, and populating goes rank by rank.
 
-What comes next (design, not built):
+Then streaming (issue 10, built): ``load_run(..., streamed_kinds=STREAMED_KINDS)``
+keeps the compute phases (PHASE, FORWARD, BACKWARD, OPTIMIZER) out of the
+table: every row is still read and scanned (time bounds, order, string ids),
+but only the others are packed. The stages that need the phases (breakdown,
+input_bound / h2d_copy's critical path, serial_section's activity, hang,
+the Slurm view) read them band of ranks by band of ranks through
+:func:`distdiag.bands.bands`, which reads each band's rows again from the
+files (:class:`_Stream`: only the events table, the same remap, t0 sort,
+clock map and causality repairs as the table's rows, so the rows are
+byte-for-byte the table's; a file whose row count changed is an error).
+``rows_of`` refuses the streamed kinds, so a stage that would see none fails
+loudly. ``pipeline.analyze(stream=True)`` and the CLI's text / JSON reports
+stream when the files hold more than ``Config.stream_events`` rows (20 M by
+default). Measured at 1,024 x 100,000 (``bench_scale.py --grid 1024x100000
+--baseline <worktree of 7e740fe> --repeat 2``, alternating, load 1): peak RSS
+11,244 -> 5,931 MB (1.90x less), wall 32.7-33.4 -> 46.8-49.9 s (the
+breakdown's band pass reads the 7.3 GB of files again: ~15 s), the JSON
+byte-identical. The peak is now align's: the table of collective rows
+(3.67 GB, half the rows), the match it builds (~25 B a member, 1.23 GB,
+:class:`distdiag.match.GroupColumn`) and the sort's transient.
 
-1. A narrower table: a dense core every stage reads (t0, t1, rank, kind,
-   name_id, comm_id, site_id: ~37 B) and sparse side columns only for the
-   kinds that use them (seq/peer/nbytes/aux of collectives and p2p, value of
-   STEP, nbytes/aux of file events), ~40-45 B/event in all. Lossless, but every
-   detector that reads ``run.events[col]`` for those columns must go through an
-   accessor, so it is one change across the detectors.
-2. Streaming by rank, two passes over the files. Pass 1 reads each rank's
-   clock-sync rows and collective rows only and fits the clock model (it needs
-   nothing else). Pass 2 reads a rank, maps its times, and computes everything
-   per rank from that slice (breakdown unions, input/h2d/io/metadata
-   partials), keeping only its collective rows (the match's input, ~45 B per
-   collective row) before dropping the rank. Cross-rank stages (match,
-   straggler, serial section, mismatch, hang) then run on the collectives
-   table alone. Peak: collectives + one rank, so 1,024 x 100,000 (half of it
-   collectives) would need ~2.3 GB; the price is reading each file twice.
+What comes next (design, not built): the collective rows out of the table.
+Pass 1 would keep them in a compact store (t0, t1, rank, comm, seq: 32 B, plus
+a 4-byte id into a run-wide dictionary of their (kind, op, bytes, root, site,
+datatype), which SPMD ranks repeat), the match would build from it (its
+per-group columns from that id), and the rows would then stream like the
+phases: ~1.8 GB of store + the 1.23 GB match + the sort's transient, ~3.5 GB
+at 1,024 x 100,000. Each stage that reads the phases passes over the files
+once (breakdown; input_bound only when input waits exist; the Slurm view
+only for Slurm jobs; serial_section and hang only for the ranks they name):
+one shared pass would save the rest.
 """
 
 from __future__ import annotations
