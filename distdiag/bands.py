@@ -201,7 +201,6 @@ def event_ranks(run: Any) -> np.ndarray:
 
 def count(run: Any, kinds: Kinds) -> int:
     """Rows of ``kinds`` over ALL events (streamed kinds included)."""
-    n = kind_index(run).count(kinds)
     if getattr(run, "streamed_kinds", ()):
-        n += int(run.stream.count(_kind_ids(kinds)))
-    return n
+        return int(run.stream.count(_kind_ids(kinds)))  # the files' rows of each kind, kept or not
+    return kind_index(run).count(kinds)

@@ -23,7 +23,8 @@ from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.ranking import rank_findings
-from distdiag.run import Run, _ranges, load_run, streamed_kinds_for
+from distdiag.run import Run, _ranges, load_run, stream_out, streamed_kinds_for
+from distdiag.schema import COMM_KINDS
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False) -> R
     run = clocks.align(run, inplace=inplace)
     colls = collectives_of(run)
     run.warnings.extend(_incomplete_warnings(run, colls))
+    # A streamed run lets its collective rows go once matched: the match keeps what the
+    # cross-rank stages read, the per-rank ones read them from the files (distdiag.bands).
+    run = stream_out(run, COMM_KINDS)
     # Slurm accounting (cached on the run: queue_wait and launch_overhead read it too).
     slurm_view = slurm_accounting_of(run)
     dets = load_all()

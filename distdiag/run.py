@@ -1043,8 +1043,8 @@ class _Packer:
         if drop:
             self.drop = np.zeros(256, bool)
             self.drop[drop] = True
-        #: rank -> what the streamed rows of that rank need (:class:`_RankStream`)
-        self.stats: dict[int, _RankStream] = {}
+        #: rank file -> what the streamed rows of its rank need (:class:`_RankStream`)
+        self.stats: dict[Path, _RankStream] = {}
         try:
             self.buf = new_table(max(0, rows))
         except MemoryError:  # the kernel refuses the reservation (a run larger than RAM + swap): grow instead
@@ -1133,14 +1133,14 @@ class _Packer:
         assert self.drop is not None
         kind = ev["kind"]
         dropped = self.drop.take(kind)
-        st = _RankStream(n_all=len(ev), kind_counts=np.bincount(kind[dropped], minlength=256).astype(np.int64))
+        st = _RankStream(n_all=len(ev), kind_counts=np.bincount(kind, minlength=256).astype(np.int64))
         if len(ev):
             t0, t1 = ev["t0_ns"], ev["t1_ns"]
             st.t_min = int(min(t0.min(), t1.min()))
             st.t_max = int(max(t0.max(), t1.max()))
             st.t0_min = int(t0.min())
         st.unsorted = d.scan.unsorted
-        self.stats[d.info.rank] = st
+        self.stats[d.info.path] = st
         if not dropped.any():
             return ev
         kept = ev[~dropped]  # a copy: the target range overlaps the source
@@ -1392,7 +1392,7 @@ def _assemble(
     if packer is not None and packer.drop is not None:
         stream = _Stream(
             kinds=tuple(int(k) for k in np.flatnonzero(packer.drop)),
-            ranks={r: packer.stats[r] for r in ranks},
+            ranks={r: packer.stats[infos[r].path] for r in ranks},
             lookups=dict(zip(ranks, lookups)),
             in_range=dict(zip(ranks, in_range)),
         )
@@ -1455,8 +1455,8 @@ def streamed_kinds_for(path: str | Path, limit: int) -> tuple[int, ...]:
 
 @dataclass
 class _RankStream:
-    """What one rank's streamed rows need after loading: its row count (every kind), the
-    counts of the streamed kinds, raw time bounds over every row, whether its rows
+    """What one rank's streamed rows need after loading: its row count and its rows of each
+    kind (every row, kept or not), raw time bounds over every row, whether its rows
     needed sorting."""
 
     n_all: int
@@ -1489,7 +1489,7 @@ class _Stream:
         return out
 
     def count(self, kind_ids: np.ndarray) -> int:
-        """Rows of the kinds ``kind_ids`` (int64 kind values): the table's plus the streamed ones."""
+        """Rows of the kinds ``kind_ids`` (int64 kind values, 0-255) in the files: kept or streamed."""
         return sum(int(st.kind_counts[kind_ids].sum()) for st in self.ranks.values())
 
     def _times(self, run: Run, raw: dict[int, int]) -> dict[int, int]:
@@ -1566,6 +1566,33 @@ class _Stream:
                     for c in ("t0_ns", "t1_ns"):  # two time columns
                         sl[c] = _apply_repairs(sl[c], rr, model.repairs, model.repair_base)
         return ev
+
+
+def stream_out(run: Run, kinds: Iterable[int]) -> Run:
+    """``run`` with the rows of ``kinds`` dropped from its table too, now read band by band
+    like the other streamed kinds (a streamed run only; others are returned as they are).
+
+    The analysis calls it once the collectives are matched (``pipeline.analyze_run``):
+    the match keeps what the cross-rank stages need of the collective rows, and the
+    per-rank stages read them from the files with the phases (:mod:`distdiag.bands`).
+    The table left holds the few rows of the other kinds; the cache (clock model,
+    the match, ...) carries over, except the kind index (built again on first use)."""
+    if run.stream is None:
+        return run
+    add = sorted({int(k) for k in kinds} - set(run.streamed_kinds))
+    if not add:
+        return run
+    drop = np.zeros(256, bool)
+    drop[add] = True
+    ev = run.events
+    keep = ~drop.take(ev["kind"])
+    kinds_now = tuple(sorted({*run.streamed_kinds, *add}))
+    cache = {k: v for k, v in run.cache.items() if k != "rows.kind_index"}
+    out = run.replace(
+        events=ev[keep], streamed_kinds=kinds_now, stream=dataclasses.replace(run.stream, kinds=kinds_now)
+    )
+    out.cache = cache
+    return out
 
 
 def _name_rank(path: Path) -> int:

@@ -143,3 +143,27 @@ def test_the_size_rule_and_a_file_changed_between_the_passes(tmp_path: Path) -> 
         f["events"].resize((len(ev) - 10,))
     with pytest.raises(DistdiagError, match="changed while it was analyzed"):
         list(bands.bands(st))
+
+
+def test_once_matched_the_collective_rows_leave_the_table(tmp_path: Path) -> None:
+    """After the match a streamed run drops its collective rows too (pipeline.analyze_run):
+    the per-rank stages read them from the files."""
+    synth(tmp_path / "run", ranks=8, events=1000, fault="straggler", ranks_per_host=4)
+    cfg = dataclasses.replace(Config(), stream_events=0)
+    rep = analyze(tmp_path / "run", cfg, stream=True)
+    assert {int(Kind.COLL), int(Kind.COLL_ASYNC)} <= set(rep.run.streamed_kinds)
+    assert not np.isin(rep.run.events["kind"], [int(Kind.COLL), int(Kind.FORWARD)]).any()
+    assert bands.count(rep.run, Kind.COLL) == len(rep.collectives.m_rank) > 0
+    assert rep.verdict is not None and rep.verdict.kind == "straggler"
+
+
+def test_io_stalls_and_the_datatype_fallback_read_collective_rows_from_the_bands(tmp_path: Path) -> None:
+    from test_fileio_detectors import write_ckpt_run
+    from test_match_columns import _write_differing_run
+
+    write_ckpt_run(tmp_path / "ckpt", others_wait=True)
+    rep = _same_both_ways(tmp_path / "ckpt")
+    assert any(f["kind"] == "io_bandwidth" for f in rep["findings"])  # its stall rows include collectives
+    _write_differing_run(tmp_path / "mismatch", repeat=True)  # a repeated row: the datatypes' fallback path
+    rep = _same_both_ways(tmp_path / "mismatch")
+    assert any(f["kind"] == "collective_mismatch" for f in rep["findings"])

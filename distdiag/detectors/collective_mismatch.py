@@ -47,6 +47,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import Collectives, GroupColumn, MatchState, collectives_of
+from distdiag.bands import bands
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS
 
@@ -74,8 +75,15 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
     # the member rows: the events' from the run's kind index (distdiag.rows: no scan of
     # the table's kinds), the in-flight rows' by a mask (a handful per rank)
     ev, inf = run.events, run.inflight
-    sel = rows_of(run, _COMM_ARR)
-    picks = [(ev, sel[ev["seq"][sel] >= 0])]
+    if set(getattr(run, "streamed_kinds", ())) & {int(k) for k in _COMM_ARR}:
+        # a streamed run's collective rows are on disk once matched: band by band, in table order
+        picks = []
+        for b in bands(run):  # a few dozen bands
+            sel = b.rows(_COMM_ARR)
+            picks.append((b.events, sel[b.events["seq"][sel] >= 0]))
+    else:
+        sel = rows_of(run, _COMM_ARR)
+        picks = [(ev, sel[ev["seq"][sel] >= 0])]
     if len(inf):
         picks.append((inf, np.flatnonzero(np.isin(inf["kind"], _COMM_ARR) & (inf["seq"] >= 0))))
     fields = ("comm_id", "seq", "rank", "aux")

@@ -45,6 +45,7 @@ import pandas as pd
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.bands import bands, n_ranks
 from distdiag.rows import events_of
 from distdiag.schema import Kind
 
@@ -92,6 +93,17 @@ def _covered_before(starts: np.ndarray, ends: np.ndarray, t: np.ndarray) -> np.n
     return np.where(i > 0, full + partial, 0.0)
 
 
+def _stall_rows(run: Any) -> np.ndarray:
+    """The rows of the stall kinds (blocking collectives, waits, receives), in table order:
+    from the run's kind index, or, for the kinds a streamed run keeps on disk (its
+    collective rows once matched), band by band (:mod:`distdiag.bands`), same rows."""
+    streamed = set(getattr(run, "streamed_kinds", ()))
+    if not streamed & {int(k) for k in _STALL}:
+        return events_of(run, _STALL)
+    parts = [b.events.take(b.rows(_STALL)) for b in bands(run)]  # a few dozen bands
+    return np.concatenate(parts) if parts else run.events[:0]
+
+
 @register("io_bandwidth")
 def detect(run: Any, cfg: Any) -> list[Finding]:
     sec = "io_bandwidth"
@@ -102,14 +114,13 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     wall_s = run.wall_s
     if wall_s <= 0:
         return []
-    ev = run.events
     # Rows by the run's kind index (distdiag.rows): the file and stall rows are
     # few; the masks over the whole table were a scan per kind (same rows, same order).
     data = events_of(run, _DATA)
     data = data[data["t1_ns"] >= data["t0_ns"]]
     if len(data) == 0:
         return []
-    n = int(max(run.world_size, int(ev["rank"].max()) + 1))
+    n = n_ranks(run)  # world size, or more when a file names a larger rank (no read of the table's rank column)
 
     # 1. large files per rank
     df = pd.DataFrame({"rank": data["rank"], "name": data["name_id"], "nbytes": data["nbytes"], "kind": data["kind"]})
@@ -124,7 +135,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     e_rank, e_t0, e_t1 = _merge(io["rank"].astype(np.int64), io["t0_ns"], io["t1_ns"], gap_ns)
 
     # 2. what the other ranks did during each episode
-    st = events_of(run, _STALL)
+    st = _stall_rows(run)
     st = st[st["t1_ns"] >= st["t0_ns"]]
     s_rank = np.r_[st["rank"].astype(np.int64), e_rank]
     s_t0 = np.r_[st["t0_ns"], e_t0]
