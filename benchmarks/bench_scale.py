@@ -257,11 +257,15 @@ def _stages_child(run_dir: str) -> int:
     got = stage("read + pack", read)
     extra = (packer,) if packer is not None else ()
     run = stage("assemble", runmod._assemble, run_dir, p, files, got, warnings, *extra)
-    del got, packer, extra
+    del got, packer, extra, into  # the packer holds the buffer: a streamed run frees its collective rows later
     kw = {"inplace": True} if "inplace" in inspect.signature(clocks.align).parameters else {}
     run = stage("align", clocks.align, run, **kw)
     colls = stage("match", collectives_of, run)
     run.warnings.extend(pipeline._incomplete_warnings(run, colls))
+    if hasattr(runmod, "stream_out"):  # a streamed run lets its collective rows go once matched
+        from distdiag.schema import COMM_KINDS
+
+        run = stage("stream out", runmod.stream_out, run, COMM_KINDS)
     sv = stage("slurm", accounting_of, run)
     dets = load_all()
     findings: list[Any] = []
