@@ -22,7 +22,7 @@ s and extra peak per event): bands of ranks, rows ordered by rank once
 -> 0.88-0.94 s, +143-179 -> +44 B/event (the per-step table and its tallies,
 ~20 B/event, are part of that); ``step_breakdown`` alone 0.72 s. ``--mpi``
 (0.64 M events, one band): 0.31 -> 0.22 s, peak unchanged (one band is the
-whole run below ``BAND_EVENTS``).
+whole run below ``distdiag.bands.BAND_EVENTS``).
 
 Then (issue 10, ``--baseline 1f4f854``, best of 3, load 4-7): members read
 from each band's own event rows, unions that skip sorted sorts, rows of a kind
