@@ -44,6 +44,9 @@ What comes next (design, not built; see also distdiag/run.py):
 * Byte-identical output is kept by reducing in (comm, seq) / rank order and
   rendering only on rank 0, as the serial path orders them.
 
+Streaming (``distdiag.bands``, a serial run over ``Config.stream_events`` rows)
+is not used here: rank 0 assembles the whole table as before.
+
 Errors: a problem that leaves nothing to analyze is raised on rank 0 as
 :class:`DistdiagError` (the CLI prints one line); the other ranks return
 quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs.

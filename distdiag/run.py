@@ -129,21 +129,26 @@ byte-for-byte the table's; a file whose row count changed is an error).
 ``rows_of`` refuses the streamed kinds, so a stage that would see none fails
 loudly. ``pipeline.analyze(stream=True)`` and the CLI's text / JSON reports
 stream when the files hold more than ``Config.stream_events`` rows (20 M by
-default). Measured at 1,024 x 100,000 (``bench_scale.py --grid 1024x100000
+default). Once the collectives are matched, :func:`stream_out` lets the
+table's collective rows go too (the match keeps what the cross-rank stages
+read; the per-rank ones read them from the files with the phases). Measured at
+1,024 x 100,000 (``bench_scale.py --grid 1024x100000 --max-events 2e8
 --baseline <worktree of 7e740fe> --repeat 2``, alternating, load 1): peak RSS
-11,244 -> 5,931 MB (1.90x less), wall 32.7-33.4 -> 46.8-49.9 s (the
-breakdown's band pass reads the 7.3 GB of files again: ~15 s), the JSON
-byte-identical. The peak is now align's: the table of collective rows
-(3.67 GB, half the rows), the match it builds (~25 B a member, 1.23 GB,
-:class:`distdiag.match.GroupColumn`) and the sort's transient.
+11,244 -> 5,336 MB (2.11x less), wall 35.6-38.4 -> 47.3-51.4 s (the
+breakdown's band pass reads the 7.3 GB of files again: ~12-15 s), the JSON
+byte-identical. Per stage (``--stages``): the peak is align's (the table of
+collective rows, 3.67 GB, half the rows; the match it builds, ~25 B a
+member, 1.23 GB, :class:`distdiag.match.GroupColumn`; the sort's 0.43 GB);
+after :func:`stream_out` the analysis holds 1.3-2.2 GB. 16,384 x 10,000:
+peak 18 -> 8.6-9.6 GB, 127-199 s wall.
 
-What comes next (design, not built): the collective rows out of the table.
+What comes next (design, not built): the collective rows never in the table.
 Pass 1 would keep them in a compact store (t0, t1, rank, comm, seq: 32 B, plus
 a 4-byte id into a run-wide dictionary of their (kind, op, bytes, root, site,
 datatype), which SPMD ranks repeat), the match would build from it (its
-per-group columns from that id), and the rows would then stream like the
-phases: ~1.8 GB of store + the 1.23 GB match + the sort's transient, ~3.5 GB
-at 1,024 x 100,000. Each stage that reads the phases passes over the files
+per-group columns from that id), and :func:`stream_out` would drop the store:
+~1.8 GB of store + the 1.23 GB match + the sort's transient, ~3.5 GB at
+1,024 x 100,000, under the 4 GB target. Each stage that reads the phases passes over the files
 once (breakdown; input_bound only when input waits exist; the Slurm view
 only for Slurm jobs; serial_section and hang only for the ranks they name):
 one shared pass would save the rest.
