@@ -192,6 +192,29 @@ def _child(run_dir: str, parallel: bool) -> int:
     return 0
 
 
+def vm() -> tuple[float, float]:
+    """(RSS, peak RSS) of this process, MB."""
+    with open("/proc/self/status") as f:
+        d = {ln.split(":")[0]: ln.split()[1] for ln in f if ln.startswith("Vm")}
+    return int(d["VmRSS"]) / 1024, int(d["VmHWM"]) / 1024
+
+
+def measured(fn: Any, *a: Any, **k: Any) -> tuple[Any, float, float, float, float]:
+    """``fn(*a, **k)`` with its CPU seconds and the RSS before, after and at its own peak (MB):
+    the high-water mark is reset first through ``/proc/self/clear_refs``."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS to the current RSS
+    except OSError:
+        pass
+    r0, _ = vm()
+    c0 = time.process_time()
+    out = fn(*a, **k)
+    c = time.process_time() - c0
+    r1, hwm = vm()
+    return out, c, r0, r1, hwm
+
+
 def _stages_child(run_dir: str) -> int:
     """Runs in the measured process: each stage of ``analyze`` + the JSON render with its
     CPU seconds and its own peak RSS (the high-water mark is reset before each stage
@@ -210,24 +233,10 @@ def _stages_child(run_dir: str) -> int:
     from distdiag.render import render
     from distdiag.slurm import accounting_of
 
-    def vm() -> tuple[float, float]:
-        with open("/proc/self/status") as f:
-            d = {ln.split(":")[0]: ln.split()[1] for ln in f if ln.startswith("Vm")}
-        return int(d["VmRSS"]) / 1024, int(d["VmHWM"]) / 1024
-
     rows: list[tuple[str, float, float, float, float]] = []
 
     def stage(name: str, fn: Any, *a: Any, **k: Any) -> Any:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the peak RSS to the current RSS
-        except OSError:
-            pass
-        r0, _ = vm()
-        c0 = time.process_time()
-        out = fn(*a, **k)
-        c = time.process_time() - c0
-        r1, hwm = vm()
+        out, c, r0, r1, hwm = measured(fn, *a, **k)
         rows.append((name, c, r0, r1, hwm))
         return out
 
