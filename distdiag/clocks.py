@@ -854,20 +854,9 @@ def check_causality(
     model.violations_after_repair = int(viol.sum())
 
     ev = run.events if inplace else run.events.copy()
-    spans = _rank_spans(ev["rank"])
-    if spans is None:
-        er = ev["rank"].astype(np.int64)
-        ev["t0_ns"] = _apply_repairs(ev["t0_ns"], er, repairs, base)
-        ev["t1_ns"] = _apply_repairs(ev["t1_ns"], er, repairs, base)
-    else:  # rank-sorted (always, from load_run): repair only the touched ranks' slices
-        touched = {rk for rep in repairs for rk in rep}
-        for rk, lo, hi in spans:  # per rank; numpy inside
-            if rk not in touched:
-                continue
-            sl = ev[lo:hi]
-            rr = np.full(hi - lo, rk, np.int64)
-            for c in ("t0_ns", "t1_ns"):  # two time columns
-                sl[c] = _apply_repairs(sl[c], rr, repairs, base)
+    coll = run.coll_rows if (run.coll_rows is None or inplace) else run.coll_rows.copy()
+    for tab in (ev,) if coll is None else (ev, coll):  # the table, and the collective rows kept apart
+        _repair_table(tab, repairs, base)
     inf = run.inflight.copy()
     inf["t0_ns"] = _apply_repairs(inf["t0_ns"], inf["rank"].astype(np.int64), repairs, base)
     gpu = run.gpu.copy()
@@ -877,7 +866,28 @@ def check_causality(
         se = _apply_repairs(np.array([i.start_ns, i.end_ns]), np.array([rk, rk]), repairs, base)
         ranks[rk] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
     # The CLC map is monotone per rank: (rank, t0) order is kept.
-    return run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks)
+    return run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, coll_rows=coll)
+
+
+def _repair_table(tab: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]], base: int) -> None:
+    """Apply the repairs to the t0/t1 columns of a table of rows with a rank column, in place."""
+    if not len(tab):
+        return
+    spans = _rank_spans(tab["rank"])
+    if spans is None:
+        er = tab["rank"].astype(np.int64)
+        tab["t0_ns"] = _apply_repairs(tab["t0_ns"], er, repairs, base)
+        tab["t1_ns"] = _apply_repairs(tab["t1_ns"], er, repairs, base)
+        return
+    # rank-sorted (always, from load_run): repair only the touched ranks' slices
+    touched = {rk for rep in repairs for rk in rep}
+    for rk, lo, hi in spans:  # per rank; numpy inside
+        if rk not in touched:
+            continue
+        sl = tab[lo:hi]
+        rr = np.full(hi - lo, rk, np.int64)
+        for c in ("t0_ns", "t1_ns"):  # two time columns
+            sl[c] = _apply_repairs(sl[c], rr, repairs, base)
 
 
 # ----------------------------------------------------------------------------------
@@ -907,15 +917,20 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     # times. When fit matched the raw run (exit fallback), the check maps it.
     raw_colls: Any = run.cache.get("raw_collectives")
     ev = run.events if inplace else run.events.copy()
+    # a streamed run keeps its collective rows apart for the match (distdiag.run.COLL_ROW_DTYPE)
+    coll = run.coll_rows if (run.coll_rows is None or inplace) else run.coll_rows.copy()
+    src = ev if coll is None else coll  # the rows the match reads
     selector: Any = None
-    if len(ev):
+    for tab in (ev,) if coll is None else (ev, coll):  # the table, and the collective rows kept apart
+        if not len(tab):
+            continue
         on_block = None
-        if raw_colls is None:  # the match below: its selection made in the mapping pass
+        if raw_colls is None and tab is src:  # the match below: its selection made in the mapping pass
             from distdiag.match import KeySelector
 
-            selector = KeySelector(len(ev), ev.dtype)
+            selector = KeySelector(len(tab), tab.dtype)
             on_block = selector.add
-        _map_inplace(ev, ("t0_ns", "t1_ns"), models, on_block=on_block)
+        _map_inplace(tab, ("t0_ns", "t1_ns"), models, on_block=on_block)
         del on_block  # a bound method: it would keep the selection alive past the match
         # No re-sort: each rank's map is monotone, so (rank, t0) order is kept.
     inf = run.inflight.copy()
@@ -935,7 +950,7 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
         se = m.map(np.array([i.start_ns, i.end_ns], np.int64))
         off[r] = int(se[0] - i.start_ns)
         ranks[r] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
-    out = run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, aligned=True, offset_ns=off)
+    out = run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, aligned=True, offset_ns=off, coll_rows=coll)
     aligned_colls: Any = None
     pending: list[str] = []
     try:
@@ -944,7 +959,7 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
 
             probe = out.replace()  # matching may add a warning: kept for collectives_of
             if selector is not None:
-                probe.cache[SELECTED_KEYS] = (ev, selector)
+                probe.cache[SELECTED_KEYS] = (src, selector)
             del selector
             aligned_colls = match_collectives(probe)
             pending = probe.warnings[len(out.warnings) :]

@@ -523,6 +523,31 @@ class KeySelector:
 SELECTED_KEYS = "collective_keys"
 
 
+class _Expanded:
+    """A streamed run's compact collective rows (``COLL_ROW_DTYPE``) read as event rows:
+    :meth:`take` gives ``RUN_EVENT_DTYPE`` rows, the other fields from the run's sig table
+    (``tid`` and ``value``, which the match never reads, are 0). Blocks only: the match
+    gathers by blocks of rows (:func:`_gather_members`)."""
+
+    def __init__(self, rows: np.ndarray, sigs: np.ndarray) -> None:
+        from distdiag.run import RUN_EVENT_DTYPE
+
+        self.rows, self.sigs, self.dtype = rows, sigs, RUN_EVENT_DTYPE
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, idx: np.ndarray) -> np.ndarray:
+        c = self.rows.take(idx)
+        out = np.zeros(len(c), self.dtype)
+        for f in ("t0_ns", "t1_ns", "kind", "comm_id", "seq", "rank"):  # the kept columns
+            out[f] = c[f]
+        s = self.sigs.take(c["sig"])
+        for f in s.dtype.names or ():  # op, bytes, root, site, datatype
+            out[f] = s[f]
+        return out
+
+
 def _comm_kind_table() -> np.ndarray:
     """A flag per kind byte: True for the collective kinds."""
     is_comm = np.zeros(256, bool)
@@ -583,15 +608,22 @@ def match_collectives(run: Run) -> Collectives:
     no change beyond the noise was measured (1.86 -> 1.95 s, one run, a loaded
     machine: read + pack, not touched, went 3.24 -> 4.06 in the same run).
     """
-    ev, inf = run.events, run.inflight
+    ev: Any = run.events
+    inf = run.inflight
+    # A streamed run keeps its collective rows apart, compact (distdiag.run.COLL_ROW_DTYPE):
+    # their other fields come back by their sig when gathered (:class:`_Expanded`).
+    if run.coll_rows is not None and run.coll_sigs is not None:
+        ev = _Expanded(run.coll_rows, run.coll_sigs)
     # The selection and the sort keys in ONE pass over the table, by blocks that
     # stay in cache (a strided pass per field re-read each 73-byte row once per
     # field, measured), or the one align's mapping pass made (:class:`KeySelector`).
     pre = run.cache.pop(SELECTED_KEYS, None)
-    if pre is not None and pre[0] is ev and pre[1].next == len(ev):
+    rows = ev.rows if isinstance(ev, _Expanded) else ev
+    if pre is not None and pre[0] is rows and pre[1].next == len(rows):
         sel_idx, got = pre[1].result()
     else:
-        sel_idx, got = _select_keys(ev)
+        sel_idx, got = _select_keys(rows)
+    del rows
     del pre
     inf_idx = np.zeros(0, np.int64)
     if len(inf):

@@ -170,6 +170,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from distdiag.schema import (
+    COMM_KINDS,
     EVENT_DTYPE,
     FILE_KINDS,
     GPU_DTYPE,
@@ -200,6 +201,25 @@ _FILE_ROW = np.dtype(f"V{EVENT_DTYPE.itemsize}")
 _RUN_ROW = np.dtype(f"V{RUN_EVENT_DTYPE.itemsize}")
 _PACKED_ROW = np.dtype({"names": ["v", "rank"], "formats": [_FILE_ROW, "<i4"], "offsets": [0, EVENT_DTYPE.itemsize],
                         "itemsize": RUN_EVENT_DTYPE.itemsize})  # fmt: skip
+
+#: A collective row as a streamed run keeps it for the match (:class:`_Packer`, ``coll_rows``):
+#: the match's keys and times, and ``sig``, an id into the run's table of the row's other
+#: fields (``coll_sigs``, :data:`_SIG_DTYPE`): SPMD ranks repeat a few (op, bytes, root,
+#: site, datatype), so 37 bytes a row instead of 73.
+COLL_ROW_DTYPE = np.dtype([("t0_ns", "<i8"), ("t1_ns", "<i8"), ("kind", "u1"), ("comm_id", "<i4"), ("seq", "<i8"),
+                           ("rank", "<i4"), ("sig", "<i4")])  # fmt: skip
+#: the byte runs a collective row shares with an event row: t0_ns..kind, comm_id..seq, rank
+_EV_AT: dict[str, int] = {f: int(v[1]) for f, v in (EVENT_DTYPE.fields or {}).items()}
+_RUN_SPANS = np.dtype({"names": ["a", "b", "c"], "formats": ["V17", "V12", "V4"],
+                       "offsets": [0, _EV_AT["comm_id"], EVENT_DTYPE.itemsize],
+                       "itemsize": EVENT_DTYPE.itemsize + 4})  # fmt: skip
+_COLL_SPANS = np.dtype({"names": ["a", "b", "c"], "formats": ["V17", "V12", "V4"], "offsets": [0, 17, 29],
+                        "itemsize": COLL_ROW_DTYPE.itemsize})  # fmt: skip
+assert _EV_AT["kind"] == 16 and _EV_AT["seq"] == _EV_AT["comm_id"] + 4
+assert [COLL_ROW_DTYPE.fields[f][1] for f in ("kind", "comm_id", "seq", "rank", "sig")] == [16, 17, 21, 29, 33]  # type: ignore[index]
+_SIG_FIELDS = ("name_id", "nbytes", "peer", "site_id", "aux")
+_SIG_DTYPE = np.dtype([(f, EVENT_DTYPE[f]) for f in _SIG_FIELDS])
+_SIG_VOID = np.dtype(f"V{_SIG_DTYPE.itemsize}")
 
 #: Columns that hold string ids and are remapped onto the global table.
 STRING_COLUMNS = ("name_id", "comm_id", "site_id")
@@ -288,6 +308,11 @@ class Run:
     streamed_kinds: tuple[int, ...] = ()
     #: the :class:`_Stream` that reads them (None when nothing is streamed)
     stream: Any = field(default=None, repr=False)
+    #: a streamed run's collective rows with a seq, kept for the match until it is made
+    #: (``COLL_ROW_DTYPE``, sorted by (rank, t0) like the table; see :func:`stream_out`)
+    coll_rows: np.ndarray | None = field(default=None, repr=False)
+    #: their other fields, one row per ``sig`` (``_SIG_DTYPE``, global string ids)
+    coll_sigs: np.ndarray | None = field(default=None, repr=False)
     _string_ids: dict[str, int] | None = field(default=None, repr=False)
 
     # -- strings ----------------------------------------------------------------
@@ -988,6 +1013,60 @@ def _remap_table(
     return bad
 
 
+def _lookup_ids(ids: np.ndarray, lookup: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(global ids of a rank's local ``ids``, which were out of its string table's range: those map
+    to 0, ""), as :func:`_remap_table` maps them."""
+    at = ids.astype(np.int64)
+    oob = (at < 0) | (at >= len(lookup))
+    out = lookup[np.where(oob, 0, at)]
+    out[oob] = 0
+    return out, oob
+
+
+def _assemble_collectives(
+    packer: _Packer, paths: list[Path], lookups: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The kept collective rows of the ranks whose files are ``paths`` (ascending ranks), as one
+    ``COLL_ROW_DTYPE`` table sorted by (rank, t0) with global string ids, the run's sig table,
+    and how many string ids were out of range (counted per row, as the table's remap counts).
+    The buffer is used in place when the ranks filled it in order (the usual case)."""
+    assert packer.coll is not None
+    parts = [packer.coll_parts[p] for p in paths]
+    in_order = all(a == b for a, b in zip((o for o, _, _ in parts), np.cumsum([0] + [n for _, n, _ in parts])))
+    total = sum(n for _, n, _ in parts)
+    rows = packer.coll[:total] if in_order else np.empty(total, COLL_ROW_DTYPE)
+    off = 0
+    bad = 0
+    tables = []
+    for (o, n, table), lookup, path in zip(parts, lookups, paths):  # per rank: its slice and its small sig table
+        sl = rows[off : off + n]
+        if not in_order:
+            sl[:] = packer.coll[o : o + n]
+        if packer.stats[path].unsorted and n > 1:
+            sl[:] = sl.take(np.argsort(sl["t0_ns"], kind="stable"))
+        comm, oob = _lookup_ids(sl["comm_id"], lookup)
+        sl["comm_id"] = comm
+        bad += int(np.count_nonzero(oob))
+        t = table.copy()
+        uses = np.bincount(sl["sig"], minlength=len(t)) if n else np.zeros(len(t), np.int64)
+        for f in ("name_id", "site_id", "aux"):  # the string-id fields (aux: the datatype of a collective)
+            t[f], oob = _lookup_ids(t[f], lookup)
+            bad += int(uses[oob].sum())
+        tables.append(t)
+        off += n
+    cat = np.concatenate(tables) if tables else np.zeros(0, _SIG_DTYPE)
+    u, inv = np.unique(cat.view(_SIG_VOID), return_inverse=True)
+    inv = inv.reshape(-1).astype(np.int32)
+    off, k = 0, 0
+    for (_, n, table) in parts:  # per rank: local sig -> global sig
+        m = inv[k : k + len(table)]
+        sl = rows[off : off + n]
+        sl["sig"] = m[sl["sig"]]
+        k += len(table)
+        off += n
+    return rows, u.view(_SIG_DTYPE), bad
+
+
 def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | None = None) -> np.ndarray:
     """``arr`` with a rank column appended (into ``out`` when given).
 
@@ -1020,6 +1099,53 @@ def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | 
     return out
 
 
+_COMM_TABLE = np.zeros(256, bool)
+_COMM_TABLE[[int(k) for k in COMM_KINDS]] = True
+#: odd 64-bit multipliers that mix each field of a sig into one hash (a collision is checked, not assumed away)
+_SIG_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
+                     0xFF51AFD7ED558CCD], np.uint64)  # fmt: skip
+
+
+def _anon(rows: int, dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array in its own anonymous mapping (pages never written are never resident)."""
+    try:
+        m = mmap.mmap(-1, max(1, rows) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryError(str(e)) from e
+    return np.frombuffer(m, dtype)[:rows]
+
+
+def _sig_table(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct (op, bytes, root, site, datatype) of ``rows`` as a ``_SIG_DTYPE`` table, each
+    row's index into it as int32). By a hash of the five fields, checked: rows that share a
+    hash must share the fields, else the exact (slower) unique of the raw records decides."""
+    n = len(rows)
+    if n == 0:
+        return np.zeros(0, _SIG_DTYPE), np.zeros(0, np.int32)
+    one = np.empty(1, _SIG_DTYPE)
+    for f in _SIG_FIELDS:  # five fields
+        one[f] = rows[f][0]
+    if all(bool((rows[f] == one[f][0]).all()) for f in _SIG_FIELDS):  # one for all: the usual SPMD rank
+        return one, np.zeros(n, np.int32)
+    with np.errstate(over="ignore"):
+        h = np.zeros(n, np.uint64)
+        for f, k in zip(_SIG_FIELDS, _SIG_MIX):  # five fields
+            v = rows[f].astype(np.int64).view(np.uint64)
+            h ^= v * k + (h << np.uint64(6)) + (h >> np.uint64(2))
+    _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    table = np.empty(len(first), _SIG_DTYPE)
+    for f in _SIG_FIELDS:  # five fields
+        table[f] = rows[f][first]
+    if all(np.array_equal(table[f][inv], rows[f]) for f in _SIG_FIELDS):
+        return table, inv.astype(np.int32)
+    raw = np.empty(n, _SIG_DTYPE)  # a hash collision: the exact way
+    for f in _SIG_FIELDS:  # five fields
+        raw[f] = rows[f]
+    u, inv_raw = np.unique(raw.view(_SIG_VOID), return_inverse=True)
+    return u.view(_SIG_DTYPE), inv_raw.reshape(-1).astype(np.int32)
+
+
 class _Packer:
     """Every rank's event rows, copied as they are read into ONE ``RUN_EVENT_DTYPE`` buffer.
 
@@ -1050,6 +1176,14 @@ class _Packer:
             self.drop[drop] = True
         #: rank file -> what the streamed rows of its rank need (:class:`_RankStream`)
         self.stats: dict[Path, _RankStream] = {}
+        #: collective rows dropped from the table but kept for the match (when the collective
+        #: kinds are dropped): one COLL_ROW_DTYPE buffer filled rank by rank, its used rows,
+        #: and per rank file (offset, rows, its own sig table of local string ids)
+        self.coll: np.ndarray | None = None
+        self.coll_used = 0
+        self.coll_parts: dict[Path, tuple[int, int, np.ndarray]] = {}
+        if self.drop is not None and self.drop[[int(k) for k in COMM_KINDS]].all():
+            self.coll = _anon(max(1, rows), COLL_ROW_DTYPE)
         try:
             self.buf = new_table(max(0, rows))
         except MemoryError:  # the kernel refuses the reservation (a run larger than RAM + swap): grow instead
@@ -1146,12 +1280,49 @@ class _Packer:
             st.t0_min = int(t0.min())
         st.unsorted = d.scan.unsorted
         self.stats[d.info.path] = st
+        coll = None
+        if self.coll is not None:
+            coll = self._keep_collectives(d.info.path, ev)
+        if dropped.any() and d.scan.rows and d.scan.id_umax >= len(d.strings):
+            # out-of-range string ids of the rows that leave (the table's remap counts its own; the
+            # kept collective rows are counted when assembled): the warning counts every row's
+            drop_rows = ev[dropped if coll is None else dropped & ~coll]
+            n_str = len(d.strings)
+            for col in STRING_COLUMNS:  # three id columns
+                v = drop_rows[col].astype(np.int64)
+                st.bad_ids += int(np.count_nonzero((v < 0) | (v >= n_str)))
+            fk = _AUX_KIND_TABLE.take(drop_rows["kind"])
+            v = drop_rows["aux"][fk]
+            st.bad_ids += int(np.count_nonzero((v < 0) | (v >= n_str)))
         if not dropped.any():
             return ev
-        kept = ev[~dropped]  # a copy: the target range overlaps the source
+        kept = ev.take(np.flatnonzero(~dropped))  # a copy (the target range overlaps the source), whole rows
         out = ev[: len(kept)]
         out[:] = kept
         return out
+
+    def _keep_collectives(self, path: Path, ev: np.ndarray) -> np.ndarray:
+        """Append the collective rows with a seq of one rank's ``ev`` to :attr:`coll`, their other
+        fields as ids into the rank's own small table of distinct ones (:func:`_sig_table`).
+        Returns which rows of ``ev`` it kept."""
+        assert self.coll is not None
+        keep = _COMM_TABLE.take(ev["kind"]) & (ev["seq"] >= 0)
+        c = ev.take(np.flatnonzero(keep))  # whole rows (~20 ns a row; a boolean index copies field by field)
+        n = len(c)
+        if self.coll_used + n > len(self.coll):
+            new = _anon(max(2 * len(self.coll), self.coll_used + n), COLL_ROW_DTYPE)
+            new[: self.coll_used] = self.coll[: self.coll_used]
+            self.coll = new
+        out = self.coll[self.coll_used : self.coll_used + n]
+        # three runs of bytes per row (t0..kind, comm_id..seq, rank): laid out to be copied as such
+        cv, ov = c.view(_RUN_SPANS), out.view(_COLL_SPANS)
+        for f in ("a", "b", "c"):  # three byte runs
+            ov[f] = cv[f]
+        table, sig = _sig_table(c)
+        out["sig"] = sig
+        self.coll_parts[path] = (self.coll_used, n, table)
+        self.coll_used += n
+        return keep
 
     def _offset(self, view: np.ndarray) -> int:
         if len(view) == 0:
@@ -1390,9 +1561,16 @@ def _assemble(
     _sort_late_ranks(events, spans, [r for r, sc in zip(ranks, scans) if sc.unsorted])
     in_range = [sc.rows == 0 or sc.id_umax < len(lk) for sc, lk in zip(scans, lookups)]  # per rank: two integers
     bad_ids += _remap_table(events, ranks, lookups, in_range)
+    job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
+    if packer is not None and packer.drop is not None:
+        bad_ids += sum(packer.stats[infos[r].path].bad_ids for r in ranks)
+    coll_rows, coll_sigs = None, None
+    if packer is not None and packer.coll is not None:
+        coll_rows, coll_sigs, bad = _assemble_collectives(packer, [infos[r].path for r in ranks], lookups)
+        bad_ids += bad
+        packer.coll = None
     if bad_ids:
         warnings.append(f"{bad_ids} string ids point outside their file's string table (corrupt rows); shown as ''")
-    job_ids = sorted({i.job_id for i in infos.values() if i.job_id})
     stream = None
     if packer is not None and packer.drop is not None:
         stream = _Stream(
@@ -1415,6 +1593,8 @@ def _assemble(
         missing_ranks=missing,
         streamed_kinds=stream.kinds if stream is not None else (),
         stream=stream,
+        coll_rows=coll_rows,
+        coll_sigs=coll_sigs,
     )
 
 
@@ -1446,16 +1626,18 @@ STREAMED_KINDS = (int(Kind.PHASE), int(Kind.FORWARD), int(Kind.BACKWARD), int(Ki
 
 
 def streamed_kinds_for(path: str | Path, limit: int) -> tuple[int, ...]:
-    """The kinds to stream for the run dir ``path``: :data:`STREAMED_KINDS` when its files hold
+    """The kinds to stream for the run dir ``path``: :data:`STREAMED_KINDS` and the collective
+    kinds (kept compactly for the match meanwhile: ``Run.coll_rows``) when its files hold
     more than ``limit`` event rows (0: always, -1: never; ``Config.stream_events``), else none.
     The estimate is the files' bytes over a row's 69 (an upper bound: no file is opened)."""
     if limit < 0:
         return ()
+    kinds = tuple(sorted({*STREAMED_KINDS, *(int(k) for k in COMM_KINDS)}))
     if limit == 0:
-        return STREAMED_KINDS
+        return kinds
     _, files = rank_files_of(path)
     rows = sum(f.stat().st_size for f in files) // EVENT_DTYPE.itemsize
-    return STREAMED_KINDS if rows > limit else ()
+    return kinds if rows > limit else ()
 
 
 @dataclass
@@ -1470,6 +1652,8 @@ class _RankStream:
     t_max: int = 0
     t0_min: int = 0
     unsorted: bool = False
+    #: out-of-range string ids in the rows left out of the table (damaged files only)
+    bad_ids: int = 0
 
 
 @dataclass
@@ -1586,7 +1770,11 @@ def stream_out(run: Run, kinds: Iterable[int]) -> Run:
         return run
     add = sorted({int(k) for k in kinds} - set(run.streamed_kinds))
     if not add:
-        return run
+        if run.coll_rows is None:
+            return run
+        out = run.replace(coll_rows=None, coll_sigs=None)  # matched: the kept collective rows go
+        out.cache = run.cache
+        return out
     drop = np.zeros(256, bool)
     drop[add] = True
     ev = run.events

@@ -131,10 +131,11 @@ def test_a_stage_asking_run_events_for_streamed_rows_fails_loudly(tmp_path: Path
 def test_the_size_rule_and_a_file_changed_between_the_passes(tmp_path: Path) -> None:
     d = tmp_path / "run"
     synth(d, ranks=4, events=500)
+    both = tuple(sorted({*STREAMED_KINDS, int(Kind.COLL), int(Kind.COLL_ASYNC)}))  # phases, and collectives once matched
     assert streamed_kinds_for(d, -1) == ()
-    assert streamed_kinds_for(d, 0) == STREAMED_KINDS
+    assert streamed_kinds_for(d, 0) == both
     assert streamed_kinds_for(d, 10**9) == ()
-    assert streamed_kinds_for(d, 100) == STREAMED_KINDS  # 4 x 500 rows > 100
+    assert streamed_kinds_for(d, 100) == both  # 4 x 500 rows > 100
     st = load_run(d, streamed_kinds=STREAMED_KINDS)
     shutil.copy(d / "rank-00000.h5", d / "rank-00001.h5")  # another file under rank 1's name
     with h5py.File(d / "rank-00001.h5", "r+") as f:
@@ -167,3 +168,30 @@ def test_io_stalls_and_the_datatype_fallback_read_collective_rows_from_the_bands
     _write_differing_run(tmp_path / "mismatch", repeat=True)  # a repeated row: the datatypes' fallback path
     rep = _same_both_ways(tmp_path / "mismatch")
     assert any(f["kind"] == "collective_mismatch" for f in rep["findings"])
+
+
+def test_collective_rows_kept_apart_for_the_match_are_compact_and_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed run keeps its collective rows for the match in 37-byte rows (run.COLL_ROW_DTYPE)
+    plus a small table of their (op, bytes, root, site, datatype): damaged string ids are
+    counted as the table's remap counts them, two files claiming one rank take the copying
+    path, and the exact fallback of the sig table (a hash collision) gives the same report."""
+    from distdiag import run as runmod
+
+    d = tmp_path / "run"
+    synth(d, ranks=6, events=1200, fault="straggler", ranks_per_host=3)
+    with h5py.File(d / "rank-00003.h5", "r+") as f:  # ids beyond the string table, in collective and phase rows
+        ev = f["events"][...]
+        ev["name_id"][::97] = 999
+        ev["site_id"][5::101] = -3
+        f["events"][...] = ev
+    with h5py.File(d / "rank-00001.h5", "r+") as f:  # claims rank 4 too: skipped, so the kept parts have a hole
+        f.attrs["rank"] = 4
+    st = load_run(d, streamed_kinds=streamed_kinds_for(d, 0))
+    assert sorted(st.ranks) == [0, 2, 3, 4, 5]
+    assert st.coll_rows is not None and st.coll_rows.dtype.itemsize == 37 and st.coll_sigs is not None
+    assert len(st.coll_sigs) < 20 and len(st.coll_rows) == bands.count(st, Kind.COLL)
+    rep = _same_both_ways(d)
+    assert any("string ids point outside" in w for w in rep["run"]["warnings"])
+    assert any("appears in both" in w for w in rep["run"]["warnings"])
+    monkeypatch.setattr(runmod, "_SIG_MIX", np.zeros(5, np.uint64))  # every row one hash: the exact way
+    _same_both_ways(d)
