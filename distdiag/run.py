@@ -129,29 +129,32 @@ byte-for-byte the table's; a file whose row count changed is an error).
 ``rows_of`` refuses the streamed kinds, so a stage that would see none fails
 loudly. ``pipeline.analyze(stream=True)`` and the CLI's text / JSON reports
 stream when the files hold more than ``Config.stream_events`` rows (20 M by
-default). Once the collectives are matched, :func:`stream_out` lets the
-table's collective rows go too (the match keeps what the cross-rank stages
-read; the per-rank ones read them from the files with the phases). Measured at
-1,024 x 100,000 (``bench_scale.py --grid 1024x100000 --max-events 2e8
---baseline <worktree of 7e740fe> --repeat 2``, alternating, load 1): peak RSS
-11,244 -> 5,336 MB (2.11x less), wall 35.6-38.4 -> 47.3-51.4 s (the
-breakdown's band pass reads the 7.3 GB of files again: ~12-15 s), the JSON
-byte-identical. Per stage (``--stages``): the peak is align's (the table of
-collective rows, 3.67 GB, half the rows; the match it builds, ~25 B a
-member, 1.23 GB, :class:`distdiag.match.GroupColumn`; the sort's 0.43 GB);
-after :func:`stream_out` the analysis holds 1.3-2.2 GB. 16,384 x 10,000:
-peak 18 -> 8.6-9.6 GB, 127-199 s wall.
+default). The collective rows (with a seq) never enter the table either:
+the loader keeps them apart for the match, 37 bytes a row
+(``COLL_ROW_DTYPE``: t0, t1, kind, comm, seq, rank and ``sig``, an id into a
+small run-wide table of their op, bytes, root, site and datatype, which SPMD
+ranks repeat; :func:`_sig_table`, :func:`_assemble_collectives`), align maps
+and repairs them with the table, the match reads them expanded block by
+block (``distdiag.match._Expanded``), and :func:`stream_out` drops them once
+matched: the match keeps what the cross-rank stages read (~25 B a member,
+:class:`distdiag.match.GroupColumn`), the per-rank stages read the rows from
+the files with the phases. Measured at 1,024 x 100,000 (``bench_scale.py
+--grid 1024x100000 --max-events 2e8 --baseline <worktree of 7e740fe>
+--repeat 2``, alternating, load 1): peak RSS 11,244 -> 3,575 MB (3.15x less;
+the targets: 4 GB), wall 31.3-32.4 -> 40.4-41.9 s (60 s), the JSON
+byte-identical. Where it goes (``--stages``): reading 10 -> 19 s (every row
+is still scanned, the collective rows are copied apart and their sig found,
+the rest dropped), the breakdown's band pass ~15 s (the 7.3 GB of files read
+again); the peak is align's (the kept collective rows 1.9 GB, the match it
+builds 1.23 GB, the sort's 0.43 GB); after the match the analysis holds
+1.3-2.2 GB. 16,384 x 10,000: peak 18 -> 5.8 GB, 145 s wall. Steps on the
+way (same measure): phases only streamed, 5.9 GB; collective rows dropped
+once matched but held while matching, 5.3 GB.
 
-What comes next (design, not built): the collective rows never in the table.
-Pass 1 would keep them in a compact store (t0, t1, rank, comm, seq: 32 B, plus
-a 4-byte id into a run-wide dictionary of their (kind, op, bytes, root, site,
-datatype), which SPMD ranks repeat), the match would build from it (its
-per-group columns from that id), and :func:`stream_out` would drop the store:
-~1.8 GB of store + the 1.23 GB match + the sort's transient, ~3.5 GB at
-1,024 x 100,000, under the 4 GB target. Each stage that reads the phases passes over the files
-once (breakdown; input_bound only when input waits exist; the Slurm view
-only for Slurm jobs; serial_section and hang only for the ranks they name):
-one shared pass would save the rest.
+What comes next: each stage that reads the phases passes over the files
+once (the breakdown always; input_bound only when input waits exist; the
+Slurm view only for Slurm jobs; serial_section and hang only for the ranks
+they name): one shared pass would save the rest of that time.
 """
 
 from __future__ import annotations
