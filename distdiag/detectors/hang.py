@@ -159,14 +159,12 @@ def _describe(run: Any, ranks: np.ndarray, end_ns: dict[int, int]) -> list[dict[
     size, so the description does not depend on it."""
     want = [int(r) for r in ranks]
     got: dict[int, dict[str, Any]] = {}
-    if want:
-        for band in bands(run, ranks=np.asarray(want, np.int64)):  # at most one band a rank wanted
-            for r in want:  # a handful
-                if band.r_lo <= r < band.r_hi:
-                    i = r - band.r_lo
-                    got[r] = _doing(run, r, end_ns[r], band.events[int(band.first[i]) : int(band.first[i + 1])])
-    # a rank past every band (none: bands cover 0..n_ranks) has no rows
-    return [got[r] if r in got else _doing(run, r, end_ns[r], run.events[:0]) for r in want]
+    for band in bands(run, ranks=ranks):  # at most one band a rank wanted; none when no ranks
+        for r in want:  # a handful
+            if band.r_lo <= r < band.r_hi:
+                i = r - band.r_lo
+                got[r] = _doing(run, r, end_ns[r], band.events[int(band.first[i]) : int(band.first[i + 1])])
+    return [got[r] for r in want]  # every rank of 0..n_ranks is in a band
 
 
 def _doing(run: Any, rank: int, end_ns: int, ev: np.ndarray) -> dict[str, Any]:
