@@ -565,8 +565,7 @@ def rank_busy_until(run: Any) -> dict[int, float]:
     busy = np.maximum(until, starts)
     # A first row that waits for nobody (a phase, a step marker) is no
     # rendezvous: the rank worked on its own right up to it.
-    lone = has & firsts.lone
-    busy[lone] = first[lone]
+    busy[firsts.lone] = first[firsts.lone]  # lone only where the rank has a rendezvous row
     return {int(r): (int(busy[r]) + wm) / 1e9 for r in np.flatnonzero(has)}
 
 
