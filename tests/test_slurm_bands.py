@@ -13,7 +13,6 @@ no file.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 import distdiag.bands as bands_mod
-from distdiag.run import Run, load_run
+from distdiag.run import STREAMED_KINDS, Run, load_run
 from distdiag.schema import COMM_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 from distdiag.slurm import _wall_map_ns, rank_busy_until, rank_milestones
 from factories import coll, write_rank
@@ -120,10 +119,6 @@ def test_rank_facts_do_not_depend_on_the_band_size(run_dir: Path, monkeypatch: p
 
 
 def test_rank_facts_with_the_phases_streamed(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if "streamed_kinds" not in inspect.signature(load_run).parameters:
-        pytest.skip("this tree's load_run does not stream")
-    from distdiag.run import STREAMED_KINDS
-
     want = _facts(load_run(run_dir))
     monkeypatch.setattr(bands_mod, "BAND_EVENTS", 20)
     run = load_run(run_dir, streamed_kinds=STREAMED_KINDS)
