@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 
 from distdiag.bands import Band, bands, event_ranks, time_bounds
-from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS  # the window and step marks the breakdown uses
+from distdiag.breakdown import WINDOW_KINDS, step_marks  # the window and step marks the breakdown uses
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of
-from distdiag.rows import count_of, rows_of
+from distdiag.rows import count_of
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
@@ -100,15 +100,6 @@ def covered(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.ndarray:
     return before[np.maximum(k, 0)] * (k >= 0) + inside
 
 
-def _step_name(run: Any) -> int:
-    """The name id of the STEP rows that mark iterations: the optimizer hook's when any rank
-    has one (preferred over distdiag.step() rows, as the breakdown does), else -1 (every STEP row)."""
-    auto = run.sid(AUTO_STEP_NAME)
-    if auto >= 0 and np.any(run.events["name_id"][rows_of(run, Kind.STEP)] == auto):  # STEP rows are resident
-        return int(auto)
-    return -1
-
-
 def _iteration(st: np.ndarray, first_step: np.ndarray, t: np.ndarray, r: np.ndarray, n_iter: int) -> np.ndarray:
     """The iteration of times ``t`` (shifted by rank ``r``): how many of rank r's step marks
     (``st[first_step[r]:first_step[r + 1]]``, shifted alike, ascending) come before each."""
@@ -162,9 +153,10 @@ def _collective_waits(run: Any, tmin: int, span: int) -> tuple[np.ndarray, np.nd
 
 def _fold(band: Band, r_lo: int, r_hi: int, rows: dict[Any, np.ndarray], todo: list[int], ranks: np.ndarray,
           acc: dict[int, tuple[np.ndarray, ...]], any_valid: np.ndarray, w_s: np.ndarray, w_e: np.ndarray,
-          step_name: int, tmin: int, span: int, n_iter: int) -> None:  # fmt: skip
+          marks: tuple[np.ndarray, np.ndarray], tmin: int, span: int, n_iter: int) -> None:  # fmt: skip
     """One table of :func:`critical_path_costs`: ranks ``[r_lo, r_hi)`` of ``band``, whose rows of
-    each set (``rows``: offsets into ``band.events``) are given, folded into ``acc`` and ``any_valid``."""
+    each set (``rows``: offsets into ``band.events``) are given, folded into ``acc`` and ``any_valid``;
+    ``marks``: the run's step marks, (rank, t_ns) sorted so (:func:`distdiag.breakdown.step_marks`)."""
     nb = r_hi - r_lo
     p_lo, p_hi = np.searchsorted(ranks, [r_lo, r_hi])
     if p_hi == p_lo:
@@ -172,14 +164,10 @@ def _fold(band: Band, r_lo: int, r_hi: int, rows: dict[Any, np.ndarray], todo: l
     ev = band.events
     t0, t1 = ev["t0_ns"], ev["t1_ns"]
 
-    # the step marks, shifted by their rank (table rank r = rank - r_lo) and sorted
-    s = rows["step"]
-    if step_name >= 0:
-        s = s[ev["name_id"][s] == step_name]
-    sr = band.rank_of(s) - r_lo
-    st = t0[s].astype(np.int64) - tmin + sr * span
-    so = np.argsort(st, kind="stable")
-    st, sr = st[so], sr[so]
+    # the ranks' step marks, shifted by their rank (table rank r = rank - r_lo): sorted, as the marks are
+    m_lo, m_hi = np.searchsorted(marks[0], [r_lo, r_hi])
+    sr = marks[0][m_lo:m_hi] - r_lo
+    st = marks[1][m_lo:m_hi] - tmin + sr * span
     first_step = np.concatenate([[0], np.cumsum(np.bincount(sr, minlength=nb))])  # rank r's marks: st[f[r]:f[r+1]]
 
     # L: the windows [first window row, step_0, ..., step_{n-1}, end of the last window row]
@@ -308,13 +296,9 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
         return out
     tmin, tmax = time_bounds(run)
     span = tmax - tmin + 1
-    step_name = _step_name(run)
-    s_idx = rows_of(run, Kind.STEP)
-    if step_name >= 0:
-        s_idx = s_idx[run.events["name_id"][s_idx] == step_name]
+    marks = step_marks(run)  # STEP rows are resident
     # iteration i of a rank: the window after its i-th step mark; n_iter: the most marks a rank has, + 1
-    n_iter = int(np.bincount(run.events["rank"][s_idx]).max()) + 1 if len(s_idx) else 1
-    del s_idx
+    n_iter = int(np.bincount(marks[0]).max()) + 1 if len(marks[0]) else 1
     w_s, w_e = _collective_waits(run, tmin, span)
 
     # per kind: each rank's a and b summed; per iteration the max over ranks of a + b and of b
@@ -325,7 +309,7 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
     any_valid = np.zeros(n_iter, bool)
     chunk = max(1, _TABLE_CELLS // n_iter)  # ranks per table
     for band in bands(run, band_events):  # bands of ranks: a few numpy calls each
-        rows: dict[Any, np.ndarray] = {"step": band.rows(Kind.STEP), "window": band.rows(WINDOW_KINDS)}
+        rows: dict[Any, np.ndarray] = {"window": band.rows(WINDOW_KINDS)}
         rows.update({k: band.rows(k) for k in todo})
         if any(len(rows[k]) for k in todo):
             rows["compute"] = band.rows(COMPUTE_KINDS)
@@ -336,7 +320,7 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
                 sub = {k: v[np.searchsorted(v, e0) : np.searchsorted(v, e1)] for k, v in rows.items()}
             else:
                 sub = rows
-            _fold(band, r_lo, r_hi, sub, todo, ranks, acc, any_valid, w_s, w_e, step_name, tmin, span, n_iter)
+            _fold(band, r_lo, r_hi, sub, todo, ranks, acc, any_valid, w_s, w_e, marks, tmin, span, n_iter)
 
     for kind in todo:  # one or two kinds
         rank_ns, busy_ns, ab_max, b_max = acc[kind]
