@@ -251,12 +251,6 @@ class GroupColumn(NDArrayOperatorsMixin):
         np.maximum.at(out, self.exc_groups(), self.exc_values)  # exceptions: few
         return out
 
-    def group_min(self) -> np.ndarray:
-        """Per group: the smallest value among its members."""
-        out = self.group_values.copy()
-        np.minimum.at(out, self.exc_groups(), self.exc_values)
-        return out
-
 
 @dataclass
 class Collectives:
