@@ -220,19 +220,18 @@ def _others_at_most(colls: Collectives, gap: np.ndarray, x: np.ndarray, want: np
     return out
 
 
-def _lead(colls: Collectives, idle_m: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """Per group of ``groups`` (ascending indices): the lowest busy (not idle) rank among its
-    members, int32 max where none. By blocks of whole groups, skipping the blocks without
-    one of ``groups`` (the serial groups: usually few, so no pass over every member)."""
+def _lead(colls: Collectives, idle_m: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per group: the lowest busy (not idle) rank among its members, int32 max where none; set
+    for the groups of ``want`` (bool per group; read only those). By blocks of whole groups,
+    skipping the blocks without a wanted group (the serial groups: usually few, so no pass over
+    every member)."""
     big = np.iinfo(np.int32).max
     out = np.full(len(colls), big, np.int32)
-    want = np.zeros(len(colls), bool)
-    want[groups] = True
     for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
         if want[g_lo:g_hi].any():
             ranks = np.where(idle_m[a:b], np.int32(big), colls.m_rank[a:b].astype(np.int32, copy=False))
             out[g_lo:g_hi] = np.minimum.reduceat(ranks, colls.g_start[g_lo:g_hi] - a)
-    return out[groups]
+    return out
 
 
 def _by_band(run: Any, rank: np.ndarray) -> Iterator[tuple[Band, np.ndarray]]:
@@ -378,9 +377,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if len(serial) == 0:
         return []
 
-    s_lead = np.clip(_lead(colls, idle_m, serial), 0, n_rank - 1).astype(np.int64)
     in_serial = np.zeros(len(colls), bool)
     in_serial[serial] = True
+    s_lead = np.clip(_lead(colls, idle_m, in_serial)[serial], 0, n_rank - 1).astype(np.int64)
     others = _others_median(colls, gap, want=in_serial)  # for the evidence: the serial groups' only
     per_lead_ns = np.bincount(s_lead, weights=charge[serial], minlength=n_rank)
     windows: dict[int, tuple[np.ndarray, ...]] = {}
