@@ -30,11 +30,11 @@ time from the last arrival to the end of the record of those inside, and the
 finding ends the job (``evidence["ends_job"]``, listed first). A mismatch the
 job survived costs no measured seconds (cost 0): it is a correctness bug.
 
-Cost (issue 10): one ``reduceat`` pass each for a group's smallest and
-largest datatype id when every member recorded one (the usual case), no
-member-size ``np.where``: :func:`mismatches` ~25 -> ~7-9 ms at 64 x 100k
-(3.2 M member rows); the stage 0.02-0.07 -> 0.01-0.02 s at 64 x 100k and
-1024 x 10k (``bench_scale.py --stages --baseline --repeat 2``), same JSON.
+Cost (issue 10): a group's smallest and largest datatype id come from the
+match's ``m_aux`` (:class:`~distdiag.match.GroupColumn`) group values and
+exceptions, no member-size pass (the measured step before it, a ``reduceat``
+per bound without ``np.where``: :func:`mismatches` ~25 -> ~7-9 ms at 64 x
+100k, 3.2 M member rows; the stage 0.02-0.07 -> 0.01-0.02 s).
 """
 
 from __future__ import annotations
@@ -197,15 +197,10 @@ def mismatches(run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np
         a_min = np.where(gv > 0, gv, big)
         rec = aux.exc_values > 0
         np.minimum.at(a_min, aux.exc_groups()[rec], aux.exc_values[rec])  # exceptions: few
-    else:
-        # (A group's largest recorded id is its largest id when that is > 0, else there is none:
-        # no member-size np.where for it; nor for the smallest when every member recorded one,
-        # the usual case: 64 x 100k, 3.2 M members, ~25 -> ~7 ms.)
-        a_max = np.maximum.reduceat(aux, starts) if len(aux) else np.zeros(0, np.int64)
-        if len(aux) and int(aux.min()) > 0:
-            a_min = np.minimum.reduceat(aux, starts)
-        else:
-            a_min = np.minimum.reduceat(np.where(aux > 0, aux, big), starts)
+    else:  # rare (no gathered aux, or a dropped duplicate): the member array
+        # (a group's largest recorded id is its largest id when that is > 0, else there is none)
+        a_max = np.maximum.reduceat(aux, starts)
+        a_min = np.minimum.reduceat(np.where(aux > 0, aux, big), starts)
     a_max[a_max <= 0] = -1
     dtype_bad = (a_max > 0) & (a_min != a_max) & ~np.isin(colls.g_state, _MISMATCH_STATES)
     inside_any = np.minimum.reduceat(colls.m_t1_ns, starts) < 0
