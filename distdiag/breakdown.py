@@ -331,7 +331,7 @@ class _Ctx:
     group lookup that lets a band take its members' columns from its own event rows."""
 
     def __init__(self, run: Run, colls: Collectives, n: int) -> None:
-        self.run, self.colls, self.n = run, colls, n
+        self.colls = colls
         self.start, self.end = run.rank_bounds()  # O(ranks) each call: once for every band
         self.m_first = _member_first(colls, n)  # rank r's member rows, counted
         self._order: np.ndarray | None = None
