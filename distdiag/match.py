@@ -364,22 +364,10 @@ _GROUP_FIELDS = {
     "site_id": ("m_site", np.int32),
     "aux": ("m_aux", np.int64),
 }
-#: Rows per block of :func:`_gather` (300 kB of 73-byte rows: stays in L2). At 64 x 100k
+#: Rows per block of :func:`_gather_members` (300 kB of 73-byte rows: stays in L2). At 64 x 100k
 #: (3.2 M rows in match order, best of 3-4 interleaved, CPU s): 2^16 rows 0.20-0.27,
 #: 2^12 0.15-0.19, 2^11 0.12-0.24 (noisier), measured.
 _GATHER_ROWS = 1 << 12
-
-
-def _gather(tab: np.ndarray, idx: np.ndarray, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """``{f: tab[f][idx]}`` for every field, in one pass over the rows (blocks of whole rows)."""
-    out = {f: np.empty(len(idx), tab.dtype[f]) for f in fields}
-    for lo in range(0, len(idx), _GATHER_ROWS):  # per block of 4,096 rows
-        # take, not tab[idx]: numpy's fancy indexing copies a structured row field by
-        # field (~160 ns a 73-byte row), take copies it whole (~20 ns), measured
-        sub = tab.take(idx[lo : lo + _GATHER_ROWS])
-        for f in fields:  # a dozen fields
-            out[f][lo : lo + len(sub)] = sub[f]
-    return out
 
 
 def _gather_members(
@@ -619,16 +607,13 @@ def match_collectives(run: Run) -> Collectives:
         sel_idx, got = _select_keys(rows)
     del rows
     del pre
-    inf_idx = np.zeros(0, np.int64)
-    if len(inf):
-        inf_idx = np.flatnonzero(_comm_kind_table()[inf["kind"]] & (inf["seq"] >= 0))
+    inf_idx, got_inf = _select_keys(inf)  # the in-flight rows: a handful per rank
     n = len(sel_idx) + len(inf_idx)
     if n == 0:
         return _empty(run.strings)
     if len(inf_idx):
-        got_inf = _gather(inf, inf_idx, _KEY_FIELDS)
         got = {f: np.concatenate([got[f], got_inf[f]]) for f in _KEY_FIELDS}
-        del got_inf
+    del got_inf
     t0_raw, rank, comm, seq = (got.pop(f) for f in _KEY_FIELDS)
     del got
     n_rank = int(rank.max()) + 1
