@@ -559,9 +559,8 @@ def rank_busy_until(run: Any) -> dict[int, float]:
         np.maximum.at(until, p_rank, np.minimum(t_end, first[p_rank]))
     # No own activity before the rendezvous: the rank was ready at its shim start.
     starts = np.full(n, np.iinfo(np.int64).min, np.int64)
-    for r, i in run.ranks.items():  # one per rank
-        if r < n:
-            starts[r] = i.start_ns
+    for r, i in run.ranks.items():  # one per rank; n = n_ranks covers every file's rank
+        starts[r] = i.start_ns
     busy = np.maximum(until, starts)
     # A first row that waits for nobody (a phase, a step marker) is no
     # rendezvous: the rank worked on its own right up to it.
