@@ -217,10 +217,9 @@ def _union(
     """
     if len(key) == 0:
         return np.zeros(n_keys)
-    if band is not None and key_lo and (key_lo + n_keys) * band[1] >= 1 << 62:
-        key, key_lo = key - key_lo, 0  # absolute keys would overflow band coordinates: relative ones
+    if key_lo and (band is None or (key_lo + n_keys) * band[1] >= 1 << 62):
+        key, key_lo = key - key_lo, 0  # for the sweep, or absolute keys would overflow band coordinates
     if band is None:  # astronomically long runs
-        key = key - key_lo
         o = np.lexsort((t0, key))
         return _sweep(key[o], t0[o], t1[o], n_keys)
     lo, span = band
