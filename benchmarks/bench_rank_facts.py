@@ -64,8 +64,9 @@ def _child(run_dir: str, stream: bool) -> int:
     from distdiag import clocks, run as runmod, slurm
     from distdiag.detectors import hang
 
-    kinds = runmod.STREAMED_KINDS if stream else ()
-    run = clocks.align(runmod.load_run(run_dir, streamed_kinds=kinds) if stream else runmod.load_run(run_dir))
+    # the plain call when not streaming: an older tree's load_run has no streamed_kinds
+    loaded = runmod.load_run(run_dir, streamed_kinds=runmod.STREAMED_KINDS) if stream else runmod.load_run(run_dir)
+    run = clocks.align(loaded)
     n_events = int(sum(i.n_events for i in run.ranks.values())) or 1
     out: dict[str, Any] = {"events": n_events}
     out["slurm"] = _timed(lambda: (slurm.rank_milestones(run), slurm.rank_busy_until(run)))
