@@ -147,11 +147,6 @@ def _child(run_dir: str, stream: bool, det: str) -> int:
     n = sum(i.n_events for i in run.ranks.values())
     out: dict[str, Any] = {"events": n}
 
-    def vm() -> tuple[float, float]:
-        with open("/proc/self/status") as f:
-            d = {ln.split(":")[0]: ln.split()[1] for ln in f if ln.startswith("Vm")}
-        return int(d["VmRSS"]) * 1024, int(d["VmHWM"]) * 1024
-
     from distdiag.match import collectives_of
     from distdiag.rows import kind_index
 
@@ -159,14 +154,12 @@ def _child(run_dir: str, stream: bool, det: str) -> int:
     # first detector that asks (the kind index): not these detectors' own cost
     collectives_of(run)
     kind_index(run)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    r0, _ = vm()
-    c0 = time.process_time()
-    got = [f.cost_s for name in DETECTORS[:2] if det in (name, "both") for f in dets[name](run, cfg)]
-    c = time.process_time() - c0
-    _, hwm = vm()
-    out[det] = {"cpu_s": c, "transient_b_per_event": (hwm - r0) / n, "cost_s": got}
+    from bench_scale import measured  # RSS in MB
+
+    got, c, r0, _, hwm = measured(
+        lambda: [f.cost_s for name in DETECTORS[:2] if det in (name, "both") for f in dets[name](run, cfg)]
+    )
+    out[det] = {"cpu_s": c, "transient_b_per_event": (hwm - r0) * 2**20 / n, "cost_s": got}
     print(json.dumps(out))
     return 0
 
