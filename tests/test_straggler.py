@@ -247,3 +247,19 @@ def test_startup_groups_from_the_early_rows_are_those_of_every_row(tmp_path: Pat
             assert np.all(np.diff(rows) > 0) and len(rows) < len(colls.m_rank)
         assert np.array_equal(straggler.startup_groups(colls), every), block
     assert took[0] is False and any(took)
+
+
+def test_each_of_two_stragglers_is_named_with_its_own_op(tmp_path: Path) -> None:
+    # Rank 1 arrives 2 ms late at the even calls, rank 3 at the odd ones: two rank findings,
+    # and each summary names the op of that rank's own calls (not only the first blamed rank's).
+    d = tmp_path / "r"
+    late = {1: 0, 3: 1}  # rank -> the parity of the calls it is late at
+    for r in range(4):
+        s = [""]
+        rows = [coll(1 + i * 5 + (2.0 if late.get(r) == i % 2 else 0.01 * r), 1 + i * 5 + 2.5, i, s, op="Allgather")
+                for i in range(60)]  # fmt: skip
+        write_rank(d, r, 4, rows, s)
+    fs, _ = _stragglers(d)
+    assert sorted(f.ranks[0] for f in fs) == [1, 3], [f.summary for f in fs]
+    for f in fs:
+        assert " Allgather calls; " in f.summary, f.summary
