@@ -208,7 +208,6 @@ def test_healthy_run_and_legitimately_different_sizes_are_silent(tmp_path: Path)
     assert _mismatch(_write(tmp_path / "v", {r: {"op": "Allgatherv", "nbytes": 8 * (r + 1)} for r in range(4)})) == []
 
 
-
 @pytest.mark.parametrize("inflight", [False, True])
 def test_member_datatypes_found_again_from_the_rows_equal_the_matchs(tmp_path: Path, inflight: bool) -> None:
     """Without the match's gathered aux (or after it dropped a duplicate) member_aux finds each
