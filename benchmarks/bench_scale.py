@@ -279,9 +279,7 @@ def _stages_child(run_dir: str) -> int:
     colls = stage("match", collectives_of, run)
     run.warnings.extend(pipeline._incomplete_warnings(run, colls))
     if hasattr(runmod, "stream_out"):  # a streamed run lets its collective rows go once matched
-        from distdiag.schema import COMM_KINDS
-
-        run = stage("stream out", runmod.stream_out, run, COMM_KINDS)
+        run = stage("stream out", runmod.stream_out, run)
     sv = stage("slurm", accounting_of, run)
     dets = load_all()
     findings: list[Any] = []

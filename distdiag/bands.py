@@ -23,8 +23,7 @@ stages see one interface either way:
   rank files (see :func:`distdiag.run.read_band`).
 
 Run-wide facts a per-band stage needs up front come from here too, over ALL
-events, streamed or not: :func:`time_bounds`, :func:`event_ranks`,
-:func:`count`.
+events, streamed or not: :func:`time_bounds`, :func:`event_ranks`.
 """
 
 from __future__ import annotations
@@ -67,17 +66,10 @@ class Band:
             self._kidx = build(self.events)
         return self._kidx.rows(kinds)
 
-    def count(self, kinds: Kinds) -> int:
-        return len(self.rows(kinds))
-
     def rank_of(self, rows: np.ndarray) -> np.ndarray:
         """The rank (int64) of each of the band's rows ``rows`` (offsets into :attr:`events`)."""
         return np.searchsorted(self.first, rows, side="right") - 1 + self.r_lo
 
-    @property
-    def ranks(self) -> np.ndarray:
-        """The band's ranks that have at least one event row, ascending (int64)."""
-        return np.flatnonzero(np.diff(self.first) > 0).astype(np.int64) + self.r_lo
 
 
 def _rows_in(kidx: Any, kinds: Kinds, e_lo: int, e_hi: int) -> np.ndarray:
@@ -197,10 +189,3 @@ def event_ranks(run: Any) -> np.ndarray:
     """The ranks with at least one event row (ALL events), ascending int64."""
     b = rank_rows(run)
     return np.flatnonzero(np.diff(b) > 0).astype(np.int64)
-
-
-def count(run: Any, kinds: Kinds) -> int:
-    """Rows of ``kinds`` over ALL events (streamed kinds included)."""
-    if getattr(run, "streamed_kinds", ()):
-        return int(run.stream.count(_kind_ids(kinds)))  # the files' rows of each kind, kept or not
-    return kind_index(run).count(kinds)

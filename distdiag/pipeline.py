@@ -24,7 +24,6 @@ from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.ranking import rank_findings
 from distdiag.run import Run, _ranges, load_run, stream_out, streamed_kinds_for
-from distdiag.schema import COMM_KINDS
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
 log = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False) -> R
     run.warnings.extend(_incomplete_warnings(run, colls))
     # A streamed run lets its collective rows go once matched: the match keeps what the
     # cross-rank stages read, the per-rank ones read them from the files (distdiag.bands).
-    run = stream_out(run, COMM_KINDS)
+    run = stream_out(run)
     # Slurm accounting (cached on the run: queue_wait and launch_overhead read it too).
     slurm_view = slurm_accounting_of(run)
     dets = load_all()

@@ -1110,10 +1110,11 @@ _SIG_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
 
 
 def _anon(rows: int, dtype: np.dtype) -> np.ndarray:
-    """An uninitialized array in its own anonymous mapping (pages never written are never resident)."""
+    """An uninitialized array in its own anonymous mapping (pages never written are never resident;
+    the mapping is unmapped when its last view dies)."""
     try:
         m = mmap.mmap(-1, max(1, rows) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as e:
+    except OSError as e:  # ENOMEM: as np.empty's MemoryError, so that callers fall back alike
         raise MemoryError(str(e)) from e
     return np.frombuffer(m, dtype)[:rows]
 
@@ -1275,7 +1276,7 @@ class _Packer:
         assert self.drop is not None
         kind = ev["kind"]
         dropped = self.drop.take(kind)
-        st = _RankStream(n_all=len(ev), kind_counts=np.bincount(kind, minlength=256).astype(np.int64))
+        st = _RankStream(n_all=len(ev))
         if len(ev):
             t0, t1 = ev["t0_ns"], ev["t1_ns"]
             st.t_min = int(min(t0.min(), t1.min()))
@@ -1373,11 +1374,7 @@ def new_table(rows: int) -> np.ndarray:
     ``np.empty``. The mapping is unmapped when the last view of the table dies."""
     if rows <= 0 or _POPULATE_WRITE is None:
         return np.empty(max(0, rows), RUN_EVENT_DTYPE)
-    try:
-        m = mmap.mmap(-1, rows * RUN_EVENT_DTYPE.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as e:  # ENOMEM: as np.empty's MemoryError, so that callers fall back alike
-        raise MemoryError(str(e)) from e
-    return np.frombuffer(m, RUN_EVENT_DTYPE)
+    return _anon(rows, RUN_EVENT_DTYPE)
 
 
 def _populate(view: np.ndarray) -> None:
@@ -1619,38 +1616,35 @@ def _read_events(info: RankInfo) -> np.ndarray | None:
         return None
 
 
-#: The kinds ``pipeline.analyze`` streams on a large run: the compute phases. They
-#: are the bulk of a training run's rows besides the collectives, and only per-rank
-#: stages read them (the breakdown, input_bound's critical path, serial_section's
-#: activity, hang, the Slurm view), all through :func:`distdiag.bands.bands`.
-#: Everything cross-rank (collectives, sync rows, step marks, file and p2p calls,
-#: probes) stays in ``run.events``.
-STREAMED_KINDS = (int(Kind.PHASE), int(Kind.FORWARD), int(Kind.BACKWARD), int(Kind.OPTIMIZER))
+#: The kinds ``pipeline.analyze`` streams on a large run: the compute phases and the
+#: collectives, the bulk of a training run's rows. Only per-rank stages read their rows
+#: (the breakdown, input_bound's critical path, serial_section's activity, hang, the Slurm
+#: view), all through :func:`distdiag.bands.bands`; the collective rows are kept apart
+#: for the match until it is made (``Run.coll_rows``, :func:`stream_out`). Everything
+#: else (sync rows, step marks, file and p2p calls, probes) stays in ``run.events``.
+STREAMED_KINDS = tuple(sorted({int(Kind.PHASE), int(Kind.FORWARD), int(Kind.BACKWARD), int(Kind.OPTIMIZER),
+                               *(int(k) for k in COMM_KINDS)}))  # fmt: skip
 
 
 def streamed_kinds_for(path: str | Path, limit: int) -> tuple[int, ...]:
-    """The kinds to stream for the run dir ``path``: :data:`STREAMED_KINDS` and the collective
-    kinds (kept compactly for the match meanwhile: ``Run.coll_rows``) when its files hold
+    """The kinds to stream for the run dir ``path``: :data:`STREAMED_KINDS` when its files hold
     more than ``limit`` event rows (0: always, -1: never; ``Config.stream_events``), else none.
     The estimate is the files' bytes over a row's 69 (an upper bound: no file is opened)."""
     if limit < 0:
         return ()
-    kinds = tuple(sorted({*STREAMED_KINDS, *(int(k) for k in COMM_KINDS)}))
     if limit == 0:
-        return kinds
+        return STREAMED_KINDS
     _, files = rank_files_of(path)
     rows = sum(f.stat().st_size for f in files) // EVENT_DTYPE.itemsize
-    return kinds if rows > limit else ()
+    return STREAMED_KINDS if rows > limit else ()
 
 
 @dataclass
 class _RankStream:
-    """What one rank's streamed rows need after loading: its row count and its rows of each
-    kind (every row, kept or not), raw time bounds over every row, whether its rows
-    needed sorting."""
+    """What one rank's streamed rows need after loading: its row count (every row, kept or
+    not), raw time bounds over every row, whether its rows needed sorting."""
 
     n_all: int
-    kind_counts: np.ndarray
     t_min: int = 0
     t_max: int = 0
     t0_min: int = 0
@@ -1679,10 +1673,6 @@ class _Stream:
         out = np.zeros(n + 1, np.int64)
         np.cumsum(cnt, out=out[1:])
         return out
-
-    def count(self, kind_ids: np.ndarray) -> int:
-        """Rows of the kinds ``kind_ids`` (int64 kind values, 0-255) in the files: kept or streamed."""
-        return sum(int(st.kind_counts[kind_ids].sum()) for st in self.ranks.values())
 
     def _times(self, run: Run, raw: dict[int, int]) -> dict[int, int]:
         """Raw per-rank instants mapped as align mapped the table's (clock model, then repairs)."""
@@ -1760,34 +1750,15 @@ class _Stream:
         return ev
 
 
-def stream_out(run: Run, kinds: Iterable[int]) -> Run:
-    """``run`` with the rows of ``kinds`` dropped from its table too, now read band by band
-    like the other streamed kinds (a streamed run only; others are returned as they are).
-
-    The analysis calls it once the collectives are matched (``pipeline.analyze_run``):
-    the match keeps what the cross-rank stages need of the collective rows, and the
-    per-rank stages read them from the files with the phases (:mod:`distdiag.bands`).
-    The table left holds the few rows of the other kinds; the cache (clock model,
-    the match, ...) carries over, except the kind index (built again on first use)."""
-    if run.stream is None:
+def stream_out(run: Run) -> Run:
+    """``run`` without the collective rows it kept apart for the match (``Run.coll_rows``):
+    ``pipeline.analyze_run`` calls it once the collectives are matched. The match keeps
+    what the cross-rank stages read; the per-rank stages read the rows from the files with
+    the phases (:mod:`distdiag.bands`). The cache (clock model, the match, ...) carries over."""
+    if run.coll_rows is None:
         return run
-    add = sorted({int(k) for k in kinds} - set(run.streamed_kinds))
-    if not add:
-        if run.coll_rows is None:
-            return run
-        out = run.replace(coll_rows=None, coll_sigs=None)  # matched: the kept collective rows go
-        out.cache = run.cache
-        return out
-    drop = np.zeros(256, bool)
-    drop[add] = True
-    ev = run.events
-    keep = ~drop.take(ev["kind"])
-    kinds_now = tuple(sorted({*run.streamed_kinds, *add}))
-    cache = {k: v for k, v in run.cache.items() if k != "rows.kind_index"}
-    out = run.replace(
-        events=ev[keep], streamed_kinds=kinds_now, stream=dataclasses.replace(run.stream, kinds=kinds_now)
-    )
-    out.cache = cache
+    out = run.replace(coll_rows=None, coll_sigs=None)
+    out.cache = run.cache
     return out
 
 
