@@ -9,10 +9,11 @@ of input waits, a rank's activity inside a window, its last calls) loops over
 ``run.events`` whole. Nothing it computes may depend on the band size: a test
 runs each such stage with one band and with many and compares.
 
-Why: the streaming design (``distdiag/run.py``, "What comes next") holds only
-the cross-rank data (collectives, sync rows, the few rows of sparse kinds) for
-the whole run and reads the bulk (compute phases) one band at a time, so that
-the peak is the cross-rank data plus one band instead of the whole table. The
+Why: streaming (``distdiag/run.py``, "Then streaming") holds only the
+cross-rank data (the matched collectives, sync rows, the few rows of sparse
+kinds) for the whole run and reads the bulk (compute phases, collective rows)
+one band at a time, so that the peak is the cross-rank data plus one band
+instead of the whole table. The
 stages see one interface either way:
 
 * in memory (what :func:`distdiag.run.load_run` gives today), a band is a view
@@ -20,7 +21,7 @@ stages see one interface either way:
   (:mod:`distdiag.rows`);
 * streamed (:attr:`distdiag.run.Run.streamed_kinds` not empty), ``run.events``
   lacks those kinds and :func:`bands` reads each band's rows again from the
-  rank files (see :func:`distdiag.run.read_band`).
+  rank files (``distdiag.run._Stream.read_band``).
 
 Run-wide facts a per-band stage needs up front come from here too, over ALL
 events, streamed or not: :func:`time_bounds`, :func:`event_ranks`.

@@ -117,8 +117,8 @@ at 64 x 100k but sys 0.38 against 0.32 s. The capacity bound (file sizes
 pages never written are never resident, and populating goes rank by rank.
 
 Then streaming (issue 10, built): ``load_run(..., streamed_kinds=STREAMED_KINDS)``
-keeps the compute phases (PHASE, FORWARD, BACKWARD, OPTIMIZER) out of the
-table: every row is still read and scanned (time bounds, order, string ids),
+keeps the compute phases (PHASE, FORWARD, BACKWARD, OPTIMIZER) and the
+collectives out of the table: every row is still read and scanned (time bounds, order, string ids),
 but only the others are packed. The stages that need the phases (breakdown,
 input_bound / h2d_copy's critical path, serial_section's activity, hang,
 the Slurm view) read them band of ranks by band of ranks through
