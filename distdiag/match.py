@@ -516,9 +516,6 @@ class _Expanded:
 
         self.rows, self.sigs, self.dtype = rows, sigs, RUN_EVENT_DTYPE
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     def take(self, idx: np.ndarray) -> np.ndarray:
         c = self.rows.take(idx)
         out = np.zeros(len(c), self.dtype)
