@@ -30,7 +30,7 @@ from typing import Any, overload
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from distdiag.run import Run
+from distdiag.run import COMM_TABLE, Run
 from distdiag.schema import COMM_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,7 @@ class KeySelector:
     min 0.39-0.41 / median 0.50-0.56, fused min 0.32-0.38 / median 0.44."""
 
     def __init__(self, n_ev: int, dtype: np.dtype) -> None:
-        self.is_comm = _comm_kind_table()
+        self.is_comm = COMM_TABLE
         self.sel_idx = np.empty(n_ev, np.int64)
         self.out = {f: np.empty(n_ev, dtype[f]) for f in _KEY_FIELDS}
         self.k = 0
@@ -525,13 +525,6 @@ class _Expanded:
         for f in s.dtype.names or ():  # op, bytes, root, site, datatype
             out[f] = s[f]
         return out
-
-
-def _comm_kind_table() -> np.ndarray:
-    """A flag per kind byte: True for the collective kinds."""
-    is_comm = np.zeros(256, bool)
-    is_comm[np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)] = True
-    return is_comm
 
 
 def match_collectives(run: Run) -> Collectives:

@@ -1102,8 +1102,9 @@ def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | 
     return out
 
 
-_COMM_TABLE = np.zeros(256, bool)
-_COMM_TABLE[[int(k) for k in COMM_KINDS]] = True
+#: a flag per kind byte: True for the collective kinds (the loader's and the match's selection)
+COMM_TABLE = np.zeros(256, bool)
+COMM_TABLE[[int(k) for k in COMM_KINDS]] = True
 #: odd 64-bit multipliers that mix each field of a sig into one hash (a collision is checked, not assumed away)
 _SIG_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
                      0xFF51AFD7ED558CCD], np.uint64)  # fmt: skip
@@ -1310,7 +1311,7 @@ class _Packer:
         fields as ids into the rank's own small table of distinct ones (:func:`_sig_table`).
         Returns which rows of ``ev`` it kept."""
         assert self.coll is not None
-        keep = _COMM_TABLE.take(ev["kind"]) & (ev["seq"] >= 0)
+        keep = COMM_TABLE.take(ev["kind"]) & (ev["seq"] >= 0)
         c = ev.take(np.flatnonzero(keep))  # whole rows (~20 ns a row; a boolean index copies field by field)
         n = len(c)
         if self.coll_used + n > len(self.coll):
