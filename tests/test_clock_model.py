@@ -390,12 +390,12 @@ def test_align_keeps_no_key_selection_alive(tmp_path: Path, monkeypatch: pytest.
 
     from distdiag import match
 
-    made: list[weakref.ref] = []
+    made: list[tuple[weakref.ref, int]] = []
 
     class Tracked(match.KeySelector):
-        def __init__(self, *a: Any, **k: Any) -> None:
-            super().__init__(*a, **k)
-            made.append(weakref.ref(self))
+        def __init__(self, n_ev: int, *a: Any, **k: Any) -> None:
+            super().__init__(n_ev, *a, **k)
+            made.append((weakref.ref(self), n_ev))
 
     alive_after_match: list[bool] = []
     real_match = match.match_collectives
@@ -403,12 +403,14 @@ def test_align_keeps_no_key_selection_alive(tmp_path: Path, monkeypatch: pytest.
     def match_and_look(run: Any) -> Any:
         c = real_match(run)
         gc.collect()
-        alive_after_match.append(any(r() is not None for r in made))
+        alive_after_match.append(any(r() is not None for r, _ in made))
         return c
 
     monkeypatch.setattr(match, "KeySelector", Tracked)
     monkeypatch.setattr(match, "match_collectives", match_and_look)
     sim = simulate(tmp_path / "run")
     out = clocks.align(load_run(sim.run_dir))
-    assert len(made) == 1 and alive_after_match == [False]  # gone while align still runs
+    # one selection of the table's rows, made in align's mapping pass (the match also selects
+    # its in-flight rows, none here), and gone while align still runs
+    assert [n for _, n in made if n] == [len(out.events)] and alive_after_match == [False]
     assert len(out.cache["collectives"]) == sim.iters
