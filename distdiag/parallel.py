@@ -44,8 +44,13 @@ What comes next (design, not built; see also distdiag/run.py):
 * Byte-identical output is kept by reducing in (comm, seq) / rank order and
   rendering only on rank 0, as the serial path orders them.
 
-Streaming (``distdiag.bands``, a serial run over ``Config.stream_events`` rows)
-is not used here: rank 0 assembles the whole table as before.
+Streaming (``distdiag.bands``, a run over ``Config.stream_events`` rows) works
+as in the serial analysis: each analysis rank leaves the compute phases out of
+what it ships (they are read again from the files, band by band, by the stages
+that need them), and ships its kept collective rows apart (``COLL_ROW_DTYPE``)
+with each file's small sig table; rank 0 re-points them into one buffer and
+assembles the same streamed Run, so it holds what a streamed serial analysis
+holds, not the whole table.
 
 Errors: a problem that leaves nothing to analyze is raised on rank 0 as
 :class:`DistdiagError` (the CLI prints one line); the other ranks return
@@ -63,8 +68,10 @@ from typing import Any
 import numpy as np
 
 from distdiag.run import (
+    COLL_ROW_DTYPE,
     RUN_EVENT_DTYPE,
     DistdiagError,
+    _anon,
     _assemble,
     _capacity_rows,
     _Packer,
@@ -73,12 +80,14 @@ from distdiag.run import (
     _read_rank,
     new_table,
     rank_files_of,
+    streamed_kinds_for,
 )
 
 log = logging.getLogger(__name__)
 
-#: tag of the byte buffers holding event rows
+#: tags of the byte buffers holding event rows and kept collective rows
 _TAG_EVENTS = 17
+_TAG_COLL = 18
 
 
 def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
@@ -86,10 +95,13 @@ def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
     return (k * n_items) // n_workers, ((k + 1) * n_items) // n_workers
 
 
-def _read_block(files: list[Path]) -> tuple[list[tuple[_RankData | str, list[str]]], _Packer]:
-    """This analysis rank's files, their event rows packed into one buffer (see ``run._Packer``)."""
+def _read_block(
+    files: list[Path], streamed: tuple[int, ...] = ()
+) -> tuple[list[tuple[_RankData | str, list[str]]], _Packer]:
+    """This analysis rank's files, their event rows packed into one buffer (see ``run._Packer``);
+    rows of the ``streamed`` kinds left out as :func:`distdiag.run.load_run` leaves them."""
     out = []
-    packer = _Packer(_capacity_rows(files))
+    packer = _Packer(_capacity_rows(files), drop=streamed)
     for fp in files:  # one per rank file of this block
         w: list[str] = []
         d = _read_rank(fp, w, packer)
@@ -99,8 +111,43 @@ def _read_block(files: list[Path]) -> tuple[list[tuple[_RankData | str, list[str
     return out, packer
 
 
-def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> Any:
+def _stream_limit(cfg: Any) -> int:
+    from distdiag.config import Config
+
+    return int((cfg or Config()).stream_events)
+
+
+def _gather_collectives(comm: Any, packer: _Packer, parts: list[dict[Path, tuple[int, int, np.ndarray]]],
+                        used: list[int]) -> None:
+    """Rank 0: every analysis rank's kept collective rows (a streamed run) into one buffer, in
+    file order, with each file's (offset, rows, sig table) re-pointed into it."""
+    from mpi4py import MPI
+
+    assert packer.coll is not None
+    total = int(sum(used))
+    if len(packer.coll) < total:
+        buf = _anon(total, COLL_ROW_DTYPE)
+        buf[: used[0]] = packer.coll[: used[0]]
+    else:
+        buf = packer.coll
+    merged: dict[Path, tuple[int, int, np.ndarray]] = {}
+    off = 0
+    for src, (pp, n) in enumerate(zip(parts, used)):  # per analysis rank, in file order
+        if src and n:
+            comm.Recv([buf[off : off + n].view(np.uint8), MPI.BYTE], source=src, tag=_TAG_COLL)
+        for path, (o, c, table) in pp.items():  # per rank file of that block
+            merged[path] = (off + o, c, table)
+        off += n
+    packer.coll, packer.coll_used, packer.coll_parts = buf, total, merged
+
+
+def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, stream: bool = True) -> Any:
     """Analyze ``run_dir`` on every rank of ``comm`` (default COMM_WORLD).
+
+    ``stream``: stream a run larger than ``cfg.stream_events`` rows as the serial CLI does
+    (:func:`distdiag.run.streamed_kinds_for`): the analysis ranks leave the compute phases
+    out while reading and ship only the kept rows, so rank 0 holds what a streamed serial
+    analysis holds; the report is the same either way.
 
     Returns the :class:`distdiag.pipeline.Report` on rank 0 and None elsewhere.
     ``report.run.cache["parallel"]`` holds the seconds of each stage on rank 0.
@@ -113,19 +160,21 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
     files: list[Path] | None = None
     p: Path | None = None
     err: str | None = None
+    streamed: tuple[int, ...] = ()
     if k == 0:
         try:
             p, files = rank_files_of(run_dir)
+            streamed = streamed_kinds_for(run_dir, _stream_limit(cfg)) if stream else ()
         except DistdiagError as e:
             err = str(e)
-    files, err = comm.bcast((files, err), root=0)
+    files, streamed, err = comm.bcast((files, streamed, err), root=0)
     if err is not None:
         if k == 0:
             raise DistdiagError(err)
         return None
     assert files is not None  # for mypy: bcast gave the list when err is None
     lo, hi = block_of(k, n_workers, len(files))
-    mine, packer = _read_block(files[lo:hi])
+    mine, packer = _read_block(files[lo:hi], streamed)
     t_read = time.perf_counter()
 
     if k != 0:
@@ -138,19 +187,29 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None) -> 
             if isinstance(d, _RankData):
                 d = dataclasses.replace(d, events=np.zeros(0, RUN_EVENT_DTYPE))  # the rows go by buffer below
             meta.append((d, w))
-        comm.send((meta, counts), dest=0)
+        # streaming: what the left-out rows need (per file), the kept collective rows' parts
+        comm.send((meta, counts, packer.stats, packer.coll_parts, packer.coll_used), dest=0)
         if packer.used:
             comm.Send([packer.buf[: packer.used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_EVENTS)
+        if packer.coll is not None and packer.coll_used:
+            comm.Send([packer.coll[: packer.coll_used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_COLL)
         return None
 
     # Rank 0: every block's metadata first, so the run's table is allocated once,
     # at its exact size, and each block's rows are received straight into it.
     blocks: list[list[tuple[_RankData | str, list[str]]]] = [mine]
     block_counts: list[list[int]] = [[len(d.events) if isinstance(d, _RankData) else 0 for d, _ in mine]]
+    coll_used = [packer.coll_used]
+    coll_parts = [packer.coll_parts]
     for src in range(1, n_workers):  # per analysis rank, in file order
-        meta, counts = comm.recv(source=src)
+        meta, counts, stats, parts, used = comm.recv(source=src)
         blocks.append(meta)
         block_counts.append(counts)
+        packer.stats.update(stats)
+        coll_parts.append(parts)
+        coll_used.append(used)
+    if packer.coll is not None:
+        _gather_collectives(comm, packer, coll_parts, coll_used)
     total = sum(sum(c) for c in block_counts)
     if len(packer.buf) >= total:  # rank 0's own buffer has room (K = 1, or a generous bound): no copy
         table = packer.buf[:total]
@@ -214,7 +273,9 @@ def main_from_args(ns: Any) -> int:
         if comm.Get_rank() == 0:
             cfg = load_config(ns.config)  # raises the one-line error for the CLI
         return 2
-    report = analyze_parallel(ns.run_dir, cfg, comm)
+    # as the serial CLI: text and JSON draw no row, so a large run streams
+    stream = ns.format in ("text", "json") and not getattr(ns, "perfetto", None)
+    report = analyze_parallel(ns.run_dir, cfg, comm, stream=stream)
     if report is None:
         return 0
     from distdiag.cli import emit

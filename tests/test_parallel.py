@@ -33,15 +33,15 @@ def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[s
     return run_in_session(argv, timeout, env=env)
 
 
-def _serial(run_dir: Path, fmt: str) -> str:
-    got = _run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", fmt])
+def _serial(run_dir: Path, fmt: str, *extra: str) -> str:
+    got = _run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", fmt, *extra])
     assert got.returncode == 0, got.stderr
     return got.stdout
 
 
-def _parallel(run_dir: Path, fmt: str, n: int = 3) -> str:
+def _parallel(run_dir: Path, fmt: str, n: int = 3, *extra: str) -> str:
     got = _run([MPIEXEC or "mpiexec", "-n", str(n), sys.executable, "-m", "distdiag.cli", "analyze", "--parallel",
-                str(run_dir), "--format", fmt])  # fmt: skip
+                str(run_dir), "--format", fmt, *extra])  # fmt: skip
     assert got.returncode == 0, got.stderr
     return got.stdout
 
@@ -73,6 +73,56 @@ def test_parallel_equals_serial_with_damaged_and_foreign_files(tmp_path: Path) -
     ser = _serial(d, "json")
     assert "rank-00008.h5 is not an HDF5 file" in ser
     assert par == ser
+
+
+def _stream_config(tmp: Path, limit: int) -> str:
+    cfg = tmp / f"stream{limit}.toml"
+    cfg.write_text(f"[analyze]\nstream_events = {limit}\n")
+    return str(cfg)
+
+
+@pytest.mark.parametrize("fault", ["straggler", "serial"])
+def test_parallel_streamed_equals_serial_in_memory(tmp_path: Path, fault: str) -> None:
+    # stream_events = 0: every analysis rank leaves the phases out and ships its kept
+    # collective rows apart; rank 0 re-points them (offsets per file) into one buffer.
+    # The serial analysis holds every row (-1). A damaged file and a rank whose rows are
+    # out of time order exercise the per-file facts shipped with them.
+    d = tmp_path / "run"
+    synth(d, ranks=8, events=800, fault=fault, ranks_per_host=2, seed=3)
+    truncate_copy(d / "rank-00002.h5", d / "cut.h5", (d / "rank-00002.h5").stat().st_size * 2 // 3)
+    (d / "cut.h5").replace(d / "rank-00002.h5")
+    streamed = _stream_config(tmp_path, 0)
+    ser = _serial(d, "json", "--config", _stream_config(tmp_path, -1))
+    assert f'"kind": "{fault}' in ser
+    for n in (1, 3):
+        assert _parallel(d, "json", n, "--config", streamed) == ser, n
+
+
+def test_parallel_streams_what_the_serial_analysis_streams(tmp_path: Path) -> None:
+    # rank 0's Run after a parallel read has the phases out of its table, as load_run has
+    d = tmp_path / "run"
+    synth(d, ranks=6, events=400, fault="straggler", ranks_per_host=2, seed=1)
+    out = tmp_path / "facts.json"
+    code = (
+        "import json, sys\n"
+        "from distdiag.config import Config\n"
+        "from distdiag.parallel import analyze_parallel\n"
+        "from distdiag.schema import Kind\n"
+        "rep = analyze_parallel(sys.argv[1], Config(stream_events=0))\n"
+        "if rep is not None:\n"
+        "    ev = rep.run.events\n"
+        "    json.dump({'streamed': sorted(rep.run.streamed_kinds),\n"
+        "               'forward_rows': int((ev['kind'] == int(Kind.FORWARD)).sum()),\n"
+        "               'coll_rows_after': rep.run.coll_rows is not None}, open(sys.argv[2], 'w'))\n"
+    )
+    got = _run([MPIEXEC or "mpiexec", "-n", "3", sys.executable, "-c", code, str(d), str(out)])
+    assert got.returncode == 0, got.stderr
+    import json
+
+    from distdiag.run import STREAMED_KINDS
+
+    facts = json.loads(out.read_text())
+    assert facts == {"streamed": sorted(STREAMED_KINDS), "forward_rows": 0, "coll_rows_after": False}
 
 
 def test_more_analysis_ranks_than_files(tmp_path: Path) -> None:
