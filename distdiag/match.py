@@ -23,8 +23,10 @@ is the cross-rank store a streamed analysis keeps whole, at 25 bytes a member.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
@@ -527,8 +529,15 @@ class _Expanded:
         return out
 
 
-def match_collectives(run: Run) -> Collectives:
+def match_collectives(run: Run, scope: MatchScope | None = None) -> Collectives:
     """Group every collective row (finished or in flight) by (comm key, seq).
+
+    ``scope``: the run-wide facts when ``run`` holds only some of the run's
+    collective rows (one key range of a split match, :func:`match_part`): the
+    communicators' membership and the key's radix come from it instead of
+    from these rows, and the repeated-row warning is left to the caller (it
+    warns once, with the total: :func:`warn_repeats`). Without it (the
+    default) both come from the rows, and the warning goes to ``run.warnings``.
 
     Memory: the working set is a few columns per collective row, never a copy
     of the event table. Two passes: the table by blocks, picking the
@@ -606,12 +615,15 @@ def match_collectives(run: Run) -> Collectives:
     del got_inf
     t0_raw, rank, comm, seq = (got.pop(f) for f in _KEY_FIELDS)
     del got
-    n_rank = int(rank.max()) + 1
-    # One int64 key per (comm, seq); comm ids index the string table and seqs
-    # count calls, so the products stay far below 2^63.
+    # One int64 key per (comm, seq) (:func:`group_keys`); comm ids index the string
+    # table and seqs count calls, so the products stay far below 2^63.
     # (Damaged files can hold absurd seqs that overflow the keys: the grouping
     # is then wrong but consistent, and comm/seq are then never decoded from a key.)
     n_seq = int(seq.max()) + 1
+    if scope is not None:
+        if n_seq > scope.n_seq:
+            raise ValueError(f"a row's seq {n_seq - 1} is past the scope's radix {scope.n_seq}: not the run's scope")
+        n_seq = scope.n_seq  # the run's: the keys, and so the groups' order, are the whole match's
     # Without overflow (comm >= 0, 0 <= seq < n_seq) a key is one (comm, seq):
     # the groups' comm and seq are then decoded from their keys, and the keys
     # are built in seq's own array (no third int64 column at the match's peak).
@@ -628,19 +640,12 @@ def match_collectives(run: Run) -> Collectives:
         gkey *= n_seq
         gkey += seq
 
-    # Communicator membership: every rank that ever used the key. Rows come
-    # rank by rank, so only the rows where (rank, comm) changes can add a pair:
-    # the unique pairs of those few rows are the unique pairs of all.
-    chg = np.ones(n, bool)
-    np.not_equal(comm[1:], comm[:-1], out=chg[1:])
-    chg[1:] |= rank[1:] != rank[:-1]
-    cr = np.unique(comm[chg].astype(np.int64) * n_rank + rank[chg])
-    del chg
-    cr_comm, cr_rank = cr // n_rank, cr % n_rank
-    comm_ids, cstart = np.unique(cr_comm, return_index=True)
-    comm_members = {int(c): m.astype(np.int32) for c, m in zip(comm_ids, np.split(cr_rank, cstart[1:]))}
-    comm_size = np.diff(np.append(cstart, len(cr)))
-    del cr, cr_comm, cr_rank
+    # Communicator membership: every rank that ever used the key, over all the
+    # run's rows (a part of a split match gets it with its scope).
+    if scope is None:
+        comm_ids, comm_size, comm_members = _membership(comm_pairs(comm, rank))
+    else:
+        comm_ids, comm_size, comm_members = scope.membership
     # Decodable keys: comm and seq (12 bytes a row) go before the sort, the match's peak.
     if decodable:
         del comm, seq
@@ -691,7 +696,8 @@ def match_collectives(run: Run) -> Collectives:
     # in member order (members go by arrival, ties in row order).
     n_dup = _count_dups(starts, m_rank)
     if n_dup:
-        run.warnings.append(f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once")
+        if scope is None:
+            run.warnings.append(repeat_warning(n_dup))
         keep = _first_of_each_rank(starts, m_rank)
         del hot, cols, gid, m_rank
         kept = np.add.reduceat(keep, starts, dtype=np.int64)  # every group keeps its first member
@@ -769,6 +775,282 @@ def match_collectives(run: Run) -> Collectives:
         m_aux=cols["m_aux"],
         n_dup=n_dup,
     )
+
+
+# ----------------------------------------------------------------------------------
+# The match split by key ranges (issue 10: ``analyze --parallel`` matches on K ranks)
+#
+# Groups are ordered by their key (:func:`group_keys`: comm-major, then seq), and
+# every fact of a group comes from its own rows plus two run-wide facts (the
+# communicators' membership, the key's radix: :class:`MatchScope`). So the rows
+# of a contiguous range of keys, matched with the run's scope, give exactly the
+# whole match's groups of that range, and the ranges' matches, in key order, are
+# concatenated (:func:`merge_collectives`), never re-interleaved. The pieces,
+# in the order a parallel analysis uses them:
+#
+# 1. the scope: :func:`comm_pairs` and the largest seq of any block of rows, united
+#    (:meth:`MatchScope.union`; an allreduce of the max, a gather of the pairs);
+# 2. the ranges: :func:`key_ranges` over the keys, or over (distinct key, row count)
+#    pairs gathered from the blocks: K - 1 cut keys that split the ROWS evenly;
+# 3. each range's rows (:class:`MatchPart`, :func:`split_match` serially: table
+#    order kept, so ties in arrival fall as in the whole match), matched by
+#    :func:`match_part`;
+# 4. :func:`merge_collectives` of the parts in range order, then
+#    :func:`warn_repeats` once on the run.
+
+
+def repeat_warning(n_dup: int) -> str:
+    """The run warning for ``n_dup`` collective rows dropped as repeats of a (comm, seq, rank)."""
+    return f"{n_dup} collective rows repeat a (communicator, seq, rank): counted once"
+
+
+def warn_repeats(run: Run, colls: Collectives) -> None:
+    """Add the repeated-row warning for ``colls`` (a merged split match) to ``run.warnings``,
+    as :func:`match_collectives` adds it for a whole match: once, with the total."""
+    if colls.n_dup:
+        run.warnings.append(repeat_warning(colls.n_dup))
+
+
+def comm_pairs(comm: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """The distinct (communicator id, rank) pairs of collective rows, as sorted int64
+    ``comm << 32 | rank`` (both are int32 columns). A union over any split of the rows
+    (``np.unique(np.concatenate(...))``) is the pairs of all: compute it per block of
+    rows wherever they are. Rows usually come rank by rank, so only the rows where
+    (rank, comm) changes can add a pair: the unique pairs of those few rows are the
+    unique pairs of all (any order is still right, only slower)."""
+    n = len(comm)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    chg = np.ones(n, bool)
+    np.not_equal(comm[1:], comm[:-1], out=chg[1:])
+    chg[1:] |= rank[1:] != rank[:-1]
+    c = comm[chg].astype(np.int64)
+    c <<= 32
+    c |= rank[chg].astype(np.int64) & 0xFFFFFFFF
+    return np.unique(c)
+
+
+def _membership(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+    """(communicator ids ascending, their sizes, comm id -> sorted member ranks) of :func:`comm_pairs`."""
+    comm = pairs >> 32
+    rank = (pairs & 0xFFFFFFFF).astype(np.int32)
+    comm_ids, cstart = np.unique(comm, return_index=True)
+    members = {int(c): m for c, m in zip(comm_ids, np.split(rank, cstart[1:]))}  # per communicator
+    return comm_ids, np.diff(np.append(cstart, len(pairs))), members
+
+
+@dataclass(frozen=True)
+class MatchScope:
+    """What a part of a split match needs from the whole run (a few kB, shipped as is).
+
+    ``pairs``: :func:`comm_pairs` of every collective row of the run (table and
+    in flight): a group's expected member count is its communicator's size over
+    the whole run, which no part can see. ``n_seq``: the largest seq of any
+    collective row, plus one: the radix of :func:`group_keys`, so a part's keys
+    and group order are the whole match's even when a damaged file's absurd seq
+    makes the keys wrap."""
+
+    pairs: np.ndarray
+    n_seq: int
+
+    @classmethod
+    def of_rows(cls, comm: np.ndarray, seq: np.ndarray, rank: np.ndarray) -> MatchScope:
+        """The scope of some collective rows (one block of a run's: unite them with :meth:`union`)."""
+        return cls(comm_pairs(comm, rank), int(seq.max()) + 1 if len(seq) else 0)
+
+    @classmethod
+    def union(cls, scopes: list[MatchScope]) -> MatchScope:
+        """The scope of the rows of all ``scopes`` together."""
+        pairs = np.unique(np.concatenate([s.pairs for s in scopes])) if scopes else np.zeros(0, np.int64)
+        return cls(pairs, max((s.n_seq for s in scopes), default=0))
+
+    @functools.cached_property
+    def membership(self) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        """(communicator ids ascending, their sizes, ``Collectives.comm_members``), computed once."""
+        return _membership(self.pairs)
+
+    @property
+    def comm_members(self) -> dict[int, np.ndarray]:
+        return self.membership[2]
+
+
+def group_keys(comm: np.ndarray, seq: np.ndarray, n_seq: int) -> np.ndarray:
+    """The int64 key :func:`match_collectives` groups and orders rows by: ``comm * n_seq + seq``
+    (comm-major: a communicator's groups by seq, then the next communicator's)."""
+    k = comm.astype(np.int64)
+    k *= n_seq
+    k += seq
+    return k
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """K contiguous ranges of group keys: part p holds the keys in ``[cuts[p-1], cuts[p])``
+    (the first from the lowest key, the last to the highest). A cut is a key, so a
+    group (one key) never straddles two parts. Comm-major keys make the ranges seq
+    ranges of each communicator in turn: with one dominant communicator, its seq
+    ranges."""
+
+    n_seq: int
+    cuts: np.ndarray  # int64, ascending, K - 1 of them (equal ones leave a part empty)
+
+    def __len__(self) -> int:
+        return len(self.cuts) + 1
+
+    def part_of(self, comm: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """Per row: the part (0..K-1) its (comm, seq) falls in."""
+        return np.searchsorted(self.cuts, group_keys(comm, seq, self.n_seq), side="right")
+
+
+def key_ranges(keys: np.ndarray, k: int, n_seq: int, counts: np.ndarray | None = None) -> KeyRanges:
+    """K ranges of group keys holding about equal ROW counts (a part's match costs by rows).
+
+    ``keys``: one :func:`group_keys` value per row; or, with ``counts``, keys and the
+    rows each stands for, in any order and repeated (each block's
+    ``np.unique(keys, return_counts=True)``, concatenated: a histogram small enough
+    to gather). Cut p is the key at sorted row position ``p * n // K``: the rows
+    before it go to earlier parts, so a part holds n/K rows give or take one group.
+    Both forms give the same cuts. Rows: ``np.partition`` at the K - 1 positions
+    (linear); histogram: a sort of its keys."""
+    k = max(1, int(k))
+    if counts is None:
+        n = len(keys)
+        q = (np.arange(1, k, dtype=np.int64) * n) // k
+        cuts = np.partition(keys, q)[q] if n and k > 1 else np.zeros(0, np.int64)
+    else:
+        o = np.argsort(keys, kind="stable")
+        cum = np.cumsum(np.asarray(counts, np.int64)[o])
+        n = int(cum[-1]) if len(cum) else 0
+        q = (np.arange(1, k, dtype=np.int64) * n) // k
+        cuts = np.asarray(keys)[o][np.searchsorted(cum, q, side="right")] if n and k > 1 else np.zeros(0, np.int64)
+    return KeyRanges(n_seq, cuts.astype(np.int64))
+
+
+@dataclass
+class MatchPart:
+    """The input of one key range's match, raw numpy buffers (with the run's ``strings``
+    and :class:`MatchScope`, what :func:`match_part` needs; ``nbytes`` to ship).
+
+    ``rows``: the range's collective rows in the run's table order, either a
+    streamed run's compact ``COLL_ROW_DTYPE`` rows (37 B; their other fields in
+    ``sigs``, the run's whole sig table, a few rows) or event-table rows
+    (``RUN_EVENT_DTYPE``, 73 B; ``sigs`` None). ``inflight``: the range's in-flight
+    collective rows, in order (they come after the table rows, as in the whole
+    match). The order within each matters: members are sorted by arrival, ties
+    by row order."""
+
+    rows: np.ndarray
+    sigs: np.ndarray | None
+    inflight: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes + self.inflight.nbytes + (0 if self.sigs is None else self.sigs.nbytes))
+
+
+def _selected_keys(rows: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    return _select_keys(rows) if len(rows) else (np.zeros(0, np.int64), {f: rows[f][:0] for f in _KEY_FIELDS})
+
+
+def split_match(run: Run, k: int) -> tuple[MatchScope, list[MatchPart]]:
+    """The run's scope and its collective rows split into ``k`` key ranges (serially: what
+    the analysis ranks of a parallel run do on their own rows, then exchange).
+    One selection pass over the rows the match reads (a streamed run's kept
+    collective rows, else the table), one over the in-flight rows; each part's
+    rows taken in table order (a stable sort by part)."""
+    streamed = run.coll_rows is not None and run.coll_sigs is not None
+    src = run.coll_rows if streamed else run.events
+    assert src is not None  # for mypy: streamed says coll_rows is there
+    sel, got = _selected_keys(src)
+    isel, igot = _selected_keys(run.inflight)
+    scope = MatchScope.union([MatchScope.of_rows(g["comm_id"], g["seq"], g["rank"]) for g in (got, igot)])
+    pk = [group_keys(g["comm_id"], g["seq"], scope.n_seq) for g in (got, igot)]
+    ranges = key_ranges(np.concatenate(pk), k, scope.n_seq)
+    picks = []
+    for idx, keys, tab in ((sel, pk[0], src), (isel, pk[1], run.inflight)):  # the table's rows, the in-flight rows
+        part = np.searchsorted(ranges.cuts, keys, side="right")
+        o = np.argsort(part, kind="stable")
+        bounds = np.searchsorted(part[o], np.arange(len(ranges) + 1))
+        picks.append([tab.take(idx[o[a:b]]) for a, b in zip(bounds[:-1], bounds[1:])])  # per part
+    sigs = run.coll_sigs if streamed else None
+    return scope, [MatchPart(rows, sigs, inf) for rows, inf in zip(*picks)]
+
+
+def match_part(part: MatchPart, scope: MatchScope, strings: np.ndarray) -> Collectives:
+    """The match of one key range: exactly the whole match's groups of that range
+    (:func:`merge_collectives` puts the ranges back together). Adds no warning:
+    the repeats it dropped are in ``n_dup`` (:func:`warn_repeats` after the merge)."""
+    from distdiag.run import RUN_EVENT_DTYPE, RUN_GPU_DTYPE, RUN_SYNC_DTYPE
+
+    compact = part.sigs is not None
+    run = Run(
+        path=Path("."), ranks={}, events=np.zeros(0, RUN_EVENT_DTYPE) if compact else part.rows, strings=strings,
+        sync=np.zeros(0, RUN_SYNC_DTYPE), inflight=part.inflight, gpu=np.zeros(0, RUN_GPU_DTYPE), world_size=0,
+        job_id="", coll_rows=part.rows if compact else None, coll_sigs=part.sigs,
+    )  # fmt: skip
+    return match_collectives(run, scope)
+
+
+def merge_collectives(parts: list[Collectives]) -> Collectives:
+    """The match of consecutive key ranges, ``parts`` in ascending range order, as one:
+    the group columns concatenated, ``g_start`` and ``m_group`` offset (``m_group``
+    int32 unless the total passes 2^31 - 1 groups, as the whole match chooses), the
+    :class:`GroupColumn` columns' group values and exceptions concatenated (the
+    exceptions' rows offset), ``n_dup`` summed. ``comm_members`` is the run's (every
+    part holds its scope's); none when there are no groups, as a whole match of no
+    rows. Each column is written once into its result array: the peak is the parts
+    plus the result. The repeated-row warning: :func:`warn_repeats`."""
+    if not parts:
+        raise ValueError("merge_collectives needs at least one part (the whole match of one range)")
+    n_g = np.array([len(p) for p in parts], np.int64)
+    n_m = np.array([len(p.m_rank) for p in parts], np.int64)
+    g_off = np.append(0, np.cumsum(n_g))
+    m_off = np.append(0, np.cumsum(n_m))
+    total_g, total_m = int(g_off[-1]), int(m_off[-1])
+
+    def cat(get: Any, n: int, off: np.ndarray | None = None, dtype: Any = None) -> np.ndarray:
+        """``get(part)`` of every part into one array (``off[i]`` added to part i's)."""
+        arrs = [get(p) for p in parts]
+        out = np.empty(n, dtype if dtype is not None else arrs[0].dtype)
+        a = 0
+        for i, x in enumerate(arrs):  # per part
+            out[a : a + len(x)] = x
+            if off is not None and off[i]:
+                out[a : a + len(x)] += off[i]
+            a += len(x)
+        return out
+
+    g_start = np.empty(total_g + 1, np.int64)
+    g_start[:-1] = cat(lambda p: p.g_start[:-1], total_g, m_off, np.int64)
+    g_start[-1] = total_m
+    gid = cat(lambda p: p.m_group, total_m, g_off, np.int32 if total_g < 1 << 31 else np.int64)
+
+    def column(name: str) -> GroupColumn:
+        cols = [getattr(p, name) for p in parts]
+        return GroupColumn(
+            np.concatenate([c.group_values for c in cols]), gid,
+            cat(lambda p: getattr(p, name).exc_rows, sum(len(c.exc_rows) for c in cols), m_off, np.int64),
+            np.concatenate([c.exc_values for c in cols]),
+        )  # fmt: skip
+
+    has_aux = [p.m_aux is not None for p in parts]
+    if any(has_aux) and not all(has_aux):
+        raise ValueError("some parts gathered m_aux and some did not: match them alike")
+    members = next((p.comm_members for p in parts if len(p)), {})
+    g = {f: cat(lambda p, f=f: getattr(p, f), total_g) for f in _MERGED_GROUP_FIELDS}
+    m = {f: cat(lambda p, f=f: getattr(p, f), total_m) for f in _MERGED_MEMBER_FIELDS}
+    return Collectives(
+        **g, g_start=g_start, m_group=gid, **m,
+        m_op=column("m_op"), m_nbytes=column("m_nbytes"), m_peer=column("m_peer"), m_site=column("m_site"),
+        comm_members=members, strings=parts[0].strings, m_aux=column("m_aux") if all(has_aux) else None,
+        n_dup=int(sum(p.n_dup for p in parts)),
+    )  # fmt: skip
+
+
+#: The plain columns :func:`merge_collectives` concatenates as they are.
+_MERGED_GROUP_FIELDS = ("g_comm", "g_seq", "g_op", "g_state", "g_n_members", "g_n_expected", "g_first_ns",
+                        "g_last_ns", "g_second_ns", "g_last_rank", "g_exit_ns")  # fmt: skip
+_MERGED_MEMBER_FIELDS = ("m_rank", "m_t0_ns", "m_t1_ns", "m_kind")
 
 
 def _rank_pairs(starts: np.ndarray, m_rank: np.ndarray) -> Any:
