@@ -18,6 +18,13 @@ row per (group, member) (``Collectives.m_*``), members of group ``g`` at
 SPMD ranks agree on (op, bytes, root, site, datatype) are kept per group plus
 the members that differ (:class:`GroupColumn`, read like arrays): the match
 is the cross-rank store a streamed analysis keeps whole, at 25 bytes a member.
+
+Split (``analyze --parallel``): a group's facts come from its own rows plus
+two run-wide facts (the communicators' membership and the key's radix,
+:class:`MatchScope`), so contiguous ranges of the (comm, seq) key matched
+apart and concatenated are the whole match exactly (:func:`split_match`,
+:func:`match_part`, :func:`merge_collectives`; the section near the end says
+how, ``benchmarks/bench_match_ranges.py`` what it costs).
 """
 
 from __future__ import annotations
