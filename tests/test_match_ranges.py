@@ -37,6 +37,7 @@ from distdiag.run import STREAMED_KINDS, Run, load_run
 from distdiag.synth import FAULTS, synth
 from helpers import run_wrapped_mpi
 from test_hang import _run_and_kill
+from factories import coll, write_rank
 from test_match_columns import _write_differing_run
 
 #: Part counts: 1, a few, and (in :func:`_check`) more than the run has groups.
@@ -200,3 +201,23 @@ def test_a_part_needs_the_runs_scope(tmp_path: Path) -> None:
     only0 = MatchScope(scope.pairs[(scope.pairs & 0xFFFFFFFF) == 0], scope.n_seq)
     c = match_part(parts[0], only0, run.strings)
     assert (c.g_n_expected == 1).all()  # the scope, not the rows, says who belongs
+
+
+def test_ties_fall_in_row_order_in_every_part(tmp_path: Path) -> None:
+    """Members arriving at the same instant are ordered by row (rank order in the table, the
+    in-flight rows after the table's), and of a repeated (comm, seq, rank) at one instant
+    the first row is kept: a part's rows must keep that order for its match to be exact."""
+    s = [""]
+    for r in range(4):
+        rows = []
+        for i in range(12):  # every rank arrives at the same instant, on two communicators in turn
+            rows.append(coll(10.0 * i, 10.0 * i + 2, i // 2, s, comm="world" if i % 2 else f"sub{r % 2}", nbytes=8))
+            if r == 1 and i == 7:  # the same (comm, seq, rank) again at the same instant, another size
+                rows.append(coll(10.0 * i, 10.0 * i + 3, i // 2, s, comm="world", nbytes=99))
+        inf = [coll(120.0, -1, 6, s, comm="world", nbytes=16)] if r in (0, 2) else None
+        rows += [] if inf else [coll(120.0, 121.0, 6, s, comm="world", nbytes=16)]
+        write_rank(tmp_path / "run", r, 4, rows, s, inflight=inf, closed_cleanly=inf is None)
+    for c in _both_ways(tmp_path / "run"):
+        assert c.n_dup == 1 and (c.g_exit_ns < 0).sum() == 1
+        g = next(g for g in range(len(c)) if c.comm_name(g) == "world" and c.g_seq[g] == 6)
+        assert list(c.m_rank[c.members(g)]) == [1, 3, 0, 2]  # tied: the table's rows first, in rank order
