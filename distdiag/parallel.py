@@ -208,8 +208,6 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         packer.stats.update(stats)
         coll_parts.append(parts)
         coll_used.append(used)
-    if packer.coll is not None:
-        _gather_collectives(comm, packer, coll_parts, coll_used)
     total = sum(sum(c) for c in block_counts)
     if len(packer.buf) >= total:  # rank 0's own buffer has room (K = 1, or a generous bound): no copy
         table = packer.buf[:total]
@@ -234,6 +232,10 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
             got_all.append(d)
             warnings.extend(w)
     packer.used, packer.views = total, views
+    # then their collective rows (each analysis rank sends its events first, then these:
+    # large sends complete only when received, so rank 0 takes them in that order)
+    if packer.coll is not None:
+        _gather_collectives(comm, packer, coll_parts, coll_used)
     t_gather = time.perf_counter()
     assert p is not None
     run = _assemble(run_dir, p, files, got_all, warnings, packer)
