@@ -141,12 +141,26 @@ def band_edges(bounds: np.ndarray, band_events: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def bands(run: Any, band_events: int | None = None, ranks: np.ndarray | None = None) -> Iterator[Band]:
+def part_edges(run: Any, part: tuple[int, int], band_events: int | None = None) -> list[tuple[int, int]]:
+    """The bands of block ``j`` of ``n`` (``part = (j, n)``): the run's bands cut into ``n``
+    contiguous blocks of about equal band counts (:func:`distdiag.parallel.block_of`'s rule),
+    as (r_lo, r_hi) pairs; every band is in exactly one block. ``distdiag analyze --parallel``
+    gives block j to analysis rank j (see :func:`bands`' ``part``)."""
+    band_events = BAND_EVENTS if band_events is None else band_events
+    edges = band_edges(rank_rows(run), band_events)
+    j, n = part
+    return edges[(j * len(edges)) // n : ((j + 1) * len(edges)) // n]
+
+
+def bands(
+    run: Any, band_events: int | None = None, ranks: np.ndarray | None = None, part: tuple[int, int] | None = None
+) -> Iterator[Band]:
     """The run's events as :class:`Band` s of about ``band_events`` rows (default :data:`BAND_EVENTS`),
     in rank order; every rank of ``0..n_ranks(run)`` is in exactly one band.
 
     ``ranks``: only the bands holding one of these ranks (a streamed run reads only
-    their files: a stage that asks about a few ranks should say which)."""
+    their files: a stage that asks about a few ranks should say which).
+    ``part``: only the bands of :func:`part_edges` ``(j, n)``."""
     band_events = BAND_EVENTS if band_events is None else band_events
     bounds = rank_rows(run)
     inf = run.inflight
@@ -156,7 +170,8 @@ def bands(run: Any, band_events: int | None = None, ranks: np.ndarray | None = N
         want = np.zeros(len(bounds), bool)
         r = np.asarray(ranks, np.int64)
         want[r[(r >= 0) & (r < len(bounds) - 1)]] = True
-    for r_lo, r_hi in band_edges(bounds, band_events):  # a few dozen bands
+    edges = band_edges(bounds, band_events) if part is None else part_edges(run, part, band_events)
+    for r_lo, r_hi in edges:  # a few dozen bands
         if want is not None and not want[r_lo:r_hi].any():
             continue
         b_inf = inf[(inf["rank"] >= r_lo) & (inf["rank"] < r_hi)] if len(inf) else inf

@@ -144,12 +144,13 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from distdiag.bands import Band, bands
+from distdiag.bands import Band, bands, part_edges
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.rows import kind_index
 from distdiag.run import Run
@@ -860,6 +861,84 @@ def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.n
     }
 
 
+@dataclass
+class BreakdownPart:
+    """What the bands of one block (:func:`distdiag.bands.part_edges`) add to the breakdown:
+    the per-rank tally rows of ranks ``[r_lo, r_hi)`` and the per-step tally rows
+    ``[k_lo, k_hi)`` of those ranks' steps, with their step-0 starts (``w0``).
+
+    ``distdiag analyze --parallel`` has the analysis ranks compute the blocks of a streamed
+    run (each reads its ranks' files again) while rank 0 runs the detectors; rank 0 puts
+    the parts in place (:func:`breakdown` with ``run.cache[PARTS]``). Each band writes
+    only its own ranks' and steps' rows, so the parts fill disjoint slices and the tables
+    are those of one pass, exactly (the breakdown does not depend on the band size)."""
+
+    r_lo: int
+    r_hi: int
+    ranks: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # per_cat, busy, exposed, overlapped
+    k_lo: int
+    k_hi: int
+    steps: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
+    w0: np.ndarray | None
+
+
+#: ``run.cache`` key of the list of :class:`BreakdownPart` s that :func:`breakdown` puts together
+PARTS = "breakdown.parts"
+
+
+def _slices(t: _Tally, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    return t.per_cat[lo:hi].copy(), t.busy[lo:hi].copy(), t.exposed[lo:hi].copy(), t.overlapped[lo:hi].copy()
+
+
+def _put(t: _Tally, lo: int, hi: int, got: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+    t.per_cat[lo:hi], t.busy[lo:hi], t.exposed[lo:hi], t.overlapped[lo:hi] = got
+
+
+def breakdown_part(run: Run, colls: Collectives, part: tuple[int, int]) -> BreakdownPart | None:
+    """Block ``part = (j, n)`` of the breakdown's bands (see :class:`BreakdownPart`); None when the
+    block holds no band (more blocks than bands)."""
+    edges = part_edges(run, part)
+    if not edges:
+        return None
+    r_lo, r_hi = edges[0][0], edges[-1][1]
+    tally, steps = _tallies(run, colls, True, part)
+    assert tally is not None
+    if steps.n:
+        k_lo, k_hi = int(steps.first[r_lo]), int(steps.first[r_hi])
+        return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), k_lo, k_hi, _slices(steps.tally, k_lo, k_hi),
+                             steps.w0[k_lo:k_hi].copy())  # fmt: skip
+    return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), 0, 0, None, None)
+
+
+def _tallies(run: Run, colls: Collectives, ranks: bool, part: tuple[int, int] | None = None) -> tuple[_Tally | None, _Steps]:
+    """The per-rank tally (when ``ranks``) and the per-step one, over the bands of ``part``
+    (all of them when None); see :func:`_compute`."""
+    start, _ = run.rank_bounds()
+    n = len(start)  # == distdiag.bands.n_ranks(run): every rank of 0..n is in one band
+    tally = _Tally(n) if ranks else None
+    steps = _Steps(run, n)
+    parts: list[BreakdownPart] | None = run.cache.get(PARTS) if part is None else None
+    if parts is not None:  # computed by the analysis ranks (distdiag.parallel)
+        for p in parts:  # one per analysis rank
+            if tally is not None:
+                _put(tally, p.r_lo, p.r_hi, p.ranks)
+            if steps.n and p.steps is not None and p.w0 is not None:
+                _put(steps.tally, p.k_lo, p.k_hi, p.steps)
+                steps.w0[p.k_lo : p.k_hi] = p.w0
+        return tally, steps
+    if tally is None and steps.n == 0:
+        return None, steps
+    ctx = _Ctx(run, colls, n)
+    for band in bands(run, part=part):  # a few bands, each vectorized
+        b = _Band(ctx, band)
+        iv = _intervals(ctx, b)
+        if tally is not None:
+            tally.add(b.r_lo, b.r_hi, iv)
+        steps.add(b, iv)
+        del iv, b, band
+    return tally, steps
+
+
 def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, pd.DataFrame]:
     """The per-rank tally (when ``ranks``) and the per-step table, band of ranks by band of ranks.
 
@@ -868,20 +947,7 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
     phases included, whether streamed or not), and the result does not depend on the
     band size (each union is a sum of whole nanoseconds, exact in float64).
     """
-    start, _ = run.rank_bounds()
-    n = len(start)  # == distdiag.bands.n_ranks(run): every rank of 0..n is in one band
-    tally = _Tally(n) if ranks else None
-    steps = _Steps(run, n)
-    if tally is None and steps.n == 0:
-        return None, steps.frame(run)
-    ctx = _Ctx(run, colls, n)
-    for band in bands(run):  # a few bands, each vectorized
-        b = _Band(ctx, band)
-        iv = _intervals(ctx, b)
-        if tally is not None:
-            tally.add(b.r_lo, b.r_hi, iv)
-        steps.add(b, iv)
-        del iv, b, band
+    tally, steps = _tallies(run, colls, ranks)
     return tally, steps.frame(run)
 
 

@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 #: tags of the byte buffers holding event rows and kept collective rows
 _TAG_EVENTS = 17
 _TAG_COLL = 18
+_TAG_PART = 19
 
 
 def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
@@ -139,6 +140,79 @@ def _gather_collectives(comm: Any, packer: _Packer, parts: list[dict[Path, tuple
             merged[path] = (off + o, c, table)
         off += n
     packer.coll, packer.coll_used, packer.coll_parts = buf, total, merged
+
+
+class _BreakdownSplit:
+    """Rank 0's side of the breakdown's band passes run on the other analysis ranks.
+
+    A streamed run's breakdown reads every rank's rows again from the files (the
+    longest stage at 1,024 x 100k: ~15 s of the streamed analysis). Once the
+    collectives are matched, rank 0 broadcasts the run (its resident rows, the
+    clock model, what the stream needs) and the match; analysis ranks 1..K-1
+    each take a block of the bands (:func:`distdiag.breakdown.breakdown_part`)
+    while rank 0 runs the detectors, and send their parts back before the
+    breakdown, which puts them in place. A run in memory (not streamed) or K = 1
+    keeps the breakdown on rank 0: the bands are views of the table there, and
+    shipping the table would cost what the pass costs.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.sent = False
+        self.workers = 0
+        self.collected = False
+
+    def matched(self, run: Any, colls: Any) -> None:
+        n = self.comm.Get_size()
+        job = None
+        if n > 1 and run.streamed_kinds:
+            cache = {k: run.cache[k] for k in ("clock_model",) if k in run.cache}
+            job = (dataclasses.replace(run, cache=cache, warnings=[]), colls)
+            self.workers = n - 1
+        self.comm.bcast(job, root=0)
+        self.sent = True
+
+    def done(self, run: Any) -> None:
+        from distdiag.breakdown import PARTS
+
+        if not self.workers or self.collected:
+            return
+        parts = [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, self.workers + 1)]
+        self.collected = True
+        if not any(isinstance(p, str) for p in parts):  # one failed: rank 0 computes every band itself
+            run.cache[PARTS] = [p for p in parts if p is not None]
+
+    def abort(self) -> None:
+        """Rank 0 failed: the others stop waiting for the run, or their parts are taken and dropped."""
+        if not self.sent:
+            self.comm.bcast(None, root=0)
+            self.sent = True
+        elif self.workers and not self.collected:
+            for src in range(1, self.workers + 1):  # per analysis rank
+                self.comm.recv(source=src, tag=_TAG_PART)
+            self.collected = True
+
+
+def _breakdown_worker(comm: Any) -> None:
+    """Analysis rank k > 0: wait for rank 0's matched run; compute block k - 1 of its bands."""
+    from distdiag.breakdown import breakdown_part
+
+    job = comm.bcast(None, root=0)
+    if job is None:
+        return
+    run, colls = job
+    k, n = comm.Get_rank(), comm.Get_size()
+    part: Any
+    try:
+        part = breakdown_part(run, colls, (k - 1, n - 1))
+    except Exception as e:  # rank 0 computes the breakdown itself when a part is missing
+        log.warning("analysis rank %d: breakdown part failed (%s: %s)", k, type(e).__name__, e)
+        part = _FAILED
+    comm.send(part, dest=0, tag=_TAG_PART)
+
+
+#: a part an analysis rank could not compute (rank 0 then computes the whole breakdown itself)
+_FAILED = "failed"
 
 
 def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, stream: bool = True) -> Any:
@@ -193,6 +267,8 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
             comm.Send([packer.buf[: packer.used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_EVENTS)
         if packer.coll is not None and packer.coll_used:
             comm.Send([packer.coll[: packer.coll_used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_COLL)
+        del mine, packer, meta
+        _breakdown_worker(comm)
         return None
 
     # Rank 0: every block's metadata first, so the run's table is allocated once,
@@ -238,14 +314,23 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         _gather_collectives(comm, packer, coll_parts, coll_used)
     t_gather = time.perf_counter()
     assert p is not None
-    run = _assemble(run_dir, p, files, got_all, warnings, packer)
+    split = _BreakdownSplit(comm)
+    try:
+        run = _assemble(run_dir, p, files, got_all, warnings, packer)
+    except BaseException:
+        split.abort()
+        raise
     del got_all, blocks, mine, packer
     t_assemble = time.perf_counter()
 
     from distdiag.config import Config
     from distdiag.pipeline import analyze_run
 
-    report = analyze_run(run, cfg or Config(), inplace=True)  # the assembled run is ours alone
+    try:
+        report = analyze_run(run, cfg or Config(), inplace=True, split=split)  # the assembled run is ours alone
+    except BaseException:
+        split.abort()
+        raise
     t_end = time.perf_counter()
     report.run.cache["parallel"] = {
         "workers": n_workers,

@@ -108,12 +108,17 @@ def _incomplete_warnings(run: Run, colls: Collectives, limit: int = 3) -> list[s
     return out
 
 
-def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False) -> Report:
+def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, split: Any = None) -> Report:
     """Align, match, detect and rank on an already loaded run.
 
     ``inplace=True`` gives ``run``'s event table to the analysis: the clock
     mapping rewrites its time columns instead of copying the whole table (see
     :func:`distdiag.clocks.align`); use it when nothing else holds ``run``.
+
+    ``split`` (``distdiag analyze --parallel``, :mod:`distdiag.parallel`): its
+    ``matched(run, colls)`` is called once the collectives are matched (other
+    analysis ranks may start per-rank work then), its ``done(run)`` before the
+    breakdown (which then takes their parts from ``run.cache``).
     """
     cfg = cfg or Config()
     run = clocks.align(run, inplace=inplace)
@@ -122,6 +127,8 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False) -> R
     # A streamed run lets its collective rows go once matched: the match keeps what the
     # cross-rank stages read, the per-rank ones read them from the files (distdiag.bands).
     run = stream_out(run)
+    if split is not None:
+        split.matched(run, colls)
     # Slurm accounting (cached on the run: queue_wait and launch_overhead read it too).
     slurm_view = slurm_accounting_of(run)
     dets = load_all()
@@ -147,6 +154,8 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False) -> R
             findings.append(f)
     # One ranking: each second counted once, shares, order (distdiag/ranking.py).
     findings = rank_findings(findings, run, colls, cfg)
+    if split is not None:
+        split.done(run)
     return Report(
         run=run, findings=findings, breakdown=breakdown(run, colls), collectives=colls, config=cfg, slurm=slurm_view
     )
