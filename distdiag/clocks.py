@@ -857,6 +857,8 @@ def check_causality(
     coll = run.coll_rows if (run.coll_rows is None or inplace) else run.coll_rows.copy()
     for tab in (ev,) if coll is None else (ev, coll):  # the table, and the collective rows kept apart
         _repair_table(tab, repairs, base)
+    if run.coll_remote is not None:  # --parallel: the analysis ranks repair the rows they hold alike
+        run.coll_remote.repair(repairs, base)
     inf = run.inflight.copy()
     inf["t0_ns"] = _apply_repairs(inf["t0_ns"], inf["rank"].astype(np.int64), repairs, base)
     gpu = run.gpu.copy()
@@ -925,7 +927,8 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
         if not len(tab):
             continue
         on_block = None
-        if raw_colls is None and tab is src:  # the match below: its selection made in the mapping pass
+        # the match below: its selection made in the mapping pass (held rows: matched where they are)
+        if raw_colls is None and tab is src and run.coll_remote is None:
             from distdiag.match import KeySelector
 
             selector = KeySelector(len(tab), tab.dtype)
@@ -933,6 +936,8 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
         _map_inplace(tab, ("t0_ns", "t1_ns"), models, on_block=on_block)
         del on_block  # a bound method: it would keep the selection alive past the match
         # No re-sort: each rank's map is monotone, so (rank, t0) order is kept.
+    if run.coll_remote is not None:  # --parallel: the analysis ranks map the rows they hold alike
+        run.coll_remote.map(models)
     inf = run.inflight.copy()
     if len(inf):
         inf["t0_ns"], _ = _map_by_rank(inf["t0_ns"], inf["rank"], models)  # t1 == -1 (never left) stays -1

@@ -596,6 +596,10 @@ def match_collectives(run: Run, scope: MatchScope | None = None) -> Collectives:
     no change beyond the noise was measured (1.86 -> 1.95 s, one run, a loaded
     machine: read + pack, not touched, went 3.24 -> 4.06 in the same run).
     """
+    if run.coll_remote is not None and scope is None:
+        # --parallel: the collective rows stay on the analysis ranks that read them, which
+        # match them by key ranges (distdiag.parallel._Remote.match: split, match, merge)
+        return run.coll_remote.match(run)  # type: ignore[no-any-return]
     ev: Any = run.events
     inf = run.inflight
     # A streamed run keeps its collective rows apart, compact (distdiag.run.COLL_ROW_DTYPE):

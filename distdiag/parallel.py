@@ -1,60 +1,55 @@
 """``distdiag analyze --parallel RUN_DIR`` under ``mpiexec -n K`` / ``srun -n K``.
 
 The analysis itself runs on MPI, the engine every cluster whose jobs we
-diagnose already has. What is split today, and why the result is the serial
-result exactly:
+diagnose already has. What is split, and why the result is the serial result
+exactly (the same functions on the same inputs, reduced in the serial order):
 
-1. **Per-rank work** (reading and decoding the rank files: HDF5 reads, schema
-   and damage checks, the columnar tables, per-file warnings) is split by
-   blocks of rank files: analysis rank k reads files ``[k*F/K, (k+1)*F/K)``.
-   This is the one stage whose cost grows with the file count and the I/O,
-   and it needs nothing from other files.
-2. **Reduce**: each analysis rank ships its decoded tables to analysis rank 0
-   (metadata pickled; the event rows, packed with their rank column while
-   reading, as one raw byte buffer, no pickling); rank 0 takes every block's
-   metadata first, allocates the run's table once at its exact size and
-   receives each block's rows straight into its slice of it, then assembles them with the same function :func:`distdiag.run.load_run`
-   uses (``run._assemble``), in file order, and runs the same
-   ``analyze_run``. Same inputs to the same functions: the JSON report is
-   byte-for-byte the serial one (tests/test_parallel.py checks that under
-   ``mpiexec -n 3``).
+1. **Reading** (HDF5 reads, schema and damage checks, the columnar tables,
+   per-file warnings) is split by blocks of rank files: analysis rank k reads
+   files ``[k*F/K, (k+1)*F/K)``. Each ships its decoded tables to rank 0
+   (metadata pickled; the kept event rows as one raw byte buffer), which
+   allocates the run's table once and receives each block straight into its
+   slice, then assembles the Run with :func:`distdiag.run.load_run`'s own
+   ``_assemble``.
+2. **Streaming.** A run over ``Config.stream_events`` rows (text and JSON
+   output, as the serial CLI) is read with the compute phases left out on
+   every analysis rank: rank 0 holds what a streamed serial analysis holds.
+3. **The collective rows stay where they were read** (a streamed run, K > 1:
+   :class:`_Held`, :class:`_Remote`). Rank 0 makes the run-wide tables from the
+   files' small ones (string lookups, the sig table: ``run._coll_sig_maps``)
+   and broadcasts them; each analysis rank makes its rows the serial
+   ``coll_rows`` of its ranks in place. The serial stages' calls on those
+   rows come to ``Run.coll_remote`` and are run by every analysis rank on its
+   own rows: the clock map (:func:`distdiag.clocks.align`), the causality
+   repairs (:func:`distdiag.clocks.check_causality`), and the **match, by
+   (communicator, sequence) key ranges** (:func:`_match_share`): each row goes
+   to the owner of its key range in one ``Alltoallv`` (37 bytes a row), each
+   owner matches its range (:func:`distdiag.match.match_part`) and rank 0
+   merges the parts (:func:`distdiag.match.merge_collectives`): the serial
+   match, field by field. The raw match the clock fit needs for ranks without
+   samples goes the same way.
+4. **The breakdown's band passes** (a streamed run, K > 1): once the match is
+   made, rank 0 broadcasts the run and the match; analysis ranks 1..K-1 each
+   compute a block of the bands (:func:`distdiag.breakdown.breakdown_part`,
+   reading their ranks' files again) while rank 0 runs the detectors, and the
+   breakdown puts their slices in place.
 
-Not split yet (measured, see benchmarks/bench_scale.py and the closing
-note of issue 10): clock alignment, collective matching by sequence ranges,
-and the detectors still run on analysis rank 0 over the whole run, so the
-speed-up is bounded by the share of the reading in the total (Amdahl), and
-rank 0 still needs the memory of the whole run.
+Not split (measured in the closing notes of issue 10): the clock fit, the
+causality check, the detectors and the ranking run on rank 0 over the matched
+collectives (a few numbers per group) and the resident rows; the detectors
+that read bands (input waits, serial sections, hangs, the Slurm view) read
+them on rank 0. A run in memory (``--format html``, ``--perfetto``, or under
+``stream_events``) gathers everything on rank 0 after the split read.
 
-What comes next (design, not built; see also distdiag/run.py):
-
-* Clock model: each analysis rank fits its ranks' sync rows (independent per
-  rank; the exit fallback needs the matched collectives, so it stays on the
-  owners below), maps its own rows in place, and ships aligned rows.
-* Matching by sequence ranges: the collective rows are the only cross-rank
-  input. Each analysis rank sends each (comm, seq) row to the owner of that
-  seq range (``block_of`` over seq, one ``Alltoallv`` of the collective
-  columns, ~45 B a row); owners run ``match_collectives`` on their ranges
-  (groups never straddle owners: a group is one (comm, seq)).
-* Per-rank stages (breakdown unions, input/h2d/io/metadata detectors) run
-  where the rank's rows were read; their per-rank partials are gathered (a
-  few numbers per rank). Group stages (straggler, serial section, mismatch,
-  hang) run on each owner's groups plus the last group of the previous range
-  (straggler's inherited lateness looks one seq back); findings are reduced
-  on rank 0 and ranked there, as now.
-* Byte-identical output is kept by reducing in (comm, seq) / rank order and
-  rendering only on rank 0, as the serial path orders them.
-
-Streaming (``distdiag.bands``, a run over ``Config.stream_events`` rows) works
-as in the serial analysis: each analysis rank leaves the compute phases out of
-what it ships (they are read again from the files, band by band, by the stages
-that need them), and ships its kept collective rows apart (``COLL_ROW_DTYPE``)
-with each file's small sig table; rank 0 re-points them into one buffer and
-assembles the same streamed Run, so it holds what a streamed serial analysis
-holds, not the whole table.
+Tests: tests/test_parallel.py, tests/test_parallel_match.py (every path of the
+exchange, under ``mpiexec -n 2/3/4``, against the serial in-memory JSON and
+match).
 
 Errors: a problem that leaves nothing to analyze is raised on rank 0 as
 :class:`DistdiagError` (the CLI prints one line); the other ranks return
-quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs.
+quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs: rank
+0's failures end the others' command loop (:meth:`_Remote.abort`), and an
+analysis rank's failure is said on rank 0 after the exchange it failed in.
 """
 
 from __future__ import annotations
@@ -142,35 +137,200 @@ def _gather_collectives(comm: Any, packer: _Packer, parts: list[dict[Path, tuple
     packer.coll, packer.coll_used, packer.coll_parts = buf, total, merged
 
 
-class _BreakdownSplit:
-    """Rank 0's side of the breakdown's band passes run on the other analysis ranks.
+class _Held:
+    """One analysis rank's own kept collective rows of a streamed run (``COLL_ROW_DTYPE``):
+    they stay where they were read. ``setup`` makes them what the serial run's
+    ``coll_rows`` holds for those ranks (:func:`distdiag.run._finish_coll_rows`: sorted,
+    global communicator ids and sigs), in rank order; the clock map and the causality
+    repairs are applied to them in place as rank 0's align applies them to its table."""
 
-    A streamed run's breakdown reads every rank's rows again from the files (the
-    longest stage at 1,024 x 100k: ~15 s of the streamed analysis). Once the
-    collectives are matched, rank 0 broadcasts the run (its resident rows, the
-    clock model, what the stream needs) and the match; analysis ranks 1..K-1
-    each take a block of the bands (:func:`distdiag.breakdown.breakdown_part`)
-    while rank 0 runs the detectors, and send their parts back before the
-    breakdown, which puts them in place. A run in memory (not streamed) or K = 1
-    keeps the breakdown on rank 0: the bands are views of the table there, and
-    shipping the table would cost what the pass costs.
+    def __init__(self, packer: _Packer) -> None:
+        self.buf = packer.coll
+        self.parts = dict(packer.coll_parts)  # this rank's files only: (offset, rows, sig table)
+        self.rows = np.zeros(0, COLL_ROW_DTYPE)
+
+    def setup(self, info: dict[Path, tuple[int, np.ndarray, np.ndarray, bool]]) -> None:
+        from distdiag.run import _finish_coll_rows
+
+        mine = sorted((info[q][0], q) for q in self.parts if q in info)  # kept files, by rank
+        spans = [self.parts[q][:2] for _, q in mine]
+        in_order = all(o == a for (o, _), a in zip(spans, np.cumsum([0] + [n for _, n in spans])))
+        total = sum(n for _, n in spans)
+        assert self.buf is not None or total == 0
+        rows = self.buf[:total] if (in_order and self.buf is not None) else np.empty(total, COLL_ROW_DTYPE)
+        off = 0
+        for (_, q), (o, n) in zip(mine, spans):  # per rank file of this block
+            sl = rows[off : off + n]
+            if not in_order:
+                sl[:] = self.buf[o : o + n]  # type: ignore[index]
+            _, lookup, sig_map, unsorted = info[q]
+            _finish_coll_rows(sl, lookup, sig_map, unsorted)
+            off += n
+        self.rows, self.buf, self.parts = rows, None, {}
+
+
+def _row_type(MPI: Any) -> Any:
+    """One ``COLL_ROW_DTYPE`` row as an MPI datatype: counts in rows, not bytes (37x smaller)."""
+    t = MPI.BYTE.Create_contiguous(COLL_ROW_DTYPE.itemsize)
+    t.Commit()
+    return t
+
+
+def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, run: Any = None) -> Any:
+    """Every analysis rank's share of the collective match (rank 0 passes the ``run`` being
+    matched: its in-flight rows). Returns the merged :class:`Collectives` on rank 0.
+
+    1. The scope (communicator membership pairs, the key radix) of every rank's rows and of
+       the in-flight rows, united (a few kB each).
+    2. Each rank's (key, rows) histogram to rank 0, which cuts the keys into K ranges of
+       about equal rows (:func:`distdiag.match.key_ranges`) and broadcasts the cuts.
+    3. One ``Alltoallv`` sends each row to the owner of its range; rows come from the
+       analysis ranks in file order, each in rank order, so an owner's rows are in the
+       serial table order (re-sorted by rank, stably, only when file and rank order differ).
+    4. Each owner matches its range (:func:`distdiag.match.match_part`, with its in-flight
+       rows from rank 0); rank 0 gathers the parts and merges them
+       (:func:`distdiag.match.merge_collectives`): the serial match, exactly.
+    A failure anywhere is said on rank 0 after every rank has left the exchange."""
+    from mpi4py import MPI
+
+    from distdiag.match import (
+        MatchPart,
+        MatchScope,
+        _selected_keys,
+        group_keys,
+        key_ranges,
+        match_part,
+        merge_collectives,
+    )
+
+    k, n = comm.Get_rank(), comm.Get_size()
+    rows = held.rows
+    inf_rows: Any = None
+    inf_keys_at: Any = None
+    scopes = [MatchScope.of_rows(rows["comm_id"], rows["seq"], rows["rank"])]
+    if k == 0:
+        isel, igot = _selected_keys(run.inflight)
+        inf_rows, inf_keys_at = run.inflight.take(isel), igot
+        scopes.append(MatchScope.of_rows(igot["comm_id"], igot["seq"], igot["rank"]))
+    scope = MatchScope.union([s for got in comm.allgather(scopes) for s in got])
+    keys = group_keys(rows["comm_id"], rows["seq"], scope.n_seq)
+    hist = comm.gather(np.unique(keys, return_counts=True), root=0)
+    cuts = None
+    if k == 0:
+        assert hist is not None
+        ks = [h[0] for h in hist] + [group_keys(inf_keys_at["comm_id"], inf_keys_at["seq"], scope.n_seq)]
+        cs = [h[1] for h in hist] + [np.ones(len(ks[-1]), np.int64)]
+        cuts = key_ranges(np.concatenate(ks), n, scope.n_seq, counts=np.concatenate(cs)).cuts
+    cuts = comm.bcast(cuts, root=0)
+    part = np.searchsorted(cuts, keys, side="right")
+    del keys
+    order = np.argsort(part, kind="stable")
+    send = rows.take(order)
+    del order
+    s_cnt = np.bincount(part, minlength=n).astype(np.int64)
+    del part
+    r_cnt = np.array(comm.alltoall(s_cnt.tolist()), np.int64)
+    recv = np.empty(int(r_cnt.sum()), COLL_ROW_DTYPE)
+    row_t = _row_type(MPI)
+    try:
+        s_dis, r_dis = np.cumsum(s_cnt) - s_cnt, np.cumsum(r_cnt) - r_cnt
+        comm.Alltoallv([send, (s_cnt, s_dis), row_t], [recv, (r_cnt, r_dis), row_t])
+    finally:
+        row_t.Free()
+    del send
+    if len(recv) > 1 and not bool(np.all(recv["rank"][1:] >= recv["rank"][:-1])):
+        recv = recv.take(np.argsort(recv["rank"], kind="stable"))  # file order is not rank order here
+    inf_parts = None
+    if k == 0:
+        assert inf_rows is not None
+        ip = np.searchsorted(cuts, group_keys(inf_keys_at["comm_id"], inf_keys_at["seq"], scope.n_seq), side="right")
+        inf_parts = [inf_rows[ip == j] for j in range(n)]  # a handful of rows per rank
+    mine_inf = comm.scatter(inf_parts, root=0)
+    got: Any
+    try:
+        got = match_part(MatchPart(recv, sigs, mine_inf), scope, strings)
+    except Exception as e:  # said on rank 0, once every rank is out of the exchange
+        got = f"analysis rank {k}: collective match failed ({type(e).__name__}: {e})"
+    del recv
+    parts = comm.gather(got, root=0)
+    if k != 0:
+        return None
+    assert parts is not None
+    bad = [p for p in parts if isinstance(p, str)]
+    if bad:
+        raise DistdiagError(bad[0])
+    merged = merge_collectives(parts)
+    merged.strings = strings
+    return merged
+
+
+class _Remote:
+    """Rank 0's handle on the analysis ranks of a streamed ``--parallel`` run: ``Run.coll_remote``.
+
+    The collective rows stay on the analysis ranks that read them (:class:`_Held`); the
+    serial stages' calls come here and are broadcast as commands, which every analysis
+    rank runs on its own rows (rank 0 too, on its block): ``map`` (the clock models,
+    from :func:`distdiag.clocks.align`), ``repair`` (the causality repairs, from
+    :func:`distdiag.clocks.check_causality`), ``match`` (:func:`distdiag.match.match_collectives`:
+    by key ranges, :func:`_match_share`). The pipeline's ``split`` hooks follow: once the
+    match is made, ``matched`` hands the other ranks the breakdown's bands
+    (:func:`distdiag.breakdown.breakdown_part`) while rank 0 runs the detectors, and
+    ``done`` collects their parts. Without held rows (a run in memory, or K = 1) only
+    the breakdown part applies, and only for a streamed run.
     """
 
-    def __init__(self, comm: Any) -> None:
-        self.comm = comm
-        self.sent = False
+    def __init__(self, comm: Any, held: _Held | None, sigs: np.ndarray | None, strings: np.ndarray) -> None:
+        self.comm, self.held, self.sigs, self.strings = comm, held, sigs, strings
         self.workers = 0
+        self.ended = False
         self.collected = False
 
+    def _cmd(self, name: str, arg: Any = None) -> None:
+        self.comm.bcast((name, arg), root=0)
+
+    def _status(self, err: str | None) -> None:
+        errs = [e for e in self.comm.gather(err, root=0) or [] if e]
+        if errs:
+            raise DistdiagError(errs[0])
+
+    def setup(self, info: dict[Path, tuple[int, np.ndarray, np.ndarray, bool]]) -> None:
+        """Every analysis rank makes its held rows the run's (see :class:`_Held`)."""
+        self._cmd("setup", (info, self.sigs, self.strings))
+        err = None
+        try:
+            if self.held is not None:
+                self.held.setup(info)
+        except Exception as e:
+            err = f"analysis rank 0: its collective rows failed ({type(e).__name__}: {e})"
+        self._status(err)
+
+    def map(self, models: Any) -> None:
+        self._cmd("map", models)
+        self._status(_run_op(self.comm, self.held, "map", models))
+
+    def repair(self, repairs: Any, base: int) -> None:
+        self._cmd("repair", (repairs, base))
+        self._status(_run_op(self.comm, self.held, "repair", (repairs, base)))
+
+    def match(self, run: Any) -> Any:
+        from distdiag.match import warn_repeats
+
+        self._cmd("match")
+        assert self.held is not None and self.sigs is not None
+        merged = _match_share(self.comm, self.held, self.sigs, self.strings, run)
+        warn_repeats(run, merged)
+        return merged
+
+    # the pipeline's split hooks (distdiag.pipeline.analyze_run) -------------------------
     def matched(self, run: Any, colls: Any) -> None:
-        n = self.comm.Get_size()
-        job = None
-        if n > 1 and run.streamed_kinds:
+        if self.comm.Get_size() > 1 and run.streamed_kinds:
             cache = {k: run.cache[k] for k in ("clock_model",) if k in run.cache}
-            job = (dataclasses.replace(run, cache=cache, warnings=[]), colls)
-            self.workers = n - 1
-        self.comm.bcast(job, root=0)
-        self.sent = True
+            job = (dataclasses.replace(run, cache=cache, warnings=[], coll_remote=None), colls)
+            self.workers = self.comm.Get_size() - 1
+            self._cmd("breakdown", job)
+        else:
+            self._cmd("end")
+        self.ended = True
 
     def done(self, run: Any) -> None:
         from distdiag.breakdown import PARTS
@@ -183,32 +343,66 @@ class _BreakdownSplit:
             run.cache[PARTS] = [p for p in parts if p is not None]
 
     def abort(self) -> None:
-        """Rank 0 failed: the others stop waiting for the run, or their parts are taken and dropped."""
-        if not self.sent:
-            self.comm.bcast(None, root=0)
-            self.sent = True
+        """Rank 0 failed: the others stop waiting for commands, or their parts are taken and dropped."""
+        if not self.ended:
+            self._cmd("end")
+            self.ended = True
         elif self.workers and not self.collected:
             for src in range(1, self.workers + 1):  # per analysis rank
                 self.comm.recv(source=src, tag=_TAG_PART)
             self.collected = True
 
 
-def _breakdown_worker(comm: Any) -> None:
-    """Analysis rank k > 0: wait for rank 0's matched run; compute block k - 1 of its bands."""
+def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
+    """One command on this analysis rank's held rows; an error as one line (None: done)."""
+    from distdiag.clocks import _map_inplace, _repair_table
+
+    try:
+        if held is not None and len(held.rows):
+            if name == "map":
+                _map_inplace(held.rows, ("t0_ns", "t1_ns"), arg)
+            elif name == "repair":
+                _repair_table(held.rows, *arg)
+        return None
+    except Exception as e:
+        return f"analysis rank {comm.Get_rank()}: {name} of its collective rows failed ({type(e).__name__}: {e})"
+
+
+def _serve(comm: Any, held: _Held | None) -> None:
+    """Analysis rank k > 0 after reading: run rank 0's commands until the breakdown or the end."""
     from distdiag.breakdown import breakdown_part
 
-    job = comm.bcast(None, root=0)
-    if job is None:
-        return
-    run, colls = job
-    k, n = comm.Get_rank(), comm.Get_size()
-    part: Any
-    try:
-        part = breakdown_part(run, colls, (k - 1, n - 1))
-    except Exception as e:  # rank 0 computes the breakdown itself when a part is missing
-        log.warning("analysis rank %d: breakdown part failed (%s: %s)", k, type(e).__name__, e)
-        part = _FAILED
-    comm.send(part, dest=0, tag=_TAG_PART)
+    sigs = strings = None
+    while True:
+        name, arg = comm.bcast(None, root=0)
+        if name == "setup":
+            info, sigs, strings = arg
+            err = None
+            try:
+                if held is not None:
+                    held.setup(info)
+            except Exception as e:
+                err = f"analysis rank {comm.Get_rank()}: its collective rows failed ({type(e).__name__}: {e})"
+            comm.gather(err, root=0)
+        elif name in ("map", "repair"):
+            comm.gather(_run_op(comm, held, name, arg), root=0)
+        elif name == "match":
+            assert held is not None and sigs is not None and strings is not None
+            _match_share(comm, held, sigs, strings)
+        elif name == "breakdown":
+            held = None  # matched: the rows are done with
+            run, colls = arg
+            k, n = comm.Get_rank(), comm.Get_size()
+            part: Any
+            try:
+                part = breakdown_part(run, colls, (k - 1, n - 1))
+            except Exception as e:  # rank 0 computes the breakdown itself when a part is missing
+                log.warning("analysis rank %d: breakdown part failed (%s: %s)", k, type(e).__name__, e)
+                part = _FAILED
+            comm.send(part, dest=0, tag=_TAG_PART)
+            return
+        else:  # "end"
+            return
 
 
 #: a part an analysis rank could not compute (rank 0 then computes the whole breakdown itself)
@@ -250,6 +444,8 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
     lo, hi = block_of(k, n_workers, len(files))
     mine, packer = _read_block(files[lo:hi], streamed)
     t_read = time.perf_counter()
+    # A streamed run on K > 1: the collective rows stay where they were read (_Held, _Remote)
+    remote = bool(streamed) and n_workers > 1 and packer.coll is not None
 
     if k != 0:
         # Metadata pickled (small); the event rows (rank column attached) as the
@@ -262,13 +458,14 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
                 d = dataclasses.replace(d, events=np.zeros(0, RUN_EVENT_DTYPE))  # the rows go by buffer below
             meta.append((d, w))
         # streaming: what the left-out rows need (per file), the kept collective rows' parts
-        comm.send((meta, counts, packer.stats, packer.coll_parts, packer.coll_used), dest=0)
+        comm.send((meta, counts, packer.stats, packer.coll_parts, packer.coll_bad, packer.coll_used), dest=0)
         if packer.used:
             comm.Send([packer.buf[: packer.used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_EVENTS)
-        if packer.coll is not None and packer.coll_used:
+        if packer.coll is not None and packer.coll_used and not remote:
             comm.Send([packer.coll[: packer.coll_used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_COLL)
+        held = _Held(packer) if remote else None
         del mine, packer, meta
-        _breakdown_worker(comm)
+        _serve(comm, held)
         return None
 
     # Rank 0: every block's metadata first, so the run's table is allocated once,
@@ -277,11 +474,13 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
     block_counts: list[list[int]] = [[len(d.events) if isinstance(d, _RankData) else 0 for d, _ in mine]]
     coll_used = [packer.coll_used]
     coll_parts = [packer.coll_parts]
+    held = _Held(packer) if remote else None  # rank 0's own rows, before the others' parts join
     for src in range(1, n_workers):  # per analysis rank, in file order
-        meta, counts, stats, parts, used = comm.recv(source=src)
+        meta, counts, stats, parts, bad, used = comm.recv(source=src)
         blocks.append(meta)
         block_counts.append(counts)
         packer.stats.update(stats)
+        packer.coll_bad.update(bad)
         coll_parts.append(parts)
         coll_used.append(used)
     total = sum(sum(c) for c in block_counts)
@@ -310,17 +509,25 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
     packer.used, packer.views = total, views
     # then their collective rows (each analysis rank sends its events first, then these:
     # large sends complete only when received, so rank 0 takes them in that order)
-    if packer.coll is not None:
+    if remote:  # the sig tables of every file (the rows stay where they are)
+        for parts in coll_parts[1:]:  # per analysis rank
+            packer.coll_parts.update(parts)
+        packer.coll_remote = True
+    elif packer.coll is not None:
         _gather_collectives(comm, packer, coll_parts, coll_used)
     t_gather = time.perf_counter()
     assert p is not None
-    split = _BreakdownSplit(comm)
+    split = _Remote(comm, held, None, np.zeros(0, object))
     try:
         run = _assemble(run_dir, p, files, got_all, warnings, packer)
+        if remote:
+            split.sigs, split.strings = run.coll_sigs, run.strings
+            split.setup(run.coll_remote)
+            run.coll_remote = split
     except BaseException:
         split.abort()
         raise
-    del got_all, blocks, mine, packer
+    del got_all, blocks, mine, packer, held
     t_assemble = time.perf_counter()
 
     from distdiag.config import Config
@@ -334,6 +541,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
     t_end = time.perf_counter()
     report.run.cache["parallel"] = {
         "workers": n_workers,
+        "collectives_held": remote,  # matched by key ranges where they were read
         "read_s": t_read - t_start,
         "gather_s": t_gather - t_read,
         "assemble_s": t_assemble - t_gather,

@@ -316,6 +316,10 @@ class Run:
     coll_rows: np.ndarray | None = field(default=None, repr=False)
     #: their other fields, one row per ``sig`` (``_SIG_DTYPE``, global string ids)
     coll_sigs: np.ndarray | None = field(default=None, repr=False)
+    #: ``--parallel``: the collective rows stay on the analysis ranks that read them
+    #: (``distdiag.parallel._Remote``: map, repair, match, fetch them there); None otherwise.
+    #: Right after :func:`_assemble`: per kept rank file, (rank, string lookup, sig map, unsorted).
+    coll_remote: Any = field(default=None, repr=False)
     _string_ids: dict[str, int] | None = field(default=None, repr=False)
 
     # -- strings ----------------------------------------------------------------
@@ -1038,36 +1042,54 @@ def _assemble_collectives(
     in_order = all(a == b for a, b in zip((o for o, _, _ in parts), np.cumsum([0] + [n for _, n, _ in parts])))
     total = sum(n for _, n, _ in parts)
     rows = packer.coll[:total] if in_order else np.empty(total, COLL_ROW_DTYPE)
+    sigs, maps = _coll_sig_maps([t for _, _, t in parts], lookups)
     off = 0
-    bad = 0
-    tables = []
-    for (o, n, table), lookup, path in zip(parts, lookups, paths):  # per rank: its slice and its small sig table
+    for (o, n, _), lookup, m, path in zip(parts, lookups, maps, paths):  # per rank: its slice
         sl = rows[off : off + n]
         if not in_order:
             sl[:] = packer.coll[o : o + n]
-        if packer.stats[path].unsorted and n > 1:
-            sl[:] = sl.take(np.argsort(sl["t0_ns"], kind="stable"))
-        comm, oob = _lookup_ids(sl["comm_id"], lookup)
-        sl["comm_id"] = comm
-        bad += int(np.count_nonzero(oob))
-        t = table.copy()
-        uses = np.bincount(sl["sig"], minlength=len(t)) if n else np.zeros(len(t), np.int64)
-        for f in ("name_id", "site_id", "aux"):  # the string-id fields (aux: the datatype of a collective)
-            t[f], oob = _lookup_ids(t[f], lookup)
-            bad += int(uses[oob].sum())
-        tables.append(t)
+        _finish_coll_rows(sl, lookup, m, packer.stats[path].unsorted)
         off += n
-    cat = np.concatenate(tables) if tables else np.zeros(0, _SIG_DTYPE)
+    return rows, sigs, sum(packer.coll_bad[p] for p in paths)
+
+
+def _coll_sig_maps(tables: list[np.ndarray], lookups: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The run's sig table (``_SIG_DTYPE``, global string ids, sorted) from each rank's own small
+    one (local string ids), and per rank its local sig -> global sig map. No rows needed:
+    ``--parallel`` makes it on rank 0 while the rows stay where they were read."""
+    remapped = []
+    for table, lookup in zip(tables, lookups):  # per rank: its small sig table
+        t = table.copy()
+        for f in ("name_id", "site_id", "aux"):  # the string-id fields (aux: the datatype of a collective)
+            t[f], _ = _lookup_ids(t[f], lookup)
+        remapped.append(t)
+    cat = np.concatenate(remapped) if remapped else np.zeros(0, _SIG_DTYPE)
     u, inv = np.unique(cat.view(_SIG_VOID), return_inverse=True)
     inv = inv.reshape(-1).astype(np.int32)
-    off, k = 0, 0
-    for (_, n, table) in parts:  # per rank: local sig -> global sig
-        m = inv[k : k + len(table)]
-        sl = rows[off : off + n]
-        sl["sig"] = m[sl["sig"]]
-        k += len(table)
-        off += n
-    return rows, u.view(_SIG_DTYPE), bad
+    cuts = np.cumsum([len(t) for t in tables])[:-1]
+    return u.view(_SIG_DTYPE), np.split(inv, cuts) if tables else []
+
+
+def _finish_coll_rows(sl: np.ndarray, lookup: np.ndarray, sig_map: np.ndarray, unsorted: bool) -> None:
+    """One rank's kept collective rows as the run holds them, in place: sorted by t0 (stable)
+    when the rank's rows came out of order, global communicator ids, global sigs."""
+    if unsorted and len(sl) > 1:
+        sl[:] = sl.take(np.argsort(sl["t0_ns"], kind="stable"))
+    sl["comm_id"], _ = _lookup_ids(sl["comm_id"], lookup)
+    sl["sig"] = sig_map[sl["sig"]]
+
+
+def _coll_bad(c: np.ndarray, table: np.ndarray, sig: np.ndarray, n_strings: int) -> int:
+    """Out-of-range string ids of one rank's kept collective rows (local ids, its string table
+    ``n_strings`` long), counted per row as the table's remap counts them: the comm id of each
+    row, and the op, site and datatype of each row through its sig."""
+    at = c["comm_id"].astype(np.int64)
+    bad = int(np.count_nonzero((at < 0) | (at >= n_strings)))
+    uses = np.bincount(sig, minlength=len(table)) if len(c) else np.zeros(len(table), np.int64)
+    for f in ("name_id", "site_id", "aux"):  # the string-id fields of the sig table
+        v = table[f].astype(np.int64)
+        bad += int(uses[(v < 0) | (v >= n_strings)].sum())
+    return bad
 
 
 def _attach_rank(arr: np.ndarray, dtype: np.dtype, rank: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -1187,6 +1209,11 @@ class _Packer:
         self.coll: np.ndarray | None = None
         self.coll_used = 0
         self.coll_parts: dict[Path, tuple[int, int, np.ndarray]] = {}
+        #: per rank file: out-of-range string ids of its kept collective rows (:func:`_coll_bad`)
+        self.coll_bad: dict[Path, int] = {}
+        #: ``--parallel``: the rows stay on the analysis rank that read them (``Run.coll_remote``):
+        #: :func:`_assemble` makes the sig table and each file's maps, and leaves the rows alone
+        self.coll_remote = False
         if self.drop is not None and self.drop[[int(k) for k in COMM_KINDS]].all():
             self.coll = _anon(max(1, rows), COLL_ROW_DTYPE)
         try:
@@ -1287,7 +1314,7 @@ class _Packer:
         self.stats[d.info.path] = st
         coll = None
         if self.coll is not None:
-            coll = self._keep_collectives(d.info.path, ev)
+            coll = self._keep_collectives(d.info.path, ev, len(d.strings))
         if dropped.any() and d.scan.rows and d.scan.id_umax >= len(d.strings):
             # out-of-range string ids of the rows that leave (the table's remap counts its own; the
             # kept collective rows are counted when assembled): the warning counts every row's
@@ -1306,7 +1333,7 @@ class _Packer:
         out[:] = kept
         return out
 
-    def _keep_collectives(self, path: Path, ev: np.ndarray) -> np.ndarray:
+    def _keep_collectives(self, path: Path, ev: np.ndarray, n_strings: int) -> np.ndarray:
         """Append the collective rows with a seq of one rank's ``ev`` to :attr:`coll`, their other
         fields as ids into the rank's own small table of distinct ones (:func:`_sig_table`).
         Returns which rows of ``ev`` it kept."""
@@ -1326,6 +1353,7 @@ class _Packer:
         table, sig = _sig_table(c)
         out["sig"] = sig
         self.coll_parts[path] = (self.coll_used, n, table)
+        self.coll_bad[path] = _coll_bad(c, table, sig, n_strings)
         self.coll_used += n
         return keep
 
@@ -1566,7 +1594,13 @@ def _assemble(
     if packer is not None and packer.drop is not None:
         bad_ids += sum(packer.stats[infos[r].path].bad_ids for r in ranks)
     coll_rows, coll_sigs = None, None
-    if packer is not None and packer.coll is not None:
+    coll_remote: Any = None
+    if packer is not None and packer.coll_remote:  # --parallel: the rows stay where they were read
+        paths = [infos[r].path for r in ranks]
+        coll_sigs, maps = _coll_sig_maps([packer.coll_parts[q][2] for q in paths], lookups)
+        bad_ids += sum(packer.coll_bad[q] for q in paths)
+        coll_remote = {q: (r, lk, m, packer.stats[q].unsorted) for q, r, lk, m in zip(paths, ranks, lookups, maps)}
+    elif packer is not None and packer.coll is not None:
         coll_rows, coll_sigs, bad = _assemble_collectives(packer, [infos[r].path for r in ranks], lookups)
         bad_ids += bad
         packer.coll = None
@@ -1596,6 +1630,7 @@ def _assemble(
         stream=stream,
         coll_rows=coll_rows,
         coll_sigs=coll_sigs,
+        coll_remote=coll_remote,
     )
 
 
@@ -1756,9 +1791,9 @@ def stream_out(run: Run) -> Run:
     ``pipeline.analyze_run`` calls it once the collectives are matched. The match keeps
     what the cross-rank stages read; the per-rank stages read the rows from the files with
     the phases (:mod:`distdiag.bands`). The cache (clock model, the match, ...) carries over."""
-    if run.coll_rows is None:
+    if run.coll_rows is None and run.coll_remote is None:
         return run
-    out = run.replace(coll_rows=None, coll_sigs=None)
+    out = run.replace(coll_rows=None, coll_sigs=None, coll_remote=None)
     out.cache = run.cache
     return out
 

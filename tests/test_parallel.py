@@ -116,7 +116,8 @@ def test_parallel_streams_what_the_serial_analysis_streams(tmp_path: Path) -> No
         "    ev = rep.run.events\n"
         "    json.dump({'streamed': sorted(rep.run.streamed_kinds),\n"
         "               'forward_rows': int((ev['kind'] == int(Kind.FORWARD)).sum()),\n"
-        "               'coll_rows_after': rep.run.coll_rows is not None}, open(sys.argv[2], 'w'))\n"
+        "               'coll_rows_after': rep.run.coll_rows is not None,\n"
+        "               'held': rep.run.cache['parallel']['collectives_held']}, open(sys.argv[2], 'w'))\n"
     )
     got = _run([MPIEXEC or "mpiexec", "-n", "3", sys.executable, "-c", code, str(d), str(out)])
     assert got.returncode == 0, got.stderr
@@ -125,7 +126,8 @@ def test_parallel_streams_what_the_serial_analysis_streams(tmp_path: Path) -> No
     from distdiag.run import STREAMED_KINDS
 
     facts = json.loads(out.read_text())
-    assert facts == {"streamed": sorted(STREAMED_KINDS), "forward_rows": 0, "coll_rows_after": False}
+    # and the collective rows stayed on the analysis ranks that read them (matched there)
+    assert facts == {"streamed": sorted(STREAMED_KINDS), "forward_rows": 0, "coll_rows_after": False, "held": True}
 
 
 _PARTS_CHILD = """

@@ -1,0 +1,170 @@
+"""``--parallel`` on a streamed run: the collective rows stay on the analysis rank that read
+them, which maps, repairs and matches them by key ranges (distdiag.parallel._Remote,
+_match_share). Under a real ``mpiexec``, the JSON must be the serial in-memory one, byte
+for byte, on the runs that take each path of that exchange:
+
+* a clock model that is confidently wrong (the causality repair moves rank 5's times:
+  the held rows are repaired in place, then matched again);
+* a rank without clock samples (the fit matches the RAW rows: the exit fallback);
+* per-rank string ids and rows out of time order (each file's rows sorted and remapped
+  where they are held), damaged string ids and two files claiming one rank;
+* rank files whose names are not in rank order (an owner's rows come in file order and
+  are re-sorted by rank);
+* five communicators with mismatches, in-flight members and a repeated row;
+* a real job killed inside a collective (in-flight rows, a missing member).
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from test_match_ranges import _same as same_match
+from test_parallel import MPIEXEC, _run
+
+from distdiag.config import Config
+from distdiag.pipeline import analyze
+from distdiag.render import render
+from distdiag.synth import synth
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+
+
+_CHILD = """
+import pickle, sys
+from distdiag.config import Config
+from distdiag.parallel import analyze_parallel
+from distdiag.render import render
+rep = analyze_parallel(sys.argv[1], Config(stream_events=0))
+if rep is not None:
+    assert rep.run.cache["parallel"]["collectives_held"] == (rep.run.cache["parallel"]["workers"] > 1)
+    with open(sys.argv[2], "wb") as f:
+        pickle.dump((render(rep, "json"), rep.collectives), f)
+"""
+
+
+def _same(tmp: Path, d: Path, ns: tuple[int, ...] = (2, 3)) -> str:
+    """The JSON of ``mpiexec -n N`` streamed analyses equals the serial in-memory one, and so
+    does their match, field by field (member order included: ties decide the last arriver)."""
+    ser = analyze(d, Config(stream_events=-1))
+    text = render(ser, "json")
+    for n in ns:
+        out = tmp / f"par{n}.pickle"
+        got = _run([MPIEXEC or "mpiexec", "-n", str(n), sys.executable, "-c", _CHILD, str(d), str(out)])
+        assert got.returncode == 0, got.stderr
+        with open(out, "rb") as f:
+            par_text, par_colls = pickle.load(f)
+        assert par_text == text, n
+        same_match(ser.collectives, par_colls)
+    return text  # type: ignore[no-any-return]
+
+
+def test_a_causality_repair_of_the_held_rows(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    synth(d, ranks=8, events=2000, fault="straggler", ranks_per_host=2)
+    with h5py.File(d / "rank-00005.h5", "r+") as f:  # rank 5's samples 3 ms off: repaired
+        s = f["clock_sync"][...]
+        s["t_ref_ns"] -= 3_000_000
+        f["clock_sync"][...] = s
+    ser = _same(tmp_path, d)
+    assert "repaired with a controlled logical clock" in ser, "the run must need a repair"
+
+
+def test_a_rank_without_clock_samples_is_fitted_from_the_raw_match(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    synth(d, ranks=6, events=1500, fault="serial", ranks_per_host=2)
+    with h5py.File(d / "rank-00003.h5", "r+") as f:
+        s = f["clock_sync"][...]
+        del f["clock_sync"]
+        f.create_dataset("clock_sync", data=s[:0])
+    ser = _same(tmp_path, d)
+    assert "aligned from collective exits" in ser
+
+
+def test_per_rank_strings_rows_out_of_order_damaged_ids_and_a_rank_claimed_twice(tmp_path: Path) -> None:
+    from distdiag.schema import Kind
+
+    d = tmp_path / "run"
+    synth(d, ranks=9, events=1500, fault="straggler", ranks_per_host=3, seed=4)
+    with h5py.File(d / "rank-00002.h5", "r+") as f:  # another string order, rows flushed out of order
+        strings = f["strings"][...]
+        perm = np.r_[0, np.arange(len(strings) - 1, 0, -1)]
+        inv = np.argsort(perm)
+        ev = f["events"][...]
+        for col in ("name_id", "comm_id", "site_id"):
+            ev[col] = inv[ev[col]]
+        aux_str = np.isin(ev["kind"], [int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT), *range(20, 26)])
+        ev["aux"][aux_str] = inv[ev["aux"][aux_str]]
+        half = len(ev) // 2
+        f["events"][...] = np.concatenate([ev[half:], ev[:half]])
+        f["strings"][...] = strings[perm]
+    with h5py.File(d / "rank-00006.h5", "r+") as f:  # ids beyond the string table, collectives included
+        ev = f["events"][...]
+        ev["comm_id"][::89] = 777
+        ev["name_id"][::97] = 999
+        f["events"][...] = ev
+    with h5py.File(d / "rank-00004.h5", "r+") as f:  # claims rank 7 too: one of the two is skipped
+        f.attrs["rank"] = 7
+    ser = _same(tmp_path, d)
+    assert "string ids point outside" in ser and "appears in both" in ser
+
+
+def test_rank_files_named_out_of_rank_order_with_tied_arrivals(tmp_path: Path) -> None:
+    # One host (one clock). Rank 5 straggles; rank 2 enters every all-reduce at the very
+    # nanosecond rank 5 does, so the two tie for last and the serial order (ties by row,
+    # i.e. by rank) names rank 5. Their files swap names, so each analysis rank's rows are
+    # in rank order but the blocks are not (rank 5's rows reach an owner before rank 2's),
+    # and rank 3's rows are flushed out of time order: an owner must put its rows in the
+    # serial order, or rank 2 is named.
+    from distdiag.schema import Kind
+
+    d = tmp_path / "run"
+    synth(d, ranks=8, events=1200, fault="straggler", ranks_per_host=8, seed=6)
+    coll = int(Kind.COLL)
+    with h5py.File(d / "rank-00005.h5", "r") as f:
+        ev5 = f["events"][...]
+    c5 = ev5[(ev5["kind"] == coll) & (ev5["seq"] >= 0)]
+    late = dict(zip(c5["seq"].tolist(), c5["t0_ns"].tolist()))
+    with h5py.File(d / "rank-00002.h5", "r+") as f:
+        ev = f["events"][...]
+        m = (ev["kind"] == coll) & (ev["seq"] >= 0)
+        ev["t0_ns"][m] = [late[q] for q in ev["seq"][m].tolist()]
+        f["events"][...] = ev
+    with h5py.File(d / "rank-00003.h5", "r+") as f:
+        ev = f["events"][...]
+        half = len(ev) // 2
+        f["events"][...] = np.concatenate([ev[half:], ev[:half]])
+    (d / "rank-00002.h5").rename(d / "tmp.h5")
+    (d / "rank-00005.h5").rename(d / "rank-00002.h5")
+    (d / "tmp.h5").rename(d / "rank-00005.h5")
+    _same(tmp_path, d, ns=(2, 3))
+
+
+def test_five_communicators_with_mismatches_in_flight_members_and_a_repeated_row(tmp_path: Path) -> None:
+    from test_match_columns import _write_differing_run
+
+    d = tmp_path / "run"
+    _write_differing_run(d, repeat=True)
+    ser = _same(tmp_path, d, ns=(2, 3, 4))
+    assert '"kind": "collective_mismatch"' in ser and "repeat a (communicator, seq, rank)" in ser
+
+
+def test_a_job_killed_inside_a_collective(tmp_path: Path) -> None:
+    from test_hang import _run_and_kill
+
+    d = _run_and_kill(tmp_path, "kill")
+    ser = _same(tmp_path, d)
+    assert '"kind": "hang"' in ser
+
+
+def test_the_cli_is_unchanged_for_one_analysis_rank(tmp_path: Path) -> None:
+    # K = 1: nothing is held apart (one rank reads and matches everything, as the serial path)
+    d = tmp_path / "run"
+    synth(d, ranks=4, events=800, fault="straggler", ranks_per_host=2)
+    assert shutil.which(MPIEXEC or "mpiexec") and sys.executable
+    _same(tmp_path, d, ns=(1,))
