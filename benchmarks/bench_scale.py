@@ -171,9 +171,16 @@ def _child(run_dir: str, parallel: bool) -> int:
 
         from distdiag.parallel import analyze_parallel
 
-        rep = analyze_parallel(run_dir)
+        cfg = None
+        if os.environ.get("DISTDIAG_BENCH_STREAM_EVENTS"):  # --stream-events: the streamed analysis at any size
+            from distdiag.config import Config
+
+            cfg = Config(stream_events=int(os.environ["DISTDIAG_BENCH_STREAM_EVENTS"]))
+        rep = analyze_parallel(run_dir, cfg)
         stages = rep.run.cache.get("parallel") if rep is not None else None
         rank = MPI.COMM_WORLD.Get_rank()
+        # every analysis rank's peak (the machine holds them all): rank 0 reports the list
+        all_rss = MPI.COMM_WORLD.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, root=0)
     else:
         import inspect
 
@@ -182,7 +189,7 @@ def _child(run_dir: str, parallel: bool) -> int:
         # as `distdiag analyze --format json` does: a large run streams (an older tree cannot)
         kw: dict[str, Any] = {"stream": True} if "stream" in inspect.signature(analyze).parameters else {}
         rep = analyze(run_dir, **kw)
-        stages, rank = None, 0
+        stages, rank, all_rss = None, 0, None
     if rep is not None:
         from distdiag.render import render
 
@@ -194,7 +201,7 @@ def _child(run_dir: str, parallel: bool) -> int:
         print(json.dumps({
             "wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "rss_mb": ru.ru_maxrss / 1024,
             "verdict": None if top is None else [top.kind, top.ranks[:3], round(top.cost_s, 2)],
-            "json_bytes": len(out), "stages": stages,
+            "json_bytes": len(out), "stages": stages, "rss_all_mb": all_rss,
         }))  # fmt: skip
     return 0
 
@@ -387,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grid", default="16x10000,64x10000,256x10000,1024x1000,1024x10000,16x100000,64x100000")
     ap.add_argument("--base", type=Path, default=Path("/tmp/distdiag-scale"))
     ap.add_argument("--parallel", default="", help="RxM run for the --parallel speed-up")
+    ap.add_argument("--stream-events", type=int, default=None,
+                    help="the --parallel runs' Config.stream_events (0: stream at any size)")
     ap.add_argument("--ks", default="1,2,4")
     ap.add_argument("--max-events", type=float, default=2e7)
     ap.add_argument("--timeout", type=float, default=3000)
@@ -463,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{min(r[1] for r in new_rows):5.1f}", flush=True)  # fmt: skip
 
     if ns.parallel:
+        if ns.stream_events is not None:
+            os.environ["DISTDIAG_BENCH_STREAM_EVENTS"] = str(ns.stream_events)
         ranks, events = _size(ns.parallel)
         d, truth = _ensure_run(ns.base, ranks, events)
         mpiexec = shutil.which("mpiexec") or "mpiexec"
@@ -475,10 +486,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             base_wall = base_wall or res["wall_s"]
             st = res["stages"] or {}
+            every = res.get("rss_all_mb") or [res["rss_mb"]]
             print(f"--parallel {ranks}x{events} K={k}: wall {res['wall_s']:.1f} s (speed-up {base_wall / res['wall_s']:.2f}), "
-                  f"rank 0: read {st.get('read_s', 0):.1f} s, gather {st.get('gather_s', 0):.1f} s, "
-                  f"assemble {st.get('assemble_s', 0):.1f} s, analyze {st.get('analyze_s', 0):.1f} s; "
-                  f"rank 0 peak RSS {res['rss_mb']:.0f} MB (load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+                  f"cpu (rank 0) {res['cpu_s']:.1f} s, rank 0: read {st.get('read_s', 0):.1f} s, "
+                  f"gather {st.get('gather_s', 0):.1f} s, assemble {st.get('assemble_s', 0):.1f} s, "
+                  f"analyze {st.get('analyze_s', 0):.1f} s (align+match {st.get('align_match_s', 0):.1f}, "
+                  f"detectors {st.get('detectors_s', 0):.1f}, wait for parts {st.get('wait_parts_s', 0):.1f}, "
+                  f"breakdown+report {st.get('breakdown_s', 0):.1f}), collectives held {st.get('collectives_held')} "
+                  f"(match steps {st.get('match_steps')}); "
+                  f"peak RSS rank 0 {res['rss_mb']:.0f} MB, all ranks {sum(every):.0f} MB "
+                  f"({', '.join(f'{x:.0f}' for x in every)}), verdict {res['verdict']} "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     return 0
 
 

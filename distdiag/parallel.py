@@ -213,8 +213,11 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
         inf_rows, inf_keys_at = run.inflight.take(isel), igot
         scopes.append(MatchScope.of_rows(igot["comm_id"], igot["seq"], igot["rank"]))
     scope = MatchScope.union([s for got in comm.allgather(scopes) for s in got])
+    t = [time.perf_counter()]
     keys = group_keys(rows["comm_id"], rows["seq"], scope.n_seq)
-    hist = comm.gather(np.unique(keys, return_counts=True), root=0)
+    # The cuts only balance the work (any cuts give the serial match): a histogram of every
+    # _HIST_STRIDE-th row's key is enough, and costs a sort of 1/64 of the rows.
+    hist = comm.gather(np.unique(keys[::_HIST_STRIDE], return_counts=True), root=0)
     cuts = None
     if k == 0:
         assert hist is not None
@@ -222,13 +225,14 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
         cs = [h[1] for h in hist] + [np.ones(len(ks[-1]), np.int64)]
         cuts = key_ranges(np.concatenate(ks), n, scope.n_seq, counts=np.concatenate(cs)).cuts
     cuts = comm.bcast(cuts, root=0)
-    part = np.searchsorted(cuts, keys, side="right")
+    part = np.searchsorted(cuts, keys, side="right").astype(np.int16 if n < 1 << 15 else np.int32)
     del keys
-    order = np.argsort(part, kind="stable")
+    order = np.argsort(part, kind="stable")  # small ints: numpy's radix sort, linear
     send = rows.take(order)
     del order
     s_cnt = np.bincount(part, minlength=n).astype(np.int64)
     del part
+    t.append(time.perf_counter())
     r_cnt = np.array(comm.alltoall(s_cnt.tolist()), np.int64)
     recv = np.empty(int(r_cnt.sum()), COLL_ROW_DTYPE)
     row_t = _row_type(MPI)
@@ -238,6 +242,7 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     finally:
         row_t.Free()
     del send
+    t.append(time.perf_counter())
     if len(recv) > 1 and not bool(np.all(recv["rank"][1:] >= recv["rank"][:-1])):
         recv = recv.take(np.argsort(recv["rank"], kind="stable"))  # file order is not rank order here
     inf_parts = None
@@ -252,7 +257,9 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     except Exception as e:  # said on rank 0, once every rank is out of the exchange
         got = f"analysis rank {k}: collective match failed ({type(e).__name__}: {e})"
     del recv
+    t.append(time.perf_counter())
     parts = comm.gather(got, root=0)
+    t.append(time.perf_counter())
     if k != 0:
         return None
     assert parts is not None
@@ -261,7 +268,16 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
         raise DistdiagError(bad[0])
     merged = merge_collectives(parts)
     merged.strings = strings
+    t.append(time.perf_counter())
+    MATCH_STEPS.clear()
+    MATCH_STEPS.update(zip(("ranges_s", "alltoallv_s", "match_s", "gather_s", "merge_s"), np.diff(t).round(3).tolist()))
     return merged
+
+
+#: every _HIST_STRIDE-th held row's key goes into the histogram the key ranges are cut from
+_HIST_STRIDE = 64
+#: rank 0's seconds in each step of the last :func:`_match_share` (cache["parallel"]["match_steps"])
+MATCH_STEPS: dict[str, float] = {}
 
 
 class _Remote:
@@ -284,6 +300,8 @@ class _Remote:
         self.workers = 0
         self.ended = False
         self.collected = False
+        #: when rank 0 passed each step (time.perf_counter): the stage figures of cache["parallel"]
+        self.t: dict[str, float] = {}
 
     def _cmd(self, name: str, arg: Any = None) -> None:
         self.comm.bcast((name, arg), root=0)
@@ -323,6 +341,7 @@ class _Remote:
 
     # the pipeline's split hooks (distdiag.pipeline.analyze_run) -------------------------
     def matched(self, run: Any, colls: Any) -> None:
+        self.t["matched"] = time.perf_counter()
         if self.comm.Get_size() > 1 and run.streamed_kinds:
             cache = {k: run.cache[k] for k in ("clock_model",) if k in run.cache}
             job = (dataclasses.replace(run, cache=cache, warnings=[], coll_remote=None), colls)
@@ -335,9 +354,11 @@ class _Remote:
     def done(self, run: Any) -> None:
         from distdiag.breakdown import PARTS
 
+        self.t["detected"] = time.perf_counter()
         if not self.workers or self.collected:
             return
         parts = [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, self.workers + 1)]
+        self.t["parts"] = time.perf_counter()
         self.collected = True
         if not any(isinstance(p, str) for p in parts):  # one failed: rank 0 computes every band itself
             run.cache[PARTS] = [p for p in parts if p is not None]
@@ -351,6 +372,16 @@ class _Remote:
             for src in range(1, self.workers + 1):  # per analysis rank
                 self.comm.recv(source=src, tag=_TAG_PART)
             self.collected = True
+
+
+def _spans(t0: float, t: dict[str, float], t_end: float) -> dict[str, float]:
+    """Seconds between rank 0's steps (:attr:`_Remote.t`), named by the step they end."""
+    out, prev = {}, t0
+    for name, key in (("align_match_s", "matched"), ("detectors_s", "detected"), ("wait_parts_s", "parts")):
+        if key in t:
+            out[name], prev = t[key] - prev, t[key]
+    out["breakdown_s"] = t_end - prev
+    return out
 
 
 def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
@@ -546,6 +577,10 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         "gather_s": t_gather - t_read,
         "assemble_s": t_assemble - t_gather,
         "analyze_s": t_end - t_assemble,
+        # within analyze: align + match (and the breakdown job sent), the detectors, the wait
+        # for the others' breakdown parts, the breakdown and report
+        **_spans(t_assemble, split.t, t_end),
+        "match_steps": dict(MATCH_STEPS) if remote else None,
         "total_s": t_end - t_start,
     }
     log.info("parallel analysis on %d ranks: %s", n_workers, report.run.cache["parallel"])
