@@ -168,3 +168,28 @@ def test_the_cli_is_unchanged_for_one_analysis_rank(tmp_path: Path) -> None:
     synth(d, ranks=4, events=800, fault="straggler", ranks_per_host=2)
     assert shutil.which(MPIEXEC or "mpiexec") and sys.executable
     _same(tmp_path, d, ns=(1,))
+
+
+def test_a_worker_gets_exactly_its_ranks_members(tmp_path: Path) -> None:
+    # The breakdown job of an analysis rank carries only its ranks' members
+    # (parallel._members_of): every member column, plain or per group with exceptions
+    # (op, bytes, root, site, datatype differ on some ranks here), equals the whole
+    # match's column at those members.
+    from test_match_columns import _write_differing_run
+
+    from distdiag.clocks import align
+    from distdiag.match import collectives_of
+    from distdiag.parallel import _members_of
+    from distdiag.run import load_run
+
+    d = tmp_path / "run"
+    _write_differing_run(d, repeat=True)
+    colls = collectives_of(align(load_run(d), inplace=True))
+    assert len(colls.m_op.exc_rows) and len(colls.m_nbytes.exc_rows)
+    for lo, hi in ((0, 12), (0, 1), (3, 7), (11, 12), (5, 5)):
+        keep = (colls.m_rank >= lo) & (colls.m_rank < hi)
+        sub = _members_of(colls, lo, hi)
+        for f in ("m_group", "m_rank", "m_t0_ns", "m_t1_ns", "m_kind", "m_op", "m_nbytes", "m_peer", "m_site", "m_aux"):
+            whole, part = np.asarray(getattr(colls, f)), np.asarray(getattr(sub, f))
+            assert part.dtype == whole.dtype and np.array_equal(part, whole[keep]), (lo, hi, f)
+        assert np.array_equal(sub.g_last_ns, colls.g_last_ns) and sub.n_dup == colls.n_dup
