@@ -318,3 +318,24 @@ def write_rank(
     path = run_dir / rank_file_name(rank)
     write_rank_file(path, a, ev, list(strings), inflight=inf)
     return path
+
+
+def reorder_strings_and_rows(path: Path) -> None:
+    """Give a rank file another string order (ids follow the order a rank first met a
+    string, so ranks' ids differ) and flush its rows out of time order (two halves swapped)."""
+    import h5py
+
+    from distdiag.schema import Kind
+
+    with h5py.File(path, "r+") as f:
+        strings = f["strings"][...]
+        perm = np.r_[0, np.arange(len(strings) - 1, 0, -1)]  # id 0 stays ""
+        inv = np.argsort(perm)
+        ev = f["events"][...]
+        for col in ("name_id", "comm_id", "site_id"):
+            ev[col] = inv[ev[col]]
+        aux_str = np.isin(ev["kind"], [int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT), *range(20, 26)])
+        ev["aux"][aux_str] = inv[ev["aux"][aux_str]]
+        half = len(ev) // 2
+        f["events"][...] = np.concatenate([ev[half:], ev[:half]])
+        f["strings"][...] = strings[perm]

@@ -17,13 +17,13 @@ for byte, on the runs that take each path of that exchange:
 from __future__ import annotations
 
 import pickle
-import shutil
 import sys
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from factories import reorder_strings_and_rows
 from test_match_ranges import _same as same_match
 from test_parallel import MPIEXEC, _run
 
@@ -87,22 +87,9 @@ def test_a_rank_without_clock_samples_is_fitted_from_the_raw_match(tmp_path: Pat
 
 
 def test_per_rank_strings_rows_out_of_order_damaged_ids_and_a_rank_claimed_twice(tmp_path: Path) -> None:
-    from distdiag.schema import Kind
-
     d = tmp_path / "run"
     synth(d, ranks=9, events=1500, fault="straggler", ranks_per_host=3, seed=4)
-    with h5py.File(d / "rank-00002.h5", "r+") as f:  # another string order, rows flushed out of order
-        strings = f["strings"][...]
-        perm = np.r_[0, np.arange(len(strings) - 1, 0, -1)]
-        inv = np.argsort(perm)
-        ev = f["events"][...]
-        for col in ("name_id", "comm_id", "site_id"):
-            ev[col] = inv[ev[col]]
-        aux_str = np.isin(ev["kind"], [int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT), *range(20, 26)])
-        ev["aux"][aux_str] = inv[ev["aux"][aux_str]]
-        half = len(ev) // 2
-        f["events"][...] = np.concatenate([ev[half:], ev[:half]])
-        f["strings"][...] = strings[perm]
+    reorder_strings_and_rows(d / "rank-00002.h5")  # another string order, rows flushed out of order
     with h5py.File(d / "rank-00006.h5", "r+") as f:  # ids beyond the string table, collectives included
         ev = f["events"][...]
         ev["comm_id"][::89] = 777
@@ -162,11 +149,11 @@ def test_a_job_killed_inside_a_collective(tmp_path: Path) -> None:
     assert '"kind": "hang"' in ser
 
 
-def test_the_cli_is_unchanged_for_one_analysis_rank(tmp_path: Path) -> None:
-    # K = 1: nothing is held apart (one rank reads and matches everything, as the serial path)
+def test_one_analysis_rank_holds_nothing_apart(tmp_path: Path) -> None:
+    # K = 1: nothing is held apart (one rank reads and matches everything, as the serial
+    # path; the child checks collectives_held is False)
     d = tmp_path / "run"
     synth(d, ranks=4, events=800, fault="straggler", ranks_per_host=2)
-    assert shutil.which(MPIEXEC or "mpiexec") and sys.executable
     _same(tmp_path, d, ns=(1,))
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from factories import reorder_strings_and_rows
 
 from distdiag import bands
 from distdiag.config import Config
@@ -83,21 +84,9 @@ def test_streamed_bands_equal_the_table_when_the_clock_repair_moves_times(tmp_pa
 def test_streaming_with_per_rank_string_ids_and_rows_out_of_time_order(tmp_path: Path) -> None:
     d = tmp_path / "run"
     synth(d, ranks=6, events=3000, fault="serial", ranks_per_host=2)
-    with h5py.File(d / "rank-00002.h5", "r+") as f:
-        # another string order on rank 2 (ids follow the order a rank first met a string) ...
-        strings = f["strings"][...]
-        perm = np.r_[0, np.arange(len(strings) - 1, 0, -1)]  # id 0 stays ""
-        inv = np.argsort(perm)
-        ev = f["events"][...]
-        for col in ("name_id", "comm_id", "site_id"):
-            ev[col] = inv[ev[col]]
-        aux_str = np.isin(ev["kind"], [int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT), *range(20, 26)])
-        ev["aux"][aux_str] = inv[ev["aux"][aux_str]]
-        # ... and its rows flushed out of time order (two chunks swapped)
-        half = len(ev) // 2
-        ev = np.concatenate([ev[half:], ev[:half]])
-        f["events"][...] = ev
-        f["strings"][...] = strings[perm]
+    # another string order on rank 2 (ids follow the order a rank first met a string), and its
+    # rows flushed out of time order
+    reorder_strings_and_rows(d / "rank-00002.h5")
     mem = load_run(d)
     r2 = mem.events[mem.events["rank"] == 2]
     assert (np.diff(r2["t0_ns"]) >= 0).all()  # sorted on load
