@@ -87,6 +87,7 @@ _TAG_COLL = 18
 _TAG_PART = 19
 _TAG_JOB = 20
 _TAG_MATCH = 21
+_TAG_FIRSTS = 22
 
 
 def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
@@ -380,6 +381,7 @@ class _Remote:
         """The match is made: each of ranks 1..K-1 gets its block of the breakdown's bands, with the
         run and only its ranks' members of the match (:func:`_members_of`); rank 0 keeps block 0."""
         from distdiag.bands import part_edges
+        from distdiag.slurm import needs_rank_firsts, put_rank_firsts, rank_firsts_part
 
         self.t["matched"] = time.perf_counter()
         self.colls = colls
@@ -388,12 +390,19 @@ class _Remote:
             cache = {k: run.cache[k] for k in ("clock_model",) if k in run.cache}
             lite = dataclasses.replace(run, cache=cache, warnings=[], coll_remote=None)
             self.workers = n - 1
+            firsts = needs_rank_firsts(run)  # the Slurm view's per-rank pass, before the detectors
             self._cmd("breakdown")
             for dst in range(1, n):  # per analysis rank: its bands' ranks
                 edges = part_edges(run, (dst, n))
                 sub = _members_of(colls, edges[0][0], edges[-1][1]) if edges else None
-                _send_big(self.comm, (lite, sub), dst, _TAG_JOB)
+                _send_big(self.comm, (lite, sub, firsts), dst, _TAG_JOB)
             self.t["sent"] = time.perf_counter()
+            if firsts:  # rank 0's block, then the others' (each sends them before its breakdown part)
+                got = [_or_failed(rank_firsts_part, run, (0, n))]
+                got += [self.comm.recv(source=src, tag=_TAG_FIRSTS) for src in range(1, n)]
+                if not any(isinstance(g, str) for g in got):  # else the Slurm view makes them on rank 0
+                    put_rank_firsts(run, got)
+                self.t["firsts"] = time.perf_counter()
         else:
             self._cmd("end")
         self.ended = True
@@ -454,11 +463,21 @@ def _members_of(colls: Any, r_lo: int, r_hi: int) -> Any:
     )  # fmt: skip
 
 
+def _or_failed(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or :data:`_FAILED` when it raises (said in the log): a part rank 0 then
+    computes itself, so a failure here costs time, never the report or a hang."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        log.warning("analysis rank part %s failed (%s: %s)", getattr(fn, "__name__", fn), type(e).__name__, e)
+        return _FAILED
+
+
 def _spans(t0: float, t: dict[str, float], t_end: float) -> dict[str, float]:
     """Seconds between rank 0's steps (:attr:`_Remote.t`), named by the step they end."""
     out, prev = {}, t0
-    steps = (("align_match_s", "matched"), ("send_jobs_s", "sent"), ("detectors_s", "detected"),
-             ("own_part_s", "own_part"), ("wait_parts_s", "parts"))  # fmt: skip
+    steps = (("align_match_s", "matched"), ("send_jobs_s", "sent"), ("slurm_firsts_s", "firsts"),
+             ("detectors_s", "detected"), ("own_part_s", "own_part"), ("wait_parts_s", "parts"))  # fmt: skip
     for name, key in steps:
         if key in t:
             out[name], prev = t[key] - prev, t[key]
@@ -484,6 +503,7 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
 def _serve(comm: Any, held: _Held | None) -> None:
     """Analysis rank k > 0 after reading: run rank 0's commands until the breakdown or the end."""
     from distdiag.breakdown import breakdown_part
+    from distdiag.slurm import rank_firsts_part
 
     sigs = strings = None
     while True:
@@ -504,8 +524,10 @@ def _serve(comm: Any, held: _Held | None) -> None:
             _match_share(comm, held, sigs, strings)
         elif name == "breakdown":
             held = None  # matched: the rows are done with
-            run, colls = _recv_big(comm, 0, _TAG_JOB)
+            run, colls, firsts = _recv_big(comm, 0, _TAG_JOB)
             k, n = comm.Get_rank(), comm.Get_size()
+            if firsts:  # the Slurm view's per-rank firsts of this rank's bands, first: rank 0 waits for them
+                comm.send(_or_failed(rank_firsts_part, run, (k, n)), dest=0, tag=_TAG_FIRSTS)
             part: Any
             try:
                 part = None if colls is None else breakdown_part(run, colls, (k, n))

@@ -453,15 +453,48 @@ def _rank_firsts(run: Any) -> _RankFirsts:
     segment is found by a search of the band's per-rank row bounds, no rank
     column is gathered). Nothing depends on where the bands fall: each rank's
     rows are all in one band, and every number is the rank's own."""
-    got = run.cache.get("slurm.rank_firsts")
+    got = run.cache.get(RANK_FIRSTS)
     if isinstance(got, _RankFirsts):
         return got
+    got = rank_firsts_part(run, None)
+    run.cache[RANK_FIRSTS] = got
+    return got
+
+
+#: ``run.cache`` key of the per-rank firsts (``--parallel`` puts them there: :func:`put_rank_firsts`)
+RANK_FIRSTS = "slurm.rank_firsts"
+
+
+def needs_rank_firsts(run: Any) -> bool:
+    """Whether the Slurm view reads the per-rank firsts (:func:`rank_milestones`,
+    :func:`rank_busy_until`): a Slurm job, or stored accounting, and a wall-clock map.
+    ``--parallel`` computes them on every analysis rank's bands beforehand when so."""
+    if _wall_map_ns(run) is None:
+        return False
+    return slurm_job_id(run) is not None or load_stored(Path(run.path)) is not None
+
+
+def put_rank_firsts(run: Any, parts: list[_RankFirsts]) -> None:
+    """The firsts of blocks of bands that cover every rank once (:func:`rank_firsts_part`), as
+    one, cached on ``run``: a rank's values come from its block alone (the others hold
+    ``_NONE`` / False for it), so the minima and the or over blocks are its own."""
+    run.cache[RANK_FIRSTS] = _RankFirsts(
+        np.minimum.reduce([p.useful_ns for p in parts]),
+        np.minimum.reduce([p.coll_ns for p in parts]),
+        np.minimum.reduce([p.rendezvous_ns for p in parts]),
+        np.logical_or.reduce([p.lone for p in parts]),
+    )
+
+
+def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> _RankFirsts:
+    """The pass of :func:`_rank_firsts` over the bands of ``part`` (all when None), not cached:
+    every rank's entry, those outside the part's bands ``_NONE`` / False."""
     n = n_ranks(run)
     useful = np.full(n, _NONE, np.int64)
     coll = np.full(n, _NONE, np.int64)
     rdv = np.full(n, _NONE, np.int64)
     lone = np.zeros(n, bool)
-    for band in bands(run):  # a few dozen bands, each O(1) numpy calls over its rows
+    for band in bands(run, part=part):  # a few dozen bands, each O(1) numpy calls over its rows
         rows = band.rows(RENDEZVOUS_KINDS)
         if len(rows) == 0:
             continue
@@ -479,9 +512,7 @@ def _rank_firsts(run: Any) -> _RankFirsts:
         hits = np.flatnonzero(t0 == np.repeat(rdv[r], cnt[have]))
         head = hits[np.searchsorted(hits, at)]  # every segment holds its minimum: a hit in it
         lone[r] = ~_SYNC_TABLE[kind[head]]
-    got = _RankFirsts(useful, coll, rdv, lone)
-    run.cache["slurm.rank_firsts"] = got
-    return got
+    return _RankFirsts(useful, coll, rdv, lone)
 
 
 def _as_wall_s(first_ns: np.ndarray, wall_map_ns: int) -> dict[int, float]:

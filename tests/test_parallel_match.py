@@ -180,3 +180,50 @@ def test_a_worker_gets_exactly_its_ranks_members(tmp_path: Path) -> None:
             whole, part = np.asarray(getattr(colls, f)), np.asarray(getattr(sub, f))
             assert part.dtype == whole.dtype and np.array_equal(part, whole[keep]), (lo, hi, f)
         assert np.array_equal(sub.g_last_ns, colls.g_last_ns) and sub.n_dup == colls.n_dup
+
+
+_FIRSTS_CHILD = """
+import pickle, sys
+from distdiag.config import Config
+from distdiag.parallel import analyze_parallel
+from distdiag.render import render
+from distdiag.slurm import RANK_FIRSTS
+rep = analyze_parallel(sys.argv[1], Config(stream_events=0))
+if rep is not None:
+    st = rep.run.cache["parallel"]
+    with open(sys.argv[2], "wb") as f:
+        pickle.dump((render(rep, "json"), rep.run.cache.get(RANK_FIRSTS), "slurm_firsts_s" in st), f)
+"""
+
+
+def test_a_slurm_jobs_per_rank_firsts_come_from_every_analysis_rank(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Slurm job's view reads each rank's first useful work, first collective and
+    # first rendezvous: one pass over every rank's rows, split over the analysis ranks.
+    import json
+
+    from distdiag.clocks import align
+    from distdiag.run import load_run
+    from distdiag.slurm import _rank_firsts
+
+    d = tmp_path / "run"
+    synth(d, ranks=8, events=1000, fault="straggler", ranks_per_host=2, seed=2)
+    for fp in sorted(d.glob("rank-*.h5")):
+        with h5py.File(fp, "r+") as f:
+            env = json.loads(f.attrs["env"])
+            env["SLURM_JOB_ID"] = "4242"
+            f.attrs["env"] = json.dumps(env)
+            f.attrs["job_id"] = "4242"
+    monkeypatch.setenv("DISTDIAG_SLURM_OFFLINE", "1")  # no sacct: the view's per-rank facts only
+    want = _rank_firsts(align(load_run(d), inplace=True))
+    text = render(analyze(d, Config(stream_events=-1)), "json")
+    assert '"job_id": "4242"' in text
+    for n in (2, 3):
+        out = tmp_path / f"firsts{n}.pickle"
+        got = _run([MPIEXEC or "mpiexec", "-n", str(n), sys.executable, "-c", _FIRSTS_CHILD, str(d), str(out)])
+        assert got.returncode == 0, got.stderr
+        with open(out, "rb") as f:
+            par_text, firsts, split = pickle.load(f)
+        assert split and par_text == text, n
+        for field in ("useful_ns", "coll_ns", "rendezvous_ns", "lone"):
+            assert np.array_equal(getattr(firsts, field), getattr(want, field)), (n, field)
