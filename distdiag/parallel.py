@@ -88,6 +88,7 @@ _TAG_PART = 19
 _TAG_JOB = 20
 _TAG_MATCH = 21
 _TAG_FIRSTS = 22
+_TAG_COSTS = 23
 
 
 def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
@@ -331,8 +332,9 @@ class _Remote:
     the breakdown part applies, and only for a streamed run.
     """
 
-    def __init__(self, comm: Any, held: _Held | None, sigs: np.ndarray | None, strings: np.ndarray) -> None:
-        self.comm, self.held, self.sigs, self.strings = comm, held, sigs, strings
+    def __init__(self, comm: Any, held: _Held | None, sigs: np.ndarray | None, strings: np.ndarray,
+                 cfg: Any = None) -> None:  # fmt: skip
+        self.comm, self.held, self.sigs, self.strings, self.cfg = comm, held, sigs, strings, cfg
         self.workers = 0
         self.ended = False
         self.collected = False
@@ -381,6 +383,7 @@ class _Remote:
         """The match is made: each of ranks 1..K-1 gets its block of the breakdown's bands, with the
         run and only its ranks' members of the match (:func:`_members_of`); rank 0 keeps block 0."""
         from distdiag.bands import part_edges
+        from distdiag.detectors.input_bound import PRICED_KEY, PRICED_KINDS, costs_of_parts, critical_path_part
         from distdiag.slurm import needs_rank_firsts, put_rank_firsts, rank_firsts_part
 
         self.t["matched"] = time.perf_counter()
@@ -391,11 +394,12 @@ class _Remote:
             lite = dataclasses.replace(run, cache=cache, warnings=[], coll_remote=None)
             self.workers = n - 1
             firsts = needs_rank_firsts(run)  # the Slurm view's per-rank pass, before the detectors
+            costs = _needs_costs(run, self.cfg)  # input_bound's and h2d_copy's pass, before the detectors
             self._cmd("breakdown")
             for dst in range(1, n):  # per analysis rank: its bands' ranks
                 edges = part_edges(run, (dst, n))
                 sub = _members_of(colls, edges[0][0], edges[-1][1]) if edges else None
-                _send_big(self.comm, (lite, sub, firsts), dst, _TAG_JOB)
+                _send_big(self.comm, (lite, sub, firsts, costs), dst, _TAG_JOB)
             self.t["sent"] = time.perf_counter()
             if firsts:  # rank 0's block, then the others' (each sends them before its breakdown part)
                 got = [_or_failed(rank_firsts_part, run, (0, n))]
@@ -403,6 +407,12 @@ class _Remote:
                 if not any(isinstance(g, str) for g in got):  # else the Slurm view makes them on rank 0
                     put_rank_firsts(run, got)
                 self.t["firsts"] = time.perf_counter()
+            if costs:  # the same for the critical-path costs of input waits and copies
+                got = [_or_failed(critical_path_part, run, PRICED_KINDS, (0, n))]
+                got += [self.comm.recv(source=src, tag=_TAG_COSTS) for src in range(1, n)]
+                if not any(isinstance(g, str) for g in got):  # else the detectors make them on rank 0
+                    run.cache[PRICED_KEY] = costs_of_parts(run, PRICED_KINDS, got)
+                self.t["costs"] = time.perf_counter()
         else:
             self._cmd("end")
         self.ended = True
@@ -463,6 +473,19 @@ def _members_of(colls: Any, r_lo: int, r_hi: int) -> Any:
     )  # fmt: skip
 
 
+def _needs_costs(run: Any, cfg: Any) -> bool:
+    """Whether ``input_bound`` or ``h2d_copy`` will price their rows (a pass over every band):
+    enabled, a wall-clock, and rows of their kinds (as :func:`distdiag.detectors.input_bound.priced`
+    asks). A wrong yes costs the analysis ranks a pass, never the report."""
+    from distdiag.detectors.input_bound import PRICED_KINDS
+    from distdiag.rows import count_of
+
+    names = set(cfg.detectors) if cfg is not None and cfg.detectors else {"input_bound", "h2d_copy"}
+    if not names & {"input_bound", "h2d_copy"} or run.wall_s <= 0:
+        return False
+    return any(count_of(run, k) > 0 for k in PRICED_KINDS)
+
+
 def _or_failed(fn: Any, *args: Any) -> Any:
     """``fn(*args)``, or :data:`_FAILED` when it raises (said in the log): a part rank 0 then
     computes itself, so a failure here costs time, never the report or a hang."""
@@ -477,7 +500,8 @@ def _spans(t0: float, t: dict[str, float], t_end: float) -> dict[str, float]:
     """Seconds between rank 0's steps (:attr:`_Remote.t`), named by the step they end."""
     out, prev = {}, t0
     steps = (("align_match_s", "matched"), ("send_jobs_s", "sent"), ("slurm_firsts_s", "firsts"),
-             ("detectors_s", "detected"), ("own_part_s", "own_part"), ("wait_parts_s", "parts"))  # fmt: skip
+             ("input_costs_s", "costs"), ("detectors_s", "detected"), ("own_part_s", "own_part"),
+             ("wait_parts_s", "parts"))  # fmt: skip
     for name, key in steps:
         if key in t:
             out[name], prev = t[key] - prev, t[key]
@@ -503,6 +527,7 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
 def _serve(comm: Any, held: _Held | None) -> None:
     """Analysis rank k > 0 after reading: run rank 0's commands until the breakdown or the end."""
     from distdiag.breakdown import breakdown_part
+    from distdiag.detectors.input_bound import PRICED_KINDS, critical_path_part
     from distdiag.slurm import rank_firsts_part
 
     sigs = strings = None
@@ -524,10 +549,15 @@ def _serve(comm: Any, held: _Held | None) -> None:
             _match_share(comm, held, sigs, strings)
         elif name == "breakdown":
             held = None  # matched: the rows are done with
-            run, colls, firsts = _recv_big(comm, 0, _TAG_JOB)
+            run, colls, firsts, costs = _recv_big(comm, 0, _TAG_JOB)
             k, n = comm.Get_rank(), comm.Get_size()
-            if firsts:  # the Slurm view's per-rank firsts of this rank's bands, first: rank 0 waits for them
+            run.cache["collectives"] = colls  # this rank's members: what its bands read
+            # rank 0 waits for these two before its detectors: first
+            if firsts:  # the Slurm view's per-rank firsts of this rank's bands
                 comm.send(_or_failed(rank_firsts_part, run, (k, n)), dest=0, tag=_TAG_FIRSTS)
+            if costs:  # input waits' and copies' critical-path costs of this rank's bands (none: no band)
+                got = None if colls is None else _or_failed(critical_path_part, run, PRICED_KINDS, (k, n))
+                comm.send(got, dest=0, tag=_TAG_COSTS)
             part: Any
             try:
                 part = None if colls is None else breakdown_part(run, colls, (k, n))
@@ -652,7 +682,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         _gather_collectives(comm, packer, coll_parts, coll_used)
     t_gather = time.perf_counter()
     assert p is not None
-    split = _Remote(comm, held, None, np.zeros(0, object))
+    split = _Remote(comm, held, None, np.zeros(0, object), cfg)
     try:
         run = _assemble(run_dir, p, files, got_all, warnings, packer)
         if remote:

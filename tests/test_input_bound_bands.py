@@ -278,3 +278,27 @@ def test_collective_waits_by_blocks_of_members(tmp_path: Path, monkeypatch: pyte
     got = _collective_waits(run, tmin, tmax - tmin + 1)
     np.testing.assert_array_equal(got[0], one[0])
     np.testing.assert_array_equal(got[1], one[1])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_blocks_of_bands_put_together_are_the_one_pass(tmp_path: Path, streamed: bool) -> None:
+    # --parallel: each analysis rank prices its block of bands (critical_path_part) with only
+    # its ranks' members of the match (parallel._members_of), rank 0 puts them together
+    from distdiag.detectors.input_bound import PRICED_KINDS, costs_of_parts, critical_path_part
+    from distdiag.parallel import _members_of
+
+    _irregular_run(tmp_path / "r", "auto")
+    run = align(load_run(tmp_path / "r", streamed_kinds=STREAMED_KINDS if streamed else ()), inplace=True)
+    want = critical_path_costs(run, PRICED_KINDS, band_events=60)
+    colls = collectives_of(run)
+    for n in (1, 2, 3, 7, 50):  # 50: more blocks than bands
+        parts = []
+        for j in range(n):  # per analysis rank
+            edges = bd.part_edges(run, (j, n), 60)
+            own = run.replace()  # an analysis rank's copy: its ranks' members only
+            own.cache["collectives"] = _members_of(colls, edges[0][0], edges[-1][1]) if edges else colls
+            parts.append(critical_path_part(own, PRICED_KINDS, (j, n), 60))
+        got = costs_of_parts(run, PRICED_KINDS, parts)
+        assert list(got) == list(want)
+        for k in PRICED_KINDS:
+            _assert_same(got[k], want[k])

@@ -141,15 +141,17 @@ from distdiag.render import render
 rep = analyze_parallel(sys.argv[1], Config(stream_events=0))
 if rep is not None:
     parts = rep.run.cache.get(PARTS) or []
-    facts = {"parts": [[p.r_lo, p.r_hi, p.k_lo, p.k_hi] for p in parts]}
+    facts = {"parts": [[p.r_lo, p.r_hi, p.k_lo, p.k_hi] for p in parts],
+             "input_costs_split": "input_costs_s" in rep.run.cache["parallel"]}
     open(sys.argv[2], "w").write(json.dumps(facts) + "\\n" + render(rep, "json"))
 """
 
 
 def test_the_breakdown_bands_are_split_over_the_analysis_ranks(tmp_path: Path) -> None:
-    # A real DDP job (steps, forward/backward/optimizer phases, async all-reduces), streamed:
-    # analysis ranks 1 and 2 each compute a block of the breakdown's bands while rank 0
-    # runs the detectors; the report equals the serial in-memory one, steps included.
+    # A real DDP job (steps, forward/backward/optimizer phases, async all-reduces, a slow data
+    # loader), streamed: the analysis ranks each price a block of the bands' input waits
+    # (input_bound's pass) and compute a block of the breakdown's bands while rank 0 runs
+    # the detectors; the report equals the serial in-memory one, steps and findings included.
     pytest.importorskip("torch")
     import json
 
@@ -159,18 +161,22 @@ def test_the_breakdown_bands_are_split_over_the_analysis_ranks(tmp_path: Path) -
     from distdiag.pipeline import analyze
     from distdiag.render import render
 
-    torchrun(tmp_path, ["--steps", "12", "--batch", "8"], nproc=2)
+    # the Dataset sleeps 6 ms a sample: input waits, priced by input_bound band by band too
+    torchrun(tmp_path, ["--steps", "12", "--batch", "8", "--sleep-ms", "6"], nproc=2)
     d = tmp_path / "run"
     out = tmp_path / "par.txt"
     got = _run([MPIEXEC or "mpiexec", "-n", "3", sys.executable, "-c", _PARTS_CHILD, str(d), str(out), "64"])
     assert got.returncode == 0, got.stderr
     head, par = out.read_text().split("\n", 1)
-    parts = json.loads(head)["parts"]
+    facts = json.loads(head)
+    parts = facts["parts"]
+    assert facts["input_costs_split"]
     # two blocks, disjoint and in rank order, each with its ranks' steps
     assert len(parts) == 2 and parts[0][1] == parts[1][0] and parts[0][0] == 0 and parts[1][1] == 2, parts
     assert parts[0][3] == parts[1][2] and parts[1][3] > parts[1][2] > 0, parts
     ser = render(analyze(d, Config(stream_events=-1)), "json")
     assert '"steps": 12' in ser or '"steps": 13' in ser, ser[-600:]
+    assert '"kind": "input_bound"' in ser
     assert par == ser
 
 

@@ -283,17 +283,34 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
     the compute phases' union and the collective waits are the same for every kind, and a
     streamed run reads its phases from the rank files once for all (a pass each was 0.3 s of
     1.1 at 64 x 100k, the read of the phases again)."""
+    return costs_of_parts(run, kinds, [critical_path_part(run, kinds, None, band_events)])
+
+
+@dataclass
+class CostPart:
+    """What the bands of one block (:func:`distdiag.bands.part_edges`; all of them for
+    ``part=None``) give :func:`critical_path_costs`: per kind with rows, the per-rank sums of
+    the block's ranks (positions ``[p_lo, p_hi)`` of :func:`distdiag.bands.event_ranks`)
+    and the block's per-iteration maxima, and which iterations had a valid window. Blocks
+    that cover every band put together (:func:`costs_of_parts`) are the one pass exactly:
+    a rank's sums come from its block alone, a maximum is exact in any grouping.
+    ``distdiag analyze --parallel`` computes a block on each analysis rank."""
+
+    p_lo: int
+    p_hi: int
+    acc: dict[int, tuple[np.ndarray, ...]]  # kind -> (rank_ns, busy_ns, ab_max, b_max)
+    any_valid: np.ndarray
+
+
+def critical_path_part(run: Any, kinds: tuple[int, ...], part: tuple[int, int] | None,
+                       band_events: int | None = None) -> CostPart | None:  # fmt: skip
+    """The pass of :func:`critical_path_costs` over the bands of ``part`` (see :class:`CostPart`);
+    None when no kind has rows."""
     ranks = event_ranks(run)
     R = len(ranks)
-    counts = {int(k): count_of(run, k) for k in kinds}
-    out: dict[int, dict[str, Any]] = {}
-    for k, n in counts.items():  # a kind without rows: nothing to price
-        if n == 0:
-            out[k] = {"cost_ns": 0, "per_iter_ns": np.zeros(0), "rank_ns": np.zeros(R), "busy_ns": np.zeros(R),
-                      "n_iter": 0, "ranks": ranks, "count": 0}  # fmt: skip
-    todo = [k for k, n in counts.items() if n > 0]
+    todo = [int(k) for k in kinds if count_of(run, k) > 0]
     if not todo:
-        return out
+        return None
     tmin, tmax = time_bounds(run)
     span = tmax - tmin + 1
     marks = step_marks(run)  # STEP rows are resident
@@ -308,7 +325,10 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
     }
     any_valid = np.zeros(n_iter, bool)
     chunk = max(1, _TABLE_CELLS // n_iter)  # ranks per table
-    for band in bands(run, band_events):  # bands of ranks: a few numpy calls each
+    r_first, r_last = -1, -1  # the block's ranks: [r_first, r_last)
+    for band in bands(run, band_events, part=part):  # bands of ranks: a few numpy calls each
+        r_first = band.r_lo if r_first < 0 else r_first
+        r_last = band.r_hi
         rows: dict[Any, np.ndarray] = {"window": band.rows(WINDOW_KINDS)}
         rows.update({k: band.rows(k) for k in todo})
         if any(len(rows[k]) for k in todo):
@@ -321,8 +341,36 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
             else:
                 sub = rows
             _fold(band, r_lo, r_hi, sub, todo, ranks, acc, any_valid, w_s, w_e, marks, tmin, span, n_iter)
+    p_lo, p_hi = (0, 0) if r_first < 0 else (int(x) for x in np.searchsorted(ranks, [r_first, r_last]))
+    return CostPart(p_lo, p_hi, acc, any_valid)
 
-    for kind in todo:  # one or two kinds
+
+def costs_of_parts(run: Any, kinds: tuple[int, ...], parts: list[CostPart | None]) -> dict[int, dict[str, Any]]:
+    """:func:`critical_path_costs` from the :class:`CostPart` s of blocks that cover every band once."""
+    ranks = event_ranks(run)
+    R = len(ranks)
+    counts = {int(k): count_of(run, k) for k in kinds}
+    out: dict[int, dict[str, Any]] = {}
+    for k, n in counts.items():  # a kind without rows: nothing to price
+        if n == 0:
+            out[k] = {"cost_ns": 0, "per_iter_ns": np.zeros(0), "rank_ns": np.zeros(R), "busy_ns": np.zeros(R),
+                      "n_iter": 0, "ranks": ranks, "count": 0}  # fmt: skip
+    got = [p for p in parts if p is not None]
+    if not got:
+        return out
+    first = got[0]
+    acc = {k: tuple(a.copy() for a in v) for k, v in first.acc.items()}
+    any_valid = first.any_valid.copy()
+    for p in got[1:]:  # per block (one per analysis rank): its ranks' sums, the maxima over all
+        for kind, (rank_ns, busy_ns, ab_max, b_max) in acc.items():  # one or two kinds
+            o_rank, o_busy, o_ab, o_b = p.acc[kind]
+            rank_ns[p.p_lo : p.p_hi] = o_rank[p.p_lo : p.p_hi]
+            busy_ns[p.p_lo : p.p_hi] = o_busy[p.p_lo : p.p_hi]
+            np.maximum(ab_max, o_ab, out=ab_max)
+            np.maximum(b_max, o_b, out=b_max)
+        any_valid |= p.any_valid
+    n_iter = len(any_valid)
+    for kind in acc:  # one or two kinds
         rank_ns, busy_ns, ab_max, b_max = acc[kind]
         per_iter = np.where(any_valid, ab_max - b_max, 0.0)
         per_iter = np.clip(np.nan_to_num(per_iter, neginf=0.0, posinf=0.0), 0, None)
@@ -356,6 +404,8 @@ class Priced:
 
 #: run.cache key of :func:`critical_path_costs` of the kinds :func:`priced` prices (read-only)
 PRICED_KEY = "input_bound.critical_path_costs"
+#: the kinds :func:`priced` prices in one pass (``input_bound``'s and ``h2d_copy``'s)
+PRICED_KINDS = (int(Kind.INPUT_WAIT), int(Kind.H2D))
 
 
 def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
@@ -369,7 +419,7 @@ def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
         return None
     costs = run.cache.get(PRICED_KEY)
     if costs is None or int(kind) not in costs:  # both kinds in one pass (the first detector to ask)
-        costs = critical_path_costs(run, tuple(sorted({int(Kind.INPUT_WAIT), int(Kind.H2D), int(kind)})))
+        costs = critical_path_costs(run, tuple(sorted({*PRICED_KINDS, int(kind)})))
         run.cache[PRICED_KEY] = costs
     res = costs[int(kind)]
     cost_s = res["cost_ns"] / 1e9
