@@ -28,18 +28,26 @@ exactly (the same functions on the same inputs, reduced in the serial order):
    merges the parts (:func:`distdiag.match.merge_collectives`): the serial
    match, field by field. The raw match the clock fit needs for ranks without
    samples goes the same way.
-4. **The breakdown's band passes** (a streamed run, K > 1): once the match is
-   made, rank 0 broadcasts the run and the match; analysis ranks 1..K-1 each
-   compute a block of the bands (:func:`distdiag.breakdown.breakdown_part`,
-   reading their ranks' files again) while rank 0 runs the detectors, and the
-   breakdown puts their slices in place.
+4. **The per-rank band passes** (a streamed run, K > 1): once the match is
+   made, rank 0 sends each analysis rank the run and its ranks' members of the
+   match (:func:`_members_of`); the bands are cut in K blocks
+   (:func:`distdiag.bands.part_edges`) and every analysis rank reads its
+   block's files again for: the Slurm view's per-rank firsts (a Slurm job:
+   :func:`distdiag.slurm.rank_firsts_part`) and input_bound's / h2d_copy's
+   critical path (rows of those kinds:
+   :func:`distdiag.detectors.input_bound.critical_path_part`), which rank 0
+   puts together before its detectors, then the breakdown
+   (:func:`distdiag.breakdown.breakdown_part`), computed while rank 0 runs
+   the detectors (rank 0 computes its own block after them). Each block
+   writes only its own ranks' numbers, so the blocks put together are the
+   one pass exactly.
 
 Not split (measured in the closing notes of issue 10): the clock fit, the
 causality check, the detectors and the ranking run on rank 0 over the matched
-collectives (a few numbers per group) and the resident rows; the detectors
-that read bands (input waits, serial sections, hangs, the Slurm view) read
-them on rank 0. A run in memory (``--format html``, ``--perfetto``, or under
-``stream_events``) gathers everything on rank 0 after the split read.
+collectives (a few numbers per group) and the resident rows; the band passes
+that ask about a few ranks (serial sections, hangs) read them on rank 0. A
+run in memory (``--format html``, ``--perfetto``, or under ``stream_events``)
+gathers everything on rank 0 after the split read.
 
 Tests: tests/test_parallel.py, tests/test_parallel_match.py (every path of the
 exchange, under ``mpiexec -n 2/3/4``, against the serial in-memory JSON and
