@@ -227,3 +227,10 @@ def test_a_slurm_jobs_per_rank_firsts_come_from_every_analysis_rank(tmp_path: Pa
         assert split and par_text == text, n
         for field in ("useful_ns", "coll_ns", "rendezvous_ns", "lone"):
             assert np.array_equal(getattr(firsts, field), getattr(want, field)), (n, field)
+
+
+def test_more_analysis_ranks_than_rank_files(tmp_path: Path) -> None:
+    # analysis ranks without a file hold no rows, own empty key ranges and empty blocks of bands
+    d = tmp_path / "run"
+    synth(d, ranks=2, events=400, fault="none", ranks_per_host=1)
+    _same(tmp_path, d, ns=(4,))
