@@ -334,18 +334,24 @@ class _Remote:
     from :func:`distdiag.clocks.align`), ``repair`` (the causality repairs, from
     :func:`distdiag.clocks.check_causality`), ``match`` (:func:`distdiag.match.match_collectives`:
     by key ranges, :func:`_match_share`). The pipeline's ``split`` hooks follow: once the
-    match is made, ``matched`` hands the other ranks the breakdown's bands
-    (:func:`distdiag.breakdown.breakdown_part`) while rank 0 runs the detectors, and
-    ``done`` collects their parts. Without held rows (a run in memory, or K = 1) only
-    the breakdown part applies, and only for a streamed run.
+    match is made, ``matched`` sends each other rank its block of the bands, takes the
+    blocks of the passes rank 0 needs before its detectors (the Slurm view's firsts,
+    the input costs), and the others go on with their breakdown blocks while rank 0
+    runs the detectors; ``done`` computes rank 0's block and collects theirs. Without
+    held rows (a run in memory, or K = 1) only the band passes apply, and only for a
+    streamed run.
     """
 
     def __init__(self, comm: Any, held: _Held | None, sigs: np.ndarray | None, strings: np.ndarray,
                  cfg: Any = None) -> None:  # fmt: skip
         self.comm, self.held, self.sigs, self.strings, self.cfg = comm, held, sigs, strings, cfg
         self.workers = 0
-        self.ended = False
-        self.collected = False
+        self.ended = False  # the others left the command loop ("end", or "breakdown" and its jobs)
+        self.collected = False  # their breakdown parts are taken
+        #: the blocks the others send before their breakdown part, not taken yet (tags)
+        self.owed: list[int] = []
+        #: the others got no block (making their jobs failed): rank 0 computes the whole breakdown
+        self.whole = False
         self.colls: Any = None
         #: when rank 0 passed each step (time.perf_counter): the stage figures of cache["parallel"]
         self.t: dict[str, float] = {}
@@ -404,26 +410,40 @@ class _Remote:
             firsts = needs_rank_firsts(run)  # the Slurm view's per-rank pass, before the detectors
             costs = _needs_costs(run, self.cfg)  # input_bound's and h2d_copy's pass, before the detectors
             self._cmd("breakdown")
-            for dst in range(1, n):  # per analysis rank: its bands' ranks
-                edges = part_edges(run, (dst, n))
-                sub = _members_of(colls, edges[0][0], edges[-1][1]) if edges else None
-                _send_big(self.comm, (lite, sub, firsts, costs), dst, _TAG_JOB)
+            jobs = []
+            try:
+                for dst in range(1, n):  # per analysis rank: its bands' ranks
+                    edges = part_edges(run, (dst, n))
+                    sub = _members_of(colls, edges[0][0], edges[-1][1]) if edges else None
+                    jobs.append((lite, sub, firsts, costs))
+            except Exception:  # the others wait for a job: an empty one lets them through
+                log.debug("making the analysis ranks' jobs failed", exc_info=True)
+                jobs = [(lite, None, False, False)] * (n - 1)
+                firsts = costs = False
+                self.whole = True
+            for dst, job in enumerate(jobs, start=1):  # per analysis rank
+                _send_big(self.comm, job, dst, _TAG_JOB)
+            self.ended = True
+            self.owed = [t for t, on in ((_TAG_FIRSTS, firsts), (_TAG_COSTS, costs)) if on]
             self.t["sent"] = time.perf_counter()
             if firsts:  # rank 0's block, then the others' (each sends them before its breakdown part)
-                got = [_or_failed(rank_firsts_part, run, (0, n))]
-                got += [self.comm.recv(source=src, tag=_TAG_FIRSTS) for src in range(1, n)]
+                got = [_or_failed(rank_firsts_part, run, (0, n))] + self._take(_TAG_FIRSTS)
                 if not any(isinstance(g, str) for g in got):  # else the Slurm view makes them on rank 0
                     put_rank_firsts(run, got)
                 self.t["firsts"] = time.perf_counter()
             if costs:  # the same for the critical-path costs of input waits and copies
-                got = [_or_failed(critical_path_part, run, PRICED_KINDS, (0, n))]
-                got += [self.comm.recv(source=src, tag=_TAG_COSTS) for src in range(1, n)]
+                got = [_or_failed(critical_path_part, run, PRICED_KINDS, (0, n))] + self._take(_TAG_COSTS)
                 if not any(isinstance(g, str) for g in got):  # else the detectors make them on rank 0
                     run.cache[PRICED_KEY] = costs_of_parts(run, PRICED_KINDS, got)
                 self.t["costs"] = time.perf_counter()
         else:
             self._cmd("end")
         self.ended = True
+
+    def _take(self, tag: int) -> list[Any]:
+        """The others' blocks sent with ``tag`` (in rank order), no longer owed."""
+        self.owed.remove(tag)
+        return [self.comm.recv(source=src, tag=tag) for src in range(1, self.workers + 1)]
 
     def done(self, run: Any) -> None:
         """Before the breakdown: rank 0's own block of bands, then the others' parts."""
@@ -442,7 +462,7 @@ class _Remote:
         parts = [own] + [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, self.workers + 1)]
         self.t["parts"] = time.perf_counter()
         self.collected = True
-        if not any(isinstance(p, str) for p in parts):  # one failed: rank 0 computes every band itself
+        if not self.whole and not any(isinstance(p, str) for p in parts):  # else rank 0 computes every band
             run.cache[PARTS] = [p for p in parts if p is not None]
 
     def abort(self) -> None:
@@ -451,6 +471,8 @@ class _Remote:
             self._cmd("end")
             self.ended = True
         elif self.workers and not self.collected:
+            for tag in list(self.owed):  # blocks sent before the breakdown parts, in that order
+                self._take(tag)
             for src in range(1, self.workers + 1):  # per analysis rank
                 self.comm.recv(source=src, tag=_TAG_PART)
             self.collected = True

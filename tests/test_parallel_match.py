@@ -234,3 +234,48 @@ def test_more_analysis_ranks_than_rank_files(tmp_path: Path) -> None:
     d = tmp_path / "run"
     synth(d, ranks=2, events=400, fault="none", ranks_per_host=1)
     _same(tmp_path, d, ns=(4,))
+
+
+_FAULT_CHILD = """
+import sys
+from mpi4py import MPI
+import distdiag.breakdown
+import distdiag.match
+import distdiag.parallel
+from distdiag.config import Config
+from distdiag.render import render
+from distdiag.run import DistdiagError
+rank, mode = MPI.COMM_WORLD.Get_rank(), sys.argv[3]
+def boom(*a, **k):
+    raise RuntimeError("injected")
+if mode == "jobs" and rank == 0:  # rank 0 cannot make the others' jobs
+    distdiag.parallel._members_of = boom
+if mode == "part" and rank == 1:  # an analysis rank's breakdown block fails
+    distdiag.breakdown.breakdown_part = boom
+if mode == "match" and rank == 1:  # an analysis rank's share of the match fails
+    distdiag.match.match_part = boom
+try:
+    rep = distdiag.parallel.analyze_parallel(sys.argv[1], Config(stream_events=0))
+except DistdiagError as e:
+    open(sys.argv[2], "w").write("ERROR " + str(e))
+else:
+    if rep is not None:
+        open(sys.argv[2], "w").write(render(rep, "json"))
+"""
+
+
+@pytest.mark.parametrize("mode", ["jobs", "part", "match"])
+def test_a_failure_on_one_analysis_rank_costs_time_or_one_line_never_a_hang(tmp_path: Path, mode: str) -> None:
+    # a failed block of bands is computed again on rank 0 (the same report); a failed share
+    # of the match is one line on rank 0 (the match cannot be made without it); every rank
+    # returns (a hang fails the test at _run's timeout)
+    d = tmp_path / "run"
+    synth(d, ranks=6, events=800, fault="straggler", ranks_per_host=2)
+    out = tmp_path / "out.txt"
+    got = _run([MPIEXEC or "mpiexec", "-n", "3", sys.executable, "-c", _FAULT_CHILD, str(d), str(out), mode], 120)
+    assert got.returncode == 0, got.stderr
+    text = out.read_text()
+    if mode == "match":
+        assert text.startswith("ERROR analysis rank 1: collective match failed (RuntimeError: injected)"), text
+    else:
+        assert text == render(analyze(d, Config(stream_events=-1)), "json")
