@@ -1020,16 +1020,6 @@ def _remap_table(
     return bad
 
 
-def _lookup_ids(ids: np.ndarray, lookup: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(global ids of a rank's local ``ids``, which were out of its string table's range: those map
-    to 0, ""), as :func:`_remap_table` maps them."""
-    at = ids.astype(np.int64)
-    oob = (at < 0) | (at >= len(lookup))
-    out = lookup[np.where(oob, 0, at)]
-    out[oob] = 0
-    return out, oob
-
-
 def _assemble_collectives(
     packer: _Packer, paths: list[Path], lookups: list[np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -1061,7 +1051,7 @@ def _coll_sig_maps(tables: list[np.ndarray], lookups: list[np.ndarray]) -> tuple
     for table, lookup in zip(tables, lookups):  # per rank: its small sig table
         t = table.copy()
         for f in ("name_id", "site_id", "aux"):  # the string-id fields (aux: the datatype of a collective)
-            t[f], _ = _lookup_ids(t[f], lookup)
+            t[f], _ = _map_ids(t[f], lookup)
         remapped.append(t)
     cat = np.concatenate(remapped) if remapped else np.zeros(0, _SIG_DTYPE)
     u, inv = np.unique(cat.view(_SIG_VOID), return_inverse=True)
@@ -1075,7 +1065,7 @@ def _finish_coll_rows(sl: np.ndarray, lookup: np.ndarray, sig_map: np.ndarray, u
     when the rank's rows came out of order, global communicator ids, global sigs."""
     if unsorted and len(sl) > 1:
         sl[:] = sl.take(np.argsort(sl["t0_ns"], kind="stable"))
-    sl["comm_id"], _ = _lookup_ids(sl["comm_id"], lookup)
+    sl["comm_id"], _ = _map_ids(sl["comm_id"], lookup)
     sl["sig"] = sig_map[sl["sig"]]
 
 
