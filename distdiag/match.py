@@ -959,8 +959,8 @@ class MatchPart:
         return int(self.rows.nbytes + self.inflight.nbytes + (0 if self.sigs is None else self.sigs.nbytes))
 
 
-def _selected_keys(rows: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    return _select_keys(rows) if len(rows) else (np.zeros(0, np.int64), {f: rows[f][:0] for f in _KEY_FIELDS})
+#: :func:`_select_keys` (it takes empty tables too), by the name ``distdiag.parallel`` imports
+_selected_keys = _select_keys
 
 
 def split_match(run: Run, k: int) -> tuple[MatchScope, list[MatchPart]]:
@@ -972,8 +972,8 @@ def split_match(run: Run, k: int) -> tuple[MatchScope, list[MatchPart]]:
     streamed = run.coll_rows is not None and run.coll_sigs is not None
     src = run.coll_rows if streamed else run.events
     assert src is not None  # for mypy: streamed says coll_rows is there
-    sel, got = _selected_keys(src)
-    isel, igot = _selected_keys(run.inflight)
+    sel, got = _select_keys(src)
+    isel, igot = _select_keys(run.inflight)
     scope = MatchScope.union([MatchScope.of_rows(g["comm_id"], g["seq"], g["rank"]) for g in (got, igot)])
     pk = [group_keys(g["comm_id"], g["seq"], scope.n_seq) for g in (got, igot)]
     ranges = key_ranges(np.concatenate(pk), k, scope.n_seq)
