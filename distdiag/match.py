@@ -880,10 +880,6 @@ class MatchScope:
         """(communicator ids ascending, their sizes, ``Collectives.comm_members``), computed once."""
         return _membership(self.pairs)
 
-    @property
-    def comm_members(self) -> dict[int, np.ndarray]:
-        return self.membership[2]
-
 
 def group_keys(comm: np.ndarray, seq: np.ndarray, n_seq: int) -> np.ndarray:
     """The int64 key :func:`match_collectives` groups and orders rows by: ``comm * n_seq + seq``
