@@ -72,7 +72,6 @@ class Band:
         return np.searchsorted(self.first, rows, side="right") - 1 + self.r_lo
 
 
-
 def _rows_in(kidx: Any, kinds: Kinds, e_lo: int, e_hi: int) -> np.ndarray:
     """The rows of ``kinds`` in ``[e_lo, e_hi)`` as int64 offsets from ``e_lo``, ascending:
     each kind's rows are an ascending slice of the kind index, so two binary searches a kind."""
