@@ -34,6 +34,7 @@ from distdiag.match import (
     warn_repeats,
 )
 from distdiag.run import STREAMED_KINDS, Run, load_run
+from distdiag.schema import COMM_KINDS
 from distdiag.synth import FAULTS, synth
 from helpers import run_wrapped_mpi
 from test_hang import _run_and_kill
@@ -167,7 +168,7 @@ def test_the_ranges_split_rows_evenly_and_cut_between_keys(tmp_path: Path) -> No
     is in two parts; each part holds n/K rows give or take its largest group."""
     _write_differing_run(tmp_path / "run")
     run = align(load_run(tmp_path / "run"))
-    ev = run.events[np.isin(run.events["kind"], list(STREAMED_KINDS)) & (run.events["seq"] >= 0)]
+    ev = run.events[np.isin(run.events["kind"], list(COMM_KINDS)) & (run.events["seq"] >= 0)]
     scope = MatchScope.of_rows(ev["comm_id"], ev["seq"], ev["rank"])
     keys = group_keys(ev["comm_id"], ev["seq"], scope.n_seq)
     for k in (2, 3, 7):
@@ -185,6 +186,13 @@ def test_the_ranges_split_rows_evenly_and_cut_between_keys(tmp_path: Path) -> No
         assert np.array_equal(per_key, low)  # every key in one part
         biggest = int(np.bincount(inv).max())
         assert np.all(np.abs(np.bincount(part, minlength=k) - len(keys) / k) <= biggest)
+    # a cut position on a group boundary (equal groups, K dividing them): both forms take the later key
+    eq = np.repeat(np.arange(12, dtype=np.int64), 5)[::-1].copy()
+    for k in (2, 3, 4, 6):
+        u, c = np.unique(eq, return_counts=True)
+        want = np.arange(1, k, dtype=np.int64) * 12 // k
+        assert np.array_equal(key_ranges(eq, k, 1).cuts, want), k
+        assert np.array_equal(key_ranges(u, k, 1, counts=c).cuts, want), k
     union = MatchScope.union([MatchScope.of_rows(b["comm_id"], b["seq"], b["rank"]) for b in np.array_split(ev, 4)])
     assert np.array_equal(union.pairs, scope.pairs) and union.n_seq == scope.n_seq
 
