@@ -75,7 +75,6 @@ from distdiag.run import (
     COLL_ROW_DTYPE,
     RUN_EVENT_DTYPE,
     DistdiagError,
-    _anon,
     _assemble,
     _capacity_rows,
     _Packer,
@@ -89,9 +88,8 @@ from distdiag.run import (
 
 log = logging.getLogger(__name__)
 
-#: tags of the byte buffers holding event rows and kept collective rows
+#: message tags: the event rows' byte buffers, the others' blocks and parts, their jobs
 _TAG_EVENTS = 17
-_TAG_COLL = 18
 _TAG_PART = 19
 _TAG_JOB = 20
 _TAG_MATCH = 21
@@ -124,30 +122,6 @@ def _stream_limit(cfg: Any) -> int:
     from distdiag.config import Config
 
     return int((cfg or Config()).stream_events)
-
-
-def _gather_collectives(comm: Any, packer: _Packer, parts: list[dict[Path, tuple[int, int, np.ndarray]]],
-                        used: list[int]) -> None:
-    """Rank 0: every analysis rank's kept collective rows (a streamed run) into one buffer, in
-    file order, with each file's (offset, rows, sig table) re-pointed into it."""
-    from mpi4py import MPI
-
-    assert packer.coll is not None
-    total = int(sum(used))
-    if len(packer.coll) < total:
-        buf = _anon(total, COLL_ROW_DTYPE)
-        buf[: used[0]] = packer.coll[: used[0]]
-    else:
-        buf = packer.coll
-    merged: dict[Path, tuple[int, int, np.ndarray]] = {}
-    off = 0
-    for src, (pp, n) in enumerate(zip(parts, used)):  # per analysis rank, in file order
-        if src and n:
-            comm.Recv([buf[off : off + n].view(np.uint8), MPI.BYTE], source=src, tag=_TAG_COLL)
-        for path, (o, c, table) in pp.items():  # per rank file of that block
-            merged[path] = (off + o, c, table)
-        off += n
-    packer.coll, packer.coll_used, packer.coll_parts = buf, total, merged
 
 
 class _Held:
@@ -221,7 +195,8 @@ def _row_type(MPI: Any) -> Any:
     return t
 
 
-def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, run: Any = None) -> Any:
+def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, run: Any = None,
+                 steps: dict[str, float] | None = None) -> Any:
     """Every analysis rank's share of the collective match (rank 0 passes the ``run`` being
     matched: its in-flight rows). Returns the merged :class:`Collectives` on rank 0.
 
@@ -314,15 +289,14 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     merged = merge_collectives(parts)
     merged.strings = strings
     t.append(time.perf_counter())
-    MATCH_STEPS.clear()
-    MATCH_STEPS.update(zip(("ranges_s", "alltoallv_s", "match_s", "gather_s", "merge_s"), np.diff(t).round(3).tolist()))
+    if steps is not None:  # rank 0's seconds in each step (cache["parallel"]["match_steps"])
+        steps.update(zip(("ranges_s", "alltoallv_s", "match_s", "gather_s", "merge_s"), np.diff(t).round(3).tolist()))
     return merged
 
 
 #: every _HIST_STRIDE-th held row's key goes into the histogram the key ranges are cut from
 _HIST_STRIDE = 64
-#: rank 0's seconds in each step of the last :func:`_match_share` (cache["parallel"]["match_steps"])
-MATCH_STEPS: dict[str, float] = {}
+
 
 
 class _Remote:
@@ -355,6 +329,8 @@ class _Remote:
         self.colls: Any = None
         #: when rank 0 passed each step (time.perf_counter): the stage figures of cache["parallel"]
         self.t: dict[str, float] = {}
+        #: rank 0's seconds in each step of the last match (:func:`_match_share`)
+        self.match_steps: dict[str, float] = {}
 
     def _cmd(self, name: str, arg: Any = None) -> None:
         self.comm.bcast((name, arg), root=0)
@@ -367,13 +343,7 @@ class _Remote:
     def setup(self, info: dict[Path, tuple[int, np.ndarray, np.ndarray, bool]]) -> None:
         """Every analysis rank makes its held rows the run's (see :class:`_Held`)."""
         self._cmd("setup", (info, self.sigs, self.strings))
-        err = None
-        try:
-            if self.held is not None:
-                self.held.setup(info)
-        except Exception as e:
-            err = f"analysis rank 0: its collective rows failed ({type(e).__name__}: {e})"
-        self._status(err)
+        self._status(_run_op(self.comm, self.held, "setup", info))
 
     def map(self, models: Any) -> None:
         self._cmd("map", models)
@@ -388,7 +358,7 @@ class _Remote:
 
         self._cmd("match")
         assert self.held is not None and self.sigs is not None
-        merged = _match_share(self.comm, self.held, self.sigs, self.strings, run)
+        merged = _match_share(self.comm, self.held, self.sigs, self.strings, run, self.match_steps)
         warn_repeats(run, merged)
         return merged
 
@@ -452,12 +422,7 @@ class _Remote:
         self.t["detected"] = time.perf_counter()
         if not self.workers or self.collected:
             return
-        own: Any
-        try:
-            own = breakdown_part(run, self.colls, (0, self.workers + 1))
-        except Exception:  # the whole breakdown is then computed on rank 0
-            log.debug("rank 0's breakdown part failed", exc_info=True)
-            own = _FAILED
+        own = _or_failed(breakdown_part, run, self.colls, (0, self.workers + 1))
         self.t["own_part"] = time.perf_counter()
         parts = [own] + [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, self.workers + 1)]
         self.t["parts"] = time.perf_counter()
@@ -544,7 +509,9 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
     from distdiag.clocks import _map_inplace, _repair_table
 
     try:
-        if held is not None and len(held.rows):
+        if held is not None and name == "setup":
+            held.setup(arg)
+        elif held is not None and len(held.rows):
             if name == "map":
                 _map_inplace(held.rows, ("t0_ns", "t1_ns"), arg)
             elif name == "repair":
@@ -565,13 +532,7 @@ def _serve(comm: Any, held: _Held | None) -> None:
         name, arg = comm.bcast(None, root=0)
         if name == "setup":
             info, sigs, strings = arg
-            err = None
-            try:
-                if held is not None:
-                    held.setup(info)
-            except Exception as e:
-                err = f"analysis rank {comm.Get_rank()}: its collective rows failed ({type(e).__name__}: {e})"
-            comm.gather(err, root=0)
+            comm.gather(_run_op(comm, held, name, info), root=0)
         elif name in ("map", "repair"):
             comm.gather(_run_op(comm, held, name, arg), root=0)
         elif name == "match":
@@ -588,19 +549,14 @@ def _serve(comm: Any, held: _Held | None) -> None:
             if costs:  # input waits' and copies' critical-path costs of this rank's bands (none: no band)
                 got = None if colls is None else _or_failed(critical_path_part, run, PRICED_KINDS, (k, n))
                 comm.send(got, dest=0, tag=_TAG_COSTS)
-            part: Any
-            try:
-                part = None if colls is None else breakdown_part(run, colls, (k, n))
-            except Exception as e:  # rank 0 computes the breakdown itself when a part is missing
-                log.warning("analysis rank %d: breakdown part failed (%s: %s)", k, type(e).__name__, e)
-                part = _FAILED
+            part = None if colls is None else _or_failed(breakdown_part, run, colls, (k, n))
             comm.send(part, dest=0, tag=_TAG_PART)
             return
         else:  # "end"
             return
 
 
-#: a part an analysis rank could not compute (rank 0 then computes the whole breakdown itself)
+#: a block an analysis rank could not compute (rank 0 then makes that pass over every band itself)
 _FAILED = "failed"
 
 
@@ -652,12 +608,11 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
             if isinstance(d, _RankData):
                 d = dataclasses.replace(d, events=np.zeros(0, RUN_EVENT_DTYPE))  # the rows go by buffer below
             meta.append((d, w))
-        # streaming: what the left-out rows need (per file), the kept collective rows' parts
-        comm.send((meta, counts, packer.stats, packer.coll_parts, packer.coll_bad, packer.coll_used), dest=0)
+        # streaming: what the left-out rows need (per file); the kept collective rows stay
+        # here (remote), rank 0 gets each file's small sig table and damaged-id count
+        comm.send((meta, counts, packer.stats, packer.coll_parts, packer.coll_bad), dest=0)
         if packer.used:
             comm.Send([packer.buf[: packer.used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_EVENTS)
-        if packer.coll is not None and packer.coll_used and not remote:
-            comm.Send([packer.coll[: packer.coll_used].view(np.uint8), MPI.BYTE], dest=0, tag=_TAG_COLL)
         held = _Held(packer) if remote else None
         del mine, packer, meta
         _serve(comm, held)
@@ -667,17 +622,14 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
     # at its exact size, and each block's rows are received straight into it.
     blocks: list[list[tuple[_RankData | str, list[str]]]] = [mine]
     block_counts: list[list[int]] = [[len(d.events) if isinstance(d, _RankData) else 0 for d, _ in mine]]
-    coll_used = [packer.coll_used]
-    coll_parts = [packer.coll_parts]
     held = _Held(packer) if remote else None  # rank 0's own rows, before the others' parts join
     for src in range(1, n_workers):  # per analysis rank, in file order
-        meta, counts, stats, parts, bad, used = comm.recv(source=src)
+        meta, counts, stats, parts, bad = comm.recv(source=src)
         blocks.append(meta)
         block_counts.append(counts)
         packer.stats.update(stats)
         packer.coll_bad.update(bad)
-        coll_parts.append(parts)
-        coll_used.append(used)
+        packer.coll_parts.update(parts)  # their sig tables (offsets into their own buffers: unused here)
     total = sum(sum(c) for c in block_counts)
     if len(packer.buf) >= total:  # rank 0's own buffer has room (K = 1, or a generous bound): no copy
         table = packer.buf[:total]
@@ -702,14 +654,9 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
             got_all.append(d)
             warnings.extend(w)
     packer.used, packer.views = total, views
-    # then their collective rows (each analysis rank sends its events first, then these:
-    # large sends complete only when received, so rank 0 takes them in that order)
-    if remote:  # the sig tables of every file (the rows stay where they are)
-        for parts in coll_parts[1:]:  # per analysis rank
-            packer.coll_parts.update(parts)
-        packer.coll_remote = True
-    elif packer.coll is not None:
-        _gather_collectives(comm, packer, coll_parts, coll_used)
+    # K > 1 and streamed: _assemble makes the sig table and each file's maps, the rows stay where
+    # they are; K = 1 (or in memory): rank 0's packer holds every kept row, as load_run's does
+    packer.coll_remote = remote
     t_gather = time.perf_counter()
     assert p is not None
     split = _Remote(comm, held, None, np.zeros(0, object), cfg)
@@ -744,7 +691,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         # within analyze: align + match (and the breakdown job sent), the detectors, the wait
         # for the others' breakdown parts, the breakdown and report
         **_spans(t_assemble, split.t, t_end),
-        "match_steps": dict(MATCH_STEPS) if remote else None,
+        "match_steps": dict(split.match_steps) if remote else None,
         "total_s": t_end - t_start,
     }
     log.info("parallel analysis on %d ranks: %s", n_workers, report.run.cache["parallel"])

@@ -83,13 +83,12 @@ def _stream_config(tmp: Path, limit: int) -> str:
 
 @pytest.mark.parametrize("fault,ranks,events", [("straggler", 8, 800), ("serial", 8, 800), ("storm", 48, 4000)])
 def test_parallel_streamed_equals_serial_in_memory(tmp_path: Path, fault: str, ranks: int, events: int) -> None:
-    # stream_events = 0: every analysis rank leaves the phases out and ships its kept
-    # collective rows apart; rank 0 re-points them (offsets per file) into one buffer.
-    # The serial analysis holds every row (-1). A damaged file and a rank whose rows are
-    # out of time order exercise the per-file facts shipped with them. The storm run's
-    # messages are past MPICH's eager limit (MBs of file rows and collective rows per
-    # analysis rank): a send then completes only when rank 0 receives it, so rank 0 must
-    # take each analysis rank's buffers in the order it sends them (it hung otherwise).
+    # stream_events = 0: every analysis rank leaves the phases out; K = 1 keeps every
+    # collective row on rank 0, K = 3 keeps them where they were read (matched by key
+    # ranges). The serial analysis holds every row (-1). A truncated file exercises the
+    # per-file facts shipped to rank 0. The storm run's messages are past MPICH's eager
+    # limit (MBs of file rows per analysis rank): a send then completes only when rank 0
+    # receives it (the order of rank 0's receives once hung on that).
     d = tmp_path / "run"
     synth(d, ranks=ranks, events=events, fault=fault, ranks_per_host=2, seed=3)
     truncate_copy(d / "rank-00002.h5", d / "cut.h5", (d / "rank-00002.h5").stat().st_size * 2 // 3)
