@@ -216,7 +216,7 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     from distdiag.match import (
         MatchPart,
         MatchScope,
-        _selected_keys,
+        _select_keys,
         group_keys,
         key_ranges,
         match_part,
@@ -229,7 +229,7 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     inf_keys_at: Any = None
     scopes = [MatchScope.of_rows(rows["comm_id"], rows["seq"], rows["rank"])]
     if k == 0:
-        isel, igot = _selected_keys(run.inflight)
+        isel, igot = _select_keys(run.inflight)
         inf_rows, inf_keys_at = run.inflight.take(isel), igot
         scopes.append(MatchScope.of_rows(igot["comm_id"], igot["seq"], igot["rank"]))
     scope = MatchScope.union([s for got in comm.allgather(scopes) for s in got])
