@@ -209,9 +209,12 @@ def test_healthy_run_and_legitimately_different_sizes_are_silent(tmp_path: Path)
 
 
 @pytest.mark.parametrize("inflight", [False, True])
-def test_member_datatypes_found_again_from_the_rows_equal_the_matchs(tmp_path: Path, inflight: bool) -> None:
+def test_member_datatypes_found_again_from_the_rows_equal_the_matchs(
+    tmp_path: Path, inflight: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without the match's gathered aux (or after it dropped a duplicate) member_aux finds each
-    member's row again by (comm, seq, rank), in-flight rows included: the same datatype ids."""
+    member's row again by (comm, seq, rank), in-flight rows included: the same datatype ids;
+    streamed too (the collective rows read back band by band: one band, and bands of 5 rows)."""
     from dataclasses import replace
 
     import numpy as np
@@ -236,3 +239,14 @@ def test_member_datatypes_found_again_from_the_rows_equal_the_matchs(tmp_path: P
     assert int(want.min()) > 0 and len(np.unique(want)) == 24
     np.testing.assert_array_equal(member_aux(run, replace(colls, m_aux=None)), want)
     assert len(run.inflight) == int(inflight)
+    import distdiag.bands
+    from distdiag.run import STREAMED_KINDS, stream_out
+    from distdiag.schema import COMM_KINDS
+
+    streamed = load_run(tmp_path, streamed_kinds=STREAMED_KINDS)
+    s_colls = collectives_of(streamed)
+    streamed = stream_out(streamed)  # the collective rows now only in the files
+    assert not np.isin(streamed.events["kind"], [int(k) for k in COMM_KINDS]).any()
+    for band_events in (1 << 20, 5):
+        monkeypatch.setattr(distdiag.bands, "BAND_EVENTS", band_events)
+        np.testing.assert_array_equal(member_aux(streamed, replace(s_colls, m_aux=None)), want)

@@ -74,20 +74,24 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
         return out
     # the member rows: the events' from the run's kind index (distdiag.rows: no scan of
     # the table's kinds), the in-flight rows' by a mask (a handful per rank)
+    fields = ("comm_id", "seq", "rank", "aux")
     ev, inf = run.events, run.inflight
+    picks: list[list[np.ndarray]] = []  # per table: the member rows' fields
     if set(getattr(run, "streamed_kinds", ())) & {int(k) for k in _COMM_ARR}:
-        # a streamed run's collective rows are on disk once matched: band by band, in table order
-        picks = []
+        # a streamed run's collective rows are on disk once matched: band by band, in table
+        # order, each band's fields taken before the next is read (no band is kept)
         for b in bands(run):  # a few dozen bands
             sel = b.rows(_COMM_ARR)
-            picks.append((b.events, sel[b.events["seq"][sel] >= 0]))
+            sel = sel[b.events["seq"][sel] >= 0]
+            picks.append([b.events[f][sel] for f in fields])
     else:
         sel = rows_of(run, _COMM_ARR)
-        picks = [(ev, sel[ev["seq"][sel] >= 0])]
+        sel = sel[ev["seq"][sel] >= 0]
+        picks.append([ev[f][sel] for f in fields])
     if len(inf):
-        picks.append((inf, np.flatnonzero(np.isin(inf["kind"], _COMM_ARR) & (inf["seq"] >= 0))))
-    fields = ("comm_id", "seq", "rank", "aux")
-    c, s, r, a = (np.concatenate([tab[f][i] for tab, i in picks]).astype(np.int64) for f in fields)
+        sel = np.flatnonzero(np.isin(inf["kind"], _COMM_ARR) & (inf["seq"] >= 0))
+        picks.append([inf[f][sel] for f in fields])
+    c, s, r, a = (np.concatenate([p[i] for p in picks]).astype(np.int64) for i in range(len(fields)))
     if len(c) == 0:
         return out
     n_s = int(max(s.max(), colls.g_seq.max())) + 1
