@@ -64,7 +64,7 @@ from distdiag.match import (  # noqa: E402
     merge_collectives,
     split_match,
 )
-from distdiag.run import STREAMED_KINDS, load_run, stream_out  # noqa: E402
+from distdiag.run import STREAMED_KINDS, load_run  # noqa: E402
 
 
 def out_bytes(c: Collectives) -> int:
@@ -142,7 +142,6 @@ def main() -> int:
     for col in ("g_comm", "g_seq", "g_state", "g_start", "m_group", "m_rank", "m_t0_ns", "m_t1_ns"):  # spot columns
         assert np.array_equal(getattr(whole, col), getattr(merged, col)), col
     del whole, merged, parts
-    run = stream_out(run)
 
     print(f"whole match: {best['whole']:.3f} s CPU, {n_groups:,} groups, {n_members:,} members, "
           f"result {whole_bytes / 1e6:.1f} MB")  # fmt: skip
