@@ -1302,10 +1302,12 @@ class _Packer:
             st.t0_min = int(t0.min())
         st.unsorted = d.scan.unsorted
         self.stats[d.info.path] = st
+        # the scan saw every string id in range (id_umax: negative ids count as huge): none to count
+        ids_ok = not d.scan.rows or d.scan.id_umax < len(d.strings)
         coll = None
         if self.coll is not None:
-            coll = self._keep_collectives(d.info.path, ev, len(d.strings))
-        if dropped.any() and d.scan.rows and d.scan.id_umax >= len(d.strings):
+            coll = self._keep_collectives(d.info.path, ev, None if ids_ok else len(d.strings))
+        if dropped.any() and not ids_ok:
             # out-of-range string ids of the rows that leave (the table's remap counts its own; the
             # kept collective rows are counted when assembled): the warning counts every row's
             drop_rows = ev[dropped if coll is None else dropped & ~coll]
@@ -1323,9 +1325,11 @@ class _Packer:
         out[:] = kept
         return out
 
-    def _keep_collectives(self, path: Path, ev: np.ndarray, n_strings: int) -> np.ndarray:
+    def _keep_collectives(self, path: Path, ev: np.ndarray, n_strings: int | None) -> np.ndarray:
         """Append the collective rows with a seq of one rank's ``ev`` to :attr:`coll`, their other
         fields as ids into the rank's own small table of distinct ones (:func:`_sig_table`).
+        ``n_strings``: the rank's string table length, to count out-of-range ids (:func:`_coll_bad`);
+        None when the rank's scan saw every id in range (the usual file: ~15 ns a row saved).
         Returns which rows of ``ev`` it kept."""
         assert self.coll is not None
         keep = COMM_TABLE.take(ev["kind"]) & (ev["seq"] >= 0)
@@ -1343,7 +1347,7 @@ class _Packer:
         table, sig = _sig_table(c)
         out["sig"] = sig
         self.coll_parts[path] = (self.coll_used, n, table)
-        self.coll_bad[path] = _coll_bad(c, table, sig, n_strings)
+        self.coll_bad[path] = 0 if n_strings is None else _coll_bad(c, table, sig, n_strings)
         self.coll_used += n
         return keep
 
