@@ -955,10 +955,6 @@ class MatchPart:
         return int(self.rows.nbytes + self.inflight.nbytes + (0 if self.sigs is None else self.sigs.nbytes))
 
 
-#: :func:`_select_keys` (it takes empty tables too), by the name ``distdiag.parallel`` imports
-_selected_keys = _select_keys
-
-
 def split_match(run: Run, k: int) -> tuple[MatchScope, list[MatchPart]]:
     """The run's scope and its collective rows split into ``k`` key ranges (serially: what
     the analysis ranks of a parallel run do on their own rows, then exchange).
