@@ -38,7 +38,7 @@ rows closer than this merge into one episode), ``min_fraction`` ([analyze],
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
@@ -93,15 +93,26 @@ def _covered_before(starts: np.ndarray, ends: np.ndarray, t: np.ndarray) -> np.n
     return np.where(i > 0, full + partial, 0.0)
 
 
-def _stall_rows(run: Any) -> np.ndarray:
-    """The rows of the stall kinds (blocking collectives, waits, receives), in table order:
-    from the run's kind index, or, for the kinds a streamed run keeps on disk (its
-    collective rows once matched), band by band (:mod:`distdiag.bands`), same rows."""
+def _stall_rows(run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank as int64, t0, t1) of the rows of the stall kinds (blocking collectives, waits,
+    receives) that ended (t1 >= t0), in table order: from the run's kind index, or, for the
+    kinds a streamed run keeps on disk (its collective rows once matched), band by band
+    (:mod:`distdiag.bands`), same rows. Only the three columns the overlap reads are kept
+    (24 B a row, not a 73-byte event row: a streamed run's collective rows are its bulk)."""
     streamed = set(getattr(run, "streamed_kinds", ()))
     if not streamed & {int(k) for k in _STALL}:
-        return events_of(run, _STALL)
-    parts = [b.events.take(b.rows(_STALL)) for b in bands(run)]  # a few dozen bands
-    return np.concatenate(parts) if parts else run.events[:0]
+        parts: Iterable[np.ndarray] = [events_of(run, _STALL)]
+    else:  # a few dozen bands, one at a time: only its three columns outlive a band
+        parts = (b.events[b.rows(_STALL)] for b in bands(run))
+    cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for st in parts:  # one, or a few dozen bands
+        ok = st["t1_ns"] >= st["t0_ns"]
+        cols.append((st["rank"][ok].astype(np.int64), st["t0_ns"][ok], st["t1_ns"][ok]))
+        del st, ok
+    if not cols:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return (np.concatenate([c[0] for c in cols]), np.concatenate([c[1] for c in cols]),
+            np.concatenate([c[2] for c in cols]))  # fmt: skip
 
 
 @register("io_bandwidth")
@@ -135,11 +146,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     e_rank, e_t0, e_t1 = _merge(io["rank"].astype(np.int64), io["t0_ns"], io["t1_ns"], gap_ns)
 
     # 2. what the other ranks did during each episode
-    st = _stall_rows(run)
-    st = st[st["t1_ns"] >= st["t0_ns"]]
-    s_rank = np.r_[st["rank"].astype(np.int64), e_rank]
-    s_t0 = np.r_[st["t0_ns"], e_t0]
-    s_t1 = np.r_[st["t1_ns"], e_t1]
+    st_rank, st_t0, st_t1 = _stall_rows(run)
+    s_rank = np.r_[st_rank, e_rank]
+    s_t0 = np.r_[st_t0, e_t0]
+    s_t1 = np.r_[st_t1, e_t1]
+    del st_rank, st_t0, st_t1
     m_rank, m_t0, m_t1 = _merge(s_rank, s_t0, s_t1, 0)
     present = np.array(sorted(run.ranks), np.int64)
     overlap = np.zeros((n, len(e_rank)))
