@@ -21,6 +21,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# One BLAS/OpenMP thread per process, for every job the tests start (they
+# inherit this environment). The tests run 3-4 ranks on 2 cores; each rank's
+# numpy would otherwise start one OpenBLAS thread per core, and those threads
+# spin while they wait: 8+ busy threads on 2 cores. Measured (issue 16): the
+# demo job's healthy loop took 3.6-4.6 s with them and 0.17-0.41 s without
+# (40 iterations, 4 ranks), and the noise they made was larger than the
+# faults the tests inject. A cluster job runs one rank per core with one
+# thread (torchrun sets OMP_NUM_THREADS=1 for the same reason); that is what
+# the tests emulate. A test that wants more threads sets them itself.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
 
 # --- slurm -----------------------------------------------------------------------
 

@@ -1,0 +1,89 @@
+"""Ground truth measured in the test: the wall-clock a job loses to its fault.
+
+A detector's cost is "the wall-clock the job would save" without the fault.
+With more ranks than cores an injected ``sleep`` is not that saving: while the
+slow rank sleeps, the others get its core (4 ranks on 2 cores lost 1.2-2.3 s
+to 2.0 s of injected sleep, issue 16). So a test that prices a fault runs the
+same job with and without it, alternating (faulty, healthy, faulty, ...), reads
+the wall-clock each run reports of itself, and compares the analyzer's cost
+of one faulty run with what that run lost:
+``its wall-clock - the median healthy wall-clock``.
+
+The margin is the noise measured in the same test (the healthy runs' spread,
+plus the faulty runs' spread about their median) and a relative slack written
+at each assertion; nothing is assumed about the machine.
+
+A job reports its wall-clock on stdout as ``loop <seconds> s`` (see
+:data:`LOOP_RE`): the span from the first synchronization to the last, taken
+on one rank, so interpreter start-up (seconds of noise on 2 loaded cores)
+stays out of it.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+LOOP_RE = re.compile(r"\bloop ([0-9]+(?:\.[0-9]+)?) s\b")
+
+
+def loop_s(stdout: str) -> float:
+    """The wall-clock a job printed of itself (``loop <seconds> s``)."""
+    m = LOOP_RE.search(stdout)
+    assert m, f"the job printed no 'loop <seconds> s' line:\n{stdout[-2000:]}"
+    return float(m.group(1))
+
+
+@dataclass(frozen=True)
+class Saving:
+    """The wall-clock of runs of one job with its fault (``faulty_s``) and without it (``healthy_s``)."""
+
+    faulty_s: tuple[float, ...]
+    healthy_s: tuple[float, ...]
+
+    @property
+    def healthy_median_s(self) -> float:
+        return float(statistics.median(self.healthy_s))
+
+    @property
+    def median_s(self) -> float:
+        """What the fault costs the job, run for run: the medians' difference."""
+        return float(statistics.median(self.faulty_s)) - self.healthy_median_s
+
+    def of_run(self, i: int) -> float:
+        """What faulty run ``i`` lost to its fault."""
+        return self.faulty_s[i] - self.healthy_median_s
+
+    @property
+    def noise_s(self) -> float:
+        """How far one run's wall-clock strays, measured: the larger spread of the two sets of runs."""
+        spreads = [max(xs) - min(xs) for xs in (self.faulty_s, self.healthy_s) if len(xs) > 1]
+        return max(spreads, default=0.0)
+
+    def assert_prices(self, cost_s: float, i: int, rel: float, what: str = "cost") -> None:
+        """``cost_s`` (the analyzer's price of faulty run ``i``) is what that run lost, within
+        ``rel`` of it plus the measured noise."""
+        lost = self.of_run(i)
+        margin = rel * abs(lost) + self.noise_s
+        assert abs(cost_s - lost) <= margin, (
+            f"{what} {cost_s:.3f} s, but faulty run {i} lost {lost:.3f} s to its fault "
+            f"(margin {margin:.3f} s); {self}"
+        )
+
+    def __str__(self) -> str:
+        f = ", ".join(f"{x:.3f}" for x in self.faulty_s)
+        h = ", ".join(f"{x:.3f}" for x in self.healthy_s)
+        return f"faulty runs [{f}] s, healthy runs [{h}] s, saving {self.median_s:.3f} s, noise {self.noise_s:.3f} s"
+
+
+def measure_saving(run: Callable[[bool, int], float], pairs: int) -> Saving:
+    """Run the job ``pairs`` times with its fault and as often without, alternating, starting with the
+    fault; ``run(faulty, i)`` runs it (the i-th time of that kind) and returns its wall-clock in s."""
+    faulty: list[float] = []
+    healthy: list[float] = []
+    for i in range(pairs):
+        faulty.append(run(True, i))
+        healthy.append(run(False, i))
+    return Saving(tuple(faulty), tuple(healthy))
