@@ -32,6 +32,13 @@ REPO = Path(__file__).resolve().parent.parent
 # the tests emulate. A test that wants more threads sets them itself.
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
+# And MPICH's waiting ranks sleep between polls instead of spinning: on a
+# cluster a rank that waits in a collective spins on its own core, here it
+# takes the core of a rank that works. Measured (4 A/B pairs of the demo job,
+# load 6-8): spinning, the healthy loop took 0.17-0.53 s and the ranks' work
+# overlapped the slow rank's sleep, so a 2.0 s sleep cost the job 1.7-2.1 s;
+# sleeping, 0.07-0.24 s and 1.97-2.10 s, priced 1.94-2.02 s.
+os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
 
 
 # --- slurm -----------------------------------------------------------------------

@@ -9,9 +9,9 @@ the wall-clock each run reports of itself, and compares the analyzer's cost
 of one faulty run with what that run lost:
 ``its wall-clock - the median healthy wall-clock``.
 
-The margin is the noise measured in the same test (the healthy runs' spread,
-plus the faulty runs' spread about their median) and a relative slack written
-at each assertion; nothing is assumed about the machine.
+The margin is the noise measured in the same test (the healthy runs' spread)
+and a relative slack written at each assertion; nothing is assumed about the
+machine.
 
 A job reports its wall-clock on stdout as ``loop <seconds> s`` (see
 :data:`LOOP_RE`): the span from the first synchronization to the last, taken
@@ -58,9 +58,11 @@ class Saving:
 
     @property
     def noise_s(self) -> float:
-        """How far one run's wall-clock strays, measured: the larger spread of the two sets of runs."""
-        spreads = [max(xs) - min(xs) for xs in (self.faulty_s, self.healthy_s) if len(xs) > 1]
-        return max(spreads, default=0.0)
+        """How far the job's healthy part strays from run to run, measured: the healthy runs' spread.
+
+        A faulty run's loss is its wall-clock less the healthy median; the analyzer prices that
+        very run, so its own wall-clock is no error, but the healthy part it stands on is."""
+        return max(self.healthy_s) - min(self.healthy_s) if len(self.healthy_s) > 1 else 0.0
 
     def assert_prices(self, cost_s: float, i: int, rel: float, what: str = "cost") -> None:
         """``cost_s`` (the analyzer's price of faulty run ``i``) is what that run lost, within
