@@ -38,9 +38,9 @@ def test_sbatch_template_records_and_analyzes_in_the_job(slurm: SlurmCluster, tm
     rep = json.loads((run_dir / "report.json").read_text())
     assert (run_dir / "report.txt").read_text().startswith("distdiag: job " + job)
     strag = [f for f in rep["findings"] if f["kind"] == "straggler" and f["fraction"] >= 0.02]
-    # The template's job is the plumbing; the straggler's accuracy is tested elsewhere.
+    # The template's job is the plumbing: the sleeping rank is named. What the sleep cost
+    # the job and the straggler's price are compared in test_slurm_wrap and test_e2e_mpi.
     assert strag and strag[0]["ranks"] == [1], rep["findings"]
-    assert strag[0]["cost_s"] == pytest.approx(1.5, rel=0.25)
     assert rep["run"]["hosts"] == ["n1", "n2"]
     # Analyzed inside the job: Slurm's record of a job still running.
     s = rep["run"]["slurm"]
@@ -50,5 +50,9 @@ def test_sbatch_template_records_and_analyzes_in_the_job(slurm: SlurmCluster, tm
     p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
                        capture_output=True, text=True, timeout=120, env=slurm.env())  # fmt: skip
     assert p.returncode == 0, p.stderr
-    s = json.loads(p.stdout)["run"]["slurm"]
+    after = json.loads(p.stdout)
+    s = after["run"]["slurm"]
     assert s["origin"] == "live" and s["job"]["final"] and s["job"]["state"] == "COMPLETED", s
+    # The same rank files give the same straggler, analyzed in the job or after it.
+    again = [f for f in after["findings"] if f["kind"] == "straggler" and f["fraction"] >= 0.02]
+    assert [(f["ranks"], f["cost_s"]) for f in again] == [(f["ranks"], f["cost_s"]) for f in strag]
