@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from distdiag.render import RENDERERS
+from distdiag.render.fmt import escape_controls
 
 EXIT_USAGE = 2
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             return parallel_main(ns)
         return _analyze(ns)
     except DistdiagError as e:
-        print(f"distdiag: {e}", file=sys.stderr)
+        print(f"distdiag: {escape_controls(str(e))}", file=sys.stderr)  # names from the run dir: untrusted
         return EXIT_USAGE
     except BrokenPipeError:  # `distdiag analyze ... | head`
         return 0

@@ -609,10 +609,54 @@ def _max_rows(f: Any, itemsize: int, size: int | None = -1) -> int:
     return size // max(1, int(itemsize)) + 1024
 
 
-def _open_obj(f: Any, name: str) -> Any:
-    """``f[name]`` for a dataset, without h5py's path handling (~40 us of the ~100 a lookup costs)."""
+class OutsideFile(Exception):
+    """A table of a rank file whose bytes live outside it (an external link, external
+    storage, a virtual dataset); the message says which and where."""
+
+
+def _outside(f: Any, name: str) -> str | None:
+    """Why the top-level object ``name`` of ``f`` is not wholly inside the file, or None.
+
+    A run dir is untrusted input: HDF5 follows an external link to any file
+    the analyst can open, reads a dataset's external storage (raw bytes of any
+    file, e.g. ``~/.ssh/id_rsa``, which would then show up in the report as
+    strings) and assembles virtual datasets from other files. Only a hard link
+    to a dataset with its own storage is read. The link is looked at before
+    it is followed: resolving an external link already opens the target."""
     import h5py
 
+    try:
+        link = f.id.links.get_info(name.encode())
+    except _H5_ERRORS:
+        return None  # absent: the caller's business
+    if link.type != h5py.h5l.TYPE_HARD:
+        kind = "an external link" if link.type == h5py.h5l.TYPE_EXTERNAL else "a soft or user-defined link"
+        return f"/{name} is {kind}, not a table of its own"
+    oid = h5py.h5o.open(f.id, name.encode())
+    if isinstance(oid, h5py.h5d.DatasetID):
+        dcpl = oid.get_create_plist()
+        if dcpl.get_external_count() > 0:
+            return f"/{name} keeps its data in external file(s) ({_printable(dcpl.get_external(0)[0])}...)"
+        if dcpl.get_layout() == h5py.h5d.VIRTUAL:
+            return f"/{name} is a virtual dataset (its data lives in other files)"
+    return None
+
+
+def _printable(raw: bytes | str) -> str:
+    """A name from an untrusted file, safe to print: control characters escaped, cut to 80."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)[:80]
+
+
+def _open_obj(f: Any, name: str) -> Any:
+    """``f[name]`` for a dataset, without h5py's path handling (~40 us of the ~100 a lookup costs).
+
+    Raises :class:`OutsideFile` for a table whose bytes live outside the file (:func:`_outside`)."""
+    import h5py
+
+    why = _outside(f, name)
+    if why is not None:
+        raise OutsideFile(why)
     oid = h5py.h5o.open(f.id, name.encode())
     if isinstance(oid, h5py.h5d.DatasetID):
         return h5py.Dataset(oid)
@@ -623,7 +667,10 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
     """The rank's string table, or a one-line reason why it cannot be used."""
     import h5py
 
-    ds = _open_obj(f, "strings")
+    try:
+        ds = _open_obj(f, "strings")
+    except OutsideFile as e:
+        return f"{fname}: {e}; skipped (a rank file's tables are read from the file itself only)"
     shape = getattr(ds, "shape", None)
     if shape is None or len(shape) != 1:
         return f"{fname}: /strings is not a table of strings (corrupt); skipped"
@@ -678,6 +725,10 @@ def _read_table(
     (``RUN_EVENT_DTYPE``), to be taken by the packer before its next read."""
     import h5py
 
+    why = _outside(f, name)
+    if why is not None:
+        warnings.append(f"{fname}: {why}; ignored (a rank file's tables are read from the file itself only)")
+        return np.zeros(0, dtype)
     if name not in f:
         return np.zeros(0, dtype)
     ds = _open_obj(f, name)
@@ -822,7 +873,8 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 return f"{fname} names no rank; skipped"
             if rank >= MAX_RANKS:
                 return f"{fname} names rank {rank}, beyond any launch (corrupt attribute); skipped"
-            if "events" not in f or "strings" not in f:
+            # links.exists, not `in`: `in` resolves an external link, which opens its target
+            if not (f.id.links.exists(b"events") and f.id.links.exists(b"strings")):
                 return f"{fname} lacks the /events or /strings table (corrupt, or killed before its first flush); skipped"
 
             # A file its writer closed gets no more rows: no SWMR refresh (4 per file otherwise).

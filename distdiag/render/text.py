@@ -11,11 +11,18 @@ non-empty value) or ``TERM=dumb`` turn it off; the CLI passes
 ``color=False`` when the report goes to a file. The progress bar while many
 rank files load is :class:`distdiag.render.progress.ProgressBar` (stderr, a
 terminal only).
+
+Everything from the run dir is untrusted: the finished text has every
+control character escaped (:func:`distdiag.render.fmt.escape_controls`), and
+only then are the renderer's own colours put in, from markers that carry a
+fresh random token each render, so text in a rank file cannot forge them.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import sys
 from typing import Any, TextIO
 
@@ -23,7 +30,7 @@ import numpy as np
 
 from distdiag.breakdown import COLUMNS, LABELS, step_breakdown, step_summary
 from distdiag.ranking import outlook
-from distdiag.render.fmt import fmt_s, short_list
+from distdiag.render.fmt import escape_controls, fmt_s, short_list
 
 #: a per-rank table longer than this shows the ranks the findings name plus min/median/max
 MAX_RANK_ROWS = 16
@@ -80,13 +87,25 @@ _STYLE = {"verdict": "1;31", "healthy": "1;32", "head": "1", "dim": "2", "cost":
 class TextRenderer:
     def __init__(self, max_findings: int | None = None, color: bool | None = None) -> None:
         self.max_findings = max_findings
+        self._mark = ""
         #: None: decide from stdout (see use_color)
         self.color = use_color() if color is None else bool(color)
 
     def _c(self, role: str, text: str) -> str:
-        return f"\x1b[{_STYLE[role]}m{text}\x1b[0m" if self.color else text
+        if not self.color:
+            return text
+        return f"{self._mark}{_STYLE[role]}\ue001{text}{self._mark}0\ue001"
 
     def render(self, report: Any) -> str:
+        # U+E000 is no control character: it survives the escaping, and the token makes
+        # the marker one no rank file can hold.
+        self._mark = "\ue000" + secrets.token_hex(8)
+        text = escape_controls(self._render(report))
+        if self.color:
+            text = re.sub(re.escape(self._mark) + "([0-9;]*)\ue001", "\x1b[\\1m", text)
+        return text
+
+    def _render(self, report: Any) -> str:
         run = report.run
         lines: list[str] = []
         hosts = run.hosts

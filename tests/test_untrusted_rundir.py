@@ -1,0 +1,164 @@
+"""A run dir is untrusted input: the analyzer reads nothing outside it, and writes no control characters to a terminal.
+
+Someone hands over a run dir ("can you look at my job?"). A rank file whose
+table is an external link, keeps its data in an external file, or is a
+virtual dataset of other files would make HDF5 read the analyst's own files
+(``~/.ssh/id_rsa``) into the report. Each such table is refused with one
+warning line and the rest of the run is analyzed; the secret's bytes never
+reach the report. Host names, paths and call sites from a rank file reach
+the terminal with their control characters escaped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import h5py
+import numpy as np
+import pytest
+
+from distdiag.config import Config
+from distdiag.pipeline import analyze
+from distdiag.render import render
+from distdiag.schema import EVENT_DTYPE, rank_file_name
+from factories import coll, write_rank
+
+SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- s3cr3t-b1t5 -----END-----"
+
+
+def _job(run_dir: Path, n: int = 3) -> None:
+    """n ranks, 30 all-reduces, rank 1 late at each: a straggler to find in the rest."""
+    for r in range(n):
+        strings = [""]
+        rows = [coll(10 * i + (4 if r == 1 else 0), 10 * i + 5, i, strings) for i in range(30)]
+        write_rank(run_dir, r, n, rows, strings)
+
+
+def _secret_file(tmp_path: Path) -> Path:
+    p = tmp_path / "home" / "id_rsa"
+    p.parent.mkdir()
+    p.write_bytes(SECRET)
+    return p
+
+
+def _strings_in_external_storage(path: Path, secret: Path) -> None:
+    """/strings as a fixed-length string table whose bytes are the secret file's."""
+    with h5py.File(path, "r+") as f:
+        del f["strings"]
+        n = len(SECRET) // 8
+        f.create_dataset("strings", shape=(n,), dtype="S8", external=[(str(secret), 0, n * 8)])
+
+
+def _strings_as_external_link(path: Path, secret: Path) -> None:
+    """/strings as an external link into another HDF5 file holding the secret."""
+    other = secret.with_suffix(".h5")
+    with h5py.File(other, "w") as g:
+        g.create_dataset("strings", data=np.array([SECRET.decode()], dtype=h5py.string_dtype()))
+    with h5py.File(path, "r+") as f:
+        del f["strings"]
+        f["strings"] = h5py.ExternalLink(str(other), "/strings")
+
+
+def _events_as_virtual_dataset(path: Path, secret: Path) -> None:
+    """/events as a virtual dataset mapping another file's events."""
+    other = secret.with_suffix(".events.h5")
+    with h5py.File(path, "r") as f:
+        rows = f["events"][()]
+    with h5py.File(other, "w") as g:
+        g.create_dataset("events", data=rows)
+    layout = h5py.VirtualLayout(shape=(len(rows),), dtype=EVENT_DTYPE)
+    layout[:] = h5py.VirtualSource(str(other), "events", shape=(len(rows),))
+    with h5py.File(path, "r+") as f:
+        del f["events"]
+        f.create_virtual_dataset("events", layout)
+
+
+def _inflight_in_external_storage(path: Path, secret: Path) -> None:
+    """/inflight (an events table) read from the raw bytes of another file."""
+    n = 4
+    secret.write_bytes(SECRET * (1 + n * EVENT_DTYPE.itemsize // len(SECRET)))
+    with h5py.File(path, "r+") as f:
+        if "inflight" in f:
+            del f["inflight"]
+        f.create_dataset("inflight", shape=(n,), dtype=EVENT_DTYPE, external=[(str(secret), 0, n * EVENT_DTYPE.itemsize)])
+
+
+MUTATIONS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
+    "external storage": (_strings_in_external_storage, "keeps its data in external file"),
+    "external link": (_strings_as_external_link, "is an external link"),
+    "virtual dataset": (_events_as_virtual_dataset, "is a virtual dataset"),
+    "external inflight": (_inflight_in_external_storage, "keeps its data in external file"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(MUTATIONS))
+def test_tables_stored_outside_the_rank_file_are_refused(tmp_path: Path, how: str) -> None:
+    run_dir = tmp_path / "run"
+    _job(run_dir)
+    secret = _secret_file(tmp_path)
+    mutate, said = MUTATIONS[how]
+    mutate(run_dir / rank_file_name(0), secret)
+
+    rep = analyze(run_dir, Config())
+    out = json.dumps(rep.to_json()) + render(rep, "text")
+    assert "s3cr3t" not in out and "OPENSSH" not in out
+    lines = [w for w in rep.run.warnings if said in w]
+    assert len(lines) == 1 and lines[0].startswith(rank_file_name(0)), rep.run.warnings
+    # the rest is analyzed: the late rank is still found on the other files
+    assert [f.ranks for f in rep.findings if f.kind == "straggler"] == [[1]], rep.findings
+
+
+def test_a_rank_file_of_its_own_tables_is_read_as_before(tmp_path: Path) -> None:
+    """The healthy twin: the same run dir untouched gives no such warning and all three ranks."""
+    run_dir = tmp_path / "run"
+    _job(run_dir)
+    rep = analyze(run_dir, Config())
+    assert not [w for w in rep.run.warnings if "file itself only" in w], rep.run.warnings
+    assert sorted(rep.run.ranks) == [0, 1, 2]
+    assert [f.ranks for f in rep.findings if f.kind == "straggler"] == [[1]]
+
+
+EVIL_HOST = "n1\x1b[2J\x1b]0;pwned\x07\r\u202e"
+
+
+def _evil_run(run_dir: Path) -> None:
+    """Rank 1 late at every all-reduce, on a host whose name clears the screen and sets the title."""
+    for r in range(3):
+        strings = [""]
+        rows = [coll(10 * i + (4 if r == 1 else 0), 10 * i + 5, i, strings) for i in range(30)]
+        write_rank(run_dir, r, 3, rows, strings, host=EVIL_HOST if r == 1 else f"n{r}")
+
+
+@pytest.mark.parametrize("color", [False, True])
+def test_host_names_reach_the_terminal_escaped(tmp_path: Path, color: bool) -> None:
+    run_dir = tmp_path / "run"
+    _evil_run(run_dir)
+    rep = analyze(run_dir, Config())
+    text = render(rep, "text", color=color)
+    # the straggler's host is shown, written out
+    assert "n1\\x1b[2J\\x1b]0;pwned\\x07\\x0d\\u202e" in text
+    # no control character but the newline and the renderer's own colours
+    own = re.sub(r"\x1b\[[0-9;]*m", "", text) if color else text
+    assert not [c for c in own if (ord(c) < 32 and c != "\n") or 0x7F <= ord(c) <= 0x9F or c == "\u202e"]
+    assert ("\x1b[" in text) is color
+
+
+def test_the_cli_writes_no_control_characters(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _evil_run(run_dir)
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir)], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "pwned" in p.stdout and "\x1b" not in p.stdout + p.stderr and "\x07" not in p.stdout
+    # an error line that names a file from the run dir is escaped too
+    bad = tmp_path / "bad\x1b[2J"
+    bad.mkdir()  # a dir with no rank files: the error names it
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(bad)], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.startswith("distdiag: "), p.stderr
+    assert "\x1b" not in p.stderr and "bad\\x1b[2J" in p.stderr, p.stderr
