@@ -16,7 +16,12 @@
 #   CPUs=8 + SlurmdParameters=config_overrides: 8 tasks per node on 2 cores;
 #     asking for more tasks than declared CPUs pends forever.
 #   ProctrackType=linuxproc, TaskPlugin=task/none: no cgroups/systemd needed.
-#   MpiDefault=pmi2: the PyPI mpich wheel's ranks find each other under srun.
+#   MpiDefault=pmi2: the PyPI mpich wheel's ranks (PMI-1 only, no PMIx) find
+#     each other under plain srun. The plugin misreads PMI-1 lines over 1024
+#     bytes, so the tests start the wheel through its Hydra (SlurmCluster.srun_mpi
+#     in tests/conftest.py; README, "MPI under srun"). --mpi=pmix cannot start
+#     the wheel, and here fails sooner: both slurmd "nodes" make the same
+#     /tmp/spmix_appdir_<uid>_<job>.<step> ("File exists").
 #   MailProg=/bin/true: no MTA here.
 #   Private MariaDB started with --skip-grant-tables, bound to 127.0.0.1 only:
 #     a throwaway accounting store for tests, no user management to get wrong.
