@@ -26,8 +26,9 @@ def test_launcher_scripts_parse(name: str) -> None:
 @pytest.mark.slurm
 def test_sbatch_template_records_and_analyzes_in_the_job(slurm: SlurmCluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # The wheel's ranks through its Hydra, not slurmd's pmi2 plugin (SlurmCluster.srun_mpi says why).
     env = slurm.env(DISTDIAG_WRAP=f"{sys.executable} -m distdiag.wrap", DISTDIAG_CMD=f"{sys.executable} -m distdiag.cli",
-                    DISTDIAG_DIR=str(run_dir))  # fmt: skip
+                    DISTDIAG_DIR=str(run_dir), DISTDIAG_LAUNCH="mpiexec -launcher slurm")  # fmt: skip
     job = slurm.sbatch(["--time=5", "-o", str(tmp_path / "out.txt"), str(LAUNCHERS / "distdiag.sbatch"),
                         sys.executable, "-m", "distdiag.demo_job", "--slow-rank", "1", "--delay-s", "0.05",
                         "--iters", "30"], cwd=tmp_path, env=env)  # fmt: skip
