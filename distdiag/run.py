@@ -431,6 +431,7 @@ class _Scan:
     t0_min: int = 0
     t0_max: int = 0
     t1_max: int = 0
+    t1_min: int = 0
     #: some row's t0 is below the row before it (threads flush chunks out of time order)
     unsorted: bool = False
     #: largest string id in name_id, comm_id, site_id and in the aux of the kinds
@@ -451,17 +452,19 @@ class _Scan:
         t0 = np.ascontiguousarray(rows["t0_ns"])  # then the order check is one vector compare
         back = n > 1 and bool(np.any(t0[1:] < t0[:-1]))
         lo0, hi0 = (int(t0.min()), int(t0.max())) if back else (int(t0[0]), int(t0[-1]))
-        hi1 = int(rows["t1_ns"].max())
+        t1 = rows["t1_ns"]
+        hi1, lo1 = int(t1.max()), int(t1.min())
         u = max(int(rows[col].view(np.uint32).max()) for col in STRING_COLUMNS)
         # aux of the kinds whose aux is a string id, 0 elsewhere (take + where: ~3 ns a
         # row; a fancy-index gather and a boolean compress cost ~7, max(where=) ~17)
         fk = _AUX_KIND_TABLE.take(rows["kind"])
         u = max(u, int(np.where(fk, rows["aux"].view(np.uint64), np.uint64(0)).max()))
         if self.rows == 0:
-            self.t0_min, self.t0_max, self.t1_max, self.id_umax = lo0, hi0, hi1, u
+            self.t0_min, self.t0_max, self.t1_max, self.t1_min, self.id_umax = lo0, hi0, hi1, lo1, u
         else:
             back = back or int(t0[0]) < self._last_t0
             self.t0_min, self.t0_max, self.t1_max = min(self.t0_min, lo0), max(self.t0_max, hi0), max(self.t1_max, hi1)
+            self.t1_min = min(self.t1_min, lo1)
             self.id_umax = max(self.id_umax, u)
         self.unsorted = self.unsorted or back
         self._last_t0 = int(t0[-1])
@@ -830,6 +833,54 @@ def _short(e: BaseException) -> str:
     return s[:160]
 
 
+#: How far a row may lie outside its rank's recorded span (shim start to its last flush or
+#: exit) and still be believed: the shim stamps both ends itself, from the rows' own clock.
+_SPAN_SLACK_NS = 10 * 10**9
+
+
+def _recorded_span(mono0: int | None, end: int | None, last_flush: int | None) -> tuple[int | None, int | None]:
+    """[first, last] instant a rank's rows may hold, from its attributes (None: that end unknown)."""
+    lo = None if mono0 is None else mono0 - _SPAN_SLACK_NS
+    ends = [x for x in (end, last_flush) if x is not None and x > 0]
+    hi = max(ends) + _SPAN_SLACK_NS if ends else None
+    return lo, hi
+
+
+def _in_span(
+    rows: np.ndarray, scan: _Scan, span: tuple[int | None, int | None], fname: str, warnings: list[str],
+    packer: _Packer | None, what: str = "event",
+) -> tuple[np.ndarray, _Scan]:
+    """``rows`` without those outside the rank's recorded ``span``, and their scan; one warning
+    line counts what was dropped.
+
+    A run dir is untrusted, and one row with t0 = INT64_MIN and t1 = INT64_MAX
+    made the wall-clock 18,446,744,074 s, which hid a real metadata storm below
+    every threshold. t1 = -1 is an open call (in flight), not an instant. The
+    scan's bounds decide first, so a healthy table costs nothing more."""
+    lo, hi = span
+    if not scan.rows:
+        return rows, scan
+    below = lo is not None and min(scan.t0_min, scan.t1_min) < lo  # an open call's -1 too: then look closer
+    above = hi is not None and max(scan.t0_max, scan.t1_max) > hi
+    if not (below or above):
+        return rows, scan
+    t0, t1 = rows["t0_ns"], rows["t1_ns"]
+    keep = np.ones(len(rows), bool)
+    if lo is not None:
+        keep &= (t0 >= lo) & ((t1 >= lo) | (t1 == -1))
+    if hi is not None:
+        keep &= (t0 <= hi) & (t1 <= hi)
+    n_bad = len(rows) - int(np.count_nonzero(keep))
+    if n_bad == 0:
+        return rows, scan
+    warnings.append(
+        f"{fname}: {n_bad} {what} row{'s' if n_bad != 1 else ''} outside the rank's recorded span "
+        f"(implausible timestamps: a damaged or forged file); dropped, the rest analyzed"
+    )
+    kept = packer.compact(rows, keep) if packer is not None else rows[keep]
+    return kept, _Scan.of(kept)
+
+
 def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -> _RankData | str:
     """One rank file, or a one-line reason why it cannot be used.
 
@@ -885,6 +936,12 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 f, "events", EVENT_DTYPE, fname, warnings, refresh=live, size=size, packer=packer, rank=rank, scan=scans
             )
             scan = scans[0] if scans else _Scan.of(events)
+            mono0 = _int_attr(attrs, "mono_ns_at_start")
+            wall0 = _int_attr(attrs, "wall_ns_at_start")
+            end = _int_attr(attrs, "end_mono_ns")
+            last_flush = _int_attr(attrs, "last_flush_mono_ns")
+            span = _recorded_span(mono0, end, last_flush)
+            events, scan = _in_span(events, scan, span, fname, warnings, packer)
             strings = _read_strings(f, fname, warnings, size)
             if isinstance(strings, str):
                 return strings
@@ -892,12 +949,10 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 strings = np.array([""], dtype=object)
             sync = _read_table(f, "clock_sync", SYNC_DTYPE, fname, warnings, refresh=live, size=size)
             inflight = _read_table(f, "inflight", EVENT_DTYPE, fname, warnings, refresh=live, size=size)
+            if len(inflight):
+                inflight, _ = _in_span(inflight, _Scan.of(inflight), span, fname, warnings, None, "in-flight")
             gpu = _read_table(f, "gpu", GPU_DTYPE, fname, warnings, refresh=live, size=size)
 
-            mono0 = _int_attr(attrs, "mono_ns_at_start")
-            wall0 = _int_attr(attrs, "wall_ns_at_start")
-            end = _int_attr(attrs, "end_mono_ns")
-            last_flush = _int_attr(attrs, "last_flush_mono_ns")
             closed = not live
             has_ev = len(events) > 0
             ev_t0 = scan.t0_min if has_ev else None
@@ -1321,6 +1376,16 @@ class _Packer:
                 scan.add(blk)  # while the block is in cache
         self._written = out
         return out, scan
+
+    def compact(self, rows: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """``rows[keep]``, in order; rows :meth:`read_events` just wrote are compacted in place
+        (still to be taken, as before)."""
+        if rows is not self._written:
+            return rows[keep]
+        k = int(np.count_nonzero(keep))
+        rows[:k] = rows[keep]
+        self._written = rows[:k]
+        return self._written
 
     def take(self, d: _RankData) -> None:
         """Make ``d.events`` part of the buffer: the rows :meth:`read_events` wrote at

@@ -6,13 +6,16 @@ virtual dataset of other files would make HDF5 read the analyst's own files
 (``~/.ssh/id_rsa``) into the report. Each such table is refused with one
 warning line and the rest of the run is analyzed; the secret's bytes never
 reach the report. Host names, paths and call sites from a rank file reach
-the terminal with their control characters escaped.
+the terminal with their control characters escaped. A row whose timestamps lie
+outside its rank's recorded span is dropped, counted, and the rest analyzed
+as if it were not there.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +28,10 @@ import pytest
 from distdiag.config import Config
 from distdiag.pipeline import analyze
 from distdiag.render import render
-from distdiag.schema import EVENT_DTYPE, rank_file_name
+from distdiag.schema import EVENT_DTYPE, Kind, rank_file_name
 from factories import coll, write_rank
 
+I64 = np.iinfo(np.int64)
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- s3cr3t-b1t5 -----END-----"
 
 
@@ -162,3 +166,41 @@ def test_the_cli_writes_no_control_characters(tmp_path: Path) -> None:
                        timeout=120)  # fmt: skip
     assert p.returncode == 2 and p.stderr.startswith("distdiag: "), p.stderr
     assert "\x1b" not in p.stderr and "bad\\x1b[2J" in p.stderr, p.stderr
+
+
+
+def _append_row(path: Path, t0_ns: int, t1_ns: int) -> None:
+    with h5py.File(path, "r+") as f:
+        ev = f["events"]
+        row = np.zeros(1, ev.dtype)
+        row["t0_ns"], row["t1_ns"], row["kind"] = t0_ns, t1_ns, int(Kind.MARK)
+        ev.resize((len(ev) + 1,))
+        ev[-1:] = row
+
+
+@pytest.fixture(scope="module")
+def storm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("storm") / "run"
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "synth", str(d), "--ranks", "8", "--events", "3000",
+                        "--fault", "storm"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return d
+
+
+@pytest.mark.parametrize("t0_ns, t1_ns", [(I64.min, I64.max), (0, I64.max), (I64.min + 1, -5), (10**18, 10**18)])
+def test_one_bogus_timestamp_is_dropped_and_the_storm_still_found(
+    storm_dir: Path, tmp_path: Path, t0_ns: int, t1_ns: int
+) -> None:
+    healthy = analyze(storm_dir, Config())  # the same run without the bogus row
+    assert healthy.verdict is not None and healthy.verdict.kind == "metadata_storm"
+    run_dir = tmp_path / "run"
+    shutil.copytree(storm_dir, run_dir)
+    _append_row(run_dir / rank_file_name(3), t0_ns, t1_ns)
+    rep = analyze(run_dir, Config())
+    said = [w for w in rep.run.warnings if "outside the rank's recorded span" in w]
+    assert len(said) == 1 and said[0].startswith(f"{rank_file_name(3)}: 1 event row "), rep.run.warnings
+    # analyzed as if the row were not there
+    assert rep.run.wall_s == pytest.approx(healthy.run.wall_s)
+    assert [(f.kind, f.ranks, round(f.cost_s, 9)) for f in rep.findings] == [
+        (f.kind, f.ranks, round(f.cost_s, 9)) for f in healthy.findings
+    ]
