@@ -666,8 +666,60 @@ def _open_obj(f: Any, name: str) -> Any:
     return f[name]  # a group or a named type where a table should be: as h5py gives it
 
 
+#: What decoding a rank file's string table may allocate, in bytes of string per byte of
+#: file (plus 1 MB). The shim's strings take a few bytes of file each beyond their own.
+_STRING_BYTES_PER_FILE_BYTE = 4
+
+#: strings decoded at a time when their lengths cannot be read first
+_STRING_BLOCK = 256
+
+#: A variable-length element as HDF5 stores it: its length, then the global heap id
+#: (collection address, object index) of its bytes.
+_VLEN_REF = np.dtype([("len", "<u4"), ("addr", "<u8"), ("idx", "<u4")])
+
+
+def _vlen_lengths(ds: Any, n: int) -> np.ndarray | None:
+    """The declared lengths of the first ``n`` variable-length strings of ``ds``, read from its
+    storage without decoding (~4 us a chunk of 1,024); None when that cannot be told (filtered
+    chunks, another layout), and then the caller decodes by blocks."""
+    import h5py
+
+    try:
+        dcpl = ds.id.get_create_plist()
+        if dcpl.get_layout() != h5py.h5d.CHUNKED or dcpl.get_nfilters():
+            return None
+        rows = int(dcpl.get_chunk()[0])
+        out = np.zeros(n, np.int64)
+        for lo in range(0, n, max(1, rows)):  # one read a chunk
+            try:
+                _, raw = ds.id.read_direct_chunk((lo,))
+            except _H5_ERRORS:
+                continue  # a chunk never written: empty strings
+            k = min(rows, n - lo, len(raw) // _VLEN_REF.itemsize)
+            out[lo : lo + k] = np.frombuffer(raw, _VLEN_REF, count=k)["len"]
+        return out
+    except _H5_ERRORS:
+        return None
+
+
+def _strings_in_budget(ds: Any, n: int, budget: int) -> tuple[int, int | None]:
+    """How many of the first ``n`` strings fit ``budget`` bytes decoded, and their declared total
+    (None: unknown, see :func:`_vlen_lengths`)."""
+    lengths = _vlen_lengths(ds, n)
+    if lengths is None:
+        return n, None
+    total = np.cumsum(lengths)
+    fit = int(np.searchsorted(total, budget, side="right"))
+    return fit, int(total[-1]) if n else 0
+
+
 def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1) -> np.ndarray | str:
-    """The rank's string table, or a one-line reason why it cannot be used."""
+    """The rank's string table, or a one-line reason why it cannot be used.
+
+    Decoding is bounded by the file's size (:data:`_STRING_BYTES_PER_FILE_BYTE`): a
+    hostile file whose entries all point at one shared 1 MB heap object would otherwise
+    decode to a copy per entry (2.9 GB from a 1.5 MB file). The strings beyond the
+    bound are read as "" and said in one warning line."""
     import h5py
 
     try:
@@ -682,18 +734,50 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
     if n > cap:
         warnings.append(f"{fname}: /strings claims {n} strings, more than the file can hold (corrupt header); reading {cap}")
         n = cap
+    if size == -1:
+        size = _file_size(f)
+    budget = _STRING_BYTES_PER_FILE_BYTE * (size if size is not None else 1 << 40) + (1 << 20)
     try:
         dt, mt = _dtype_of(ds.id.get_type())
         info = h5py.check_string_dtype(dt)
-        if info is not None and info.length is None and info.encoding == "utf-8" and n == int(shape[0]):
-            # The shim's table: one low-level read, decoded as asstr() does (strict utf-8).
-            raw = np.empty(n, dtype=dt)
-            if n:
-                ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, raw, mtype=mt)
-            out = np.empty(n, dtype=object)
-            out[:] = [b.decode("utf-8") if isinstance(b, bytes) else b for b in raw]
+        vlen = info is not None and info.length is None
+        if vlen:
+            fit, total = _strings_in_budget(ds, n, budget)
+        else:  # fixed-length: the size is the type's
+            fit, total = min(n, budget // max(1, dt.itemsize)), n * dt.itemsize
+        if fit < n:
+            warnings.append(
+                f"{fname}: /strings would decode to {(total or 0) / 1e6:.0f} MB, more than {_STRING_BYTES_PER_FILE_BYTE}x "
+                f"the file's size (corrupt or hostile); reading the first {fit} of {n} strings, the rest as \"\""
+            )
+        out = np.empty(n, dtype=object)
+        out[fit:] = ""
+        if vlen and total is None:
+            # lengths unknown (filtered chunks): decode by blocks, within the budget
+            used = 0
+            for lo in range(0, fit, _STRING_BLOCK):
+                part = ds.asstr()[lo : min(fit, lo + _STRING_BLOCK)]
+                used += sum(len(x) for x in part)
+                out[lo : lo + len(part)] = list(part)
+                if used > budget:
+                    warnings.append(f"{fname}: /strings decodes past {budget / 1e6:.0f} MB, {_STRING_BYTES_PER_FILE_BYTE}x "
+                                    f"the file's size (corrupt or hostile); reading the first {lo + len(part)} of {n} strings")  # fmt: skip
+                    out[lo + len(part) :] = ""
+                    break
             return out
-        return np.asarray(ds.asstr()[:n], dtype=object)
+        if vlen and info is not None and info.encoding == "utf-8" and n == int(shape[0]):
+            # The shim's table: one low-level read, decoded as asstr() does (strict utf-8).
+            raw = np.empty(fit, dtype=dt)
+            if fit == n and n:
+                ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, raw, mtype=mt)
+            elif fit:
+                fspace = ds.id.get_space()
+                fspace.select_hyperslab((0,), (fit,))
+                ds.id.read(h5py.h5s.create_simple((fit,)), fspace, raw, mtype=mt)
+            out[:fit] = [b.decode("utf-8") if isinstance(b, bytes) else b for b in raw]
+            return out
+        out[:fit] = list(ds.asstr()[:fit])
+        return out
     except _H5_ERRORS as e:
         return f"{fname}: its string table cannot be read ({_short(e)}); skipped"
 

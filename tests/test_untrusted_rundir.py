@@ -204,3 +204,51 @@ def test_one_bogus_timestamp_is_dropped_and_the_storm_still_found(
     assert [(f.kind, f.ranks, round(f.cost_s, 9)) for f in rep.findings] == [
         (f.kind, f.ranks, round(f.cost_s, 9)) for f in healthy.findings
     ]
+
+
+def _shared_heap_strings(path: Path, n: int, big: int) -> None:
+    """/strings of ``n`` entries that all point at one shared heap object of ``big`` bytes:
+    a file of ~``big`` bytes that decodes to n copies."""
+    with h5py.File(path, "r+") as f:
+        old = [s.decode() if isinstance(s, bytes) else s for s in f["strings"][()]]
+        del f["strings"]
+        table = old + ["x" * big] + ["y"] * (n - len(old) - 1)
+        f.create_dataset("strings", data=np.array(table, dtype=object), dtype=h5py.string_dtype(), chunks=(1024,),
+                         maxshape=(None,))  # fmt: skip
+        ds = f["strings"]
+        ref = np.dtype([("len", "<u4"), ("addr", "<u8"), ("idx", "<u4")])
+        first = np.frombuffer(ds.id.read_direct_chunk((0,))[1], ref).copy()
+        shared = first[len(old)]
+        for lo in range(0, n, 1024):
+            chunk = np.frombuffer(ds.id.read_direct_chunk((lo,))[1], ref).copy()
+            at = np.arange(lo, lo + len(chunk))
+            chunk[at > len(old)] = shared  # every later entry: the big object
+            ds.id.write_direct_chunk((lo,), chunk.tobytes())
+
+
+LIMITED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1_500_000_000, 1_500_000_000))
+from distdiag.cli import main
+sys.exit(main(["analyze", sys.argv[1], "--format", "json"]))
+"""
+
+
+def test_a_string_table_of_one_shared_heap_object_decodes_within_a_bound(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _job(run_dir)
+    _shared_heap_strings(run_dir / rank_file_name(0), n=4096, big=1 << 20)  # 4 GB decoded from a ~1 MB file
+    size = (run_dir / rank_file_name(0)).stat().st_size
+    assert size < 2 << 20
+    # under a 1.5 GB address-space limit the analysis completes
+    p = subprocess.run([sys.executable, "-c", LIMITED, str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(p.stdout)
+    said = [w for w in rep["run"]["warnings"] if "/strings would decode to" in w]
+    assert len(said) == 1 and said[0].startswith(rank_file_name(0)), rep["run"]["warnings"]
+    assert [f["ranks"] for f in rep["findings"] if f["kind"] == "straggler"] == [[1]]
+    # the bound is the file's own size: what was read is at most 4x it (+1 MB)
+    from distdiag.run import load_run
+
+    run = load_run(run_dir)
+    assert sum(len(s) for s in run.strings) <= 4 * size + (1 << 20) + 3 * 64 * 1024
