@@ -103,11 +103,12 @@ class SlurmCluster:
         UCX business card is put in segments whose lines are longer than that
         now and then (zero runs are compressed, so their length varies), and
         slurmd misparses the rest ("value not properly terminated", "invalid
-        client request") while the ranks wait in MPI_Init forever: 7 hangs in
-        60 such jobs under load here (tests/slurm/launch_soak.py --mode
-        srun-pmi2). Through Hydra: none in the soaks of README "MPI under
-        srun", so there is no relaunch. ``fresh`` is accepted for the callers
-        that pass their run dir and not used (nothing is launched twice).
+        client request") and the ranks can wait in MPI_Init forever: 7 hangs
+        in 60 such jobs, one busy core beside (tests/slurm/launch_soak.py
+        --mode srun-pmi2). This way, 60 of 60 with UCX and 60 of 60 with OFI
+        (--mode srun-mpi), none hung and slurmd logged no PMI error: there is
+        no relaunch. ``fresh`` is accepted for the callers that pass their
+        run dir, and not used: nothing is launched twice.
         """
         del fresh
         n_opts = next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))
@@ -116,6 +117,7 @@ class SlurmCluster:
             raise ValueError(f"srun_mpi: no program in {args}")
         env = dict(kw.pop("env", None) or self.env())
         env.setdefault("HYDRA_LAUNCHER_EXTRA_ARGS", "--mpi=none")
+        kw.setdefault("stdin", subprocess.DEVNULL)  # mpiexec forwards its stdin to rank 0: never the terminal's
         cmd = ["salloc", "--job-name", name, *opts, "mpiexec", "-launcher", "slurm", *prog]
         try:
             p = self.run(cmd, timeout_s=timeout_s, check=False, env=env, **kw)
