@@ -8,7 +8,14 @@ preallocated chunk: ``numpy.frombuffer(chunk, EVENT_DTYPE)`` views it with no
 copy when the writer flushes.
 
 Threads: every thread records into its own ``ThreadBuffer`` (no lock on the hot
-path). Only the owning thread writes a buffer; it publishes a row by bumping
+path). A thread's first chunk is small (``FIRST_CHUNK_ROWS``, 4.4 KB) and each
+rotation makes the next one ``CHUNK_GROWTH`` times larger, up to
+``chunk_rows``: a short-lived thread that records a few calls costs 4.4 KB, not
+a 1.1 MB chunk. A buffer knows when its thread ended (``ThreadBuffer.dead``:
+a marker kept only in the thread's ``threading.local`` slot is freed with the
+thread state); the writer drops such a buffer once its rows are written
+(:meth:`Recorder.prune`), so neither memory nor the flush's walk over the
+buffers grows with the number of threads that ever recorded. Only the owning thread writes a buffer; it publishes a row by bumping
 ``n`` *after* packing it, so the flusher, which reads ``buf`` and then ``n``,
 only ever sees complete rows. A full chunk is handed to the flusher through a
 deque (atomic append) and the thread continues in a fresh chunk. If the
@@ -39,6 +46,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -56,12 +64,24 @@ now_ns = time.perf_counter_ns
 CLOCK_NAME = "perf_counter_ns"
 
 
+#: rows of a thread's first chunk (4.4 KB); every rotation grows the next chunk by
+#: CHUNK_GROWTH, up to the recorder's chunk_rows
+FIRST_CHUNK_ROWS = 64
+CHUNK_GROWTH = 4
+
+
+class _Alive:
+    """Held only by a thread's ``threading.local`` slot: freed when the thread state goes."""
+
+    __slots__ = ("__weakref__",)
+
+
 class ThreadBuffer:
     """One thread's current chunk and the call it is inside of (if any)."""
 
-    __slots__ = ("buf", "n", "cap", "tid", "cur", "spans")
+    __slots__ = ("buf", "n", "cap", "tid", "cur", "spans", "alive")
 
-    def __init__(self, cap: int, tid: int) -> None:
+    def __init__(self, cap: int, tid: int, alive: Any = None) -> None:
         self.buf = bytearray(cap * ROW_SIZE)
         self.n = 0
         self.cap = cap
@@ -70,6 +90,15 @@ class ThreadBuffer:
         self.cur: tuple[Any, ...] | None = None
         #: open spans (``distdiag.phase``) on this thread, outermost first: rows with t1 = -1
         self.spans: list[tuple[Any, ...]] = []
+        #: weak reference to the owning thread's _Alive marker; None: no thread owns
+        #: the buffer (see Recorder.shared_buffer), it is never pruned
+        self.alive = alive
+
+    @property
+    def dead(self) -> bool:
+        """The owning thread has ended: nothing writes this buffer any more."""
+        a = self.alive
+        return a is not None and a() is None
 
 
 class StringTable:
@@ -120,20 +149,45 @@ class Recorder:
         try:
             return self._local.tb  # type: ignore[no-any-return]
         except AttributeError:
-            tb = ThreadBuffer(self.chunk_rows, next(self._tids))
+            mark = _Alive()
+            tb = ThreadBuffer(min(FIRST_CHUNK_ROWS, self.chunk_rows), next(self._tids), weakref.ref(mark))
             with self._buf_lock:
                 self.buffers.append(tb)
-            self._local.tb = tb
+            loc = self._local
+            loc.tb = tb
+            loc.alive = mark  # only this slot holds it: it dies with the thread's locals
             return tb
+
+    def shared_buffer(self) -> ThreadBuffer:
+        """A registered buffer that no thread owns and that is never pruned, for a caller
+        that serializes its writers itself (torch_dist's future callbacks)."""
+        tb = ThreadBuffer(min(FIRST_CHUNK_ROWS, self.chunk_rows), next(self._tids))
+        with self._buf_lock:
+            self.buffers.append(tb)
+        return tb
+
+    def prune(self, dead: list[ThreadBuffer]) -> None:
+        """Forget buffers whose threads ended and whose rows were written (the writer calls this)."""
+        if not dead:
+            return
+        gone = {id(tb) for tb in dead}
+        with self._buf_lock:
+            self.buffers = [tb for tb in self.buffers if id(tb) not in gone]
 
     def _rotate(self, tb: ThreadBuffer) -> int:
         # Order matters: the flusher reads ``tb.buf`` then ``tb.n``. Resetting
         # ``n`` before swapping ``buf`` means it can never pair the fresh
         # (empty) chunk with the old chunk's row count; the old chunk is
-        # queued only after it is no longer the thread's current one.
+        # queued only after it is no longer the thread's current one. The
+        # fresh chunk may be larger than the old one (a young thread's chunks
+        # grow): the flusher clamps a count to its chunk's size.
         old, rows = tb.buf, tb.n
+        cap = tb.cap
+        if cap < self.chunk_rows:
+            cap = min(cap * CHUNK_GROWTH, self.chunk_rows)
         tb.n = 0
-        tb.buf = bytearray(tb.cap * ROW_SIZE)
+        tb.buf = bytearray(cap * ROW_SIZE)
+        tb.cap = cap
         if len(self.full) >= self.max_pending_chunks:
             self.lost_events += rows  # may include rows already flushed: an upper bound
         else:

@@ -314,19 +314,37 @@ class Writer:
             # write that chunk again from row 0 (seen as duplicated rows 16384
             # apart in files of SIGKILLed ranks).
             self._offsets[id(buf)] = (buf, max(start, n))
+        dead = []
         for tb in list(rec.buffers):
+            # Whether the thread ended, before its buffer and count are read: a
+            # dead thread writes nothing more, so what is read now is all of it.
+            gone = tb.dead
             buf = tb.buf  # buffer first, then count: see the class docstring
             n = tb.n
+            # A young thread's next chunk is larger than its current one: if it
+            # rotated between the two reads, n counts rows of the new chunk and
+            # may pass the old one's size. The old chunk is full (every row
+            # complete) and queued: the rows up to its end are the ones to take.
+            rows = len(buf) // EVENT_DTYPE.itemsize
+            if n > rows:
+                n = rows
             entry = self._offsets.get(id(buf))
             start = entry[1] if entry is not None and entry[0] is buf else 0
             if n > start and buf[(n - 1) * EVENT_DTYPE.itemsize + _KIND_OFFSET] == 0:
                 # Recorder._rotate swaps in the fresh (zeroed) chunk before it
                 # resets the count, so for a moment (fresh chunk, old count)
                 # is visible. Every real row has kind >= 1: skip this round.
+                if gone:
+                    dead.append(tb)
                 continue
             if n > start:
                 parts.append(_rows_view(buf, start, n))
                 self._offsets[id(buf)] = (buf, n)
+            if gone:
+                dead.append(tb)
+        # Threads that ended: their rows are in this batch (their queued chunks
+        # were drained above, or stay queued until the next flush); drop the buffers.
+        rec.prune(dead)
         # Forget chunks that are neither current nor queued (dropped as lost):
         # holding them would leak a chunk each time the flusher falls behind.
         live = {id(tb.buf) for tb in list(rec.buffers)} | {id(b) for b, _ in list(rec.full)}

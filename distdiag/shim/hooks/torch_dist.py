@@ -235,16 +235,9 @@ _cb_buffer: tuple[Recorder, Any] | None = None
 
 
 def _shared_buffer(rec: Recorder) -> Any:
-    """A recorder buffer of its own for future callbacks, made by a short-lived thread.
-
-    ``rec._tb()`` makes, registers and returns the calling thread's buffer; a
-    helper thread calls it so that no thread's own slot is touched.
-    """
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(rec._tb()), name="distdiag-callback-buffer", daemon=True)
-    t.start()
-    t.join()
-    return out[0]
+    """A recorder buffer of its own for future callbacks: owned by no thread, so the
+    writer never prunes it (it prunes the buffers of threads that ended)."""
+    return rec.shared_buffer()
 
 
 def _callback_buffer(rec: Recorder) -> Any:
