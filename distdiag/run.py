@@ -614,11 +614,13 @@ def _max_rows(f: Any, itemsize: int, size: int | None = -1) -> int:
 
 class OutsideFile(Exception):
     """A table of a rank file whose bytes live outside it (an external link, external
-    storage, a virtual dataset); the message says which and where."""
+    storage, a virtual dataset), or that would inflate past any bound the file sets
+    (a compression bomb); the message says which and where."""
 
 
 def _outside(f: Any, name: str) -> str | None:
-    """Why the top-level object ``name`` of ``f`` is not wholly inside the file, or None.
+    """Why the top-level object ``name`` of ``f`` is not wholly inside the file (or would
+    inflate to far more than it), or None.
 
     A run dir is untrusted input: HDF5 follows an external link to any file
     the analyst can open, reads a dataset's external storage (raw bytes of any
@@ -640,9 +642,22 @@ def _outside(f: Any, name: str) -> str | None:
         dcpl = oid.get_create_plist()
         if dcpl.get_external_count() > 0:
             return f"/{name} keeps its data in external file(s) ({_printable(dcpl.get_external(0)[0])}...)"
-        if dcpl.get_layout() == h5py.h5d.VIRTUAL:
+        layout = dcpl.get_layout()
+        if layout == h5py.h5d.VIRTUAL:
             return f"/{name} is a virtual dataset (its data lives in other files)"
+        if layout == h5py.h5d.CHUNKED and dcpl.get_nfilters():
+            # HDF5 inflates a filtered chunk whole to read any row of it: a chunk that
+            # claims more than the file could hold uncompressed is a compression bomb
+            chunk_bytes = int(np.prod(dcpl.get_chunk(), dtype=np.float64)) * max(1, oid.get_type().get_size())
+            size = _file_size(f)
+            if size is not None and chunk_bytes > _CHUNK_BYTES_PER_FILE_BYTE * size + (1 << 20):
+                return (f"/{name} has compressed chunks of {chunk_bytes / 1e6:.0f} MB each, more than "
+                        f"{_CHUNK_BYTES_PER_FILE_BYTE}x the file's size (a compression bomb?)")  # fmt: skip
     return None
+
+
+#: The largest chunk a filtered table may declare, in bytes per byte of file (plus 1 MB).
+_CHUNK_BYTES_PER_FILE_BYTE = 16
 
 
 def _printable(raw: bytes | str) -> str:

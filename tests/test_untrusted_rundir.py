@@ -252,3 +252,22 @@ def test_a_string_table_of_one_shared_heap_object_decodes_within_a_bound(tmp_pat
 
     run = load_run(run_dir)
     assert sum(len(s) for s in run.strings) <= 4 * size + (1 << 20) + 3 * 64 * 1024
+
+
+def test_a_compressed_table_whose_chunks_claim_gigabytes_is_refused(tmp_path: Path) -> None:
+    """/inflight gzip-compressed in chunks of 2^26 rows (4.9 GB each inflated): a few KB on disk."""
+    run_dir = tmp_path / "run"
+    _job(run_dir)
+    path = run_dir / rank_file_name(0)
+    with h5py.File(path, "r+") as f:
+        if "inflight" in f:
+            del f["inflight"]
+        ds = f.create_dataset("inflight", shape=(1 << 26,), dtype=EVENT_DTYPE, chunks=(1 << 26,), compression="gzip")
+        ds[:1] = np.zeros(1, EVENT_DTYPE)  # one chunk written: all of it compressed zeros
+    assert path.stat().st_size < 50 << 20
+    p = subprocess.run([sys.executable, "-c", LIMITED, str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(p.stdout)
+    said = [w for w in rep["run"]["warnings"] if "compression bomb" in w]
+    assert len(said) == 1 and said[0].startswith(rank_file_name(0)), rep["run"]["warnings"]
+    assert [f["ranks"] for f in rep["findings"] if f["kind"] == "straggler"] == [[1]]
