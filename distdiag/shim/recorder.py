@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -134,6 +134,9 @@ class Recorder:
         #: full chunks waiting for the flusher: (bytearray, rows)
         self.full: collections.deque[tuple[bytearray, int]] = collections.deque()
         self.buffers: list[ThreadBuffer] = []
+        #: called (no arguments) after a thread got its first buffer; None normally.
+        #: A forked child's shim starts its own file from here (distdiag.shim.wrap)
+        self.on_new_buffer: Callable[[], None] | None = None
         self._local = threading.local()
         self._tids = itertools.count()
         self._buf_lock = threading.Lock()
@@ -156,6 +159,12 @@ class Recorder:
             loc = self._local
             loc.tb = tb
             loc.alive = mark  # only this slot holds it: it dies with the thread's locals
+            cb = self.on_new_buffer
+            if cb is not None:
+                try:
+                    cb()
+                except Exception:
+                    pass
             return tb
 
     def shared_buffer(self) -> ThreadBuffer:
@@ -173,6 +182,24 @@ class Recorder:
         gone = {id(tb) for tb in dead}
         with self._buf_lock:
             self.buffers = [tb for tb in self.buffers if id(tb) not in gone]
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: forget the parent's rows (the parent writes them) and its threads.
+
+        The string table stays: ids the hooks cached stay valid in the child.
+        The calling thread gets a fresh buffer at its next row (and with it
+        :attr:`on_new_buffer`)."""
+        self._buf_lock = threading.Lock()
+        self.strings._lock = threading.Lock()
+        self.buffers = []
+        self.full = collections.deque()
+        self.lost_events = 0
+        loc = self._local
+        for name in ("tb", "alive"):
+            try:
+                delattr(loc, name)
+            except AttributeError:
+                pass
 
     def _rotate(self, tb: ThreadBuffer) -> int:
         # Order matters: the flusher reads ``tb.buf`` then ``tb.n``. Resetting
@@ -246,7 +273,10 @@ class Recorder:
 
     def leave(self, t1: int | None = None) -> None:
         """Finish the call :meth:`enter` opened on this thread and record it."""
-        tb = self._local.tb
+        try:
+            tb = self._local.tb
+        except AttributeError:  # entered in the parent before a fork: the parent records it
+            return
         cur = tb.cur
         if cur is None:
             return

@@ -290,6 +290,10 @@ class _Shim:
         self.writer = writer
         self.clock = clock
         self.pid = os.getpid()
+        #: in a forked child: what the child records (see _ForkStream); set by setup()
+        #: with what a child's file needs: config, run dir, rank and the rank's attributes
+        self.fork: _ForkStream | None = None
+        self.fork_args: tuple[Any, Path, int, dict[str, Any]] | None = None
         self.exit_code: int | None = None
         self.target_ended = False
         self._closed = False
@@ -307,12 +311,14 @@ class _Shim:
         self._orig_os_exit = orig
 
         def _exit(n: int) -> None:  # the signature of os._exit
-            if os.getpid() == self.pid:
-                try:
+            try:
+                if os.getpid() == self.pid:
                     self.target_end(int(n))
                     self.close(int(n))
-                except BaseException:
-                    pass
+                else:  # a forked child (multiprocessing's workers end so): its own file
+                    self._close_fork(int(n))
+            except BaseException:
+                pass
             orig(n)
 
         os._exit = _exit  # type: ignore[assignment]
@@ -328,7 +334,12 @@ class _Shim:
 
     def target_end(self, exit_code: int) -> None:
         """The target finished (any way): mark it, finish the clock exchanges."""
-        if self.target_ended or os.getpid() != self.pid:
+        if os.getpid() != self.pid:
+            fork = self.fork
+            if fork is not None and fork.pid == os.getpid():
+                fork.exit_code = exit_code  # a forked child leaving through the program's end
+            return
+        if self.target_ended:
             return
         self.target_ended = True
         self.exit_code = exit_code
@@ -348,8 +359,10 @@ class _Shim:
             self.writer.flush()
 
     def close(self, exit_code: int | None = None) -> None:
-        """Final flush and close. Idempotent; a forked child never touches the parent's file."""
+        """Final flush and close. Idempotent; a forked child never touches the parent's file
+        (it closes its own, see _ForkStream)."""
         if os.getpid() != self.pid:
+            self._close_fork(exit_code)
             return
         with self._lock:
             if self._closed:
@@ -370,10 +383,22 @@ class _Shim:
         if orig_exit is not None:
             os._exit = orig_exit
 
+    def _close_fork(self, exit_code: int | None) -> None:
+        fork = self.fork
+        if fork is not None and fork.pid == os.getpid():
+            fork.close(exit_code)
+
     def _after_fork_in_child(self) -> None:
-        # The child inherits the open HDF5 handle: it must never write or close
-        # it (closing flushes HDF5 metadata into the parent's file).
-        self.writer.detach()
+        # The child inherits the open HDF5 handle: it must never write, flush or
+        # close it (see Writer.detach); nor the file of the process it forked
+        # from, when that was itself a forked child.
+        try:
+            self.writer.detach()
+            if self.fork is not None:
+                self.fork.detach()
+                self.fork = None
+        except Exception:
+            pass
         if self.sigterm is not None:
             # The child gets the program's own SIGTERM disposition back (the
             # kernel's default kills it at once, not at the next bytecode).
@@ -385,6 +410,135 @@ class _Shim:
             recorder.RECORDER = None
         except Exception:
             pass
+        # What the child records goes to a file of its own (the parent's rows stay
+        # the parent's): the hooks keep the recorder, the recorder forgets the
+        # parent's rows, and the child's file starts when the child first records.
+        try:
+            self.rec.on_new_buffer = None
+            self.rec.reset_after_fork()
+            if self.fork_args is not None:
+                cfg, run_dir, rank, attrs = self.fork_args
+                self.fork = _ForkStream(self.rec, cfg, run_dir, rank, attrs)
+                self.rec.on_new_buffer = self.fork.wake
+            else:  # nobody would write what it records: keep it bounded
+                self.rec.max_pending_chunks = 0
+        except Exception:
+            pass
+
+
+class _ForkStream:
+    """What a process forked from the rank records (DataLoader workers, daemons, ``pty.fork``):
+    its own file, ``rank-NNNNN.fork-PID.h5`` in the rank's run dir (:func:`fork_file_name`).
+
+    Nothing happens at the fork itself (a child that execs or ends at once
+    costs a few microseconds and leaves no file). When a thread of the child
+    first records, the recorder calls :meth:`wake`, which starts a flusher
+    thread; the file is made at its first flush (one interval later) that has
+    rows, with the rank's attributes plus ``pid`` (the child's) and
+    ``forked_from_pid``, and written every interval like a rank's (string ids
+    renumbered to the strings its rows use). The child's exit (``sys.exit``,
+    the end of the program, ``os._exit`` as multiprocessing's workers end)
+    writes the rest and closes it; a child killed by a signal loses at most one
+    interval, as a rank does. If the file cannot be made, one stderr line, and
+    the child's recording stays within the recorder's bound (its full chunks
+    are dropped and counted).
+    """
+
+    def __init__(self, rec: Any, cfg: Any, run_dir: Path, rank: int, attrs: dict[str, Any]) -> None:
+        from distdiag.shim.recorder import now_ns
+        from distdiag.shim.writer import fork_file_name
+
+        self.pid = os.getpid()
+        self.rec = rec
+        self.cfg = cfg
+        self.path = Path(run_dir) / fork_file_name(rank, self.pid)
+        t = now_ns()
+        self.attrs = {
+            **attrs,
+            "pid": self.pid,
+            "forked_from_pid": os.getppid(),
+            "wall_ns_at_start": time.time_ns(),
+            "mono_ns_at_start": t,
+            "last_flush_mono_ns": t,
+        }
+        self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
+        self.exit_code: int | None = None
+        self.writer: Any = None
+        self.failed = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        rec.max_pending_chunks = int(getattr(cfg, "max_pending_chunks", rec.max_pending_chunks))
+
+    def wake(self) -> None:
+        """The child recorded its first row on some thread: start the flusher (once)."""
+        if self._thread is not None or self._closed or os.getpid() != self.pid:
+            return
+        self.rec.on_new_buffer = None
+        t = threading.Thread(target=self._loop, name="distdiag-fork-flusher", daemon=True)
+        self._thread = t
+        t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                if self._closed:
+                    return
+                w = self.writer if self.writer is not None else self._open()
+                if w is not None:
+                    w.flush()
+
+    def _has_rows(self) -> bool:
+        rec = self.rec
+        return bool(rec.full) or rec.lost_events > 0 or any(tb.n for tb in list(rec.buffers))
+
+    def _open(self) -> Any:
+        """The child's Writer, made now if the child has rows to write; None otherwise."""
+        if self.failed or not self._has_rows():
+            return None
+        from distdiag.shim.writer import Writer
+
+        try:
+            self.writer = Writer(self.path, self.rec, self.cfg, self.attrs, compact_strings=True)
+        except Exception as e:
+            self.failed = True
+            self.rec.max_pending_chunks = 0  # nobody writes: drop (and count) what fills up
+            self.rec.full.clear()
+            msg = " ".join(str(e).split())
+            try:
+                sys.stderr.write(f"distdiag: cannot write {self.path}: {msg}; this forked process runs without recording\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
+        return self.writer
+
+    def close(self, exit_code: int | None) -> None:
+        """At the child's exit: write what is left and close its file. Idempotent, never raises."""
+        if os.getpid() != self.pid:
+            return
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=max(5.0, 2 * self.interval_s))
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                w = self.writer if self.writer is not None else self._open()
+                if w is not None:
+                    w.close(exit_code if exit_code is not None else self.exit_code)
+            except Exception:
+                pass
+
+    def detach(self) -> None:
+        """In a process forked from this child: the child's file is the child's."""
+        self._closed = True
+        self._stop.set()
+        self._lock = threading.Lock()
+        if self.writer is not None:
+            self.writer.detach()
 
 
 class _SigtermChain:
@@ -618,6 +772,7 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
     recorder.RECORDER = rec
     writer.start()
     shim = _Shim(rec, writer, None)
+    shim.fork_args = (cfg, run_dir, info.rank, attrs)
     session.SESSION = session.Session(
         rec=rec,
         writer=writer,

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from distdiag import __version__
-from distdiag.schema import EVENT_DTYPE, GPU_DTYPE, SCHEMA_ATTR, SCHEMA_VERSION, SYNC_DTYPE, Kind
+from distdiag.schema import EVENT_DTYPE, FILE_KINDS, GPU_DTYPE, SCHEMA_ATTR, SCHEMA_VERSION, SYNC_DTYPE, Kind
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,96 @@ _DATASETS = ("events", "strings", "clock_sync", "inflight", "gpu")
 #: does not (Lustre mounted without flock, some NFS), instead of failing the
 #: open with "unable to lock file" (HDF5_USE_FILE_LOCKING=FALSE still wins).
 LOCKING = "best-effort"
+
+
+def fork_file_name(rank: int, pid: int) -> str:
+    """The file of a process forked from rank ``rank`` (a DataLoader worker, a daemon):
+    ``rank-NNNNN.fork-PID.h5``. Not a rank file (``schema.RANK_FILE_RE`` does not match
+    it): the analyzer never takes it for a second copy of the rank."""
+    return f"rank-{rank:05d}.fork-{pid}.h5"
+
+
+#: Columns that hold string ids (``distdiag.run.STRING_COLUMNS``), and the kinds whose
+#: ``aux`` is one too (``distdiag.run._AUX_STRING_KINDS``; tests check they agree)
+STRING_COLUMNS = ("name_id", "comm_id", "site_id")
+AUX_STRING_KINDS = frozenset({*FILE_KINDS, int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT)})
+_AUX_KIND_TABLE = np.zeros(256, bool)
+_AUX_KIND_TABLE[sorted(AUX_STRING_KINDS)] = True
+
+#: forked children's inherited writers' h5py objects: kept alive, never closed by us (see Writer.detach)
+_ABANDONED: list[Any] = []
+
+
+def _anon_fd() -> int:
+    """A descriptor that takes any write, seek or truncate and goes nowhere that matters."""
+    try:
+        return os.memfd_create("distdiag-inherited-rank-file", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        import tempfile
+
+        f = tempfile.TemporaryFile()
+        try:
+            return os.dup(f.fileno())
+        finally:
+            f.close()
+
+
+class _LocalIds:
+    """The string ids of a forked child's file: only the strings its rows use, renumbered.
+
+    A child keeps its parent's string table (every id the hooks cached stays
+    valid), which may hold 10^5 paths; writing all of it into every worker's
+    file would cost each one the parent's table. So each flush maps the id
+    columns of its rows onto the file's own table through a lookup array
+    (recorder id -> file id, 4 bytes a recorder string), appending the strings
+    seen for the first time."""
+
+    def __init__(self, strings: list[str]) -> None:
+        self.strings = strings  # the recorder's table: append-only
+        self.lut = np.full(max(1, len(strings)), -1, np.int32)
+        self.lut[0] = 0
+        self.n = 1  # strings of the file so far
+        self.new: list[str] = [""]  # the file's strings not yet written; id 0 is ""
+
+    def _map(self, col: np.ndarray) -> np.ndarray:
+        if len(col) == 0:
+            return col
+        strings = self.strings
+        n = len(strings)  # append-only: read the length once
+        if n > len(self.lut):
+            self.lut = np.concatenate([self.lut, np.full(max(n, 2 * len(self.lut)) - len(self.lut), -1, np.int32)])
+        lut = self.lut
+        c = col.astype(np.int64)
+        bad = (c < 0) | (c >= n)
+        if bad.any():
+            c[bad] = 0  # no such string: "", as the reader shows an id out of range
+        got = lut[c]
+        miss = got < 0
+        if miss.any():
+            for x in np.unique(c[miss]).tolist():
+                lut[x] = self.n
+                self.n += 1
+                self.new.append(strings[x])
+            got = lut[c]
+        return got.astype(col.dtype)
+
+    def remap(self, ev: np.ndarray) -> np.ndarray:
+        """``ev`` with file-local string ids (a copy when ``ev`` views a recorder chunk)."""
+        if len(ev) == 0:
+            return ev
+        if ev.base is not None:
+            ev = ev.copy()
+        for c in STRING_COLUMNS:
+            ev[c] = self._map(ev[c])
+        m = _AUX_KIND_TABLE[ev["kind"]]
+        if m.any():
+            aux = ev["aux"]
+            aux[m] = self._map(aux[m])
+        return ev
+
+    def take_new(self) -> list[str]:
+        new, self.new = self.new, []
+        return new
 
 
 def _str_dtype() -> Any:
@@ -230,7 +320,9 @@ class Writer:
        row with ``aux`` = newly lost events when that count grew).
     """
 
-    def __init__(self, path: str | os.PathLike[str], rec: Any, cfg: Any, attrs: dict[str, Any]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], rec: Any, cfg: Any, attrs: dict[str, Any], compact_strings: bool = False
+    ) -> None:
         import h5py
 
         self.path = Path(path)
@@ -250,8 +342,15 @@ class Writer:
         self._gpu: list[np.ndarray] = []
         self.rows_written = 0
         self.flushes = 0
+        self._detached = False
+        #: a forked child's file: only the strings its rows use (see _LocalIds)
+        self._ids = _LocalIds(rec.strings.strings) if compact_strings else None
         self._f = h5py.File(self.path, "w", locking=LOCKING)
         try:
+            try:  # a program this one execs does not inherit the descriptor
+                os.set_inheritable(self._f.id.get_vfd_handle(), False)
+            except Exception:
+                pass
             _create_layout(self._f)
             # Keep the dataset objects open for the file's life: a dataset
             # closed after each append flushes its chunk cache on close, and a
@@ -383,21 +482,31 @@ class Writer:
         f = self._f
         ds = self._ds
         events = self._collect_events()
+        inflight = self.rec.inflight_rows()
+        ids = self._ids
+        if ids is not None:
+            events = ids.remap(events)
+            inflight = ids.remap(inflight)
         self._check_space(len(events) * EVENT_DTYPE.itemsize)
         _append(ds["events"], events)
         self.rows_written += len(events)
-        strings = self.rec.strings.strings
-        n_str = len(strings)  # append-only list: read the length once
-        if n_str > self._strings_done:
-            _append(ds["strings"], strings[self._strings_done : n_str])
-            self._strings_done = n_str
+        if ids is not None:
+            new = ids.take_new()
+            if new:
+                _append(ds["strings"], new)
+        else:
+            strings = self.rec.strings.strings
+            n_str = len(strings)  # append-only list: read the length once
+            if n_str > self._strings_done:
+                _append(ds["strings"], strings[self._strings_done : n_str])
+                self._strings_done = n_str
         if self._sync:
             sync, self._sync = self._sync, []
             _append(ds["clock_sync"], np.concatenate(sync))
         if self._gpu:
             gpu, self._gpu = self._gpu, []
             _append(ds["gpu"], np.concatenate(gpu))
-        _replace(ds["inflight"], self.rec.inflight_rows())
+        _replace(ds["inflight"], inflight)
         f.attrs["last_flush_mono_ns"] = now_ns()
         f.attrs["lost_events"] = int(self.rec.lost_events)
         f.flush()
@@ -491,11 +600,45 @@ class Writer:
             self._closed = True
 
     def detach(self) -> None:
-        """In a forked child: stop touching the inherited file (never write, never close it)."""
+        """In a forked child: the inherited file is the parent's; never write, flush or close it.
+
+        Setting flags is not enough: the child's HDF5 library still has the
+        file open (h5py's objects, and the library's own list of open files),
+        and whatever closes it there (an h5py object's deallocation, h5py's and
+        HDF5's shutdown when the child's interpreter exits) flushes the
+        child's stale metadata cache and truncates the file to the child's
+        stale end of allocation, through the descriptor it shares with the
+        parent: measured, a child that ends by ``sys.exit`` while the parent
+        appends leaves a rank file whose string heap or /events cannot be read.
+        h5py's docs advise opening files after a fork, never before; this file
+        was opened before. So the child's copy of the descriptor is pointed at
+        an anonymous memory file (``memfd``, this process's own fd table only):
+        HDF5 may write, truncate and close there as it likes, the parent's file
+        never sees a byte. The h5py objects are kept referenced so that no
+        close happens before the child's exit. Idempotent; never raises.
+        """
         self._stop.set()
         self._thread = None
         self._closed = True
         self._lock = threading.RLock()  # the parent's lock may have been held at fork time
+        if self._detached:
+            return
+        self._detached = True
+        try:
+            f = self._f
+            _ABANDONED.append((f, self._ds))
+            self._ds = {}
+            # h5py takes its lock around fork, so the file is either open or closed
+            # here, not half-way; a closed one's descriptor number may be another file's now
+            if f.id.valid:
+                fd = f.id.get_vfd_handle()
+                anon = _anon_fd()
+                try:
+                    os.dup2(anon, fd, inheritable=False)
+                finally:
+                    os.close(anon)
+        except Exception:
+            log.debug("distdiag: inherited rank file not detached", exc_info=True)
 
     @property
     def closed(self) -> bool:
