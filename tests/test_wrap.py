@@ -215,10 +215,11 @@ def test_dash_m_module_behaves_like_python_dash_m(tmp_path: Path) -> None:
             """
         )
     )
-    for args in (["x", "y"], ["fail"]):
+    for i, args in enumerate((["x", "y"], ["fail"])):
         plain = run([PY, "-m", "mypkg.tool", *args], cwd=tmp_path)
-        for wrap in (WRAP_CONSOLE, WRAP_MODULE):
-            w = run([*wrap, "--dir", str(tmp_path / "run"), "python3", "-m", "mypkg.tool", *args], cwd=tmp_path)
+        for j, wrap in enumerate((WRAP_CONSOLE, WRAP_MODULE)):
+            # a run dir each: a rank file is never overwritten (a rerun into one says so on stderr)
+            w = run([*wrap, "--dir", str(tmp_path / f"run{i}{j}"), "python3", "-m", "mypkg.tool", *args], cwd=tmp_path)
             assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert "LookupError: from module" in run([PY, "-m", "mypkg.tool"], cwd=tmp_path).stderr
     missing_plain = run([PY, "-m", "no_such_module_xyz"], cwd=tmp_path)
@@ -235,7 +236,8 @@ def test_dash_c_and_script_without_python_prefix(tmp_path: Path) -> None:
     assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr) and plain.returncode == 4
     prog = _write(tmp_path, "argv")
     plain = run([PY, str(prog), "q"], cwd=tmp_path)
-    w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "r"), str(prog), "q"], cwd=tmp_path)
+    # its own dir: a rank file is never overwritten (a rerun into one says so on stderr)
+    w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "r2"), str(prog), "q"], cwd=tmp_path)
     assert (w.returncode, w.stdout, w.stderr) == (plain.returncode, plain.stdout, plain.stderr)
 
 

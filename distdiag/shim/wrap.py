@@ -42,8 +42,10 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -67,6 +69,12 @@ USAGE = (
 SIGTERM_GRACE_S = 1.0
 #: How long ranks other than 0 look for rank 0's run dir before making their own.
 FIND_DIR_WAIT_S = 3.0
+#: What rank 0 publishes in the run dir it makes for its launch (default dir only):
+#: ``{"launch_id": "<launchhash>.<nonce>", "pid": ..., "host": ..., "start": ...}``.
+LAUNCH_FILE = "launch.json"
+#: A rank whose file exists in its run dir records into the first of DIR.1, DIR.2, ...
+#: where it does not (a rank file is never overwritten); this many at most.
+MAX_SIBLING_DIRS = 1000
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 
 
@@ -229,16 +237,40 @@ def resolve_run_dir(
     cwd: Path | None = None,
     wait_s: float = FIND_DIR_WAIT_S,
 ) -> Path:
-    """The run directory, created if needed. Raises OSError when it cannot be.
+    """The run directory, created if needed (:func:`resolve_run` without the launch id)."""
+    return resolve_run(opt_dir, info, environ, cwd, wait_s)[0]
+
+
+def resolve_run(
+    opt_dir: str | None,
+    info: Any,
+    environ: dict[str, str] | os._Environ[str] | None = None,
+    cwd: Path | None = None,
+    wait_s: float = FIND_DIR_WAIT_S,
+) -> tuple[Path, str]:
+    """The run directory, created if needed, and the launch id this rank records.
+    Raises OSError when the directory cannot be made.
 
     ``--dir``, else ``$DISTDIAG_DIR``, else ``distdiag-<jobid>`` under Slurm
     (``distdiag-<jobid>.<step>`` for steps other than 0), else
-    ``distdiag-<YYYYmmdd-HHMMSS>-<launchhash>``: rank 0 creates it; the other
-    ranks look for ``distdiag-*-<launchhash>`` for up to ``wait_s`` seconds and
-    create their own when none appears (e.g. a node without a shared cwd).
+    ``distdiag-<YYYYmmdd-HHMMSS>-<launchhash>``: rank 0 makes a fresh one
+    (never one that exists: a second launch in the same second gets
+    ``distdiag-<stamp>.2-<launchhash>``) and publishes in it
+    :data:`LAUNCH_FILE`, with a launch id unique to this launch
+    (``<launchhash>.<nonce>``). The launch hash alone is the same for two
+    launches with the same launcher settings (torchrun's ``--rdzv-id`` and
+    ``--master-port``, or the same parent process), so the other ranks look
+    for up to ``wait_s`` seconds for the newest ``distdiag-*-<launchhash>``
+    that rank 0 published, that holds no file of their rank yet (one that
+    does belongs to an earlier launch) and whose rank 0 is not known to have
+    ended (same host: its process is gone), and take its launch id; when none
+    appears (e.g. a node without a shared cwd) they make their own, with the
+    launch hash as the id. With ``--dir``, ``$DISTDIAG_DIR`` or Slurm the
+    launch id is the launch hash / job id as before.
     """
     env = os.environ if environ is None else environ
     base = Path.cwd() if cwd is None else cwd
+    launch_id = info.launch_id
     if opt_dir:
         d = Path(opt_dir)
     elif env.get("DISTDIAG_DIR"):
@@ -246,39 +278,161 @@ def resolve_run_dir(
     elif info.job_id:
         d = base / f"distdiag-{info.launch_id}"
     else:
-        d = _find_or_make_launch_dir(base, info.rank, info.launch_hash, wait_s)
+        d, launch_id = _find_or_make_launch_dir(base, info.rank, info.launch_hash, wait_s)
     d.mkdir(parents=True, exist_ok=True)
-    return d
+    return d, launch_id
 
 
-def _find_or_make_launch_dir(base: Path, rank: int, lhash: str, wait_s: float) -> Path:
-    if rank != 0:
-        deadline = time.monotonic() + wait_s
-        while True:
-            found = _find_launch_dir(base, lhash)
-            if found is not None:
-                return found
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        log.debug("distdiag: no run dir of launch %s found; rank %d makes its own", lhash, rank)
-    return base / f"distdiag-{time.strftime('%Y%m%d-%H%M%S')}-{lhash}"
+def _proc_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, /proc/PID/stat field 22);
+    None when unknown. With the pid it names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        return int(stat[stat.rfind(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def _find_launch_dir(base: Path, lhash: str, max_age_s: float = 600.0) -> Path | None:
-    """The newest ``distdiag-*-<lhash>`` made recently (older ones belong to another launch)."""
+def _maybe_alive(doc: dict[str, Any]) -> bool:
+    """False only when the process that published ``doc`` is known to have ended
+    (it ran on this host and is gone, or its pid now names another process)."""
+    try:
+        if doc.get("host") != socket.gethostname():
+            return True  # another node's process: cannot tell
+        pid = int(doc["pid"])
+    except Exception:
+        return True
+    if os.path.isdir("/proc/self"):
+        start = _proc_start(pid)
+        if start is None:
+            return False
+        return doc.get("start") in (None, start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def _publish_launch(d: Path, launch_id: str) -> None:
+    """Rank 0: write LAUNCH_FILE into its run dir, atomically (a reader never sees half of it)."""
+    doc = {
+        "launch_id": launch_id,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "start": _proc_start(os.getpid()),
+    }
+    tmp = d / f".{LAUNCH_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, d / LAUNCH_FILE)
+    except OSError:
+        log.debug("distdiag: %s not published in %s", LAUNCH_FILE, d, exc_info=True)
+
+
+def _read_launch(d: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads((d / LAUNCH_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("launch_id"), str) else None
+
+
+def _find_or_make_launch_dir(base: Path, rank: int, lhash: str, wait_s: float) -> tuple[Path, str]:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if rank == 0:
+        launch_id = f"{lhash}.{secrets.token_hex(3)}"
+        for k in range(1, MAX_SIBLING_DIRS):
+            d = base / (f"distdiag-{stamp}-{lhash}" if k == 1 else f"distdiag-{stamp}.{k}-{lhash}")
+            try:
+                d.mkdir(parents=True)
+            except FileExistsError:
+                continue
+            _publish_launch(d, launch_id)
+            return d, launch_id
+        return base / f"distdiag-{stamp}-{lhash}", launch_id  # exists: the writer moves on from it
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = _find_launch_dir(base, lhash, rank)
+        if found is not None:
+            return found
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    log.debug("distdiag: no run dir of launch %s found; rank %d makes its own", lhash, rank)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k in range(1, MAX_SIBLING_DIRS):
+        # never a rank 0's dir (one this rank passed over); another lone rank's of the same second is shared
+        d = base / (f"distdiag-{stamp}-{lhash}" if k == 1 else f"distdiag-{stamp}.{k}-{lhash}")
+        if not os.path.lexists(d / LAUNCH_FILE):
+            return d, lhash
+    return base / f"distdiag-{stamp}-{lhash}", lhash
+
+
+def _find_launch_dir(base: Path, lhash: str, rank: int = -1, max_age_s: float = 600.0) -> tuple[Path, str] | None:
+    """The newest ``distdiag-*-<lhash>`` made recently whose rank 0 published this
+    launch's id, that holds no file of ``rank`` yet and whose rank 0 may still run
+    (a dir failing either belongs to an earlier launch with the same hash)."""
+    from distdiag.schema import rank_file_name
+
     now = time.time()
-    best: Path | None = None
+    found: list[Path] = []
     try:
         for p in base.glob(f"distdiag-*-{lhash}"):
             try:
-                if p.is_dir() and now - p.stat().st_mtime < max_age_s and (best is None or p.name > best.name):
-                    best = p
+                if p.is_dir() and now - p.stat().st_mtime < max_age_s:
+                    found.append(p)
             except OSError:
                 continue
     except OSError:
         return None
-    return best
+    for p in sorted(found, key=lambda q: q.name, reverse=True):  # newest first
+        doc = _read_launch(p)
+        if doc is None:
+            continue  # not made by a rank 0 (yet)
+        if rank >= 0 and os.path.lexists(p / rank_file_name(rank)):
+            continue  # this rank already recorded there: an earlier launch's dir
+        if not _maybe_alive(doc):
+            continue
+        return p, str(doc["launch_id"])
+    return None
+
+
+def _open_rank_file(run_dir: Path, name: str, rec: Any, cfg: Any, attrs: dict[str, Any]) -> tuple[Any, Path]:
+    """The rank's Writer, created exclusively, and the dir it is in.
+
+    A rank file is never overwritten: when ``run_dir/name`` exists (an earlier
+    launch's, a rerun into the same ``--dir``) the rank records into the first
+    of ``DIR.1``, ``DIR.2``, ... that holds no such file (so the ranks of one
+    relaunch land together) and says so in one stderr line."""
+    from distdiag.shim.writer import Writer
+
+    first = run_dir / name
+    root = run_dir.absolute()
+    for k in range(MAX_SIBLING_DIRS):
+        d = run_dir if k == 0 else root.with_name(f"{root.name}.{k}")
+        if k:
+            if os.path.lexists(d / name):
+                continue
+            d.mkdir(parents=True, exist_ok=True)
+        try:
+            w = Writer(d / name, rec, cfg, attrs)
+        except FileExistsError:
+            continue
+        if k:
+            try:
+                sys.stderr.write(
+                    f"distdiag: {first} exists (another launch's; a rank file is never overwritten); "
+                    f"this rank records into {d / name}\n"
+                )
+                sys.stderr.flush()
+            except Exception:
+                pass
+        return w, d
+    raise FileExistsError(f"{first} exists, and so does {name} in {MAX_SIBLING_DIRS - 1} dirs next to it")
 
 
 # -- the shim's state ------------------------------------------------------------------
@@ -741,19 +895,19 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
     from distdiag.shim import hooks, recorder, session
     from distdiag.shim.config import load_config
     from distdiag.shim.rankinfo import detect
-    from distdiag.shim.writer import Writer, base_attrs
+    from distdiag.shim.writer import base_attrs
 
     info = detect()
     cfg = load_config(opts.config)
     if opts.probe_links:
         cfg.probe_links = True
     try:
-        run_dir = resolve_run_dir(opts.dir, info)
+        run_dir, launch_id = resolve_run(opts.dir, info)
     except OSError as e:
         _note(f"cannot create run dir: {e}")
         return None
     rec = recorder.Recorder(chunk_rows=cfg.chunk_rows, max_pending_chunks=cfg.max_pending_chunks)
-    attrs = base_attrs(info.rank, info.world_size, info.local_rank, info.host, info.job_id or info.launch_id, info.launch_id)
+    attrs = base_attrs(info.rank, info.world_size, info.local_rank, info.host, info.job_id or launch_id, launch_id)
     attrs.update(
         argv=json.dumps(target.command),
         env=json.dumps(allowed_env(dict(os.environ))),
@@ -763,11 +917,11 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
         config=json.dumps(cfg.as_dict()),
         launcher=info.launcher,
     )
-    path = run_dir / rank_file_name(info.rank)
+    name = rank_file_name(info.rank)
     try:
-        writer = Writer(path, rec, cfg, attrs)
+        writer, run_dir = _open_rank_file(run_dir, name, rec, cfg, attrs)
     except Exception as e:
-        _note(f"cannot write {path}: {e}")
+        _note(f"cannot write {run_dir / name}: {e}")
         return None
     recorder.RECORDER = rec
     writer.start()
@@ -781,8 +935,8 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
         world_size=info.world_size,
         local_rank=info.local_rank,
         host=info.host,
-        job_id=info.job_id or info.launch_id,
-        launch_id=info.launch_id,
+        job_id=info.job_id or launch_id,
+        launch_id=launch_id,
         run_dir=run_dir,
     )
     shim.shim_row("shim_start", t_start_ns)

@@ -298,8 +298,10 @@ class _DiskFull(OSError):
 class Writer:
     """The shim's incremental writer for one rank.
 
-    ``Writer(path, rec, cfg, attrs)`` creates the file (layout + attributes) or
-    raises ``OSError`` (the wrapper then runs the job without recording).
+    ``Writer(path, rec, cfg, attrs)`` creates the file (layout + attributes),
+    exclusively: ``FileExistsError`` when a file is there (it is never
+    overwritten), another ``OSError`` when it cannot be made (the wrapper then
+    runs the job without recording).
     ``start()`` launches the background flusher; ``flush()`` and ``close()``
     may be called from any thread. After a write error (full disk, vanished
     directory) the writer prints one line on stderr, stops writing and tells
@@ -345,7 +347,9 @@ class Writer:
         self._detached = False
         #: a forked child's file: only the strings its rows use (see _LocalIds)
         self._ids = _LocalIds(rec.strings.strings) if compact_strings else None
-        self._f = h5py.File(self.path, "w", locking=LOCKING)
+        # "x": created exclusively, never over another file (FileExistsError if one is
+        # there: another launch's rank file, the wrapper then records elsewhere)
+        self._f = h5py.File(self.path, "x", locking=LOCKING)
         try:
             try:  # a program this one execs does not inherit the descriptor
                 os.set_inheritable(self._f.id.get_vfd_handle(), False)
