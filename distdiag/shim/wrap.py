@@ -72,7 +72,7 @@ FIND_DIR_WAIT_S = 3.0
 #: What rank 0 publishes in the run dir it makes for its launch (default dir only):
 #: ``{"launch_id": "<launchhash>.<nonce>", "pid": ..., "host": ..., "start": ...}``.
 LAUNCH_FILE = "launch.json"
-#: A rank whose file exists in its run dir records into the first of DIR.1, DIR.2, ...
+#: A rank whose file exists in its run dir records into the first of DIR.relaunch-1, -2, ...
 #: where it does not (a rank file is never overwritten); this many at most.
 MAX_SIBLING_DIRS = 1000
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
@@ -406,14 +406,16 @@ def _open_rank_file(run_dir: Path, name: str, rec: Any, cfg: Any, attrs: dict[st
 
     A rank file is never overwritten: when ``run_dir/name`` exists (an earlier
     launch's, a rerun into the same ``--dir``) the rank records into the first
-    of ``DIR.1``, ``DIR.2``, ... that holds no such file (so the ranks of one
-    relaunch land together) and says so in one stderr line."""
+    of ``DIR.relaunch-1``, ``DIR.relaunch-2``, ... that holds no such file (so
+    the ranks of one relaunch land together; the name is neither a Slurm
+    step's ``distdiag-<jobid>.<step>`` nor, not ending in the launch hash, a
+    dir the other ranks' search would join) and says so in one stderr line."""
     from distdiag.shim.writer import Writer
 
     first = run_dir / name
     root = run_dir.absolute()
     for k in range(MAX_SIBLING_DIRS):
-        d = run_dir if k == 0 else root.with_name(f"{root.name}.{k}")
+        d = run_dir if k == 0 else root.with_name(f"{root.name}.relaunch-{k}")
         if k:
             if os.path.lexists(d / name):
                 continue
