@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 LOOP_RE = re.compile(r"\bloop ([0-9]+(?:\.[0-9]+)?) s\b")
 
@@ -89,3 +89,38 @@ def measure_saving(run: Callable[[bool, int], float], pairs: int) -> Saving:
         faulty.append(run(True, i))
         healthy.append(run(False, i))
     return Saving(tuple(faulty), tuple(healthy))
+
+
+def measure_savings(run: Callable[[str, int], float], twins: Sequence[str], rounds: int) -> dict[str, Saving]:
+    """A job with several faults, each priced by itself: what the job saves without one of them.
+
+    Each round runs the faulty job (``run("faulty", i)``), then each twin in turn
+    (``run(twin, i)``: the same job without one of its faults), ``rounds`` times,
+    so every kind of run sees the same load; returns, per twin, the faulty runs'
+    :class:`Saving` against that twin's runs (the faulty runs are shared)."""
+    faulty: list[float] = []
+    twin_s: dict[str, list[float]] = {t: [] for t in twins}
+    for i in range(rounds):
+        faulty.append(run("faulty", i))
+        for t in twins:
+            twin_s[t].append(run(t, i))
+    return {t: Saving(tuple(faulty), tuple(xs)) for t, xs in twin_s.items()}
+
+
+def assert_prices_median(saving: Saving, costs_s: Sequence[float], rel: float, what: str = "cost") -> None:
+    """For a fault of one size in every run (a fixed sleep): the median of the analyzer's prices of the
+    faulty runs (``costs_s[i]`` of faulty run ``i``) is the saving (:attr:`Saving.median_s`, the
+    medians' difference), within ``rel`` of it plus the healthy runs' spread.
+
+    The medians, not one run: a faulty run that the machine slowed elsewhere (a load spike in the
+    part of the job the fault does not touch, which no price should include) lost more than its
+    fault, and one such run must not decide. (Where the fault's own size varies from run to run, a
+    metadata storm on a loaded server, check each run with :meth:`Saving.assert_prices`.)"""
+    assert len(costs_s) == len(saving.faulty_s), (costs_s, saving)
+    cost = float(statistics.median(costs_s))
+    lost = saving.median_s
+    margin = rel * abs(lost) + saving.noise_s
+    assert abs(cost - lost) <= margin, (
+        f"{what}: median price {cost:.3f} s (of {', '.join(f'{c:.3f}' for c in costs_s)}), but the job "
+        f"lost {lost:.3f} s to its fault (margin {margin:.3f} s); {saving}"
+    )
