@@ -4,6 +4,9 @@ Unit tests on simulated runs whose truth is known (``simulate``), then real
 ``mpiexec -n 4 distdiag-wrap`` jobs (tests/jobs/serial_job.py): rank 0 doing
 300 ms of extra work before every 5th bcast is a serial section, not a
 straggler; a rank that computes longer every iteration stays a straggler.
+Their costs are checked against what the fault cost the job, measured in the
+same test: the job run with and without it, alternating (tests/truth.py);
+with 4 ranks on 2 cores the injected sleep is not that saving.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -23,6 +26,7 @@ from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
 from distdiag.schema import EVENT_DTYPE, Kind
 from factories import write_rank
+from truth import Saving, assert_prices_median, loop_s
 
 MS = 1_000_000
 JOB = Path(__file__).resolve().parent / "jobs" / "serial_job.py"
@@ -217,10 +221,19 @@ def test_threshold_is_a_share_of_wall_clock(tmp_path: Path, factor: float, found
 # --- end to end: real MPI jobs -------------------------------------------------------------
 
 
-def run_serial_job(tmp_path: Path, *args: str) -> tuple[Path, float, float]:
+class SerialRun(NamedTuple):
+    run_dir: Path
+    serial_s: float  # injected: rank 0's extra work, in all
+    slow_s: float  # injected: the slow rank's extra compute, in all
+    loop_s: float  # the job's loop wall-clock (first Barrier to the final reduction)
+
+
+def run_serial_job(tmp_path: Path, *args: str) -> SerialRun:
+    """Run tests/jobs/serial_job.py on 4 ranks under distdiag-wrap, recording into tmp_path/run."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    tmp_path.mkdir(parents=True, exist_ok=True)
     run_dir = tmp_path / "run"
     cmd = [mpiexec, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable,
            str(JOB), "--log", str(tmp_path / "log.txt"), *args]  # fmt: skip
@@ -228,40 +241,99 @@ def run_serial_job(tmp_path: Path, *args: str) -> tuple[Path, float, float]:
     assert p.returncode == 0, p.stdout + p.stderr
     m = re.search(r"injected serial ([0-9.]+) s slow ([0-9.]+) s", p.stdout)
     assert m, p.stdout
-    return run_dir, float(m.group(1)), float(m.group(2))
+    return SerialRun(run_dir, float(m.group(1)), float(m.group(2)), loop_s(p.stdout))
 
 
 def bcast_line() -> int:
     return next(i for i, line in enumerate(JOB.read_text().splitlines(), 1) if "comm.bcast(" in line)
 
 
-@pytest.mark.mpi
-def test_mpi_rank0_work_before_every_5th_bcast_is_the_top_finding(tmp_path: Path) -> None:
-    run_dir, serial_s, _ = run_serial_job(tmp_path, "--iters", "20", "--serial-rank", "0", "--serial-s", "0.3",
-                                          "--every", "5")  # fmt: skip
-    assert serial_s == pytest.approx(1.2)
-    rep = analyze(run_dir, Config())
-    top = rep.verdict
-    assert top is not None and top.kind == "serial_section", [(f.kind, f.summary) for f in rep.findings]
-    assert top.ranks == [0]
-    assert next(iter(top.evidence["collective_sites"])).endswith(f"serial_job.py:{bcast_line()}")
-    injected = serial_s / rep.run.wall_s
-    assert top.evidence["serial_fraction"] == pytest.approx(injected, rel=0.25)
-    assert top.cost_s == pytest.approx(serial_s, rel=0.25)
-    # what rank 0 did in between, where it was recorded: the log file it appended to
-    assert any(d["call"].endswith("log.txt") for d in top.evidence["in_between"])
-    # one ranking: rank 0 is not also a straggler for the same waits
-    assert [f for f in of_kind(rep, "straggler") if 0 in f.ranks] == []
+ITERS = ("--iters", "20")
+#: rank 0 works 0.3 s alone before every 5th of 20 bcasts: 1.2 s injected
+SERIAL = ("--serial-rank", "0", "--serial-s", "0.3", "--every", "5")
+#: rank 2 computes 50 ms longer in each of 20 iterations: 1.0 s injected
+SLOW = ("--slow-rank", "2", "--slow-s", "0.05")
+
+
+@dataclass(frozen=True)
+class SerialAB:
+    """Each fault's job and the healthy twin (the same job with neither), run by turns."""
+
+    serial: list[SerialRun]
+    slow: list[SerialRun]
+    healthy: list[SerialRun]
+
+    def saving(self, fault: str) -> Saving:
+        runs: list[SerialRun] = getattr(self, fault)
+        return Saving(tuple(r.loop_s for r in runs), tuple(r.loop_s for r in self.healthy))
+
+
+@pytest.fixture(scope="module")
+def serial_ab(tmp_path_factory: pytest.TempPathFactory) -> SerialAB:
+    """3 rounds of (serial section, healthy, straggler): 9 short launches the two MPI tests share."""
+    tmp = tmp_path_factory.mktemp("serial_ab")
+    runs: dict[str, list[SerialRun]] = {"serial": [], "slow": [], "healthy": []}
+    for i in range(3):
+        for kind, args in (("serial", SERIAL), ("healthy", ()), ("slow", SLOW)):
+            runs[kind].append(run_serial_job(tmp / f"{kind}{i}", *ITERS, *args))
+    return SerialAB(runs["serial"], runs["slow"], runs["healthy"])
 
 
 @pytest.mark.mpi
-def test_mpi_straggler_stays_a_straggler(tmp_path: Path) -> None:
-    run_dir, _, slow_s = run_serial_job(tmp_path, "--iters", "20", "--slow-rank", "2", "--slow-s", "0.05")
-    rep = analyze(run_dir, Config())
-    assert of_kind(rep, "serial_section") == []
-    top = rep.verdict
-    assert top is not None and top.kind == "straggler" and top.ranks == [2], [(f.kind, f.summary) for f in rep.findings]
-    assert top.cost_s == pytest.approx(slow_s, rel=0.25)
+def test_mpi_rank0_work_before_every_5th_bcast_is_the_top_finding(serial_ab: SerialAB) -> None:
+    costs, shares = [], []
+    for run in serial_ab.serial:
+        assert run.serial_s == pytest.approx(1.2)
+        rep = analyze(run.run_dir, Config())
+        top = rep.verdict
+        assert top is not None and top.kind == "serial_section", [(f.kind, f.summary) for f in rep.findings]
+        assert top.ranks == [0]
+        assert next(iter(top.evidence["collective_sites"])).endswith(f"serial_job.py:{bcast_line()}")
+        # the share of the run it reports is that cost's
+        assert top.evidence["serial_fraction"] == pytest.approx(top.cost_s / rep.run.wall_s, abs=1e-4)
+        costs.append(top.cost_s)
+        shares.append(top.evidence["serial_fraction"] * rep.run.wall_s)
+        # what rank 0 did in between, where it was recorded: the log file it appended to
+        assert any(d["call"].endswith("log.txt") for d in top.evidence["in_between"])
+        # one ranking: rank 0 is not also a straggler for the same waits
+        assert [f for f in of_kind(rep, "straggler") if 0 in f.ranks] == []
+    saving = serial_ab.saving("serial")
+    print(f"serial section priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
+    # The price is what rank 0's work cost the job: the faulty loops against the healthy
+    # twins'. Measured (8 sets of 3 rounds, 2 cores, load 3-9): faulty loops 1.65-1.89 s,
+    # healthy 0.45-0.66 s (spread 0.004-0.11 s a set), saved 1.17-1.28 s, priced 1.19-1.21 s
+    # a run. The margin, 10% plus the healthy spread, fails a price scaled by 1.25 (scaled by
+    # 0.75, the test fails before: rank 0's remaining waits then show as a straggler).
+    assert_prices_median(saving, costs, rel=0.10, what="serial_section cost")
+    assert_prices_median(saving, shares, rel=0.10, what="serial_fraction x wall")
+
+
+@pytest.mark.mpi
+def test_mpi_straggler_stays_a_straggler(serial_ab: SerialAB) -> None:
+    costs = []
+    for run in serial_ab.slow:
+        assert run.slow_s == pytest.approx(1.0)
+        rep = analyze(run.run_dir, Config())
+        assert of_kind(rep, "serial_section") == []
+        top = rep.verdict
+        assert top is not None and top.kind == "straggler" and top.ranks == [2], [
+            (f.kind, f.summary) for f in rep.findings
+        ]
+        costs.append(top.cost_s)
+    saving = serial_ab.saving("slow")
+    print(f"straggler priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
+    # Measured (8 sets of 3 rounds, 2 cores, load 3-9): faulty loops 1.45-1.56 s, saved
+    # 0.97-1.01 s, priced 0.97-1.01 s a run. The margin, 10% plus the healthy spread, fails
+    # a price scaled by 1.25 or 0.75.
+    assert_prices_median(saving, costs, rel=0.10, what="straggler cost")
+
+
+@pytest.mark.mpi
+def test_mpi_healthy_twin_has_neither(serial_ab: SerialAB) -> None:
+    for run in serial_ab.healthy:  # every healthy twin stays silent
+        rep = analyze(run.run_dir, Config())
+        loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.kind in ("serial_section", "straggler")]
+        assert loud == [], loud
 
 
 @pytest.mark.parametrize("n", [4, 5])  # 3 others a group (odd), 4 (even: the mean of two middle gaps)
