@@ -7,6 +7,10 @@ nothing hides it), ``--slow-rank R --slow-iters K`` makes rank R do K extra
 matrix products per step before its backward. Each rank writes
 ``<out>/rank<r>.json`` with its losses and what it checked.
 
+``--timed``: a barrier before the loop and one after it, so each rank's
+``loop_s`` is the job's loop wall-clock between two synchronizations: what a
+test compares with the same job run without its fault (tests/truth.py).
+
 ``--direct DIR`` (no wrapper): the job installs distdiag's torch hooks itself
 into a Recorder and writes ``DIR/rank-NNNNN.h5`` at the end with
 ``write_rank_file``: the hooks tested on their own, before the wrapper exists.
@@ -29,6 +33,7 @@ ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-iters", type=int, default=0)
 ap.add_argument("--user-hook", action="store_true")
 ap.add_argument("--bucket-mb", type=float, default=0.0, help="DDP bucket_cap_mb (0: torch's default)")
+ap.add_argument("--timed", action="store_true", help="barriers around the loop: loop_s is the job's wall-clock")
 ap.add_argument("--extras", action="store_true", help="also run async collectives, p2p, object collectives, a new group")
 ap.add_argument("--out", default="")
 ap.add_argument("--direct", default="")
@@ -90,6 +95,8 @@ data = SleepyData(args.steps * args.batch, args.width, args.sleep_ms / 1000.0)
 loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=0)
 extra = torch.randn(args.width, args.width)
 losses = []
+if args.timed:
+    dist.barrier()
 t_start = time.perf_counter()
 for x, y in loader:
     opt.zero_grad()
@@ -103,6 +110,8 @@ for x, y in loader:
     loss.backward()
     opt.step()
     losses.append(float(loss.detach()))
+if args.timed:
+    dist.barrier()
 t_loop = time.perf_counter() - t_start
 
 checks: dict[str, object] = {}
