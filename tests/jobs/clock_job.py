@@ -8,6 +8,10 @@ CLOCK_MONOTONIC (shared by every process on the host) through
 and saves the pairs to ``--truth-dir/truth-RANK.npy``: columns (true_ns,
 perf_ns, uncertainty_ns). A test fits perf = a + b * true per rank and knows
 exactly how every rank's clock maps onto rank 0's.
+
+In MPI mode rank 0 also prints the loop's wall-clock (``loop <s> s``, first
+Barrier to the final reduction), so a test compares a cost with what the
+same job saves without its slow rank (tests/truth.py).
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def main() -> int:
         buf = np.ones(1024)
         out = np.empty_like(buf)
         comm.Barrier()
+        t_loop = true_ns()
         for it in range(a.iters):
             t_end = time.perf_counter() + a.work_s
             x = 0
@@ -109,8 +114,9 @@ def main() -> int:
                 comm.Barrier()
             truth.sample()
         total = comm.allreduce(injected_s, op=MPI.SUM)
+        loop_s = (true_ns() - t_loop) / 1e9  # the true clock: this rank's own may be skewed
         if rank == 0:
-            print(f"clock_job: injected delay {total:.4f} s on rank {a.slow_rank}", flush=True)
+            print(f"clock_job: injected delay {total:.4f} s on rank {a.slow_rank}, loop {loop_s:.4f} s", flush=True)
     else:
         rank, _size = _rank()
         for _ in range(a.iters):
