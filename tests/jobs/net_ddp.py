@@ -2,7 +2,10 @@
 
 `python net_ddp.py STEPS WIDTH`: a WIDTH x WIDTH linear layer, so every step's
 gradient all-reduce moves ~4*WIDTH^2 bytes; compute is tiny, so on a slow link
-the all-reduce dominates. Prints `rank=R step_s=<mean>` at the end.
+the all-reduce dominates. Prints `rank=R step_s=<mean>` at the end, and rank 0
+the loop's wall-clock, `loop <s> s` (a barrier before the loop to the one after
+it): a test compares a cost with what the same job saves on an unthrottled
+network (tests/truth.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, width)
     times = []
+    dist.barrier()
+    t_loop = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -35,8 +40,11 @@ def main() -> None:
         opt.step()
         times.append(time.perf_counter() - t0)
     dist.barrier()
+    loop_s = time.perf_counter() - t_loop
     dist.destroy_process_group()
     print(f"rank={rank} host={os.environ.get('DISTDIAG_HOST', '')} step_s={sum(times) / len(times):.4f}", flush=True)
+    if rank == 0:
+        print(f"net_ddp: {steps} steps, loop {loop_s:.4f} s", flush=True)
 
 
 if __name__ == "__main__":
