@@ -84,7 +84,7 @@ class SlurmCluster:
         return p
 
     def srun_mpi(
-        self, args: list[str], name: str, timeout_s: float = 150, fresh: Path | None = None, **kw: Any
+        self, args: list[str], name: str, timeout_s: float = 150, **kw: Any
     ) -> subprocess.CompletedProcess[str]:
         """An MPI job of the mpich wheel on this cluster, launched so that it cannot hang in MPI_Init.
 
@@ -107,10 +107,8 @@ class SlurmCluster:
         in 60 such jobs, one busy core beside (tests/slurm/launch_soak.py
         --mode srun-pmi2). This way, 60 of 60 with UCX and 60 of 60 with OFI
         (--mode srun-mpi), none hung and slurmd logged no PMI error: there is
-        no relaunch. ``fresh`` is accepted for the callers that pass their
-        run dir, and not used: nothing is launched twice.
+        no relaunch.
         """
-        del fresh
         n_opts = next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))
         opts, prog = args[:n_opts], args[n_opts:]
         if not prog:

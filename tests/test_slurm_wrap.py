@@ -99,7 +99,7 @@ def srun_ab(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> di
             run_dir.parent.mkdir()
             name = f"straggler{nodes}" if faulty else f"healthy{nodes}"
             p = slurm.srun_mpi([*layout, "--time=5", *WRAP, "--dir", str(run_dir), *_demo(faulty)], name,
-                               fresh=run_dir, cwd=run_dir.parent)  # fmt: skip
+                               cwd=run_dir.parent)  # fmt: skip
             if faulty:
                 assert "injected delay 2.000 s" in p.stdout, p.stdout + p.stderr
             return loop_s(p.stdout)

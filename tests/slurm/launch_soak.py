@@ -95,7 +95,7 @@ def _one(mode: str, i: int, slurm: SlurmCluster, base: Path, timeout_s: float, e
         if mode == "srun-mpi":
             try:
                 p = slurm.srun_mpi(["-N2", "--ntasks-per-node=2", "--time=5", py, "-m", "distdiag.wrap", "--dir",
-                                    str(run_dir), py, *DEMO], name, timeout_s=timeout_s, fresh=run_dir, cwd=work,
+                                    str(run_dir), py, *DEMO], name, timeout_s=timeout_s, cwd=work,
                                    env=slurm.env(**env))  # fmt: skip
                 t_done = time.monotonic()
                 if "demo: 4 ranks" not in p.stdout:
