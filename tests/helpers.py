@@ -18,6 +18,21 @@ from typing import Iterator
 import pytest
 
 MPIEXEC = shutil.which("mpiexec")
+REPO = Path(__file__).resolve().parent.parent
+
+#: A launcher's rank variables: a program run outside any launcher must not inherit them.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")  # fmt: skip
+
+
+def single_process_env(**extra: str) -> dict[str, str]:
+    """os.environ without a launcher's rank variables or distdiag's/Slurm's settings, with this
+    checkout on PYTHONPATH, plus ``extra``: one process, as a user starts it by hand."""
+    e = {k: v for k, v in os.environ.items()
+         if k not in LAUNCH_VARS and not k.startswith(("DISTDIAG_", "SLURM_"))}  # fmt: skip
+    e["PYTHONPATH"] = str(REPO)
+    e.update(extra)
+    return e
 
 
 def demo_args(tmp: Path, iters: int, slow_rank: int = 2, delay_s: float = 0.02) -> list[str]:

@@ -27,25 +27,16 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from helpers import single_process_env
 
 from distdiag.schema import Kind
 
-REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 WRAP = [PY, "-m", "distdiag.wrap"]
 TIMEOUT_S = 120
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")  # fmt: skip
-
-
 def env(**extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items()
-         if k not in _LAUNCH_VARS and not k.startswith(("DISTDIAG_", "SLURM_"))}  # fmt: skip
-    e["PYTHONPATH"] = str(REPO)
-    e["OMP_NUM_THREADS"] = "1"
-    e.update(extra)
-    return e
+    return single_process_env(**{"OMP_NUM_THREADS": "1", **extra})
 
 
 def run(cmd: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:

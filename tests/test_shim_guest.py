@@ -36,28 +36,19 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from helpers import single_process_env
 from helpers import fill_prog
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from distdiag.schema import Kind
 
-REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 WRAP = [PY, "-m", "distdiag.wrap"]
 TIMEOUT_S = 60
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")  # fmt: skip
-
-
 def env(**extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items()
-         if k not in _LAUNCH_VARS and not k.startswith(("DISTDIAG_", "SLURM_"))}  # fmt: skip
-    e["PYTHONHASHSEED"] = "0"
-    e["PYTHONPATH"] = str(REPO)
-    e.update(extra)
-    return e
+    return single_process_env(**{"PYTHONHASHSEED": "0", **extra})
 
 
 def _run(cmd: list[str], cwd: Path, **kw: Any) -> tuple[int, str, str]:

@@ -67,11 +67,13 @@ class Saving:
     def assert_prices(self, cost_s: float, i: int, rel: float, what: str = "cost") -> None:
         """``cost_s`` (the analyzer's price of faulty run ``i``) is what that run lost, within
         ``rel`` of it plus the measured noise."""
-        lost = self.of_run(i)
-        margin = rel * abs(lost) + self.noise_s
-        assert abs(cost_s - lost) <= margin, (
-            f"{what} {cost_s:.3f} s, but faulty run {i} lost {lost:.3f} s to its fault "
-            f"(margin {margin:.3f} s); {self}"
+        self.assert_within(cost_s, self.of_run(i), rel, f"{what} {cost_s:.3f} s, but faulty run {i}")
+
+    def assert_within(self, cost_s: float, lost_s: float, rel: float, said: str) -> None:
+        """``cost_s`` is ``lost_s`` within ``rel`` of it plus the healthy runs' spread."""
+        margin = rel * abs(lost_s) + self.noise_s
+        assert abs(cost_s - lost_s) <= margin, (
+            f"{said} lost {lost_s:.3f} s to its fault (margin {margin:.3f} s); {self}"
         )
 
     def __str__(self) -> str:
@@ -118,9 +120,5 @@ def assert_prices_median(saving: Saving, costs_s: Sequence[float], rel: float, w
     metadata storm on a loaded server, check each run with :meth:`Saving.assert_prices`.)"""
     assert len(costs_s) == len(saving.faulty_s), (costs_s, saving)
     cost = float(statistics.median(costs_s))
-    lost = saving.median_s
-    margin = rel * abs(lost) + saving.noise_s
-    assert abs(cost - lost) <= margin, (
-        f"{what}: median price {cost:.3f} s (of {', '.join(f'{c:.3f}' for c in costs_s)}), but the job "
-        f"lost {lost:.3f} s to its fault (margin {margin:.3f} s); {saving}"
-    )
+    said = f"{what}: median price {cost:.3f} s (of {', '.join(f'{c:.3f}' for c in costs_s)}), but the job"
+    saving.assert_within(cost, saving.median_s, rel, said)
