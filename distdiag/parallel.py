@@ -55,15 +55,23 @@ match).
 
 Errors: a problem that leaves nothing to analyze is raised on rank 0 as
 :class:`DistdiagError` (the CLI prints one line); the other ranks return
-quietly. Every rank returns from :func:`analyze_parallel`, nobody hangs: rank
-0's failures end the others' command loop (:meth:`_Remote.abort`), and an
-analysis rank's failure is said on rank 0 after the exchange it failed in.
+quietly. A :class:`DistdiagError` rank 0 raises later ends the others' command
+loop (:meth:`_Remote.abort`), and a part an analysis rank could not compute is
+said in the log and made on rank 0. Anything else that escapes on any rank (a
+bug, a ``MemoryError``, an error while the ranks are inside an exchange) cannot
+be answered by the others, who wait in a receive that would never come: that
+rank says so in one line (``distdiag: analysis rank 1 of 3 failed (IndexError:
+...); ending all 3 analysis ranks``; the traceback with ``-v``) and calls
+``MPI.COMM_WORLD.Abort``, which ends every analysis rank (:func:`_end_all`).
+Rank 0's orderly :meth:`_Remote.abort` is bounded the same way
+(:data:`ABORT_WAIT_S`): if the others do not answer in time, it ends them all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import time
 from pathlib import Path
@@ -559,6 +567,54 @@ def _serve(comm: Any, held: _Held | None) -> None:
 #: a block an analysis rank could not compute (rank 0 then makes that pass over every band itself)
 _FAILED = "failed"
 
+#: exit code of an analysis that ended every rank (MPI_Abort's errorcode): not the usage code 2
+EXIT_FAILED = 1
+#: seconds rank 0's orderly end (:meth:`_Remote.abort`) may take before it ends every rank
+ABORT_WAIT_S = 30.0
+
+
+def _end_all(comm: Any, e: BaseException) -> None:
+    """An unexpected failure on this analysis rank: say it in one line, then end every rank.
+
+    The others may be waiting in a receive or a collective that this rank will never
+    enter; only ``Abort`` gets them out (mpiexec and srun end the whole job on it)."""
+    import sys
+
+    from distdiag.render.fmt import escape_controls
+
+    k, n = comm.Get_rank(), comm.Get_size()
+    what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    line = f"distdiag: analysis rank {k} of {n} failed ({what}); ending all {n} analysis ranks"
+    try:
+        if log.isEnabledFor(logging.INFO):  # the traceback, with -v; names from the run dir: untrusted
+            import traceback
+
+            log.info("%s", escape_controls("".join(traceback.format_exception(e)).rstrip()))
+        sys.stderr.write(escape_controls(line)[:2000] + "\n")
+        sys.stderr.flush()
+    finally:
+        try:
+            comm.Abort(EXIT_FAILED)
+        finally:  # MPICH's Abort can return before the launcher ends us: no traceback after the line
+            os._exit(EXIT_FAILED)
+
+
+def _bounded(comm: Any, fn: Any, seconds: float, what: str) -> None:
+    """``fn()``, but if it has not returned within ``seconds`` every rank is ended (:func:`_end_all`)."""
+    import threading
+
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(seconds):
+            _end_all(comm, TimeoutError(f"{what} took over {seconds:g} s"))
+
+    threading.Thread(target=watch, name="distdiag-abort-watch", daemon=True).start()
+    try:
+        fn()
+    finally:
+        done.set()
+
 
 def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, stream: bool = True) -> Any:
     """Analyze ``run_dir`` on every rank of ``comm`` (default COMM_WORLD).
@@ -666,8 +722,8 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
             split.sigs, split.strings = run.coll_sigs, run.strings
             split.setup(run.coll_remote)
             run.coll_remote = split
-    except BaseException:
-        split.abort()
+    except DistdiagError:
+        _bounded(comm, split.abort, ABORT_WAIT_S, "ending the other analysis ranks")
         raise
     del got_all, blocks, mine, packer, held
     t_assemble = time.perf_counter()
@@ -677,8 +733,8 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
 
     try:
         report = analyze_run(run, cfg or Config(), inplace=True, split=split)  # the assembled run is ours alone
-    except BaseException:
-        split.abort()
+    except DistdiagError:  # said by the protocol (an analysis rank's status, or nothing to analyze)
+        _bounded(comm, split.abort, ABORT_WAIT_S, "ending the other analysis ranks")
         raise
     t_end = time.perf_counter()
     report.run.cache["parallel"] = {
@@ -716,7 +772,16 @@ def main_from_args(ns: Any) -> int:
         return 2
     # as the serial CLI: text and JSON draw no row, so a large run streams
     stream = ns.format in ("text", "json") and not getattr(ns, "perfetto", None)
-    report = analyze_parallel(ns.run_dir, cfg, comm, stream=stream)
+    try:
+        report = analyze_parallel(ns.run_dir, cfg, comm, stream=stream)
+    except DistdiagError as e:
+        if comm.Get_rank() == 0:  # raised where the others were let go: the CLI's one line, exit 2
+            raise
+        _end_all(comm, e)  # an analysis rank has no orderly way to tell rank 0
+        raise  # not reached: Abort ends this process
+    except BaseException as e:  # a bug, MemoryError, KeyboardInterrupt: nobody else can answer it
+        _end_all(comm, e)
+        raise
     if report is None:
         return 0
     from distdiag.cli import emit
