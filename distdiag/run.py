@@ -165,6 +165,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -491,8 +492,23 @@ class _RankData:
     scan: _Scan
 
 
+class NotOwnFile(Exception):
+    """A run dir entry that is not a regular file of its own (a symbolic link, a FIFO, a
+    device), or that was swapped while it was opened: never read (a run dir is untrusted,
+    and ``rank-00000.h5 -> ~/.ssh/...`` would read the analyst's files)."""
+
+
+def open_rank_file(path: Path) -> Any:
+    """:func:`_open_h5`, for callers outside this module (e.g. a detector reading one attribute)."""
+    return _open_h5(path)
+
+
 def _open_h5(path: Path) -> Any:
     """Open a rank file read-only, also while its writer still has it open (SWMR).
+
+    Only a regular file is opened, never through a symbolic link: ``lstat`` first, and
+    after the open the descriptor HDF5 holds must be that same file (device, inode), so a
+    link swapped in between is caught too (:class:`NotOwnFile`).
 
     Without a chunk cache (``rdcc_nbytes=0``): every table is read once, whole,
     so a cache only costs. With HDF5's default 1 MB cache each 282 kB chunk of
@@ -503,11 +519,25 @@ def _open_h5(path: Path) -> Any:
     event, sys 19-57 -> 12-16 (issue 10). Same rows either way."""
     import h5py
 
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise NotOwnFile("is a symbolic link (a run dir's files are read only as regular files of their own)")
+    if not stat.S_ISREG(st.st_mode):
+        raise NotOwnFile("is not a regular file")
     try:
-        return h5py.File(path, "r", libver="latest", swmr=True, locking=False, rdcc_nbytes=0)
+        f = h5py.File(path, "r", libver="latest", swmr=True, locking=False, rdcc_nbytes=0)
     except _H5_ERRORS:
         # Files not written in SWMR mode open in the default mode.
-        return h5py.File(path, "r", locking=False, rdcc_nbytes=0)
+        f = h5py.File(path, "r", locking=False, rdcc_nbytes=0)
+    try:
+        got = os.fstat(int(f.id.get_vfd_handle()))
+        same = (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino)
+    except (OSError, TypeError, ValueError, *_H5_ERRORS):
+        same = False
+    if not same:
+        f.close()
+        raise NotOwnFile("changed while it was opened (replaced by another file or a link); not read")
+    return f
 
 
 #: (HDF5 class, size) -> [(datatype, numpy dtype, memory type)] of datatypes met before.
@@ -983,6 +1013,10 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
     fname = path.name
     try:
         f = _open_h5(path)
+    except NotOwnFile as e:
+        return f"{fname} {e}; skipped"
+    except FileNotFoundError:
+        return f"{fname} disappeared while the run dir was read; skipped"
     except _H5_ERRORS as e:
         if "signature not found" in str(e):
             return f"{fname} is not an HDF5 file (no HDF5 signature: empty, overwritten or not a rank file); skipped"
@@ -1677,7 +1711,8 @@ def rank_files_of(path: str | Path) -> tuple[Path, list[Path]]:
         raise DistdiagError(f"run dir '{path}' does not exist")
     if not p.is_dir():
         raise DistdiagError(f"'{path}' is not a directory (pass the run dir that holds the rank-*.h5 files)")
-    files = sorted(q for q in p.iterdir() if RANK_FILE_RE.match(q.name) and q.is_file())
+    # a link or a special file of a rank file's name is listed, and refused with a warning when read
+    files = sorted(q for q in p.iterdir() if RANK_FILE_RE.match(q.name) and (q.is_symlink() or not q.is_dir()))
     if not files:
         raise DistdiagError(f"run dir '{path}' holds no rank-*.h5 files (did the job run under distdiag-wrap?)")
     return p, files
@@ -1845,7 +1880,7 @@ def _read_events(info: RankInfo) -> np.ndarray | None:
     calls). None when the file cannot be opened any more."""
     try:
         f = _open_h5(info.path)
-    except _H5_ERRORS:
+    except (NotOwnFile, OSError, *_H5_ERRORS):
         return None
     try:
         with f:

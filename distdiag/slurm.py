@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -287,39 +288,73 @@ def read_accounting(job_id: str, near_wall_s: float | None = None, backend: str 
 # -- the run dir copy ---------------------------------------------------------------
 
 
+#: the most bytes of a stored accounting copy read (a job's is a few kB): a run dir is untrusted
+MAX_STORED_BYTES = 16 << 20
+
+
 def store(run_dir: str | Path, acct: Accounting) -> Path | None:
-    """Write ``slurm-accounting.json`` into the run dir (atomic); None when the dir is read-only."""
+    """Write ``slurm-accounting.json`` into the run dir (atomic); None when it cannot be.
+
+    Only into a run dir of the analyzing user's own (analyzing someone else's run dir
+    writes nothing into it), through a temporary file created exclusively and never
+    through a link (a planted ``.slurm-accounting.json.PID.tmp -> ~/.bashrc`` would
+    otherwise be overwritten)."""
     path = Path(run_dir) / ACCOUNTING_FILE
     doc = {"schema": ACCOUNTING_SCHEMA, "job": acct.to_json()}
     tmp = path.with_name(f".{ACCOUNTING_FILE}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        if os.stat(run_dir).st_uid != os.geteuid():
+            log.info("distdiag: %s is another user's run dir: the Slurm accounting is not stored in it", run_dir)
+            return None
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        log.info("distdiag: cannot store Slurm accounting in %s: %s", run_dir, e)
+        return None
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(doc, indent=1) + "\n")
         os.replace(tmp, path)
     except OSError as e:
         log.info("distdiag: cannot store Slurm accounting in %s: %s", run_dir, e)
         try:
-            tmp.unlink()
+            tmp.unlink()  # ours: created exclusively above
         except OSError:
             pass
         return None
     return path
 
 
+def _read_own_file(path: Path, limit: int) -> bytes:
+    """A regular file of the run dir's own, never through a link, a FIFO or a device, at most
+    ``limit`` bytes (ValueError beyond)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, over the {limit} a stored copy may have")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"over the {limit} bytes a stored copy may have")
+    return data
+
+
 def load_stored(run_dir: str | Path) -> Accounting | None:
-    """The stored copy, or None when there is none (or it is unreadable)."""
+    """The stored copy, or None when there is none (or it is unreadable, a link, or too big)."""
     path = Path(run_dir) / ACCOUNTING_FILE
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(_read_own_file(path, MAX_STORED_BYTES))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         log.info("distdiag: ignoring unreadable %s: %s", path, e)
         return None
     if not isinstance(doc, dict) or doc.get("schema") != ACCOUNTING_SCHEMA or not isinstance(doc.get("job"), dict):
         return None
     try:
         return Accounting.from_json(doc["job"])
-    except TypeError:
+    except (TypeError, ValueError, KeyError, AttributeError):
         return None
 
 

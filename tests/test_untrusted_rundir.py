@@ -14,6 +14,7 @@ as if it were not there.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -125,6 +126,80 @@ def test_a_rank_file_of_its_own_tables_is_read_as_before(tmp_path: Path) -> None
     assert not [w for w in rep.run.warnings if "file itself only" in w], rep.run.warnings
     assert sorted(rep.run.ranks) == [0, 1, 2]
     assert [f.ranks for f in rep.findings if f.kind == "straggler"] == [[1]]
+
+
+def _outside_rank_file(tmp_path: Path) -> Path:
+    """An HDF5 rank file outside the run dir (the analyst's own, say) whose host name is the secret."""
+    other = tmp_path / "home" / "other-run"
+    strings = [""]
+    rows = [coll(10 * i, 10 * i + 5, i, strings) for i in range(30)]
+    write_rank(other, 0, 3, rows, strings, host=SECRET.decode())
+    return other / rank_file_name(0)
+
+
+def test_a_rank_file_that_is_a_link_is_refused_and_the_rest_analyzed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _job(run_dir)
+    (run_dir / rank_file_name(0)).unlink()
+    (run_dir / rank_file_name(0)).symlink_to(_outside_rank_file(tmp_path))
+    rep = analyze(run_dir, Config())
+    out = json.dumps(rep.to_json()) + render(rep, "text")
+    assert "s3cr3t" not in out and "OPENSSH" not in out
+    said = [w for w in rep.run.warnings if w.startswith(rank_file_name(0))]
+    assert len(said) == 1 and "symbolic link" in said[0], rep.run.warnings
+    assert sorted(rep.run.ranks) == [1, 2]
+    assert [f.ranks for f in rep.findings if f.kind == "straggler"] == [[1]], rep.findings
+
+
+def test_a_fifo_of_a_rank_files_name_is_refused_without_blocking(tmp_path: Path) -> None:
+    # opening a FIFO for reading blocks until someone writes: the analyzer must never open it
+    run_dir = tmp_path / "run"
+    _job(run_dir)
+    os.mkfifo(run_dir / rank_file_name(3))
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    warnings = json.loads(p.stdout)["run"]["warnings"]
+    assert [w for w in warnings if w.startswith(rank_file_name(3)) and "not a regular file" in w], warnings
+
+
+def test_stored_slurm_accounting_is_read_only_from_a_small_regular_file(tmp_path: Path) -> None:
+    from distdiag import slurm
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    acct = run_dir / slurm.ACCOUNTING_FILE
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"schema": slurm.ACCOUNTING_SCHEMA, "job": {"job_id": "7"}}))
+    acct.symlink_to(outside)
+    assert slurm.load_stored(run_dir) is None  # a link: never followed
+    acct.unlink()
+    acct.symlink_to("/dev/zero")
+    assert slurm.load_stored(run_dir) is None  # would read forever
+    acct.unlink()
+    os.mkfifo(acct)
+    assert slurm.load_stored(run_dir) is None  # would block
+    acct.unlink()
+    acct.write_bytes(b" " * (slurm.MAX_STORED_BYTES + 1))
+    assert slurm.load_stored(run_dir) is None  # over the bound
+
+
+def test_storing_slurm_accounting_never_writes_through_a_planted_link(tmp_path: Path) -> None:
+    from distdiag import slurm
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    victim = tmp_path / "bashrc"
+    victim.write_text("the analyst's own\n")
+    (run_dir / f".{slurm.ACCOUNTING_FILE}.{os.getpid()}.tmp").symlink_to(victim)
+    acct = slurm.Accounting(job_id="7")
+    assert slurm.store(run_dir, acct) is None
+    assert victim.read_text() == "the analyst's own\n"
+    # the healthy twin: a run dir of our own, no planted link, stores and reads back
+    (run_dir / f".{slurm.ACCOUNTING_FILE}.{os.getpid()}.tmp").unlink()
+    assert slurm.store(run_dir, acct) == run_dir / slurm.ACCOUNTING_FILE
+    got = slurm.load_stored(run_dir)
+    assert got is not None and got.job_id == "7"
 
 
 EVIL_HOST = "n1\x1b[2J\x1b]0;pwned\x07\r\u202e"

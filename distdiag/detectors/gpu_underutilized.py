@@ -79,9 +79,9 @@ def _gpu_names(run: Any, ranks: np.ndarray) -> dict[int, dict[str, str]]:
         raw = (getattr(info, "attrs", None) or {}).get("gpu_names")
         if raw is None:
             try:
-                import h5py
+                from distdiag.run import open_rank_file
 
-                with h5py.File(info.path, "r") as f:
+                with open_rank_file(info.path) as f:  # a regular file of the run dir's own, never a link
                     raw = f.attrs.get("gpu_names")
             except Exception:
                 raw = None
