@@ -33,10 +33,12 @@ JOBS = REPO / "tests" / "jobs"
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")  # fmt: skip
 
+# One write per line: the two ranks share torchrun's stdout, and print()'s pieces
+# interleave when it is unbuffered (CI once read "donedone  firstfirst").
 PROG = """
-import sys, time
+import os, sys, time
 time.sleep(0.3)
-print("done", sys.argv[1])
+os.write(1, ("done %s\\n" % sys.argv[1]).encode())
 """
 
 
