@@ -869,6 +869,11 @@ def _read_table(
     if ds_dtype is None or shape is None or len(shape) != 1 or not set(names) & set(dtype.names or ()):
         warnings.append(f"{fname}: /{name} is not a table of {name} rows (corrupt, or written by another tool); ignored")
         return np.zeros(0, dtype)
+    lacks = [c for c in _REQUIRED_COLUMNS.get(dtype, ()) if c not in names]
+    if lacks:  # zeros in their place would be rows at time 0, or of kind 0: not the rows the file meant
+        warnings.append(f"{fname}: /{name} lacks the column(s) {', '.join(lacks)} (corrupt, or written by another "
+                        "tool); ignored")  # fmt: skip
+        return np.zeros(0, dtype)
     if refresh:
         try:
             ds.refresh()  # SWMR: see rows appended since open
@@ -916,6 +921,10 @@ def _read_table(
     if not parts:
         return np.zeros(0, dtype)
     return _as_dtype(parts[0] if len(parts) == 1 else np.concatenate(parts), dtype)
+
+
+#: the columns without which a table's rows mean nothing (any other missing column reads as zero)
+_REQUIRED_COLUMNS: dict[np.dtype, tuple[str, ...]] = {EVENT_DTYPE: ("t0_ns", "t1_ns", "kind")}
 
 
 def _as_dtype(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
