@@ -9,6 +9,12 @@ attributes, huge string tables, duplicate ranks, a file of another schema,
 foreign HDF5 next to rank files, ranks that never started) is covered case by
 case with what the report must say about it.
 
+Structural mutations (external storage and links, VDS, dtype swaps, huge
+declared dims, compression bombs, shared heap ids, out-of-range ids, INT64
+extremes, links and FIFOs of rank-file names: ``tests/mutations.py``) each run
+in a forked child under a time and memory bound, and no report may quote a
+byte from outside the run dir; ``benchmarks/fuzz_rundirs.py`` runs 10^4 of them.
+
 Example counts are bounded (``FUZZ_EXAMPLES`` per strategy) so the module
 runs in well under a minute on 2 loaded cores.
 """
@@ -38,6 +44,7 @@ from distdiag.pipeline import analyze_run
 from distdiag.render import render
 from distdiag.run import DistdiagError, load_run
 from distdiag.schema import EVENT_DTYPE, SCHEMA_ATTR, Kind, rank_file_name
+import mutations
 from factories import coll, write_rank
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,33 +59,9 @@ _SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real 2-rank job's run dir (collectives, clock samples, file events, phases)."""
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
+    if shutil.which("mpiexec") is None:
         pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
-    d = tmp_path_factory.mktemp("real")
-    prog = d / "job.py"
-    prog.write_text(
-        "import numpy as np, distdiag, tempfile, os\n"
-        "from mpi4py import MPI\n"
-        "c = MPI.COMM_WORLD\n"
-        "b = np.ones(64); o = np.empty_like(b)\n"
-        "p = os.path.join(tempfile.gettempdir(), f'fz-{os.getpid()}.bin')\n"
-        "for i in range(40):\n"
-        "    with distdiag.phase('step'):\n"
-        "        c.Allreduce(b, o)\n"
-        "        c.bcast(i, root=0)\n"
-        "        with open(p, 'wb') as f: f.write(b.tobytes())\n"
-        "    distdiag.step(samples=8)\n"
-        "os.unlink(p)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTDIAG_", "SLURM_"))}
-    env["PYTHONPATH"] = str(REPO)
-    run_dir = d / "run"
-    p = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir),
-                        sys.executable, str(prog)], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert len(list(run_dir.glob("rank-*.h5"))) == 2
-    return run_dir
+    return mutations.make_real_run(tmp_path_factory.mktemp("real"), REPO)
 
 
 @pytest.fixture(autouse=True)
@@ -204,6 +187,63 @@ def test_every_fuzzed_dir_through_the_cli_is_exit_0_or_one_line_exit_2(real_run:
                 assert p.returncode == 2, (p.returncode, p.stderr)
                 lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
                 assert len(lines) == 1 and lines[0].startswith("distdiag: "), p.stderr
+
+
+# -- structural mutations: well-formed HDF5 that lies (tests/mutations.py) --------------------------
+
+#: what one mutated dir may cost beyond a healthy analysis (the healthy one grows ~15 MB here)
+RSS_BOUND = 128 << 20
+RSS_PER_BYTE = 16  # ... plus this many bytes per byte of the run dir's files
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mutations.make_outside(tmp_path_factory.mktemp("home"))
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.lstat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
+
+
+def _mutated_outcome(real_run: Path, outside: Path, tmp: Path, names: list[str], seed: int) -> mutations.Outcome:
+    d = tmp / "run"
+    shutil.copytree(real_run, d)
+    mutations.mutate(d, outside, names, seed)
+    got = mutations.analyze_isolated(d, tmp / "out", timeout_s=60, mem_bytes=2 << 30)
+    what = f"{names} seed {seed}: {got!r}"
+    assert got.kind in ("report", "error"), what  # no crash, no hang, no MemoryError under the bound
+    assert not got.quoted, what  # not one byte from outside the run dir
+    assert got.rss_growth <= RSS_BOUND + RSS_PER_BYTE * _dir_bytes(d), what
+    return got
+
+
+@pytest.mark.parametrize("name", sorted(mutations.MUTATIONS))
+def test_each_structural_mutation_is_a_report_or_one_error_within_bounds(
+    real_run: Path, outside: Path, tmp_path: Path, name: str
+) -> None:
+    _mutated_outcome(real_run, outside, tmp_path, [name], seed=1)
+
+
+@pytest.mark.parametrize("name", ["external_storage", "external_link", "virtual_dataset", "link_to_outside",
+                                  "compression_bomb", "shared_heap_strings"])  # fmt: skip
+def test_a_mutation_that_reaches_outside_or_bombs_is_said_in_the_warnings(
+    real_run: Path, outside: Path, tmp_path: Path, name: str
+) -> None:
+    """Not silently absorbed: the report says which file was refused or cut."""
+    got = _mutated_outcome(real_run, outside, tmp_path, [name], seed=1)
+    assert got.kind == "report", got
+    warnings = json.loads((tmp_path / "out" / "report.json").read_text())["run"]["warnings"]
+    assert [w for w in warnings if w.startswith("rank-0000")], warnings
+
+
+@settings(max_examples=24, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+          print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(names=st.lists(st.sampled_from(sorted(mutations.MUTATIONS)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**32 - 1))  # fmt: skip
+def test_structural_mutations_combined_are_a_report_or_one_error(real_run: Path, outside: Path, names: list[str],
+                                                                seed: int) -> None:  # fmt: skip
+    with tempfile.TemporaryDirectory() as td:
+        _mutated_outcome(real_run, outside, Path(td), names, seed)
 
 
 # -- structural damage, case by case --------------------------------------------------------
