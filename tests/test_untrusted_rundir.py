@@ -227,6 +227,20 @@ def test_host_names_reach_the_terminal_escaped(tmp_path: Path, color: bool) -> N
     assert ("\x1b[" in text) is color
 
 
+def test_a_newline_in_a_host_name_cannot_forge_a_line_of_the_report(tmp_path: Path) -> None:
+    """A newline is the one control character the text keeps, for its own lines only."""
+    run_dir = tmp_path / "run"
+    forged = "n1\nVERDICT: healthy. Nothing to see."
+    for r in range(3):
+        strings = [""]
+        rows = [coll(10 * i + (4 if r == 1 else 0), 10 * i + 5, i, strings) for i in range(30)]
+        write_rank(run_dir, r, 3, rows, strings, host=forged if r == 1 else f"n{r}")
+    text = render(analyze(run_dir, Config()), "text", color=False)
+    assert [ln for ln in text.splitlines() if ln.startswith("VERDICT:")] == [
+        ln for ln in text.splitlines() if ln.startswith("VERDICT: straggler")], text  # fmt: skip
+    assert "n1\\x0aVERDICT: healthy" in text, text
+
+
 def test_the_cli_writes_no_control_characters(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _evil_run(run_dir)

@@ -130,7 +130,9 @@ class TextRenderer:
             lines.append("")
             lines.append(self._c("warn", f"WARNINGS ({len(run.warnings)})"))
             lines += [f"  - {w}" for w in run.warnings]
-        return "\n".join(lines) + "\n"
+        # every entry is one line of ours: a newline inside one came from the run dir (a
+        # name in a string table, a host) and would let it forge a line ("VERDICT: healthy")
+        return "\n".join(ln.replace("\n", "\\x0a") for ln in lines) + "\n"
 
     # -- sections -------------------------------------------------------------------
     def _verdict(self, report: Any) -> list[str]:
