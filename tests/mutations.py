@@ -11,7 +11,8 @@ under a time and memory bound).
 Every mutation takes ``(run_dir, rng, outside)``: ``rng`` a ``random.Random``,
 ``outside`` a directory outside the run dir holding the "analyst's secrets"
 (:func:`make_outside`): a raw file and an HDF5 file whose bytes hold :data:`MARK`.
-A report that contains :data:`MARK` quoted bytes from outside the run dir.
+A report that contains :data:`MARK` quoted bytes from outside the run dir; a string table
+or rank metadata holding it after the load read them (whether a finding shows them or not).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ SECRET_BYTES = (f"-----BEGIN OPENSSH PRIVATE KEY----- {MARK} -----END-----\n").e
 I64 = np.iinfo(np.int64)
 U32 = np.iinfo(np.uint32)
 
-#: a 2-rank job with collectives, file I/O, phases and steps (what a real rank file holds)
+#: a 2-rank job with collectives, file I/O, phases and steps (what a real rank file holds),
+#: and rank 1 late at every bcast: the report names a call site (a string of the file),
+#: so a string table read from outside the run dir would show in it
 JOB = (
-    "import numpy as np, distdiag, tempfile, os\n"
+    "import numpy as np, distdiag, tempfile, os, time\n"
     "from mpi4py import MPI\n"
     "c = MPI.COMM_WORLD\n"
     "b = np.ones(64); o = np.empty_like(b)\n"
@@ -46,6 +49,7 @@ JOB = (
     "for i in range(40):\n"
     "    with distdiag.phase('step'):\n"
     "        c.Allreduce(b, o)\n"
+    "        if c.rank == 1: time.sleep(0.01)\n"
     "        c.bcast(i, root=0)\n"
     "        with open(p, 'wb') as f: f.write(b.tobytes())\n"
     "    distdiag.step(samples=8)\n"
@@ -136,12 +140,37 @@ def external_storage(run_dir: Path, rng: random.Random, outside: Path) -> None:
     def fn(f: h5py.File, rng: random.Random) -> None:
         name = _table(f, rng) or "strings"
         dtype, _ = _drop(f, name) if name in f else (EVENT_DTYPE, (0,))
+        offset = 0
         if dtype.kind == "O" or name == "strings":
-            dtype = np.dtype(rng.choice(["S8", "S64", "S1"]))
-        n = max(1, len(SECRET_BYTES) // max(1, dtype.itemsize))
-        f.create_dataset(name, shape=(n,), dtype=dtype, external=[(str(outside / "secret.bin"), 0, n * dtype.itemsize)])
+            # mostly one secret line per string, each starting at MARK: whatever string the
+            # report shows quotes the secret
+            line = SECRET_BYTES.index(b"\n") + 1
+            dtype = np.dtype(rng.choice([f"S{line}"] * 3 + ["S8", "S64", "S1"]))
+            offset = SECRET_BYTES.index(MARK.encode()) if dtype.itemsize == line else 0
+        n = max(1, (len(SECRET_BYTES) - offset) // max(1, dtype.itemsize))
+        f.create_dataset(name, shape=(n,), dtype=dtype,
+                         external=[(str(outside / "secret.bin"), offset, n * dtype.itemsize)])  # fmt: skip
 
     _edit(run_dir, rng, fn)
+
+
+def external_strings(run_dir: Path, rng: random.Random, outside: Path) -> None:
+    """The review's case: every rank's /strings as fixed-length strings stored in the secret
+    file, one secret line per string (each starting at MARK): the ranks still agree on every
+    name, so the findings name them, and every string the report names quotes the secret."""
+
+    def fn(f: h5py.File, rng: random.Random) -> None:
+        if "strings" in f:
+            _drop(f, "strings")
+        line = SECRET_BYTES.index(b"\n") + 1
+        offset = SECRET_BYTES.index(MARK.encode())
+        n = (len(SECRET_BYTES) - offset) // line
+        f.create_dataset("strings", shape=(n,), dtype=f"S{line}",
+                         external=[(str(outside / "secret.bin"), offset, n * line)])  # fmt: skip
+
+    for path in _rank_files(run_dir):
+        with h5py.File(path, "r+") as f:
+            fn(f, rng)
 
 
 def external_link(run_dir: Path, rng: random.Random, outside: Path) -> None:
@@ -408,7 +437,7 @@ def hostile_accounting(run_dir: Path, rng: random.Random, outside: Path) -> None
 
 MUTATIONS: dict[str, Callable[[Path, random.Random, Path], None]] = {
     f.__name__: f
-    for f in (external_storage, external_link, virtual_dataset, soft_link, dtype_swap, huge_dims,
+    for f in (external_storage, external_strings, external_link, virtual_dataset, soft_link, dtype_swap, huge_dims,
               compression_bomb, shared_heap_strings, out_of_range_ids, int_extremes, attr_chaos,
               table_replaced, link_to_outside, special_file, duplicate_rank, hostile_accounting)  # fmt: skip
 }
@@ -423,6 +452,23 @@ def mutate(run_dir: Path, outside: Path, names: list[str], seed: int) -> None:
 
 # -- analyzing a mutated dir in its own process ----------------------------------------------------
 
+#: what analyzing one mutated dir may grow the process by beyond its start (a healthy analysis
+#: of the real run grows it ~15 MB) ...
+RSS_BOUND = 128 << 20
+#: ... plus this many bytes per byte of the run dir's files (the reader's bound is a small
+#: constant factor of a file's own size)
+RSS_PER_BYTE = 16
+
+
+def dir_bytes(d: Path) -> int:
+    """The bytes of the regular files in ``d`` (links and special files are not its bytes)."""
+    return sum(p.lstat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
+
+
+def rss_bound(run_dir: Path) -> int:
+    return RSS_BOUND + RSS_PER_BYTE * dir_bytes(run_dir)
+
+
 
 class Outcome:
     """What analyzing one run dir in a forked child gave (see :func:`analyze_isolated`)."""
@@ -436,7 +482,8 @@ class Outcome:
         self.seconds = seconds
         #: the child's peak RSS less the parent's at the fork (bytes)
         self.rss_growth = rss_growth
-        #: the report or the error quoted MARK: bytes from outside the run dir
+        #: the report or the error quoted MARK, or the analysis read it (the loaded string
+        #: table and rank metadata, ``read.txt``): bytes from outside the run dir
         self.quoted = quoted
         self.detail = detail
 
@@ -476,6 +523,10 @@ def _child(run_dir: Path, out: Path, timeout_s: float, mem_bytes: int) -> int:
             rep = analyze(run_dir, load_config())
             (out / "report.json").write_text(render(rep, "json"))
             (out / "report.txt").write_text(render(rep, "text", color=False))
+            # what the load read, shown by a finding or not (a healthy job's report names
+            # few strings): the string table and every rank's metadata
+            read = [str(x) for x in rep.run.strings] + [repr(i) for i in rep.run.ranks.values()]
+            (out / "read.txt").write_text("\n".join(read))
             return 0
         except DistdiagError as e:
             (out / "error").write_text(str(e))
@@ -527,7 +578,7 @@ def analyze_isolated(run_dir: Path, out: Path, timeout_s: float = 10.0, mem_byte
     except (OSError, ValueError):
         pass  # the parent's, a bound from above
     growth = max(0, ru.ru_maxrss * 1024 - base)
-    texts = [p.read_text(errors="replace") for p in (out / n for n in ("report.json", "report.txt", "error"))
+    texts = [p.read_text(errors="replace") for p in (out / n for n in ("report.json", "report.txt", "error", "read.txt"))
              if p.exists()]  # fmt: skip
     quoted = any(MARK in t for t in texts)
     err = (out / "stderr").read_text(errors="replace") if (out / "stderr").exists() else ""

@@ -99,6 +99,9 @@ def test_the_unmutated_real_run_is_clean(real_run: Path) -> None:
     rep, err = report_or_error(real_run)
     assert err is None and rep.run.world_size == 2 and len(rep.run.ranks) == 2
     assert not [w for w in rep.run.warnings if "corrupt" in w or "damaged" in w or "skipped" in w]
+    # the string table holds the job's call sites: one read from outside the run dir would
+    # hold MARK instead (the "quoted" checks below look at it; see mutations.analyze_isolated)
+    assert any("job.py:" in str(s) for s in rep.run.strings), rep.run.strings[:20]
 
 
 @_SETTINGS
@@ -191,18 +194,9 @@ def test_every_fuzzed_dir_through_the_cli_is_exit_0_or_one_line_exit_2(real_run:
 
 # -- structural mutations: well-formed HDF5 that lies (tests/mutations.py) --------------------------
 
-#: what one mutated dir may cost beyond a healthy analysis (the healthy one grows ~15 MB here)
-RSS_BOUND = 128 << 20
-RSS_PER_BYTE = 16  # ... plus this many bytes per byte of the run dir's files
-
-
 @pytest.fixture(scope="module")
 def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return mutations.make_outside(tmp_path_factory.mktemp("home"))
-
-
-def _dir_bytes(d: Path) -> int:
-    return sum(p.lstat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
 
 
 def _mutated_outcome(real_run: Path, outside: Path, tmp: Path, names: list[str], seed: int) -> mutations.Outcome:
@@ -213,7 +207,7 @@ def _mutated_outcome(real_run: Path, outside: Path, tmp: Path, names: list[str],
     what = f"{names} seed {seed}: {got!r}"
     assert got.kind in ("report", "error"), what  # no crash, no hang, no MemoryError under the bound
     assert not got.quoted, what  # not one byte from outside the run dir
-    assert got.rss_growth <= RSS_BOUND + RSS_PER_BYTE * _dir_bytes(d), what
+    assert got.rss_growth <= mutations.rss_bound(d), what
     return got
 
 
@@ -234,6 +228,13 @@ def test_a_mutation_that_reaches_outside_or_bombs_is_said_in_the_warnings(
     assert got.kind == "report", got
     warnings = json.loads((tmp_path / "out" / "report.json").read_text())["run"]["warnings"]
     assert [w for w in warnings if w.startswith("rank-0000")], warnings
+
+
+def test_every_rank_s_strings_stored_outside_is_one_error_that_says_why(real_run: Path, outside: Path,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """The review's case on every rank: no rank file has a table of its own left to read."""
+    got = _mutated_outcome(real_run, outside, tmp_path, ["external_strings"], seed=1)
+    assert got.kind == "error" and "external file" in got.detail, got
 
 
 @settings(max_examples=24, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
