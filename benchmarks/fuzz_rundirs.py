@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import shutil
 import sys
@@ -61,6 +62,14 @@ def _init(real_run: str, outside: str, scratch: str, timeout_s: float, keep: str
               keep=Path(keep) if keep else None)  # fmt: skip
 
 
+def _special(d: str, names: list[str]) -> list[str]:
+    """FIFOs and devices a mutation made (copytree cannot copy them; the row says they were there)."""
+    import stat
+
+    return [n for n in names if not stat.S_ISREG(m := os.lstat(os.path.join(d, n)).st_mode)
+            and not stat.S_ISDIR(m) and not stat.S_ISLNK(m)]  # fmt: skip
+
+
 def one_case(seed: int) -> dict[str, Any]:
     names = names_of(seed)
     case = Path(tempfile.mkdtemp(prefix=f"case-{seed}-", dir=_W["scratch"]))
@@ -79,7 +88,7 @@ def one_case(seed: int) -> dict[str, Any]:
                over=got.rss_growth > bound, detail=got.detail[-400:])  # fmt: skip
     bad = got.kind not in ("report", "error") or got.quoted or row["over"] or got.seconds > _W["timeout_s"]
     if bad and _W["keep"] is not None:
-        shutil.copytree(case, _W["keep"] / case.name, symlinks=True, ignore_dangling_symlinks=True)
+        shutil.copytree(case, _W["keep"] / case.name, symlinks=True, ignore=_special)
     shutil.rmtree(case, ignore_errors=True)
     return row
 

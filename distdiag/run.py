@@ -615,14 +615,23 @@ def _attr(attrs: Any, name: str, default: Any = None) -> Any:
     return v
 
 
-def _json_attr(attrs: Any, name: str, default: Any) -> Any:
+def _json_attr(attrs: Any, name: str, default: list[Any] | dict[str, Any]) -> Any:
+    """A JSON attribute of the shape of ``default`` (a list or a dict), else ``default``: a
+    rank file is untrusted, and ``null`` or a number where the env dict belongs must not
+    reach the detectors (``i.env.get`` on None). Lists and dicts of strings stay strings."""
     v = _attr(attrs, name)
     if v is None:
         return default
     try:
-        return json.loads(v)
-    except (TypeError, ValueError):
+        got = json.loads(v)
+    except (TypeError, ValueError, RecursionError):
         return default
+    if isinstance(default, dict):
+        if not isinstance(got, dict):
+            return default
+        return {str(k): (x if isinstance(x, (str, int, float, bool, list, dict)) or x is None else str(x))
+                for k, x in got.items()}  # fmt: skip
+    return [str(x) for x in got] if isinstance(got, list) else default
 
 
 def _file_size(f: Any) -> int | None:
@@ -1121,7 +1130,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 mono_ns_at_start=None if mono0 is None else int(mono0),
                 distdiag_version=str(_attr(attrs, "distdiag_version", "") or ""),
                 argv=_json_attr(attrs, "argv", []),
-                env=_json_attr(attrs, "env", {}),
+                env={k: v for k, v in _json_attr(attrs, "env", {}).items() if isinstance(v, str)},
                 config=_json_attr(attrs, "config", {}),
             )
             return _RankData(info, events, strings, sync, inflight, gpu, scan)

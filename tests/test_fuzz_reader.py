@@ -230,6 +230,25 @@ def test_a_mutation_that_reaches_outside_or_bombs_is_said_in_the_warnings(
     assert [w for w in warnings if w.startswith("rank-0000")], warnings
 
 
+@pytest.mark.parametrize("attr, value", [("env", "null"), ("env", "[1, 2]"), ("env", '{"SLURM_JOB_ID": 7}'),
+                                         ("argv", "null"), ("argv", '{"a": 1}'), ("config", "3")])  # fmt: skip
+def test_json_attributes_of_the_wrong_shape_read_as_absent(real_run: Path, tmp_path: Path, attr: str,
+                                                          value: str) -> None:  # fmt: skip
+    """Found by benchmarks/fuzz_rundirs.py (seed 577): ``env`` = null crashed the Slurm lookup
+    (``i.env.get`` on None) once the dir held stored accounting."""
+    d = tmp_path / "run"
+    shutil.copytree(real_run, d)
+    for p in sorted(d.glob("rank-*.h5")):
+        with h5py.File(p, "r+") as f:
+            f.attrs[attr] = value
+    (d / "slurm-accounting.json").write_text(json.dumps({"schema": 1, "job": {"job_id": "7", "state": "COMPLETED"}}))
+    rep, err = report_or_error(d)
+    assert err is None, err
+    i = rep.run.ranks[0]
+    assert isinstance(i.env, dict) and isinstance(i.argv, list) and isinstance(i.config, dict)
+    assert all(isinstance(v, str) for v in i.env.values()) and all(isinstance(a, str) for a in i.argv)
+
+
 def test_every_rank_s_strings_stored_outside_is_one_error_that_says_why(real_run: Path, outside: Path,
                                                                           tmp_path: Path) -> None:  # fmt: skip
     """The review's case on every rank: no rank file has a table of its own left to read."""
