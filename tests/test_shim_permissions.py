@@ -194,6 +194,27 @@ def test_a_run_dir_others_can_write_is_not_used(tmp_path: Path) -> None:
 
 
 @needs_root
+def test_a_run_dir_writable_by_a_shared_group_is_not_used_but_by_the_users_private_group_is(tmp_path: Path) -> None:
+    from distdiag.shim.wrap import _private_group
+
+    (tmp_path / "prog.py").write_text(PLAIN_PROG)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, os.geteuid(), _nobody()[1])  # a group others are in
+    os.chmod(shared, 0o770)
+    p = _run([*WRAP, "--dir", str(shared), PY, "prog.py"], tmp_path)
+    assert p.returncode == 4 and list(shared.iterdir()) == [], p.stderr
+    assert "writable by others" in p.stderr
+    if _private_group(os.getegid()):  # umask 002 with a group of the user alone (RHEL's convention)
+        own = tmp_path / "own"
+        own.mkdir()
+        os.chmod(own, 0o775)
+        p = _run([*WRAP, "--dir", str(own), PY, "prog.py"], tmp_path)
+        assert p.returncode == 4 and (own / "rank-00000.h5").exists(), p.stderr
+        assert _distdiag_lines(p.stderr) == []
+
+
+@needs_root
 def test_the_other_ranks_never_join_another_users_launch_dir(tmp_path: Path) -> None:
     """A shared working dir holds ``distdiag-<stamp>-<launchhash>`` of user nobody, with
     a launch.json naming a live rank 0: a rank other than 0 does not record there."""

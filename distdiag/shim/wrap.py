@@ -260,9 +260,25 @@ def _dir_problem(d: Path) -> str | None:
         return "is not a directory"
     if st.st_uid != euid:
         return f"belongs to another user (uid {st.st_uid}, not {euid})"
-    if st.st_mode & 0o022:
+    writable = st.st_mode & (0o002 if _private_group(st.st_gid) else 0o022)
+    if writable:
         return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's private group (the user's primary group, named
+    as the user, with no other members): with umask 002 (RHEL's default for such
+    groups) a dir the user made is group-writable and still the user's alone."""
+    try:
+        import grp
+        import pwd
+
+        pw = pwd.getpwuid(os.geteuid())
+        g = grp.getgrgid(gid)
+    except (ImportError, KeyError, OSError):
+        return False
+    return gid == pw.pw_gid and g.gr_name == pw.pw_name and not [m for m in g.gr_mem if m != pw.pw_name]
 
 
 def make_run_dir(d: Path) -> None:
