@@ -260,8 +260,8 @@ def _dir_problem(d: Path) -> str | None:
         return "is not a directory"
     if st.st_uid != euid:
         return f"belongs to another user (uid {st.st_uid}, not {euid})"
-    writable = st.st_mode & (0o002 if _private_group(st.st_gid) else 0o022)
-    if writable:
+    # (the group looked up only for a group-writable dir: with LDAP it is a network call)
+    if st.st_mode & 0o002 or (st.st_mode & 0o020 and not _private_group(st.st_gid)):
         return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
 
