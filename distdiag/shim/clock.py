@@ -5,14 +5,31 @@ for MPI, torch-only and plain multi-process jobs, needs no collective call the
 program did not make (a rank can sync while others compute), and never puts a
 message into the program's communicators. Rank 0 (the reference) answers
 pings from a daemon thread; the others find it through ``clock-ref.json`` in
-the run dir, written atomically by rank 0::
+the run dir, written atomically by rank 0, mode 0600::
 
-    {"port": 40123, "addrs": ["10.1.2.3", "127.0.0.1"], "token": 123456789,
-     "launch_id": "...", "world_size": 4, "host": "n1", "pid": 4242}
+    {"addrs": ["10.1.2.3", "127.0.0.1"], "ports": [40123, 40124], "port": 40123,
+     "key": "<64 hex digits>", "launch_id": "...", "world_size": 4, "host": "n1", "pid": 4242}
 
-``addrs`` are every non-loopback IPv4 address of rank 0's host, then
-127.0.0.1 last. A client sends one ping to each at once and keeps the first
-that answers (ranks may sit on other nodes or in other network namespaces).
+Where rank 0 answers (:func:`bind_addrs`): never the wildcard 0.0.0.0, but
+where the job's own traffic reaches rank 0: ``cfg.sync_addr`` when set;
+127.0.0.1 when the launcher says every rank runs on rank 0's host
+(``LOCAL_WORLD_SIZE``, ``MPI_LOCALNRANKS``, ``OMPI_COMM_WORLD_LOCAL_SIZE``
+equal to the world size, or a one-node Slurm step); ``MASTER_ADDR`` when it
+is one of this host's addresses; else each IPv4 address of the host, each on
+a socket of its own, 127.0.0.1 last. ``addrs[i]`` answers on ``ports[i]``. A
+client sends one ping to each at once (from a socket connected to that
+address) and keeps the first that answers (ranks may sit on other nodes or
+in other network namespaces).
+
+Every packet carries an HMAC-SHA256 (truncated to 16 bytes) under ``key``, a
+random 256-bit secret of this run that only the job's user can read (the
+file is 0600 in a run dir of that user's; clients read it only from a regular
+file of their own user that nobody else can write), over its direction, the
+rank, a per-client random nonce and a sequence number: a packet that does
+not verify is dropped and counted (``ClockSync.dropped``), as is a ping
+whose sequence number is not above the last one of its client (a replay). It
+replaces a 32-bit token in a world-readable file, with which anyone on the
+network could skew the alignment.
 
 One exchange: the client stamps ``t_send`` (its clock), sends; the reference
 stamps ``t_ref`` (its clock) the moment the ping arrives and replies; the
@@ -31,6 +48,9 @@ exit (``EXIT``, from :meth:`ClockSync.stop`). The reference lingers in
 ``stop()`` up to ``cfg.exit_sync_wait_s`` until every other rank said it
 finished its exit round, so the last samples exist even when rank 0 ends first.
 
+The shim's threads keep the job's scheduling priority (a guest never raises
+its priority above the job's; they used to renice themselves to -10 as root).
+
 The GIL: a sample taken while the program's main thread holds the GIL waits
 for it (up to ``sys.getswitchinterval()``, 5 ms) on either side, which only
 ever makes the RTT larger; min-RTT selection drops those samples, and a round
@@ -45,10 +65,12 @@ samples (the analyzer says so).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -68,13 +90,59 @@ REF_FILE = "clock-ref.json"
 #: The reference rank: every offset is measured against it.
 REF_RANK = 0
 
-_MAGIC = b"DDCK"
-#: client -> reference: magic, token, rank, seq, op
-_PING = struct.Struct("<4sIiIB")
-#: reference -> client: magic, token, rank, seq, t_ref_ns
-_PONG = struct.Struct("<4sIiIq")
+_MAGIC = b"DDC2"
+#: client -> reference: magic, rank, seq, op, client nonce; then the MAC
+_PING = struct.Struct("<4siIB8s")
+#: reference -> client: magic, rank, seq, t_ref_ns, client nonce; then the MAC
+_PONG = struct.Struct("<4siIq8s")
 _OP_PING = 0
 _OP_BYE = 1
+#: bytes of HMAC-SHA256 each packet carries (128 bits: forging one takes 2^128 tries)
+MAC_BYTES = 16
+#: bytes of the per-run key
+KEY_BYTES = 32
+#: what the MAC covers before the packet: its direction (a ping is never taken for a reply)
+_DIR_PING = b"ping"
+_DIR_PONG = b"pong"
+_PING_SIZE = _PING.size + MAC_BYTES
+_PONG_SIZE = _PONG.size + MAC_BYTES
+
+
+class _Mac:
+    """HMAC-SHA256 under one key, truncated to MAC_BYTES; the keyed state is made once and
+    copied per packet (1.3 us a packet against 1.9 us for ``hmac.digest``, measured)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._h = hmac.new(key, digestmod="sha256")
+
+    def tag(self, direction: bytes, body: bytes) -> bytes:
+        h = self._h.copy()
+        h.update(direction)
+        h.update(body)
+        return h.digest()[:MAC_BYTES]
+
+    def seal(self, direction: bytes, body: bytes) -> bytes:
+        return body + self.tag(direction, body)
+
+    def open(self, direction: bytes, data: bytes, st: struct.Struct) -> tuple[Any, ...] | None:
+        """The fields of ``data`` when its size, magic and MAC are right; else None."""
+        if len(data) != st.size + MAC_BYTES:
+            return None
+        body = data[: st.size]
+        if not hmac.compare_digest(data[st.size :], self.tag(direction, body)):
+            return None
+        fields = st.unpack(body)
+        return fields if fields[0] == _MAGIC else None
+
+
+def seal_ping(key: bytes, rank: int, seq: int, op: int, nonce: bytes) -> bytes:
+    """A ping as a client sends it (tests send forged ones with a wrong key)."""
+    return _Mac(key).seal(_DIR_PING, _PING.pack(_MAGIC, rank, seq & 0xFFFFFFFF, op, nonce))
+
+
+def seal_pong(key: bytes, rank: int, seq: int, t_ref_ns: int, nonce: bytes) -> bytes:
+    """A reply as the reference sends it."""
+    return _Mac(key).seal(_DIR_PONG, _PONG.pack(_MAGIC, rank, seq & 0xFFFFFFFF, t_ref_ns, nonce))
 
 #: wait for one reply before calling the exchange lost (loopback RTT is ~20 us,
 #: a busy reference whose thread waits for the GIL adds ~5 ms; longer is a GIL held
@@ -135,6 +203,61 @@ def _ipv4_addrs() -> list[str]:
     return seen + ["127.0.0.1"]
 
 
+def _local_world_size(env: Any) -> int | None:
+    """How many ranks the launcher started on this host, when it says so."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        try:
+            return int(env[name])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def _one_node_slurm(env: Any) -> bool:
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        v = env.get(name)
+        if v is not None:
+            return v.strip() == "1"
+    return False
+
+
+def _resolve_v4(name: str) -> str | None:
+    try:
+        socket.inet_aton(name)
+        return name if name.count(".") == 3 else None
+    except OSError:
+        pass
+    try:  # the name the launcher gave (usually /etc/hosts or the resolver's cache, as torch reads it)
+        return str(socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0])
+    except (OSError, IndexError, UnicodeError):
+        return None
+
+
+def bind_addrs(world_size: int, cfg_addr: str = "", environ: Any = None) -> list[str]:
+    """The IPv4 addresses rank 0 answers clock pings on: where the job's ranks reach it.
+
+    ``cfg_addr`` (``ShimConfig.sync_addr``) when given; 127.0.0.1 when every
+    rank runs on this host (the launcher's local size equals the world size,
+    or a one-node Slurm step); ``MASTER_ADDR`` (torchrun, most Slurm+torch
+    scripts: where rank 0's rendezvous listens) when it is one of this
+    host's addresses (a loopback one only when all ranks are local: other
+    nodes could not reach it); else every IPv4 address of the host (each its
+    own socket), 127.0.0.1 last. Never 0.0.0.0."""
+    env = os.environ if environ is None else environ
+    if cfg_addr:
+        return [str(cfg_addr)]
+    local = _local_world_size(env)
+    if (local is not None and local >= world_size) or _one_node_slurm(env):
+        return ["127.0.0.1"]
+    host_addrs = _ipv4_addrs()
+    master = env.get("MASTER_ADDR")
+    if master:
+        ip = _resolve_v4(master)
+        if ip is not None and not ip.startswith("127.") and ip in host_addrs:
+            return [ip]
+    return host_addrs
+
+
 def _wait_for(ev: threading.Event, timeout_s: float) -> bool:
     """``ev.wait(timeout_s)`` made of short sleeps.
 
@@ -160,20 +283,6 @@ def _acquire(lock: threading.Lock, timeout_s: float) -> bool:
             return False
         time.sleep(0.005)
     return True
-
-
-def _boost_thread() -> None:
-    """Raise the calling thread's scheduling priority where allowed (root / CAP_SYS_NICE).
-
-    Why: on a node whose cores are all busy (ranks busy-polling in MPI) a thread
-    that wakes up for a ping waits for a time slice, milliseconds, and every
-    sample of that phase is poor. These threads sleep nearly all the time, so
-    the boost costs the program nothing. Without the privilege nothing changes.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
-    except (OSError, AttributeError):
-        pass
 
 
 def _cfg(cfg: Any, name: str, default: Any) -> Any:
@@ -205,6 +314,7 @@ class ClockSync:
         self.n_exchanges = int(_cfg(cfg, "sync_exchanges", 10))
         self.exit_wait_s = float(_cfg(cfg, "exit_sync_wait_s", 2.0))
         self.start_wait_s = float(_cfg(cfg, "sync_start_wait_s", 0.0))
+        self.sync_addr = str(_cfg(cfg, "sync_addr", ""))
         if launch_id is None:
             try:
                 from distdiag.shim import session
@@ -221,14 +331,20 @@ class ClockSync:
         self._lock = threading.Lock()  # one round at a time (thread vs. stop())
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._mac: _Mac | None = None
+        #: packets that did not verify (wrong key, size or magic; replayed pings): dropped
+        self.dropped = 0
         # reference side
-        self._token = 0
+        self._socks: list[socket.socket] = []  # one per address it answers on
+        #: (rank, client nonce) -> the last sequence number answered: a replayed ping is dropped
+        self._last_seq: dict[tuple[int, bytes], int] = {}
         self._bye: set[int] = set()
         self._heard: set[int] = set()
         self._all_bye = threading.Event()
         # client side
         self._connected = False
         self._seq = 0
+        self._nonce = secrets.token_bytes(8)  # this client's: replies to another's never match
         self.best_rtt_ns: int | None = None
         self._poor = True  # the last round was poor (or none was taken yet)
         #: rounds done per tag, and exchanges sent: for tests and the benchmark
@@ -267,16 +383,37 @@ class ClockSync:
 
     # -- reference ------------------------------------------------------------------
     def _start_ref(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind(("0.0.0.0", 0))
-        sock.settimeout(0.5)  # the serving thread checks for stop twice a second
-        self._sock = sock
-        self._token = secrets.randbits(32)
-        port = sock.getsockname()[1]
+        from distdiag.shim.writer import write_private_file
+
+        addrs: list[str] = []
+        ports: list[int] = []
+        try:
+            for a in bind_addrs(self.world_size, self.sync_addr):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                try:
+                    sock.bind((a, 0))
+                except OSError:
+                    sock.close()
+                    log.debug("distdiag: clock reference cannot listen on %s", a, exc_info=True)
+                    continue
+                sock.setblocking(False)
+                self._socks.append(sock)
+                addrs.append(a)
+                ports.append(int(sock.getsockname()[1]))
+        except BaseException:
+            self._close()
+            raise
+        if not self._socks:
+            log.debug("distdiag: clock reference has no address to listen on")
+            return
+        key = secrets.token_bytes(KEY_BYTES)
+        self._mac = _Mac(key)
+        log.debug("distdiag: clock reference listens on %s", list(zip(addrs, ports)))
         doc = {
-            "port": port,
-            "addrs": _ipv4_addrs(),
-            "token": self._token,
+            "addrs": addrs,
+            "ports": ports,
+            "port": ports[0],
+            "key": key.hex(),
             "launch_id": self.launch_id,
             "world_size": self.world_size,
             "host": socket.gethostname(),
@@ -284,46 +421,73 @@ class ClockSync:
         }
         self._thread = threading.Thread(target=self._serve, name="distdiag-clock-ref", daemon=True)
         self._thread.start()
-        # Publish only once the socket answers, atomically: a reader never sees half a file.
-        tmp = self.run_dir / f".{REF_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.run_dir / REF_FILE)
+        # Publish only once the sockets answer; atomically (a reader never sees half a
+        # file), 0600, never through a link (see writer.write_private_file).
+        write_private_file(self.run_dir / REF_FILE, json.dumps(doc).encode())
 
     def _serve(self) -> None:
-        sock = self._sock
-        if sock is None:
+        socks = list(self._socks)
+        mac = self._mac
+        if not socks or mac is None:
             return
-        _boost_thread()
-        pong = _PONG.pack
-        unpack = _PING.unpack_from
-        token = self._token
+        pack = _PONG.pack
+        # What sealing a reply costs (~1 us; the least seen): it falls between the
+        # stamp and the send, so the stamp is moved by it (see below)
+        seal_ns = 1 << 62
+        for _ in range(5):
+            t0 = now_ns()
+            mac.seal(_DIR_PONG, pack(_MAGIC, 0, 0, t0, b"\0" * 8))
+            seal_ns = min(seal_ns, now_ns() - t0)
         while not self._stop.is_set() or not self._all_bye.is_set():
             try:
-                data, addr = sock.recvfrom(64)
-                t_ref = now_ns()  # first thing after the ping arrived: the reply leg starts here
-            except socket.timeout:
+                ready, _, _ = select.select(socks, [], [], 0.5)  # checks for stop twice a second
+            except (OSError, ValueError):
+                return  # sockets closed by stop()
+            if not ready:
                 if self._closed_sock():
                     return
                 continue
-            except OSError:
-                return  # socket closed by stop()
-            try:
-                magic, tok, rank, seq, op = unpack(data)
-                if magic != _MAGIC or tok != token:
+            for sock in ready:
+                try:
+                    data, addr = sock.recvfrom(128)
+                    t_in = now_ns()  # first thing after the ping arrived: the reply leg starts here
+                except (BlockingIOError, InterruptedError):
                     continue
-                if op == _OP_PING:
-                    sock.sendto(pong(_MAGIC, token, rank, seq, t_ref), addr)
-                    self._heard.add(rank)
-                elif op == _OP_BYE:
-                    self._bye.add(rank)
-                    if len(self._bye) >= self.world_size - 1:
-                        self._all_bye.set()
-            except (struct.error, OSError):
-                continue
+                except OSError:
+                    if self._closed_sock():
+                        return
+                    continue
+                try:
+                    got = mac.open(_DIR_PING, data, _PING)
+                    if got is None:
+                        self.dropped += 1
+                        continue
+                    _magic, rank, seq, op, nonce = got
+                    last = self._last_seq.get((rank, nonce))
+                    if last is not None and seq <= last:
+                        self.dropped += 1  # a replay (or a copy the network doubled)
+                        continue
+                    self._last_seq[(rank, nonce)] = seq
+                    if op == _OP_PING:
+                        # The midpoint of the time spent here, from the arrival to the
+                        # send (the check above, the seal below: ~1 us each), so that
+                        # offset = t_ref - (t_send + t_recv)/2 stays the NTP estimate;
+                        # without it the MAC time would skew every offset by ~0.6 us.
+                        t_out = now_ns()
+                        t_ref = (t_in + t_out + seal_ns) // 2
+                        msg = mac.seal(_DIR_PONG, pack(_MAGIC, rank, seq, t_ref, nonce))
+                        seal_ns = min(seal_ns, now_ns() - t_out)
+                        sock.sendto(msg, addr)
+                        self._heard.add(rank)
+                    elif op == _OP_BYE:
+                        self._bye.add(rank)
+                        if len(self._bye) >= self.world_size - 1:
+                            self._all_bye.set()
+                except (struct.error, OSError):
+                    continue
 
     def _closed_sock(self) -> bool:
-        s = self._sock
-        return s is None or s.fileno() < 0
+        return not self._socks or any(s.fileno() < 0 for s in self._socks)
 
     def _stop_ref(self) -> None:
         # Linger (bounded) so ranks that finish after us still get their exit samples.
@@ -347,7 +511,6 @@ class ClockSync:
         self._thread.start()
 
     def _loop(self) -> None:
-        _boost_thread()
         try:
             if not self._connected:
                 # Rank 0 was late: keep looking in the background, then take the start round here.
@@ -399,15 +562,22 @@ class ClockSync:
             self._lock.release()
 
     def _read_ref(self) -> dict[str, Any] | None:
+        from distdiag.shim.writer import read_own_file
+
+        # only a regular file of this user that nobody else can write: another user's
+        # would name their own reference and key
+        raw = read_own_file(self.run_dir / REF_FILE)
+        if raw is None:
+            return None
         try:
-            doc = json.loads((self.run_dir / REF_FILE).read_text())
-        except (OSError, ValueError):
+            doc = json.loads(raw)
+        except ValueError:
             return None
-        if not isinstance(doc, dict) or "port" not in doc:
-            return None
+        if not isinstance(doc, dict) or "addrs" not in doc or not isinstance(doc.get("key"), str):
+            return None  # not a reference of this version (or none yet)
         # No launch-id check: under MPICH's Hydra the launch id rests on the parent pid,
         # which differs per node (and per rank under a wrapper such as faketime). A file
-        # left by an earlier launch names a port that no longer answers with its token,
+        # left by an earlier launch names ports that no longer answer under its key,
         # so discovery fails and we read the file again until rank 0 replaces it.
         return doc
 
@@ -418,52 +588,74 @@ class ClockSync:
         doc = self._read_ref()
         if doc is None:
             return False
+        socks: dict[socket.socket, tuple[str, int]] = {}
         try:
-            port = int(doc["port"])
-            token = int(doc.get("token", 0)) & 0xFFFFFFFF
-            addrs = [str(a) for a in doc.get("addrs", ["127.0.0.1"])]
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            sock = self._sock
-            self._token = token
-            self._seq += 1
-            ping = _PING.pack(_MAGIC, token, self.rank, self._seq, _OP_PING)
-            for a in addrs:  # a handful of addresses
+            key = bytes.fromhex(str(doc["key"]))
+            addrs = [str(a) for a in doc["addrs"]]
+            ports = [int(x) for x in doc.get("ports", [doc.get("port", 0)] * len(addrs))]
+            mac = _Mac(key)
+            self._seq = (self._seq + 1) & 0xFFFFFFFF
+            seq = self._seq
+            ping = mac.seal(_DIR_PING, _PING.pack(_MAGIC, self.rank, seq, _OP_PING, self._nonce))
+            # A socket connected to each address: bound to the one local address that
+            # reaches it, and the kernel delivers only that peer's packets to it.
+            for a, port in zip(addrs, ports):  # a handful of addresses
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
                 try:
-                    sock.sendto(ping, (a, port))
+                    sock.connect((a, port))
+                    sock.send(ping)
                 except OSError:
+                    sock.close()
                     continue  # unreachable from here
+                socks[sock] = (a, port)
             deadline = time.monotonic() + DISCOVER_TIMEOUT_S
-            while True:
+            while socks:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                sock.settimeout(left)
-                try:
-                    data, src = sock.recvfrom(64)
-                except socket.timeout:
+                ready, _, _ = select.select(list(socks), [], [], left)
+                if not ready:
                     return False
-                except OSError:
-                    continue  # e.g. ICMP port unreachable from one address: wait for the others
-                if len(data) == _PONG.size:
-                    magic, tok, _r, seq, _t = _PONG.unpack(data)
-                    if magic == _MAGIC and tok == token and seq == self._seq:
-                        sock.connect(src)
-                        self._connected = True
-                        log.debug("distdiag: rank %d syncs clocks with rank 0 at %s", self.rank, src)
-                        return True
+                for sock in ready:
+                    try:
+                        data = sock.recv(128)
+                    except OSError:
+                        # e.g. ICMP port unreachable from one address: wait for the others
+                        socks.pop(sock, None)
+                        sock.close()
+                        continue
+                    got = mac.open(_DIR_PONG, data, _PONG)
+                    if got is None:
+                        self.dropped += 1
+                        continue
+                    _m, r, rseq, _t, nonce = got
+                    if r != self.rank or rseq != seq or nonce != self._nonce:
+                        continue  # a late reply to an earlier discovery
+                    peer = socks.pop(sock)
+                    self._sock, self._mac = sock, mac
+                    self._connected = True
+                    log.debug("distdiag: rank %d syncs clocks with rank 0 at %s from %s",
+                              self.rank, peer, sock.getsockname())  # fmt: skip
+                    return True
+            return False
         except Exception:
             log.debug("distdiag: clock reference not reachable", exc_info=True)
             return False
+        finally:
+            for sock in socks:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
 
     def _exchange(self) -> tuple[int, int, int] | None:
         """One ping-pong: (t_send, t_ref, t_recv), or None when lost."""
-        sock = self._sock
-        if sock is None:
+        sock, mac = self._sock, self._mac
+        if sock is None or mac is None:
             return None
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         seq = self._seq
-        ping = _PING.pack(_MAGIC, self._token, self.rank, seq, _OP_PING)
+        ping = mac.seal(_DIR_PING, _PING.pack(_MAGIC, self.rank, seq, _OP_PING, self._nonce))
         sock.settimeout(EXCHANGE_TIMEOUT_S)
         deadline = time.monotonic() + EXCHANGE_TIMEOUT_S
         t_send = now_ns()
@@ -473,14 +665,17 @@ class ClockSync:
             return None
         while True:
             try:
-                data = sock.recv(64)
+                data = sock.recv(128)
                 t_recv = now_ns()
             except (socket.timeout, OSError):
                 return None
-            if len(data) == _PONG.size:
-                magic, tok, _r, rseq, t_ref = _PONG.unpack(data)
-                if magic == _MAGIC and tok == self._token and rseq == seq:
-                    return t_send, t_ref, t_recv
+            got = mac.open(_DIR_PONG, data, _PONG)
+            if got is None:
+                self.dropped += 1  # forged, or not the reference's: never a sample
+            else:
+                _m, r, rseq, t_ref, nonce = got
+                if r == self.rank and rseq == seq and nonce == self._nonce:
+                    return t_send, int(t_ref), t_recv
             # a late reply to an earlier, timed-out ping: skip it
             left = deadline - time.monotonic()
             if left <= 0:
@@ -549,11 +744,12 @@ class ClockSync:
             log.debug("distdiag: clock samples not stored", exc_info=True)
 
     def _bye_msg(self) -> None:
-        sock = self._sock
-        if sock is None:
+        sock, mac = self._sock, self._mac
+        if sock is None or mac is None:
             return
-        msg = _PING.pack(_MAGIC, self._token, self.rank, 0, _OP_BYE)
-        for _ in range(2):  # UDP: a second copy in case one is dropped
+        for _ in range(2):  # UDP: a second copy in case one is dropped (its own sequence number)
+            self._seq = (self._seq + 1) & 0xFFFFFFFF
+            msg = mac.seal(_DIR_PING, _PING.pack(_MAGIC, self.rank, self._seq, _OP_BYE, self._nonce))
             try:
                 sock.send(msg)
             except OSError:
@@ -561,8 +757,12 @@ class ClockSync:
 
     def _close(self) -> None:
         s, self._sock = self._sock, None
-        if s is not None:
-            try:
-                s.close()
-            except OSError:
-                pass
+        socks, self._socks = self._socks, []
+        for x in [s, *socks]:
+            if x is not None:
+                try:
+                    x.close()
+                except OSError:
+                    pass
+        if self.dropped:
+            log.debug("distdiag: rank %d dropped %d clock packets that did not verify", self.rank, self.dropped)

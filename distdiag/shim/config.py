@@ -26,6 +26,11 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+#: What ``redact_args`` holds unless configured: the substrings schema.ENV_DENY_SUBSTRINGS
+#: drops environment variables by, plus "passwd"
+DEFAULT_REDACT_ARGS = "token,secret,password,passwd,key,cred"
+
+
 @dataclasses.dataclass
 class ShimConfig:
     #: seconds between background flushes: a SIGKILL loses at most this much
@@ -41,6 +46,15 @@ class ShimConfig:
     #: clock sync: how long start() waits for rank 0's clock-ref.json and takes the start round
     #: in the program's thread (0: all in the background, the program is never held up)
     sync_start_wait_s: float = 0.0
+    #: clock sync: the IPv4 address rank 0 answers on ("": chosen from the launch, see
+    #: distdiag.shim.clock.bind_addrs: loopback when every rank is on rank 0's host,
+    #: MASTER_ADDR when it is one of the host's, else each of the host's addresses)
+    sync_addr: str = ""
+    #: argument names (comma-separated substrings, case-insensitive) whose values the
+    #: rank files never hold ("--token X", "--token=X", "api_key=X" -> "<redacted>"); "" for none
+    redact_args: str = DEFAULT_REDACT_ARGS
+    #: keep the text of ``python -c CODE`` in the files (default: its length and hash only)
+    keep_code_text: bool = False
     #: measure point-to-point links at start (distdiag-wrap --probe-links)
     probe_links: bool = False
     #: the probe's time budget, its most rounds, and the wait for a peer that never answers

@@ -230,6 +230,77 @@ def _parse_python_args(args: list[str]) -> Target:
 
 
 # -- run dir -------------------------------------------------------------------------
+#: Mode of a run dir the shim makes: its files hold the command line, the recorded
+#: environment and the program's paths (support staff get it by the user's chmod)
+RUN_DIR_MODE = 0o700
+
+
+class UnsafeRunDir(OSError):
+    """A run dir that is not the user's own (another owner, writable by others, not a dir)."""
+
+
+def _dir_problem(d: Path) -> str | None:
+    """Why the shim must not write into ``d`` (None: it may). It must be a directory of
+    this user (the effective uid) that nobody else can write: anyone who can write
+    there can swap a file for a link (the shim's writes then land in their target)
+    or read what the job records. A link as the last component is followed only
+    when it is the user's own (or root's) and leads to such a directory."""
+    import stat
+
+    euid = os.geteuid()
+    try:
+        st = os.lstat(d)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (euid, 0):
+                return f"is a link of another user (uid {st.st_uid})"
+            st = os.stat(d)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != euid:
+        return f"belongs to another user (uid {st.st_uid}, not {euid})"
+    # (the group looked up only for a group-writable dir: with LDAP it is a network call)
+    if st.st_mode & 0o002 or (st.st_mode & 0o020 and not _private_group(st.st_gid)):
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's private group (the user's primary group, named
+    as the user, with no other members): with umask 002 (RHEL's default for such
+    groups) a dir the user made is group-writable and still the user's alone."""
+    try:
+        import grp
+        import pwd
+
+        pw = pwd.getpwuid(os.geteuid())
+        g = grp.getgrgid(gid)
+    except (ImportError, KeyError, OSError):
+        return False
+    return gid == pw.pw_gid and g.gr_name == pw.pw_name and not [m for m in g.gr_mem if m != pw.pw_name]
+
+
+def make_run_dir(d: Path) -> None:
+    """Create ``d`` (mode :data:`RUN_DIR_MODE`; missing parents as ``mkdir -p``
+    makes them) or check the one there: reused only when :func:`_dir_problem`
+    finds none, else :class:`UnsafeRunDir` (the wrapper then runs the job
+    without recording, after one stderr line)."""
+    try:
+        os.mkdir(d, RUN_DIR_MODE)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(d, RUN_DIR_MODE)
+        except FileExistsError:
+            pass
+    problem = _dir_problem(d)
+    if problem is not None:
+        raise UnsafeRunDir(f"{d} {problem}; distdiag records only into a dir of yours that nobody else can write")
+
+
 def resolve_run_dir(
     opt_dir: str | None,
     info: Any,
@@ -279,7 +350,7 @@ def resolve_run(
         d = base / f"distdiag-{info.launch_id}"
     else:
         d, launch_id = _find_or_make_launch_dir(base, info.rank, info.launch_hash, wait_s)
-    d.mkdir(parents=True, exist_ok=True)
+    make_run_dir(d)
     return d, launch_id
 
 
@@ -325,18 +396,23 @@ def _publish_launch(d: Path, launch_id: str) -> None:
         "host": socket.gethostname(),
         "start": _proc_start(os.getpid()),
     }
-    tmp = d / f".{LAUNCH_FILE}.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, d / LAUNCH_FILE)
+    from distdiag.shim.writer import write_private_file
+
+    try:  # exclusive temp file, 0600, never through a link
+        write_private_file(d / LAUNCH_FILE, json.dumps(doc).encode())
     except OSError:
         log.debug("distdiag: %s not published in %s", LAUNCH_FILE, d, exc_info=True)
 
 
 def _read_launch(d: Path) -> dict[str, Any] | None:
+    from distdiag.shim.writer import read_own_file
+
+    raw = read_own_file(d / LAUNCH_FILE)  # a regular file of this user's only
+    if raw is None:
+        return None
     try:
-        doc = json.loads((d / LAUNCH_FILE).read_text())
-    except (OSError, ValueError):
+        doc = json.loads(raw)
+    except ValueError:
         return None
     return doc if isinstance(doc, dict) and isinstance(doc.get("launch_id"), str) else None
 
@@ -348,7 +424,8 @@ def _find_or_make_launch_dir(base: Path, rank: int, lhash: str, wait_s: float) -
         for k in range(1, MAX_SIBLING_DIRS):
             d = base / (f"distdiag-{stamp}-{lhash}" if k == 1 else f"distdiag-{stamp}.{k}-{lhash}")
             try:
-                d.mkdir(parents=True)
+                base.mkdir(parents=True, exist_ok=True)
+                os.mkdir(d, RUN_DIR_MODE)  # a fresh one, ours: never one that is there (a link neither)
             except FileExistsError:
                 continue
             _publish_launch(d, launch_id)
@@ -367,7 +444,7 @@ def _find_or_make_launch_dir(base: Path, rank: int, lhash: str, wait_s: float) -
     for k in range(1, MAX_SIBLING_DIRS):
         # never a rank 0's dir (one this rank passed over); another lone rank's of the same second is shared
         d = base / (f"distdiag-{stamp}-{lhash}" if k == 1 else f"distdiag-{stamp}.{k}-{lhash}")
-        if not os.path.lexists(d / LAUNCH_FILE):
+        if not os.path.lexists(d / LAUNCH_FILE) and (not os.path.lexists(d) or _dir_problem(d) is None):
             return d, lhash
     return base / f"distdiag-{stamp}-{lhash}", lhash
 
@@ -375,7 +452,11 @@ def _find_or_make_launch_dir(base: Path, rank: int, lhash: str, wait_s: float) -
 def _find_launch_dir(base: Path, lhash: str, rank: int = -1, max_age_s: float = 600.0) -> tuple[Path, str] | None:
     """The newest ``distdiag-*-<lhash>`` made recently whose rank 0 published this
     launch's id, that holds no file of ``rank`` yet and whose rank 0 may still run
-    (a dir failing either belongs to an earlier launch with the same hash)."""
+    (a dir failing either belongs to an earlier launch with the same hash). Only
+    a real directory (not a link) of this user that nobody else can write: a
+    shared working directory may hold another user's dir (or link) of that name."""
+    import stat
+
     from distdiag.schema import rank_file_name
 
     now = time.time()
@@ -383,7 +464,8 @@ def _find_launch_dir(base: Path, lhash: str, rank: int = -1, max_age_s: float = 
     try:
         for p in base.glob(f"distdiag-*-{lhash}"):
             try:
-                if p.is_dir() and now - p.stat().st_mtime < max_age_s:
+                st = os.lstat(p)
+                if stat.S_ISDIR(st.st_mode) and now - st.st_mtime < max_age_s and _dir_problem(p) is None:
                     found.append(p)
             except OSError:
                 continue
@@ -419,7 +501,10 @@ def _open_rank_file(run_dir: Path, name: str, rec: Any, cfg: Any, attrs: dict[st
         if k:
             if os.path.lexists(d / name):
                 continue
-            d.mkdir(parents=True, exist_ok=True)
+            try:
+                make_run_dir(d)
+            except UnsafeRunDir:
+                continue  # not ours (or open to others): the next one
         try:
             w = Writer(d / name, rec, cfg, attrs)
         except FileExistsError:

@@ -28,9 +28,13 @@ No compression by default: 10^6 rows append in 0.1 s uncompressed against
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
+import secrets
+import stat
 import sys
 import threading
 import time
@@ -40,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from distdiag import __version__
+from distdiag.shim import config as _config
 from distdiag.schema import EVENT_DTYPE, FILE_KINDS, GPU_DTYPE, SCHEMA_ATTR, SCHEMA_VERSION, SYNC_DTYPE, Kind
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,132 @@ STRING_COLUMNS = ("name_id", "comm_id", "site_id")
 AUX_STRING_KINDS = frozenset({*FILE_KINDS, int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT)})
 _AUX_KIND_TABLE = np.zeros(256, bool)
 _AUX_KIND_TABLE[sorted(AUX_STRING_KINDS)] = True
+
+#: Mode of every file the shim writes (rank files, forked processes' files, clock-ref.json,
+#: launch.json): the files hold the command line, the recorded environment and the
+#: program's paths, and clock-ref.json the clock channel's secret; only the job's user reads them.
+FILE_MODE = 0o600
+
+
+def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``path`` atomically (a reader never sees half of it), mode :data:`FILE_MODE`,
+    without following any link.
+
+    The temporary file has an unpredictable name and is created exclusively
+    (``O_CREAT | O_EXCL`` never opens what is there, a link included:
+    ``EEXIST``), and ``os.replace`` replaces a link at ``path`` rather than
+    writing through it. A link planted at the old ``.NAME.<pid>.tmp`` name
+    (pids are guessable) once made the shim overwrite its target."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, FILE_MODE)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_own_file(path: str | os.PathLike[str], max_bytes: int = 1 << 16) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a link, FIFO or device) of this
+    user (the effective uid) that nobody else can write, at most ``max_bytes``; else None.
+
+    For the files the ranks pass each other through the run dir (launch.json,
+    clock-ref.json): one that another user could have written or swapped is
+    not taken for rank 0's."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return None
+        return os.read(fd, max_bytes)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+# -- what the files say about the command line ------------------------------------------
+#: argument names (substrings, case-insensitive) whose values are never written
+#: (``ShimConfig.redact_args``; the environment is filtered by schema.ENV_DENY_SUBSTRINGS)
+DEFAULT_REDACT_ARGS = _config.DEFAULT_REDACT_ARGS
+REDACTED = "<redacted>"
+#: ``scheme://user:password@host``: the password part
+_URL_PASSWORD_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^/@\s]+)(?P<tail>@)")
+#: ``--name=value``, ``-name=value``, ``name=value`` (the name part)
+_ASSIGN_RE = re.compile(r"^(?P<name>-{0,2}[A-Za-z_][A-Za-z0-9_.\-]*)=(?P<value>.*)$", re.S)
+
+
+def _redact_names(spec: str | None) -> tuple[str, ...]:
+    return tuple(n.strip().lower() for n in str(spec if spec is not None else DEFAULT_REDACT_ARGS).split(",") if n.strip())
+
+
+def describe_code(code: str) -> str:
+    """What the files keep of ``python -c CODE``: its length and a hash (to tell runs apart), not its text."""
+    h = hashlib.sha256(code.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"<code: {len(code)} chars, sha256 {h}>"
+
+
+def redact_argv(argv: list[str], names: str | None = None, keep_code: bool = False) -> list[str]:
+    """``argv`` as the rank files keep it: values of arguments whose names hold one of
+    ``names`` (comma-separated substrings, case-insensitive; default
+    :data:`DEFAULT_REDACT_ARGS`, "" for none) replaced by ``<redacted>``, in
+    each form: ``--token X``, ``--token=X``, ``api_key=X``; the password of a
+    ``scheme://user:pw@host`` URL; and the text of ``-c CODE`` (the first
+    argument, as ``Target.command`` has it) replaced by its length and hash
+    unless ``keep_code``: code given inline is where a secret typed on the
+    command line most often sits, and the files go to support staff."""
+    keys = _redact_names(names)
+
+    def secret(name: str) -> bool:
+        n = name.lstrip("-").lower()
+        return bool(n) and any(k in n for k in keys)
+
+    out: list[str] = []
+    args = [str(a) for a in argv]
+    i = 0
+    if len(args) >= 2 and args[0] == "-c" and not keep_code:
+        out += ["-c", describe_code(args[1])]
+        i = 2
+    while i < len(args):
+        a = args[i]
+        m = _ASSIGN_RE.match(a)
+        if m is not None and secret(m.group("name")):
+            out.append(f"{m.group('name')}={REDACTED}")
+        elif a.startswith("-") and m is None and secret(a) and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            out += [a, REDACTED]  # --token VALUE
+            i += 1
+        else:
+            out.append(_URL_PASSWORD_RE.sub(lambda u: u.group("head") + REDACTED + u.group("tail"), a))
+        i += 1
+    return out
+
+
+def _redacted_argv_attr(value: Any, cfg: Any) -> Any:
+    """The ``argv`` attribute (JSON text of a list) with :func:`redact_argv` applied."""
+    try:
+        argv = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(argv, list):
+            return value
+        red = redact_argv(argv, getattr(cfg, "redact_args", None), bool(getattr(cfg, "keep_code_text", False)))
+        return json.dumps(red)
+    except Exception:
+        return json.dumps([REDACTED])  # never the raw text when it cannot be read
+
 
 #: forked children's inherited writers' h5py objects: kept alive, never closed by us (see Writer.detach)
 _ABANDONED: list[Any] = []
@@ -299,9 +430,11 @@ class Writer:
     """The shim's incremental writer for one rank.
 
     ``Writer(path, rec, cfg, attrs)`` creates the file (layout + attributes),
-    exclusively: ``FileExistsError`` when a file is there (it is never
-    overwritten), another ``OSError`` when it cannot be made (the wrapper then
-    runs the job without recording).
+    exclusively: ``FileExistsError`` when a file (or a link) is there (it is
+    never overwritten, a link never followed), another ``OSError`` when it
+    cannot be made (the wrapper then runs the job without recording). The
+    file is mode 0600 (:data:`FILE_MODE`) and its ``argv`` attribute is
+    redacted (:func:`redact_argv`, ``cfg.redact_args`` / ``cfg.keep_code_text``).
     ``start()`` launches the background flusher; ``flush()`` and ``close()``
     may be called from any thread. After a write error (full disk, vanished
     directory) the writer prints one line on stderr, stops writing and tells
@@ -349,12 +482,24 @@ class Writer:
         self._ids = _LocalIds(rec.strings.strings) if compact_strings else None
         # "x": created exclusively, never over another file (FileExistsError if one is
         # there: another launch's rank file, the wrapper then records elsewhere)
+        # "x" is O_CREAT | O_EXCL underneath (HDF5's sec2 driver): it never opens what is
+        # there, a link included, so a link planted at the name is never written through.
         self._f = h5py.File(self.path, "x", locking=LOCKING)
         try:
+            fd = self._f.id.get_vfd_handle()
             try:  # a program this one execs does not inherit the descriptor
-                os.set_inheritable(self._f.id.get_vfd_handle(), False)
+                os.set_inheritable(fd, False)
             except Exception:
                 pass
+            # Only the job's user reads what follows (argv, env, paths): 0600 before the
+            # first attribute is written (HDF5 creates files 0666 & ~umask, and changing
+            # the umask would change it for the program's own threads too).
+            try:
+                os.fchmod(fd, FILE_MODE)
+            except OSError:  # a file system without modes (vfat, some FUSE): the 0700 dir still guards it
+                log.debug("distdiag: mode of %s not set", self.path, exc_info=True)
+            if "argv" in attrs:
+                attrs = {**attrs, "argv": _redacted_argv_attr(attrs["argv"], cfg)}
             _create_layout(self._f)
             # Keep the dataset objects open for the file's life: a dataset
             # closed after each append flushes its chunk cache on close, and a
