@@ -284,3 +284,93 @@ def test_sigterm_ignored_stays_ignored_and_children_inherit_it(tmp_path: Path, m
     else:
         assert plain.returncode == 0 and int(attrs["exit_code"]) == 0
 
+
+# -- 17: warnings raised inside wrapped calls point at the program's line -----------------
+
+WARN_PROG = r"""
+import os, sys, warnings
+import h5py
+
+open("f.bin", "wb").close()
+os.makedirs("d", exist_ok=True)
+ba = bytearray(b"f.bin")
+
+def cases():
+    yield "open_rb_buffering1", lambda: open("f.bin", "rb", buffering=1).close()
+    yield "open_wb_buffering1", lambda: open("f.bin", "ab", 1).close()
+    yield "open_text_default_encoding", lambda: open("f.bin").close()
+    yield "stat_bytearray", lambda: os.stat(ba)
+    yield "lstat_bytearray", lambda: os.lstat(ba)
+    yield "exists_bytearray", lambda: os.path.exists(ba)          # through genericpath: its line
+    yield "listdir_bytearray", lambda: os.listdir(bytearray(b"d"))
+    yield "os_open_bytearray", lambda: os.close(os.open(ba, os.O_RDONLY))
+    yield "h5py_swmr_write", lambda: h5py.File("w.h5", "w", swmr=True).close()
+
+for name, call in cases():
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        call()
+    print(name, [(w.category.__name__, os.path.basename(w.filename), w.lineno, str(w.message)[:40]) for w in got],
+          flush=True)
+
+if sys.argv[1:] != ["raise"]:
+    # the default filters: shown once per location (two lines, the first in a loop)
+    for i in range(3):
+        open("f.bin", "rb", buffering=1).close()
+    open("f.bin", "rb", buffering=1).close()
+else:
+    try:
+        os.stat(ba)
+    except DeprecationWarning as e:
+        print("caught", e, flush=True)
+    open("f.bin", "rb", buffering=1)
+print("end", flush=True)
+"""
+
+#: the line of the loop's open in WARN_PROG
+LOOP = WARN_PROG.splitlines().index("    for i in range(3):") + 2
+
+
+def _warn_runs(tmp_path: Path, pyopts: list[str], args: list[str], e: dict[str, str] | None = None,
+               ) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:  # fmt: skip
+    d = tmp_path / "work"
+    d.mkdir()
+    write(d, "w.py", WARN_PROG)
+    plain = run([PY, *pyopts, "w.py", *args], d, e)
+    wrapped = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "r"), PY, *pyopts, "w.py", *args], d, e)
+    closed_rank_file(tmp_path / "r")
+    return plain, wrapped
+
+
+@pytest.mark.parametrize("pyopts", [[], ["-X", "warn_default_encoding"]], ids=["plain", "warn_default_encoding"])
+def test_warnings_in_wrapped_calls_point_at_the_programs_line(tmp_path: Path, pyopts: list[str]) -> None:
+    plain, wrapped = _warn_runs(tmp_path, pyopts, [])
+    assert plain.returncode == 0, plain.stderr
+    assert (wrapped.returncode, wrapped.stdout, wrapped.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    got = {ln.split(" ", 1)[0]: ln for ln in plain.stdout.splitlines()}
+    # each case warned at the program's line (os.path.exists: genericpath's, as unwrapped)
+    for name in ("open_rb_buffering1", "open_wb_buffering1", "stat_bytearray", "lstat_bytearray",
+                 "listdir_bytearray", "os_open_bytearray", "h5py_swmr_write"):  # fmt: skip
+        assert "'w.py'" in got[name] and "fileio" not in got[name], got[name]
+    assert "genericpath" in got["exists_bytearray"]
+    assert ("EncodingWarning" in got["open_text_default_encoding"]) == bool(pyopts)
+    # once per location: the loop's line once, the next line once
+    assert plain.stderr.count(f"w.py:{LOOP}: RuntimeWarning: line buffering") == 1, plain.stderr
+    assert plain.stderr.count(f"w.py:{LOOP + 1}: RuntimeWarning: line buffering") == 1, plain.stderr
+
+
+@pytest.mark.parametrize("via", ["option", "env"])
+def test_module_warning_filters_match_as_unwrapped(tmp_path: Path, via: str) -> None:
+    """``-W error::...:__main__`` (the interpreter's option: re-executed) and PYTHONWARNINGS
+    (run in place): the filters match the program's module, the same exceptions and traceback."""
+    spec = "error::RuntimeWarning:__main__,error::DeprecationWarning:__main__"
+    if via == "option":
+        pyopts = [x for s in spec.split(",") for x in ("-W", s)]
+        plain, wrapped = _warn_runs(tmp_path, pyopts, ["raise"])
+    else:
+        plain, wrapped = _warn_runs(tmp_path, [], ["raise"], env(PYTHONWARNINGS=spec))
+    assert (wrapped.returncode, wrapped.stdout, wrapped.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert plain.returncode == 1 and "caught stat: path should be" in plain.stdout and "end" not in plain.stdout
+    assert plain.stderr.startswith("Traceback") and plain.stderr.endswith(
+        "RuntimeWarning: line buffering (buffering=1) isn't supported in binary mode, the default buffer size will be used\n")
+    assert "fileio" not in plain.stderr + wrapped.stderr
