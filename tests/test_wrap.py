@@ -263,11 +263,24 @@ def test_non_python_target_is_one_line_exit_2(tmp_path: Path, cmd: list[str]) ->
 def test_parse_args_options_and_python_flags() -> None:
     o, t = parse_args(["--dir", "D", "--probe-links", "--config=c.toml", "--", "python3.11", "-u", "-W", "ignore", "s.py", "-x"])
     assert (o.dir, o.probe_links, o.config) == ("D", True, "c.toml")
-    assert (t.kind, t.value, t.args, t.unbuffered, t.warnoptions) == ("script", "s.py", ["-x"], True, ["ignore"])
+    assert (t.kind, t.value, t.args, t.interpreter, t.pyopts) == ("script", "s.py", ["-x"], "python3.11", ["-u", "-W", "ignore"])
     o, t = parse_args([PY, "-m", "pkg.mod", "--dir", "x"])
-    assert (t.kind, t.value, t.args, o.dir) == ("module", "pkg.mod", ["--dir", "x"], None)
-    with pytest.raises(UsageError, match="cannot be applied in-process"):
-        parse_args(["python", "-O", "s.py"])
+    assert (t.kind, t.value, t.args, o.dir, t.interpreter, t.pyopts) == ("module", "pkg.mod", ["--dir", "x"], None, PY, [])
+    # grouped and attached options, as the interpreter reads them
+    _, t = parse_args(["python", "-uWerror", "-OO", "-Xdev", "-X", "importtime", "-bBc", "print(1)", "a"])
+    assert (t.kind, t.value, t.args) == ("code", "print(1)", ["a"])
+    assert t.pyopts == ["-u", "-W", "error", "-O", "-O", "-X", "dev", "-X", "importtime", "-b", "-B"]
+    _, t = parse_args(["python", "-E", "--", "s.py"])
+    assert (t.kind, t.value, t.pyopts) == ("script", "s.py", ["-E"])
+    # no interpreter in the command: none is chosen
+    _, t = parse_args(["s.py", "1"])
+    assert (t.kind, t.value, t.args, t.interpreter) == ("script", "s.py", ["1"], None)
+    with pytest.raises(UsageError, match="interactive"):
+        parse_args(["python", "-i", "s.py"])
+    with pytest.raises(UsageError, match="unknown python option -Z"):
+        parse_args(["python", "-Z", "s.py"])
+    with pytest.raises(UsageError, match="runs no program"):
+        parse_args(["python", "--version"])
     with pytest.raises(UsageError, match="no program"):
         parse_args(["--dir", "x"])
 

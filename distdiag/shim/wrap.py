@@ -12,8 +12,17 @@ see under ``python`` itself: ``sys.argv`` (``argv[0]`` as typed for a script,
 the module's file for ``-m``), ``sys.path[0]`` (the script's directory, or the
 working directory for ``-m``), a fresh ``__main__`` module that stays in
 ``sys.modules`` (so classes defined in the script pickle, also from threads and
-``atexit`` handlers), the same stdout/stderr, exit code and traceback. The
-interpreter is the one running the wrapper, whatever ``python`` names.
+``atexit`` handlers), the same stdout/stderr, exit code and traceback.
+
+The interpreter is the one the command names, with its options: when
+``python`` there is the wrapper's own interpreter (same binary, same venv) and
+no interpreter options are given, the program runs right here; otherwise
+(``/usr/bin/python3``, another venv's ``python``, ``python -u``, ``-X dev``,
+``-O``, ``-W error``) the wrapper re-executes itself, in the same process
+(``exec``), under that interpreter and options (:func:`_reexec`), or, when
+distdiag is not importable there, says so in one line and exits 2. Without an
+interpreter in the command (``distdiag-wrap script.py``, ``torchrun -m
+distdiag.wrap script.py``) the program runs under the wrapper's interpreter.
 
 Exit handling mirrors the interpreter's: ``SystemExit`` and
 ``KeyboardInterrupt`` propagate unchanged (so ``sys.exit("msg")`` prints,
@@ -94,9 +103,11 @@ class Target:
     kind: str  # "script" | "module" | "code"
     value: str  # script path as typed, module name, or code text
     args: list[str]
-    unbuffered: bool = False
-    warnoptions: list[str] = dataclasses.field(default_factory=list)
-    dont_write_bytecode: bool = False
+    #: the interpreter token as typed ("python3", "/usr/bin/python3"); None when the
+    #: command names none (``distdiag-wrap script.py``, ``torchrun -m distdiag.wrap x.py``)
+    interpreter: str | None = None
+    #: interpreter options before the program, as the interpreter reads them ("-u", "-X", "dev")
+    pyopts: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def command(self) -> list[str]:
@@ -145,8 +156,12 @@ def _cannot_wrap(tok: str) -> UsageError:
     )
 
 
-def parse_args(argv: Sequence[str]) -> tuple[Options, Target]:
-    """Split distdiag-wrap's own options from the target command."""
+def parse_args(argv: Sequence[str], interpreter_chosen: bool = False) -> tuple[Options, Target]:
+    """Split distdiag-wrap's own options from the target command.
+
+    ``interpreter_chosen``: the wrapper was re-executed by the interpreter the
+    user named (see :func:`_reexec`); the program follows ``--`` directly, as
+    the interpreter's own arguments (``script.py ...``, ``-m mod ...``)."""
     opts = Options()
     i = 0
     argv = list(argv)
@@ -175,58 +190,165 @@ def parse_args(argv: Sequence[str]) -> tuple[Options, Target]:
     rest = argv[i:]
     if not rest:
         raise UsageError("no program to run")
+    if interpreter_chosen:
+        return opts, _parse_python_args(rest, None)
     head = rest[0]
     if not _is_python(head):
         if _looks_like_script(head):
             return opts, Target("script", head, rest[1:])
         raise _cannot_wrap(head)
-    return opts, _parse_python_args(rest[1:])
+    return opts, _parse_python_args(rest[1:], head)
 
 
-def _parse_python_args(args: list[str]) -> Target:
-    """Interpreter options that can be honoured in-process, then the program."""
-    unbuffered = dont_write = False
-    warnopts: list[str] = []
+#: interpreter options without a value, passed on as typed (see _reexec)
+_PY_FLAGS = frozenset("bBdEIOPqRsSuv")
+#: interpreter options that would change what runs, refused with the reason
+_PY_REFUSED = {
+    "i": "interactive inspection after the program",
+    "x": "skipping the script's first line",
+}
+
+
+def _parse_python_args(args: list[str], interpreter: str | None) -> Target:
+    """The interpreter's options as it parses them (``-uW error``, ``-OO``, ``-Xdev``,
+    ``-uc code``), then the program."""
+    pyopts: list[str] = []
     i = 0
     while i < len(args):
         a = args[i]
-        if a == "-u":
-            unbuffered = True
-        elif a == "-B":
-            dont_write = True
-        elif a.startswith("-W"):
-            if a == "-W":
-                if i + 1 >= len(args):
-                    raise UsageError("python -W needs a value")
-                warnopts.append(args[i + 1])
-                i += 1
-            else:
-                warnopts.append(a[2:])
-        elif a.startswith("-m") or a.startswith("-c"):
-            kind = "module" if a[1] == "m" else "code"
-            if len(a) > 2:
-                value, rest = a[2:], args[i + 1 :]
-            elif i + 1 < len(args):
-                value, rest = args[i + 1], args[i + 2 :]
-            else:
-                raise UsageError(f"python {a} needs an argument")
-            return Target(kind, value, rest, unbuffered, warnopts, dont_write)
-        elif a == "--":
+        if a == "--":
             i += 1
             break
-        elif a.startswith("-") and a != "-":
-            raise UsageError(
-                f"python option {a!r} cannot be applied in-process; "
-                "supported: -u, -B, -W, -m, -c (set PYTHON* environment variables instead)"
-            )
-        else:
+        if a == "--check-hash-based-pycs":
+            if i + 1 >= len(args):
+                raise UsageError(f"python {a} needs a value")
+            pyopts += [a, args[i + 1]]
+            i += 2
+            continue
+        if a.startswith("--") or a in ("-h", "-?", "-V"):
+            raise UsageError(f"python option {a!r} runs no program: nothing to wrap")
+        if not a.startswith("-") or a == "-":
             break
+        j = 1
+        while j < len(a):
+            c = a[j]
+            if c in "cm":
+                kind = "module" if c == "m" else "code"
+                if j + 1 < len(a):
+                    value, rest = a[j + 1 :], args[i + 1 :]
+                elif i + 1 < len(args):
+                    value, rest = args[i + 1], args[i + 2 :]
+                else:
+                    raise UsageError(f"python -{c} needs an argument")
+                return Target(kind, value, rest, interpreter, pyopts)
+            if c in "WX":
+                if j + 1 < len(a):
+                    val = a[j + 1 :]
+                elif i + 1 < len(args):
+                    i += 1
+                    val = args[i]
+                else:
+                    raise UsageError(f"python -{c} needs a value")
+                pyopts += [f"-{c}", val]
+                break
+            if c in _PY_REFUSED:
+                raise UsageError(f"python option -{c} ({_PY_REFUSED[c]}) cannot be wrapped")
+            if c not in _PY_FLAGS:
+                raise UsageError(f"unknown python option -{c}")
+            pyopts.append(f"-{c}")
+            j += 1
         i += 1
     if i >= len(args):
         raise UsageError("no Python program given (interactive python cannot be wrapped)")
     if args[i] == "-":
         raise UsageError("cannot wrap a program read from stdin ('python -')")
-    return Target("script", args[i], args[i + 1 :], unbuffered, warnopts, dont_write)
+    return Target("script", args[i], args[i + 1 :], interpreter, pyopts)
+
+
+# -- the interpreter the user named ------------------------------------------------------
+def _env_key(exe: str) -> tuple[str, str | None]:
+    """What decides the environment an interpreter runs in: its binary, and its venv
+    (``pyvenv.cfg`` beside the path as typed or one dir up, where the interpreter looks)."""
+    a = os.path.abspath(exe)
+    d = os.path.dirname(a)
+    venv = next((p for p in (d, os.path.dirname(d)) if os.path.isfile(os.path.join(p, "pyvenv.cfg"))), None)
+    return os.path.realpath(a), venv
+
+
+def _which(tok: str) -> str | None:
+    """The file ``tok`` names as an exec of it finds it: on PATH for a bare name."""
+    if os.sep not in tok:
+        return shutil.which(tok)
+    return tok if os.path.isfile(tok) and os.access(tok, os.X_OK) else None
+
+
+def _interpreter_path(t: Target) -> str | None:
+    """The file of the interpreter the user named, when the program must run under it rather
+    than here: another binary or venv (``/usr/bin/python3`` while the wrapper runs under a
+    pyenv 3.11.7; a launcher script such as a pyenv shim, which picks the interpreter
+    itself), or interpreter options (``-u``, ``-O``, ``-X dev``, ``-W``: only the interpreter
+    applies them exactly, at its start). None: run here, nothing re-executed (``python`` on
+    PATH is the wrapper's own interpreter). Raises UsageError when the named one is not found."""
+    tok = t.interpreter
+    if tok is None:
+        return None
+    found = _which(tok)
+    if found is None:
+        raise UsageError(f"interpreter {tok!r} not found" + ("" if os.sep in tok else " on PATH"))
+    if not t.pyopts and sys.executable and _env_key(found) == _env_key(sys.executable):
+        _adopt_executable(found)
+        return None
+    return found
+
+
+def _adopt_executable(found: str) -> None:
+    """``sys.executable`` as the named interpreter sets it from its ``argv[0]`` (the PATH
+    entry or the path as typed, made absolute and normalized, links not resolved):
+    ``python`` gives ``.../bin/python``, not the wrapper's ``.../bin/python3``. The same
+    binary and venv, so only the name differs (it is what the program's ``subprocess``
+    and ``multiprocessing`` children run)."""
+    exe = os.path.abspath(found)
+    if exe != sys.executable:
+        if getattr(sys, "_base_executable", None) == sys.executable:  # not a venv: the same name
+            sys._base_executable = exe  # type: ignore[attr-defined]
+        sys.executable = exe
+
+
+#: What the named interpreter runs (``<python> [options] -c _BOOT <wrap options> -- <program>``):
+#: the wrapper when this distdiag (one with :func:`main_chosen`) is importable there, else
+#: one line and exit code 2. It is the interpreter's ``-c`` code, so ``sys.path[0]`` is the
+#: working directory while distdiag is imported, as for ``python -m distdiag.wrap``.
+_BOOT = """\
+import sys
+try:
+    from distdiag.shim.wrap import main_chosen
+except Exception as e:
+    sys.stderr.write("distdiag-wrap: %s cannot import distdiag (%s: %s); install distdiag there, or name the interpreter distdiag-wrap runs under (%s)\\n" % (sys.executable, type(e).__name__, " ".join(str(e).split()), {own!r}))
+    raise SystemExit(2)
+sys.exit(main_chosen(sys.argv[1:]))
+"""
+
+
+def _reexec(path: str, opts: Options, t: Target) -> int:
+    """Replace this process by the named interpreter, with its options, running the wrapper
+    on the program. ``exec``, not a child: the pid (launchers, ``srun``, ``kill``), parent,
+    environment, open descriptors, signal dispositions and mask stay what they were, and
+    the rank's launch detection sees the same process. The interpreter gets ``argv[0]`` as
+    typed, so it finds itself (``sys.executable``, its venv) as it would unwrapped. Nothing
+    of the shim is set up yet. Returns only on failure."""
+    own = ["--dir", opts.dir] if opts.dir is not None else []
+    own += ["--probe-links"] if opts.probe_links else []
+    own += ["--config", opts.config] if opts.config is not None else []
+    # a script after "--": the interpreter-chosen parse reads it as a path whatever its name
+    prog = ["--", *t.command] if t.kind == "script" else t.command
+    argv = [t.interpreter or path, *t.pyopts, "-c", _BOOT.format(own=sys.executable), *own, "--", *prog]
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(path, argv)
+    except OSError as e:
+        sys.stderr.write(f"{PROG}: cannot run {t.interpreter!r}: {e.strerror or e}\n")
+    return 2
 
 
 # -- run dir -------------------------------------------------------------------------
@@ -788,8 +910,12 @@ class _SigtermChain:
     Our handler is the one installed at the OS level. ``signal.signal`` and
     ``signal.getsignal`` are wrapped for SIGTERM only: a handler the program
     installs is remembered and called after our flush (the program may go on,
-    e.g. write a checkpoint), ``getsignal`` returns it, and ``SIG_IGN`` keeps
-    the job running. With no program handler (the default action) we close the
+    e.g. write a checkpoint) and ``getsignal`` returns it. While the program's
+    disposition is ``SIG_IGN`` (inherited from a parent that ignores it, or set
+    by the program) the OS-level one is ``SIG_IGN`` too (:meth:`_sync_os`): the
+    signal is dropped by the kernel and exec'd children inherit ``SIG_IGN``,
+    exactly as unwrapped (nothing is recorded of it). The signal mask is never
+    touched. With no program handler (the default action) we close the
     file with exit_code -15 and re-deliver SIGTERM with the default action, so
     the process dies by the signal exactly as it would unwrapped.
 
@@ -813,7 +939,9 @@ class _SigtermChain:
         self._orig_getsignal = signal.getsignal
         self.user: Any = self._orig_getsignal(signal.SIGTERM)
         self._handled = threading.Event()
-        self._orig_signal(signal.SIGTERM, self._handler)
+        #: our handler is the OS-level one (see _sync_os)
+        self._installed = False
+        self._sync_os()
         signal.signal = self._signal  # type: ignore[assignment]
         signal.getsignal = self._getsignal  # type: ignore[assignment]
         self._restored = False
@@ -822,6 +950,20 @@ class _SigtermChain:
             self._start_watcher()
         except Exception:
             log.debug("distdiag: SIGTERM watcher not started", exc_info=True)
+
+    def _sync_os(self) -> None:
+        """The OS-level disposition for the program's: ours for SIG_DFL and a Python handler;
+        SIG_IGN stays SIG_IGN (inherited, nohup-style, or set by the program), so the kernel
+        drops the signal and exec'd children inherit SIG_IGN as they would unwrapped; a
+        handler installed by C code (``getsignal`` gives None) is left alone."""
+        user = self.user
+        if user == signal.SIG_IGN:
+            if self._installed:
+                self._orig_signal(signal.SIGTERM, signal.SIG_IGN)
+                self._installed = False
+        elif user is not None and not self._installed:
+            self._orig_signal(signal.SIGTERM, self._handler)
+            self._installed = True
 
     # -- the watcher (SIGTERM while the main thread sits in C) -------------------
     def _start_watcher(self) -> None:
@@ -909,6 +1051,7 @@ class _SigtermChain:
         if not (callable(handler) or handler in (signal.SIG_DFL, signal.SIG_IGN)):
             raise TypeError("signal handler must be signal.SIG_IGN, signal.SIG_DFL, or a callable object")
         prev, self.user = self.user, handler
+        self._sync_os()
         return prev
 
     def _getsignal(self, signalnum: Any) -> Any:
@@ -959,7 +1102,7 @@ class _SigtermChain:
             self._stop_watcher(in_child)
         signal.signal = self._orig_signal
         signal.getsignal = self._orig_getsignal
-        if threading.current_thread() is threading.main_thread() and (in_child or os.getpid() == self.shim.pid):
+        if self._installed and threading.current_thread() is threading.main_thread() and (in_child or os.getpid() == self.shim.pid):
             try:
                 self._orig_signal(signal.SIGTERM, self.user)
             except Exception:
@@ -1063,32 +1206,13 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
 
 
 # -- running the target ---------------------------------------------------------------
-def _apply_python_options(t: Target) -> None:
-    if t.dont_write_bytecode:
-        sys.dont_write_bytecode = True
-    if t.warnoptions:
-        import warnings
-
-        sys.warnoptions.extend(t.warnoptions)
-        try:
-            warnings._processoptions(t.warnoptions)  # type: ignore[attr-defined]
-        except Exception:
-            log.debug("distdiag: -W options not applied", exc_info=True)
-    if t.unbuffered:
-        # python -u: unbuffered binary layer, text written straight through
-        for name in ("stdout", "stderr"):
-            s = getattr(sys, name)
-            try:
-                s.flush()
-                raw = open(s.fileno(), "wb", buffering=0, closefd=False)
-                setattr(sys, name, io.TextIOWrapper(raw, encoding=s.encoding, errors=s.errors, write_through=True))
-            except Exception:
-                log.debug("distdiag: -u not applied to %s", name, exc_info=True)
-
-
 def _fresh_main() -> types.ModuleType:
+    """A ``__main__`` as the interpreter makes it before it runs ``-c`` code, a script or
+    ``-m`` (runpy then fills in the module's names): the same names, in the same order."""
+    from importlib.machinery import BuiltinImporter
+
     main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = builtins
+    main.__dict__.update(__loader__=BuiltinImporter, __annotations__={}, __builtins__=builtins)
     sys.modules["__main__"] = main
     return main
 
@@ -1128,7 +1252,7 @@ def _run_target(t: Target) -> None:
     if t.kind == "code":
         _set_path0("")
         main = _fresh_main()
-        code = compile(t.value, "<string>", "exec")
+        code = compile(t.value, "<string>", "exec", dont_inherit=True)  # not this module's __future__
         exec(code, main.__dict__)
         return
     path = t.value
@@ -1250,12 +1374,20 @@ def _exit_code_of(e: SystemExit) -> int:
     return 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main_chosen(argv: Sequence[str]) -> int:
+    """:func:`main` in the interpreter the user named (what :data:`_BOOT` calls after
+    :func:`_reexec`): ``argv`` is the wrapper's options, ``--``, then the interpreter's own
+    arguments (``-- script.py ...``, ``-m mod ...``); never re-executes again."""
+    return main(argv, interpreter_chosen=True)
+
+
+def main(argv: Sequence[str] | None = None, interpreter_chosen: bool = False) -> int:
     from distdiag.shim.recorder import now_ns
 
     t_start_ns, wall_start_ns = now_ns(), time.time_ns()
     try:
-        opts, target = parse_args(sys.argv[1:] if argv is None else argv)
+        opts, target = parse_args(sys.argv[1:] if argv is None else argv, interpreter_chosen)
+        exe = None if interpreter_chosen else _interpreter_path(target)
     except UsageError as e:
         if str(e) == "help":
             try:
@@ -1267,12 +1399,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "can only wrap" not in str(e):
             sys.stderr.write(USAGE.splitlines()[0] + "\n")
         return 2
+    if exe is not None:
+        return _reexec(exe, opts, target)
     shim: _Shim | None = None
     try:
         shim = setup(opts, target, t_start_ns, wall_start_ns)
     except Exception as e:  # never stop the user's job for our sake
         _note(f"setup failed: {e}")
-    _apply_python_options(target)
     if shim is not None:
         shim.shim_row("target_start")
     try:

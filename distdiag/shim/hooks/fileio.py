@@ -84,6 +84,7 @@ from distdiag.schema import Kind
 from distdiag.shim import mounts
 from distdiag.shim.recorder import ROW_SIZE as _ROW_SIZE
 from distdiag.shim.recorder import pack_row as _pack
+from distdiag.shim.warnsite import call_as_caller as _as_caller
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,8 @@ _sites: dict[tuple[int, int], int] = {}  # (id(code), f_lasti) -> string id of "
 _modsites: dict[int, tuple[Any, int]] = {}
 MAX_MODSITES = 1 << 16
 _getframe = sys._getframe
+#: ``-X warn_default_encoding``: ``open(p)`` without an encoding warns (fixed at startup)
+_warn_encoding = bool(getattr(sys.flags, "warn_default_encoding", 0))
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -492,6 +495,33 @@ def _open_counted(file: Any, rawmode: str, cls: type, tag: tuple[int, ...], site
         raise
 
 
+# -- warnings of the wrapped calls ---------------------------------------------------
+# A warning raised inside the original is attributed to the frame that called it: were
+# that the wrapper's, ``-W ...:__main__`` filters and "once per location" would see this
+# file. Where one is possible the original is called as from the program's frame
+# (distdiag.shim.warnsite); the tests compare each case with the unwrapped run.
+def _open_may_warn(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """io.open warns from C: ``buffering=1`` with a binary mode (RuntimeWarning); no
+    encoding for a text mode under ``-X warn_default_encoding`` (EncodingWarning)."""
+    n = len(args)
+    mode = args[0] if n else kwargs.get("mode", "r")
+    binary = mode.__class__ is not str or "b" in mode
+    if n > 1 or "buffering" in kwargs:
+        b = args[1] if n > 1 else kwargs["buffering"]
+        if b.__class__ is not int or (b == 1 and binary):  # an __index__ object may be 1
+            return True
+    if _warn_encoding and not binary and (args[2] if n > 2 else kwargs.get("encoding")) is None:
+        return True
+    return False
+
+
+def _path_may_warn(path: Any) -> bool:
+    """The os functions warn (DeprecationWarning, from C) of a path that is a bytes-like
+    object other than bytes (``bytearray``, ``memoryview``)."""
+    c = path.__class__
+    return not (c is str or c is bytes or c is int or path is None or hasattr(c, "__fspath__"))
+
+
 # -- the wrappers --------------------------------------------------------------------
 def _wrap_open(orig: Callable[..., Any], count: bool) -> Callable[..., Any]:
     @functools.wraps(orig)
@@ -515,7 +545,10 @@ def _wrap_open(orig: Callable[..., Any], count: bool) -> Callable[..., Any]:
                     _add_safe(t0, _now(), _FILE_OPEN, (tag[0], tag[1], site), 0.0)
                     return f
         try:
-            f = orig(file, *args, **kwargs)
+            if count and (kwargs or len(args) > 1 or _warn_encoding) and _open_may_warn(args, kwargs):
+                f = _as_caller(_getframe(1), orig, (file, *args), kwargs)
+            else:
+                f = orig(file, *args, **kwargs)
         except BaseException as e:
             _record(_FILE_OPEN, file, t0, _now(), _errno_of(e))
             raise
@@ -534,7 +567,13 @@ def _wrap_path_call(orig: Callable[..., Any], kind: int) -> Callable[..., Any]:
         t0 = _now()
         try:
             # a plain call when it can be: orig(path, *args, **kwargs) builds a list, a tuple and a dict
-            res = orig(path, *args, **kwargs) if args or kwargs else orig(path)
+            if args or kwargs or path.__class__ is not str:
+                if _path_may_warn(path):
+                    res = _as_caller(_getframe(1), orig, (path, *args), kwargs)
+                else:
+                    res = orig(path, *args, **kwargs)
+            else:
+                res = orig(path)
         except BaseException as e:
             if path.__class__ is not int and kwargs.get("dir_fd") is None:
                 _record(kind, path, t0, _now(), _errno_of(e))
@@ -586,7 +625,10 @@ def _wrap_dir_call(orig: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = _now()
         try:
-            res = orig(*args, **kwargs)
+            if args and args[0].__class__ is not str and _path_may_warn(args[0]):
+                res = _as_caller(_getframe(1), orig, args, kwargs)
+            else:
+                res = orig(*args, **kwargs)
         except BaseException as e:
             path = args[0] if args else kwargs.get("path")
             _record(_FILE_LISTDIR, "." if path is None else path, t0, _now(), _errno_of(e))
@@ -604,7 +646,10 @@ def _wrap_os_open(orig: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(path: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = _now()
         try:
-            fd = orig(path, *args, **kwargs)
+            if path.__class__ is not str and _path_may_warn(path):
+                fd = _as_caller(_getframe(1), orig, (path, *args), kwargs)
+            else:
+                fd = orig(path, *args, **kwargs)
         except BaseException as e:
             _record(_FILE_OPEN, path, t0, _now(), _errno_of(e))
             raise
@@ -693,12 +738,15 @@ def _hook_h5py(h5py: Any) -> None:
 
     @functools.wraps(orig_init)
     def __init__(self: Any, name: Any, *args: Any, **kwargs: Any) -> None:
+        # h5py warns with stacklevel=2 (swmr=True with a write mode): as from the caller's
+        # frame (an h5py open costs far more than the trampoline)
+        caller = _getframe(1)
         if not isinstance(name, (str, bytes, os.PathLike)):  # FileID or a Python file object
-            orig_init(self, name, *args, **kwargs)
+            _as_caller(caller, orig_init, (self, name, *args), kwargs)
             return
         t0 = _now()
         try:
-            orig_init(self, name, *args, **kwargs)
+            _as_caller(caller, orig_init, (self, name, *args), kwargs)
         except BaseException as e:
             _record(_FILE_OPEN, name, t0, _now(), _errno_of(e))
             raise
