@@ -54,10 +54,15 @@ Rows (see ``distdiag.schema``)
   intercommunicator: rank in the local group, size of both groups). Together the
   members' rows map communicator ranks to world ranks (each file is one world
   rank), which the analyzer needs for roots and p2p peers on sub-communicators.
-  COMM_WORLD's row (``"world"``) spans ``import mpi4py.MPI``, i.e. MPI_Init
-  and the wire-up: t0 when the import began (``hooks.import_started_ns``),
-  t1 when it returned, so the time a rank waits for the others at launch is
-  recorded (``distdiag.slurm.rank_busy_until``). COMM_SELF's is an instant.
+  COMM_WORLD's row (``"world"``) spans MPI_Init and the wire-up: ``import
+  mpi4py.MPI`` (t0 when the import began, ``hooks.import_started_ns``, t1
+  when it returned), or the program's own ``MPI.Init``/``MPI.Init_thread``
+  call when ``mpi4py.rc.initialize`` is False (see "the program's MPI_Init"
+  below: nothing MPI-ish happens before it), so the time a rank waits for the
+  others at launch is recorded (``distdiag.slurm.rank_busy_until``).
+  COMM_SELF's is an instant.
+
+Pickling, ``copy`` and ``type(comm)`` as without us: see the "pickling" section.
 
 Wrappers are generated from one template with the wrapped method's own
 signature (see :func:`_make`), falling back to ``(*args, **kw)`` ones from
