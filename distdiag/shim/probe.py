@@ -8,10 +8,14 @@ up:
   default process group, calling the ProcessGroup's own ``send``/``recv`` (not
   the ``torch.distributed`` functions, so the torch hook does not record the
   probe's traffic as the program's, and the program's sequence numbers stay
-  untouched);
-* MPI: when ``mpi4py.MPI`` has been imported (MPI_Init happens at import), on
-  a private ``Dup`` of a plain handle to COMM_WORLD, so a late probe message
-  can never match one of the program's receives.
+  untouched). Over NCCL on the program's GPU: when init_process_group was not
+  told which (``device_id=``), at the program's first collective instead (see
+  "torch: on which device, and when" below);
+* MPI: once MPI is initialized: when ``mpi4py.MPI`` has been imported (MPI_Init
+  happens at import), or right after the program's own ``MPI.Init`` /
+  ``MPI.Init_thread`` (``mpi4py.rc.initialize = False``), on a private ``Dup``
+  of a plain handle to COMM_WORLD, so a late probe message can never match one
+  of the program's receives.
 
 Who probes whom. When ranks sit on more than one host only the first rank of
 each host (its "leader") probes: the question is which *node pair* is slow,
@@ -50,9 +54,11 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import logging
 import os
 import socket
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -181,7 +187,7 @@ class TorchTransport:
 
     name = "torch"
 
-    def __init__(self, pg: Any, timeout_s: float) -> None:
+    def __init__(self, pg: Any, timeout_s: float, device: Any = None) -> None:
         import torch
 
         self._torch = torch
@@ -189,9 +195,8 @@ class TorchTransport:
         self.rank = pg.rank()
         self.world_size = pg.size()
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._dev = torch.device("cpu")
-        if pg.name().lower() == "nccl" and torch.cuda.is_available():
-            self._dev = torch.device("cuda", torch.cuda.current_device())
+        # the device the program's own NCCL traffic uses (see torch_probe_device), else the CPU
+        self._dev = torch.device("cpu") if device is None else torch.device(device)
         self._bufs: dict[int, tuple[Any, Any]] = {}
 
     def _pair(self, nbytes: int) -> tuple[Any, Any]:
@@ -334,14 +339,187 @@ def _run(make: Callable[[float], Transport]) -> None:
         log.warning("distdiag: link probe failed: %s", e)
 
 
-def _probe_torch() -> None:
+# -- torch: on which device, and when ------------------------------------------------
+# Over NCCL the probe's tensors must sit on the GPU this rank's program uses, or
+# every local rank would probe from GPU 0 (and create a CUDA context there).
+# Right after init_process_group that GPU is known only when the program said
+# so: ``device_id=`` of init_process_group, or the group's ``bound_device_id``
+# (set by it). Otherwise programs call ``torch.cuda.set_device`` after init (or
+# never, and put their tensors on ``cuda:<local rank>``), so the probe waits
+# for the program's first collective or point-to-point call through
+# torch.distributed, or its first ``DistributedDataParallel(...)``, and runs just
+# before it, on the GPU of the call's CUDA tensor (a module's parameters for
+# DDP), else on ``torch.cuda.current_device()`` read then. Waiting for the same
+# event on every rank keeps the ranks in step: the decision to wait depends only
+# on the backend and on what init_process_group was given, alike on all ranks.
+# Gloo and CPU-only machines probe at once, on the CPU, as before. A program
+# that makes no such call (or calls through a name it bound before
+# init_process_group returned) is not probed.
+
+#: torch.distributed calls that start the deferred probe (module attributes)
+_TORCH_CALLS = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "_all_gather_base", "all_gather_coalesced", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "reduce", "gather", "scatter",
+    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+    "send", "recv", "isend", "irecv", "send_object_list", "recv_object_list", "batch_isend_irecv",
+)  # fmt: skip
+
+#: the deferred torch probe: (process group it is for) while waiting, else None
+_torch_pending: Any = None
+_torch_wrapped: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original, ours)
+_torch_lock = threading.Lock()
+
+
+def _is_nccl(pg: Any) -> bool:
+    try:
+        import torch.distributed as dist
+
+        return "nccl" in str(dist.get_backend(pg)).lower()
+    except Exception:
+        return "nccl" in str(pg.name()).lower()
+
+
+def torch_probe_device(pg: Any, device_id: Any = None) -> Any:
+    """The device to probe ``pg`` on right after init_process_group; None: not known yet.
+
+    The CPU unless ``pg`` runs NCCL and CUDA is there; then ``device_id`` (what
+    the program gave init_process_group) or ``pg.bound_device_id``, else None
+    (wait for the program's first call, see :func:`device_at_call`).
+    """
+    import torch
+
+    if not _is_nccl(pg) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    d = device_id if device_id is not None else getattr(pg, "bound_device_id", None)
+    if d is None:
+        return None
+    d = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    if d.type != "cuda":
+        return None
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _cuda_device_in(torch: Any, objs: Any, depth: int = 0) -> Any:
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            if o.is_cuda:
+                return o.device
+        elif isinstance(o, torch.nn.Module):
+            p = next(o.parameters(), None)
+            if p is not None and p.is_cuda:
+                return p.device
+        elif isinstance(o, (list, tuple)) and depth < 2:
+            d = _cuda_device_in(torch, o[:16], depth + 1)
+            if d is not None:
+                return d
+        elif type(o).__name__ == "P2POp":  # batch_isend_irecv's ops
+            t = getattr(o, "tensor", None)
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                return t.device
+    return None
+
+
+def device_at_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The device of the program's first NCCL call: its CUDA tensor's, else the current one."""
+    import torch
+
+    d = _cuda_device_in(torch, (*args, *kwargs.values()))
+    return d if d is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _probe_torch(device_id: Any = None) -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    pg = distributed_c10d._get_default_group()
-    if not dist.is_initialized() or pg is None:
+    if not dist.is_initialized():
         return
-    _run(lambda timeout_s: TorchTransport(pg, timeout_s))
+    pg = distributed_c10d._get_default_group()
+    if pg is None:
+        return
+    dev = torch_probe_device(pg, device_id)
+    if dev is None:
+        _defer_torch(pg, dist)
+        return
+    _run(lambda timeout_s: TorchTransport(pg, timeout_s, dev))
+
+
+def _defer_torch(pg: Any, dist: Any) -> None:
+    global _torch_pending
+    _undefer_torch()
+    owners: list[Any] = [dist]
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is not None:
+        owners.append(c10d)
+    for owner in owners:
+        for name in _TORCH_CALLS:
+            orig = owner.__dict__.get(name)
+            if callable(orig):
+                _wrap_torch(owner, name, orig, _mk_first_call(orig))
+    try:
+        from torch.nn.parallel import distributed as ddp_mod
+
+        ddp = ddp_mod.DistributedDataParallel
+        _wrap_torch(ddp, "__init__", ddp.__init__, _mk_first_call(ddp.__init__, method=True))
+    except Exception:
+        log.debug("distdiag: probe not deferred to DDP", exc_info=True)
+    _torch_pending = pg
+
+
+def _wrap_torch(owner: Any, name: str, orig: Any, ours: Any) -> None:
+    _torch_wrapped.append((owner, name, orig, ours))
+    setattr(owner, name, ours)
+
+
+def _undefer_torch() -> None:
+    """Put back every attribute the deferral replaced (those still ours)."""
+    global _torch_pending
+    _torch_pending = None
+    for owner, name, orig, ours in reversed(_torch_wrapped):
+        if owner.__dict__.get(name) is ours:
+            setattr(owner, name, orig)
+    _torch_wrapped.clear()
+
+
+def _mk_first_call(orig: Callable[..., Any], method: bool = False) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def first_call(*args: Any, **kwargs: Any) -> Any:
+        if _torch_pending is not None:
+            _first_torch_call(args[1:] if method else args, kwargs)
+        return orig(*args, **kwargs)
+
+    return first_call
+
+
+def _first_torch_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The program's first call after a deferred init: probe now (once), then step aside."""
+    # another thread's call waits here until the probe is over: the probe's messages
+    # and the program's must not interleave differently on different ranks
+    with _torch_lock:
+        pg = _torch_pending
+        if pg is None:
+            return
+        _undefer_torch()
+        try:
+            from torch.distributed import distributed_c10d
+
+            if not _active or distributed_c10d._get_default_group() is not pg:
+                return  # uninstalled, or the group was destroyed meanwhile
+            dev = device_at_call(args, kwargs)
+            _run(lambda timeout_s: TorchTransport(pg, timeout_s, dev))
+        except Exception as e:
+            log.warning("distdiag: link probe skipped: %s", e)
+
+
+def _device_id_of(orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``device_id`` as the program passed it to init_process_group (None if not)."""
+    if "device_id" in kwargs:
+        return kwargs["device_id"]
+    try:
+        return inspect.signature(orig).bind_partial(*args, **kwargs).arguments.get("device_id")
+    except Exception:
+        return None
 
 
 def _patch_torch(mod: types.ModuleType) -> None:
@@ -355,7 +533,7 @@ def _patch_torch(mod: types.ModuleType) -> None:
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         out = orig(*args, **kwargs)
         try:
-            _probe_torch()
+            _probe_torch(_device_id_of(orig, args, kwargs))
         except Exception as e:
             log.warning("distdiag: link probe skipped: %s", e)
         return out
@@ -371,8 +549,18 @@ def _patch_torch(mod: types.ModuleType) -> None:
 
 
 def _on_mpi(mpi: types.ModuleType) -> None:
+    if not _active or _done:
+        return
+    # MPI may not be initialized yet (mpi4py.rc.initialize = False): then the
+    # probe runs right after the program's own MPI.Init / MPI.Init_thread
+    from distdiag.shim.hooks import mpi4py as mpi_hook
+
+    mpi_hook.when_initialized(mpi, _probe_mpi)
+
+
+def _probe_mpi(mpi: Any, _t0: int | None = None) -> None:
     M: Any = mpi
-    if not _active or _done or not M.Is_initialized() or M.Is_finalized():
+    if not _active or _done or M.Is_finalized():
         return
 
     def make(timeout_s: float) -> Transport:
@@ -404,6 +592,13 @@ def install(rec: Any, cfg: Any) -> None:
 def uninstall() -> None:
     global _rec, _cfg, _done, LAST, _active
     _active = False
+    _undefer_torch()
+    try:
+        from distdiag.shim.hooks import mpi4py as mpi_hook
+
+        mpi_hook.cancel_when_initialized(_probe_mpi)
+    except Exception:
+        log.debug("distdiag: probe's MPI init callback not cancelled", exc_info=True)
     for owner, attr, orig in reversed(_patched):
         setattr(owner, attr, orig)
     _patched.clear()

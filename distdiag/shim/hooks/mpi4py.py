@@ -54,10 +54,15 @@ Rows (see ``distdiag.schema``)
   intercommunicator: rank in the local group, size of both groups). Together the
   members' rows map communicator ranks to world ranks (each file is one world
   rank), which the analyzer needs for roots and p2p peers on sub-communicators.
-  COMM_WORLD's row (``"world"``) spans ``import mpi4py.MPI``, i.e. MPI_Init
-  and the wire-up: t0 when the import began (``hooks.import_started_ns``),
-  t1 when it returned, so the time a rank waits for the others at launch is
-  recorded (``distdiag.slurm.rank_busy_until``). COMM_SELF's is an instant.
+  COMM_WORLD's row (``"world"``) spans MPI_Init and the wire-up: ``import
+  mpi4py.MPI`` (t0 when the import began, ``hooks.import_started_ns``, t1
+  when it returned), or the program's own ``MPI.Init``/``MPI.Init_thread``
+  call when ``mpi4py.rc.initialize`` is False (see "the program's MPI_Init"
+  below: nothing MPI-ish happens before it), so the time a rank waits for the
+  others at launch is recorded (``distdiag.slurm.rank_busy_until``).
+  COMM_SELF's is an instant.
+
+Pickling, ``copy`` and ``type(comm)`` as without us: see the "pickling" section.
 
 Wrappers are generated from one template with the wrapped method's own
 signature (see :func:`_make`), falling back to ``(*args, **kw)`` ones from
@@ -73,8 +78,11 @@ communicators the program builds itself from a handle (``MPI.Intracomm(c)``,
 
 from __future__ import annotations
 
+import copyreg
+import functools
 import inspect
 import logging
+import pkgutil
 import sys
 import threading
 import zlib
@@ -995,7 +1003,8 @@ def _build_request_class(MPI: Any) -> type:
         method.__doc__ = orig.__doc__
         return classmethod(method)
 
-    ns: dict[str, Any] = {"__slots__": ("_dd",), "__module__": __name__, "__doc__": R.__doc__}
+    ns: dict[str, Any] = {"__slots__": ("_dd",), "__module__": __name__, "__doc__": R.__doc__,
+                          "__reduce__": _mk_reduce(R, named=False)}  # fmt: skip
     for nm, blocking in (("Wait", True), ("Test", False)):
         ns[nm] = single(nm, blocking, False)
         ns[nm.lower()] = single(nm.lower(), blocking, True)
@@ -1010,7 +1019,82 @@ def _build_request_class(MPI: Any) -> type:
         for n2 in (nm, nm.lower()):
             if hasattr(R, n2):
                 ns[n2] = multi(n2, blocking)
-    return _RequestMeta("Request", (R,), ns)
+    cls = _RequestMeta("Request", (R,), ns)
+    copyreg.pickle(_RequestMeta, _reduce_class)
+    return cls
+
+
+# -- pickling -----------------------------------------------------------------------------
+# mpi4py pickles only its predefined handles, by name: ``COMM_WORLD.__reduce__()``
+# is the string ``"COMM_WORLD"`` (pickle stores the global ``mpi4py.MPI.COMM_WORLD``
+# and loading gives the module's constant back), a second handle to one is
+# ``(copyreg.__newobj__, (type(self), <the constant>))``, and anything else raises
+# ``ValueError("cannot serialize 'mpi4py.MPI.Intracomm' instance")`` (mpi4py's
+# ``reduce_default`` in objmodel.pxi). Our substitutes are second handles of our
+# own class, which pickle cannot find by name, and mpi4py's own constant no longer
+# is the module attribute of its name, which pickle checks. So:
+#
+# * our communicators (and our Request) reduce through ``_mk_reduce``: the
+#   module's constant by name, as ``pkgutil.resolve_name("mpi4py.MPI:COMM_WORLD")``
+#   (stdlib only: a process without distdiag loads it; ``copy.copy`` gives the
+#   constant itself, as without us); mpi4py's error, with mpi4py's class name,
+#   for the rest;
+# * our classes (``type(MPI.COMM_WORLD)``, ``MPI.Request``) reduce, through
+#   copyreg on their metaclasses, to the mpi4py class of that name;
+# * mpi4py's own constant (inside ``MPI.Intracomm(MPI.COMM_WORLD)``'s pickle, say)
+#   reduces to the module's constant of its name while the hook has replaced it
+#   (copyreg on ``MPI.Intracomm``, registered while installed unless the program
+#   registered its own).
+_resolve_name = pkgutil.resolve_name
+
+
+class _CommMeta(type):
+    """Metaclass of our communicator classes: only so copyreg can reduce them (see above)."""
+
+
+def _reduce_class(cls: type) -> tuple[Any, ...]:
+    # the mpi4py class of that name: the base we subclass (Request: the module attribute)
+    return (_resolve_name, (f"{_MODULE}:{cls.__name__}",))
+
+
+def _mk_reduce(base: type, named: bool) -> Callable[[Any], Any]:
+    plain_reduce: Callable[[Any], Any] = base.__reduce__  # type: ignore[assignment]
+    ours = f"{__name__}.{base.__name__}"
+    theirs = f"{base.__module__}.{base.__name__}"
+
+    def __reduce__(self: Any) -> Any:
+        try:
+            rv = plain_reduce(self)  # never an MPI call: mpi4py looks at the handle only
+        except ValueError as e:  # not a predefined handle: not picklable, as without us
+            raise ValueError(str(e).replace(ours, theirs)) from None
+        if not named or type(rv) is not tuple or len(rv) != 2 or len(rv[1]) != 2:
+            return rv
+        const = rv[1][1]  # mpi4py's constant with this handle
+        name = _own_reduce(const)
+        mod = sys.modules.get(_MODULE)
+        if type(name) is str and mod is not None and getattr(mod, name, None) is self:
+            return (_resolve_name, (f"{_MODULE}:{name}",))  # MPI.COMM_WORLD itself: by name
+        return (rv[0], (base, const))  # a second handle, of mpi4py's class
+
+    __reduce__.__qualname__ = f"{base.__name__}.__reduce__"
+    return __reduce__
+
+
+def _own_reduce(obj: Any) -> Any:
+    """mpi4py's own ``__reduce__`` of one of its objects (a name for its constants)."""
+    r: Callable[[Any], Any] = type(obj).__reduce__  # type: ignore[assignment]
+    return r(obj)
+
+
+def _reduce_constant(obj: Any) -> Any:
+    """copyreg reducer of ``MPI.Intracomm``: mpi4py's own, except for its constants we replaced."""
+    rv = _own_reduce(obj)
+    if type(rv) is str:
+        mod = sys.modules.get(_MODULE)
+        cur = getattr(mod, rv, None) if mod is not None else None
+        if cur is not None and cur is not obj:
+            return (_resolve_name, (f"{_MODULE}:{rv}",))
+    return rv
 
 
 # -- class construction ---------------------------------------------------------------------
@@ -1041,20 +1125,110 @@ def _build_classes(MPI: Any) -> dict[str, type]:
         for name in _CREATE_NAMES:
             if hasattr(base, name):
                 ns[name] = _mk_create(name, getattr(base, name))
+        ns["__reduce__"] = _mk_reduce(base, named=True)
         # the program sees the same class name as without us (type(comm).__name__,
         # error messages); the module tells ours apart
-        cls = type(base.__name__, (base,), ns)
+        cls = _CommMeta(base.__name__, (base,), ns)
         out[wname] = cls
         _wrap_of[base] = cls
+    copyreg.pickle(_CommMeta, _reduce_class)
     return out
 
 
 _any_source = -2  # MPI.ANY_SOURCE, refreshed from the module when hooked
 
 
+# -- the program's MPI_Init ----------------------------------------------------------------
+# mpi4py initializes MPI at ``import mpi4py.MPI`` unless ``mpi4py.rc.initialize``
+# is False (or MPI4PY_RC_INITIALIZE=0); then the program calls ``MPI.Init()`` /
+# ``MPI.Init_thread(level)`` itself, later or never. Until then no MPI routine but
+# MPI_Initialized/MPI_Finalized may be called (MPICH aborts: "Attempting to use
+# an MPI routine ... before initializing"), and a wrapped communicator cannot
+# even be built (``Intracomm.__cinit__`` calls MPI_Comm_test_inter). So
+# everything MPI-ish waits for :func:`when_initialized`: ``Init`` and
+# ``Init_thread`` are rebound, as module attributes, to wrappers that call the
+# original and then the callbacks, and are put back once it returned. An MPI
+# initialized by other means (a C library's MPI_Init) is not seen: the program
+# then keeps mpi4py's plain communicators, unrecorded.
+_init_waiting: list[Callable[[Any, int | None], None]] = []
+#: the module whose Init/Init_thread we rebound, the originals and our wrappers
+_init_mod: Any = None
+_init_orig: dict[str, Any] = {}
+_init_ours: dict[str, Any] = {}
+
+
+def when_initialized(MPI: Any, callback: Callable[[Any, int | None], None]) -> None:
+    """Call ``callback(MPI, t0_ns)`` once the program's MPI is initialized.
+
+    At once (``t0_ns`` None) if it is; else right after the program's
+    ``MPI.Init``/``MPI.Init_thread`` returns, with ``t0_ns`` = when that call
+    began. Never after ``MPI.Finalize``: a callback registered then is dropped.
+    Callbacks run in registration order; one that raises is logged and skipped.
+    """
+    global _init_mod
+    if MPI.Is_finalized():
+        return
+    if MPI.Is_initialized():
+        callback(MPI, None)
+        return
+    with _lock:
+        _init_waiting.append(callback)
+        if _init_mod is not None:
+            return
+        _init_mod = MPI
+        for name in ("Init", "Init_thread"):
+            orig = getattr(MPI, name, None)
+            if orig is None:
+                continue
+            _init_orig[name] = orig
+            _init_ours[name] = w = _mk_init(orig)
+            setattr(MPI, name, w)
+
+
+def cancel_when_initialized(callback: Callable[[Any, int | None], None]) -> None:
+    """Forget a pending :func:`when_initialized` callback; with none left, put Init back."""
+    with _lock:
+        _init_waiting[:] = [cb for cb in _init_waiting if cb is not callback]
+        if not _init_waiting:
+            _unpatch_init()
+
+
+def _unpatch_init() -> None:
+    global _init_mod
+    mod = _init_mod
+    if mod is None:
+        return
+    for name, orig in _init_orig.items():
+        if getattr(mod, name, None) is _init_ours.get(name):  # still ours: nobody rebound it since
+            setattr(mod, name, orig)
+    _init_orig.clear()
+    _init_ours.clear()
+    _init_mod = None
+
+
+def _mk_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        t0 = now_ns()
+        out = orig(*args, **kw)  # errors pass through; the callbacks then stay pending
+        with _lock:
+            mod = _init_mod
+            callbacks = _init_waiting[:]
+            _init_waiting.clear()
+            _unpatch_init()
+        for cb in callbacks:
+            try:
+                cb(mod, t0)
+            except Exception:
+                _oops("init callback")
+        return out
+
+    return wrapper
+
+
 def _on_import(MPI: Any) -> None:
-    """Post-import hook: swap in the wrapped world/self communicators and Request."""
-    global _classes, _ours, _mpi, _any_source, _orig_request, _IN_PLACE, _Status
+    """Post-import hook: build the wrapper classes; swap them in once MPI is initialized."""
+    global _classes, _ours, _any_source, _IN_PLACE, _Status
     with _lock:
         if _rec is None or _mpi is not None:
             return
@@ -1064,31 +1238,57 @@ def _on_import(MPI: Any) -> None:
         _any_source = MPI.ANY_SOURCE
         _IN_PLACE = MPI.IN_PLACE
         _Status = MPI.Status
+    # t0 of COMM_WORLD's row when MPI_Init ran inside the import: the import's start
+    t_import = _hooks.import_started_ns.pop(_MODULE, None)
+    try:
+        if MPI.Is_initialized():
+            _on_init(MPI, t_import)
+        else:
+            when_initialized(MPI, _on_init)
+    except Exception:
+        _oops("import")
+
+
+def _on_init(MPI: Any, t0: int | None) -> None:
+    """MPI is initialized: swap in the wrapped world/self communicators and Request.
+
+    ``t0``: when MPI_Init began (the import's start when mpi4py initialized at
+    import, the program's ``Init``/``Init_thread`` call otherwise), or None
+    when hooked after the fact.
+    """
+    global _mpi, _orig_request, _reduce_registered
+    with _lock:
+        if _rec is None or _mpi is not None or _classes is None:
+            return
+        if MPI.Is_finalized():  # hooked after the program's Finalize: no MPI call may follow
+            return
+        world = _adopt(MPI.COMM_WORLD, "world")
+        self_ = _adopt(MPI.COMM_SELF, "self")
         _saved.clear()
         _saved.update(COMM_WORLD=MPI.COMM_WORLD, COMM_SELF=MPI.COMM_SELF, Request=MPI.Request)
         _mpi = MPI
-        world = _adopt(MPI.COMM_WORLD, "world")
-        self_ = _adopt(MPI.COMM_SELF, "self")
         MPI.COMM_WORLD = world
         MPI.COMM_SELF = self_
         MPI.Request = _classes["WRequest"]
         _orig_request = _saved["Request"]
-    # communicator map rows for the predefined ones (needs MPI initialized).
-    # COMM_WORLD's row is the span of ``import mpi4py.MPI`` when we saw it
-    # begin: the import runs MPI_Init (unless mpi4py.rc.initialize is False),
-    # which blocks every rank until the last one arrives, so its start is the
-    # rank's rendezvous start (distdiag.slurm.rank_busy_until). Hooked after
-    # the import (no start seen) or initialized later by the program: an
-    # instant, as before.
+        if copyreg.dispatch_table.get(MPI.Intracomm) is None:  # the program's own reducer wins
+            copyreg.pickle(MPI.Intracomm, _reduce_constant)
+            _reduce_registered = MPI.Intracomm
+    # communicator map rows for the predefined ones. COMM_WORLD's row is the
+    # span of MPI_Init when we saw it begin: it blocks every rank until the
+    # last one arrives, so its start is the rank's rendezvous start
+    # (distdiag.slurm.rank_busy_until). Hooked after the fact: an instant.
     try:
         t = now_ns()
-        t_import = _hooks.import_started_ns.pop(_MODULE, None)
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            init_t0 = t if t_import is None else t_import
-            for key, c, t0 in (("world", world, init_t0), ("self", self_, t)):
-                _rec.add(t0, t, COMM_CREATE, _rec.intern(key), 0, -1, c.Get_rank(), 0, c.Get_size(), 0)
+        init_t0 = t if t0 is None else t0
+        for key, c, t_0 in (("world", world, init_t0), ("self", self_, t)):
+            _rec.add(t_0, t, COMM_CREATE, _rec.intern(key), 0, -1, c.Get_rank(), 0, c.Get_size(), 0)
     except Exception:
         _oops("predefined")
+
+
+#: the class we registered _reduce_constant for with copyreg (uninstall takes it back)
+_reduce_registered: Any = None
 
 
 # -- the hook protocol -------------------------------------------------------------------------
@@ -1110,7 +1310,7 @@ def uninstall() -> None:
     Wrapped communicators the program still holds keep working: they pass
     every call straight to mpi4py once the recorder is gone.
     """
-    global _rec, _mpi, _world_group
+    global _rec, _mpi, _world_group, _reduce_registered
     with _lock:
         _rec = None
         try:
@@ -1127,3 +1327,8 @@ def uninstall() -> None:
             _saved.clear()
             _mpi = None
         _world_group = None  # the group handle stays valid; we just forget it
+        if _reduce_registered is not None:
+            if copyreg.dispatch_table.get(_reduce_registered) is _reduce_constant:
+                del copyreg.dispatch_table[_reduce_registered]
+            _reduce_registered = None
+    cancel_when_initialized(_on_init)
