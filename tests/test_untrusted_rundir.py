@@ -241,6 +241,24 @@ def test_a_newline_in_a_host_name_cannot_forge_a_line_of_the_report(tmp_path: Pa
     assert "n1\\x0aVERDICT: healthy" in text, text
 
 
+@pytest.mark.parametrize("fmt", ["text", "html", "json"])
+def test_names_that_are_not_utf8_are_written_out_in_every_format(tmp_path: Path, fmt: str) -> None:
+    """Found by benchmarks/fuzz_rundirs.py: a launch id of bytes ``ff fe`` (decoded with
+    surrogateescape) made the HTML report unwritable (UnicodeEncodeError, a traceback)."""
+    run_dir = tmp_path / "run"
+    _evil_run(run_dir)
+    for r in (1, 2):
+        with h5py.File(run_dir / f"rank-0000{r}.h5", "r+") as f:
+            f.attrs["host"] = np.bytes_(b"n\xff" + bytes([48 + r]))
+            f.attrs["launch_id"] = b"\xff\xfe"  # h5py reads it back as str with surrogates
+    out = tmp_path / f"report.{fmt}"
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", fmt, "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    got = out.read_bytes().decode("utf-8")  # strict: every byte written is UTF-8
+    assert "udcff" in got, got[:3000]  # written out (\\udcff; in JSON \\\\udcff), not dropped
+
+
 def test_the_cli_writes_no_control_characters(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _evil_run(run_dir)

@@ -9,8 +9,11 @@ from typing import Any
 #: starts a sequence that can clear the screen or set the window title; CR overwrites
 #: a line), DEL, C1 controls (0x9b is a one-byte CSI on some terminals), and the
 #: invisible format characters that reorder or hide text (bidi overrides, zero-width
-#: characters, line/paragraph separators).
-_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb]")
+#: characters, line/paragraph separators); and lone surrogates (a name that was not
+#: UTF-8, decoded with ``surrogateescape``), which no terminal encoding can write.
+_CONTROLS = re.compile(
+    "[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ud800-\udfff\ufeff\ufff9-\ufffb]"
+)
 
 
 def _escape_one(m: re.Match[str]) -> str:

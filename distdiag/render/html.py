@@ -90,7 +90,10 @@ class HtmlRenderer:
             self._warnings(report),
             "</body></html>",
         ]
-        return "\n".join(p for p in parts if p) + "\n"
+        out = "\n".join(p for p in parts if p) + "\n"
+        # a name that was not UTF-8 (decoded with surrogateescape) cannot be written as
+        # UTF-8: its bytes are shown written out ("\udcff"), as the text report does
+        return out.encode("utf-8", "backslashreplace").decode("utf-8")
 
     # -- sections -------------------------------------------------------------------
     def _header(self, report: Any) -> str:
