@@ -630,7 +630,7 @@ def match_collectives(run: Run, scope: MatchScope | None = None) -> Collectives:
     # table and seqs count calls, so the products stay far below 2^63.
     # (Damaged files can hold absurd seqs that overflow the keys: the grouping
     # is then wrong but consistent, and comm/seq are then never decoded from a key.)
-    n_seq = int(seq.max()) + 1
+    n_seq = min(int(seq.max()) + 1, _I64_MAX)  # a seq of INT64_MAX: the radix must stay an int64
     if scope is not None:
         if n_seq > scope.n_seq:
             raise ValueError(f"a row's seq {n_seq - 1} is past the scope's radix {scope.n_seq}: not the run's scope")
@@ -1343,6 +1343,8 @@ def _key_groups(key: np.ndarray, consume: bool) -> tuple[np.ndarray, np.ndarray,
 #: sorted in cache). At 64 x 100k (3.2 M rows, CPU s, 4 interleaved runs): 2^18 rows
 #: 0.17-0.26, 2^16 0.15-0.21, 2^14 0.14-0.19, measured; 2^16 keeps the blocks' Python
 #: overhead small when groups are large.
+#: the largest int64 (a radix past it would not fit the key's dtype)
+_I64_MAX = (1 << 63) - 1
 _ORDER_ROWS = 1 << 16
 
 

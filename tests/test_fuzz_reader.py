@@ -249,6 +249,20 @@ def test_json_attributes_of_the_wrong_shape_read_as_absent(real_run: Path, tmp_p
     assert all(isinstance(v, str) for v in i.env.values()) and all(isinstance(a, str) for a in i.argv)
 
 
+def test_a_collective_seq_of_int64_max_is_analyzed(real_run: Path, tmp_path: Path) -> None:
+    """Found by benchmarks/fuzz_rundirs.py: the match's key radix seq.max() + 1 passed int64
+    (OverflowError in match_collectives)."""
+    d = tmp_path / "run"
+    shutil.copytree(real_run, d)
+    with h5py.File(d / rank_file_name(1), "r+") as f:
+        ev = f["events"][()]
+        at = np.flatnonzero(ev["seq"] >= 0)[:1]
+        ev["seq"][at] = np.iinfo(np.int64).max
+        f["events"][...] = ev
+    rep, err = report_or_error(d)
+    assert err is None, err
+
+
 def test_every_rank_s_strings_stored_outside_is_one_error_that_says_why(real_run: Path, outside: Path,
                                                                           tmp_path: Path) -> None:  # fmt: skip
     """The review's case on every rank: no rank file has a table of its own left to read."""
