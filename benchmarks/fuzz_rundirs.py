@@ -50,7 +50,7 @@ def names_of(seed: int) -> list[str]:
     return [rng.choice(_NAMES) for _ in range(rng.randint(1, 4))]
 
 
-# the worker's state, set once per worker process (fork: it inherits the parent's paths)
+# the worker's state, set once per worker process by the pool's initializer
 _W: dict[str, Any] = {}
 
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = range(ns.seed, ns.seed + ns.cases)
         rows: list[dict[str, Any]] = []
         t1 = time.perf_counter()
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context("spawn")  # fork from this threaded pool deadlocked a respawned worker
         init = (str(real_run), str(outside), str(scratch), ns.timeout_s,
                 str(ns.keep_failures) if ns.keep_failures else None)  # fmt: skip
         with ctx.Pool(ns.workers, initializer=_init, initargs=init, maxtasksperchild=500) as pool:

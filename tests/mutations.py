@@ -120,6 +120,25 @@ def _table(f: h5py.File, rng: random.Random, names: tuple[str, ...] = _TABLES) -
     return rng.choice(have) if have else None
 
 
+def _own(f: h5py.File, name: str) -> h5py.Dataset | None:
+    """``f[name]`` when it is a dataset whose bytes are the file's own (a hard link, no
+    external storage, not virtual): only those are read to build a mutation from, so an
+    earlier mutation's link out of the file never copies the secret into it (the analyzer
+    reading such a copy reads the run dir, not outside it)."""
+    try:
+        if f.id.links.get_info(name.encode()).type != h5py.h5l.TYPE_HARD:
+            return None
+    except KeyError:
+        return None
+    ds = f.get(name)
+    if not isinstance(ds, h5py.Dataset):
+        return None
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_external_count() or dcpl.get_layout() == h5py.h5d.VIRTUAL:
+        return None
+    return ds
+
+
 def _drop(f: h5py.File, name: str) -> tuple[np.dtype, tuple[int, ...]]:
     """Delete ``name`` (a link, a group or a dataset); its dtype and shape when it was a dataset."""
     obj = f.get(name, getlink=True)
@@ -224,7 +243,8 @@ def dtype_swap(run_dir: Path, rng: random.Random, outside: Path) -> None:
         name = _table(f, rng)
         if name is None:
             return
-        data = f[name][()] if isinstance(f.get(name), h5py.Dataset) else np.zeros(4, EVENT_DTYPE)
+        own = _own(f, name)
+        data = own[()] if own is not None else np.zeros(4, EVENT_DTYPE)
         _drop(f, name)
         how = rng.choice(["float", "renamed", "dropped", "narrow", "bigendian", "plain", "2d", "strings-as-int"])
         n = len(data) if np.ndim(data) else 1
@@ -292,9 +312,10 @@ def shared_heap_strings(run_dir: Path, rng: random.Random, outside: Path) -> Non
         return
     n, big = rng.choice([2048, 4096]), rng.choice([1 << 16, 1 << 20])
     with h5py.File(path, "r+") as f:
-        if not isinstance(f.get("strings"), h5py.Dataset) or f["strings"].dtype.kind != "O":
+        own = _own(f, "strings")
+        if own is None or own.dtype.kind != "O":
             return
-        old = [s.decode() if isinstance(s, bytes) else str(s) for s in f["strings"][()]][: n // 2]
+        old = [s.decode() if isinstance(s, bytes) else str(s) for s in own[()]][: n // 2]
         del f["strings"]
         table = old + ["x" * big] + ["y"] * (n - len(old) - 1)
         f.create_dataset("strings", data=np.array(table, dtype=object), dtype=h5py.string_dtype(), chunks=(1024,),
@@ -313,9 +334,10 @@ def out_of_range_ids(run_dir: Path, rng: random.Random, outside: Path) -> None:
     """String-id columns (name, communicator, site, aux) beyond the table, or negative."""
 
     def fn(f: h5py.File, rng: random.Random) -> None:
-        if not isinstance(f.get("events"), h5py.Dataset) or f["events"].dtype != EVENT_DTYPE:
+        own = _own(f, "events")
+        if own is None or own.dtype != EVENT_DTYPE:
             return
-        ev = f["events"][()]
+        ev = own[()]
         if not len(ev):
             return
         col = rng.choice(["name_id", "comm_id", "site_id", "aux", "kind"])
@@ -333,9 +355,10 @@ def int_extremes(run_dir: Path, rng: random.Random, outside: Path) -> None:
 
     def fn(f: h5py.File, rng: random.Random) -> None:
         name = rng.choice(["events", "inflight", "clock_sync", "gpu"])
-        if not isinstance(f.get(name), h5py.Dataset) or not f[name].dtype.names or not len(f[name]):
+        own = _own(f, name)
+        if own is None or not own.dtype.names or not len(own):
             return
-        ev = f[name][()]
+        ev = own[()]
         for _ in range(rng.randint(1, 6)):
             col = rng.choice(ev.dtype.names)
             i = rng.randrange(len(ev))
