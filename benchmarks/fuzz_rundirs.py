@@ -120,8 +120,23 @@ def main(argv: list[str] | None = None) -> int:
         ctx = mp.get_context("spawn")  # fork from this threaded pool deadlocked a respawned worker
         init = (str(real_run), str(outside), str(scratch), ns.timeout_s,
                 str(ns.keep_failures) if ns.keep_failures else None)  # fmt: skip
+        lost: list[int] = []
         with ctx.Pool(ns.workers, initializer=_init, initargs=init, maxtasksperchild=500) as pool:
-            for row in pool.imap_unordered(one_case, seeds, chunksize=4):
+            it = pool.imap_unordered(one_case, seeds)  # chunksize 1: its iterator has next(timeout)
+            while True:
+                try:
+                    # a pool whose worker died (OOM killer, a crash in the worker itself)
+                    # never hands back that worker's cases: name them instead of waiting
+                    row = it.next(timeout=8 * (ns.timeout_s + 5) + 60)
+                except StopIteration:
+                    break
+                except mp.TimeoutError:
+                    seen = {r["seed"] for r in rows}
+                    lost = [s for s in seeds if s not in seen]
+                    print(f"  no case finished in {8 * (ns.timeout_s + 5) + 60:.0f} s: a worker died "
+                          f"(see dmesg); {len(lost)} cases lost, e.g. seeds {lost[:8]}", flush=True)  # fmt: skip
+                    pool.terminate()
+                    break
                 rows.append(row)
                 if len(rows) % 500 == 0:
                     print(f"  {len(rows)} cases, {time.perf_counter() - t1:.0f} s", flush=True)
@@ -156,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     for n, (k, rep) in per_name.items():
         print(f"  {n:22s} {k:6d}: {rep} / {k - rep}")
     print(f"\ncrashes {len(crashes)}  hangs over {ns.timeout_s:.0f} s {len(hangs)}  RSS over the bound {len(over)}  "
-          f"reports quoting bytes from outside {len(quoted)}")  # fmt: skip
+          f"reports quoting bytes from outside {len(quoted)}  cases lost with a worker {len(lost)}")  # fmt: skip
     for label, bad in (("crash", crashes), ("hang", hangs), ("rss", over), ("quoted", quoted)):
         for r in bad[:5]:
             print(f"  {label}: seed {r['seed']} {r['names']}: {r['detail'][-300:]!r}")
     if ns.json:
-        ns.json.write_text(json.dumps({"cases": rows, "wall_s": wall}, indent=1))
-    return 1 if crashes or hangs or over or quoted else 0
+        ns.json.write_text(json.dumps({"cases": rows, "wall_s": wall, "lost": lost}, indent=1))
+    return 1 if crashes or hangs or over or quoted or lost else 0
 
 
 if __name__ == "__main__":

@@ -136,6 +136,10 @@ def _own(f: h5py.File, name: str) -> h5py.Dataset | None:
     dcpl = ds.id.get_create_plist()
     if dcpl.get_external_count() or dcpl.get_layout() == h5py.h5d.VIRTUAL:
         return None
+    # nor one an earlier mutation declared huge (huge_dims): reading it whole to build from
+    # took this process to 23 GB (10^9 variable-length strings) and the OOM killer
+    if ds.size * max(16, ds.dtype.itemsize) > 4 * f.id.get_filesize() + (1 << 20):
+        return None
     return ds
 
 

@@ -263,6 +263,27 @@ def test_a_collective_seq_of_int64_max_is_analyzed(real_run: Path, tmp_path: Pat
     assert err is None, err
 
 
+@pytest.mark.parametrize("table", ["strings", "events"])
+def test_a_table_declaring_2_31_rows_in_1_row_chunks_never_written_reads_within_the_bound(
+    real_run: Path, tmp_path: Path, table: str
+) -> None:
+    """Found by benchmarks/fuzz_rundirs.py (seed 7063, huge_dims): HDF5 spends ~6 KB of its
+    own memory per empty chunk it is asked for, so reading the rows the file's size allows
+    (86,129 one-row chunks) grew the analysis by 540 MB from a 1.4 MB file."""
+    d = tmp_path / "run"
+    shutil.copytree(real_run, d)
+    with h5py.File(d / rank_file_name(0), "r+") as f:
+        dtype = f[table].dtype
+        del f[table]
+        f.create_dataset(table, shape=(1 << 31,), dtype=dtype, chunks=(1,), maxshape=(None,))
+    got = mutations.analyze_isolated(d, tmp_path / "out", timeout_s=60, mem_bytes=2 << 30)
+    assert got.kind in ("report", "error"), got
+    assert got.rss_growth <= mutations.rss_bound(d) and got.rss_growth < 64 << 20, got
+    if got.kind == "report":
+        warnings = json.loads((tmp_path / "out" / "report.json").read_text())["run"]["warnings"]
+        assert [w for w in warnings if f"/{table} declares 2147483648" in w and "first 0 were written" in w], warnings
+
+
 def test_every_rank_s_strings_stored_outside_is_one_error_that_says_why(real_run: Path, outside: Path,
                                                                           tmp_path: Path) -> None:  # fmt: skip
     """The review's case on every rank: no rank file has a table of its own left to read."""
