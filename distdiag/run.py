@@ -175,6 +175,7 @@ import numpy as np
 
 from distdiag.schema import (
     COMM_KINDS,
+    COUNTER_DTYPE,
     EVENT_DTYPE,
     FILE_KINDS,
     GPU_DTYPE,
@@ -186,6 +187,8 @@ from distdiag.schema import (
 )
 
 log = logging.getLogger(__name__)
+
+_KIND_VALUES = frozenset(int(k) for k in Kind)
 
 
 class DistdiagError(Exception):
@@ -279,6 +282,13 @@ class RankInfo:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    #: the rank's recording budget (``max_file_bytes``), when it reached it: seconds after
+    #: its start, 1 row in ``sample_every`` kept after it, and the rows only counted
+    #: (``/counters``) by kind name
+    budget_bytes: int = 0
+    budget_reached_s: float | None = None
+    sample_every: int = 0
+    counted_only: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def dur_s(self) -> float:
@@ -1150,6 +1160,17 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
             if end is not None and closed:
                 end_ns = max(int(end), ev_t1 or 0)
             exit_code = _int_attr(attrs, "exit_code")
+            reached = _int_attr(attrs, "budget_reached_mono_ns")
+            counted: dict[str, tuple[int, float]] = {}
+            if reached is not None:
+                counters = _read_table(f, "counters", COUNTER_DTYPE, fname, warnings, refresh=live, size=size)
+                if len(counters):
+                    kinds = counters["kind"]
+                    n_of = np.bincount(kinds, weights=np.maximum(counters["count"], 0), minlength=256)
+                    s_of = np.bincount(kinds, weights=np.maximum(counters["dur_ns"], 0) / 1e9, minlength=256)
+                    for k in np.flatnonzero(n_of).tolist():
+                        name = Kind(k).name.lower() if k in _KIND_VALUES else f"kind {k}"
+                        counted[name] = (int(n_of[k]), float(s_of[k]))
             info = RankInfo(
                 rank=rank,
                 path=path,
@@ -1171,6 +1192,10 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 argv=_json_attr(attrs, "argv", []),
                 env={k: v for k, v in _json_attr(attrs, "env", {}).items() if isinstance(v, str)},
                 config=_json_attr(attrs, "config", {}),
+                budget_bytes=max(0, _int_attr(attrs, "budget_bytes", 0)),
+                budget_reached_s=None if reached is None else max(0, reached - start_ns) / 1e9,
+                sample_every=max(0, _int_attr(attrs, "sample_every", 0)),
+                counted_only=counted,
             )
             return _RankData(info, events, strings, sync, inflight, gpu, scan)
     except _H5_ERRORS as e:
@@ -1843,6 +1868,14 @@ def _assemble(
                 what = f"; it was inside {', '.join(names)} (in flight) at its last flush"
             warnings.append(
                 f"rank {r} did not close its file (killed?): its record ends at its last flush{what}"
+            )
+        if i.budget_reached_s is not None:
+            top = sorted(i.counted_only.items(), key=lambda kv: -kv[1][1])[:4]
+            what = ", ".join(f"{n} {k} taking {sec:.3g} s" for k, (n, sec) in top)
+            warnings.append(
+                f"rank {r} reached its recording budget of {i.budget_bytes} bytes {i.budget_reached_s:.1f} s "
+                f"after its start: from then on 1 row in {i.sample_every} was kept and the rest only counted"
+                f" ({what or 'none yet'}); what it did after that is priced low"
             )
         if i.lost_events:
             warnings.append(f"rank {r} dropped {i.lost_events} events (the shim could not keep up); its totals are low")

@@ -131,6 +131,12 @@ class SyncTag(enum.IntEnum):
 
 
 #: One NVML sample of one local GPU.
+#: ``/counters`` (only in a file whose rank reached its byte budget, ``max_file_bytes``):
+#: per (kind, name) totals of the rows it did not write; ``name_id`` -1 is "other names"
+COUNTER_DTYPE = np.dtype(
+    [("kind", "u1"), ("name_id", "<i4"), ("count", "<i8"), ("dur_ns", "<i8"), ("nbytes", "<i8")]
+)
+
 GPU_DTYPE = np.dtype(
     [
         ("t_ns", "<i8"),

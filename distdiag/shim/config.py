@@ -39,6 +39,11 @@ class ShimConfig:
     chunk_rows: int = 16384
     #: full chunks waiting for the flusher before new ones are dropped (counted as lost)
     max_pending_chunks: int = 64
+    #: bytes a rank file may take before it records in a degraded form (1 in
+    #: ``sample_every`` rows kept, the rest counted per (kind, name) in /counters; see
+    #: distdiag.shim.writer._Budget); 0: no bound
+    max_file_bytes: int = 1 << 30
+    sample_every: int = 64
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

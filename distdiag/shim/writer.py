@@ -45,7 +45,16 @@ import numpy as np
 
 from distdiag import __version__
 from distdiag.shim import config as _config
-from distdiag.schema import EVENT_DTYPE, FILE_KINDS, GPU_DTYPE, SCHEMA_ATTR, SCHEMA_VERSION, SYNC_DTYPE, Kind
+from distdiag.schema import (
+    COUNTER_DTYPE,
+    EVENT_DTYPE,
+    FILE_KINDS,
+    GPU_DTYPE,
+    SCHEMA_ATTR,
+    SCHEMA_VERSION,
+    SYNC_DTYPE,
+    Kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -223,23 +232,34 @@ def _anon_fd() -> int:
 
 
 class _LocalIds:
-    """The string ids of a forked child's file: only the strings its rows use, renumbered.
+    """The string ids of a file that holds only the strings its rows use, renumbered.
 
-    A child keeps its parent's string table (every id the hooks cached stays
-    valid), which may hold 10^5 paths; writing all of it into every worker's
-    file would cost each one the parent's table. So each flush maps the id
-    columns of its rows onto the file's own table through a lookup array
-    (recorder id -> file id, 4 bytes a recorder string), appending the strings
-    seen for the first time."""
+    A forked child's file (``compact_strings``): the child keeps its parent's string
+    table (every id the hooks cached stays valid), which may hold 10^5 paths; writing all
+    of it into every worker's file would cost each one the parent's table. And a rank
+    file past its byte budget (:class:`_Budget`): from then on only the names of the rows
+    it keeps, and of its counters, are written. Each flush maps the id columns of its rows
+    onto the file's own table through a lookup array (recorder id -> file id, 4 bytes a
+    recorder string), appending the strings seen for the first time.
 
-    def __init__(self, strings: list[str]) -> None:
+    ``done``: recorder ids ``[0, done)`` are in the file already, under the same ids.
+    ``room``: bytes (UTF-8 length + 16 a string) new strings may still take; a string
+    that does not fit is refused for good (maps to -1). None: no bound."""
+
+    def __init__(self, strings: list[str], done: int = 0) -> None:
         self.strings = strings  # the recorder's table: append-only
-        self.lut = np.full(max(1, len(strings)), -1, np.int32)
-        self.lut[0] = 0
-        self.n = 1  # strings of the file so far
-        self.new: list[str] = [""]  # the file's strings not yet written; id 0 is ""
+        self.lut = np.full(max(1, len(strings), done), -1, np.int32)
+        self.room: int | None = None
+        if done > 0:
+            self.lut[:done] = np.arange(done, dtype=np.int32)
+            self.n = done  # strings of the file so far
+            self.new: list[str] = []  # the file's strings not yet written
+        else:
+            self.lut[0] = 0
+            self.n = 1
+            self.new = [""]  # id 0 is ""
 
-    def _map(self, col: np.ndarray) -> np.ndarray:
+    def _map(self, col: np.ndarray, bounded: bool = True) -> np.ndarray:
         if len(col) == 0:
             return col
         strings = self.strings
@@ -252,27 +272,39 @@ class _LocalIds:
         if bad.any():
             c[bad] = 0  # no such string: "", as the reader shows an id out of range
         got = lut[c]
-        miss = got < 0
+        # -1: not seen yet; -2: refused (no room); an unbounded call takes refused ones too
+        miss = got == -1 if bounded else got < 0
         if miss.any():
-            for x in np.unique(c[miss]).tolist():
+            room = self.room if bounded else None
+            for x in _unique(c[miss])[0].tolist():
+                s = strings[x]
+                if room is not None:
+                    cost = len(s.encode("utf-8", "surrogatepass")) + 16
+                    if cost > room:
+                        lut[x] = -2
+                        continue
+                    room -= cost
                 lut[x] = self.n
                 self.n += 1
-                self.new.append(strings[x])
+                self.new.append(s)
+            if room is not None:
+                self.room = room
             got = lut[c]
-        return got.astype(col.dtype)
+        return np.where(got < 0, -1, got).astype(col.dtype)
 
-    def remap(self, ev: np.ndarray) -> np.ndarray:
-        """``ev`` with file-local string ids (a copy when ``ev`` views a recorder chunk)."""
+    def remap(self, ev: np.ndarray, bounded: bool = True) -> np.ndarray:
+        """``ev`` with file-local string ids (a copy when ``ev`` views a recorder chunk);
+        -1 for a string refused for want of room."""
         if len(ev) == 0:
             return ev
         if ev.base is not None:
             ev = ev.copy()
         for c in STRING_COLUMNS:
-            ev[c] = self._map(ev[c])
+            ev[c] = self._map(ev[c], bounded)
         m = _AUX_KIND_TABLE[ev["kind"]]
         if m.any():
             aux = ev["aux"]
-            aux[m] = self._map(aux[m])
+            aux[m] = self._map(aux[m], bounded)
         return ev
 
     def take_new(self) -> list[str]:
@@ -426,6 +458,117 @@ class _DiskFull(OSError):
     pass
 
 
+#: ``/counters`` rows at most (schema.COUNTER_DTYPE; see :class:`_Budget`): past it the
+#: least counted names of each kind fold into its (kind, -1)
+COUNTERS_MAX = 1 << 16
+#: by kind: rows kept for good whatever the budget (the run's own milestones and loss
+#: counts), and the collectives (sampled by sequence number)
+_ALWAYS_KEPT = np.zeros(256, bool)
+_ALWAYS_KEPT[[int(Kind.SHIM), int(Kind.LOST), int(Kind.MARK)]] = True
+_COLL_KINDS = np.zeros(256, bool)
+_COLL_KINDS[[int(Kind.COLL), int(Kind.COLL_ASYNC)]] = True
+
+
+def _unique(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(a, return_inverse=True)`` without it: in the program's process, since
+    numpy 2's ``np.unique`` imports ``numpy.ma`` (an import the program did not make, its
+    file system calls recorded as the program's)."""
+    order = np.argsort(a, kind="stable")
+    srt = a[order]
+    first = np.ones(len(srt), bool)
+    if len(srt) > 1:
+        first[1:] = srt[1:] != srt[:-1]
+    inv = np.empty(len(a), np.int64)
+    inv[order] = np.cumsum(first) - 1
+    return srt[first], inv
+
+
+def _merge_counters(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a`` and ``b`` (COUNTER_DTYPE) summed per (kind, name_id)."""
+    both = np.concatenate([a, b])
+    key = both["kind"].astype(np.int64) << 32 | (both["name_id"].astype(np.int64) & 0xFFFFFFFF)
+    uniq, inv = _unique(key)
+    out = np.zeros(len(uniq), COUNTER_DTYPE)
+    out["kind"], out["name_id"] = uniq >> 32, (uniq & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    for col in ("count", "dur_ns", "nbytes"):
+        out[col] = np.bincount(inv, weights=both[col], minlength=len(uniq)).astype(np.int64)
+    return out
+
+
+class _Budget:
+    """A rank file's byte budget (``max_file_bytes``; Darshan's "partial" log, done so the
+    analysis still sees the whole run).
+
+    Until the file would pass it, every row is written. From the flush that would pass it
+    on, the file keeps one row in ``sample_every``: collectives by sequence number (the
+    same calls on every rank, so they still match), the others by arrival; milestones
+    (SHIM, LOST, MARK rows) always. Every row not written is added to ``/counters``, its
+    (kind, name) count, duration and bytes. The sampled rows may take a further
+    ``budget / 8``; past that only counters grow (at most :data:`COUNTERS_MAX` rows).
+    Attributes say so: ``budget_bytes``, ``budget_reached_mono_ns``, ``sample_every``,
+    ``rows_counted_only``. From then on the string table takes only the names of the
+    rows kept and of the counters, at most ``budget / 8`` more bytes of them (a row whose
+    name finds no room is counted instead; a counter's name becomes -1, "other names").
+    So a file ends below about 1.25 x the budget plus the counters (29 bytes each) and
+    the clock and GPU samples (a row per minute and per second)."""
+
+    def __init__(self, budget_bytes: int, sample_every: int) -> None:
+        self.budget = int(budget_bytes)
+        self.every = max(1, int(sample_every))
+        self.reached_ns: int | None = None
+        self.sampled_bytes = 0
+        self.arrived = 0  # rows of other kinds seen since the budget was reached
+        self.counted = 0
+        self.counters = np.zeros(0, COUNTER_DTYPE)
+
+    def over(self, file_bytes: int, batch_bytes: int) -> bool:
+        return self.budget > 0 and (self.reached_ns is not None or file_bytes + batch_bytes > self.budget)
+
+    def thin(self, events: np.ndarray, t_ns: int) -> np.ndarray:
+        """The rows of ``events`` to write; the others go into the counters."""
+        if self.reached_ns is None:
+            self.reached_ns = t_ns
+        kind = events["kind"]
+        keep = _ALWAYS_KEPT[kind]
+        if self.sampled_bytes < self.budget // 8:
+            coll = _COLL_KINDS[kind]
+            keep |= coll & (events["seq"] % self.every == 0)
+            rest = np.flatnonzero(~coll & ~keep)
+            keep[rest[(self.arrived + np.arange(len(rest))) % self.every == 0]] = True
+            self.arrived += len(rest)
+            self.sampled_bytes += int(keep.sum()) * EVENT_DTYPE.itemsize
+        drop = events[~keep]
+        if len(drop):
+            self.count(drop)
+        return events[keep]
+
+    def count(self, rows: np.ndarray) -> None:
+        """Add ``rows`` (recorder ids) to the counters."""
+        self.counted += len(rows)
+        new = np.zeros(len(rows), COUNTER_DTYPE)
+        new["kind"], new["name_id"], new["count"] = rows["kind"], rows["name_id"], 1
+        new["dur_ns"] = np.maximum(rows["t1_ns"] - rows["t0_ns"], 0)
+        new["nbytes"] = np.maximum(rows["nbytes"], 0)
+        self.counters = _merge_counters(self.counters, new)
+        if len(self.counters) > COUNTERS_MAX:  # the smallest fold into one (kind, -1) per kind
+            order = np.argsort(self.counters["count"])[::-1]
+            fold = self.counters[order[COUNTERS_MAX // 2 :]].copy()
+            fold["name_id"] = -1
+            self.counters = _merge_counters(self.counters[order[: COUNTERS_MAX // 2]], fold)
+
+    def file_counters(self, ids: _LocalIds) -> np.ndarray:
+        """The counters in the file's string ids (-1: a name that found no room)."""
+        out = self.counters.copy()
+        folded = out["name_id"] < 0  # already "other names" (past COUNTERS_MAX)
+        out["name_id"] = ids._map(out["name_id"], bounded=True)
+        out["name_id"][folded] = -1
+        return _merge_counters(out, np.zeros(0, COUNTER_DTYPE)) if (out["name_id"] < 0).sum() > 1 else out
+
+    def attrs(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget, "budget_reached_mono_ns": self.reached_ns,
+                "sample_every": self.every, "rows_counted_only": self.counted}  # fmt: skip
+
+
 class Writer:
     """The shim's incremental writer for one rank.
 
@@ -463,6 +606,7 @@ class Writer:
         self.path = Path(path)
         self.rec = rec
         self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
+        self._budget = _Budget(int(getattr(cfg, "max_file_bytes", 0) or 0), int(getattr(cfg, "sample_every", 64)))
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -632,23 +776,37 @@ class Writer:
         ds = self._ds
         events = self._collect_events()
         inflight = self.rec.inflight_rows()
+        budget = self._budget
+        if len(events) and budget.over(self._file_bytes(), len(events) * EVENT_DTYPE.itemsize + self._pending_strings()):
+            if budget.reached_ns is None:
+                # from now on the file takes only the names its kept rows and counters use
+                if self._ids is None:
+                    self._ids = _LocalIds(self.rec.strings.strings, done=self._strings_done)
+                self._ids.room = budget.budget // 8
+            events = budget.thin(events, now_ns())  # recorder ids: the counters keep those
         ids = self._ids
         if ids is not None:
-            events = ids.remap(events)
-            inflight = ids.remap(inflight)
+            if budget.reached_ns is not None:
+                events = self._map_kept(ids, events)
+            else:
+                events = ids.remap(events)
+            inflight = ids.remap(inflight, bounded=False)
         self._check_space(len(events) * EVENT_DTYPE.itemsize)
-        _append(ds["events"], events)
-        self.rows_written += len(events)
+        counters = None
+        if budget.reached_ns is not None:
+            assert ids is not None
+            counters = budget.file_counters(ids)
         if ids is not None:
             new = ids.take_new()
-            if new:
-                _append(ds["strings"], new)
         else:
             strings = self.rec.strings.strings
             n_str = len(strings)  # append-only list: read the length once
-            if n_str > self._strings_done:
-                _append(ds["strings"], strings[self._strings_done : n_str])
-                self._strings_done = n_str
+            new = strings[self._strings_done : n_str]
+        if new:
+            _append(ds["strings"], new)
+            self._strings_done += len(new)
+        _append(ds["events"], events)
+        self.rows_written += len(events)
         if self._sync:
             sync, self._sync = self._sync, []
             _append(ds["clock_sync"], np.concatenate(sync))
@@ -656,10 +814,54 @@ class Writer:
             gpu, self._gpu = self._gpu, []
             _append(ds["gpu"], np.concatenate(gpu))
         _replace(ds["inflight"], inflight)
+        if budget.reached_ns is not None:
+            if "counters" not in f:
+                f.create_dataset("counters", shape=(0,), maxshape=(None,), dtype=COUNTER_DTYPE, chunks=(1024,))
+            _replace(f["counters"], counters)
+            _set_attrs(f, budget.attrs())
         f.attrs["last_flush_mono_ns"] = now_ns()
         f.attrs["lost_events"] = int(self.rec.lost_events)
         f.flush()
         self.flushes += 1
+
+    def _pending_strings(self) -> int:
+        """About what the strings not yet written take in the file (none known for a child's)."""
+        if self._ids is not None:
+            return 0
+        new = self.rec.strings.strings[self._strings_done :]
+        return sum(map(len, new)) + 16 * len(new)
+
+    def _map_kept(self, ids: _LocalIds, events: np.ndarray) -> np.ndarray:
+        """``events`` (kept past the budget) in file ids: milestones whatever their names
+        take; a row whose name finds no room goes into the counters instead."""
+        if len(events) == 0:
+            return events
+        always = _ALWAYS_KEPT[events["kind"]]
+        out = events.copy()
+        if always.any():
+            out[always] = ids.remap(events[always], bounded=False)
+        rest = ~always
+        if rest.any():
+            mapped = ids.remap(events[rest], bounded=True)
+            refused = np.zeros(len(mapped), bool)
+            for c in STRING_COLUMNS:
+                refused |= mapped[c] < 0
+            refused |= _AUX_KIND_TABLE[mapped["kind"]] & (mapped["aux"] < 0)
+            out[rest] = mapped
+            if refused.any():
+                where = np.flatnonzero(rest)[refused]
+                self._budget.count(events[where])
+                keep = np.ones(len(out), bool)
+                keep[where] = False
+                out = out[keep]
+        return out
+
+    def _file_bytes(self) -> int:
+        """The rank file's size on disk as of the last flush (what the budget counts)."""
+        try:
+            return os.fstat(self._f.id.get_vfd_handle()).st_size
+        except Exception:
+            return 0
 
     def _check_space(self, batch_nbytes: int) -> None:
         """Stop cleanly before the disk is full rather than after.
