@@ -178,6 +178,10 @@ FILE_ATTRS = {
     "launcher": "where the rank identity came from: torchrun, openmpi, pmix, mpich, slurm or single",
     "hooks": "JSON list: the hooks that installed (short names)",
     "recording_stopped": "why the writer stopped early (e.g. the disk was nearly full); absent normally",
+    "budget_bytes": "max_file_bytes in force once the file reached it (absent until then)",
+    "budget_reached_mono_ns": "the event clock at the flush that reached the budget",
+    "sample_every": "past the budget, 1 row in this many was written",
+    "rows_counted_only": "past the budget, rows only counted in /counters",
 }
 
 #: Environment variables worth keeping: the scheduler's, MPI's, torch's and
