@@ -5,7 +5,7 @@ Every request is served one at a time (one lock), and ``getattr``, ``open``,
 answering, as a saturated Lustre MDS or NFS server does: one client's stat
 takes ``latency_ms``; N clients' stats at once take ~N times as long each.
 Data reads and writes pass through with no added delay (the data path is
-fine; only metadata is slow). The kernel's attribute, entry and negative
+fine; only metadata is slow), unless ``--write-ms-per-mb`` makes writes slow too. The kernel's attribute, entry and negative
 caches are switched off (``attr_timeout=0`` ...), so every stat and every
 lookup really reaches the server, as on a cluster where the files are
 shared between nodes.
@@ -64,7 +64,7 @@ def fuse_available() -> str | None:
     return None
 
 
-def make_ops(backing: str, latency_s: float) -> Any:
+def make_ops(backing: str, latency_s: float, write_s_per_mb: float = 0.0) -> Any:
     from fuse import FuseOSError, Operations
 
     root = os.path.realpath(backing)
@@ -122,6 +122,8 @@ def make_ops(backing: str, latency_s: float) -> Any:
             return os.pread(fh, size, offset)
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+            if write_s_per_mb > 0:  # a slow disk (--write-ms-per-mb): the data path too
+                time.sleep(write_s_per_mb * len(data) / 2**20)
             return os.pwrite(fh, data, offset)
 
         def truncate(self, path: str, length: int, fh: Any = None) -> None:
@@ -166,12 +168,12 @@ def make_ops(backing: str, latency_s: float) -> Any:
     return SlowFS()
 
 
-def serve(backing: str, mountpoint: str, latency_ms: float) -> None:
+def serve(backing: str, mountpoint: str, latency_ms: float, write_ms_per_mb: float = 0.0) -> None:
     """Mount and serve in the foreground until unmounted."""
     from fuse import FUSE
 
     FUSE(
-        make_ops(backing, latency_ms / 1000.0),
+        make_ops(backing, latency_ms / 1000.0, write_ms_per_mb / 1000.0),
         mountpoint,
         foreground=True,
         nothreads=True,  # libfuse's single-threaded loop; the lock makes it explicit
@@ -197,13 +199,16 @@ def _unmount(mnt: str, timeout_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def mount_slowfs(backing: str | os.PathLike[str], mnt: str | os.PathLike[str], latency_ms: float, timeout_s: float = 15.0) -> Iterator[Path]:
-    """Mount ``backing`` at ``mnt`` through the slow server; always unmounts."""
+def mount_slowfs(backing: str | os.PathLike[str], mnt: str | os.PathLike[str], latency_ms: float, timeout_s: float = 15.0,
+                 write_ms_per_mb: float = 0.0) -> Iterator[Path]:  # fmt: skip
+    """Mount ``backing`` at ``mnt`` through the slow server; always unmounts. ``write_ms_per_mb``:
+    data writes take that long per MiB too (a slow disk; 0: pass-through)."""
     mnt_s = os.path.abspath(os.fspath(mnt))
     os.makedirs(mnt_s, exist_ok=True)
     logf = open(mnt_s + ".log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), os.fspath(backing), mnt_s, "--latency-ms", str(latency_ms)],
+        [sys.executable, os.path.abspath(__file__), os.fspath(backing), mnt_s, "--latency-ms", str(latency_ms),
+         "--write-ms-per-mb", str(write_ms_per_mb)],  # fmt: skip
         stdout=logf,
         stderr=subprocess.STDOUT,
         env={k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG")},
@@ -235,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("backing")
     ap.add_argument("mountpoint")
     ap.add_argument("--latency-ms", type=float, default=1.0)
+    ap.add_argument("--write-ms-per-mb", type=float, default=0.0)
     a = ap.parse_args(argv)
-    serve(a.backing, a.mountpoint, a.latency_ms)
+    serve(a.backing, a.mountpoint, a.latency_ms, a.write_ms_per_mb)
     return 0
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import h5py
@@ -191,3 +192,53 @@ def test_flushes_between_the_steps_of_a_chunk_rotation_write_each_row_once(tmp_p
         ev = f["events"][:]
     np.testing.assert_array_equal(ev["seq"], np.arange(6))
     assert set(ev["kind"]) == {Kind.MARK}
+
+
+def test_the_program_s_own_h5py_calls_wait_one_piece_not_a_whole_flush(tmp_path: Path) -> None:
+    """h5py serializes every call of the process on one lock held for the whole call: a
+    flush writing its batch in one call held the program's tiny h5py reads (an HDF5 data
+    loader) for the whole write. On a real slow disk (FUSE, 10 ms a MiB of data), a 20 MB
+    flush must hold a 10-element read in another thread for a fraction of the flush only,
+    both measured in this run (on today's tmpfs the whole-batch write held it ~2x the
+    GIL's own switch interval; here the disk makes the write itself long)."""
+    from slowfs import fuse_available, mount_slowfs
+
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    own = tmp_path / "loader.h5"
+    with h5py.File(own, "w") as f:
+        f["x"] = np.arange(10)
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with mount_slowfs(backing, tmp_path / "mnt", latency_ms=0.0, write_ms_per_mb=10.0) as mnt:
+        rec = Recorder(chunk_rows=1 << 16, max_pending_chunks=1 << 20)
+        w = Writer(mnt / "rank-00000.h5", rec, ShimConfig(), base_attrs())
+        n = 300_000  # 20.8 MB of rows
+        for i in range(n):
+            rec.add(i, i + 1, Kind.COLL, 0, seq=i)
+        waits: list[float] = []
+        stop = threading.Event()
+        with h5py.File(own, "r") as f:
+            x = f["x"]
+
+            def loader() -> None:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    x[3]
+                    waits.append(time.perf_counter() - t)
+
+            th = threading.Thread(target=loader)
+            th.start()
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            w.flush()
+            flush_s = time.perf_counter() - t0
+            stop.set()
+            th.join(timeout=30)
+        w.close(0)
+        assert not w.failed
+        with h5py.File(mnt / "rank-00000.h5", "r") as f:
+            assert len(f["events"]) == n
+    assert flush_s > 0.15, flush_s  # the slow disk did make the flush long
+    assert max(waits) < flush_s / 4, (max(waits), flush_s)
