@@ -336,6 +336,48 @@ def test_mpi_healthy_twin_has_neither(serial_ab: SerialAB) -> None:
         assert loud == [], loud
 
 
+#: the textbook case (issue 20): every 5th iteration rank 0 works 0.25 s alone, records
+#: nothing, and broadcasts the result from the one line that runs only then; the others
+#: have done nothing since the all-reduce. Late at every call of that line, from the same
+#: line, nothing recorded: only "the late rank is the bcast's root" says serial.
+TEXTBOOK = ("--serial-rank", "0", "--serial-s", "0.25", "--every", "5", "--bcast-every", "5", "--no-log")
+
+
+@pytest.fixture(scope="module")
+def textbook_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[SerialRun], list[SerialRun]]:
+    """3 rounds of (textbook serial section, its healthy twin: the same bcasts, no work)."""
+    tmp = tmp_path_factory.mktemp("textbook_ab")
+    faulty, healthy = [], []
+    for i in range(3):
+        faulty.append(run_serial_job(tmp / f"serial{i}", *ITERS, *TEXTBOOK))
+        healthy.append(run_serial_job(tmp / f"healthy{i}", *ITERS, "--bcast-every", "5"))
+    return faulty, healthy
+
+
+@pytest.mark.mpi
+def test_mpi_root_preparing_its_bcast_alone_is_a_serial_section_not_a_straggler(
+    textbook_ab: tuple[list[SerialRun], list[SerialRun]],
+) -> None:
+    faulty, healthy = textbook_ab
+    costs = []
+    for run in faulty:
+        assert run.serial_s == pytest.approx(1.0)
+        rep = analyze(run.run_dir, Config())
+        top = rep.verdict
+        assert top is not None and top.kind == "serial_section", [(f.kind, f.summary) for f in rep.findings]
+        assert top.ranks == [0] and top.evidence["why_serial"]["root_prepares"] == top.evidence["windows"] == 4
+        assert top.evidence["why_serial"]["intermittent"] == 0  # late at every call of its line
+        assert of_kind(rep, "straggler") == []
+        costs.append(top.cost_s)
+    for run in healthy:  # the twin stays silent
+        rep = analyze(run.run_dir, Config())
+        loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.kind in ("serial_section", "straggler")]
+        assert loud == [], loud
+    saving = Saving(tuple(r.loop_s for r in faulty), tuple(r.loop_s for r in healthy))
+    print(f"textbook serial section priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
+    assert_prices_median(saving, costs, rel=0.10, what="serial_section cost")
+
+
 @pytest.mark.parametrize("n", [4, 5])  # 3 others a group (odd), 4 (even: the mean of two middle gaps)
 def test_the_others_median_decided_by_counting_equals_the_median(tmp_path: Path, n: int) -> None:
     """serial_section._others_at_most (counts, sorting only the groups a count cannot decide)

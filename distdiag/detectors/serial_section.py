@@ -20,7 +20,12 @@ it arrives last. What tells them apart is what happened *before* it:
     written in two branches);
   - *recorded activity*: the late rank's gap holds recorded calls (file I/O,
     phases, point-to-point) covering at least ``activity_share`` (0.1) of it,
-    the others' gaps are (near) empty by the first condition.
+    the others' gaps are (near) empty by the first condition;
+  - *the root prepares*: the late rank is the root of a one-to-many collective
+    (bcast, scatter): it alone prepares what it sends, however often and from
+    whichever line (the commonest serial section: ``if step % 5 == 4: cfg =
+    evaluate() if rank == 0 else None; cfg = comm.bcast(cfg)``, late at every
+    call of that line with nothing else recorded, was called a straggler).
   A rank that sleeps before every all-reduce with nothing recorded is, by this
   rule, a straggler (a loaded node looks exactly like that).
 
@@ -84,7 +89,7 @@ import numpy as np
 from distdiag.bands import Band, bands
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.detectors.straggler import nobody_waits, secs, tally
+from distdiag.detectors.straggler import nobody_waits, one_to_many_root_late, secs, tally
 from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
 from distdiag.run import _ranges
 from distdiag.schema import Kind
@@ -373,7 +378,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     c_a = c_b - gap[last_row[cand]]
     active = np.zeros(len(colls), bool)
     active[cand] = _activity_ns(run, c_rank, c_a, c_b) >= activity_share * gap_last[cand]
-    serial = cand[intermittent[cand] | site_differs[cand] | active[cand]]
+    # the root prepares what it sends: the late rank is the root of a bcast/scatter (the
+    # others idle since their previous collective, by `idle` above): only it runs that
+    # work, at every call of the site (the commonest serial section, issue 20)
+    root_prepares = one_to_many_root_late(run, colls)
+    serial = cand[intermittent[cand] | site_differs[cand] | active[cand] | root_prepares[cand]]
     if len(serial) == 0:
         return []
 
@@ -447,6 +456,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                         "intermittent": int(np.count_nonzero(intermittent[mine])),
                         "call_site_differs": int(np.count_nonzero(site_differs[mine])),
                         "recorded_activity": int(np.count_nonzero(active[mine])),
+                        "root_prepares": int(np.count_nonzero(root_prepares[mine])),
                     },
                     "first_windows": wins,
                 },

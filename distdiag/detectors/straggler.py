@@ -325,6 +325,16 @@ def _early_rows(colls: Any) -> np.ndarray | None:
 _ROWS = 1 << 18
 
 
+def one_to_many_root_late(run: Any, colls: Any) -> np.ndarray:
+    """Per group: True where the last arriver is the root of a one-to-many collective
+    (bcast, scatter): the others waited for what only the root had to prepare."""
+    if len(colls) == 0:
+        return np.zeros(0, bool)
+    root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)
+    ids = np.array([i for i in (run.sid(n) for n in ONE_TO_MANY) if i >= 0], np.int64)
+    return np.asarray((root >= 0) & (colls.g_last_rank.astype(np.int64) == root) & np.isin(colls.g_op, ids))
+
+
 def nobody_waits(run: Any, colls: Any) -> np.ndarray:
     """Per group: True where the last arriver made nobody wait (see ONE_TO_MANY / MANY_TO_ONE).
 

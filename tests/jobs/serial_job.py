@@ -7,6 +7,10 @@ job), ``Allreduce`` of a gradient, then a ``bcast`` of the "config" from rank 0.
 * ``--serial-rank R --serial-s S --every K``: before every K-th bcast rank R
   alone does S seconds of extra work (evaluation / logging: a sleep and a line
   appended to a log file) while the others wait in the bcast: a serial section.
+* ``--bcast-every K --no-log``: the bcast only at every K-th iteration, and the
+  serial work writes nothing: with ``--every K`` the textbook serial section (the
+  root prepares the next thing and broadcasts it from one line, late at every call
+  of it, nothing else recorded; issue 20).
 * ``--slow-rank Q --slow-s D``: rank Q computes D seconds longer in every
   iteration (a rank on a loaded node): a straggler at the Allreduce.
 
@@ -37,6 +41,8 @@ def main() -> int:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-s", type=float, default=0.0)
     p.add_argument("--log", default=os.devnull)
+    p.add_argument("--bcast-every", type=int, default=1, help="bcast only at every K-th iteration (its own line)")
+    p.add_argument("--no-log", action="store_true", help="the serial work writes nothing (no recorded calls)")
     a = p.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -55,10 +61,12 @@ def main() -> int:
         comm.Allreduce(grad, out, op=MPI.SUM)
         if rank == a.serial_rank and it % a.every == a.every - 1:
             time.sleep(a.serial_s)  # evaluation / logging that only this rank runs
-            with open(a.log, "a") as f:
-                f.write(f"iter {it} loss {float(out[0]):.3f}\n")
+            if not a.no_log:
+                with open(a.log, "a") as f:
+                    f.write(f"iter {it} loss {float(out[0]):.3f}\n")
             serial_s += a.serial_s
-        cfg = comm.bcast(cfg, root=0)
+        if it % a.bcast_every == a.bcast_every - 1:
+            cfg = comm.bcast(cfg, root=0)
     tot = comm.allreduce(np.array([serial_s, slow_s]), op=MPI.SUM)
     loop_s = time.perf_counter() - t0
     if rank == 0:
