@@ -289,6 +289,8 @@ class RankInfo:
     budget_reached_s: float | None = None
     sample_every: int = 0
     counted_only: dict[str, tuple[int, float]] = field(default_factory=dict)
+    #: why the rank's writer stopped before its end (a full disk, the exit's time bound), or ""
+    recording_stopped: str = ""
 
     @property
     def dur_s(self) -> float:
@@ -1196,6 +1198,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 budget_reached_s=None if reached is None else max(0, reached - start_ns) / 1e9,
                 sample_every=max(0, _int_attr(attrs, "sample_every", 0)),
                 counted_only=counted,
+                recording_stopped=str(_attr(attrs, "recording_stopped", "") or "")[:300],
             )
             return _RankData(info, events, strings, sync, inflight, gpu, scan)
     except _H5_ERRORS as e:
@@ -1869,6 +1872,9 @@ def _assemble(
             warnings.append(
                 f"rank {r} did not close its file (killed?): its record ends at its last flush{what}"
             )
+        if i.recording_stopped:
+            warnings.append(f"rank {r} stopped recording before its end ({i.recording_stopped}); "
+                            "what it did after that is missing")  # fmt: skip
         if i.budget_reached_s is not None:
             top = sorted(i.counted_only.items(), key=lambda kv: -kv[1][1])[:4]
             what = ", ".join(f"{n} {k} taking {sec:.3g} s" for k, (n, sec) in top)

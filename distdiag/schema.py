@@ -178,6 +178,7 @@ FILE_ATTRS = {
     "launcher": "where the rank identity came from: torchrun, openmpi, pmix, mpich, slurm or single",
     "hooks": "JSON list: the hooks that installed (short names)",
     "recording_stopped": "why the writer stopped early (e.g. the disk was nearly full); absent normally",
+    "rows_not_written_at_exit": "rows the writer's close left out when exit_timeout_s passed",
     "budget_bytes": "max_file_bytes in force once the file reached it (absent until then)",
     "budget_reached_mono_ns": "the event clock at the flush that reached the budget",
     "sample_every": "past the budget, 1 row in this many was written",

@@ -44,6 +44,9 @@ class ShimConfig:
     #: distdiag.shim.writer._Budget); 0: no bound
     max_file_bytes: int = 1 << 30
     sample_every: int = 64
+    #: the writer's close (at exit, on SIGTERM) ends within this many seconds whatever the
+    #: file system does; rows it could not write by then are counted, not waited for
+    exit_timeout_s: float = 10.0
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

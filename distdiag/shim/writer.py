@@ -336,16 +336,28 @@ def _create_layout(f: Any) -> None:
 WRITE_PIECE_BYTES = 1 << 20
 
 
-def _append(ds: Any, rows: Any) -> None:
+class _PastDeadline(Exception):
+    """The exit's time bound (``exit_timeout_s``) passed inside a write: what was written
+    stays, the dataset is cut back to it, the rest is not written."""
+
+    def __init__(self, written: int, total: int) -> None:
+        super().__init__(f"{total - written} of {total} rows not written")
+        self.written, self.total = written, total
+
+
+def _append(ds: Any, rows: Any, deadline: float | None = None) -> None:
     n = len(rows)
     if n == 0:
         return
     old = ds.shape[0]
     ds.resize((old + n,))
-    _write_pieces(ds, old, rows)
+    done = _write_pieces(ds, old, rows, deadline)
+    if done < n:
+        ds.resize((old + done,))  # no fill-value rows after the last one written
+        raise _PastDeadline(done, n)
 
 
-def _write_pieces(ds: Any, at: int, rows: Any) -> None:
+def _write_pieces(ds: Any, at: int, rows: Any, deadline: float | None = None) -> int:
     """``ds[at : at + len(rows)] = rows`` in calls of whole chunks, about WRITE_PIECE_BYTES
     each. The rank file has no chunk cache (``rdcc_nbytes=0``), so each call writes its
     chunks then and there; with one, the file's flush wrote every cached chunk in one call
@@ -361,6 +373,8 @@ def _write_pieces(ds: Any, at: int, rows: Any) -> None:
     while lo < n:
         hi = min(n, (at + lo) // step * step + step - at)  # up to a chunk boundary
         if lo:
+            if deadline is not None and time.monotonic() > deadline:
+                return lo
             time.sleep(0)
         piece = rows[lo:hi]
         if isinstance(piece, np.ndarray) and piece.dtype.names and piece.flags.c_contiguous:
@@ -371,6 +385,7 @@ def _write_pieces(ds: Any, at: int, rows: Any) -> None:
         else:
             ds[at + lo : at + hi] = piece
         lo = hi
+    return n
 
 
 def _replace(ds: Any, rows: Any) -> None:
@@ -643,6 +658,10 @@ class Writer:
         self.path = Path(path)
         self.rec = rec
         self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
+        #: close() ends within this many seconds whatever the file system does (see close)
+        self.exit_timeout_s = float(getattr(cfg, "exit_timeout_s", 10.0))
+        self._deadline: float | None = None  # time.monotonic() bound, set by close()
+        self.rows_cut = 0  # rows not written because the exit's bound passed
         self._budget = _Budget(int(getattr(cfg, "max_file_bytes", 0) or 0), int(getattr(cfg, "sample_every", 64)))
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -843,8 +862,15 @@ class Writer:
         if new:
             _append(ds["strings"], new)
             self._strings_done += len(new)
-        _append(ds["events"], events)
-        self.rows_written += len(events)
+        try:
+            _append(ds["events"], events, self._deadline)
+            self.rows_written += len(events)
+        except _PastDeadline as e:
+            self.rows_written += e.written
+            self.rows_cut += e.total - e.written
+            _set_attrs(f, {"recording_stopped": f"the exit's bound (exit_timeout_s={self.exit_timeout_s:g}) passed "
+                                                f"while writing: {self.rows_cut} rows not written",
+                           "rows_not_written_at_exit": self.rows_cut})  # fmt: skip
         if self._sync:
             sync, self._sync = self._sync, []
             _append(ds["clock_sync"], np.concatenate(sync))
@@ -965,14 +991,34 @@ class Writer:
             pass
 
     def close(self, exit_code: int | None) -> None:
-        """Final flush; write end_mono_ns, exit_code, closed_cleanly=True. Idempotent, never raises."""
+        """Final flush; write end_mono_ns, exit_code, closed_cleanly=True. Idempotent, never raises.
+
+        Bounded by ``exit_timeout_s`` (10 s) whatever the file system does: the flusher's
+        and this final flush stop writing at the bound (between ~1 MiB pieces, see
+        _write_pieces; the rows not written are counted in ``rows_not_written_at_exit``),
+        and a flush stuck inside one call (a hung file system) is not waited for past
+        it: the file then stays as of its last flush. What the kernel does with the
+        descriptor at process exit is the kernel's (a hung FUSE or NFS server can hold
+        the exit itself; see the README)."""
         from distdiag.shim.recorder import now_ns
 
+        deadline = time.monotonic() + self.exit_timeout_s
+        self._deadline = deadline
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join(timeout=max(5.0, 2 * self.interval_s))
-        with self._lock:
+            t.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * self.interval_s))))
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._closed = True
+            try:
+                sys.stderr.write(f"distdiag: {self.path}: a write did not return within exit_timeout_s="
+                                 f"{self.exit_timeout_s:g} s (hung file system?); the job exits with the file "
+                                 "as of its last flush\n")  # fmt: skip
+                sys.stderr.flush()
+            except Exception:
+                pass
+            return
+        try:
             if self._closed or self.failed:
                 self._closed = True
                 return
@@ -987,6 +1033,8 @@ class Writer:
             except Exception as e:
                 self._fail(e)
             self._closed = True
+        finally:
+            self._lock.release()
 
     def detach(self) -> None:
         """In a forked child: the inherited file is the parent's; never write, flush or close it.
