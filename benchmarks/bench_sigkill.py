@@ -1,0 +1,45 @@
+"""SIGKILL a wrapped rank at N random instants and count the files that lost more than the
+promise allows (see ``tests/sigkill.py`` for what each kill checks).
+
+    python benchmarks/bench_sigkill.py [--kills 200] [--flush-interval-s 0.01] [--seed 0]
+
+Exit status 1 when any file is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from sigkill import kill_once  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=200)
+    ap.add_argument("--flush-interval-s", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ns = ap.parse_args(argv)
+    rng = random.Random(ns.seed)
+    bad = 0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="distdiag-sigkill-") as td:
+        for k in range(ns.kills):
+            why = kill_once(Path(td), rng, ns.flush_interval_s, REPO)
+            if why is not None:
+                bad += 1
+                print(f"  kill {k}: {why}", flush=True)
+    print(f"{ns.kills} SIGKILLs (flush every {ns.flush_interval_s:g} s) in {time.perf_counter() - t0:.0f} s: "
+          f"{bad} files lost rows of a completed flush or did not open")  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""SIGKILL a wrapped rank at random instants and check what its file kept.
+
+The README promises that a SIGKILLed rank loses at most one flush interval and that its
+file still opens. ``kill_once`` runs a real wrapped job that records marks without pause
+(2,000 between 1 ms sleeps), flushing every ``flush_interval_s``, kills it with SIGKILL
+(by its PID) after a random 0.4-1.2 s, and says what is wrong with the file, or None:
+
+* it must open (h5py), with its events and strings;
+* the marks must have no hole (consecutive marks never more than 0.2 s apart: a flush
+  lost in the middle would leave one);
+* the last mark must be at most ``flush_interval_s`` + 0.1 s before the file's
+  ``last_flush_mono_ns``: every row of the last completed flush is there.
+
+Used by ``tests/test_shim_sigkill.py`` (a few kills) and ``benchmarks/bench_sigkill.py``
+(hundreds).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+JOB = """\
+import time
+import distdiag
+while True:
+    for _ in range(2000):
+        distdiag.mark("tick")
+    time.sleep(0.001)
+"""
+
+
+def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Path) -> str | None:
+    import h5py
+    import numpy as np
+
+    from distdiag.schema import Kind
+
+    job = work / "job.py"
+    if not job.exists():
+        job.write_text(JOB)
+    d = work / "run"
+    shutil.rmtree(d, ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
+    env.update(PYTHONPATH=str(repo), DISTDIAG_FLUSH_INTERVAL_S=str(flush_interval_s))
+    p = subprocess.Popen([sys.executable, "-m", "distdiag.wrap", "--dir", str(d), sys.executable, str(job)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        time.sleep(rng.uniform(0.4, 1.2))
+    finally:
+        os.kill(p.pid, signal.SIGKILL)  # ours, by its PID
+        _, err = p.communicate(timeout=30)
+    try:
+        with h5py.File(d / "rank-00000.h5", "r") as f:
+            ev = f["events"][:]
+            f["strings"][:]
+            last_flush = int(f.attrs["last_flush_mono_ns"])
+    except Exception as e:
+        return f"the file does not open: {type(e).__name__}: {e}"[:300] + f" (stderr {err[-300:]!r})"
+    marks = np.sort(ev["t0_ns"][ev["kind"] == Kind.MARK])
+    if len(marks) == 0:
+        return f"no marks (stderr {err[-300:]!r})"
+    if len(marks) > 1 and np.diff(marks).max() > 0.2e9:
+        return f"a hole of {np.diff(marks).max() / 1e9:.3f} s between marks"
+    if marks[-1] < last_flush - (flush_interval_s + 0.1) * 1e9:
+        return f"the last mark is {(last_flush - marks[-1]) / 1e9:.3f} s before the last flush"
+    return None
