@@ -89,6 +89,7 @@ TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2}
 def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: Any) -> list[Finding]:
     """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list."""
     wall_s = float(run.wall_s)
+    findings = _link_explains_network(findings)
     kept = _deduplicate(findings, run, colls, cfg, wall_s)
     _charge_lost_runs(kept, run, wall_s)
     for f in kept:
@@ -104,6 +105,18 @@ def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: An
         kept[0].evidence["next_once_fixed"] = {"kind": nxt["kind"], "cost_s": round(nxt["cost_s"], 6),
                                                "wall_s": round(nxt["wall_s"], 6), "share": round(nxt["share"], 4)}  # fmt: skip
     return kept
+
+
+def _link_explains_network(findings: list[Finding]) -> list[Finding]:
+    """A slow link found is why the network binds: ``network_bound`` (the waits on the
+    network, whatever their cause) goes, its seconds said in the link's evidence."""
+    links = [f for f in findings if f.kind == "slow_link"]
+    nets = [f for f in findings if f.kind == "network_bound"]
+    if not links or not nets:
+        return findings
+    for c in links:
+        c.evidence["network_waits_s"] = round(max(float(n.cost_s) for n in nets), 4)
+    return [f for f in findings if f.kind != "network_bound"]
 
 
 def _charge_lost_runs(findings: list[Finding], run: Any, wall_s: float) -> None:

@@ -26,6 +26,7 @@ def register(name: str) -> Callable[[Detector], Detector]:
 
 
 _MODULES = ("straggler", "input_bound", "h2d_copy", "gpu_underutilized", "metadata_storm", "io_bandwidth", "slow_link",
+            "network_bound",
             "queue_wait", "launch_overhead", "serial_section", "hang",
             "collective_mismatch")
 

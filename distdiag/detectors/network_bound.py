@@ -1,0 +1,116 @@
+"""network_bound: the job spends a large share of its wall-clock with every rank waiting
+for the network to move a collective's bytes, and no other finding names why.
+
+A slow link is found when a bandwidth per pair exists (``--probe-links``, or large
+point-to-point transfers); without one, a job whose collectives are slow on every rank
+alike showed no finding at all and read "healthy" (issue 20: a 4-rank DDP job with one
+node's link throttled, 60% of its time in collective transfers). This detector says
+which subsystem binds, so the report is never silent on it.
+
+Which collectives: complete groups of two or more members whose transfer phase (last
+arrival to the median member's exit) is at least ``NETWORK_BOUND_RATIO`` (4) times their
+arrival spread (everyone was there; the bytes were not) and at least 1 ms, and that move
+bytes. Their transfer windows are put on the aligned timeline and merged (DDP's buckets
+in flight together count once): that union is the time the job waited on the network.
+
+Cost: that union, what the job would save with a network that took no time: an upper
+bound, stated as such. Without a measured bandwidth of the fabric nothing tells the
+floor; the evidence gives the bus bandwidth each (op, size) achieved, and the advice the
+command that measures the links. The finding is reported from ``min_share`` (0.1) of the
+wall-clock. When ``slow_link`` names a link, its seconds are this finding's first: the
+ranking keeps only the rest here (:func:`distdiag.ranking.rank_findings`).
+
+Settings (``[analyze.network_bound]``): ``min_share`` (0.1), ``top`` (5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from distdiag.detectors import register
+from distdiag.findings import Finding
+from distdiag.links import collective_transfers, network_bound, union_s
+from distdiag.match import collectives_of
+
+ADVICE = (
+    "measure the links to see whether one is slow: rerun with `distdiag-wrap --probe-links` "
+    "(`srun distdiag-wrap --probe-links python train.py`); if none is, communicate less or "
+    "overlap it (larger DDP buckets, gradient compression, fewer all-reduces per step) or "
+    "use a faster fabric"
+)
+
+
+def _size_class(nbytes: np.ndarray) -> np.ndarray:
+    """Power-of-4 size classes (1 KiB, 4 KiB, ...), for the evidence."""
+    return np.floor(np.log2(np.maximum(nbytes, 1)) / 2).astype(np.int64) * 2
+
+
+def _human(b: float) -> str:
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if b >= 1 << k:
+            return f"{b / (1 << k):.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+@register("network_bound")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    min_share = float(cfg.value("network_bound", "min_share", 0.1))
+    top = int(cfg.value("network_bound", "top", 5))
+    wall_s = float(run.wall_s)
+    if wall_s <= 0:
+        return []
+    colls = collectives_of(run)
+    if len(colls) == 0:
+        return []
+    ct = collective_transfers(run, colls)
+    sel = network_bound(ct) & (ct.bus_bytes > 0)
+    if not sel.any():
+        return []
+    t0 = ct.last_arrival_ns[sel]
+    t1 = t0 + (ct.transfer_s[sel] * 1e9).astype(np.int64)
+    cost_s = union_s(t0, t1)
+    if cost_s < min_share * wall_s:
+        return []
+    # evidence: per (op, size class) the calls, seconds and bus bandwidth achieved
+    ops = ct.op[sel].astype(np.int64)
+    cls = _size_class(ct.nbytes[sel].astype(np.float64))
+    key = ops * 64 + cls
+    uniq, inv = np.unique(key, return_inverse=True)
+    secs = np.bincount(inv, weights=ct.transfer_s[sel], minlength=len(uniq))
+    bus = np.bincount(inv, weights=ct.bus_bytes[sel], minlength=len(uniq))
+    n = np.bincount(inv, minlength=len(uniq))
+    by = []
+    for j in np.argsort(-secs, kind="stable")[:top]:  # a handful of (op, size) rows
+        op, c = divmod(int(uniq[j]), 64)
+        by.append({"op": run.s(op), "size": f"~{_human(float(1 << c))}", "calls": int(n[j]),
+                   "transfer_s": round(float(secs[j]), 4),
+                   "bus_bw_MB_per_s": round(float(bus[j] / secs[j]) / 1e6, 3) if secs[j] > 0 else None})  # fmt: skip
+    total_bus = float(ct.bus_bytes[sel].sum())
+    total_s = float(ct.transfer_s[sel].sum())
+    bw = total_bus / total_s if total_s > 0 else float("nan")
+    share = cost_s / wall_s
+    worst = by[0]
+    summary = (
+        f"the network binds: for {cost_s:.3g} s ({share:.0%} of the run) every rank waited on collectives "
+        f"moving their bytes ({int(sel.sum())} calls, mostly {worst['op']} of {worst['size']} at "
+        f"{worst['bus_bw_MB_per_s']} MB/s bus bandwidth); no rank was late, so no rank is to blame"
+    )
+    return [
+        Finding(
+            kind="network_bound",
+            cost_s=cost_s,
+            summary=summary,
+            evidence={
+                "share_of_wall": round(share, 4),
+                "calls": int(sel.sum()),
+                "transfer_union_s": round(cost_s, 4),
+                "bus_bw_MB_per_s": round(bw / 1e6, 3) if np.isfinite(bw) else None,
+                "by_op_and_size": by,
+                "counterfactual": "the network took no time: an upper bound (no measured fabric bandwidth)",
+                "localize": "distdiag-wrap --probe-links",
+            },
+            advice=ADVICE,
+        )
+    ]

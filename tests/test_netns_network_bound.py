@@ -1,0 +1,83 @@
+"""Never silent on the network (issue 20 item 2): the 4-node DDP job of
+``tests/test_netns_slow_link.py``, one node's link throttled to 50 Mbit/s with tbf, run
+*without* ``--probe-links``: no bandwidth per pair exists, so no link can be named, and
+the report had no finding at all while most of the job was collective transfer. Now it
+says the network binds (``network_bound``), priced at the union of the transfer windows
+in which every rank waited, against what the throttle cost the job (the same job on the
+unthrottled network, by turns); the unthrottled twins stay silent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from netns import NetnsCluster, free_port_hint, have_netns
+from truth import assert_prices_median, loop_s, measure_saving
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.torch,
+    pytest.mark.skipif(have_netns() is not None, reason=str(have_netns())),
+    pytest.mark.skipif(shutil.which("distdiag-wrap") is None, reason="distdiag-wrap not installed (pip install -e .)"),
+]
+
+JOB = str(Path(__file__).parent / "jobs" / "net_ddp.py")
+SLOW = 2
+JOB_TIMEOUT_S = 300
+
+
+def _run_job(tmp_path: Path, shape: bool) -> tuple[dict[str, Any], float]:
+    run_dir = tmp_path / "run"
+    with NetnsCluster(4) as c:
+        if shape:
+            c.shape(SLOW, "50mbit")
+        port = free_port_hint()
+
+        def env(k: int) -> dict[str, str]:
+            e = c.torch_env(k, port)
+            e["DISTDIAG_HOOKS"] = "fileio=0"  # not under test; makes `import torch` slow
+            return e
+
+        argv = [shutil.which("distdiag-wrap") or "distdiag-wrap", "--dir", str(run_dir), sys.executable, JOB, "10", "512"]
+        runs = c.run_all(argv, env, timeout_s=JOB_TIMEOUT_S, log_dir=tmp_path)
+    for k, r in enumerate(runs):
+        assert r.returncode == 0, f"rank {k}:\n{r.stdout[-3000:]}"
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout), loop_s(runs[0].stdout)
+
+
+def test_a_throttled_network_without_the_probe_is_network_bound_not_healthy(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    reps: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+
+    def run(shape: bool, i: int) -> float:
+        rep, loop = _run_job(tmp_path_factory.mktemp(f"{'throttled' if shape else 'unthrottled'}{i}"), shape)
+        reps[shape].append(rep)
+        return loop
+
+    saving = measure_saving(run, pairs=2)
+    costs = []
+    for rep in reps[True]:
+        top = rep["findings"][0] if rep["findings"] else None
+        assert top is not None and top["kind"] == "network_bound", rep["findings"]
+        assert top["ranks"] == [] and "--probe-links" in top["advice"]
+        assert top["evidence"]["share_of_wall"] > 0.1
+        by = top["evidence"]["by_op_and_size"]
+        assert by and by[0]["bus_bw_MB_per_s"] < 20.0  # 50 Mbit/s is 6.25 MB/s on the slow hop
+        assert not [f for f in rep["findings"] if f["kind"] == "straggler" and f["fraction"] >= 0.02]
+        costs.append(top["cost_s"])
+    for rep in reps[False]:  # the twins: the network does not bind
+        assert not [f for f in rep["findings"] if f["kind"] == "network_bound"], rep["findings"]
+    print(f"network_bound priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
+    # an upper bound (the network taking no time): within 25% of what the throttle cost
+    assert_prices_median(saving, costs, rel=0.25, what="network_bound cost")
