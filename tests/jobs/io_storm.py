@@ -8,6 +8,8 @@ test can hold the analyzer to the truth:
 * ``--mode files``: every rank opens and reads ``--nfiles`` small files from
   ``--data`` (a directory, e.g. on the slow FUSE mount), as a data loader that
   keeps one sample per file does. ``blocked_s`` = time inside open/read/close.
+* ``--mode walk``: every rank ``os.walk``s ``--data`` (a tree of directories of small
+  files), stats and reads every file: the walk's own per-entry stats come from C.
 * ``--mode packed``: every rank reads the same samples from one packed file
   (``--data`` is that file).
 * ``--mode imports``: every rank imports ``--nfiles`` tiny modules ``m00000``...
@@ -55,6 +57,19 @@ def import_modules(data: str, n: int) -> int:
     return 0
 
 
+def walk_files(data: str) -> int:
+    """``os.walk`` the tree, stat every file and read it: the walk's own stats of each entry
+    (``DirEntry.is_dir()``) are made from C, out of the Python hooks' sight."""
+    nbytes = 0
+    for root, _dirs, files in os.walk(data):
+        for name in files:
+            p = os.path.join(root, name)
+            if os.stat(p).st_size:
+                with open(p, "rb") as f:
+                    nbytes += len(f.read())
+    return nbytes
+
+
 def load_packed(path: str) -> int:
     with open(path, "rb") as f:
         return len(f.read())
@@ -96,7 +111,7 @@ def train(comm: MPI.Intracomm, iters: int, compute_s: float, ckpt: tuple[int, in
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("files", "packed", "imports", "ckpt"), required=True)
+    ap.add_argument("--mode", choices=("files", "walk", "packed", "imports", "ckpt"), required=True)
     ap.add_argument("--data", default="")
     ap.add_argument("--nfiles", type=int, default=500)
     ap.add_argument("--iters", type=int, default=20)
@@ -114,10 +129,12 @@ def main() -> None:
     comm.Barrier()  # everyone starts loading together, as ranks of a real job do
     t_job = time.perf_counter()
     rec: dict[str, float] = {"rank": rank}
-    if a.mode in ("files", "packed", "imports"):
+    if a.mode in ("files", "walk", "packed", "imports"):
         t0 = time.perf_counter_ns()
         if a.mode == "files":
             nbytes = load_files(a.data, a.nfiles)
+        elif a.mode == "walk":
+            nbytes = walk_files(a.data)
         elif a.mode == "imports":
             nbytes = import_modules(a.data, a.nfiles)
         else:
