@@ -108,6 +108,37 @@ def _incomplete_warnings(run: Run, colls: Collectives, limit: int = 3) -> list[s
     return out
 
 
+#: an attribution to one rank needs its lateness above this many clock-alignment bounds
+ATTRIBUTION_BOUNDS = 3.0
+
+
+def _clock_bounds(findings: list[Finding], run: Run) -> None:
+    """Each finding that names ranks carries their clock-alignment bound (``clock_bound_ms``:
+    the largest of the named ranks' and of the reference's, at the end of their records);
+    a straggler whose median lateness is under ATTRIBUTION_BOUNDS times the run's largest
+    bound says that the clocks cannot tell which rank was late (issue 20 item 6)."""
+    model = run.cache.get("clock_model")
+    b = getattr(model, "bound_ns", None)
+    if b is None or len(b) == 0:
+        return
+    bound = np.asarray(b, dtype=np.float64)
+    finite = bound[np.isfinite(bound)]
+    worst_ms = float(finite.max()) / 1e6 if len(finite) else float("inf")
+    for f in findings:  # a handful
+        named = [r for r in f.ranks if 0 <= r < len(bound)]
+        if not named:
+            continue
+        mine = float(bound[named].max()) / 1e6
+        f.evidence["clock_bound_ms"] = round(mine, 4) if np.isfinite(mine) else None
+        late = f.evidence.get("median_wait_ms") if f.kind == "straggler" else None
+        if late is not None and float(late) < ATTRIBUTION_BOUNDS * worst_ms:
+            f.evidence["attribution"] = "uncertain"
+            f.summary += (
+                f"; but its median lateness ({float(late):.3g} ms) is under {ATTRIBUTION_BOUNDS:g}x the clocks' "
+                f"alignment bound ({worst_ms:.3g} ms): the clocks cannot tell for sure which rank was late"
+            )
+
+
 def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, split: Any = None) -> Report:
     """Align, match, detect and rank on an already loaded run.
 
@@ -154,6 +185,7 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
             findings.append(f)
     # One ranking: each second counted once, shares, order (distdiag/ranking.py).
     findings = rank_findings(findings, run, colls, cfg)
+    _clock_bounds(findings, run)
     if split is not None:
         split.done(run)
     return Report(

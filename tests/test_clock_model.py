@@ -414,3 +414,20 @@ def test_align_keeps_no_key_selection_alive(tmp_path: Path, monkeypatch: pytest.
     # its in-flight rows, none here), and gone while align still runs
     assert [n for _, n in made if n] == [len(out.events)] and alive_after_match == [False]
     assert len(out.cache["collectives"]) == sim.iters
+
+
+@pytest.mark.parametrize("rtt_us, uncertain", [(20.0, False), (20_000.0, True)])
+def test_a_straggler_within_3x_the_clock_bound_says_the_clocks_cannot_tell(tmp_path: Path, rtt_us: float,
+                                                                           uncertain: bool) -> None:  # fmt: skip
+    """Rank 2 is 15 ms late at every all-reduce. With 20 us clock exchanges the alignment
+    bound is ~0.02 ms: rank 2 is named, its finding carries that bound. With 20 ms
+    exchanges (a congested network) the bound is ~10 ms: 15 ms of lateness is under 3x it,
+    and the finding says the clocks cannot tell which rank was late (issue 20 item 6)."""
+    simulate(tmp_path / "run", rtt_us=rtt_us, delay_ms=15.0)
+    rep = analyze_run(load_run(tmp_path / "run"), Config())
+    (f,) = [f for f in rep.findings if f.kind == "straggler"]
+    assert f.ranks == [2]
+    bound_ms = f.evidence["clock_bound_ms"]
+    assert (bound_ms > 5.0) if uncertain else (bound_ms < 0.1), bound_ms
+    assert (f.evidence.get("attribution") == "uncertain") is uncertain, f.evidence
+    assert ("cannot tell for sure which rank" in f.summary) is uncertain, f.summary
