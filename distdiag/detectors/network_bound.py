@@ -64,6 +64,14 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     colls = collectives_of(run)
     if len(colls) == 0:
         return []
+    # Cheap bound first (one pass, no sort): the union of (last exit - last arrival) over
+    # the groups holds the union below; most runs stop here (collective_transfers sorts
+    # every member row: +12% of a 2.5 M-event analysis when it ran on every run)
+    if len(colls.m_t1_ns):
+        last_exit = np.maximum.reduceat(colls.m_t1_ns, np.minimum(colls.g_start[:-1], len(colls.m_t1_ns) - 1))
+        up = last_exit > colls.g_last_ns
+        if union_s(colls.g_last_ns[up], last_exit[up]) < min_share * wall_s:
+            return []
     ct = collective_transfers(run, colls)
     sel = network_bound(ct) & (ct.bus_bytes > 0)
     if not sel.any():
