@@ -89,7 +89,7 @@ TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2}
 def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: Any) -> list[Finding]:
     """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list."""
     wall_s = float(run.wall_s)
-    findings = _link_explains_network(findings)
+    findings = _link_explains_network(findings, cfg, wall_s)
     kept = _deduplicate(findings, run, colls, cfg, wall_s)
     _charge_lost_runs(kept, run, wall_s)
     for f in kept:
@@ -107,16 +107,28 @@ def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: An
     return kept
 
 
-def _link_explains_network(findings: list[Finding]) -> list[Finding]:
-    """A slow link found is why the network binds: ``network_bound`` (the waits on the
-    network, whatever their cause) goes, its seconds said in the link's evidence."""
+def _link_explains_network(findings: list[Finding], cfg: Any, wall_s: float) -> list[Finding]:
+    """A slow link found explains part of why the network binds: ``network_bound`` (the
+    waits on the network, whatever their cause) keeps what the links' costs leave, and is
+    dropped when that is under its ``min_share`` of the run."""
     links = [f for f in findings if f.kind == "slow_link"]
-    nets = [f for f in findings if f.kind == "network_bound"]
-    if not links or not nets:
+    if not links:
         return findings
-    for c in links:
-        c.evidence["network_waits_s"] = round(max(float(n.cost_s) for n in nets), 4)
-    return [f for f in findings if f.kind != "network_bound"]
+    taken = sum(float(c.cost_s) for c in links)
+    share = float(cfg.value("network_bound", "min_share", 0.1))
+    out = []
+    for f in findings:
+        if f.kind == "network_bound":
+            before = float(f.cost_s)
+            f.cost_s = max(0.0, before - taken)
+            f.evidence["deduplicated"] = {"cost_before_s": round(before, 4),
+                                          "explained_by": {"slow_link": round(min(before, taken), 4)}}  # fmt: skip
+            for c in links:
+                c.evidence.setdefault("includes", {})["network_bound"] = round(min(before, float(c.cost_s)), 4)
+            if f.cost_s < share * wall_s:
+                continue
+        out.append(f)
+    return out
 
 
 def _charge_lost_runs(findings: list[Finding], run: Any, wall_s: float) -> None:

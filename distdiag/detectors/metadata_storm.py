@@ -30,13 +30,13 @@ How (vectorized over events; loops only over file systems and windows):
    of at least ``local_slow_latency_ms`` counts.
 3. Cost: per rank, the union of its file-call intervals on that file system
    inside the window (the small reads of a storm wait behind the same
-   server, so they count) and of the gaps between them in which the rank
-   entered or left no collective: calls the hooks do not see (``os.walk``'s
+   server, so they count) and of the gaps between them in which the rank was
+   in no collective nor entered or left one: calls the hooks do not see (``os.walk``'s
    per-entry stats from C, C readers) are the storm's too, up to the rank's
    next rendezvous (measured: a walk + stat + read of 300 files on 1 ms-class
    FUSE was priced at 75% of what it cost the job from the recorded calls
-   alone, now 97%; compute between file calls with no collective in between
-   counts as storm time as well: mark it with ``distdiag.phase`` to see it).
+   alone, now 97%; compute between file calls outside any collective counts as
+   storm time as well).
    The finding is charged the *largest* of those:
    ranks of a synchronous job continue together, so the job is held as long
    as its most-blocked rank; the others' blocked time ran alongside it.
@@ -83,33 +83,42 @@ ADVICE = (
 
 def _idle_gaps(rank: np.ndarray, t0: np.ndarray, t1: np.ndarray, colls: Any) -> tuple[np.ndarray, ...]:
     """(rank, start, end) of each gap between consecutive file calls of a rank in which it
-    entered or left no collective: the storm's time the hooks did not see (calls made from
-    C: os.walk's per-entry stats, C readers), up to the rank's next rendezvous. Compute
-    the rank did there without a collective in between counts too (see the docstring)."""
+    neither was inside a collective nor entered or left one: the storm's time the hooks did
+    not see (calls made from C: os.walk's per-entry stats, C readers), up to the rank's
+    next rendezvous. Compute the rank did there outside any collective counts too (see
+    the module docstring)."""
     z = np.zeros(0, np.int64)
     if len(rank) < 2:
         return z, z, z
-    o = np.lexsort((t0, rank))
-    r, a, b = rank[o].astype(np.int64), t0[o], t1[o]
-    lo = int(a.min())
-    span = int(max(int(b.max()), int(a.max())) - lo) + 2
+    ranks, dense = np.unique(rank, return_inverse=True)  # dense keys: no overflow from rank ids
+    lo = int(t0.min())
+    span = int(max(int(t1.max()), int(t0.max())) - lo) + 2
+    if span * (len(ranks) + 1) >= 1 << 62:
+        return z, z, z  # a window too long to key: no unseen time added (the recorded calls stay)
+    o = np.lexsort((t0, dense))
+    r, a, b = dense[o].astype(np.int64), t0[o], t1[o]
     # the furthest end so far within each rank: on (rank, time) keys one running max never
     # carries a value into the next rank
     end = np.maximum.accumulate(r * span + (b - lo)) - r * span + lo
-    gap_a, gap_b = end[:-1], a[1:]
-    ok = (r[1:] == r[:-1]) & (gap_b > gap_a)
-    g_r, g_a, g_b = r[1:][ok], gap_a[ok], gap_b[ok]
+    ok = (r[1:] == r[:-1]) & (a[1:] > end[:-1])
+    g_r, g_a, g_b = r[1:][ok], end[:-1][ok], a[1:][ok]
     if len(g_r) and len(colls):
-        # a collective arrival or exit of the rank inside the gap: the rank met the others there
-        m_r = colls.m_rank.astype(np.int64)
-        inside = (colls.m_t0_ns >= lo) & (colls.m_t0_ns < lo + span)
-        keys = np.sort(np.concatenate([(m_r * span + (colls.m_t0_ns - lo))[inside],
-                                       (m_r * span + (colls.m_t1_ns - lo))[inside & (colls.m_t1_ns >= lo)
-                                                                           & (colls.m_t1_ns < lo + span)]]))  # fmt: skip
+        # the rank's collectives overlapping the window, their ends clipped to it
+        pos = np.searchsorted(ranks, colls.m_rank)
+        mine = (pos < len(ranks)) & (ranks[np.minimum(pos, len(ranks) - 1)] == colls.m_rank)
+        hi = lo + span - 1
+        c_t1 = np.where(colls.m_t1_ns < 0, hi, colls.m_t1_ns)  # still inside at its last flush
+        mine &= (colls.m_t0_ns <= hi) & (c_t1 >= lo)
+        m_r = pos[mine].astype(np.int64) * span
+        k0 = np.sort(m_r + (np.clip(colls.m_t0_ns[mine], lo, hi) - lo))
+        k1 = np.sort(m_r + (np.clip(c_t1[mine], lo, hi) - lo))
         k_a, k_b = g_r * span + (g_a - lo), g_r * span + (g_b - lo)
-        met = np.searchsorted(keys, k_b, side="left") > np.searchsorted(keys, k_a, side="right")
-        g_r, g_a, g_b = g_r[~met], g_a[~met], g_b[~met]
-    return g_r, g_a, g_b
+        inside = np.searchsorted(k0, k_a, side="right") > np.searchsorted(k1, k_a, side="right")
+        moved = (np.searchsorted(k0, k_b, side="left") > np.searchsorted(k0, k_a, side="right")) | (
+            np.searchsorted(k1, k_b, side="left") > np.searchsorted(k1, k_a, side="right"))
+        keep = ~(inside | moved)
+        g_r, g_a, g_b = g_r[keep], g_a[keep], g_b[keep]
+    return ranks[g_r].astype(np.int64), g_a, g_b
 
 
 def concurrency_at_start(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:

@@ -10,15 +10,17 @@ which subsystem binds, so the report is never silent on it.
 Which collectives: complete groups of two or more members whose transfer phase (last
 arrival to the median member's exit) is at least ``NETWORK_BOUND_RATIO`` (4) times their
 arrival spread (everyone was there; the bytes were not) and at least 1 ms, and that move
-bytes. Their transfer windows are put on the aligned timeline and merged (DDP's buckets
-in flight together count once): that union is the time the job waited on the network.
+bytes. Their transfer windows are put on the aligned timeline and merged per member rank
+(DDP's buckets in flight together count once): the most-held rank's union is the time the
+job waited on the network (sub-communicators taking turns do not add up).
 
 Cost: that union, what the job would save with a network that took no time: an upper
 bound, stated as such. Without a measured bandwidth of the fabric nothing tells the
 floor; the evidence gives the bus bandwidth each (op, size) achieved, and the advice the
 command that measures the links. The finding is reported from ``min_share`` (0.1) of the
 wall-clock. When ``slow_link`` names a link, its seconds are this finding's first: the
-ranking keeps only the rest here (:func:`distdiag.ranking.rank_findings`).
+ranking keeps only the rest here, reported while it is still ``min_share`` of the run
+(:func:`distdiag.ranking.rank_findings`).
 
 Settings (``[analyze.network_bound]``): ``min_share`` (0.1), ``top`` (5).
 """
@@ -31,6 +33,7 @@ import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.breakdown import union_ns
 from distdiag.links import collective_transfers, network_bound, union_s
 from distdiag.match import collectives_of
 
@@ -76,9 +79,22 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     sel = network_bound(ct) & (ct.bus_bytes > 0)
     if not sel.any():
         return []
-    t0 = ct.last_arrival_ns[sel]
-    t1 = t0 + (ct.transfer_s[sel] * 1e9).astype(np.int64)
-    cost_s = union_s(t0, t1)
+    # per rank, the union of the windows of the groups it is a member of; the job is held as
+    # long as its most-held rank (sub-communicators taking turns do not add up)
+    n_groups = len(colls.g_start) - 1
+    w0 = np.zeros(n_groups, np.int64)
+    w1 = np.zeros(n_groups, np.int64)
+    w0[ct.group[sel]] = ct.last_arrival_ns[sel]
+    w1[ct.group[sel]] = ct.last_arrival_ns[sel] + (ct.transfer_s[sel] * 1e9).astype(np.int64)
+    chosen = np.zeros(n_groups, bool)
+    chosen[ct.group[sel]] = True
+    members = np.flatnonzero(chosen[colls.m_group])
+    grp = colls.m_group[members]
+    t0, t1 = w0[grp], w1[grp]
+    m_rank = colls.m_rank[members].astype(np.int64)
+    n_ranks = int(max(int(run.world_size), int(m_rank.max()) + 1))
+    per_rank = union_ns(m_rank, t0, t1, n_ranks)
+    cost_s = float(per_rank.max()) / 1e9
     if cost_s < min_share * wall_s:
         return []
     # evidence: per (op, size class) the calls, seconds and bus bandwidth achieved
@@ -90,7 +106,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     bus = np.bincount(inv, weights=ct.bus_bytes[sel], minlength=len(uniq))
     n = np.bincount(inv, minlength=len(uniq))
     by = []
-    for j in np.argsort(-secs, kind="stable")[:top]:  # a handful of (op, size) rows
+    for j in np.argsort(-secs, kind="stable")[: max(1, top)]:  # a handful of (op, size) rows
         op, c = divmod(int(uniq[j]), 64)
         by.append({"op": run.s(op), "size": f"~{_human(float(1 << c))}", "calls": int(n[j]),
                    "transfer_s": round(float(secs[j]), 4),
@@ -99,7 +115,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     total_s = float(ct.transfer_s[sel].sum())
     bw = total_bus / total_s if total_s > 0 else float("nan")
     share = cost_s / wall_s
-    worst = by[0]
+    worst = by[0] if by else {"op": "collectives", "size": "?", "bus_bw_MB_per_s": None}
     summary = (
         f"the network binds: for {cost_s:.3g} s ({share:.0%} of the run) every rank waited on collectives "
         f"moving their bytes ({int(sel.sum())} calls, mostly {worst['op']} of {worst['size']} at "

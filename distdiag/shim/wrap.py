@@ -881,10 +881,18 @@ class _ForkStream:
         if os.getpid() != self.pid:
             return
         self._stop.set()
+        w0 = self.writer
+        bound = float(getattr(w0, "exit_timeout_s", 10.0)) if w0 is not None else 10.0
+        deadline = time.monotonic() + bound
+        if w0 is not None:
+            w0._deadline = deadline  # a flush under way stops at its next piece (Writer.close)
         t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join(timeout=max(5.0, 2 * self.interval_s))
-        with self._lock:
+            t.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * self.interval_s))))
+        # bounded as the rank's own exit is: a worker on a slow disk does not hold its exit
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) + 2.0):
+            return
+        try:
             if self._closed:
                 return
             self._closed = True
@@ -894,6 +902,8 @@ class _ForkStream:
                     w.close(exit_code if exit_code is not None else self.exit_code)
             except Exception:
                 pass
+        finally:
+            self._lock.release()
 
     def detach(self) -> None:
         """In a process forked from this child: the child's file is the child's."""

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -336,6 +336,18 @@ def _create_layout(f: Any) -> None:
 WRITE_PIECE_BYTES = 1 << 20
 
 
+def _exit_timeout(v: Any) -> float:
+    """``exit_timeout_s`` as a usable bound: not a number, NaN or < 0 -> 10 s; inf or huge ->
+    the most a lock wait takes (threading.TIMEOUT_MAX)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return 10.0
+    if x != x or x < 0:
+        return 10.0
+    return min(x, threading.TIMEOUT_MAX / 2)
+
+
 class _PastDeadline(Exception):
     """The exit's time bound (``exit_timeout_s``) passed inside a write: what was written
     stays, the dataset is cut back to it, the rest is not written."""
@@ -345,7 +357,7 @@ class _PastDeadline(Exception):
         self.written, self.total = written, total
 
 
-def _append(ds: Any, rows: Any, deadline: float | None = None) -> None:
+def _append(ds: Any, rows: Any, deadline: Callable[[], float | None] | None = None) -> None:
     n = len(rows)
     if n == 0:
         return
@@ -357,7 +369,7 @@ def _append(ds: Any, rows: Any, deadline: float | None = None) -> None:
         raise _PastDeadline(done, n)
 
 
-def _write_pieces(ds: Any, at: int, rows: Any, deadline: float | None = None) -> int:
+def _write_pieces(ds: Any, at: int, rows: Any, deadline: Callable[[], float | None] | None = None) -> int:
     """``ds[at : at + len(rows)] = rows`` in calls of whole chunks, about WRITE_PIECE_BYTES
     each. The rank file has no chunk cache (``rdcc_nbytes=0``), so each call writes its
     chunks then and there; with one, the file's flush wrote every cached chunk in one call
@@ -373,7 +385,8 @@ def _write_pieces(ds: Any, at: int, rows: Any, deadline: float | None = None) ->
     while lo < n:
         hi = min(n, (at + lo) // step * step + step - at)  # up to a chunk boundary
         if lo:
-            if deadline is not None and time.monotonic() > deadline:
+            d = deadline() if deadline is not None else None  # read at every piece: close() may set it now
+            if d is not None and time.monotonic() > d:
                 return lo
             time.sleep(0)
         piece = rows[lo:hi]
@@ -513,12 +526,16 @@ class _DiskFull(OSError):
 #: ``/counters`` rows at most (schema.COUNTER_DTYPE; see :class:`_Budget`): past it the
 #: least counted names of each kind fold into its (kind, -1)
 COUNTERS_MAX = 1 << 16
-#: by kind: rows kept for good whatever the budget (the run's own milestones and loss
-#: counts), and the collectives (sampled by sequence number)
+#: by kind: rows kept whatever the budget: the shim's milestones and loss counts, and
+#: every communication row (collectives, point-to-point, waits, communicators, the probe):
+#: the analysis matches them across ranks, and a rank that sampled them alone would make
+#: the other ranks' calls look unmatched (false mismatches and hangs)
 _ALWAYS_KEPT = np.zeros(256, bool)
-_ALWAYS_KEPT[[int(Kind.SHIM), int(Kind.LOST), int(Kind.MARK)]] = True
-_COLL_KINDS = np.zeros(256, bool)
-_COLL_KINDS[[int(Kind.COLL), int(Kind.COLL_ASYNC)]] = True
+_ALWAYS_KEPT[[int(k) for k in (Kind.SHIM, Kind.LOST, Kind.COLL, Kind.COLL_ASYNC, Kind.SEND, Kind.RECV,
+                               Kind.SEND_ASYNC, Kind.RECV_ASYNC, Kind.WAIT, Kind.COMM_CREATE, Kind.PROBE)]] = True  # fmt: skip
+#: past this many times its budget a rank file stops recording (communication rows alone
+#: can pass the budget): it is closed properly with ``recording_stopped`` saying so
+HARD_FACTOR = 4
 
 
 def _unique(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -543,7 +560,9 @@ def _merge_counters(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     out = np.zeros(len(uniq), COUNTER_DTYPE)
     out["kind"], out["name_id"] = uniq >> 32, (uniq & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
     for col in ("count", "dur_ns", "nbytes"):
-        out[col] = np.bincount(inv, weights=both[col], minlength=len(uniq)).astype(np.int64)
+        acc = np.zeros(len(uniq), np.int64)
+        np.add.at(acc, inv, both[col])  # exact int64 (a float bincount loses ns past 2^53)
+        out[col] = acc
     return out
 
 
@@ -552,17 +571,19 @@ class _Budget:
     analysis still sees the whole run).
 
     Until the file would pass it, every row is written. From the flush that would pass it
-    on, the file keeps one row in ``sample_every``: collectives by sequence number (the
-    same calls on every rank, so they still match), the others by arrival; milestones
-    (SHIM, LOST, MARK rows) always. Every row not written is added to ``/counters``, its
+    on, the file keeps one row in ``sample_every`` by arrival, except the rows it always
+    keeps (:data:`_ALWAYS_KEPT`: milestones, loss counts and every communication row, which
+    the analysis matches across ranks). Every row not written is added to ``/counters``, its
     (kind, name) count, duration and bytes. The sampled rows may take a further
     ``budget / 8``; past that only counters grow (at most :data:`COUNTERS_MAX` rows).
     Attributes say so: ``budget_bytes``, ``budget_reached_mono_ns``, ``sample_every``,
     ``rows_counted_only``. From then on the string table takes only the names of the
     rows kept and of the counters, at most ``budget / 8`` more bytes of them (a row whose
     name finds no room is counted instead; a counter's name becomes -1, "other names").
-    So a file ends below about 1.25 x the budget plus the counters (29 bytes each) and
-    the clock and GPU samples (a row per minute and per second)."""
+    So a file ends below about 1.25 x the budget plus the counters (29 bytes each), the
+    clock and GPU samples (a row per minute and per second) and the communication rows; at
+    :data:`HARD_FACTOR` x the budget it stops recording (closed properly, said in
+    ``recording_stopped``)."""
 
     def __init__(self, budget_bytes: int, sample_every: int) -> None:
         self.budget = int(budget_bytes)
@@ -583,9 +604,7 @@ class _Budget:
         kind = events["kind"]
         keep = _ALWAYS_KEPT[kind]
         if self.sampled_bytes < self.budget // 8:
-            coll = _COLL_KINDS[kind]
-            keep |= coll & (events["seq"] % self.every == 0)
-            rest = np.flatnonzero(~coll & ~keep)
+            rest = np.flatnonzero(~keep)
             keep[rest[(self.arrived + np.arange(len(rest))) % self.every == 0]] = True
             self.arrived += len(rest)
             self.sampled_bytes += int(keep.sum()) * EVENT_DTYPE.itemsize
@@ -659,7 +678,7 @@ class Writer:
         self.rec = rec
         self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
         #: close() ends within this many seconds whatever the file system does (see close)
-        self.exit_timeout_s = float(getattr(cfg, "exit_timeout_s", 10.0))
+        self.exit_timeout_s = _exit_timeout(getattr(cfg, "exit_timeout_s", 10.0))
         self._deadline: float | None = None  # time.monotonic() bound, set by close()
         self.rows_cut = 0  # rows not written because the exit's bound passed
         self._budget = _Budget(int(getattr(cfg, "max_file_bytes", 0) or 0), int(getattr(cfg, "sample_every", 64)))
@@ -834,6 +853,9 @@ class Writer:
         events = self._collect_events()
         inflight = self.rec.inflight_rows()
         budget = self._budget
+        if budget.reached_ns is not None and self._file_bytes() > HARD_FACTOR * budget.budget:
+            raise _DiskFull(f"it passed {HARD_FACTOR}x its recording budget (max_file_bytes={budget.budget}) with "
+                            "rows never sampled (communication)")  # fmt: skip
         if len(events) and budget.over(self._file_bytes(), len(events) * EVENT_DTYPE.itemsize + self._pending_strings()):
             if budget.reached_ns is None:
                 # from now on the file takes only the names its kept rows and counters use
@@ -863,7 +885,7 @@ class Writer:
             _append(ds["strings"], new)
             self._strings_done += len(new)
         try:
-            _append(ds["events"], events, self._deadline)
+            _append(ds["events"], events, self._get_deadline)
             self.rows_written += len(events)
         except _PastDeadline as e:
             self.rows_written += e.written
@@ -887,6 +909,9 @@ class Writer:
         f.attrs["lost_events"] = int(self.rec.lost_events)
         f.flush()
         self.flushes += 1
+
+    def _get_deadline(self) -> float | None:
+        return self._deadline
 
     def _pending_strings(self) -> int:
         """About what the strings not yet written take in the file (none known for a child's)."""
@@ -1008,7 +1033,11 @@ class Writer:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * self.interval_s))))
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        try:  # a flush under way stops at its next piece past the deadline: a few pieces' grace
+            got = self._lock.acquire(timeout=min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic()) + 2.0))
+        except (OverflowError, ValueError):
+            got = False
+        if not got:
             self._closed = True
             try:
                 sys.stderr.write(f"distdiag: {self.path}: a write did not return within exit_timeout_s="
