@@ -9,50 +9,12 @@ unthrottled network, by turns); the unthrottled twins stay silent.
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from test_netns_slow_link import _run_job, pytestmark  # noqa: F401  (the same job and marks)
 
-from netns import NetnsCluster, free_port_hint, have_netns
-from truth import assert_prices_median, loop_s, measure_saving
-
-pytestmark = [
-    pytest.mark.netns,
-    pytest.mark.torch,
-    pytest.mark.skipif(have_netns() is not None, reason=str(have_netns())),
-    pytest.mark.skipif(shutil.which("distdiag-wrap") is None, reason="distdiag-wrap not installed (pip install -e .)"),
-]
-
-JOB = str(Path(__file__).parent / "jobs" / "net_ddp.py")
-SLOW = 2
-JOB_TIMEOUT_S = 300
-
-
-def _run_job(tmp_path: Path, shape: bool) -> tuple[dict[str, Any], float]:
-    run_dir = tmp_path / "run"
-    with NetnsCluster(4) as c:
-        if shape:
-            c.shape(SLOW, "50mbit")
-        port = free_port_hint()
-
-        def env(k: int) -> dict[str, str]:
-            e = c.torch_env(k, port)
-            e["DISTDIAG_HOOKS"] = "fileio=0"  # not under test; makes `import torch` slow
-            return e
-
-        argv = [shutil.which("distdiag-wrap") or "distdiag-wrap", "--dir", str(run_dir), sys.executable, JOB, "10", "512"]
-        runs = c.run_all(argv, env, timeout_s=JOB_TIMEOUT_S, log_dir=tmp_path)
-    for k, r in enumerate(runs):
-        assert r.returncode == 0, f"rank {k}:\n{r.stdout[-3000:]}"
-    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir), "--format", "json"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout), loop_s(runs[0].stdout)
+from truth import assert_prices_median, measure_saving
 
 
 def test_a_throttled_network_without_the_probe_is_network_bound_not_healthy(
@@ -61,7 +23,8 @@ def test_a_throttled_network_without_the_probe_is_network_bound_not_healthy(
     reps: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
 
     def run(shape: bool, i: int) -> float:
-        rep, loop = _run_job(tmp_path_factory.mktemp(f"{'throttled' if shape else 'unthrottled'}{i}"), shape)
+        _, rep, loop = _run_job(tmp_path_factory.mktemp(f"{'throttled' if shape else 'unthrottled'}{i}"), shape,
+                                probe=False)  # fmt: skip
         reps[shape].append(rep)
         return loop
 

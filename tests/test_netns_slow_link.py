@@ -45,8 +45,9 @@ WIDTH = "512"
 JOB_TIMEOUT_S = 300  # 4 torch imports on 2 shared cores: slow, but bounded
 
 
-def _run_job(tmp_path: Path, shape: bool) -> tuple[Path, dict[str, Any], float]:
-    """Run the job on 4 namespaced nodes (node SLOW throttled if ``shape``): its run dir, report and loop s."""
+def _run_job(tmp_path: Path, shape: bool, probe: bool = True) -> tuple[Path, dict[str, Any], float]:
+    """Run the job on 4 namespaced nodes (node SLOW throttled if ``shape``; ``--probe-links`` if
+    ``probe``): its run dir, report and loop s. Also tests/test_netns_network_bound.py's."""
     run_dir = tmp_path / "run"
     with NetnsCluster(4) as c:
         if shape:
@@ -60,7 +61,8 @@ def _run_job(tmp_path: Path, shape: bool) -> tuple[Path, dict[str, Any], float]:
             e["DISTDIAG_HOOKS"] = "fileio=0"
             return e
 
-        argv = [shutil.which("distdiag-wrap") or "distdiag-wrap", "--dir", str(run_dir), "--probe-links", sys.executable, JOB, STEPS, WIDTH]
+        argv = [shutil.which("distdiag-wrap") or "distdiag-wrap", "--dir", str(run_dir),
+                *(["--probe-links"] if probe else []), sys.executable, JOB, STEPS, WIDTH]  # fmt: skip
         runs = c.run_all(argv, env, timeout_s=JOB_TIMEOUT_S, log_dir=tmp_path)
     for k, r in enumerate(runs):
         assert r.returncode == 0, f"rank {k}:\n{r.stdout[-3000:]}"
