@@ -26,7 +26,7 @@ from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
 from distdiag.schema import EVENT_DTYPE, Kind
 from factories import write_rank
-from truth import Saving, assert_prices_median, loop_s
+from truth import Saving, assert_prices_median, loop_s, measure_saving
 
 MS = 1_000_000
 JOB = Path(__file__).resolve().parent / "jobs" / "serial_job.py"
@@ -397,3 +397,67 @@ def test_the_others_median_decided_by_counting_equals_the_median(tmp_path: Path,
     between = want & (np.floor(med) != med) & (x == med)  # x at a mean of two different middle gaps
     assert n == 4 or between.any()  # the case a count leaves to the sort
     np.testing.assert_array_equal(_others_at_most(colls, gap, x, want), want & (med <= x))
+
+
+SPLIT_JOB = """\
+import sys, time
+import numpy as np
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+sub = world.Split(color=rank % 2, key=rank)  # odd: world ranks 1 and 3, its own ranks 0 and 1
+work = float(sys.argv[1])
+x = np.zeros(8)
+cfg = None
+world.Barrier()
+t0 = time.perf_counter()
+for it in range(20):
+    time.sleep(0.01)
+    world.Allreduce(MPI.IN_PLACE, x)
+    if rank % 2 == 1 and it % 5 == 4:
+        if sub.Get_rank() == 1:  # world rank 3 prepares what it sends, alone
+            time.sleep(work)
+            cfg = {"it": it}
+        cfg = sub.bcast(cfg, root=1)
+world.Barrier()
+if rank == 0:
+    print(f"loop {time.perf_counter() - t0:.3f} s", flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_a_bcast_root_on_a_split_communicator_is_named_by_its_world_rank(tmp_path: Path) -> None:
+    """The mpi4py hook records a root in its communicator's own numbering: on the odd half of
+    a Split, root 1 is world rank 3. Compared with world ranks, rank 3 late at its own bcast
+    read as "a late non-root delays nobody" and the serial section went unreported."""
+    from helpers import run_wrapped_mpi
+
+    runs: dict[bool, list[Path]] = {True: [], False: []}
+
+    def run(faulty: bool, i: int) -> float:
+        d = tmp_path / f"{'faulty' if faulty else 'healthy'}{i}"
+        d.mkdir()
+        job = d / "job.py"
+        job.write_text(SPLIT_JOB)
+        mpiexec = shutil.which("mpiexec")
+        assert mpiexec is not None
+        cmd = [mpiexec, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(d / "run"), sys.executable,
+               str(job), "0.25" if faulty else "0"]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        runs[faulty].append(d / "run")
+        return loop_s(p.stdout)
+
+    saving = measure_saving(run, pairs=2)
+    costs = []
+    for run_dir in runs[True]:
+        rep = analyze(run_dir, Config())
+        (f,) = of_kind(rep, "serial_section")
+        assert f.ranks == [3], (f.ranks, f.summary)
+        assert f.evidence["why_serial"]["root_prepares"] == 4
+        costs.append(f.cost_s)
+    for run_dir in runs[False]:
+        rep = analyze(run_dir, Config())
+        assert [x for x in rep.findings if x.kind in ("serial_section", "straggler")] == [], rep.findings
+    print(f"split-communicator serial section priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
+    assert_prices_median(saving, costs, rel=0.15, what="serial_section cost (split communicator)")

@@ -89,7 +89,7 @@ import numpy as np
 from distdiag.bands import Band, bands
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.detectors.straggler import nobody_waits, one_to_many_root_late, secs, tally
+from distdiag.detectors.straggler import nobody_waits, one_to_many_root_late, root_world_ranks, secs, tally
 from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
 from distdiag.run import _ranges
 from distdiag.schema import Kind
@@ -338,7 +338,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     # is busy is looked at only in the groups where it decides: not held.)
     held = holds_others(run, colls)
     ok = complete & blocking & held
-    root = colls.m_peer[starts].astype(np.int64)
+    root = root_world_ranks(run, colls)
     need = complete & blocking & ~held
     for g_lo, g_hi, a, b in group_blocks(colls) if need.any() else ():  # per block of ~262,144 member rows
         w = need[g_lo:g_hi]

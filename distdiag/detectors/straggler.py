@@ -330,9 +330,53 @@ def one_to_many_root_late(run: Any, colls: Any) -> np.ndarray:
     (bcast, scatter): the others waited for what only the root had to prepare."""
     if len(colls) == 0:
         return np.zeros(0, bool)
-    root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)
+    root = root_world_ranks(run, colls)
     ids = np.array([i for i in (run.sid(n) for n in ONE_TO_MANY) if i >= 0], np.int64)
     return np.asarray((root >= 0) & (colls.g_last_rank.astype(np.int64) == root) & np.isin(colls.g_op, ids))
+
+
+def root_world_ranks(run: Any, colls: Any) -> np.ndarray:
+    """Per group: its root as a world rank (-1: not rooted).
+
+    The mpi4py hook records a rooted call's root in its communicator's own numbering; on a
+    communicator made by Split/Create (a ``COMM_CREATE`` row per member: ``peer`` = the
+    member's rank in it) that is not the world rank. The root is the member whose own
+    rank in the group's communicator is the recorded one. Only groups on communicators
+    whose numbering differs from the world's are looked up (a few, in most jobs); on the
+    others (COMM_WORLD, torch's global ``src``) the recorded root is the world rank."""
+    root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)
+    cached = run.cache.get("root_world_ranks")
+    if cached is not None and cached[0] is colls:
+        return np.asarray(cached[1])
+    out = root
+    from distdiag.rows import events_of
+    from distdiag.schema import Kind
+
+    cc = events_of(run, (Kind.COMM_CREATE,))
+    if len(cc):
+        renumbered = np.unique(cc["name_id"][cc["peer"].astype(np.int64) != cc["rank"].astype(np.int64)])
+        groups = np.flatnonzero((root >= 0) & np.isin(colls.g_comm, renumbered))
+        if len(groups):
+            # (world rank, communicator) -> the member's own rank in it
+            span = int(max(int(cc["name_id"].max()), int(colls.g_comm.max()))) + 1
+            t_key = cc["rank"].astype(np.int64) * span + cc["name_id"].astype(np.int64)
+            o = np.argsort(t_key, kind="stable")
+            t_key, t_local = t_key[o], cc["peer"].astype(np.int64)[o]
+            sizes = (colls.g_start[groups + 1] - colls.g_start[groups]).astype(np.int64)
+            rows = np.repeat(colls.g_start[groups], sizes) + (np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+            m_rank = colls.m_rank[rows].astype(np.int64)
+            q = m_rank * span + np.repeat(colls.g_comm[groups].astype(np.int64), sizes)
+            at = np.minimum(np.searchsorted(t_key, q), max(len(t_key) - 1, 0))
+            local = np.where(t_key[at] == q, t_local[at], -1)
+            hit = local == np.repeat(root[groups], sizes)
+            # per group, the world rank of the member that is the root (-1 if none said so)
+            who = np.where(hit, m_rank, -1)
+            starts = np.cumsum(sizes) - sizes
+            found = np.maximum.reduceat(who, starts) if len(who) else np.zeros(0, np.int64)
+            out = root.copy()
+            out[groups] = np.where(found >= 0, found, root[groups])
+    run.cache["root_world_ranks"] = (colls, out)
+    return out
 
 
 def nobody_waits(run: Any, colls: Any) -> np.ndarray:
@@ -343,7 +387,7 @@ def nobody_waits(run: Any, colls: Any) -> np.ndarray:
     """
     if len(colls) == 0:
         return np.zeros(0, bool)
-    root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)  # every member names the root (else ROOT_MISMATCH)
+    root = root_world_ranks(run, colls)  # every member names the root (else ROOT_MISMATCH)
     rooted = root >= 0
 
     def ids(names: frozenset[str]) -> np.ndarray:
