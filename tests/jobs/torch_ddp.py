@@ -172,4 +172,8 @@ if args.out:
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "losses": losses, "hook_calls": hook_calls[0], "loop_s": t_loop, "slept_s": data.slept_s,
                    "checks": checks}, f)
+# every rank reaches the teardown together: once, the *unwrapped* job's rank 3 died in it
+# with SIGABRT ("terminate called without an active exception", gloo's threads) while
+# another rank was still writing its JSON (seen on a full-suite run, 2 loaded cores)
+dist.barrier()
 dist.destroy_process_group()
