@@ -27,10 +27,11 @@ from distdiag.schema import Kind
 PY = sys.executable
 BOUND_S = 2.0
 JOB = """\
+import time
 import distdiag
 for i in range(300_000):
     distdiag.mark("tick")
-print("marked", 300_000)
+print("marked", 300_000, time.monotonic(), flush=True)  # the program's end: the exit starts here
 """
 
 
@@ -43,13 +44,16 @@ def test_exit_on_a_slow_disk_ends_within_exit_timeout_and_counts_what_it_left(tm
     backing.mkdir()
     with mount_slowfs(backing, tmp_path / "mnt", latency_ms=0.0, write_ms_per_mb=300.0) as mnt:
         env = single_process_env(DISTDIAG_EXIT_TIMEOUT_S=str(BOUND_S), DISTDIAG_FLUSH_INTERVAL_S="600")
-        t0 = time.monotonic()
         p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(mnt / "run"), PY, str(tmp_path / "job.py")],
                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-        wall = time.monotonic() - t0
-        assert p.returncode == 0 and p.stdout == "marked 300000\n", p.stdout + p.stderr
-        # the bound, one ~1 MiB piece past it (~0.35 s here) and the interpreter's start
-        assert wall < BOUND_S + 4.0, (wall, p.stderr)
+        ended = time.monotonic()  # CLOCK_MONOTONIC: the same clock in both processes
+        words = p.stdout.split()
+        assert p.returncode == 0 and words[:2] == ["marked", "300000"], p.stdout + p.stderr
+        # from the program's end to the process's: the bound, one ~1 MiB piece past it
+        # (~0.35 s on this disk) and the interpreter's own teardown; before, ~7 s
+        exit_s = ended - float(words[2])
+        print(f"exit took {exit_s:.2f} s with exit_timeout_s={BOUND_S:g}")
+        assert exit_s < BOUND_S + 2.5, (exit_s, p.stderr)
         f_path = mnt / "run" / "rank-00000.h5"
         with h5py.File(f_path, "r") as f:
             cut = int(f.attrs["rows_not_written_at_exit"])

@@ -853,10 +853,11 @@ class Writer:
         events = self._collect_events()
         inflight = self.rec.inflight_rows()
         budget = self._budget
-        if budget.reached_ns is not None and self._file_bytes() > HARD_FACTOR * budget.budget:
+        size = self._file_bytes() if budget.budget > 0 else 0
+        if budget.reached_ns is not None and size > HARD_FACTOR * budget.budget:
             raise _DiskFull(f"it passed {HARD_FACTOR}x its recording budget (max_file_bytes={budget.budget}) with "
                             "rows never sampled (communication)")  # fmt: skip
-        if len(events) and budget.over(self._file_bytes(), len(events) * EVENT_DTYPE.itemsize + self._pending_strings()):
+        if len(events) and budget.over(size, len(events) * EVENT_DTYPE.itemsize + self._pending_strings()):
             if budget.reached_ns is None:
                 # from now on the file takes only the names its kept rows and counters use
                 if self._ids is None:
