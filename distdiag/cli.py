@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="distdiag", description="Why is my distributed job slow?")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     a = sub.add_parser("analyze", help="analyze a run directory written by distdiag-wrap")
-    a.add_argument("run_dir", metavar="RUN_DIR", help="the directory holding rank-*.h5")
+    a.add_argument("run_dir", metavar="RUN_DIR",
+                   help="the directory holding rank-*.h5 (or per-rank PyTorch profiler trace JSONs)")
     a.add_argument("--format", "-f", choices=sorted(RENDERERS), default="text", help="output format (default: text)")
     a.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
     a.add_argument("--config", metavar="FILE", help="TOML file whose [analyze] table overrides the defaults")
@@ -83,7 +84,7 @@ def _analyze(ns: argparse.Namespace) -> int:
     # text and JSON need no row drawn: a large run streams its compute phases (distdiag.bands)
     stream = ns.format in ("text", "json") and not getattr(ns, "perfetto", None)
     kinds = streamed_kinds_for(ns.run_dir, cfg.stream_events) if stream else ()
-    run = load_run(ns.run_dir, progress=ProgressBar(), streamed_kinds=kinds)
+    run = load_run(ns.run_dir, progress=ProgressBar(), streamed_kinds=kinds, max_trace_bytes=cfg.kineto_max_trace_bytes)
     from distdiag.pipeline import analyze_run
 
     return emit(analyze_run(run, cfg, inplace=True), ns)

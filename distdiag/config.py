@@ -41,6 +41,9 @@ class Config:
     #: band from the rank files (distdiag.bands); 0 streams always, -1 never. Text and JSON
     #: reports only: HTML and Perfetto draw every row, so they load everything.
     stream_events: int = 20_000_000
+    #: a PyTorch profiler (Kineto) trace larger than this many bytes (compressed or
+    #: decompressed) is refused with one line (distdiag.kineto: parsing holds ~5-10x it)
+    kineto_max_trace_bytes: int = 256 << 20
     #: detectors to run; empty = every registered one
     detectors: list[str] = dataclasses.field(default_factory=list)
     #: per-detector tables: [analyze.<name>] -> {key: value}

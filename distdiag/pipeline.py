@@ -67,10 +67,29 @@ class Report:
                 "warnings": list(run.warnings),
                 # {"available": false, "why": "..."} outside Slurm; see distdiag/slurm.py
                 **({"slurm": _jsonable(self.slurm.to_json())} if self.slurm is not None else {}),
+                # only for a run read from PyTorch profiler traces (distdiag/kineto.py)
+                **({"input": input_json(run)} if run.source == "kineto" else {}),
             },
             "findings": [_jsonable(f.to_json()) for f in self.findings],
             "breakdown": {"per_rank": per_rank, "per_step": per_step_json(step_breakdown(run, self.collectives))},
         }
+
+
+def input_json(run: Run) -> dict[str, Any]:
+    """``run.input`` of the JSON report for a run read from Kineto traces: the format, the
+    files, how the clocks were aligned and the largest alignment bound (ms; None when a rank
+    could not be aligned)."""
+    model = run.cache.get("clock_model")
+    methods = sorted({m.method for m in model.ranks.values()}) if model is not None else []
+    b = np.asarray(getattr(model, "bound_ns", []), np.float64)
+    b = b[[r for r in run.ranks if r < len(b)]] if len(b) else b
+    worst = float(b.max()) / 1e6 if len(b) else 0.0
+    return {
+        "format": "kineto",
+        "files": len(run.ranks),
+        "clock_methods": methods,
+        "clock_bound_ms": round(worst, 4) if np.isfinite(worst) else None,
+    }
 
 
 def _jsonable(x: Any) -> Any:
@@ -204,4 +223,5 @@ def analyze(run_dir: str | Path, cfg: Config | None = None, stream: bool = False
     if cfg is None:
         cfg = load_config()
     kinds = streamed_kinds_for(run_dir, cfg.stream_events) if stream else ()
-    return analyze_run(load_run(run_dir, streamed_kinds=kinds), cfg, inplace=True)  # nobody else holds the run
+    run = load_run(run_dir, streamed_kinds=kinds, max_trace_bytes=cfg.kineto_max_trace_bytes)
+    return analyze_run(run, cfg, inplace=True)  # nobody else holds the run

@@ -291,6 +291,10 @@ class RankInfo:
     counted_only: dict[str, tuple[int, float]] = field(default_factory=dict)
     #: why the rank's writer stopped before its end (a full disk, the exit's time bound), or ""
     recording_stopped: str = ""
+    #: what the rank's rows were read from: "distdiag" (a rank file) or "kineto" (a PyTorch
+    #: profiler trace, :mod:`distdiag.kineto`), and the byte bound that read was held to
+    source: str = "distdiag"
+    read_limit_bytes: int = 0
 
     @property
     def dur_s(self) -> float:
@@ -364,6 +368,11 @@ class Run:
 
     def hosts_of(self, ranks: Iterable[int]) -> list[str]:
         return sorted({self.host_of(r) for r in ranks} - {""})
+
+    @property
+    def source(self) -> str:
+        """"kineto" when the ranks were read from PyTorch profiler traces, else "distdiag"."""
+        return "kineto" if any(i.source == "kineto" for i in self.ranks.values()) else "distdiag"
 
     @property
     def start_ns(self) -> int:
@@ -1757,7 +1766,8 @@ def _capacity_rows(files: list[Path]) -> int:
 
 
 def load_run(
-    path: str | Path, progress: Callable[[int, int], None] | None = None, streamed_kinds: Iterable[int] = ()
+    path: str | Path, progress: Callable[[int, int], None] | None = None, streamed_kinds: Iterable[int] = (),
+    max_trace_bytes: int | None = None,
 ) -> Run:
     """Read every rank file of a run directory into one :class:`Run`.
 
@@ -1772,7 +1782,15 @@ def load_run(
 
     Each rank's rows are copied into one packed table as soon as its file is
     read (:class:`_Packer`), so the peak is the table plus one rank's rows.
+
+    A dir with no ``rank-*.h5`` but with trace JSONs is read as PyTorch profiler
+    (Kineto) traces, one per rank (:mod:`distdiag.kineto`), each at most
+    ``max_trace_bytes`` (``Config.kineto_max_trace_bytes``).
     """
+    from distdiag import kineto
+
+    if Path(path).is_dir() and kineto.is_kineto_dir(Path(path)):
+        return _load_kineto(path, progress, streamed_kinds, max_trace_bytes or kineto.DEFAULT_MAX_TRACE_BYTES)
     p, files = rank_files_of(path)
     warnings: list[str] = []
     got_all: list[_RankData | str] = []
@@ -1789,6 +1807,65 @@ def load_run(
     return _assemble(path, p, files, got_all, warnings, packer)
 
 
+def _load_kineto(
+    path: str | Path, progress: Callable[[int, int], None] | None, streamed_kinds: Iterable[int], limit: int
+) -> Run:
+    """:func:`load_run` for a dir of Kineto traces: each trace gives what a rank file gives
+    (:func:`_read_trace_rank`), packed and assembled the same way."""
+    from distdiag import kineto
+
+    p = Path(path)
+    files = kineto.trace_files(p)
+    warnings: list[str] = []
+    got_all: list[_RankData | str] = []
+    packer = _Packer(_trace_rows(files), drop=streamed_kinds)
+    for i_file, fp in enumerate(files):  # one per trace file
+        if progress is not None:
+            progress(i_file, len(files))
+        got = _read_trace_rank(fp, warnings, limit)
+        if isinstance(got, _RankData):
+            packer.take(got)
+        got_all.append(got)
+    if progress is not None:
+        progress(len(files), len(files))
+    return _assemble(path, p, files, got_all, warnings, packer, what="trace files")
+
+
+def _trace_rows(files: list[Path]) -> int:
+    """A first capacity for the rows of ``files`` (traces): ~100 bytes of JSON an event, a gz ~10x
+    smaller (the packer grows past it)."""
+    total = 0
+    for fp in files:  # one stat per trace
+        try:
+            total += fp.lstat().st_size * (10 if fp.name.endswith(".gz") else 1) // 100 + 1
+        except OSError:
+            continue
+    return total
+
+
+def _read_trace_rank(path: Path, warnings: list[str], limit: int) -> _RankData | str:
+    """One Kineto trace as :func:`_read_rank` gives a rank file, or a one-line reason why not."""
+    from distdiag import kineto
+
+    try:
+        t = kineto.read_trace(path, limit)
+    except kineto.TraceError as e:
+        return f"{path.name} {e}; skipped"
+    except MemoryError:
+        return f"{path.name} does not fit in memory when parsed (lower kineto_max_trace_bytes); skipped"
+    if t.rank >= MAX_RANKS:
+        return f"{path.name} names rank {t.rank}, beyond any launch; skipped"
+    if t.n_bad:
+        warnings.append(f"{path.name}: {t.n_bad} trace events without a usable ts/dur were ignored")
+    info = RankInfo(
+        rank=t.rank, path=path, host=t.host, local_rank=-1, world_size=t.world_size, job_id="", launch_id="",
+        pid=t.pid, start_ns=t.start_ns, end_ns=t.end_ns, closed_cleanly=True, exit_code=None, lost_events=0,
+        n_events=len(t.events), wall_ns_at_start=None, mono_ns_at_start=None, source="kineto", read_limit_bytes=limit,
+    )  # fmt: skip
+    return _RankData(info, t.events, t.strings, np.zeros(0, SYNC_DTYPE), np.zeros(0, EVENT_DTYPE),
+                     np.zeros(0, GPU_DTYPE), _Scan.of(t.events))  # fmt: skip
+
+
 def rank_files_of(path: str | Path) -> tuple[Path, list[Path]]:
     """The run dir and its rank files, sorted by name; DistdiagError when there are none."""
     p = Path(path)
@@ -1799,13 +1876,18 @@ def rank_files_of(path: str | Path) -> tuple[Path, list[Path]]:
     # a link or a special file of a rank file's name is listed, and refused with a warning when read
     files = sorted(q for q in p.iterdir() if RANK_FILE_RE.match(q.name) and (q.is_symlink() or not q.is_dir()))
     if not files:
+        from distdiag.kineto import is_kineto_dir
+
+        if is_kineto_dir(p):
+            raise DistdiagError(f"run dir '{path}' holds PyTorch profiler traces, not rank files: analyze it without "
+                                "--parallel (only the serial analysis reads traces)")  # fmt: skip
         raise DistdiagError(f"run dir '{path}' holds no rank-*.h5 files (did the job run under distdiag-wrap?)")
     return p, files
 
 
 def _assemble(
     path: str | Path, p: Path, files: list[Path], got_all: list[_RankData | str], warnings: list[str],
-    packer: _Packer | None = None,
+    packer: _Packer | None = None, what: str = "rank files",
 ) -> Run:
     """One Run from what ``_read_rank`` gave for each of ``files`` (in order); see :func:`load_run`.
 
@@ -1837,7 +1919,7 @@ def _assemble(
         if len(problems) == 1:
             raise DistdiagError(problems[0].removesuffix("; skipped"))
         raise DistdiagError(
-            f"none of the {len(files)} rank files in '{path}' can be analyzed: " + problems[0].removesuffix("; skipped")
+            f"none of the {len(files)} {what} in '{path}' can be analyzed: " + problems[0].removesuffix("; skipped")
             + f" (and {len(problems) - 1} more)"
         )
     warnings = problems + warnings
@@ -1973,7 +2055,14 @@ def _read_events(info: RankInfo) -> np.ndarray | None:
     """The events table of ``info``'s file again, read as :func:`_read_rank` read it (the same
     damage handling), without its attributes and other tables: a band pass reads only
     this (measured at 1,024 x 10k: a whole rank file costs ~2.5 ms, mostly h5py's per-attribute
-    calls). None when the file cannot be opened any more."""
+    calls). None when the file cannot be opened any more. A Kineto trace is parsed again."""
+    if info.source == "kineto":
+        from distdiag import kineto
+
+        try:
+            return kineto.read_trace(info.path, info.read_limit_bytes or kineto.DEFAULT_MAX_TRACE_BYTES).events
+        except (kineto.TraceError, MemoryError):
+            return None
     try:
         f = _open_h5(info.path)
     except (NotOwnFile, OSError, *_H5_ERRORS):
@@ -2005,6 +2094,10 @@ def streamed_kinds_for(path: str | Path, limit: int) -> tuple[int, ...]:
         return ()
     if limit == 0:
         return STREAMED_KINDS
+    from distdiag import kineto
+
+    if Path(path).is_dir() and kineto.is_kineto_dir(Path(path)):
+        return STREAMED_KINDS if _trace_rows(kineto.trace_files(Path(path))) > limit else ()
     _, files = rank_files_of(path)
     rows = sum(f.stat().st_size for f in files) // EVENT_DTYPE.itemsize
     return STREAMED_KINDS if rows > limit else ()

@@ -116,6 +116,8 @@ class TextRenderer:
         present = len(run.ranks)
         ranks_txt = f"{run.world_size} ranks" if present == run.world_size else f"{present} of {run.world_size} ranks"
         lines.append(f"distdiag: {job}{ranks_txt} on {host_txt}, wall-clock {fmt_s(run.wall_s)}  [{run.path}]")
+        if getattr(run, "source", "distdiag") == "kineto":
+            lines.append(_kineto_line(run))
         lines.append("")
         lines += self._verdict(report)
         lines.append("")
@@ -291,3 +293,14 @@ def _slurm_lines(view: Any) -> list[str]:
     turn = f", turnaround {fmt_s(view.turnaround_s)}" if view.turnaround_s else ""
     return [f"slurm: job {a.job_id} {a.state or '?'} on {a.nodes or '?'}{turn} ({view.origin} accounting)",
             f"  timeline: {steps}"]  # fmt: skip
+
+
+def _kineto_line(run: Any) -> str:
+    """The header line of a run read from PyTorch profiler traces: what was read, how the clocks were aligned."""
+    from distdiag.pipeline import input_json
+
+    inp = input_json(run)
+    b = inp["clock_bound_ms"]
+    bound = "some ranks could not be aligned" if b is None else f"good to +-{b:.3g} ms"
+    return (f"input: {inp['files']} PyTorch profiler (Kineto) traces, no clock-sync samples: clocks aligned from "
+            f"the matched collectives ({bound})")  # fmt: skip
