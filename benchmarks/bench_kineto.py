@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if trace_dir.exists():
         shutil.rmtree(trace_dir)
     kernels = 4
-    steps = max(2, ns.events // (2 * kernels + 4))  # trace events a step: ProfilerStep, 2 a kernel, rpc, NCCL
+    steps = max(2, ns.events // (2 * kernels + 3))  # trace events a step: ProfilerStep, 2 a kernel, rpc, NCCL
     t0 = time.perf_counter()
     truth = write_traces(trace_dir, ranks=ns.ranks, steps=steps, compute_ms=20, kernels=kernels, straggler_rank=3,
                          straggler_ms=2, offsets_s=5.0)  # fmt: skip
