@@ -1,6 +1,6 @@
 """A 2-rank gloo job profiled by torch.profiler (no distdiag-wrap): each rank writes its Kineto trace.
 
-Runs under ``torchrun --nproc-per-node 2``. Per step: a small matmul, then (on
+Runs under ``torchrun --nproc-per-node 2``. Per step: ``--work-ms`` of matmuls, then (on
 ``--slow-rank`` only) ``--slow-ms`` more of matmuls, then an all-reduce; one
 ``prof.step()`` a step, so the trace holds ``ProfilerStep#N`` annotations. No
 DataLoader: its collate (~0.3 ms a step here) would be a real input wait of a few
@@ -23,6 +23,7 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--iters", type=int, default=30)
 ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-ms", type=float, default=0.0)
+ap.add_argument("--work-ms", type=float, default=10.0, help="every rank's compute a step")
 ap.add_argument("--gz", action="store_true")
 ns = ap.parse_args()
 
@@ -45,7 +46,7 @@ with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(ns.iters):
-        busy(2.0)
+        busy(ns.work_ms)
         if rank == ns.slow_rank:
             busy(ns.slow_ms)
         dist.all_reduce(x)
