@@ -1,8 +1,12 @@
 """The on-disk contract shared by the shim (writer) and the analyzer (reader).
 
 This is the only module both sides import. It must stay importable with the
-standard library and numpy alone (h5py is imported lazily where needed), since
-the shim runs inside the user's job.
+standard library alone, since the shim runs inside the user's job before the
+program's own imports: the numpy dtypes (``EVENT_DTYPE``, ``SYNC_DTYPE``,
+``GPU_DTYPE``, ``COUNTER_DTYPE``) are built from the field
+lists below on first access (a module ``__getattr__``), so ``from
+distdiag.schema import Kind`` never imports numpy; a program that sets
+``OPENBLAS_NUM_THREADS`` before its own ``import numpy`` gets what it set.
 
 One HDF5 file per rank, ``rank-NNNNN.h5``::
 
@@ -24,8 +28,7 @@ from __future__ import annotations
 
 import enum
 import re
-
-import numpy as np
+from typing import Any
 
 SCHEMA_VERSION = 1
 #: The attribute that marks a file as distdiag's; its value is SCHEMA_VERSION.
@@ -92,8 +95,7 @@ PHASE_KINDS = frozenset({Kind.PHASE, Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Ki
 #:   site_id  "file:line" of the user's call site, 0 when unknown
 #:   tid      small per-process thread index (0 = main thread)
 #:   value    kind-specific float (flops for STEP)
-EVENT_DTYPE = np.dtype(
-    [
+EVENT_SPEC = (
         ("t0_ns", "<i8"),
         ("t1_ns", "<i8"),
         ("kind", "u1"),
@@ -106,21 +108,17 @@ EVENT_DTYPE = np.dtype(
         ("site_id", "<i4"),
         ("tid", "<i4"),
         ("value", "<f8"),
-    ]
 )
-EVENT_FIELDS = EVENT_DTYPE.names
 
 #: One clock exchange with the reference rank: this rank sent at t_send_ns and
 #: got the reply at t_recv_ns (both local clock); the reference stamped t_ref_ns
 #: (its clock) in between. offset = t_ref - (t_send + t_recv) / 2, rtt = t_recv - t_send.
-SYNC_DTYPE = np.dtype(
-    [
+SYNC_SPEC = (
         ("t_send_ns", "<i8"),
         ("t_ref_ns", "<i8"),
         ("t_recv_ns", "<i8"),
         ("ref_rank", "<i4"),
         ("tag", "u1"),  # SyncTag
-    ]
 )
 
 
@@ -133,12 +131,9 @@ class SyncTag(enum.IntEnum):
 #: One NVML sample of one local GPU.
 #: ``/counters`` (only in a file whose rank reached its byte budget, ``max_file_bytes``):
 #: per (kind, name) totals of the rows it did not write; ``name_id`` -1 is "other names"
-COUNTER_DTYPE = np.dtype(
-    [("kind", "u1"), ("name_id", "<i4"), ("count", "<i8"), ("dur_ns", "<i8"), ("nbytes", "<i8")]
-)
+COUNTER_SPEC = (("kind", "u1"), ("name_id", "<i4"), ("count", "<i8"), ("dur_ns", "<i8"), ("nbytes", "<i8"))
 
-GPU_DTYPE = np.dtype(
-    [
+GPU_SPEC = (
         ("t_ns", "<i8"),
         ("gpu", "<i4"),  # local device index
         ("sm_util_pct", "<f4"),
@@ -149,8 +144,24 @@ GPU_DTYPE = np.dtype(
         ("pcie_tx_bytes_per_s", "<f8"),
         ("pcie_rx_bytes_per_s", "<f8"),
         ("nvlink_bytes_per_s", "<f8"),
-    ]
 )
+
+#: numpy dtype name -> its field list; built by ``__getattr__`` below on first access
+_DTYPE_SPECS = {"EVENT_DTYPE": EVENT_SPEC, "SYNC_DTYPE": SYNC_SPEC, "COUNTER_DTYPE": COUNTER_SPEC, "GPU_DTYPE": GPU_SPEC}
+EVENT_FIELDS = tuple(name for name, _ in EVENT_SPEC)
+
+
+def __getattr__(name: str) -> Any:
+    """``EVENT_DTYPE`` and the other dtypes, made (and kept) on first access: numpy is
+    imported then, by the analyzer or the shim's writer, never by ``import distdiag``."""
+    spec = _DTYPE_SPECS.get(name)
+    if spec is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import numpy as np
+
+    dt = np.dtype(list(spec))
+    globals()[name] = dt
+    return dt
 
 #: Root attributes of a rank file (name -> meaning). Written at open, some
 #: updated at every flush and at close.

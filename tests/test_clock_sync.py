@@ -24,8 +24,8 @@ class Sink:
     def __init__(self) -> None:
         self.parts: list[np.ndarray] = []
 
-    def __call__(self, rows: np.ndarray) -> None:
-        self.parts.append(rows.copy())
+    def __call__(self, rows: list[tuple[int, ...]]) -> None:
+        self.parts.append(np.array(rows, SYNC_DTYPE))
 
     @property
     def rows(self) -> np.ndarray:
@@ -60,10 +60,11 @@ def test_client_measures_the_offset_of_a_shifted_clock(tmp_path: Path) -> None:
         "import sys, time, numpy as np\n"
         "from distdiag.shim.clock import ClockSync\n"
         "from distdiag.shim.config import ShimConfig\n"
+        "from distdiag.schema import SYNC_DTYPE\n"
         "rows = []\n"
-        f"c = ClockSync(1, 2, {str(tmp_path)!r}, ShimConfig(), rows.append)\n"
+        f"c = ClockSync(1, 2, {str(tmp_path)!r}, ShimConfig(), rows.extend)\n"
         "c.start(); time.sleep(0.5); c.stop()\n"
-        f"np.save({str(tmp_path / 'rows.npy')!r}, np.concatenate(rows))\n"
+        f"np.save({str(tmp_path / 'rows.npy')!r}, np.array(rows, SYNC_DTYPE))\n"
     )
     env = dict(os.environ, LD_PRELOAD=LIBFAKETIME, FAKETIME="+0.3s")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)

@@ -277,10 +277,11 @@ CLIENT = """
 import json, sys, time, numpy as np
 from distdiag.shim.clock import ClockSync
 from distdiag.shim.config import ShimConfig
+from distdiag.schema import SYNC_DTYPE
 rows = []
-c = ClockSync(1, 2, sys.argv[1], ShimConfig(sync_interval_s=0.1, sync_exchanges=5), rows.append)
+c = ClockSync(1, 2, sys.argv[1], ShimConfig(sync_interval_s=0.1, sync_exchanges=5), rows.extend)
 c.start(); time.sleep(1.5); c.stop()
-got = np.concatenate(rows) if rows else np.zeros(0)
+got = np.array(rows, SYNC_DTYPE)
 sys.stdout.write(json.dumps({"rows": len(got), "tags": sorted(set(got["tag"].tolist())) if len(got) else [],
                              "dropped": c.dropped}) + "\\n")
 """

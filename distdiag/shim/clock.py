@@ -78,9 +78,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
-from distdiag.schema import SYNC_DTYPE, SyncTag
+from distdiag.schema import SyncTag
 from distdiag.shim.recorder import now_ns
 
 log = logging.getLogger(__name__)
@@ -293,7 +291,8 @@ def _cfg(cfg: Any, name: str, default: Any) -> Any:
 class ClockSync:
     """Clock exchanges of one rank against rank 0 (see the module docstring).
 
-    ``sink`` receives SYNC_DTYPE rows (the wrapper passes ``writer.add_sync``).
+    ``sink`` receives lists of SYNC_DTYPE rows as tuples, in ``schema.SYNC_SPEC``'s order
+    (the wrapper passes ``writer.add_sync``).
     ``start()`` and ``stop()`` never raise; ``stop()`` is idempotent.
     """
 
@@ -303,7 +302,7 @@ class ClockSync:
         world_size: int,
         run_dir: str | os.PathLike[str],
         cfg: Any,
-        sink: Callable[[np.ndarray], None],
+        sink: Callable[[list[tuple[int, int, int, int, int]]], None],
         launch_id: str | None = None,
     ) -> None:
         self.rank = int(rank)
@@ -383,7 +382,7 @@ class ClockSync:
 
     # -- reference ------------------------------------------------------------------
     def _start_ref(self) -> None:
-        from distdiag.shim.writer import write_private_file
+        from distdiag.shim.rankfile import write_private_file
 
         addrs: list[str] = []
         ports: list[int] = []
@@ -562,7 +561,7 @@ class ClockSync:
             self._lock.release()
 
     def _read_ref(self) -> dict[str, Any] | None:
-        from distdiag.shim.writer import read_own_file
+        from distdiag.shim.rankfile import read_own_file
 
         # only a regular file of this user that nobody else can write: another user's
         # would name their own reference and key
@@ -731,13 +730,8 @@ class ClockSync:
                   self.rank, tag.name, len(rows), i - len(rows), best)  # fmt: skip
         if not rows:
             return
-        out = np.zeros(len(rows), SYNC_DTYPE)
-        arr = np.array(rows, dtype=np.int64)
-        out["t_send_ns"] = arr[:, 0]
-        out["t_ref_ns"] = arr[:, 1]
-        out["t_recv_ns"] = arr[:, 2]
-        out["ref_rank"] = REF_RANK
-        out["tag"] = int(tag)
+        # tuples in schema.SYNC_SPEC's order, not a numpy array: no numpy in the guest
+        out = [(int(r[0]), int(r[1]), int(r[2]), REF_RANK, int(tag)) for r in rows]
         try:
             self.sink(out)
         except Exception:

@@ -49,12 +49,13 @@ import time
 import weakref
 from typing import Any, Callable
 
-import numpy as np
+from distdiag.schema import EVENT_SPEC, Kind
 
-from distdiag.schema import EVENT_DTYPE, Kind
-
-_ROW = struct.Struct("<qqBiiqiqqiid")
-assert _ROW.size == EVENT_DTYPE.itemsize  # the struct and the dtype describe one row
+# No numpy here: this module runs in the program's process from its first line, and
+# importing numpy there would fix BLAS thread counts (OPENBLAS_NUM_THREADS, ...) before
+# the program sets them. The writer views these bytes as schema.EVENT_DTYPE rows.
+_STRUCT_CODES = {"<i8": "q", "u1": "B", "<i4": "i", "<f8": "d"}
+_ROW = struct.Struct("<" + "".join(_STRUCT_CODES[code] for _, code in EVENT_SPEC))
 ROW_SIZE = _ROW.size
 #: ``pack_row(buf, offset, t0, t1, kind, name_id, comm_id, seq, peer, nbytes, aux, site_id, tid, value)``
 pack_row = _ROW.pack_into
@@ -68,6 +69,34 @@ CLOCK_NAME = "perf_counter_ns"
 #: CHUNK_GROWTH, up to the recorder's chunk_rows
 FIRST_CHUNK_ROWS = 64
 CHUNK_GROWTH = 4
+
+
+#: ``tid`` of a muted thread's buffer (Recorder.mute_thread): never registered, never written
+MUTED_TID = -1
+
+
+class _Muted:
+    __slots__ = ("rec", "saved")
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.saved: Any = None
+
+    def __enter__(self) -> None:
+        loc = self.rec._local
+        self.saved = getattr(loc, "tb", None)
+        if self.saved is None or self.saved.tid != MUTED_TID:
+            self.rec.mute_thread()
+
+    def __exit__(self, *exc: Any) -> None:
+        loc = self.rec._local
+        if self.saved is not None:
+            loc.tb = self.saved
+        else:
+            try:
+                del loc.tb
+            except AttributeError:
+                pass
 
 
 class _Alive:
@@ -201,6 +230,18 @@ class Recorder:
             except AttributeError:
                 pass
 
+    def mute_thread(self) -> None:
+        """From now on the calling thread's rows go nowhere: for the shim's own threads
+        (the flusher, the GPU sampler's start), whose imports and file calls the hooks
+        would otherwise record as the program's. The thread's rows so far stay."""
+        tb = ThreadBuffer(FIRST_CHUNK_ROWS, MUTED_TID)  # registered nowhere: never written
+        self._local.tb = tb
+
+    def muted(self) -> Any:
+        """A context in which the calling thread's rows go nowhere (see :meth:`mute_thread`);
+        its own buffer, and the rows in it, are back afterwards."""
+        return _Muted(self)
+
     def _rotate(self, tb: ThreadBuffer) -> int:
         # Order matters: the flusher reads ``tb.buf`` then ``tb.n``. Resetting
         # ``n`` before swapping ``buf`` means it can never pair the fresh
@@ -208,6 +249,9 @@ class Recorder:
         # queued only after it is no longer the thread's current one. The
         # fresh chunk may be larger than the old one (a young thread's chunks
         # grow): the flusher clamps a count to its chunk's size.
+        if tb.tid == MUTED_TID:  # a muted thread's rows: overwritten, never queued
+            tb.n = 0
+            return 0
         old, rows = tb.buf, tb.n
         cap = tb.cap
         if cap < self.chunk_rows:
@@ -345,7 +389,12 @@ class Recorder:
                     del b.spans[i]
                     return
 
-    def inflight_rows(self) -> np.ndarray:
+    def inflight_rows(self) -> Any:
+        """The calls and spans threads are inside of now, as EVENT_DTYPE rows (the writer's)."""
+        import numpy as np
+
+        from distdiag.schema import EVENT_DTYPE
+
         rows = [tb.cur for tb in list(self.buffers) if tb.cur is not None]
         rows += [r for tb in list(self.buffers) for r in list(tb.spans)]
         out = np.zeros(len(rows), EVENT_DTYPE)
@@ -354,8 +403,12 @@ class Recorder:
         return out
 
 
-def as_events(buf: bytearray, start: int, stop: int) -> np.ndarray:
+def as_events(buf: bytearray, start: int, stop: int) -> Any:
     """Rows ``[start, stop)`` of a chunk as an EVENT_DTYPE array (a copy)."""
+    import numpy as np
+
+    from distdiag.schema import EVENT_DTYPE
+
     return np.frombuffer(buf, EVENT_DTYPE, count=stop - start, offset=start * ROW_SIZE).copy()
 
 

@@ -88,7 +88,6 @@ import threading
 import zlib
 from typing import Any, Callable
 
-from numpy import ndarray as _ndarray
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
@@ -1292,6 +1291,20 @@ _reduce_registered: Any = None
 
 
 # -- the hook protocol -------------------------------------------------------------------------
+class _NotImported:
+    """Stands for ``numpy.ndarray`` until the program imports numpy: no object is of this type."""
+
+
+#: ``numpy.ndarray`` once the program imported numpy (the shim never imports it for the
+#: program: see distdiag.schema); the buffer specs' fast path compares types against it
+_ndarray: Any = _NotImported
+
+
+def _on_numpy(np: Any) -> None:
+    global _ndarray
+    _ndarray = np.ndarray
+
+
 def install(rec: Any, cfg: Any = None) -> None:
     """Start recording mpi4py calls into ``rec`` (now, or when mpi4py.MPI is imported)."""
     global _rec
@@ -1301,6 +1314,7 @@ def install(rec: Any, cfg: Any = None) -> None:
     for sites in _site_caches:  # site ids belong to a recorder
         sites.clear()
     _rec = rec
+    _hooks.when_imported("numpy", _on_numpy)
     _hooks.when_imported(_MODULE, _on_import)
 
 
