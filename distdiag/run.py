@@ -1097,6 +1097,13 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
         return f"{fname} disappeared while the run dir was read; skipped"
     except _H5_ERRORS as e:
         if "signature not found" in str(e):
+            try:
+                empty = path.stat().st_size == 0
+            except OSError:
+                empty = False
+            if empty:  # claimed at start, written from the first flush after the program's numpy import
+                return (f"{fname} is empty: the process ended (killed) before its file was first written "
+                        "(it is written from the first flush after the program imports numpy); skipped")  # fmt: skip
             return f"{fname} is not an HDF5 file (no HDF5 signature: empty, overwritten or not a rank file); skipped"
         return f"{fname} cannot be opened as HDF5 (truncated or corrupt: {_short(e).strip('()')}); skipped"
     try:

@@ -47,6 +47,11 @@ class ShimConfig:
     #: the writer's close (at exit, on SIGTERM) ends within this many seconds whatever the
     #: file system does; rows it could not write by then are counted, not waited for
     exit_timeout_s: float = 10.0
+    #: when the HDF5 rank file opens (and numpy and h5py load into the program's process):
+    #: "numpy" at the first flush after the program's own import of numpy (or when rows
+    #: waiting in memory reach half of max_pending_chunks, or at exit); "start" at start
+    #: (see distdiag.shim.rankfile)
+    open_file_at: str = "numpy"
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

@@ -518,7 +518,7 @@ def _publish_launch(d: Path, launch_id: str) -> None:
         "host": socket.gethostname(),
         "start": _proc_start(os.getpid()),
     }
-    from distdiag.shim.writer import write_private_file
+    from distdiag.shim.rankfile import write_private_file
 
     try:  # exclusive temp file, 0600, never through a link
         write_private_file(d / LAUNCH_FILE, json.dumps(doc).encode())
@@ -527,7 +527,7 @@ def _publish_launch(d: Path, launch_id: str) -> None:
 
 
 def _read_launch(d: Path) -> dict[str, Any] | None:
-    from distdiag.shim.writer import read_own_file
+    from distdiag.shim.rankfile import read_own_file
 
     raw = read_own_file(d / LAUNCH_FILE)  # a regular file of this user's only
     if raw is None:
@@ -614,7 +614,7 @@ def _open_rank_file(run_dir: Path, name: str, rec: Any, cfg: Any, attrs: dict[st
     the ranks of one relaunch land together; the name is neither a Slurm
     step's ``distdiag-<jobid>.<step>`` nor, not ending in the launch hash, a
     dir the other ranks' search would join) and says so in one stderr line."""
-    from distdiag.shim.writer import Writer
+    from distdiag.shim.rankfile import RankFile
 
     first = run_dir / name
     root = run_dir.absolute()
@@ -628,7 +628,7 @@ def _open_rank_file(run_dir: Path, name: str, rec: Any, cfg: Any, attrs: dict[st
             except UnsafeRunDir:
                 continue  # not ours (or open to others): the next one
         try:
-            w = Writer(d / name, rec, cfg, attrs)
+            w = RankFile(d / name, rec, cfg, attrs)
         except FileExistsError:
             continue
         if k:
@@ -746,6 +746,17 @@ class _Shim:
         if orig_exit is not None:
             os._exit = orig_exit
 
+    def close_at_exit(self) -> None:
+        """The atexit handler: :meth:`close`, saying it is the interpreter's exit (h5py's own
+        exit handler then runs right after the file's close, see distdiag.shim.rankfile)."""
+        try:
+            from distdiag.shim import rankfile
+
+            rankfile.EXITING = True
+        except Exception:
+            pass
+        self.close()
+
     def _close_fork(self, exit_code: int | None) -> None:
         fork = self.fork
         if fork is not None and fork.pid == os.getpid():
@@ -809,7 +820,7 @@ class _ForkStream:
 
     def __init__(self, rec: Any, cfg: Any, run_dir: Path, rank: int, attrs: dict[str, Any]) -> None:
         from distdiag.shim.recorder import now_ns
-        from distdiag.shim.writer import fork_file_name
+        from distdiag.shim.rankfile import fork_file_name
 
         self.pid = os.getpid()
         self.rec = rec
@@ -844,6 +855,7 @@ class _ForkStream:
         t.start()
 
     def _loop(self) -> None:
+        self.rec.mute_thread()  # the file's own calls (h5py's imports) are not the child's I/O
         while not self._stop.wait(self.interval_s):
             with self._lock:
                 if self._closed:
@@ -860,10 +872,10 @@ class _ForkStream:
         """The child's Writer, made now if the child has rows to write; None otherwise."""
         if self.failed or not self._has_rows():
             return None
-        from distdiag.shim.writer import Writer
+        from distdiag.shim.rankfile import RankFile
 
         try:
-            self.writer = Writer(self.path, self.rec, self.cfg, self.attrs, compact_strings=True)
+            self.writer = RankFile(self.path, self.rec, self.cfg, self.attrs, compact_strings=True)
         except Exception as e:
             self.failed = True
             self.rec.max_pending_chunks = 0  # nobody writes: drop (and count) what fills up
@@ -1135,7 +1147,7 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
     from distdiag.shim import hooks, recorder, session
     from distdiag.shim.config import load_config
     from distdiag.shim.rankinfo import detect
-    from distdiag.shim.writer import base_attrs
+    from distdiag.shim.rankfile import base_attrs
 
     info = detect()
     cfg = load_config(opts.config)
@@ -1164,6 +1176,12 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
         _note(f"cannot write {run_dir / name}: {e}")
         return None
     recorder.RECORDER = rec
+    try:
+        from distdiag.shim.rankfile import watch_h5py
+
+        watch_h5py()
+    except Exception:
+        log.debug("distdiag: h5py's exit handler not watched", exc_info=True)
     writer.start()
     shim = _Shim(rec, writer, None)
     shim.fork_args = (cfg, run_dir, info.rank, attrs)
@@ -1211,7 +1229,7 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
     except Exception:
         pass
     shim.patch_os_exit()
-    atexit.register(shim.close)
+    atexit.register(shim.close_at_exit)
     return shim
 
 

@@ -28,11 +28,9 @@ No compression by default: 10^6 rows append in 0.1 s uncompressed against
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import stat
 import sys
@@ -43,20 +41,32 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distdiag import __version__
-from distdiag.shim import config as _config
+from distdiag.shim.rankfile import (  # noqa: F401  (re-exported: what the shim needs before numpy)
+    DEFAULT_REDACT_ARGS,
+    FILE_MODE,
+    REDACTED,
+    _exit_timeout,
+    _redacted_argv_attr,
+    base_attrs,
+    describe_code,
+    fork_file_name,
+    read_own_file,
+    redact_argv,
+    write_private_file,
+)
+from distdiag.shim.recorder import ROW_SIZE as _ROW_SIZE
 from distdiag.schema import (
     COUNTER_DTYPE,
     EVENT_DTYPE,
     FILE_KINDS,
     GPU_DTYPE,
-    SCHEMA_ATTR,
-    SCHEMA_VERSION,
     SYNC_DTYPE,
     Kind,
 )
 
 log = logging.getLogger(__name__)
+
+assert _ROW_SIZE == EVENT_DTYPE.itemsize  # the recorder's struct and the dtype describe one row
 
 #: Chunk shapes (rows). An events chunk of 4096 rows is 282 KB: big enough for
 #: fast appends, small enough that a tiny test file stays small.
@@ -73,145 +83,12 @@ _DATASETS = ("events", "strings", "clock_sync", "inflight", "gpu")
 LOCKING = "best-effort"
 
 
-def fork_file_name(rank: int, pid: int) -> str:
-    """The file of a process forked from rank ``rank`` (a DataLoader worker, a daemon):
-    ``rank-NNNNN.fork-PID.h5``. Not a rank file (``schema.RANK_FILE_RE`` does not match
-    it): the analyzer never takes it for a second copy of the rank."""
-    return f"rank-{rank:05d}.fork-{pid}.h5"
-
-
 #: Columns that hold string ids (``distdiag.run.STRING_COLUMNS``), and the kinds whose
 #: ``aux`` is one too (``distdiag.run._AUX_STRING_KINDS``; tests check they agree)
 STRING_COLUMNS = ("name_id", "comm_id", "site_id")
 AUX_STRING_KINDS = frozenset({*FILE_KINDS, int(Kind.COLL), int(Kind.COLL_ASYNC), int(Kind.WAIT)})
 _AUX_KIND_TABLE = np.zeros(256, bool)
 _AUX_KIND_TABLE[sorted(AUX_STRING_KINDS)] = True
-
-#: Mode of every file the shim writes (rank files, forked processes' files, clock-ref.json,
-#: launch.json): the files hold the command line, the recorded environment and the
-#: program's paths, and clock-ref.json the clock channel's secret; only the job's user reads them.
-FILE_MODE = 0o600
-
-
-def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``path`` atomically (a reader never sees half of it), mode :data:`FILE_MODE`,
-    without following any link.
-
-    The temporary file has an unpredictable name and is created exclusively
-    (``O_CREAT | O_EXCL`` never opens what is there, a link included:
-    ``EEXIST``), and ``os.replace`` replaces a link at ``path`` rather than
-    writing through it. A link planted at the old ``.NAME.<pid>.tmp`` name
-    (pids are guessable) once made the shim overwrite its target."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(tmp, flags, FILE_MODE)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def read_own_file(path: str | os.PathLike[str], max_bytes: int = 1 << 16) -> bytes | None:
-    """The bytes of ``path`` if it is a regular file (not a link, FIFO or device) of this
-    user (the effective uid) that nobody else can write, at most ``max_bytes``; else None.
-
-    For the files the ranks pass each other through the run dir (launch.json,
-    clock-ref.json): one that another user could have written or swapped is
-    not taken for rank 0's."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            return None
-        return os.read(fd, max_bytes)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-# -- what the files say about the command line ------------------------------------------
-#: argument names (substrings, case-insensitive) whose values are never written
-#: (``ShimConfig.redact_args``; the environment is filtered by schema.ENV_DENY_SUBSTRINGS)
-DEFAULT_REDACT_ARGS = _config.DEFAULT_REDACT_ARGS
-REDACTED = "<redacted>"
-#: ``scheme://user:password@host``: the password part
-_URL_PASSWORD_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^/@\s]+)(?P<tail>@)")
-#: ``--name=value``, ``-name=value``, ``name=value`` (the name part)
-_ASSIGN_RE = re.compile(r"^(?P<name>-{0,2}[A-Za-z_][A-Za-z0-9_.\-]*)=(?P<value>.*)$", re.S)
-
-
-def _redact_names(spec: str | None) -> tuple[str, ...]:
-    return tuple(n.strip().lower() for n in str(spec if spec is not None else DEFAULT_REDACT_ARGS).split(",") if n.strip())
-
-
-def describe_code(code: str) -> str:
-    """What the files keep of ``python -c CODE``: its length and a hash (to tell runs apart), not its text."""
-    h = hashlib.sha256(code.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return f"<code: {len(code)} chars, sha256 {h}>"
-
-
-def redact_argv(argv: list[str], names: str | None = None, keep_code: bool = False) -> list[str]:
-    """``argv`` as the rank files keep it: values of arguments whose names hold one of
-    ``names`` (comma-separated substrings, case-insensitive; default
-    :data:`DEFAULT_REDACT_ARGS`, "" for none) replaced by ``<redacted>``, in
-    each form: ``--token X``, ``--token=X``, ``api_key=X``; the password of a
-    ``scheme://user:pw@host`` URL; and the text of ``-c CODE`` (the first
-    argument, as ``Target.command`` has it) replaced by its length and hash
-    unless ``keep_code``: code given inline is where a secret typed on the
-    command line most often sits, and the files go to support staff."""
-    keys = _redact_names(names)
-
-    def secret(name: str) -> bool:
-        n = name.lstrip("-").lower()
-        return bool(n) and any(k in n for k in keys)
-
-    out: list[str] = []
-    args = [str(a) for a in argv]
-    i = 0
-    if len(args) >= 2 and args[0] == "-c" and not keep_code:
-        out += ["-c", describe_code(args[1])]
-        i = 2
-    while i < len(args):
-        a = args[i]
-        m = _ASSIGN_RE.match(a)
-        if m is not None and secret(m.group("name")):
-            out.append(f"{m.group('name')}={REDACTED}")
-        elif a.startswith("-") and m is None and secret(a) and i + 1 < len(args) and not args[i + 1].startswith("-"):
-            out += [a, REDACTED]  # --token VALUE
-            i += 1
-        else:
-            out.append(_URL_PASSWORD_RE.sub(lambda u: u.group("head") + REDACTED + u.group("tail"), a))
-        i += 1
-    return out
-
-
-def _redacted_argv_attr(value: Any, cfg: Any) -> Any:
-    """The ``argv`` attribute (JSON text of a list) with :func:`redact_argv` applied."""
-    try:
-        argv = json.loads(value) if isinstance(value, str) else value
-        if not isinstance(argv, list):
-            return value
-        red = redact_argv(argv, getattr(cfg, "redact_args", None), bool(getattr(cfg, "keep_code_text", False)))
-        return json.dumps(red)
-    except Exception:
-        return json.dumps([REDACTED])  # never the raw text when it cannot be read
-
 
 #: forked children's inherited writers' h5py objects: kept alive, never closed by us (see Writer.detach)
 _ABANDONED: list[Any] = []
@@ -336,18 +213,6 @@ def _create_layout(f: Any) -> None:
 WRITE_PIECE_BYTES = 1 << 20
 
 
-def _exit_timeout(v: Any) -> float:
-    """``exit_timeout_s`` as a usable bound: not a number, NaN or < 0 -> 10 s; inf or huge ->
-    the most a lock wait takes (threading.TIMEOUT_MAX)."""
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return 10.0
-    if x != x or x < 0:
-        return 10.0
-    return min(x, threading.TIMEOUT_MAX / 2)
-
-
 class _PastDeadline(Exception):
     """The exit's time bound (``exit_timeout_s``) passed inside a write: what was written
     stays, the dataset is cut back to it, the rest is not written."""
@@ -421,38 +286,6 @@ def _set_attrs(f: Any, attrs: dict[str, Any]) -> None:
                 del f.attrs[k]
             continue
         f.attrs[k] = _attr_value(v)
-
-
-def base_attrs(
-    rank: int = 0,
-    world_size: int = 1,
-    local_rank: int = 0,
-    host: str = "localhost",
-    job_id: str = "",
-    launch_id: str = "",
-) -> dict[str, Any]:
-    """The root attributes every rank file starts with (see schema.FILE_ATTRS)."""
-    from distdiag.shim.recorder import CLOCK_NAME
-
-    return {
-        SCHEMA_ATTR: SCHEMA_VERSION,
-        "distdiag_version": __version__,
-        "rank": int(rank),
-        "world_size": int(world_size),
-        "local_rank": int(local_rank),
-        "host": str(host),
-        "job_id": str(job_id),
-        "launch_id": str(launch_id),
-        "pid": os.getpid(),
-        "argv": "[]",
-        "env": "{}",
-        "clock": CLOCK_NAME,
-        "wall_ns_at_start": 0,
-        "mono_ns_at_start": 0,
-        "last_flush_mono_ns": 0,
-        "lost_events": 0,
-        "config": "{}",
-    }
 
 
 def write_rank_file(
@@ -670,7 +503,13 @@ class Writer:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], rec: Any, cfg: Any, attrs: dict[str, Any], compact_strings: bool = False
+        self,
+        path: str | os.PathLike[str],
+        rec: Any,
+        cfg: Any,
+        attrs: dict[str, Any],
+        compact_strings: bool = False,
+        claim_fd: int | None = None,
     ) -> None:
         import h5py
 
@@ -694,6 +533,7 @@ class Writer:
         self._lost_done = 0
         self._sync: list[np.ndarray] = []
         self._gpu: list[np.ndarray] = []
+        self._held: list[np.ndarray] = []
         self.rows_written = 0
         self.flushes = 0
         self._detached = False
@@ -704,7 +544,17 @@ class Writer:
         # "x" is O_CREAT | O_EXCL underneath (HDF5's sec2 driver): it never opens what is
         # there, a link included, so a link planted at the name is never written through.
         # rdcc_nbytes=0: no chunk cache, see _write_pieces
-        self._f = h5py.File(self.path, "x", locking=LOCKING, rdcc_nbytes=0)
+        tmp: Path | None = None
+        if claim_fd is None:
+            self._f = h5py.File(self.path, "x", locking=LOCKING, rdcc_nbytes=0)
+        else:
+            # The path was claimed empty at start by distdiag.shim.rankfile.RankFile. The
+            # file is made under a private temporary name (created exclusively) and renamed
+            # over the claim once its layout and attributes are flushed: a rank killed while
+            # the file is being made leaves the empty claim, never a half-written header
+            # (seen: "truncated file: eof = 96" after a kill 50 ms into the opening).
+            tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
+            self._f = h5py.File(tmp, "x", locking=LOCKING, rdcc_nbytes=0)
         try:
             fd = self._f.id.get_vfd_handle()
             try:  # a program this one execs does not inherit the descriptor
@@ -730,9 +580,44 @@ class Writer:
             self._f.flush()
         except Exception:
             self._f.close()
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
             raise
+        #: (temporary name, claim descriptor) until :meth:`publish` renames the file over the claim
+        self._unpublished: tuple[Path, int] | None = (tmp, claim_fd) if tmp is not None and claim_fd is not None else None
+
+    def publish(self) -> None:
+        """Rename the file made under a temporary name over the claimed (empty) rank file;
+        RankFile calls this after the first flush, so the rank file goes from empty to a
+        file holding rows in one step. Raises (FileExistsError, OSError) when it cannot,
+        the temporary file then removed."""
+        if self._unpublished is None:
+            return
+        tmp, claim_fd = self._unpublished
+        try:
+            there = os.lstat(self.path)  # still the empty file claimed at start (never a link)
+            if not (stat.S_ISREG(there.st_mode) and os.path.samestat(os.fstat(claim_fd), there)
+                    and there.st_size == 0):  # fmt: skip
+                raise FileExistsError(f"{self.path} is no longer the empty file claimed at start")
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        self._unpublished = None
 
     # -- handing rows over (any thread) -----------------------------------------
+    def add_rows(self, raw: bytes) -> None:
+        """Queue whole EVENT_DTYPE rows given as bytes (rows of threads that ended before the
+        file opened, see distdiag.shim.rankfile.RankFile); written at the next flush."""
+        with self._lock:
+            self._held.append(np.frombuffer(raw, EVENT_DTYPE))
+
     def add_sync(self, rows: np.ndarray) -> None:
         """Queue SYNC_DTYPE rows; written at the next flush."""
         with self._lock:
@@ -765,7 +650,8 @@ class Writer:
     # -- flushing ---------------------------------------------------------------
     def _collect_events(self) -> np.ndarray:
         rec = self.rec
-        parts: list[np.ndarray] = []
+        parts: list[np.ndarray] = self._held
+        self._held = []
         while True:
             try:
                 buf, n = rec.full.popleft()
@@ -1016,19 +902,21 @@ class Writer:
         except Exception:
             pass
 
-    def close(self, exit_code: int | None) -> None:
+    def close(self, exit_code: int | None, deadline: float | None = None) -> None:
         """Final flush; write end_mono_ns, exit_code, closed_cleanly=True. Idempotent, never raises.
 
         Bounded by ``exit_timeout_s`` (10 s) whatever the file system does: the flusher's
         and this final flush stop writing at the bound (between ~1 MiB pieces, see
         _write_pieces; the rows not written are counted in ``rows_not_written_at_exit``),
         and a flush stuck inside one call (a hung file system) is not waited for past
-        it: the file then stays as of its last flush. What the kernel does with the
+        it: the file then stays as of its last flush. ``deadline``: a time.monotonic() bound
+        set by the caller instead. What the kernel does with the
         descriptor at process exit is the kernel's (a hung FUSE or NFS server can hold
         the exit itself; see the README)."""
         from distdiag.shim.recorder import now_ns
 
-        deadline = time.monotonic() + self.exit_timeout_s
+        if deadline is None:  # else the caller's (RankFile.close): one bound for the whole exit
+            deadline = time.monotonic() + self.exit_timeout_s
         self._deadline = deadline
         self._stop.set()
         t = self._thread

@@ -28,9 +28,6 @@ import os
 import threading
 from typing import Any, Callable
 
-import numpy as np
-
-from distdiag.schema import GPU_DTYPE
 from distdiag.shim.recorder import now_ns
 
 log = logging.getLogger(__name__)
@@ -79,7 +76,7 @@ def choose_devices(nv: Any, count: int, local_rank: int, local_world: int, envir
 class Sampler:
     """The sampling thread. ``sink`` receives GPU_DTYPE arrays (``Writer.add_gpu``)."""
 
-    def __init__(self, nv: Any, devices: list[int], interval_s: float, sink: Callable[[np.ndarray], None]) -> None:
+    def __init__(self, nv: Any, devices: list[int], interval_s: float, sink: Callable[[Any], None]) -> None:
         self.nv = nv
         self.devices = devices
         self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in devices]
@@ -113,8 +110,13 @@ class Sampler:
             total += float(v.value.ullVal) * 1024.0  # KiB counters
         return total
 
-    def sample(self) -> np.ndarray:
-        """One row per device, now."""
+    def sample(self) -> Any:
+        """One row per device, now (a GPU_DTYPE array: the sampler starts after the program's
+        own numpy import, see :func:`install`)."""
+        import numpy as np
+
+        from distdiag.schema import GPU_DTYPE
+
         nv = self.nv
         rows = np.zeros(len(self.handles), GPU_DTYPE)
         for k, (idx, h) in enumerate(zip(self.devices, self.handles)):
@@ -171,7 +173,7 @@ class Sampler:
 
 def start_sampler(
     cfg: Any,
-    sink: Callable[[np.ndarray], None],
+    sink: Callable[[Any], None],
     set_attr: Callable[[str, Any], None],
     local_rank: int = 0,
     local_world: int = 1,
@@ -213,6 +215,8 @@ def start_sampler(
 
 
 _starter: threading.Thread | None = None
+#: install() ran and uninstall() not since: the numpy callback may start the sampler
+_active = False
 
 
 def _driver_library_loadable() -> bool:
@@ -229,15 +233,21 @@ def _driver_library_loadable() -> bool:
 
 
 def install(rec: Any, cfg: Any = None) -> None:
-    """Start the sampler for the running session (the wrapper calls this after SESSION is set).
+    """Start the sampler for the running session once the program has imported numpy.
 
-    In a background thread: importing pynvml and probing for the driver took
-    ~170 ms here (ctypes, then a failed dlopen), which every wrapped rank would
-    otherwise pay before the program starts, GPU or not.
+    Not before: pynvml imports ctypes and loads libnvidia-ml, and a guest loads
+    nothing into the program's process before the program's own imports (the
+    sampler's rows are numpy arrays too). Every GPU program imports numpy
+    (torch, cupy and jax do) within its first seconds; one that never does is
+    not sampled, and its file says so (``gpu_sampler``). Then in a background
+    thread: importing pynvml and probing for the driver took ~170 ms here
+    (ctypes, then a failed dlopen), which the program's import of numpy would
+    otherwise pay.
     """
-    global _starter
+    global _starter, _active
     if _sampler is not None or _starter is not None:
         return
+    from distdiag.shim import hooks as _hooks
     from distdiag.shim import session
 
     sess = session.SESSION
@@ -250,22 +260,34 @@ def install(rec: Any, cfg: Any = None) -> None:
             break
         except (KeyError, ValueError):
             continue
-
-    if not _driver_library_loadable():
-        # Said now, so that even a job shorter than the import below has the line;
-        # the thread still tries pynvml (which may bring its own library path).
-        sess.writer.set_attr("gpu_sampler", "off: NVML library not found")
+    sess.writer.set_attr("gpu_sampler", "off: not started (the program did not import numpy)")
 
     def start() -> None:
         global _sampler
+        try:  # pynvml's and ctypes' imports are the shim's, not the program's file I/O
+            rec.mute_thread()
+        except Exception:
+            pass
+        if not _driver_library_loadable():
+            # Said now, so that even a job shorter than the import below has the line;
+            # the sampler still tries pynvml (which may bring its own library path).
+            sess.writer.set_attr("gpu_sampler", "off: NVML library not found")
         _sampler = start_sampler(cfg, sess.writer.add_gpu, sess.writer.set_attr, sess.local_rank, local_world)
 
-    _starter = threading.Thread(target=start, name="distdiag-nvml-start", daemon=True)
-    _starter.start()
+    def on_numpy(_np: Any) -> None:
+        global _starter
+        if _starter is not None or not _active:
+            return
+        _starter = threading.Thread(target=start, name="distdiag-nvml-start", daemon=True)
+        _starter.start()
+
+    _active = True
+    _hooks.when_imported("numpy", on_numpy)
 
 
 def uninstall() -> None:
-    global _sampler, _starter
+    global _sampler, _starter, _active
+    _active = False
     if _starter is not None:
         _starter.join(timeout=5.0)
         _starter = None

@@ -1,0 +1,588 @@
+"""The rank's file as the program's process sees it: claimed at start, written from
+the first flush after the program's own ``import numpy``.
+
+Why: numpy, h5py (and with it libhdf5) are loaded into the program's process the
+moment the shim imports them, and what a library reads at load time is then fixed
+before the program could set it: a script that sets ``OPENBLAS_NUM_THREADS=1``
+(or ``OMP_NUM_THREADS``) before its own ``import numpy`` got a 1-thread BLAS
+plain and a 2-thread one wrapped. So the shim's side that runs in the program's
+process before the program's imports is the standard library only: the recorder
+packs rows with ``struct`` into bytearrays (:mod:`distdiag.shim.recorder`), the
+clock sync hands over tuples, and this module holds everything the file needs
+until it may be written:
+
+* :class:`RankFile` claims ``rank-NNNNN.h5`` at start, exclusively
+  (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600: never over another launch's
+  file, never through a link), and keeps the attributes, clock samples and GPU
+  rows handed to it.
+* Its flusher thread opens the HDF5 file (:class:`distdiag.shim.writer.Writer`,
+  which imports numpy and h5py) at the first interval after the program's own
+  import of numpy has finished, and from then on flushes every interval as
+  before. Every ML and HPC program imports numpy (torch does) in its first
+  seconds; until then the rows wait in the recorder's chunks.
+* Two other events open it: the rows waiting in memory reach
+  :data:`OPEN_AFTER_BYTES` (8 MiB, ~120k rows) or half the recorder's bound
+  (``max_pending_chunks``), rather than grow or lose rows, and the program's
+  exit. Until then the rows of threads that ended are copied out and their
+  buffers freed, as a flush would.
+  Either imports numpy and h5py into a program that had not: said in the
+  file's ``file_opened_on`` attribute (``numpy``, ``memory``, ``exit``,
+  ``start``). ``open_file_at = "start"`` (``DISTDIAG_OPEN_FILE_AT=start``)
+  opens it at start, the old way.
+
+What this costs: a rank killed before its program imported numpy leaves the
+claimed file empty (the analyzer says it cannot be read), losing what it
+recorded until then; after, it loses at most one interval, as before. The
+imports the file's opening makes (h5py's files) are never recorded as the
+program's I/O (:meth:`distdiag.shim.recorder.Recorder.muted`).
+
+Also here, because they run before the program too: the private-file helpers
+(mode 0600, never following a link), ``argv`` redaction and the base attributes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from distdiag import __version__
+from distdiag.schema import SCHEMA_ATTR, SCHEMA_VERSION
+from distdiag.shim import config as _config
+from distdiag.shim.recorder import ROW_SIZE
+
+log = logging.getLogger(__name__)
+
+
+def fork_file_name(rank: int, pid: int) -> str:
+    """The file of a process forked from rank ``rank`` (a DataLoader worker, a daemon):
+    ``rank-NNNNN.fork-PID.h5``. Not a rank file (``schema.RANK_FILE_RE`` does not match
+    it): the analyzer never takes it for a second copy of the rank."""
+    return f"rank-{rank:05d}.fork-{pid}.h5"
+
+
+
+#: Mode of every file the shim writes (rank files, forked processes' files, clock-ref.json,
+#: launch.json): the files hold the command line, the recorded environment and the
+#: program's paths, and clock-ref.json the clock channel's secret; only the job's user reads them.
+FILE_MODE = 0o600
+
+
+def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``path`` atomically (a reader never sees half of it), mode :data:`FILE_MODE`,
+    without following any link.
+
+    The temporary file has an unpredictable name and is created exclusively
+    (``O_CREAT | O_EXCL`` never opens what is there, a link included:
+    ``EEXIST``), and ``os.replace`` replaces a link at ``path`` rather than
+    writing through it. A link planted at the old ``.NAME.<pid>.tmp`` name
+    (pids are guessable) once made the shim overwrite its target."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, FILE_MODE)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_own_file(path: str | os.PathLike[str], max_bytes: int = 1 << 16) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a link, FIFO or device) of this
+    user (the effective uid) that nobody else can write, at most ``max_bytes``; else None.
+
+    For the files the ranks pass each other through the run dir (launch.json,
+    clock-ref.json): one that another user could have written or swapped is
+    not taken for rank 0's."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return None
+        return os.read(fd, max_bytes)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+# -- what the files say about the command line ------------------------------------------
+#: argument names (substrings, case-insensitive) whose values are never written
+#: (``ShimConfig.redact_args``; the environment is filtered by schema.ENV_DENY_SUBSTRINGS)
+DEFAULT_REDACT_ARGS = _config.DEFAULT_REDACT_ARGS
+REDACTED = "<redacted>"
+#: ``scheme://user:password@host``: the password part
+_URL_PASSWORD_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/:@\s]*:)(?P<pw>[^/@\s]+)(?P<tail>@)")
+#: ``--name=value``, ``-name=value``, ``name=value`` (the name part)
+_ASSIGN_RE = re.compile(r"^(?P<name>-{0,2}[A-Za-z_][A-Za-z0-9_.\-]*)=(?P<value>.*)$", re.S)
+
+
+def _redact_names(spec: str | None) -> tuple[str, ...]:
+    return tuple(n.strip().lower() for n in str(spec if spec is not None else DEFAULT_REDACT_ARGS).split(",") if n.strip())
+
+
+def describe_code(code: str) -> str:
+    """What the files keep of ``python -c CODE``: its length and a hash (to tell runs apart), not its text."""
+    h = hashlib.sha256(code.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"<code: {len(code)} chars, sha256 {h}>"
+
+
+def redact_argv(argv: list[str], names: str | None = None, keep_code: bool = False) -> list[str]:
+    """``argv`` as the rank files keep it: values of arguments whose names hold one of
+    ``names`` (comma-separated substrings, case-insensitive; default
+    :data:`DEFAULT_REDACT_ARGS`, "" for none) replaced by ``<redacted>``, in
+    each form: ``--token X``, ``--token=X``, ``api_key=X``; the password of a
+    ``scheme://user:pw@host`` URL; and the text of ``-c CODE`` (the first
+    argument, as ``Target.command`` has it) replaced by its length and hash
+    unless ``keep_code``: code given inline is where a secret typed on the
+    command line most often sits, and the files go to support staff."""
+    keys = _redact_names(names)
+
+    def secret(name: str) -> bool:
+        n = name.lstrip("-").lower()
+        return bool(n) and any(k in n for k in keys)
+
+    out: list[str] = []
+    args = [str(a) for a in argv]
+    i = 0
+    if len(args) >= 2 and args[0] == "-c" and not keep_code:
+        out += ["-c", describe_code(args[1])]
+        i = 2
+    while i < len(args):
+        a = args[i]
+        m = _ASSIGN_RE.match(a)
+        if m is not None and secret(m.group("name")):
+            out.append(f"{m.group('name')}={REDACTED}")
+        elif a.startswith("-") and m is None and secret(a) and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            out += [a, REDACTED]  # --token VALUE
+            i += 1
+        else:
+            out.append(_URL_PASSWORD_RE.sub(lambda u: u.group("head") + REDACTED + u.group("tail"), a))
+        i += 1
+    return out
+
+
+def _redacted_argv_attr(value: Any, cfg: Any) -> Any:
+    """The ``argv`` attribute (JSON text of a list) with :func:`redact_argv` applied."""
+    try:
+        argv = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(argv, list):
+            return value
+        red = redact_argv(argv, getattr(cfg, "redact_args", None), bool(getattr(cfg, "keep_code_text", False)))
+        return json.dumps(red)
+    except Exception:
+        return json.dumps([REDACTED])  # never the raw text when it cannot be read
+
+
+
+def _exit_timeout(v: Any) -> float:
+    """``exit_timeout_s`` as a usable bound: not a number, NaN or < 0 -> 10 s; inf or huge ->
+    the most a lock wait takes (threading.TIMEOUT_MAX)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return 10.0
+    if x != x or x < 0:
+        return 10.0
+    return min(x, threading.TIMEOUT_MAX / 2)
+
+
+
+def base_attrs(
+    rank: int = 0,
+    world_size: int = 1,
+    local_rank: int = 0,
+    host: str = "localhost",
+    job_id: str = "",
+    launch_id: str = "",
+) -> dict[str, Any]:
+    """The root attributes every rank file starts with (see schema.FILE_ATTRS)."""
+    from distdiag.shim.recorder import CLOCK_NAME
+
+    return {
+        SCHEMA_ATTR: SCHEMA_VERSION,
+        "distdiag_version": __version__,
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "local_rank": int(local_rank),
+        "host": str(host),
+        "job_id": str(job_id),
+        "launch_id": str(launch_id),
+        "pid": os.getpid(),
+        "argv": "[]",
+        "env": "{}",
+        "clock": CLOCK_NAME,
+        "wall_ns_at_start": 0,
+        "mono_ns_at_start": 0,
+        "last_flush_mono_ns": 0,
+        "lost_events": 0,
+        "config": "{}",
+    }
+
+
+
+
+#: rows (in bytes) waiting in memory past which the file opens before the program imports numpy
+OPEN_AFTER_BYTES = 8 << 20
+
+#: set by the wrapper's atexit handler before it closes the file (distdiag.shim.wrap)
+EXITING = False
+#: h5py's own exit handler (``h5py._unregister_converters``), taken off atexit while a
+#: rank file is open and run after the file's close (see _take_h5py_exit)
+_h5py_exit: Any = None
+
+
+def _take_h5py_exit() -> None:
+    """Run h5py's exit handler after the rank file's close, not before it.
+
+    h5py registers ``atexit.register(_unregister_converters)`` when it is imported; atexit
+    runs handlers last-registered first, and the wrapper's (which closes the file) was
+    registered before the program ran. Once h5py is imported after it (the file opens
+    late, or the program imports h5py), h5py's handler would run first, and the final
+    flush's strings then fail ("Operation not defined for data type class"). And an
+    import made inside an atexit handler registers a handler that never runs: HDF5's
+    own C exit handler then calls into the finalized interpreter (a segfault at every
+    exit, seen). So the handler is taken off atexit here and run by
+    :func:`_release_h5py_exit` when the file is closed."""
+    global _h5py_exit
+    if _h5py_exit is not None:
+        return
+    fn = getattr(sys.modules.get("h5py"), "_unregister_converters", None)
+    if fn is None:
+        return
+    atexit.unregister(fn)
+    _h5py_exit = fn
+
+
+def watch_h5py() -> None:
+    """Take h5py's exit handler (:func:`_take_h5py_exit`) as soon as anyone imports h5py:
+    the program's own import registers it after the wrapper's, so it would run first."""
+    from distdiag.shim import hooks
+
+    hooks.when_imported("h5py", lambda _m: _take_h5py_exit())
+
+
+def _release_h5py_exit() -> None:
+    """After the file's close: h5py's exit handler now (at exit), or back on atexit."""
+    global _h5py_exit
+    fn, _h5py_exit = _h5py_exit, None
+    if fn is None:
+        return
+    try:
+        if EXITING:
+            fn()
+        else:  # closed early (SIGTERM): the program may go on with h5py until its exit
+            atexit.register(fn)
+    except Exception:
+        pass
+
+
+class _KeepInterruptFlag:
+    """Around the file's opening at exit: CPython ends a program that a Ctrl-C ended by
+    SIGINT (exit status -2, what a shell and a launcher read) through a flag,
+    ``_Py_UnhandledKeyboardInterrupt``, which running other code resets; importing
+    numpy inside an atexit handler does (measured: the status became 1). The flag is
+    read before and put back after (ctypes, imported there only: the program is over)."""
+
+    def __enter__(self) -> None:
+        self.flag: Any = None
+        self.saved = 0
+        try:
+            import ctypes
+
+            self.flag = ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt")
+            self.saved = self.flag.value
+        except Exception:  # another interpreter, a static build without the symbol
+            self.flag = None
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.flag is not None:
+            try:
+                self.flag.value = self.saved
+            except Exception:
+                pass
+
+
+def numpy_imported() -> bool:
+    """The program's own ``import numpy`` has finished (not merely begun) in this process."""
+    m = sys.modules.get("numpy")
+    return m is not None and not getattr(getattr(m, "__spec__", None), "_initializing", False)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())  # HDF5 messages carry newlines: keep to one line
+    return msg[:300] + "..." if len(msg) > 300 else msg
+
+
+class RankFile:
+    """One rank's (or forked process's) file, from the wrapper's start to the process's exit.
+
+    ``RankFile(path, rec, cfg, attrs)`` claims ``path`` (``FileExistsError`` when
+    anything is there, another ``OSError`` when it cannot be made); ``start()``
+    runs the flusher; ``add_sync``, ``add_gpu``, ``set_attr``, ``flush``,
+    ``close``, ``detach`` are :class:`distdiag.shim.writer.Writer`'s, from any
+    thread, and never raise. Until the HDF5 file opens (see the module
+    docstring) they keep what they are given; then they pass it on."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], rec: Any, cfg: Any, attrs: dict[str, Any], compact_strings: bool = False
+    ) -> None:
+        self.path = Path(path)
+        self.rec = rec
+        self.cfg = cfg
+        self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
+        self.exit_timeout_s = _exit_timeout(getattr(cfg, "exit_timeout_s", 10.0))
+        self._at_start = str(getattr(cfg, "open_file_at", "numpy")).strip().lower() == "start"
+        self._compact = compact_strings
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        self._fd: int | None = os.open(self.path, flags, FILE_MODE)
+        try:  # HDF5 and os.open honour the umask; 0600 whatever it is
+            os.fchmod(self._fd, FILE_MODE)
+        except OSError:
+            pass
+        self._attrs = dict(attrs)
+        #: rows of threads that ended before the file opened (their buffers are freed)
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        self._sync: list[Any] = []
+        self._gpu: list[Any] = []
+        self._w: Any = None  # the HDF5 Writer, once open
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.failed = False
+        self.opened_on: str | None = None
+
+    # -- what the Writer would be asked -------------------------------------------------
+    def add_sync(self, rows: Any) -> None:
+        with self._lock:
+            w = self._w
+            if w is None:
+                self._sync.append(rows)
+                return
+        w.add_sync(rows)
+
+    def add_gpu(self, rows: Any) -> None:
+        with self._lock:
+            w = self._w
+            if w is None:
+                self._gpu.append(rows)
+                return
+        w.add_gpu(rows)
+
+    def set_attr(self, name: str, value: Any) -> None:
+        with self._lock:
+            w = self._w
+            if w is None:
+                self._attrs[name] = value
+                return
+        w.set_attr(name, value)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def rows_written(self) -> int:
+        w = self._w
+        return int(w.rows_written) if w is not None else 0
+
+    # -- opening --------------------------------------------------------------------
+    def _due(self) -> str | None:
+        """Why the HDF5 file may open now, or None."""
+        if self._at_start:
+            return "start"
+        if numpy_imported():
+            return "numpy"
+        rec = self.rec
+        if len(rec.full) >= max(1, int(rec.max_pending_chunks) // 2) or self._bytes_waiting() >= OPEN_AFTER_BYTES:
+            return "memory"
+        return None
+
+    def _bytes_waiting(self) -> int:
+        rec = self.rec
+        rows = sum(n for _, n in list(rec.full)) + sum(tb.n for tb in list(rec.buffers))
+        return self._held_bytes + rows * ROW_SIZE
+
+    def _hold_dead_threads(self) -> None:
+        """Before the file opens: copy out the rows of threads that ended and free their
+        buffers, as the writer's flush does (a thread-per-task program would otherwise keep a
+        buffer per thread it ever ran until the file opens). A dead thread writes nothing
+        more and its current chunk was never queued, so its rows are read whole, once."""
+        rec = self.rec
+        dead = []
+        for tb in list(rec.buffers):
+            if tb.dead:
+                buf = tb.buf
+                n = min(tb.n, len(buf) // ROW_SIZE)
+                if n:
+                    self._held.append(bytes(buf[: n * ROW_SIZE]))
+                    self._held_bytes += n * ROW_SIZE
+                dead.append(tb)
+        rec.prune(dead)
+
+    def _open(self, why: str) -> Any:
+        """Open the HDF5 file over the claimed one (under ``self._lock``); None on failure."""
+        if self._w is not None or self.failed:
+            return self._w
+        from distdiag.shim.writer import Writer
+
+        try:
+            with self.rec.muted():  # h5py's imports are not the program's file I/O
+                w = Writer(self.path, self.rec, self.cfg, {**self._attrs, "file_opened_on": why},
+                           compact_strings=self._compact, claim_fd=self._fd)  # fmt: skip
+                for raw in self._held:
+                    w.add_rows(raw)
+                for rows in self._sync:
+                    w.add_sync(rows)
+                for rows in self._gpu:
+                    w.add_gpu(rows)
+                # the first flush under the temporary name, then the rename over the claim: a
+                # kill at any instant leaves the empty claim or a file with rows
+                w.flush()
+                w.publish()
+        except Exception as e:
+            _take_h5py_exit()  # imported, if only to fail: still to run after the close
+            self._give_up(e)
+            return None
+        _take_h5py_exit()
+        self._sync, self._gpu, self._held, self._held_bytes = [], [], [], 0
+        self._close_claim()
+        self.opened_on = why
+        self._w = w
+        return w
+
+    def _close_claim(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _give_up(self, e: BaseException) -> None:
+        """The file cannot be made: one stderr line; the job runs on, memory bounded."""
+        self.failed = True
+        self._stop.set()
+        self._close_claim()
+        self.rec.max_pending_chunks = 0  # from now on full chunks are dropped and counted
+        self.rec.full.clear()
+        try:
+            sys.stderr.write(f"distdiag: cannot write {self.path}: {_one_line(e)}; the job runs without recording\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+
+    # -- the flusher -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._at_start:  # the old way: the file (numpy, h5py) before the program runs
+            with self._lock:
+                self._open("start")
+        self._thread = threading.Thread(target=self._loop, name="distdiag-flusher", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        # this thread's own file calls (h5py's imports, the writes) are never the program's
+        self.rec.mute_thread()
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what was recorded, once the file may open (else nothing). Never raises."""
+        if self._closed or self.failed:
+            return
+        w = self._w
+        if w is None:
+            with self._lock:
+                if self._w is None and not self._closed:
+                    self._hold_dead_threads()
+            why = self._due()
+            if why is None:
+                return
+            with self._lock:
+                if self._closed:
+                    return
+                w = self._open(why)
+            if w is None:
+                return
+        w.flush()
+        if w.failed:
+            self.failed = True
+
+    def close(self, exit_code: int | None) -> None:
+        """Open the file now if it never was, then Writer.close. Bounded by ``exit_timeout_s``
+        as Writer.close is (the flusher and a flush under way are waited for up to the
+        bound). Idempotent, never raises."""
+        deadline = time.monotonic() + self.exit_timeout_s
+        w = self._w
+        if w is not None:
+            w._deadline = deadline  # a flush under way stops at its next piece
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * self.interval_s))))
+        try:
+            got = self._lock.acquire(timeout=min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic()) + 2.0))
+        except (OverflowError, ValueError):
+            got = False
+        if not got:
+            self._closed = True
+            try:
+                sys.stderr.write(f"distdiag: {self.path}: the file's opening did not return within exit_timeout_s="
+                                 f"{self.exit_timeout_s:g} s (hung file system?); the job exits without it\n")  # fmt: skip
+                sys.stderr.flush()
+            except Exception:
+                pass
+            return
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            w = self._w
+            if w is None and not self.failed:
+                with _KeepInterruptFlag():
+                    w = self._open("exit")
+            if w is not None:
+                w.close(exit_code, deadline=deadline)
+        except Exception:
+            log.debug("distdiag: close of %s failed", self.path, exc_info=True)
+        finally:
+            self._lock.release()
+            _release_h5py_exit()
+
+    def detach(self) -> None:
+        """In a forked child: the file is the parent's; never write, flush or close it."""
+        self._stop.set()
+        self._thread = None
+        self._closed = True
+        self._lock = threading.RLock()  # the parent's lock may have been held at fork time
+        w = self._w
+        if w is not None:
+            w.detach()
+        else:
+            self._close_claim()  # the child's copy of the descriptor; the parent's stays
