@@ -3,7 +3,7 @@
 The README promises that a SIGKILLed rank loses at most one flush interval and that its
 file still opens. ``kill_once`` runs a real wrapped job that records marks without pause
 (2,000 between 1 ms sleeps), flushing every ``flush_interval_s``, kills it with SIGKILL
-(by its PID) a random 0.05-0.8 s after its rank file appeared, and says what is wrong with
+(by its PID) a random 0.05-0.8 s after its rank file was first written, and says what is wrong with
 the file, or None:
 
 * it must open (h5py), with its events and strings;
@@ -32,12 +32,20 @@ SLACK_S = 0.5
 
 JOB = """\
 import time
+import numpy  # the rank file opens (HDF5) at the first flush after the program's numpy import
 import distdiag
 while True:
     for _ in range(2000):
         distdiag.mark("tick")
     time.sleep(0.001)
 """
+
+
+def _has_bytes(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Path) -> str | None:
@@ -56,10 +64,11 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
     p = subprocess.Popen([sys.executable, "-m", "distdiag.wrap", "--dir", str(d), sys.executable, str(job)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        # from the rank file's creation on (the interpreter's start takes ~0.3 s here and
-        # longer beside a busy core; a kill before the file exists tests nothing)
+        # from the rank file's opening on: its first bytes (the interpreter's start takes ~0.3 s
+        # here and longer beside a busy core; the file is claimed empty at start and written
+        # from the first flush after the job's numpy import: a kill before tests nothing)
         t_end = time.monotonic() + 60
-        while not (d / "rank-00000.h5").exists() and p.poll() is None and time.monotonic() < t_end:
+        while not _has_bytes(d / "rank-00000.h5") and p.poll() is None and time.monotonic() < t_end:
             time.sleep(0.005)
         time.sleep(rng.uniform(0.05, 0.8))
     finally:

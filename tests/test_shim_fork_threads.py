@@ -58,6 +58,7 @@ def named(ev: np.ndarray, strings: list[str], kind: int, prefix: str) -> np.ndar
 
 FORK_THEN_KILL = """
 import os, signal, sys, time
+import numpy  # the rank file is open (HDF5) from the first flush after this: the child inherits it
 tmp, how = sys.argv[1], sys.argv[2]
 target = os.path.join(tmp, "target")
 open(target, "w").close()
@@ -153,6 +154,7 @@ def test_a_program_the_rank_starts_never_holds_its_rank_file(tmp_path: Path) -> 
 
 CHILD_STATS = """
 import os, sys, time
+import numpy  # as a DataLoader worker's parent has (torch): the child's file opens at once
 tmp, n1, n2, end, run_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 cdir, pdir = os.path.join(tmp, "c"), os.path.join(tmp, "p")
 os.makedirs(cdir); os.makedirs(pdir)
