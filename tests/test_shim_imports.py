@@ -31,7 +31,7 @@ WATCHED = ("numpy", "h5py", "ctypes", "pynvml", "threadpoolctl", "mpi4py", "torc
 
 
 def _run(cmd: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
-    env = single_process_env(**extra)
+    env = single_process_env(**{"DISTDIAG_OPEN_FILE_AT": "numpy", **extra})  # not yet the default
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

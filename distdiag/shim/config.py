@@ -48,10 +48,10 @@ class ShimConfig:
     #: file system does; rows it could not write by then are counted, not waited for
     exit_timeout_s: float = 10.0
     #: when the HDF5 rank file opens (and numpy and h5py load into the program's process):
-    #: "numpy" at the first flush after the program's own import of numpy (or when rows
-    #: waiting in memory reach half of max_pending_chunks, or at exit); "start" at start
-    #: (see distdiag.shim.rankfile)
-    open_file_at: str = "numpy"
+    #: "start" at start (the default, for now); "numpy" at the first flush after the program's
+    #: own import of numpy (or once 8 MiB of rows wait in memory, or at exit), so that what
+    #: the program sets before that import holds (see distdiag.shim.rankfile)
+    open_file_at: str = "start"
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

@@ -1,5 +1,6 @@
-"""The rank's file as the program's process sees it: claimed at start, written from
-the first flush after the program's own ``import numpy``.
+"""The rank's file as the program's process sees it: claimed at start, opened as HDF5
+at start (the default) or, with ``open_file_at = "numpy"``, from the first flush after
+the program's own ``import numpy``.
 
 Why: numpy, h5py (and with it libhdf5) are loaded into the program's process the
 moment the shim imports them, and what a library reads at load time is then fixed
@@ -27,8 +28,12 @@ until it may be written:
   buffers freed, as a flush would.
   Either imports numpy and h5py into a program that had not: said in the
   file's ``file_opened_on`` attribute (``numpy``, ``memory``, ``exit``,
-  ``start``). ``open_file_at = "start"`` (``DISTDIAG_OPEN_FILE_AT=start``)
-  opens it at start, the old way.
+  ``start``).
+* ``open_file_at``: ``"start"`` (the default for now: the file opens at start,
+  numpy and h5py loaded before the program, as before) or ``"numpy"`` (all of
+  the above; opt-in, ``DISTDIAG_OPEN_FILE_AT=numpy``, until the tests that
+  expect a numpy-free program's file written while it runs are settled: see
+  the README).
 
 What this costs: a rank killed before its program imported numpy leaves the
 claimed file empty (the analyzer says it cannot be read), losing what it
@@ -462,10 +467,6 @@ class RankFile:
                     w.add_sync(rows)
                 for rows in self._gpu:
                     w.add_gpu(rows)
-                # the first flush under the temporary name, then the rename over the claim: a
-                # kill at any instant leaves the empty claim or a file with rows
-                w.flush()
-                w.publish()
         except Exception as e:
             _take_h5py_exit()  # imported, if only to fail: still to run after the close
             self._give_up(e)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import stat
 import sys
 import threading
@@ -544,17 +543,21 @@ class Writer:
         # "x" is O_CREAT | O_EXCL underneath (HDF5's sec2 driver): it never opens what is
         # there, a link included, so a link planted at the name is never written through.
         # rdcc_nbytes=0: no chunk cache, see _write_pieces
-        tmp: Path | None = None
         if claim_fd is None:
             self._f = h5py.File(self.path, "x", locking=LOCKING, rdcc_nbytes=0)
         else:
-            # The path was claimed empty at start by distdiag.shim.rankfile.RankFile. The
-            # file is made under a private temporary name (created exclusively) and renamed
-            # over the claim once its layout and attributes are flushed: a rank killed while
-            # the file is being made leaves the empty claim, never a half-written header
-            # (seen: "truncated file: eof = 96" after a kill 50 ms into the opening).
-            tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
-            self._f = h5py.File(tmp, "x", locking=LOCKING, rdcc_nbytes=0)
+            # The path was claimed empty by distdiag.shim.rankfile.RankFile (O_EXCL, no link
+            # followed); this open ("w" follows a link) goes over that very file only. (Made
+            # under a temporary name and renamed over the claim instead, the file lost its
+            # descriptor on a FUSE passthrough mount: EBADF at the next write, seen.)
+            claimed = os.fstat(claim_fd)
+            there = os.lstat(self.path)
+            if not (stat.S_ISREG(there.st_mode) and os.path.samestat(claimed, there) and there.st_size == 0):
+                raise FileExistsError(f"{self.path} is no longer the empty file claimed at start")
+            self._f = h5py.File(self.path, "w", locking=LOCKING, rdcc_nbytes=0)
+            if not os.path.samestat(os.fstat(self._f.id.get_vfd_handle()), claimed):
+                self._f.close()
+                raise FileExistsError(f"{self.path} is no longer the file claimed at start")
         try:
             fd = self._f.id.get_vfd_handle()
             try:  # a program this one execs does not inherit the descriptor
@@ -580,36 +583,7 @@ class Writer:
             self._f.flush()
         except Exception:
             self._f.close()
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
             raise
-        #: (temporary name, claim descriptor) until :meth:`publish` renames the file over the claim
-        self._unpublished: tuple[Path, int] | None = (tmp, claim_fd) if tmp is not None and claim_fd is not None else None
-
-    def publish(self) -> None:
-        """Rename the file made under a temporary name over the claimed (empty) rank file;
-        RankFile calls this after the first flush, so the rank file goes from empty to a
-        file holding rows in one step. Raises (FileExistsError, OSError) when it cannot,
-        the temporary file then removed."""
-        if self._unpublished is None:
-            return
-        tmp, claim_fd = self._unpublished
-        try:
-            there = os.lstat(self.path)  # still the empty file claimed at start (never a link)
-            if not (stat.S_ISREG(there.st_mode) and os.path.samestat(os.fstat(claim_fd), there)
-                    and there.st_size == 0):  # fmt: skip
-                raise FileExistsError(f"{self.path} is no longer the empty file claimed at start")
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        self._unpublished = None
 
     # -- handing rows over (any thread) -----------------------------------------
     def add_rows(self, raw: bytes) -> None:

@@ -1328,11 +1328,12 @@ def uninstall() -> None:
     with _lock:
         _rec = None
         try:
-            waiting = _hooks._waiting.get(_MODULE)
-            if waiting is not None:
-                waiting[:] = [cb for cb in waiting if cb is not _on_import]
-                if not waiting:
-                    del _hooks._waiting[_MODULE]
+            for mod, cb0 in ((_MODULE, _on_import), ("numpy", _on_numpy)):
+                waiting = _hooks._waiting.get(mod)
+                if waiting is not None:
+                    waiting[:] = [cb for cb in waiting if cb is not cb0]
+                    if not waiting:
+                        del _hooks._waiting[mod]
         except Exception:
             _oops("uninstall")
         if _mpi is not None:
