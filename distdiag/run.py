@@ -1800,18 +1800,29 @@ def load_run(
         return _load_kineto(path, progress, streamed_kinds, max_trace_bytes or kineto.DEFAULT_MAX_TRACE_BYTES)
     p, files = rank_files_of(path)
     warnings: list[str] = []
-    got_all: list[_RankData | str] = []
     packer = _Packer(_capacity_rows(files), drop=streamed_kinds)
-    for i_file, fp in enumerate(files):  # one per rank file
+    got_all = _read_each(files, lambda fp: _read_rank(fp, warnings, packer), packer, progress)
+    return _assemble(path, p, files, got_all, warnings, packer)
+
+
+def _read_each(
+    files: list[Path],
+    read: Callable[[Path], _RankData | str],
+    packer: _Packer,
+    progress: Callable[[int, int], None] | None,
+) -> list[_RankData | str]:
+    """``read`` each file (a rank file or a trace) in turn, its rows packed at once."""
+    got_all: list[_RankData | str] = []
+    for i_file, fp in enumerate(files):
         if progress is not None:
             progress(i_file, len(files))
-        got = _read_rank(fp, warnings, packer)
+        got = read(fp)
         if isinstance(got, _RankData):
             packer.take(got)
         got_all.append(got)
     if progress is not None:
         progress(len(files), len(files))
-    return _assemble(path, p, files, got_all, warnings, packer)
+    return got_all
 
 
 def _load_kineto(
@@ -1824,17 +1835,8 @@ def _load_kineto(
     p = Path(path)
     files = kineto.trace_files(p)
     warnings: list[str] = []
-    got_all: list[_RankData | str] = []
     packer = _Packer(_trace_rows(files), drop=streamed_kinds)
-    for i_file, fp in enumerate(files):  # one per trace file
-        if progress is not None:
-            progress(i_file, len(files))
-        got = _read_trace_rank(fp, warnings, limit)
-        if isinstance(got, _RankData):
-            packer.take(got)
-        got_all.append(got)
-    if progress is not None:
-        progress(len(files), len(files))
+    got_all = _read_each(files, lambda fp: _read_trace_rank(fp, warnings, limit), packer, progress)
     return _assemble(path, p, files, got_all, warnings, packer, what="trace files")
 
 

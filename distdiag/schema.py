@@ -186,6 +186,8 @@ FILE_ATTRS = {
     "exit_code": "the wrapped program's exit code (absent when killed)",
     "lost_events": "events dropped (bounded memory)",
     "config": "JSON object: the shim settings in force",
+    "file_opened_on": "when the shim opened the file as HDF5: start, numpy (after the program's own "
+    "numpy import), memory (rows waiting passed 8 MiB) or exit (open_file_at, distdiag.shim.rankfile)",
     "launcher": "where the rank identity came from: torchrun, openmpi, pmix, mpich, slurm or single",
     "hooks": "JSON list: the hooks that installed (short names)",
     "recording_stopped": "why the writer stopped early (e.g. the disk was nearly full); absent normally",

@@ -85,12 +85,15 @@ def test_real_gloo_straggler_priced_at_the_measured_saving(gloo_ab: tuple[Saving
 
 @pytest.mark.torch
 def test_real_gloo_healthy_twin_silent(gloo_ab: tuple[Saving, list[Path], list[Path]]) -> None:
-    _, _, healthy = gloo_ab
+    """No finding above 2% of the wall-clock plus the noise measured in the same test (the healthy
+    runs' spread): beside a busy core a rank is really descheduled now and then (seen: a 15 ms
+    straggler in a 0.48 s healthy run, 3.1%), which is no fault of the job's."""
+    saving, _, healthy = gloo_ab
     for d in healthy:
         rep = analyze(d)
         wall = rep.run.wall_s
-        loud = [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall]
-        assert not loud, (loud, wall)
+        loud = [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall + saving.noise_s]
+        assert not loud, (loud, wall, saving.noise_s)
 
 
 @pytest.mark.torch

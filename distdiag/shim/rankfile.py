@@ -332,13 +332,34 @@ class _KeepInterruptFlag:
                 pass
 
 
+def wait_for_writes(thread: threading.Thread | None, lock: Any, deadline: float, interval_s: float) -> bool:
+    """At exit: join the flusher ``thread`` (not past ``deadline``, time.monotonic()), then take
+    ``lock`` with 2 s of grace past it (a flush under way stops at its next piece past the
+    deadline). Whether the lock was taken; False: a write is stuck (hung file system?)."""
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * interval_s))))
+    try:
+        return bool(lock.acquire(timeout=min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic()) + 2.0)))
+    except (OverflowError, ValueError):
+        return False
+
+
+def say(line: str) -> None:
+    """One line on the program's stderr; never raises."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
 def numpy_imported() -> bool:
     """The program's own ``import numpy`` has finished (not merely begun) in this process."""
     m = sys.modules.get("numpy")
     return m is not None and not getattr(getattr(m, "__spec__", None), "_initializing", False)
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     msg = " ".join(str(e).split())  # HDF5 messages carry newlines: keep to one line
     return msg[:300] + "..." if len(msg) > 300 else msg
 
@@ -361,7 +382,7 @@ class RankFile:
         self.cfg = cfg
         self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
         self.exit_timeout_s = _exit_timeout(getattr(cfg, "exit_timeout_s", 10.0))
-        self._at_start = str(getattr(cfg, "open_file_at", "numpy")).strip().lower() == "start"
+        self._at_start = str(getattr(cfg, "open_file_at", "start")).strip().lower() == "start"
         self._compact = compact_strings
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         self._fd: int | None = os.open(self.path, flags, FILE_MODE)
@@ -381,7 +402,6 @@ class RankFile:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.failed = False
-        self.opened_on: str | None = None
 
     # -- what the Writer would be asked -------------------------------------------------
     def add_sync(self, rows: Any) -> None:
@@ -411,11 +431,6 @@ class RankFile:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def rows_written(self) -> int:
-        w = self._w
-        return int(w.rows_written) if w is not None else 0
 
     # -- opening --------------------------------------------------------------------
     def _due(self) -> str | None:
@@ -474,7 +489,6 @@ class RankFile:
         _take_h5py_exit()
         self._sync, self._gpu, self._held, self._held_bytes = [], [], [], 0
         self._close_claim()
-        self.opened_on = why
         self._w = w
         return w
 
@@ -493,11 +507,7 @@ class RankFile:
         self._close_claim()
         self.rec.max_pending_chunks = 0  # from now on full chunks are dropped and counted
         self.rec.full.clear()
-        try:
-            sys.stderr.write(f"distdiag: cannot write {self.path}: {_one_line(e)}; the job runs without recording\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
+        say(f"distdiag: cannot write {self.path}: {one_line(e)}; the job runs without recording")
 
     # -- the flusher -------------------------------------------------------------------
     def start(self) -> None:
@@ -544,21 +554,10 @@ class RankFile:
         if w is not None:
             w._deadline = deadline  # a flush under way stops at its next piece
         self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * self.interval_s))))
-        try:
-            got = self._lock.acquire(timeout=min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic()) + 2.0))
-        except (OverflowError, ValueError):
-            got = False
-        if not got:
+        if not wait_for_writes(self._thread, self._lock, deadline, self.interval_s):
             self._closed = True
-            try:
-                sys.stderr.write(f"distdiag: {self.path}: the file's opening did not return within exit_timeout_s="
-                                 f"{self.exit_timeout_s:g} s (hung file system?); the job exits without it\n")  # fmt: skip
-                sys.stderr.flush()
-            except Exception:
-                pass
+            say(f"distdiag: {self.path}: the file's opening did not return within exit_timeout_s="
+                f"{self.exit_timeout_s:g} s (hung file system?); the job exits without it")
             return
         try:
             if self._closed:

@@ -898,11 +898,10 @@ class _ForkStream:
         deadline = time.monotonic() + bound
         if w0 is not None:
             w0._deadline = deadline  # a flush under way stops at its next piece (Writer.close)
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * self.interval_s))))
+        from distdiag.shim.rankfile import wait_for_writes
+
         # bounded as the rank's own exit is: a worker on a slow disk does not hold its exit
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) + 2.0):
+        if not wait_for_writes(self._thread, self._lock, deadline, self.interval_s):
             return
         try:
             if self._closed:

@@ -49,8 +49,11 @@ from distdiag.shim.rankfile import (  # noqa: F401  (re-exported: what the shim 
     base_attrs,
     describe_code,
     fork_file_name,
+    one_line,
     read_own_file,
     redact_argv,
+    say,
+    wait_for_writes,
     write_private_file,
 )
 from distdiag.shim.recorder import ROW_SIZE as _ROW_SIZE
@@ -837,14 +840,8 @@ class Writer:
             return
         self.failed = True
         self._stop.set()
-        msg = " ".join(str(e).split())  # HDF5 messages carry newlines: keep to one line
-        if len(msg) > 300:
-            msg = msg[:300] + "..."
-        try:
-            sys.stderr.write(f"distdiag: cannot write {self.path}: {msg}; the job runs without recording\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
+        msg = one_line(e)
+        say(f"distdiag: cannot write {self.path}: {msg}; the job runs without recording")
         # From now on every full chunk is dropped (counted as lost) instead of queued.
         self.rec.max_pending_chunks = 0
         self.rec.full.clear()
@@ -893,22 +890,10 @@ class Writer:
             deadline = time.monotonic() + self.exit_timeout_s
         self._deadline = deadline
         self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=max(0.0, min(deadline - time.monotonic(), max(5.0, 2 * self.interval_s))))
-        try:  # a flush under way stops at its next piece past the deadline: a few pieces' grace
-            got = self._lock.acquire(timeout=min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic()) + 2.0))
-        except (OverflowError, ValueError):
-            got = False
-        if not got:
+        if not wait_for_writes(self._thread, self._lock, deadline, self.interval_s):
             self._closed = True
-            try:
-                sys.stderr.write(f"distdiag: {self.path}: a write did not return within exit_timeout_s="
-                                 f"{self.exit_timeout_s:g} s (hung file system?); the job exits with the file "
-                                 "as of its last flush\n")  # fmt: skip
-                sys.stderr.flush()
-            except Exception:
-                pass
+            say(f"distdiag: {self.path}: a write did not return within exit_timeout_s={self.exit_timeout_s:g} s "
+                "(hung file system?); the job exits with the file as of its last flush")
             return
         try:
             if self._closed or self.failed:
