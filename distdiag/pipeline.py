@@ -18,6 +18,7 @@ import pandas as pd
 
 from distdiag import clocks
 from distdiag.breakdown import COLUMNS, INFO_COLUMNS, breakdown, per_step_json, step_breakdown
+from distdiag.gpu_timeline import gpu_json
 from distdiag.config import Config, load_config
 from distdiag.detectors import load_all
 from distdiag.findings import Finding
@@ -71,7 +72,9 @@ class Report:
                 **({"input": input_json(run)} if run.source == "kineto" else {}),
             },
             "findings": [_jsonable(f.to_json()) for f in self.findings],
-            "breakdown": {"per_rank": per_rank, "per_step": per_step_json(step_breakdown(run, self.collectives))},
+            "breakdown": {"per_rank": per_rank, "per_step": per_step_json(step_breakdown(run, self.collectives)),
+                          # only for a run timed on the GPU (CUDA events, distdiag/gpu_timeline.py)
+                          **({"gpu": _jsonable(g)} if (g := gpu_json(run)) is not None else {})},
         }
 
 

@@ -295,6 +295,11 @@ class RankInfo:
     #: profiler trace, :mod:`distdiag.kineto`), and the byte bound that read was held to
     source: str = "distdiag"
     read_limit_bytes: int = 0
+    #: the rank file's ``cuda_timing`` attribute ("on: ..." when its calls were timed on the GPU
+    #: too, :mod:`distdiag.shim.hooks.cuda_events`), and how many of its collectives took their
+    #: GPU times (:func:`distdiag.gpu_timeline.substitute_collective_times`)
+    cuda_timing: str = ""
+    gpu_timed_collectives: int = 0
 
     @property
     def dur_s(self) -> float:
@@ -1154,6 +1159,12 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
             last_flush = _int_attr(attrs, "last_flush_mono_ns")
             span = _recorded_span(mono0, end, last_flush)
             events, scan = _in_span(events, scan, span, fname, warnings, packer)
+            cuda_timing = str(_attr(attrs, "cuda_timing", "") or "")[:300]
+            n_gpu = 0
+            if cuda_timing.startswith("on"):  # GPU-timed: collectives on the GPU's timeline
+                n_gpu = _gpu_times(events)
+                if n_gpu:
+                    scan = _Scan.of(events)
             strings = _read_strings(f, fname, warnings, size)
             if isinstance(strings, str):
                 return strings
@@ -1215,6 +1226,8 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 sample_every=max(0, _int_attr(attrs, "sample_every", 0)),
                 counted_only=counted,
                 recording_stopped=str(_attr(attrs, "recording_stopped", "") or "")[:300],
+                cuda_timing=cuda_timing,
+                gpu_timed_collectives=n_gpu,
             )
             return _RankData(info, events, strings, sync, inflight, gpu, scan)
     except _H5_ERRORS as e:
@@ -2078,11 +2091,22 @@ def _read_events(info: RankInfo) -> np.ndarray | None:
         return None
     try:
         with f:
-            return _read_table(
+            ev = _read_table(
                 f, "events", EVENT_DTYPE, info.path.name, [], refresh=not info.closed_cleanly, size=_file_size(f)
             )
     except _H5_ERRORS:
         return None
+    if info.gpu_timed_collectives:  # as _read_rank gave them: the GPU's times
+        _gpu_times(ev)
+    return ev
+
+
+def _gpu_times(events: np.ndarray) -> int:
+    """The one place collectives take their GPU-side times (one rank's rows, in place; see
+    :func:`distdiag.gpu_timeline.substitute_collective_times`): how many did."""
+    from distdiag.gpu_timeline import substitute_collective_times
+
+    return substitute_collective_times(events)
 
 
 #: The kinds ``pipeline.analyze`` streams on a large run: the compute phases and the

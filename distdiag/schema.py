@@ -68,6 +68,11 @@ class Kind(enum.IntEnum):
     BACKWARD = 44
     OPTIMIZER = 45
     STEP = 46  # iteration boundary (instant, t0 == t1): nbytes = samples, aux = tokens, value = flops
+    GPU_SPAN = 47  # the GPU-side span of another row, from a pair of CUDA events around it on its stream
+    #              (distdiag.shim.hooks.cuda_events): t0/t1 = GPU start/end on this rank's host clock;
+    #              aux = the kind of the row it times, nbytes = that row's t0_ns (the key: its CPU
+    #              enqueue time), name_id/comm_id/seq = that row's, peer = CUDA device index,
+    #              value = the anchor's bound (ns) on where GPU times sit on the host clock
     # bookkeeping -------------------------------------------------------------
     MARK = 60  # instant user mark
     LOST = 61  # events dropped because the shim could not keep up: aux = how many
@@ -144,6 +149,12 @@ GPU_SPEC = (
         ("pcie_tx_bytes_per_s", "<f8"),
         ("pcie_rx_bytes_per_s", "<f8"),
         ("nvlink_bytes_per_s", "<f8"),
+        # added later (a file without them reads 0 there): NVML's clock-event (throttle) reason
+        # bits (-1: not readable), the GPU temperature, and the last XID error NVML reported
+        # since the previous sample (0: none, -1: XID events not readable on this device)
+        ("throttle_reasons", "<i8"),
+        ("temp_c", "<f4"),
+        ("xid", "<i4"),
 )
 
 #: numpy dtype name -> its field list; built by ``__getattr__`` below on first access
@@ -196,6 +207,9 @@ FILE_ATTRS = {
     "budget_reached_mono_ns": "the event clock at the flush that reached the budget",
     "sample_every": "past the budget, 1 row in this many was written",
     "rows_counted_only": "past the budget, rows only counted in /counters",
+    "cuda_timing": "GPU-side timing by CUDA events (GPU_SPAN rows): 'on: ...' or 'off: <why>' (cuda_events hook)",
+    "cuda_spans_dropped": "GPU spans not timed because too many were pending (bounded; those rows keep CPU times)",
+    "cuda_spans_pending": "GPU spans still pending (their events not done) at the last flush",
 }
 
 #: Environment variables worth keeping: the scheduler's, MPI's, torch's and

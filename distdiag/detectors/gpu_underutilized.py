@@ -15,6 +15,15 @@ save running at ``target_mfu`` (a well-tuned job's efficiency, 0.4 by default;
 a stated assumption, in the evidence): ``T_steps * (1 - mfu / target_mfu)``,
 the median over flagged ranks (they run in lockstep, so not summed).
 
+Where the run was timed on the GPU (CUDA events, :mod:`distdiag.gpu_timeline`),
+"busy" is the GPU's own: the share of the rank's step window its kernels ran
+(``kernels_s / window_s``), not NVML's utilization (seed 003: "utilization
+lies": NVML reads 100% for one tiny kernel after another, and also when
+kernels wait on a slow input pipeline between bursts it samples between). A
+rank without NVML samples is judged then too (its device name, for the peak,
+still comes from NVML's ``gpu_names``; or ``peak_tflops``). The evidence says
+which (``busy_source``).
+
 Memory-bound signature: memory-controller utilization high (>= ``mem_bound_pct``)
 while FLOP/s are low: the kernels wait on memory, usually because each one
 gets too little work: raise the batch size (or fuse kernels).
@@ -98,7 +107,12 @@ def _gpu_names(run: Any, ranks: np.ndarray) -> dict[int, dict[str, str]]:
 def detect(run: Any, cfg: Any) -> list[Finding]:
     gpu = run.gpu
     wall_s = run.wall_s
-    if len(gpu) == 0 or wall_s <= 0:
+    from distdiag.gpu_timeline import gpu_breakdown
+
+    gb = gpu_breakdown(run)  # the GPU's own busy time, when the run was timed on the GPU
+    own_busy = gb["_kernels_s"] if gb is not None else {}
+    own_window = gb["_window_s"] if gb is not None else {}
+    if (len(gpu) == 0 and not own_busy) or wall_s <= 0:
         return []
     # the run's kind index (distdiag.rows), not a scan; STEP rows stay in run.events on a
     # streamed run (only the compute phases are streamed), so no pass over distdiag.bands
@@ -125,7 +139,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     idx = np.searchsorted(ranks, steps["rank"])
     flops = np.bincount(idx, weights=steps["value"], minlength=len(ranks)) - steps["value"][first]
     dur_s = (t_last - t_first) / 1e9
-    names = _gpu_names(run, np.unique(gpu["rank"]))
+    names = _gpu_names(run, np.union1d(np.unique(gpu["rank"]), np.array(sorted(own_busy), np.int64)))
 
     # per rank: mean SM and memory utilization of its GPU samples inside its step window
     g_idx = np.searchsorted(ranks, gpu["rank"])
@@ -142,6 +156,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
 
     flagged = []
     for k, r in enumerate(ranks):  # per rank: bounded by the number of ranks with GPU samples
+        source = "nvml"
+        if int(r) in own_busy and own_window.get(int(r), 0) > 0:
+            sm[k] = 100.0 * own_busy[int(r)] / own_window[int(r)]  # the GPU's own busy share
+            n_s[k] = max(n_s[k], 1)
+            source = "cuda_events"
         if n_s[k] == 0 or dur_s[k] <= 0:
             continue
         dev = next(iter(names.get(int(r), {}).values()), "")
@@ -157,7 +176,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         if sm[k] < busy_pct or mfu >= max_mfu:
             continue
         cost = dur_s[k] * max(0.0, 1.0 - mfu / target_mfu)
-        flagged.append((int(r), dev, entry, peak_tf, achieved_tf, mfu, float(sm[k]), float(mem[k]), cost, int(n_gpus[k])))
+        flagged.append((int(r), dev, entry, peak_tf, achieved_tf, mfu, float(sm[k]), float(mem[k]), cost, int(n_gpus[k]),
+                        source))  # fmt: skip
     if not flagged:
         return []
     cost_s = float(np.median([f[8] for f in flagged]))
@@ -194,9 +214,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "precision": precision,
                 "target_mfu_assumed": target_mfu,
                 "memory_bound": memory_bound,
+                "busy_source": sorted({f[10] for f in flagged}),
                 "per_rank": {
                     f[0]: {"device": f[1], "peak_tflops": f[3], "achieved_tflops": round(f[4], 3), "mfu": round(f[5], 4),
-                           "sm_util_pct": round(f[6], 1), "mem_util_pct": round(f[7], 1), "samples": f[9]}
+                           "sm_util_pct": round(f[6], 1), "mem_util_pct": round(f[7], 1), "samples": f[9],
+                           "busy_source": f[10]}
                     for f in flagged
                 },  # fmt: skip
             },

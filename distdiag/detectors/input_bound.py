@@ -20,6 +20,10 @@ cost = max(70, 30) - max(30, 30) = 40: the wait is on the critical path. Rank 0
 waits 40 but rank 1 computes 70 (a slower rank, not the input, binds): cost
 max(70, 70) - max(30, 70) = 0.
 
+On a run timed on the GPU (``Kind.GPU_SPAN`` rows, CUDA events) the GPU's own
+busy spans (kernels, collectives) count as compute: an input wait the GPU
+spends running queued work is hidden, one it spends idle is not.
+
 The same machinery prices host-to-device copies (``h2d_copy``), in the same
 pass. The tables are filled band of ranks by band (:mod:`distdiag.bands`): a
 streamed run's compute phases are only there (see :func:`critical_path_cost`).
@@ -45,6 +49,22 @@ log = logging.getLogger(__name__)
 
 #: Phases that keep the compute busy (an input wait overlapping one is hidden).
 COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
+#: GPU spans (CUDA events, :mod:`distdiag.gpu_timeline`) of these kinds keep the GPU busy too:
+#: on a GPU-timed run an input wait is hidden while the rank's GPU still runs queued
+#: kernels or a collective, whatever its CPU does (the GPU's own busy time, not NVML's
+#: "utilization"). A copy's own span is not among them: it would hide the copy itself.
+GPU_BUSY_KINDS = (int(Kind.FORWARD), int(Kind.BACKWARD), int(Kind.OPTIMIZER), int(Kind.COLL), int(Kind.COLL_ASYNC))
+
+
+def _compute_rows(band: Band) -> np.ndarray:
+    """The band's rows that keep the rank busy: its compute phases, and on a GPU-timed run
+    its GPU spans of kernels and collectives (offsets into ``band.events``, ascending)."""
+    rows = band.rows(COMPUTE_KINDS)
+    g = band.rows(Kind.GPU_SPAN)
+    if len(g) == 0:
+        return rows
+    g = g[np.isin(band.events["aux"][g], GPU_BUSY_KINDS)]
+    return np.union1d(rows, g) if len(g) else rows
 
 
 def merge_intervals(t0: np.ndarray, t1: np.ndarray, group: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
@@ -332,7 +352,7 @@ def critical_path_part(run: Any, kinds: tuple[int, ...], part: tuple[int, int] |
         rows: dict[Any, np.ndarray] = {"window": band.rows(WINDOW_KINDS)}
         rows.update({k: band.rows(k) for k in todo})
         if any(len(rows[k]) for k in todo):
-            rows["compute"] = band.rows(COMPUTE_KINDS)
+            rows["compute"] = _compute_rows(band)
         for r_lo in range(band.r_lo, band.r_hi, chunk):  # one chunk, unless ranks with few rows meet many steps
             r_hi = min(band.r_hi, r_lo + chunk)
             if chunk < band.r_hi - band.r_lo:  # the rows of ranks [r_lo, r_hi): their offsets are a range

@@ -128,6 +128,11 @@ class TextRenderer:
         if slurm:
             lines += slurm + [""]
         lines += self._breakdown(report)
+        from distdiag.gpu_timeline import gpu_text  # GPU-timed runs only (CUDA events)
+
+        gpu = gpu_text(run)
+        if gpu:
+            lines += [""] + gpu
         if run.warnings:
             lines.append("")
             lines.append(self._c("warn", f"WARNINGS ({len(run.warnings)})"))

@@ -256,6 +256,18 @@ OPEN_AFTER_BYTES = 8 << 20
 
 #: set by the wrapper's atexit handler before it closes the file (distdiag.shim.wrap)
 EXITING = False
+#: called (no arguments, on the flusher thread; at exit on the closing one) before every
+#: flush: hooks that make rows off the hot path (distdiag.shim.hooks.cuda_events resolves
+#: its CUDA events there). Each must not block and never raise.
+BEFORE_FLUSH: list[Any] = []
+
+
+def _before_flush() -> None:
+    for cb in list(BEFORE_FLUSH):
+        try:
+            cb()
+        except Exception:
+            pass
 #: h5py's own exit handler (``h5py._unregister_converters``), taken off atexit while a
 #: rank file is open and run after the file's close (see _take_h5py_exit)
 _h5py_exit: Any = None
@@ -527,6 +539,8 @@ class RankFile:
         """Write what was recorded, once the file may open (else nothing). Never raises."""
         if self._closed or self.failed:
             return
+        if BEFORE_FLUSH:
+            _before_flush()
         w = self._w
         if w is None:
             with self._lock:
@@ -568,6 +582,8 @@ class RankFile:
                 with _KeepInterruptFlag():
                     w = self._open("exit")
             if w is not None:
+                if BEFORE_FLUSH:
+                    _before_flush()
                 w.close(exit_code, deadline=deadline)
         except Exception:
             log.debug("distdiag: close of %s failed", self.path, exc_info=True)

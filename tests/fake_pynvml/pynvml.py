@@ -11,6 +11,12 @@ scripted values set through environment variables:
 ``FAKE_NVML_NAME``      device name (default "FAKE NVIDIA H100 80GB HBM3")
 ``FAKE_NVML_SM_UTIL``   / ``FAKE_NVML_MEM_UTIL``: utilization percentages (default 97 / 35)
 ``FAKE_NVML_NO_NVLINK`` set -> NVLink fields answer NVML_ERROR_NOT_SUPPORTED
+``FAKE_NVML_THROTTLE``  clock-event (throttle) reason bits (default 0: none)
+``FAKE_NVML_TEMP``      GPU temperature, C (default 45)
+``FAKE_NVML_XID``       an XID error number: the event set reports it once (default: none)
+``FAKE_NVML_MISSING``   comma-separated function names this "library" lacks (AttributeError, as an
+                        old nvidia-ml-py without them)
+``FAKE_NVML_FAIL_CALLS`` comma-separated function names that raise NVMLError_NotSupported
 
 Every answer is what the fake was told to say: it measures nothing.
 """
@@ -32,6 +38,9 @@ NVML_PCIE_UTIL_TX_BYTES = 0
 NVML_PCIE_UTIL_RX_BYTES = 1
 NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
 NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+NVML_ERROR_TIMEOUT = 10
+NVML_TEMPERATURE_GPU = 0
+nvmlEventTypeXidCriticalError = 8
 
 
 class NVMLError(Exception):
@@ -45,6 +54,11 @@ class NVMLError(Exception):
 class NVMLError_LibraryNotFound(NVMLError):
     def __init__(self) -> None:
         super().__init__(NVML_ERROR_LIBRARY_NOT_FOUND)
+
+
+class NVMLError_Timeout(NVMLError):
+    def __init__(self) -> None:
+        super().__init__(NVML_ERROR_TIMEOUT)
 
 
 class NVMLError_NotSupported(NVMLError):
@@ -132,3 +146,50 @@ def nvmlDeviceGetFieldValues(h: Any, field_ids: list[int]) -> list[Any]:
     kib = int(time.perf_counter_ns() / 1e9 * (1 << 20))
     ret = NVML_ERROR_NOT_SUPPORTED if os.environ.get("FAKE_NVML_NO_NVLINK") else NVML_SUCCESS
     return [SimpleNamespace(fieldId=f, nvmlReturn=ret, value=SimpleNamespace(ullVal=kib)) for f in field_ids]
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(h: Any) -> int:
+    return int(_env("FAKE_NVML_THROTTLE", "0"))
+
+
+def nvmlDeviceGetTemperature(h: Any, sensor: int) -> int:
+    return int(_env("FAKE_NVML_TEMP", "45"))
+
+
+_xid_sent: set[int] = set()
+
+
+def nvmlEventSetCreate() -> Any:
+    return SimpleNamespace(devices=[])
+
+
+def nvmlDeviceRegisterEvents(h: Any, types: int, es: Any) -> None:
+    es.devices.append(h)
+
+
+def nvmlEventSetWait_v2(es: Any, timeout_ms: int) -> Any:
+    xid = _env("FAKE_NVML_XID", "")
+    if xid:
+        for h in es.devices:
+            if h.index not in _xid_sent:
+                _xid_sent.add(h.index)
+                return SimpleNamespace(device=h, eventType=nvmlEventTypeXidCriticalError, eventData=int(xid))
+    raise NVMLError_Timeout()
+
+
+def nvmlEventSetFree(es: Any) -> None:
+    pass
+
+
+def _wrap_failing() -> None:
+    for name in [n.strip() for n in _env("FAKE_NVML_FAIL_CALLS", "").split(",") if n.strip()]:
+        if name in globals():
+            def fail(*a: Any, **k: Any) -> Any:
+                raise NVMLError_NotSupported()
+
+            globals()[name] = fail
+    for name in [n.strip() for n in _env("FAKE_NVML_MISSING", "").split(",") if n.strip()]:
+        globals().pop(name, None)
+
+
+_wrap_failing()

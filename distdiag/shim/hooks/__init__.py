@@ -30,6 +30,7 @@ HOOKS: dict[str, bool] = {
     "distdiag.shim.probe": True,
     "distdiag.shim.hooks.torch_dist": True,
     "distdiag.shim.hooks.phases": True,
+    "distdiag.shim.hooks.cuda_events": True,
     # a GPU sampler thread; off (with a one-line reason in the file) without NVML
     "distdiag.shim.hooks.nvml": True,
 }

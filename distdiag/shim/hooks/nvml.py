@@ -4,8 +4,23 @@ Every ``ShimConfig.gpu_interval_s`` one ``GPU_DTYPE`` row per sampled GPU goes
 to ``SESSION.writer.add_gpu``: SM utilization, memory-controller utilization,
 SM clock, memory used, power, PCIe tx/rx (NVML reports KB/s; stored as
 bytes/s) and NVLink throughput (the sum over links of the data tx+rx counters,
-as a rate between two samples). A metric the device does not support is NaN
-(and not asked again).
+as a rate between two samples), the clock-event ("throttle") reasons as NVML's
+bit mask (``nvmlDeviceGetCurrentClocksEventReasons``, or the older
+``...ThrottleReasons``; -1 when neither answers), the GPU temperature, and the
+last XID error NVML reported since the previous sample (an event set
+registered for ``nvmlEventTypeXidCriticalError``, polled with a 0 ms timeout;
+0 none, -1 when XID events cannot be read here). Every call is guarded on its
+own: a function this nvidia-ml-py lacks, or an NVMLError from one call, loses
+that metric only (NaN, or -1 for the integer ones), and it is not asked again.
+
+Cost per sample, per GPU: 11 NVML calls (utilization, SM clock, memory, power,
+PCIe tx, PCIe rx, NVLink field values, clock-event reasons, temperature, one
+XID poll; the handle is kept). On the fake here ~20 us a sample; on a real
+device the two PCIe calls dominate (NVML measures PCIe throughput over a
+window, tens of ms on some drivers), all on this background thread, never the
+program's. ``benchmarks/gpu_check.py`` measures a sample on a real GPU and
+puts the readings next to ``nvidia-smi``'s (not yet run: no GPU where this
+was written; tested against ``tests/fake_pynvml``).
 
 Which GPUs: the ones this process can see (``CUDA_VISIBLE_DEVICES``, indices or
 UUIDs, else all). When several ranks share a node and each sees every GPU (the
@@ -87,6 +102,40 @@ class Sampler:
         self._unsupported: set[str] = set()
         self._nvlink_prev: dict[int, tuple[int, float]] = {}  # gpu -> (t_ns, cumulative bytes)
         self.samples = 0
+        self._xid_set: Any = None  # NVML event set for XID errors; None: not readable
+        self._xid_last: dict[int, int] = {}  # gpu -> last XID seen since the previous sample
+        self._xid_ok = False
+        try:
+            es = nv.nvmlEventSetCreate()
+            for h in self.handles:
+                nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, es)
+            self._xid_set, self._xid_ok = es, True
+        except Exception as e:
+            log.debug("distdiag: NVML XID events not readable: %s", e)
+
+    def _throttle(self, h: Any) -> float:
+        nv = self.nv
+        fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        return float(fn(h))
+
+    def _poll_xid(self) -> None:
+        """Drain the XID event set (0 ms timeout each, at most 16 events a sample)."""
+        nv = self.nv
+        if self._xid_set is None:
+            return
+        for _ in range(16):
+            try:
+                d = nv.nvmlEventSetWait_v2(self._xid_set, 0)
+            except Exception as e:
+                if getattr(e, "value", None) != getattr(nv, "NVML_ERROR_TIMEOUT", 10):
+                    log.debug("distdiag: NVML XID poll failed: %s", e)
+                    self._xid_set, self._xid_ok = None, False
+                return
+            try:
+                idx = int(nv.nvmlDeviceGetIndex(d.device))
+                self._xid_last[idx] = int(d.eventData)
+            except Exception:
+                continue
 
     # one metric, NaN when unsupported (and never asked again)
     def _get(self, name: str, fn: Callable[[], float]) -> float:
@@ -119,6 +168,7 @@ class Sampler:
 
         nv = self.nv
         rows = np.zeros(len(self.handles), GPU_DTYPE)
+        self._poll_xid()
         for k, (idx, h) in enumerate(zip(self.devices, self.handles)):
             t = now_ns()
             util = None
@@ -132,6 +182,7 @@ class Sampler:
             r["gpu"] = idx
             r["sm_util_pct"] = util.gpu if util is not None else math.nan
             r["mem_util_pct"] = util.memory if util is not None else math.nan
+            # (util: one call for both; the other metrics one call each through _get)
             r["sm_clock_mhz"] = self._get("sm_clock", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
             mem = self._get("mem", lambda: nv.nvmlDeviceGetMemoryInfo(h).used)
             r["mem_used_bytes"] = -1 if math.isnan(mem) else int(mem)
@@ -146,6 +197,10 @@ class Sampler:
                     rate = max(0.0, (cum - prev[1]) * 1e9 / (t - prev[0]))
                 self._nvlink_prev[idx] = (t, cum)
             r["nvlink_bytes_per_s"] = rate
+            thr = self._get("throttle", lambda: self._throttle(h))
+            r["throttle_reasons"] = -1 if math.isnan(thr) else int(thr)
+            r["temp_c"] = self._get("temp", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+            r["xid"] = self._xid_last.pop(idx, 0) if self._xid_ok else -1
         self.samples += 1
         return rows
 

@@ -25,6 +25,15 @@
 Phases are finished rows (``rec.add`` with a t0 kept on the stack), never
 ``enter``/``leave``: a collective or a file read inside a phase keeps the
 thread's one in-flight slot.
+
+On a GPU (once the program initialized CUDA), FORWARD, BACKWARD, OPTIMIZER
+and H2D also get their GPU-side span: a CUDA event pair on the current
+device's current stream around the call, resolved later on the flusher
+thread into a ``GPU_SPAN`` row (:mod:`distdiag.shim.hooks.cuda_events`). The
+span runs from the GPU reaching the phase's first queued work to its last
+work's end, so gaps inside a phase (the CPU launching too slowly) count as
+the phase's; :mod:`distdiag.gpu_timeline` builds the per-step GPU breakdown
+from these spans. Verified only against ``tests/fake_cuda`` (no GPU here).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from typing import Any, Callable
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
+from distdiag.shim.hooks import cuda_events as _cuda_events
 from distdiag.shim.recorder import Recorder, now_ns
 
 log = logging.getLogger(__name__)
@@ -58,7 +68,7 @@ _patched: list[tuple[Any, str, Any]] = []
 _handles: list[Any] = []
 _ids: dict[str, int] = {}
 _cls_ids: dict[type, int] = {}  # module class -> string id of its name (the FORWARD row's name)
-_opt_t0: dict[int, int] = {}  # id(optimizer) -> t0 of the step in progress
+_opt_t0: dict[int, tuple[int, Any]] = {}  # id(optimizer) -> (t0, CUDA token) of the step in progress
 _primary_opt: list[int] = []  # id of the optimizer whose steps mark iterations
 _installed = False
 
@@ -68,6 +78,19 @@ def _sid(name: str) -> int:
     if i is None and _REC is not None:
         i = _ids[name] = _REC.intern(name)
     return i or 0
+
+
+def _gpu_begin() -> Any:
+    """A CUDA event token for the phase starting now (None without CUDA: one global read)."""
+    t = _cuda_events._TIMER
+    if t is None:
+        return None
+    return t, t.begin()
+
+
+def _gpu_end(tok: Any, kind: int, name_id: int, t0: int) -> None:
+    if tok is not None:
+        tok[0].end(tok[1], kind, name_id, t0)
 
 
 def _patch(owner: Any, attr: str, new: Any) -> None:
@@ -111,6 +134,7 @@ def _make_module_call(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, *args, **kwargs)
         tls.in_forward = True
         t0 = now_ns()
+        gtok = _gpu_begin()
         try:
             return orig(self, *args, **kwargs)
         finally:
@@ -123,6 +147,7 @@ def _make_module_call(orig: Callable[..., Any]) -> Callable[..., Any]:
                     if nid is None:
                         nid = _cls_ids[cls] = _sid(cls.__name__)
                     rec.add(t0, now_ns(), Kind.FORWARD, nid)
+                    _gpu_end(gtok, Kind.FORWARD, nid, t0)
                 except Exception:
                     pass
 
@@ -138,6 +163,7 @@ def _make_backward(orig: Callable[..., Any], name: str) -> Callable[..., Any]:
             return orig(*args, **kwargs)
         tls.in_backward = True
         t0 = now_ns()
+        gtok = _gpu_begin()
         try:
             return orig(*args, **kwargs)
         finally:
@@ -145,7 +171,9 @@ def _make_backward(orig: Callable[..., Any], name: str) -> Callable[..., Any]:
             rec = _REC
             if rec is not None:
                 try:
-                    rec.add(t0, now_ns(), Kind.BACKWARD, _sid(name))
+                    nid = _sid(name)
+                    rec.add(t0, now_ns(), Kind.BACKWARD, nid)
+                    _gpu_end(gtok, Kind.BACKWARD, nid, t0)
                 except Exception:
                     pass
 
@@ -156,7 +184,7 @@ def _make_backward(orig: Callable[..., Any], name: str) -> Callable[..., Any]:
 # -- optimizer ----------------------------------------------------------------------------
 def _opt_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     try:
-        _opt_t0[id(optimizer)] = now_ns()
+        _opt_t0[id(optimizer)] = (now_ns(), _gpu_begin())
     except Exception:
         pass
 
@@ -168,8 +196,10 @@ def _opt_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     try:
         t1 = now_ns()
         key = id(optimizer)
-        t0 = _opt_t0.pop(key, t1)
-        rec.add(t0, t1, Kind.OPTIMIZER, _sid(type(optimizer).__name__))
+        t0, gtok = _opt_t0.pop(key, (t1, None))
+        nid = _sid(type(optimizer).__name__)
+        rec.add(t0, t1, Kind.OPTIMIZER, nid)
+        _gpu_end(gtok, Kind.OPTIMIZER, nid, t0)
         if not _primary_opt:
             _primary_opt.append(key)
         if _primary_opt[0] == key:
@@ -201,13 +231,18 @@ def _make_to(orig: Callable[..., Any], name: str) -> Callable[..., Any]:
             return orig(self, *args, **kwargs)
         _tls.in_h2d = True
         t0 = now_ns()
+        gtok = _gpu_begin()
         try:
             out = orig(self, *args, **kwargs)
         finally:
             _tls.in_h2d = False
         try:
             if out is not self and _is_h2d(self, out):
-                rec.add(t0, now_ns(), Kind.H2D, _sid(name), nbytes=_tensor_nbytes(out), site_id=rec.site(2))
+                nid = _sid(name)
+                rec.add(t0, now_ns(), Kind.H2D, nid, nbytes=_tensor_nbytes(out), site_id=rec.site(2))
+                _gpu_end(gtok, Kind.H2D, nid, t0)
+            elif gtok is not None:
+                gtok[0].cancel(gtok[1])
         except Exception:
             pass
         return out
@@ -224,13 +259,18 @@ def _make_copy(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, src, *args, **kwargs)
         _tls.in_h2d = True
         t0 = now_ns()
+        gtok = _gpu_begin()
         try:
             out = orig(self, src, *args, **kwargs)
         finally:
             _tls.in_h2d = False
         try:
             if _is_h2d(src, self):
-                rec.add(t0, now_ns(), Kind.H2D, _sid("Tensor.copy_"), nbytes=_tensor_nbytes(src), site_id=rec.site(2))
+                nid = _sid("Tensor.copy_")
+                rec.add(t0, now_ns(), Kind.H2D, nid, nbytes=_tensor_nbytes(src), site_id=rec.site(2))
+                _gpu_end(gtok, Kind.H2D, nid, t0)
+            elif gtok is not None:
+                gtok[0].cancel(gtok[1])
         except Exception:
             pass
         return out

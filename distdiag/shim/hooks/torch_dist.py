@@ -62,7 +62,14 @@ rank must call ``new_group``). ``seq`` counts recorded collectives per key.
 of the dtype; ``peer`` the *global* rank of the root / peer (-1 if none).
 
 Timing caveat: on NCCL the CPU-side times are enqueue times for blocking calls
-and stream-ordered completion for futures, not kernel time on the GPU.
+and stream-ordered completion for futures, not kernel time on the GPU. So a
+*blocking* collective on CUDA tensors also gets its GPU-side span: a CUDA event
+pair on the current stream around the call (:mod:`distdiag.shim.hooks.cuda_events`),
+written later as a ``GPU_SPAN`` row keyed by the row's t0; the analyzer then
+uses GPU start / end as the collective's arrival / exit (``distdiag.run``).
+Not timed on the GPU yet (their rows keep CPU times): ``async_op=True``
+collectives, DDP's buckets, point-to-point calls. Verified only against
+``tests/fake_cuda`` (no GPU here); ``benchmarks/gpu_check.py`` is the device check.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ from typing import Any, Callable
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
+from distdiag.shim.hooks import cuda_events as _cuda_events
 from distdiag.shim.recorder import ROW_SIZE, Recorder, now_ns
 from distdiag.shim.recorder import pack_row as _pack
 
@@ -364,6 +372,9 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             except Exception:
                 log.debug("distdiag: could not track %s", name, exc_info=True)
             return work
+        timer = _cuda_events._TIMER
+        if timer is not None and data is not None:  # CUDA tensors: GPU-side times too (cuda_events)
+            return _timed_call(rec, timer, orig, args, kwargs, data, kind_sync, nid, comm, seq, peer, nbytes, aux, site)
         rec.enter(kind_sync, nid, comm, seq, peer, nbytes, aux, site)
         tls.busy = True
         try:
@@ -374,6 +385,31 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.__distdiag_original__ = orig  # type: ignore[attr-defined]
     return wrapper
+
+
+def _timed_call(rec: Recorder, timer: Any, orig: Callable[..., Any], args: Any, kwargs: Any, data: Any, kind: int,
+                nid: int, comm: int, seq: int, peer: int, nbytes: int, aux: int, site: int) -> Any:  # fmt: skip
+    """A blocking collective on CUDA tensors: its row as usual, and a CUDA event pair on the
+    tensor's device's current stream around it, resolved later on the flusher thread
+    (:mod:`distdiag.shim.hooks.cuda_events`). Point-to-point calls are not timed (seq -1:
+    nothing to join them on)."""
+    tok = None
+    if seq >= 0:
+        try:
+            dev = timer.device_of(data)
+            tok = timer.begin(dev) if dev is not None else None
+        except Exception:
+            tok = None
+    t0 = rec.enter(kind, nid, comm, seq, peer, nbytes, aux, site)
+    tls = _tls
+    tls.busy = True
+    try:
+        return orig(*args, **kwargs)
+    finally:
+        tls.busy = False
+        rec.leave()
+        if tok is not None:
+            timer.end(tok, kind, nid, t0, comm, seq)
 
 
 def _make_batch_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:

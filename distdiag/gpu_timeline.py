@@ -1,0 +1,330 @@
+"""The GPU's own timeline: collectives' GPU times, and the per-rank, per-step GPU breakdown.
+
+Input: ``Kind.GPU_SPAN`` rows (``distdiag.shim.hooks.cuda_events``): the GPU-side
+span of a collective or a phase, measured by a CUDA event pair on its stream and
+placed on the rank's host clock, so after ``distdiag.clocks.align`` on the run's.
+
+**Collectives** (:func:`substitute_collective_times`, called by ``distdiag.run``
+as each rank's rows are read, the one place): a blocking collective with a GPU
+span gets the span's start as its arrival (``t0_ns``) and its end as its exit
+(``t1_ns``). So the match, the straggler, serial-section and network findings
+of a GPU job speak of the GPU timeline: a rank whose GPU is slow reaches the
+NCCL kernel late although its CPU enqueued it on time. The CPU enqueue time
+stays in the span row (``nbytes``, the join key) and in the rank file.
+``DISTDIAG_COLLECTIVE_TIMES=cpu`` in the analyzer's environment keeps the CPU
+times (the CPU's view of the same run).
+
+**Breakdown** (:func:`gpu_breakdown`): per rank and per step (the windows
+between the rank's step marks, ``distdiag.breakdown.step_marks``), the GPU's time
+split into, by priority where spans overlap:
+
+    kernels_s   inside a FORWARD, BACKWARD or OPTIMIZER span
+    h2d_s       inside a host-to-device copy's span (and no compute span)
+    nccl_s      inside a collective's span (and none of the above)
+    idle_input_s  none of these, while the rank's CPU waited on its data loader (INPUT_WAIT)
+    idle_other_s  none of these otherwise
+
+A phase's span runs from the GPU reaching the phase's first queued work to the
+end of its last, so a gap inside a phase (kernels launched too slowly to keep
+the GPU fed) counts as the phase's: ``kernels_s`` is an upper bound of kernel
+time, exact for a GPU that the CPU keeps ahead of. A Kineto trace (CUPTI) is
+the per-kernel truth; ``benchmarks/gpu_check.py`` compares the two on a real
+GPU (not yet run: no GPU where this was written; the code is tested against
+``tests/fake_cuda``).
+
+Throughput against the device's peak: the step marks' flops
+(``distdiag.step(flops=...)``) over the window, and over the kernels' busy time,
+against ``configs/gpus.toml`` (the NVML device name in ``gpu_names``).
+
+Vectorized: one sweep over every rank's span boundaries (sorted once on a
+shifted axis, rank * span), no loop per event.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from distdiag.schema import Kind
+
+#: categories, in priority order (a moment belongs to the first whose span covers it)
+CATEGORIES = ("kernels_s", "h2d_s", "nccl_s", "idle_input_s", "idle_other_s")
+_COMPUTE = (int(Kind.FORWARD), int(Kind.BACKWARD), int(Kind.OPTIMIZER))
+_COMM = (int(Kind.COLL), int(Kind.COLL_ASYNC))
+#: per-step rows in the JSON report at most (the first ones; the text says when cut)
+MAX_STEPS_JSON = 1000
+
+
+def collective_times_mode() -> str:
+    """``gpu`` (default) or ``cpu``: which times the analysis gives GPU-timed collectives."""
+    v = os.environ.get("DISTDIAG_COLLECTIVE_TIMES", "gpu").strip().lower()
+    return "cpu" if v == "cpu" else "gpu"
+
+
+def substitute_collective_times(ev: np.ndarray) -> int:
+    """In place: each collective row of ONE rank's ``ev`` that has a GPU span (a GPU_SPAN
+    row whose ``aux`` is its kind, ``nbytes`` its t0 and ``seq`` its seq) takes the span's
+    t0/t1. Returns how many rows changed (0 when ``collective_times_mode()`` is ``cpu``)."""
+    if len(ev) == 0 or collective_times_mode() == "cpu":
+        return 0
+    kind = ev["kind"]
+    span = np.flatnonzero(kind == Kind.GPU_SPAN)
+    if len(span) == 0:
+        return 0
+    sk = ev["aux"][span]
+    span = span[np.isin(sk, _COMM)]
+    if len(span) == 0:
+        return 0
+    coll = np.flatnonzero(np.isin(kind, _COMM) & (ev["seq"] >= 0))
+    if len(coll) == 0:
+        return 0
+    ct0 = ev["t0_ns"][coll]
+    o = np.argsort(ct0, kind="stable")
+    ct0s = ct0[o]
+    key = ev["nbytes"][span]
+    pos = np.minimum(np.searchsorted(ct0s, key), len(ct0s) - 1)
+    hit = coll[o[pos]]
+    ok = (ct0s[pos] == key) & (ev["seq"][hit] == ev["seq"][span]) & (ev["kind"][hit] == ev["aux"][span])
+    ok &= ev["t1_ns"][span] >= ev["t0_ns"][span]
+    hit, src = hit[ok], span[ok]
+    if len(hit) == 0:
+        return 0
+    t0 = ev["t0_ns"]
+    t1 = ev["t1_ns"]
+    t0[hit] = t0[src]
+    t1[hit] = t1[src]
+    return int(len(hit))
+
+
+def _spans(run: Any) -> np.ndarray:
+    """The run's GPU_SPAN rows (a copy of their columns: a few per step and rank)."""
+    from distdiag.rows import events_of
+
+    return events_of(run, Kind.GPU_SPAN)  # type: ignore[no-any-return]
+
+
+def gpu_breakdown(run: Any) -> dict[str, Any] | None:
+    """Per rank and per step GPU time by category (see the module docstring), or None
+    when the run has no GPU spans of phases. Cached on ``run.cache["gpu_breakdown"]``."""
+    got = run.cache.get("gpu_breakdown", False)
+    if got is not False:
+        return got  # type: ignore[no-any-return]
+    out = _gpu_breakdown(run)
+    run.cache["gpu_breakdown"] = out
+    return out
+
+
+def _gpu_breakdown(run: Any) -> dict[str, Any] | None:
+    from distdiag.breakdown import step_marks
+    from distdiag.rows import events_of
+
+    sp = _spans(run)
+    if len(sp) == 0:
+        return None
+    sk = sp["aux"].astype(np.int64)
+    cat = np.full(len(sp), -1, np.int64)
+    cat[np.isin(sk, _COMPUTE)] = 0
+    cat[sk == int(Kind.H2D)] = 1
+    cat[np.isin(sk, _COMM)] = 2
+    keep = cat >= 0
+    sp, cat = sp[keep], cat[keep]
+    if not np.any(cat != 2):  # collectives alone: no phases timed, no breakdown to make
+        return None
+    ranks_all = np.unique(sp["rank"]).astype(np.int64)
+    mrank, mt = step_marks(run)
+    # the window of each rank: its first to its last step mark (at least two), else its spans
+    sel = np.isin(mrank, ranks_all)
+    mrank, mt = mrank[sel], mt[sel]
+    inp = events_of(run, Kind.INPUT_WAIT)
+    inp = inp[np.isin(inp["rank"], ranks_all)]
+    t_lo = int(min(sp["t0_ns"].min(), mt.min() if len(mt) else sp["t0_ns"].min()))
+    t_hi = int(max(sp["t1_ns"].max(), mt.max() if len(mt) else sp["t1_ns"].max()))
+    if len(inp):
+        t_lo = min(t_lo, int(inp["t0_ns"].min()))
+        t_hi = max(t_hi, int(inp["t1_ns"].max()))
+    span_len = t_hi - t_lo + 1
+    ridx = {int(r): i for i, r in enumerate(ranks_all.tolist())}  # per rank: one entry
+
+    def axis(rank: np.ndarray, t: np.ndarray) -> np.ndarray:
+        return np.searchsorted(ranks_all, rank).astype(np.int64) * span_len + (t.astype(np.int64) - t_lo)
+
+    # boundaries: +1/-1 per category (4 = the CPU's input wait), and step marks (no count)
+    n_cat = 4
+    a0 = axis(sp["rank"], sp["t0_ns"])
+    a1 = axis(sp["rank"], np.maximum(sp["t1_ns"], sp["t0_ns"]))
+    ia0 = axis(inp["rank"], inp["t0_ns"]) if len(inp) else np.zeros(0, np.int64)
+    ia1 = axis(inp["rank"], np.maximum(inp["t1_ns"], inp["t0_ns"])) if len(inp) else np.zeros(0, np.int64)
+    am = axis(mrank, mt) if len(mt) else np.zeros(0, np.int64)
+    pos = np.concatenate([a0, a1, ia0, ia1, am])
+    which = np.concatenate([cat, cat, np.full(len(ia0), 3), np.full(len(ia1), 3), np.full(len(am), -1)])
+    delta = np.concatenate([np.ones(len(a0)), -np.ones(len(a1)), np.ones(len(ia0)), -np.ones(len(ia1)),
+                            np.zeros(len(am))]).astype(np.int64)  # fmt: skip
+    o = np.argsort(pos, kind="stable")
+    pos, which, delta = pos[o], which[o], delta[o]
+    counts = np.zeros((len(pos), n_cat), np.int64)
+    w = which >= 0
+    counts[np.flatnonzero(w), which[w]] = delta[w]
+    counts = np.cumsum(counts, axis=0)  # active spans of each category after each boundary
+    seg_len = np.diff(pos)  # segment i: [pos[i], pos[i+1])
+    active = counts[:-1] > 0
+    seg_rank = pos[:-1] // span_len
+    same_rank = (pos[1:] // span_len) == seg_rank
+    seg_cat = np.where(active[:, 0], 0, np.where(active[:, 1], 1, np.where(active[:, 2], 2, np.where(active[:, 3], 3, 4))))
+
+    # per rank: window [first mark, last mark] when it has >= 2 marks, else [first, last span]
+    n_r = len(ranks_all)
+    w_lo = np.full(n_r, np.iinfo(np.int64).max, np.int64)
+    w_hi = np.full(n_r, np.iinfo(np.int64).min, np.int64)
+    ri_sp = np.searchsorted(ranks_all, sp["rank"])
+    np.minimum.at(w_lo, ri_sp, a0)
+    np.maximum.at(w_hi, ri_sp, a1)
+    n_marks = np.zeros(n_r, np.int64)
+    if len(am):
+        ri_m = np.searchsorted(ranks_all, mrank)
+        n_marks = np.bincount(ri_m, minlength=n_r)
+        m_lo = np.full(n_r, np.iinfo(np.int64).max, np.int64)
+        m_hi = np.full(n_r, np.iinfo(np.int64).min, np.int64)
+        np.minimum.at(m_lo, ri_m, am)
+        np.maximum.at(m_hi, ri_m, am)
+        use = n_marks >= 2
+        w_lo[use], w_hi[use] = m_lo[use], m_hi[use]
+    s0 = pos[:-1]
+    inside = same_rank & (s0 >= w_lo[seg_rank]) & (pos[1:] <= w_hi[seg_rank]) & (seg_len > 0)
+    # step of each segment: how many of its rank's marks are at or before its start, minus 1
+    if len(am):
+        am_sorted = np.sort(am)
+        before = np.searchsorted(am_sorted, s0, side="right")
+        first_of_rank = np.searchsorted(am_sorted, seg_rank * span_len, side="left")
+        step = before - first_of_rank - 1
+    else:
+        step = np.zeros(len(s0), np.int64)
+    step = np.where(n_marks[seg_rank] >= 2, step, 0)
+    inside &= step >= 0
+    n_steps = int(step[inside].max()) + 1 if inside.any() else 0
+    # totals per (rank, step, category) in one bincount
+    flat = (seg_rank[inside] * max(n_steps, 1) + step[inside]) * 5 + seg_cat[inside]
+    tot_ns = np.bincount(flat, weights=seg_len[inside].astype(np.float64), minlength=n_r * max(n_steps, 1) * 5)
+    tot = tot_ns.reshape(n_r, max(n_steps, 1), 5) / 1e9
+    per_rank_tot = tot.sum(axis=1)
+    per_step_tot = tot.sum(axis=0)
+    window_s = np.maximum(w_hi - w_lo, 0) / 1e9
+    peak = _peaks(run, ranks_all)
+    flops = _flops(run, ranks_all, w_lo, w_hi, t_lo, span_len)
+    per_rank = []
+    for i, r in enumerate(ranks_all.tolist()):  # one per rank with GPU spans
+        d: dict[str, Any] = {"rank": int(r), "window_s": round(float(window_s[i]), 6),
+                             "steps": int(max(0, n_marks[i] - 1))}  # fmt: skip
+        tot_r = float(per_rank_tot[i].sum())
+        for k, c in enumerate(CATEGORIES):
+            d[c] = round(float(per_rank_tot[i, k]), 6)
+            d[c.replace("_s", "_share")] = round(float(per_rank_tot[i, k]) / tot_r, 4) if tot_r > 0 else 0.0
+        if flops[i] > 0 and window_s[i] > 0:
+            d["achieved_tflops"] = round(flops[i] / window_s[i] / 1e12, 4)
+            busy = float(per_rank_tot[i, 0])
+            if busy > 0:
+                d["achieved_tflops_while_busy"] = round(flops[i] / busy / 1e12, 4)
+            pk = peak.get(int(r))
+            if pk is not None:
+                d["device"], d["peak_tflops"] = pk
+                d["mfu"] = round(flops[i] / window_s[i] / 1e12 / pk[1], 4)
+        per_rank.append(d)
+    per_step = []
+    for s in range(min(n_steps, MAX_STEPS_JSON)):  # bounded
+        tot_s = float(per_step_tot[s].sum())
+        row: dict[str, Any] = {"step": s}
+        for k, c in enumerate(CATEGORIES):
+            row[c] = round(float(per_step_tot[s, k]), 6)  # summed over ranks
+        row["share"] = {c.replace("_s", ""): (round(float(per_step_tot[s, k]) / tot_s, 4) if tot_s > 0 else 0.0)
+                        for k, c in enumerate(CATEGORIES)}  # fmt: skip
+        per_step.append(row)
+    all_tot = per_rank_tot.sum(axis=0)
+    grand = float(all_tot.sum())
+    del ridx
+    return {
+        "source": "cuda_events",
+        "collective_times": collective_times_mode(),
+        "collectives_gpu_timed": _n_gpu_timed_collectives(sp),
+        "share": {c.replace("_s", ""): (round(float(all_tot[k]) / grand, 4) if grand > 0 else 0.0)
+                  for k, c in enumerate(CATEGORIES)},  # fmt: skip
+        "per_rank": per_rank,
+        "per_step": per_step,
+        "steps_cut": max(0, n_steps - MAX_STEPS_JSON),
+        "_busy_s": {int(r): float(per_rank_tot[i, 0] + per_rank_tot[i, 1] + per_rank_tot[i, 2])
+                    for i, r in enumerate(ranks_all.tolist())},  # fmt: skip
+        "_kernels_s": {int(r): float(per_rank_tot[i, 0]) for i, r in enumerate(ranks_all.tolist())},
+        "_window_s": {int(r): float(window_s[i]) for i, r in enumerate(ranks_all.tolist())},
+    }
+
+
+def _n_gpu_timed_collectives(sp: np.ndarray) -> int:
+    return int(np.count_nonzero(np.isin(sp["aux"], _COMM)))
+
+
+def _flops(run: Any, ranks: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray, t_lo: int, span_len: int) -> np.ndarray:
+    """Per rank: the flops of the step marks inside its window, but its first (the window
+    starts at it), as ``distdiag.step(flops=...)`` gave them."""
+    from distdiag.rows import events_of
+
+    st = events_of(run, Kind.STEP)
+    out = np.zeros(len(ranks), np.float64)
+    if len(st) == 0:
+        return out
+    st = st[np.isin(st["rank"], ranks) & (st["value"] > 0)]
+    if len(st) == 0:
+        return out
+    ri = np.searchsorted(ranks, st["rank"])
+    a = ri.astype(np.int64) * span_len + (st["t0_ns"].astype(np.int64) - t_lo)
+    ok = (a > w_lo[ri]) & (a <= w_hi[ri])
+    return np.bincount(ri[ok], weights=st["value"][ok], minlength=len(ranks)).astype(np.float64)
+
+
+def _peaks(run: Any, ranks: np.ndarray) -> dict[int, tuple[str, float]]:
+    """rank -> (table entry, peak TFLOP/s at the configured precision) from the rank file's
+    ``gpu_names`` and ``configs/gpus.toml``; ranks without a known device are left out."""
+    try:
+        from distdiag.config import Config
+        from distdiag.detectors.gpu_underutilized import _gpu_names, _gpus_file, _load_table, peak_for
+
+        cfg = run.cache.get("config") or Config()
+        path = _gpus_file(cfg)
+        table = _load_table(str(path)) if path is not None and path.is_file() else []
+        precision = str(cfg.value("gpu_underutilized", "precision", "bf16"))
+        names = _gpu_names(run, ranks)
+    except Exception:
+        return {}
+    out = {}
+    for r, nm in names.items():  # per rank with a name
+        dev = next(iter(nm.values()), "")
+        hit = peak_for(dev, table, precision) if dev else None
+        if hit is not None:
+            out[int(r)] = (hit[0], hit[1])
+    return out
+
+
+def gpu_json(run: Any) -> dict[str, Any] | None:
+    """``breakdown.gpu`` of the JSON report (DESIGN.md), or None without GPU spans."""
+    b = gpu_breakdown(run)
+    if b is None:
+        return None
+    return {k: v for k, v in b.items() if not k.startswith("_")}
+
+
+def gpu_text(run: Any) -> list[str]:
+    """The text report's lines for the GPU breakdown (none without GPU spans)."""
+    b = gpu_breakdown(run)
+    if b is None:
+        return []
+    sh = b["share"]
+    lines = [
+        "GPU timeline (CUDA events; collectives on the "
+        + ("GPU's" if b["collective_times"] == "gpu" else "CPU's") + " timeline):",
+        f"  GPU compute (kernels) {100 * sh['kernels']:.0f}%   Idle, waiting on input {100 * sh['idle_input']:.0f}%   "
+        f"Host<->Device copies {100 * sh['h2d']:.0f}%   NCCL {100 * sh['nccl']:.0f}%   Other idle {100 * sh['idle_other']:.0f}%",
+    ]
+    mfu = [d for d in b["per_rank"] if "mfu" in d]
+    if mfu:
+        m = float(np.median([d["mfu"] for d in mfu]))
+        lines.append(f"  throughput: {100 * m:.1f}% of the {mfu[0]['device']}'s peak (median over {len(mfu)} ranks)")
+    return lines
