@@ -154,17 +154,17 @@ from distdiag.bands import Band, bands, part_edges
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.rows import kind_index
 from distdiag.run import Run
-from distdiag.schema import FILE_KINDS, P2P_KINDS, Kind
+from distdiag.schema import COMM_KINDS, FILE_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 
 log = logging.getLogger(__name__)
 
 #: the columns that add up to a rank's wall_s
-COLUMNS = ("compute_s", "comm_wait_s", "comm_transfer_s", "io_s", "input_wait_s", "h2d_s", "other_s")
+COLUMNS = ("compute_s", "startup_s", "comm_wait_s", "comm_transfer_s", "io_s", "input_wait_s", "h2d_s", "other_s")
 #: information only, not part of that sum (see the module docstring)
 INFO_COLUMNS = ("comm_exposed_s", "comm_overlapped_s")
 #: what each column means, in words (the text renderer and the breakdown figure)
 LABELS = {
-    "compute_s": "compute", "comm_wait_s": "waiting in collectives", "comm_transfer_s": "collective transfer",
+    "compute_s": "compute", "startup_s": "startup", "comm_wait_s": "waiting in collectives", "comm_transfer_s": "collective transfer",
     "io_s": "file I/O", "input_wait_s": "input wait", "h2d_s": "host-to-device", "other_s": "other calls",
     "comm_exposed_s": "exposed async collectives", "comm_overlapped_s": "async collectives hidden behind compute",
 }  # fmt: skip
@@ -182,6 +182,14 @@ for _cat, _kinds in ((_IO, FILE_KINDS), (_INPUT, (Kind.INPUT_WAIT,)), (_H2D, (Ki
 #: the kinds with a category
 _CAT_KINDS = tuple(int(k) for k in np.flatnonzero(_CAT_OF_KIND != _NONE))
 
+
+#: rows whose start ends a rank's startup: its first collective or point-to-point call (a rendezvous
+#: with its peers), compute phase or step (the same kinds as launch_overhead's "first useful work")
+STARTUP_END_KINDS = tuple(sorted(int(k) for k in COMM_KINDS | P2P_KINDS | PHASE_KINDS | {Kind.STEP}))
+_IS_STARTUP_END = np.zeros(256, bool)
+_IS_STARTUP_END[list(STARTUP_END_KINDS)] = True
+#: ``run.cache`` key of :func:`startup_ends`' array
+STARTUP_CACHE = "breakdown.startup_end_ns"
 
 #: rows whose start opens a rank's step 0 (before the first one: start-up)
 WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
@@ -685,6 +693,7 @@ class _Intervals:
         self.exposed: list[_Ivs] = []
         self.busy: list[_Ivs] = []
         self.spans: list[_Ivs] = []
+        self.startup: list[_Ivs] = []
 
     def put(self, cat: int, part: _Ivs) -> None:
         if len(part[0]):
@@ -702,10 +711,11 @@ class _Intervals:
         out.exposed = once(self.exposed)
         out.busy = once(self.busy)
         out.spans = once(self.spans)
+        out.startup = once(self.startup)
         return out
 
     def all_parts(self) -> list[_Ivs]:
-        return [p for ps in self.cat.values() for p in ps] + self.busy + self.spans
+        return [p for ps in self.cat.values() for p in ps] + self.busy + self.spans + self.startup
 
 
 def _one(parts: list[_Ivs]) -> _Ivs:
@@ -802,7 +812,50 @@ def _intervals(ctx: _Ctx, b: _Band) -> _Intervals:
         sr = b.m_rank[am]
         s0, s1 = clip(sr, b.m_t0[am], b.m_t1[am])
         iv.spans.append((sr, s0, np.maximum(s0, s1)))
+    ends = _band_startup_ends(b.band, start, end)
+    rr = np.flatnonzero(ends > start[b.r_lo : b.r_hi]) + b.r_lo
+    if len(rr):
+        iv.startup.append((rr, start[rr].astype(np.int64), ends[rr - b.r_lo]))
     return iv
+
+
+def _band_startup_ends(band: Band, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per rank of the band (r_lo, r_lo + 1, ...), where its startup ends (int64 ns): the start of its
+    first row of STARTUP_END_KINDS (recorded or in flight), within its record; its start when it
+    has none (a rank that never meets a peer nor steps has no startup to tell apart from its work).
+
+    A rank's rows of those kinds are one run of the band's rows of them (rows are sorted by
+    rank): one minimum a run (reduceat), no loop over ranks."""
+    n = band.r_hi - band.r_lo
+    first = np.full(n, np.iinfo(np.int64).max)
+    rows = band.rows(STARTUP_END_KINDS)
+    if len(rows):
+        lo = np.searchsorted(rows, band.first)  # rank r_lo + i's rows: rows[lo[i]:lo[i + 1]]
+        has = np.flatnonzero(lo[1:] > lo[:-1])
+        first[has] = np.minimum.reduceat(band.events["t0_ns"][rows].astype(np.int64), lo[has])
+    inf = band.inflight
+    if len(inf):
+        m = _IS_STARTUP_END[inf["kind"]]
+        if m.any():
+            np.minimum.at(first, inf["rank"][m].astype(np.int64) - band.r_lo, inf["t0_ns"][m].astype(np.int64))
+    s0 = start[band.r_lo : band.r_hi].astype(np.int64)
+    out = np.where(first == np.iinfo(np.int64).max, s0, first)
+    return np.clip(out, s0, np.maximum(s0, end[band.r_lo : band.r_hi].astype(np.int64)))
+
+
+def startup_ends(run: Run) -> np.ndarray:
+    """Per rank (index = rank, every rank of the bands), where its startup ends on the aligned
+    timeline (ns): see :func:`_band_startup_ends`. One pass over the bands' rows of those kinds;
+    cached on ``run.cache`` (the startup detector and the breakdown's coverage read it)."""
+    got = run.cache.get(STARTUP_CACHE)
+    if isinstance(got, np.ndarray):
+        return got
+    start, end = run.rank_bounds()
+    out = start.astype(np.int64).copy()
+    for band in bands(run):  # a few bands
+        out[band.r_lo : band.r_hi] = _band_startup_ends(band, start, end)
+    run.cache[STARTUP_CACHE] = out
+    return out
 
 
 class _Tally:
@@ -816,6 +869,7 @@ class _Tally:
         self.busy = np.zeros(n_keys)
         self.exposed = np.zeros(n_keys)
         self.overlapped = np.zeros(n_keys)
+        self.startup = np.zeros(n_keys)
 
     def add(self, k_lo: int, k_hi: int, iv: _Intervals) -> None:
         """Tally a band's intervals, whose ranks are keys here (in ``[k_lo, k_hi)``).
@@ -833,8 +887,13 @@ class _Tally:
         for c, ps in iv.cat.items():  # a few categories
             self.per_cat[k_lo:k_hi, c] = _union(*_one(ps), n, band, k_lo)
         busy_parts = _one(iv.busy)
-        busy = _union(*busy_parts, n, band, k_lo)
+        busy = _union(*busy_parts, n, band, k_lo) if iv.busy else np.zeros(n)
         self.busy[k_lo:k_hi] = busy
+        # startup: the rank's time before its first step or rendezvous that no call covers
+        # = |startup U busy| - |busy| (what would otherwise be compute)
+        if iv.startup:
+            both = _one([busy_parts, *iv.startup])
+            self.startup[k_lo:k_hi] = np.maximum(0.0, _union(*both, n, band, k_lo) - busy)
         if iv.exposed:
             self.exposed[k_lo:k_hi] = _union(*_one(iv.exposed), n, band, k_lo)
         # the async spans' time outside every category = |spans U busy| - |busy|
@@ -849,7 +908,8 @@ def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.n
     pc = t.per_cat
     return {
         "wall_s": span_ns[rows] / 1e9,
-        "compute_s": np.maximum(0.0, span_ns - t.busy)[rows] / 1e9,
+        "compute_s": np.maximum(0.0, span_ns - t.busy - t.startup)[rows] / 1e9,
+        "startup_s": t.startup[rows] / 1e9,
         "comm_wait_s": pc[rows, _WAIT] / 1e9,
         "comm_transfer_s": pc[rows, _XFER] / 1e9,
         "io_s": pc[rows, _IO] / 1e9,
@@ -875,10 +935,10 @@ class BreakdownPart:
 
     r_lo: int
     r_hi: int
-    ranks: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # per_cat, busy, exposed, overlapped
+    ranks: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # per_cat, busy, exposed, overlapped, startup
     k_lo: int
     k_hi: int
-    steps: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
+    steps: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
     w0: np.ndarray | None
 
 
@@ -886,12 +946,16 @@ class BreakdownPart:
 PARTS = "breakdown.parts"
 
 
-def _slices(t: _Tally, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    return t.per_cat[lo:hi].copy(), t.busy[lo:hi].copy(), t.exposed[lo:hi].copy(), t.overlapped[lo:hi].copy()
+_Slices = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _put(t: _Tally, lo: int, hi: int, got: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
-    t.per_cat[lo:hi], t.busy[lo:hi], t.exposed[lo:hi], t.overlapped[lo:hi] = got
+def _slices(t: _Tally, lo: int, hi: int) -> _Slices:
+    return (t.per_cat[lo:hi].copy(), t.busy[lo:hi].copy(), t.exposed[lo:hi].copy(), t.overlapped[lo:hi].copy(),
+            t.startup[lo:hi].copy())  # fmt: skip
+
+
+def _put(t: _Tally, lo: int, hi: int, got: _Slices) -> None:
+    t.per_cat[lo:hi], t.busy[lo:hi], t.exposed[lo:hi], t.overlapped[lo:hi], t.startup[lo:hi] = got
 
 
 def breakdown_part(run: Run, colls: Collectives, part: tuple[int, int]) -> BreakdownPart | None:

@@ -221,15 +221,18 @@ class HtmlRenderer:
         df = report.breakdown
         if len(df) == 0:
             return ""
-        heads = ["rank", "host", "wall", "compute", "comm wait", "comm transfer", "I/O", "input wait", "H2D", "other"]
+        heads = ["rank", "host", "wall", "compute", "startup", "comm wait", "comm transfer", "I/O", "input wait", "H2D", "other"]
         cols = ["wall_s", *COLUMNS]
         arr = df[cols].to_numpy(dtype=float)
         rows = []
         for r, h, vals in zip(df["rank"].tolist(), df["host"].tolist(), arr):  # one per rank
             rows.append(f"<tr><td class=\"n\">{int(r)}</td><td>{e(h)}</td>"
                         + "".join(f'<td class="n">{v:.3f}</td>' for v in vals) + "</tr>")  # fmt: skip
+        binds = "".join(f"<p>binds: {e(LABELS.get(c['category'], c['category']))} holds {c['share']:.0%} of rank "
+                        f"{int(c['rank'])}'s wall-clock and no finding explains it: {e(c['binds'])}</p>"
+                        for c in (getattr(report, "coverage", None) or []) if c.get("binds"))  # fmt: skip
         return ("<h2>Per-rank breakdown (seconds)</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in heads)
-                + "</tr>" + "".join(rows) + "</table>")  # fmt: skip
+                + "</tr>" + "".join(rows) + "</table>" + binds)  # fmt: skip
 
     def _steps(self, report: Any) -> str:
         """Per step: the stacked bars (binned like breakdown.per_step past 200 steps) and the slowest steps.

@@ -49,7 +49,7 @@ MAX_HEATMAP_COLS = 400
 MAX_RANKS = 64
 
 _BREAKDOWN_COLORS = {
-    "compute_s": "#4c9f70", "comm_wait_s": "#d1495b", "comm_transfer_s": "#2e86ab", "io_s": "#8d6a9f",
+    "compute_s": "#4c9f70", "startup_s": "#b8d8be", "comm_wait_s": "#d1495b", "comm_transfer_s": "#2e86ab", "io_s": "#8d6a9f",
     "input_wait_s": "#edae49", "h2d_s": "#6c4b3a", "other_s": "#9e9e9e",
 }  # fmt: skip
 

@@ -120,6 +120,7 @@ class TextRenderer:
             lines.append(_kineto_line(run))
         lines.append("")
         lines += self._verdict(report)
+        lines += _coverage_lines(report)
         lines.append("")
         if report.findings:
             lines += self._findings(report)
@@ -229,7 +230,7 @@ class TextRenderer:
         df = report.breakdown
         out = [self._c("head", "PER-RANK BREAKDOWN (seconds)")]
         cols = ["wall_s", *COLUMNS]
-        heads = ["wall", "compute", "comm_wait", "comm_xfer", "io", "input_wait", "h2d", "other"]
+        heads = ["wall", "compute", "startup", "comm_wait", "comm_xfer", "io", "input_wait", "h2d", "other"]
         out.append(f"  {'rank':>6} {'host':<12} " + " ".join(f"{h:>10}" for h in heads))
         if len(df) == 0:
             out.append("  (no rank)")
@@ -271,6 +272,16 @@ _EVIDENCE_SHOWN_ELSEWHERE = frozenset({"deduplicated", "serial_fraction", "amdah
                                        "includes", "first_windows", "next_once_fixed", "lead_rank"})
 #: evidence tables (dicts, lists) the verdict shows under its scalars
 MAX_EVIDENCE_TABLES = 3
+
+
+def _coverage_lines(report: Any) -> list[str]:
+    """Never silent: each category above 10% of a rank's wall-clock that no finding explains, and what binds."""
+    out = []
+    for c in getattr(report, "coverage", None) or []:  # at most eight
+        if c.get("binds"):
+            out.append(f"  binds: {LABELS.get(c['category'], c['category'])} holds {c['share']:.0%} of rank "
+                       f"{c['rank']}'s wall-clock ({fmt_s(c['seconds'])}) and no finding explains it: {c['binds']}")  # fmt: skip
+    return out
 
 
 def _then_line(report: Any) -> str:
