@@ -3,6 +3,10 @@ promise allows (see ``tests/sigkill.py`` for what each kill checks).
 
     python benchmarks/bench_sigkill.py [--kills 200] [--flush-interval-s 0.01] [--seed 0]
 
+The kills take the three jobs of ``tests/sigkill.py`` in turn: numpy imported first (the
+HDF5 file opens at the first flush), late (kills before, during and after the file's
+opening and the spill log's hand-over) and never (the spill log only).
+
 Exit status 1 when any file is bad.
 """
 
@@ -18,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from sigkill import kill_once  # noqa: E402
+from sigkill import JOBS, kill_once  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,15 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     rng = random.Random(ns.seed)
     bad = 0
+    by_job = dict.fromkeys(JOBS, 0)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="distdiag-sigkill-") as td:
         for k in range(ns.kills):
-            why = kill_once(Path(td), rng, ns.flush_interval_s, REPO)
+            job = list(JOBS)[k % len(JOBS)]
+            why = kill_once(Path(td), rng, ns.flush_interval_s, REPO, job)
             if why is not None:
                 bad += 1
-                print(f"  kill {k}: {why}", flush=True)
+                by_job[job] += 1
+                print(f"  kill {k} (numpy {job}): {why}", flush=True)
     print(f"{ns.kills} SIGKILLs (flush every {ns.flush_interval_s:g} s) in {time.perf_counter() - t0:.0f} s: "
-          f"{bad} files lost rows of a completed flush or did not open")  # fmt: skip
+          f"{bad} files lost rows of a completed flush or did not open; by job (numpy first/late/never): "
+          f"{'/'.join(str(v) for v in by_job.values())}")  # fmt: skip
     return 1 if bad else 0
 
 

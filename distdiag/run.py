@@ -529,8 +529,81 @@ def open_rank_file(path: Path) -> Any:
     return _open_h5(path)
 
 
+#: the largest spill log read (distdiag.shim.spill): the shim opens the HDF5 file once its log
+#: holds 8 MiB, so a real one is smaller; a larger one is refused, never read whole
+MAX_SPILL_LOG_BYTES = 256 << 20
+
+
+class SpillLogError(Exception):
+    """A rank's spill log that cannot be used (the reason in one line)."""
+
+
+def _open_spill(log_path: Path, st: os.stat_result) -> Any:
+    """The rank file as its spill log holds it: an HDF5 file in memory, in the shim's layout.
+
+    A log next to a rank file means the process ended before its HDF5 file held the
+    log's rows (killed before its program imported numpy, or while the file was being
+    made: distdiag.shim.spill); the log then has every row of its last completed flush.
+    The log is untrusted like the rest of the run dir: a regular file of its own, at
+    most :data:`MAX_SPILL_LOG_BYTES`, every record's length and checksum checked."""
+    import io
+
+    import h5py
+
+    from distdiag.shim.spill import LogError, read_log
+    from distdiag.shim.writer import write_rank_file
+
+    if stat.S_ISLNK(st.st_mode):
+        raise NotOwnFile(f"has a spill log {log_path.name} that is a symbolic link (never read)")
+    if not stat.S_ISREG(st.st_mode):
+        raise NotOwnFile(f"has a spill log {log_path.name} that is not a regular file")
+    if st.st_size > MAX_SPILL_LOG_BYTES:
+        raise SpillLogError(f"its spill log {log_path.name} holds {st.st_size} bytes, more than the "
+                            f"{MAX_SPILL_LOG_BYTES >> 20} MiB a shim writes (not a distdiag spill log?)")  # fmt: skip
+    fd = os.open(log_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        got = os.fstat(fd)
+        if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+            raise NotOwnFile(f"has a spill log {log_path.name} that changed while it was opened; not read")
+        chunks = []
+        left = min(got.st_size, MAX_SPILL_LOG_BYTES)
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 24))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    try:
+        got_log = read_log(data)
+    except LogError as e:
+        raise SpillLogError(f"its spill log {log_path.name} cannot be read: {e}") from None
+    attrs = dict(got_log["attrs"])
+    rows = np.frombuffer(got_log["rows"], EVENT_DTYPE, count=len(got_log["rows"]) // EVENT_DTYPE.itemsize)
+    sync = np.array([tuple(r) for r in got_log["sync"]], dtype=SYNC_DTYPE) if got_log["sync"] else None
+    inflight_raw = got_log["inflight"]
+    inflight = np.frombuffer(inflight_raw, EVENT_DTYPE, count=len(inflight_raw) // EVENT_DTYPE.itemsize)
+    why = f"the process ended before its HDF5 file held them; {got_log['marks']} flushes"
+    if got_log["damaged"]:
+        why += f", then {got_log['damaged']}"
+    attrs.update(closed_cleanly=False, read_from_spill_log=why, file_opened_on=None)
+    for name in ("end_mono_ns", "exit_code"):
+        attrs.setdefault(name, None)
+    bio = io.BytesIO()
+    try:
+        write_rank_file(bio, attrs, rows, list(got_log["strings"]), sync=sync, inflight=inflight)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise SpillLogError(f"its spill log {log_path.name} holds malformed values ({_short(e)})") from None
+    return h5py.File(bio, "r", locking=False)
+
+
 def _open_h5(path: Path) -> Any:
     """Open a rank file read-only, also while its writer still has it open (SWMR).
+
+    With a spill log next to it (``rank-NNNNN.h5.log``), the log is read in the
+    file's place (:func:`_open_spill`).
 
     Only a regular file is opened, never through a symbolic link: ``lstat`` first, and
     after the open the descriptor HDF5 holds must be that same file (device, inode), so a
@@ -545,6 +618,15 @@ def _open_h5(path: Path) -> Any:
     event, sys 19-57 -> 12-16 (issue 10). Same rows either way."""
     import h5py
 
+    from distdiag.shim.spill import log_name
+
+    log_path = path.with_name(log_name(path.name))
+    try:
+        log_st: os.stat_result | None = os.lstat(log_path)
+    except FileNotFoundError:
+        log_st = None
+    if log_st is not None:
+        return _open_spill(log_path, log_st)
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise NotOwnFile("is a symbolic link (a run dir's files are read only as regular files of their own)")
@@ -1100,6 +1182,8 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
         return f"{fname} {e}; skipped"
     except FileNotFoundError:
         return f"{fname} disappeared while the run dir was read; skipped"
+    except SpillLogError as e:
+        return f"{fname}: {e}; skipped"
     except _H5_ERRORS as e:
         if "signature not found" in str(e):
             try:
@@ -1147,6 +1231,10 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
 
             # A file its writer closed gets no more rows: no SWMR refresh (4 per file otherwise).
             live = not bool(_attr(attrs, "closed_cleanly", False))
+            spilled = _attr(attrs, "read_from_spill_log")
+            if spilled is not None:  # built in memory from the log (_open_spill): nothing to refresh
+                live = False
+                warnings.append(f"{fname}: read from its spill log {fname}.log ({spilled})")
             size = _file_size(f)
             scans: list[_Scan] = []
             events = _read_table(
@@ -1176,7 +1264,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 inflight, _ = _in_span(inflight, _Scan.of(inflight), span, fname, warnings, None, "in-flight")
             gpu = _read_table(f, "gpu", GPU_DTYPE, fname, warnings, refresh=live, size=size)
 
-            closed = not live
+            closed = not live and spilled is None
             has_ev = len(events) > 0
             ev_t0 = scan.t0_min if has_ev else None
             ev_t1 = max(scan.t1_max, scan.t0_max) if has_ev else None

@@ -30,14 +30,23 @@ from pathlib import Path
 #: how long the job may be descheduled (a busy core beside it) before a gap reads as lost rows
 SLACK_S = 0.5
 
-JOB = """\
+#: the jobs, by when they import numpy: the rank file opens (HDF5) at the first flush after
+#: the program's numpy import; until then the rows go to the spill log (rank-00000.h5.log),
+#: which the analyzer reads in the file's place. "late": after a random 0-0.6 s of marks, so
+#: that kills land before, during and after the file's opening and the log's hand-over.
+JOBS = {
+    "first": "import numpy\nimport distdiag\n",
+    "late": "import distdiag, random, time\nT_NUMPY = time.monotonic() + random.uniform(0, 0.6)\n",
+    "never": "import distdiag\n",
+}
+LOOP = """\
 import time
-import numpy  # the rank file opens (HDF5) at the first flush after the program's numpy import
-import distdiag
 while True:
     for _ in range(2000):
         distdiag.mark("tick")
     time.sleep(0.001)
+    if "T_NUMPY" in globals() and time.monotonic() > T_NUMPY:
+        import numpy
 """
 
 
@@ -48,15 +57,15 @@ def _has_bytes(path: Path) -> bool:
         return False
 
 
-def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Path) -> str | None:
-    import h5py
+def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Path, numpy_at: str = "first") -> str | None:
     import numpy as np
 
+    from distdiag.run import open_rank_file
     from distdiag.schema import Kind
 
-    job = work / "job.py"
+    job = work / f"job-{numpy_at}.py"
     if not job.exists():
-        job.write_text(JOB)
+        job.write_text(JOBS[numpy_at] + LOOP)
     d = work / "run"
     shutil.rmtree(d, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
@@ -64,18 +73,19 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
     p = subprocess.Popen([sys.executable, "-m", "distdiag.wrap", "--dir", str(d), sys.executable, str(job)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
-        # from the rank file's opening on: its first bytes (the interpreter's start takes ~0.3 s
-        # here and longer beside a busy core; the file is claimed empty at start and written
-        # from the first flush after the job's numpy import: a kill before tests nothing)
+        # from the rank's first flush on: the first bytes of its file or its spill log (the
+        # interpreter's start takes ~0.3 s here and longer beside a busy core: a kill before
+        # tests nothing)
         t_end = time.monotonic() + 60
-        while not _has_bytes(d / "rank-00000.h5") and p.poll() is None and time.monotonic() < t_end:
+        while not (_has_bytes(d / "rank-00000.h5") or _has_bytes(d / "rank-00000.h5.log")) and p.poll() is None \
+                and time.monotonic() < t_end:  # fmt: skip
             time.sleep(0.005)
         time.sleep(rng.uniform(0.05, 0.8))
     finally:
         os.kill(p.pid, signal.SIGKILL)  # ours, by its PID
         _, err = p.communicate(timeout=30)
     try:
-        with h5py.File(d / "rank-00000.h5", "r") as f:
+        with open_rank_file(d / "rank-00000.h5") as f:  # or its spill log, as the analyzer reads it
             ev = f["events"][:]
             strings = list(f["strings"].asstr()[:])
             last_flush = int(f.attrs["last_flush_mono_ns"])

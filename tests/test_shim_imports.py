@@ -4,7 +4,8 @@ Seen before: a script that sets ``OPENBLAS_NUM_THREADS=1`` before its own ``impo
 numpy`` got a 1-thread BLAS plain and a 2-thread one wrapped, because the shim had
 imported numpy (and h5py, ctypes, pynvml) first. Now the rank file is claimed empty at
 start and opened (numpy, h5py) at the first flush after the program's numpy import, or
-when rows waiting in memory pass a bound, or at exit (distdiag.shim.rankfile). Real
+when rows waiting pass a bound, or at exit (distdiag.shim.rankfile); until then the rows
+go to a spill log, standard library only (distdiag.shim.spill). Real
 wrapped processes throughout, each compared with the same program unwrapped.
 """
 
@@ -31,7 +32,7 @@ WATCHED = ("numpy", "h5py", "ctypes", "pynvml", "threadpoolctl", "mpi4py", "torc
 
 
 def _run(cmd: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
-    env = single_process_env(**{"DISTDIAG_OPEN_FILE_AT": "numpy", **extra})  # not yet the default
+    env = single_process_env(**{"DISTDIAG_OPEN_FILE_AT": "numpy", **extra})  # the default, said for clarity
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 

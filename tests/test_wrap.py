@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from helpers import fill_prog, small_tmpfs
 
+from distdiag.run import open_rank_file
 from distdiag.schema import Kind
 from distdiag.shim import rankinfo
 from distdiag.shim.wrap import UsageError, parse_args, resolve_run_dir
@@ -66,7 +67,8 @@ def rank_file(run_dir: Path, rank: int = 0) -> Path:
 
 
 def events_of(path: Path) -> tuple[np.ndarray, np.ndarray, dict]:
-    with h5py.File(path, "r") as f:
+    """A rank file's tables as the analyzer reads them (its spill log in its place, if one is there)."""
+    with open_rank_file(path) as f:
         return f["events"][:], f["strings"].asstr()[:], dict(f.attrs)
 
 
@@ -337,7 +339,7 @@ def _wait_flushed(path: Path, dataset: str, min_rows: int, timeout_s: float = 30
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with h5py.File(path, "r", locking=False) as f:
+            with open_rank_file(path) as f:  # or its spill log, before the HDF5 file opened
                 if len(f[dataset]) >= min_rows:
                     return
         except (OSError, KeyError, RuntimeError):
@@ -346,11 +348,14 @@ def _wait_flushed(path: Path, dataset: str, min_rows: int, timeout_s: float = 30
     raise AssertionError(f"{path}:{dataset} never reached {min_rows} rows")
 
 
-def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("open_at", ["numpy", "start"])
+def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_path: Path, open_at: str) -> None:
+    """The program never imports numpy: with open_file_at=numpy (the default) its rows are in
+    the spill log, which the analyzer reads in the empty file's place; with "start" in the file."""
     prog = tmp_path / "kill.py"
     prog.write_text(KILL_PROG)
     run_dir = tmp_path / "run"
-    env = clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.2")
+    env = clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.2", DISTDIAG_OPEN_FILE_AT=open_at)
     with _started([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog), "5000"], tmp_path, env) as p:
         _wait_line(p, "inside")
         _wait_flushed(rank_file(run_dir), "inflight", 1)  # the enter is on disk as in flight
@@ -358,7 +363,12 @@ def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_
         p.wait(timeout=TIMEOUT_S)
     assert p.returncode == -signal.SIGKILL
     path = rank_file(run_dir)
-    with h5py.File(path, "r") as f:  # opens after SIGKILL
+    spill = path.with_name(path.name + ".log")
+    if open_at == "numpy":
+        assert path.stat().st_size == 0 and spill.stat().st_size > 0  # the HDF5 file never opened
+    else:
+        assert not spill.exists()
+    with open_rank_file(path) as f:  # opens after SIGKILL
         ev, s, attrs = f["events"][:], f["strings"].asstr()[:], dict(f.attrs)
         inflight = f["inflight"][:]
     names = s[ev["name_id"]]
@@ -704,7 +714,7 @@ def test_sigterm_to_a_rank_hung_in_a_collective_ends_it_with_the_call_in_flight(
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)  # the job's own process group (start_new_session)
             p.wait(timeout=TIMEOUT_S)
-    with h5py.File(rank_file(run_dir, 0), "r") as f:
+    with open_rank_file(rank_file(run_dir, 0)) as f:
         attrs, s = dict(f.attrs), f["strings"].asstr()[:]
         inflight = f["inflight"][:]
     assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == -signal.SIGTERM

@@ -48,10 +48,11 @@ class ShimConfig:
     #: file system does; rows it could not write by then are counted, not waited for
     exit_timeout_s: float = 10.0
     #: when the HDF5 rank file opens (and numpy and h5py load into the program's process):
-    #: "start" at start (the default, for now); "numpy" at the first flush after the program's
-    #: own import of numpy (or once 8 MiB of rows wait in memory, or at exit), so that what
-    #: the program sets before that import holds (see distdiag.shim.rankfile)
-    open_file_at: str = "start"
+    #: "numpy" (the default) at the first flush after the program's own import of numpy (or
+    #: once 8 MiB of rows wait, or at exit), so that what the program sets before that
+    #: import holds, the rows spilled to a log until then (see distdiag.shim.rankfile and
+    #: distdiag.shim.spill); "start" at start, before the program runs
+    open_file_at: str = "numpy"
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

@@ -1,6 +1,6 @@
 """The rank's file as the program's process sees it: claimed at start, opened as HDF5
-at start (the default) or, with ``open_file_at = "numpy"``, from the first flush after
-the program's own ``import numpy``.
+from the first flush after the program's own ``import numpy`` (the default,
+``open_file_at = "numpy"``) or at start (``"start"``).
 
 Why: numpy, h5py (and with it libhdf5) are loaded into the program's process the
 moment the shim imports them, and what a library reads at load time is then fixed
@@ -16,29 +16,27 @@ until it may be written:
   (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600: never over another launch's
   file, never through a link), and keeps the attributes, clock samples and GPU
   rows handed to it.
-* Its flusher thread opens the HDF5 file (:class:`distdiag.shim.writer.Writer`,
-  which imports numpy and h5py) at the first interval after the program's own
-  import of numpy has finished, and from then on flushes every interval as
-  before. Every ML and HPC program imports numpy (torch does) in its first
-  seconds; until then the rows wait in the recorder's chunks.
-* Two other events open it: the rows waiting in memory reach
-  :data:`OPEN_AFTER_BYTES` (8 MiB, ~120k rows) or half the recorder's bound
-  (``max_pending_chunks``), rather than grow or lose rows, and the program's
-  exit. Until then the rows of threads that ended are copied out and their
-  buffers freed, as a flush would.
-  Either imports numpy and h5py into a program that had not: said in the
-  file's ``file_opened_on`` attribute (``numpy``, ``memory``, ``exit``,
-  ``start``).
-* ``open_file_at``: ``"start"`` (the default for now: the file opens at start,
-  numpy and h5py loaded before the program, as before) or ``"numpy"`` (all of
-  the above; opt-in, ``DISTDIAG_OPEN_FILE_AT=numpy``, until the tests that
-  expect a numpy-free program's file written while it runs are settled: see
-  the README).
+* Until the HDF5 file opens, its flusher appends each interval's rows, strings,
+  clock samples, attributes and in-flight calls to the spill log
+  (:mod:`distdiag.shim.spill`, ``rank-NNNNN.h5.log``): on disk, not in memory,
+  and a SIGKILL loses at most one interval, as after the opening.
+* The HDF5 file (:class:`distdiag.shim.writer.Writer`, which imports numpy and
+  h5py) opens at the first interval after the program's own import of numpy has
+  finished, takes the log's rows (and the recorder's drain offsets: nothing is
+  written twice), writes them with its first flush, and only then is the log
+  removed. Every ML and HPC program imports numpy (torch does) in its first
+  seconds.
+* Two other events open it: the log (or, without one, the rows waiting in
+  memory) reaching :data:`OPEN_AFTER_BYTES` (8 MiB, ~120k rows), or half the
+  recorder's bound (``max_pending_chunks``), and the program's exit (after the
+  last rows and the exit status went to the log). Either imports numpy and
+  h5py into a program that had not: said in the file's ``file_opened_on``
+  attribute (``numpy``, ``memory``, ``exit``, ``start``).
+* Without a log (``"start"``; a forked process's file, whose parent had numpy;
+  a log that could not be made) the rows of threads that ended are copied out
+  and their buffers freed until the file opens, as a flush would.
 
-What this costs: a rank killed before its program imported numpy leaves the
-claimed file empty (the analyzer says it cannot be read), losing what it
-recorded until then; after, it loses at most one interval, as before. The
-imports the file's opening makes (h5py's files) are never recorded as the
+The imports the file's opening makes (h5py's files) are never recorded as the
 program's I/O (:meth:`distdiag.shim.recorder.Recorder.muted`).
 
 Also here, because they run before the program too: the private-file helpers
@@ -371,6 +369,22 @@ def numpy_imported() -> bool:
     return m is not None and not getattr(getattr(m, "__spec__", None), "_initializing", False)
 
 
+class _LogFull(OSError):
+    pass
+
+
+#: Free space a flush leaves untouched (HDF5 metadata, the close, the user's own files).
+DISK_RESERVE_BYTES = 1 << 20
+
+
+def _json_safe(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def one_line(e: BaseException) -> str:
     msg = " ".join(str(e).split())  # HDF5 messages carry newlines: keep to one line
     return msg[:300] + "..." if len(msg) > 300 else msg
@@ -394,7 +408,7 @@ class RankFile:
         self.cfg = cfg
         self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
         self.exit_timeout_s = _exit_timeout(getattr(cfg, "exit_timeout_s", 10.0))
-        self._at_start = str(getattr(cfg, "open_file_at", "start")).strip().lower() == "start"
+        self._at_start = str(getattr(cfg, "open_file_at", "numpy")).strip().lower() == "start"
         self._compact = compact_strings
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         self._fd: int | None = os.open(self.path, flags, FILE_MODE)
@@ -403,7 +417,17 @@ class RankFile:
         except OSError:
             pass
         self._attrs = dict(attrs)
-        #: rows of threads that ended before the file opened (their buffers are freed)
+        #: before the HDF5 file opens, the rows go here (distdiag.shim.spill); None: held in
+        #: memory instead (open_file_at = "start", a forked process's file, or no log could be made)
+        self._log: Any = None
+        self._offsets: dict[int, tuple[bytearray, int]] = {}  # what the log took (Recorder.drain)
+        self._strings_logged = 0
+        self._handed = 0  # rows the Writer took from the log
+        self._sync_logged = 0
+        self._attrs_logged: dict[str, Any] = dict(self._attrs)  # to log at the next flush
+        if not self._at_start and not compact_strings:
+            self._log = self._make_log()
+        #: rows of threads that ended before the file opened (their buffers are freed), without a log
         self._held: list[bytes] = []
         self._held_bytes = 0
         self._sync: list[Any] = []
@@ -420,7 +444,7 @@ class RankFile:
         with self._lock:
             w = self._w
             if w is None:
-                self._sync.append(rows)
+                self._sync.append(list(rows))
                 return
         w.add_sync(rows)
 
@@ -437,6 +461,7 @@ class RankFile:
             w = self._w
             if w is None:
                 self._attrs[name] = value
+                self._attrs_logged[name] = value
                 return
         w.set_attr(name, value)
 
@@ -457,9 +482,103 @@ class RankFile:
         return None
 
     def _bytes_waiting(self) -> int:
+        if self._log is not None:
+            return int(self._log.size)
         rec = self.rec
         rows = sum(n for _, n in list(rec.full)) + sum(tb.n for tb in list(rec.buffers))
         return self._held_bytes + rows * ROW_SIZE
+
+    # -- the spill log, until the HDF5 file opens ------------------------------------------
+    def _make_log(self) -> Any:
+        from distdiag.shim.spill import SpillLog, log_name
+
+        try:
+            return SpillLog(self.path.with_name(log_name(self.path.name)))
+        except OSError as e:  # a stale log of the same name, a read-only dir: rows wait in memory
+            log.debug("distdiag: no spill log for %s: %s", self.path, e)
+            return None
+
+    def _spill(self) -> None:
+        """Append what was recorded since the last flush to the log (under ``self._lock``):
+        new strings, rows, clock samples, attributes, the calls in flight, then a mark.
+
+        As the HDF5 writer does (``Writer._check_space``, which also allows for HDF5's own
+        overhead), the batch goes only when it fits with 1 MiB to spare: else the log says why recording stopped (a small record) and
+        the job runs on without recording, its rows so far readable."""
+        lg = self._log
+        if lg is None:
+            return
+        from distdiag.shim.recorder import now_ns, pack_row
+
+        rec = self.rec
+        try:
+            ranges = rec.drain(self._offsets)
+            out: list[tuple[bytes, Any]] = []
+            strings = rec.strings.strings
+            n_str = len(strings)  # append-only list: read the length once
+            if n_str > self._strings_logged:  # strings first: the rows name them
+                out.append((b"STRS", [self._strings_logged, strings[self._strings_logged : n_str]]))
+            if ranges:
+                out.append((b"ROWS", b"".join(bytes(memoryview(buf)[a * ROW_SIZE : b * ROW_SIZE]) for buf, a, b in ranges)))
+            n_sync = len(self._sync)
+            if n_sync > self._sync_logged:
+                out.append((b"SYNC", [list(r) for rows in self._sync[self._sync_logged : n_sync] for r in rows]))
+            if self._attrs_logged:
+                attrs, self._attrs_logged = self._attrs_logged, {}
+                if "argv" in attrs:
+                    attrs["argv"] = _redacted_argv_attr(attrs["argv"], self.cfg)
+                out.append((b"ATTR", {k: v for k, v in attrs.items() if _json_safe(v)}))
+            inflight = rec.inflight_tuples()
+            buf = bytearray(len(inflight) * ROW_SIZE)
+            for i, row in enumerate(inflight):  # one per thread inside a call: a handful
+                pack_row(buf, i * ROW_SIZE, *row)
+            out.append((b"INFL", bytes(buf)))
+            batch = sum(len(p) if isinstance(p, bytes) else 64 * len(p) for _, p in out)
+            try:
+                st = os.statvfs(self.path.parent)
+                free, need = st.f_bavail * st.f_frsize, batch + DISK_RESERVE_BYTES  # no HDF5 overhead
+            except OSError:
+                free = need = 0
+            if free < need:
+                raise _LogFull(f"only {free} bytes free on its file system (need {need})")
+            for tag, payload in out:
+                if isinstance(payload, bytes):
+                    lg.add(tag, payload)
+                else:
+                    lg.add_json(tag, payload)
+            self._strings_logged, self._sync_logged = n_str, n_sync
+            lg.add_json(b"MARK", {"last_flush_mono_ns": now_ns(), "lost_events": int(rec.lost_events)})
+        except Exception as e:  # full disk, quota, a vanished dir: the log stops, its rows so far stay
+            try:
+                lg.add_json(b"ATTR", {"recording_stopped": one_line(e), "lost_events": int(rec.lost_events)})
+            except Exception:
+                pass
+            self._log = None
+            lg.close()
+            self._give_up(e)
+
+    def _hand_over(self, w: Any) -> None:
+        """The new Writer takes the log's rows and the drain's place (nothing twice)."""
+        lg = self._log
+        if lg is None:
+            return
+        w._offsets = self._offsets
+        for _tag, raw in lg.records((b"ROWS",)):
+            w.add_rows(raw)
+            self._handed += len(raw) // ROW_SIZE
+
+    def _settle_log(self, w: Any) -> None:
+        """After the Writer's flush: the log goes once the HDF5 file holds its rows (the
+        handed-over rows are the first a flush writes). A kill before leaves both, and the
+        analyzer reads the log (distdiag.shim.spill); so does a file that failed, or that
+        the exit's bound cut before it held them."""
+        lg, self._log = self._log, None
+        if lg is None:
+            return
+        if not w.failed and w.rows_written >= self._handed:
+            lg.remove()
+        else:
+            lg.close()
 
     def _hold_dead_threads(self) -> None:
         """Before the file opens: copy out the rows of threads that ended and free their
@@ -488,6 +607,7 @@ class RankFile:
             with self.rec.muted():  # h5py's imports are not the program's file I/O
                 w = Writer(self.path, self.rec, self.cfg, {**self._attrs, "file_opened_on": why},
                            compact_strings=self._compact, claim_fd=self._fd)  # fmt: skip
+                self._hand_over(w)
                 for raw in self._held:
                     w.add_rows(raw)
                 for rows in self._sync:
@@ -502,6 +622,9 @@ class RankFile:
         self._sync, self._gpu, self._held, self._held_bytes = [], [], [], 0
         self._close_claim()
         self._w = w
+        if self._log is not None and why != "exit":  # at exit Writer.close flushes, within the bound
+            w.flush()
+            self._settle_log(w)
         return w
 
     def _close_claim(self) -> None:
@@ -517,6 +640,9 @@ class RankFile:
         self.failed = True
         self._stop.set()
         self._close_claim()
+        lg, self._log = self._log, None
+        if lg is not None:
+            lg.close()
         self.rec.max_pending_chunks = 0  # from now on full chunks are dropped and counted
         self.rec.full.clear()
         say(f"distdiag: cannot write {self.path}: {one_line(e)}; the job runs without recording")
@@ -545,7 +671,10 @@ class RankFile:
         if w is None:
             with self._lock:
                 if self._w is None and not self._closed:
-                    self._hold_dead_threads()
+                    if self._log is not None:
+                        self._spill()
+                    else:
+                        self._hold_dead_threads()
             why = self._due()
             if why is None:
                 return
@@ -579,12 +708,21 @@ class RankFile:
             self._closed = True
             w = self._w
             if w is None and not self.failed:
+                lg = self._log
+                if lg is not None:  # the exit in the log (a few bytes): the rows go to the file
+                    from distdiag.shim.recorder import now_ns
+
+                    try:
+                        lg.add_json(b"ATTR", {"exit_code": exit_code, "end_mono_ns": now_ns()})
+                    except Exception:
+                        pass
                 with _KeepInterruptFlag():
                     w = self._open("exit")
             if w is not None:
                 if BEFORE_FLUSH:
                     _before_flush()
                 w.close(exit_code, deadline=deadline)
+                self._settle_log(w)
         except Exception:
             log.debug("distdiag: close of %s failed", self.path, exc_info=True)
         finally:
@@ -602,3 +740,6 @@ class RankFile:
             w.detach()
         else:
             self._close_claim()  # the child's copy of the descriptor; the parent's stays
+        lg, self._log = self._log, None
+        if lg is not None:
+            lg.close()  # the child's copy; the log is the parent's

@@ -57,6 +57,8 @@ from distdiag.schema import EVENT_SPEC, Kind
 _STRUCT_CODES = {"<i8": "q", "u1": "B", "<i4": "i", "<f8": "d"}
 _ROW = struct.Struct("<" + "".join(_STRUCT_CODES[code] for _, code in EVENT_SPEC))
 ROW_SIZE = _ROW.size
+#: byte offset of ``kind`` in a row; a zero there marks a row not yet written
+KIND_OFFSET = struct.calcsize("<" + "".join(_STRUCT_CODES[code] for name, code in EVENT_SPEC[: [n for n, _ in EVENT_SPEC].index("kind")]))
 #: ``pack_row(buf, offset, t0, t1, kind, name_id, comm_id, seq, peer, nbytes, aux, site_id, tid, value)``
 pack_row = _ROW.pack_into
 
@@ -389,14 +391,89 @@ class Recorder:
                     del b.spans[i]
                     return
 
+    def drain(self, offsets: dict[int, tuple[bytearray, int]]) -> list[tuple[bytearray, int, int]]:
+        """The rows published since the last drain, as ``(chunk, first row, end row)`` ranges,
+        and the buffers of threads that ended pruned (their rows are in the ranges).
+
+        ``offsets`` is the caller's record of what it took before (``id(chunk) ->
+        (chunk, rows taken)``; the chunk is kept in the value so its id cannot be
+        reused while the entry exists), updated here. One protocol for every
+        consumer (the HDF5 writer, the spill log before it opens): what one took
+        the other never takes again when it hands over its ``offsets``.
+
+        1. the full chunks (``self.full``), from the offset already taken while each
+           was still a thread's current chunk;
+        2. for every thread buffer, the rows published since. The buffer is read
+           before its count (``buf = tb.buf; n = tb.n``): if the thread rotates in
+           between, ``n`` belongs to the new chunk, is at most ``cap``, and every row
+           of the old chunk below ``cap`` is complete, so rows ``[offset, n)`` of
+           ``buf`` are always whole rows."""
+        out: list[tuple[bytearray, int, int]] = []
+        while True:
+            try:
+                buf, n = self.full.popleft()
+            except IndexError:
+                break
+            entry = offsets.get(id(buf))
+            start = entry[1] if entry is not None and entry[0] is buf else 0
+            if n > start:
+                out.append((buf, start, n))
+            # Keep the entry (pruned below once the chunk is neither queued nor
+            # current): _rotate queues the full chunk *before* it swaps in a fresh
+            # one, so a drain can take a chunk that is still the thread's current
+            # buffer; without this entry the loop below would take that chunk again
+            # from row 0 (seen as duplicated rows 16384 apart in files of SIGKILLed ranks).
+            offsets[id(buf)] = (buf, max(start, n))
+        dead = []
+        for tb in list(self.buffers):
+            # Whether the thread ended, before its buffer and count are read: a
+            # dead thread writes nothing more, so what is read now is all of it.
+            gone = tb.dead
+            buf = tb.buf  # buffer first, then count: see above
+            n = tb.n
+            # A young thread's next chunk is larger than its current one: if it
+            # rotated between the two reads, n counts rows of the new chunk and
+            # may pass the old one's size. The old chunk is full (every row
+            # complete) and queued: the rows up to its end are the ones to take.
+            rows = len(buf) // ROW_SIZE
+            if n > rows:
+                n = rows
+            entry = offsets.get(id(buf))
+            start = entry[1] if entry is not None and entry[0] is buf else 0
+            if n > start and buf[(n - 1) * ROW_SIZE + KIND_OFFSET] == 0:
+                # _rotate swaps in the fresh (zeroed) chunk before it resets the
+                # count, so for a moment (fresh chunk, old count) is visible. Every
+                # real row has kind >= 1: skip this round.
+                if gone:
+                    dead.append(tb)
+                continue
+            if n > start:
+                out.append((buf, start, n))
+                offsets[id(buf)] = (buf, n)
+            if gone:
+                dead.append(tb)
+        # Threads that ended: their rows are in this batch (their queued chunks were
+        # drained above, or stay queued until the next drain); drop the buffers.
+        self.prune(dead)
+        # Forget chunks that are neither current nor queued (dropped as lost):
+        # holding them would leak a chunk each time the consumer falls behind.
+        live = {id(tb.buf) for tb in list(self.buffers)} | {id(b) for b, _ in list(self.full)}
+        for k in [k for k in offsets if k not in live]:
+            del offsets[k]
+        return out
+
+    def inflight_tuples(self) -> list[tuple[Any, ...]]:
+        """The calls and spans threads are inside of now, as row tuples (t1 = -1)."""
+        rows = [tb.cur for tb in list(self.buffers) if tb.cur is not None]
+        return rows + [r for tb in list(self.buffers) for r in list(tb.spans)]
+
     def inflight_rows(self) -> Any:
         """The calls and spans threads are inside of now, as EVENT_DTYPE rows (the writer's)."""
         import numpy as np
 
         from distdiag.schema import EVENT_DTYPE
 
-        rows = [tb.cur for tb in list(self.buffers) if tb.cur is not None]
-        rows += [r for tb in list(self.buffers) for r in list(tb.spans)]
+        rows = self.inflight_tuples()
         out = np.zeros(len(rows), EVENT_DTYPE)
         for i, r in enumerate(rows):  # one row per thread inside a call: a handful
             out[i] = r

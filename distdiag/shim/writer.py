@@ -36,12 +36,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
 from distdiag.shim.rankfile import (  # noqa: F401  (re-exported: what the shim needs before numpy)
     DEFAULT_REDACT_ARGS,
+    DISK_RESERVE_BYTES,
     FILE_MODE,
     REDACTED,
     _exit_timeout,
@@ -291,7 +292,7 @@ def _set_attrs(f: Any, attrs: dict[str, Any]) -> None:
 
 
 def write_rank_file(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | BinaryIO,
     attrs: dict[str, Any],
     events: np.ndarray,
     strings: list[str],
@@ -306,8 +307,9 @@ def write_rank_file(
     True, ``exit_code`` 0, ``end_mono_ns``/``last_flush_mono_ns`` the last
     event's t1 and ``mono_ns_at_start`` the first event's t0. Pass an attribute
     as ``None`` to leave it out (a killed rank has no ``exit_code`` nor
-    ``end_mono_ns``, and ``closed_cleanly`` False). ``strings[0]`` must be "".
-    """
+    ``end_mono_ns``, and ``closed_cleanly`` False). ``strings[0]`` must be "". ``path`` may
+    be a binary file object (in memory: the analyzer's reading of a spill log,
+    distdiag.run._open_spill)."""
     import h5py
 
     events = np.asarray(events, dtype=EVENT_DTYPE)
@@ -337,10 +339,6 @@ def write_rank_file(
         _set_attrs(f, full)
 
 
-#: byte offset of ``kind`` in a row; a zero there marks a row not yet written
-_KIND_OFFSET: int = EVENT_DTYPE.fields["kind"][1]  # type: ignore[index]
-
-
 def _rows_view(buf: bytearray, start: int, stop: int) -> np.ndarray:
     """Rows ``[start, stop)`` of a chunk, viewed without a copy.
 
@@ -350,8 +348,6 @@ def _rows_view(buf: bytearray, start: int, stop: int) -> np.ndarray:
     return np.frombuffer(buf, EVENT_DTYPE, count=stop - start, offset=start * EVENT_DTYPE.itemsize)
 
 
-#: Free space a flush leaves untouched (HDF5 metadata, the close, the user's own files).
-DISK_RESERVE_BYTES = 1 << 20
 
 
 class _DiskFull(OSError):
@@ -629,58 +625,7 @@ class Writer:
         rec = self.rec
         parts: list[np.ndarray] = self._held
         self._held = []
-        while True:
-            try:
-                buf, n = rec.full.popleft()
-            except IndexError:
-                break
-            entry = self._offsets.get(id(buf))
-            start = entry[1] if entry is not None and entry[0] is buf else 0
-            if n > start:
-                parts.append(_rows_view(buf, start, n))
-            # Keep the entry (pruned below once the chunk is neither queued nor
-            # current): Recorder._rotate queues the full chunk *before* it swaps
-            # in a fresh one, so the flusher can drain a chunk that is still the
-            # thread's current buffer; without this entry the loop below would
-            # write that chunk again from row 0 (seen as duplicated rows 16384
-            # apart in files of SIGKILLed ranks).
-            self._offsets[id(buf)] = (buf, max(start, n))
-        dead = []
-        for tb in list(rec.buffers):
-            # Whether the thread ended, before its buffer and count are read: a
-            # dead thread writes nothing more, so what is read now is all of it.
-            gone = tb.dead
-            buf = tb.buf  # buffer first, then count: see the class docstring
-            n = tb.n
-            # A young thread's next chunk is larger than its current one: if it
-            # rotated between the two reads, n counts rows of the new chunk and
-            # may pass the old one's size. The old chunk is full (every row
-            # complete) and queued: the rows up to its end are the ones to take.
-            rows = len(buf) // EVENT_DTYPE.itemsize
-            if n > rows:
-                n = rows
-            entry = self._offsets.get(id(buf))
-            start = entry[1] if entry is not None and entry[0] is buf else 0
-            if n > start and buf[(n - 1) * EVENT_DTYPE.itemsize + _KIND_OFFSET] == 0:
-                # Recorder._rotate swaps in the fresh (zeroed) chunk before it
-                # resets the count, so for a moment (fresh chunk, old count)
-                # is visible. Every real row has kind >= 1: skip this round.
-                if gone:
-                    dead.append(tb)
-                continue
-            if n > start:
-                parts.append(_rows_view(buf, start, n))
-                self._offsets[id(buf)] = (buf, n)
-            if gone:
-                dead.append(tb)
-        # Threads that ended: their rows are in this batch (their queued chunks
-        # were drained above, or stay queued until the next flush); drop the buffers.
-        rec.prune(dead)
-        # Forget chunks that are neither current nor queued (dropped as lost):
-        # holding them would leak a chunk each time the flusher falls behind.
-        live = {id(tb.buf) for tb in list(rec.buffers)} | {id(b) for b, _ in list(rec.full)}
-        for k in [k for k in self._offsets if k not in live]:
-            del self._offsets[k]
+        parts += [_rows_view(buf, start, stop) for buf, start, stop in rec.drain(self._offsets)]
         lost = int(rec.lost_events)
         if lost > self._lost_done:
             from distdiag.shim.recorder import now_ns
