@@ -40,6 +40,10 @@ CLOCK_OFFSET_NS = 123_456_789_000
 
 _initialized = False
 _lock = threading.Lock()
+#: names of the threads that called Event.query() (tests check the shim asks on its flusher)
+query_threads: set[str] = set()
+#: calls of a synchronize (Event's or a stream's) from a thread other than the program's main one
+foreign_syncs: list[str] = []
 
 
 class _Stream:
@@ -73,6 +77,8 @@ class _Stream:
                     self.idle.set()
 
     def synchronize(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            foreign_syncs.append(threading.current_thread().name)
         self.idle.wait()
 
 
@@ -128,9 +134,12 @@ class Event:
         self._t = time.perf_counter_ns() + CLOCK_OFFSET_NS
 
     def query(self) -> bool:
+        query_threads.add(threading.current_thread().name)
         return self._t is not None or not self._recorded
 
     def synchronize(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            foreign_syncs.append(threading.current_thread().name)
         while not self.query():
             time.sleep(0.0005)
 

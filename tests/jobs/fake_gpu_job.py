@@ -107,5 +107,6 @@ dist.barrier()
 loop_s = time.perf_counter() - t0
 os.makedirs(ns.out, exist_ok=True)
 with open(os.path.join(ns.out, f"rank{rank}.json"), "w") as f:
-    json.dump({"loop_s": loop_s, "truth": truth, "t_loop": [t0, time.perf_counter()]}, f)
+    json.dump({"loop_s": loop_s, "truth": truth, "query_threads": sorted(fake_cuda.query_threads),
+               "foreign_syncs": fake_cuda.foreign_syncs}, f)
 dist.destroy_process_group()

@@ -1,0 +1,146 @@
+"""GPU-side timing end to end: real 2-rank gloo jobs under distdiag-wrap on a FAKE GPU.
+
+The GPU is ``tests/fake_cuda`` (a fake ``torch.cuda``, named so: its kernels are
+sleeps on a device thread; see its docstring): nothing else here can stand for
+one. Everything else is real: torchrun, gloo, the shim, its flusher, the rank
+files, the analyzer. ``tests/jobs/fake_gpu_job.py`` hands the fake to the shim
+itself (``cuda_events.use_fake``); the shim never looks for it.
+
+* One rank's GPU is slow (its kernels take 3x): the CPU enqueue times cannot
+  tell (launches return at once, and every CPU waits for its GPU at the step's
+  end), the GPU-side arrivals can. The straggler finding names that rank from
+  the GPU's timeline, is priced at what the same job saves without the slow GPU
+  (measured here, by turns), and is gone with ``DISTDIAG_COLLECTIVE_TIMES=cpu``.
+* A slow loader with the GPU idle meanwhile: the GPU breakdown's kernels and
+  idle-on-input times against the fake device's true intervals; input_bound
+  priced against the job without the slow loader.
+* The healthy twin: no straggler, no input_bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from truth import Saving
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = REPO / "tests" / "jobs" / "fake_gpu_job.py"
+ITERS = 20
+TIMEOUT_S = 300
+
+
+def _job(tmp: Path, name: str, args: list[str]) -> tuple[Path, dict[int, dict[str, Any]]]:
+    d = tmp / name
+    (d / "fc").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "distdiag.wrap",
+           str(JOB), "--out", str(d / "out"), "--iters", str(ITERS), *args]  # fmt: skip
+    env = dict(os.environ, DISTDIAG_DIR=str(d / "run"), DISTDIAG_HOOKS="fileio=0", FAKE_CUDA_DIR=str(d / "fc"),
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    env.pop("DISTDIAG_COLLECTIVE_TIMES", None)
+    p = subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)  # fmt: skip
+    try:
+        out, _ = p.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # our own torchrun and its ranks only
+        out, _ = p.communicate()
+        raise AssertionError(f"the fake-GPU job did not finish in {TIMEOUT_S} s:\n{out[-3000:]}")
+    assert p.returncode == 0, out[-3000:]
+    return d / "run", {r: json.loads((d / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def _analyze(run: Path, times: str = "gpu") -> dict[str, Any]:
+    env = dict(os.environ, DISTDIAG_COLLECTIVE_TIMES=times)
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run), "--format", "json"],
+                       capture_output=True, text=True, timeout=TIMEOUT_S, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)  # type: ignore[no-any-return]
+
+
+def _finding(rep: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    got = [f for f in rep["findings"] if f["kind"] == kind]
+    return got[0] if got else None
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[Path, dict[int, dict[str, Any]]]]]:
+    """By turns: the slow-GPU job, the slow-loader job and their healthy twin, twice each."""
+    tmp = tmp_path_factory.mktemp("fakegpu")
+    runs: dict[str, list[tuple[Path, dict[int, dict[str, Any]]]]] = {"slow_gpu": [], "slow_loader": [], "healthy": []}
+    for i in range(2):
+        runs["slow_gpu"].append(_job(tmp, f"slow_gpu{i}", ["--slow-rank", "1", "--slow-factor", "3"]))
+        runs["slow_loader"].append(_job(tmp, f"slow_loader{i}", ["--loader-ms", "25"]))
+        runs["healthy"].append(_job(tmp, f"healthy{i}", []))
+    return runs
+
+
+def _saving(jobs: dict[str, Any], kind: str) -> Saving:
+    return Saving(tuple(j[1][0]["loop_s"] for j in jobs[kind]), tuple(j[1][0]["loop_s"] for j in jobs["healthy"]))
+
+
+def test_slow_gpu_is_named_from_the_gpu_timeline_not_the_cpu_one(jobs: dict[str, Any]) -> None:
+    saving = _saving(jobs, "slow_gpu")
+    for i, (run, out) in enumerate(jobs["slow_gpu"]):
+        rep = _analyze(run)
+        f = _finding(rep, "straggler")
+        assert f is not None and f["ranks"] == [1], rep["findings"]
+        saving.assert_prices(f["cost_s"], i, rel=0.25, what="the GPU-side straggler's cost")
+        gpu = rep["breakdown"]["gpu"]
+        assert gpu["collective_times"] == "gpu" and gpu["collectives_gpu_timed"] >= 2 * ITERS
+        # the CPU's view of the same files: its enqueue times show no straggler
+        cpu = _analyze(run, "cpu")
+        s = _finding(cpu, "straggler")
+        assert s is None or 1 not in s["ranks"] or s["cost_s"] < 0.2 * f["cost_s"], cpu["findings"]
+        for r in (0, 1):  # the events were only ever asked about on the shim's flusher thread
+            assert out[r]["query_threads"] == ["distdiag-flusher"], out[r]
+            assert out[r]["foreign_syncs"] == []  # and the shim never synchronized a stream or event
+
+
+def test_gpu_breakdown_against_the_fake_devices_truth(jobs: dict[str, Any]) -> None:
+    """Kernels and idle-on-input shares of each rank's window within 5 points of the truth:
+    the fake device's own kernel intervals, and the rest of the window that the loader took."""
+    run, out = jobs["slow_loader"][0]
+    rep = _analyze(run)
+    g = rep["breakdown"]["gpu"]
+    for d in g["per_rank"]:
+        w = d["window_s"]
+        assert d["steps"] == ITERS - 1
+        lo, hi = _window(run, d["rank"])
+        truth_k = sum(max(0, min(b, hi) - max(a, lo)) for a, b in out[d["rank"]]["truth"]["kernels"]) / 1e9
+        assert abs(d["kernels_s"] / w - truth_k / w) < 0.05, (d, truth_k)
+        # the GPU idles while its CPU waits on the loader (25 ms of a ~50 ms step)
+        assert 0.3 < d["idle_input_share"] < 0.65, d
+        assert abs(sum(d[c] for c in ("kernels_s", "h2d_s", "nccl_s", "idle_input_s", "idle_other_s")) - w) < 1e-3 * w + 1e-6
+    f = _finding(rep, "input_bound")
+    assert f is not None, rep["findings"]
+    _saving(jobs, "slow_loader").assert_prices(f["cost_s"], 0, rel=0.25, what="input_bound's cost")
+
+
+def _window(run: Path, rank: int) -> tuple[int, int]:
+    """The rank's first and last step marks on its own clock (the fake's truth is on it too)."""
+    from distdiag.breakdown import AUTO_STEP_NAME
+    from distdiag.run import load_run
+    from distdiag.schema import Kind
+
+    r = load_run(run)
+    ev = r.events[(r.events["rank"] == rank) & (r.events["kind"] == Kind.STEP)]
+    names = {r.s(int(n)) for n in ev["name_id"]}
+    if AUTO_STEP_NAME in names:
+        ev = ev[ev["name_id"] == r.sid(AUTO_STEP_NAME)]
+    return int(ev["t0_ns"].min()), int(ev["t0_ns"].max())
+
+
+def test_the_healthy_twin_is_silent(jobs: dict[str, Any]) -> None:
+    for run, _ in jobs["healthy"]:
+        rep = _analyze(run)
+        kinds = {f["kind"] for f in rep["findings"]}
+        assert not kinds & {"straggler", "input_bound", "serial_section", "h2d_copy", "gpu_underutilized"}, rep["findings"]
+        assert "gpu" in rep["breakdown"]

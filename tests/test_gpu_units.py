@@ -1,0 +1,293 @@
+"""The CPU-side logic of GPU timing, piece by piece, on the FAKE CUDA (tests/fake_cuda).
+
+* ``cuda_events.Timer``: pairs stay pending until their events are done (asked
+  with ``query()``, never waited for), are placed on the host clock through an
+  anchor although the fake GPU's clock is 123 s off, are bounded in number
+  (dropped and counted past it), and a failing CUDA call stops the timing
+  without raising into the program.
+* ``gpu_timeline.substitute_collective_times``: the join of GPU spans to their
+  collectives (by t0, seq and kind; nothing else moves).
+* ``gpu_timeline.gpu_breakdown``: the partition of a step window by priority,
+  on a rank file with known spans.
+* An old rank file (GPU samples of the old 10-column table, no GPU spans) loads.
+* The NVML sampler's new metrics, and each call guarded on its own (tests/fake_pynvml).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "fake_cuda"))
+
+import fake_cuda  # noqa: E402  (a FAKE torch.cuda)
+
+from distdiag.schema import EVENT_DTYPE, GPU_DTYPE, Kind  # noqa: E402
+from distdiag.shim.hooks import cuda_events  # noqa: E402
+from distdiag.shim.recorder import Recorder, as_events  # noqa: E402
+
+MS = 1_000_000
+
+
+def _rows(t: cuda_events.Timer) -> np.ndarray:
+    tb = t._tb
+    return as_events(tb.buf, 0, tb.n) if tb is not None else np.zeros(0, EVENT_DTYPE)
+
+
+def _wait_idle() -> None:
+    fake_cuda.current_stream().idle.wait(5)
+
+
+def test_pairs_wait_until_done_and_land_on_the_host_clock() -> None:
+    t = cuda_events.Timer(Recorder(), fake_cuda, fake_cuda.device_of)
+    fake_cuda.kernel(30)  # the GPU is busy: the pair below starts after it
+    tok = t.begin(0)
+    k0 = fake_cuda.Event(enable_timing=True)
+    k0.record()
+    fake_cuda.kernel(20)
+    k1 = fake_cuda.Event(enable_timing=True)
+    k1.record()
+    t.end(tok, Kind.COLL, 7, cpu_t0=12345, comm_id=3, seq=9)
+    assert t.resolve() == 0 and len(t.pending) == 1  # not done: pending, nothing waited for
+    _wait_idle()
+    assert t.resolve() == 1 and not t.pending
+    (row,) = _rows(t)
+    assert row["kind"] == Kind.GPU_SPAN and row["aux"] == Kind.COLL and row["nbytes"] == 12345
+    assert (row["seq"], row["comm_id"], row["name_id"], row["peer"]) == (9, 3, 7, 0)
+    # the fake GPU's clock is CLOCK_OFFSET_NS off the host's: the anchor takes it out
+    assert abs(int(row["t0_ns"]) - k0.host_ns()) < 2 * MS  # type: ignore[operator]
+    assert abs(int(row["t1_ns"]) - k1.host_ns()) < 2 * MS  # type: ignore[operator]
+    assert 18 * MS < row["t1_ns"] - row["t0_ns"] < 40 * MS
+    assert 0 <= row["value"] < 50 * MS  # the anchor's bound
+
+
+def test_pending_pairs_are_bounded_and_counted() -> None:
+    t = cuda_events.Timer(Recorder(), fake_cuda, fake_cuda.device_of, max_pending=4)
+    fake_cuda.kernel(200)
+    for i in range(10):
+        t.end(t.begin(0), Kind.FORWARD, 1, cpu_t0=i)
+    assert len(t.pending) == 4 and t.dropped == 6
+    _wait_idle()
+    assert t.resolve() == 4 and t.status()["pending"] == 0
+    assert sorted(_rows(t)["nbytes"].tolist()) == [0, 1, 2, 3]
+
+
+def test_a_failing_cuda_call_stops_timing_quietly() -> None:
+    class Broken:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self, stream: Any = None) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class BrokenCuda:
+        is_initialized = staticmethod(lambda: True)
+        current_device = staticmethod(lambda: 0)
+        current_stream = staticmethod(fake_cuda.current_stream)
+        Stream = fake_cuda.Stream
+        Event = Broken
+
+    t = cuda_events.Timer(Recorder(), BrokenCuda, fake_cuda.device_of)
+    assert t.begin(0) is None and t.open is False
+    assert t.begin(0) is None  # and stays off
+    t.end(None, Kind.COLL, 1, 0)
+    assert t.resolve() == 0
+
+
+def test_without_cuda_initialized_phases_are_not_timed() -> None:
+    class Cold:
+        is_initialized = staticmethod(lambda: False)
+
+    t = cuda_events.Timer(Recorder(), Cold, fake_cuda.device_of)
+    assert t.begin() is None  # the shim never creates a CUDA context
+
+
+def _ev(rows: list[tuple[Any, ...]]) -> np.ndarray:
+    out = np.zeros(len(rows), EVENT_DTYPE)
+    for i, r in enumerate(rows):  # a handful
+        out[i] = r
+    return out
+
+
+def _row(t0: float, t1: float, kind: int, name: int = 0, comm: int = 0, seq: int = -1, nbytes: int = 0, aux: int = 0) -> tuple[Any, ...]:
+    return (int(t0 * MS), int(t1 * MS), kind, name, comm, seq, -1, nbytes, aux, 0, 0, 0.0)
+
+
+def test_collectives_take_their_gpu_span_by_t0_seq_and_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distdiag.gpu_timeline import substitute_collective_times
+
+    ev = _ev([
+        _row(10, 11, Kind.COLL, 1, 2, seq=0),
+        _row(20, 21, Kind.COLL, 1, 2, seq=1),
+        _row(30, 31, Kind.COLL, 1, 2, seq=2),  # no span: keeps its CPU times
+        _row(40, 41, Kind.FORWARD, 3),
+        _row(15, 19, Kind.GPU_SPAN, 1, 2, seq=0, nbytes=10 * MS, aux=Kind.COLL),
+        _row(25, 29, Kind.GPU_SPAN, 1, 2, seq=5, nbytes=20 * MS, aux=Kind.COLL),  # wrong seq: no join
+        _row(45, 49, Kind.GPU_SPAN, 3, nbytes=40 * MS, aux=Kind.FORWARD),  # a phase's span: phases keep CPU times
+    ])  # fmt: skip
+    before = ev.copy()
+    monkeypatch.setenv("DISTDIAG_COLLECTIVE_TIMES", "cpu")
+    assert substitute_collective_times(ev) == 0 and (ev == before).all()
+    monkeypatch.delenv("DISTDIAG_COLLECTIVE_TIMES")
+    assert substitute_collective_times(ev) == 1
+    assert (ev["t0_ns"][0], ev["t1_ns"][0]) == (15 * MS, 19 * MS)
+    changed = np.flatnonzero((ev != before))
+    assert changed.tolist() == [0]
+
+
+def _write(path: Path, events: np.ndarray, strings: list[str], gpu: np.ndarray | None = None, timed: bool = True) -> None:
+    from distdiag.shim.writer import write_rank_file
+
+    attrs: dict[str, Any] = {"rank": 0, "world_size": 1}
+    if timed:
+        attrs["cuda_timing"] = "on: test"
+    write_rank_file(path, attrs, events, strings, gpu=gpu)
+
+
+def test_gpu_breakdown_partitions_each_step_by_priority(tmp_path: Path) -> None:
+    """Per step (100 ms): H2D span 0-10, forward 10-40, backward 40-60, an NCCL span 50-80
+    (its overlap with backward is kernels), the CPU waiting on the loader 80-100 with no span."""
+    from distdiag.gpu_timeline import gpu_breakdown
+    from distdiag.run import load_run
+
+    strings = ["", "optimizer_step", "all_reduce", "Model", "DataLoader.__next__", "default", "Tensor.to"]
+    rows = [_row(0, 0, Kind.SHIM)]
+    for s in range(3):
+        b = 100 * s
+        rows.append(_row(b, b, Kind.STEP, 1))
+        if s == 2:
+            break
+        rows += [
+            _row(b, b + 1, Kind.H2D, 6), _row(b + 0, b + 10, Kind.GPU_SPAN, 6, nbytes=(b) * MS, aux=Kind.H2D),
+            _row(b + 1, b + 2, Kind.FORWARD, 3), _row(b + 10, b + 40, Kind.GPU_SPAN, 3, nbytes=(b + 1) * MS, aux=Kind.FORWARD),
+            _row(b + 2, b + 3, Kind.BACKWARD, 3), _row(b + 40, b + 60, Kind.GPU_SPAN, 3, nbytes=(b + 2) * MS, aux=Kind.BACKWARD),
+            _row(b + 3, b + 4, Kind.COLL, 2, 5, seq=s), _row(b + 50, b + 80, Kind.GPU_SPAN, 2, 5, seq=s, nbytes=(b + 3) * MS, aux=Kind.COLL),
+            _row(b + 80, b + 100, Kind.INPUT_WAIT, 4),
+        ]  # fmt: skip
+    ev = _ev(rows)
+    ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
+    _write(tmp_path / "rank-00000.h5", ev, strings)
+    run = load_run(tmp_path)
+    g = gpu_breakdown(run)
+    assert g is not None
+    (d,) = g["per_rank"]
+    assert d["steps"] == 2 and d["window_s"] == pytest.approx(0.2)
+    assert d["kernels_s"] == pytest.approx(0.1) and d["h2d_s"] == pytest.approx(0.02)
+    assert d["nccl_s"] == pytest.approx(0.04) and d["idle_input_s"] == pytest.approx(0.04)
+    assert d["idle_other_s"] == pytest.approx(0.0, abs=1e-9)
+    assert [s["kernels_s"] for s in g["per_step"]] == pytest.approx([0.05, 0.05])
+    assert g["share"]["kernels"] == pytest.approx(0.5)
+    # the collective took its GPU span at load: arrival 50 ms into its step, exit 80
+    c = run.events[run.events["kind"] == Kind.COLL]
+    assert (c["t0_ns"] % (100 * MS)).tolist() == [50 * MS, 50 * MS]
+
+
+def test_an_old_rank_file_still_loads(tmp_path: Path) -> None:
+    """Written before GPU spans and the NVML columns of issue 22: the old 10-column /gpu table."""
+    import h5py
+
+    from distdiag.run import load_run
+
+    ev = _ev([_row(0, 1, Kind.SHIM), _row(1, 5, Kind.FORWARD, 1), _row(5, 9, Kind.COLL, 2, 3, seq=0)])
+    _write(tmp_path / "rank-00000.h5", ev, ["", "Model", "all_reduce", "default"], timed=False)
+    old = np.dtype([(n, GPU_DTYPE[n]) for n in GPU_DTYPE.names[:10]])  # type: ignore[index]
+    rows = np.zeros(2, old)
+    rows["t_ns"], rows["sm_util_pct"] = [2 * MS, 4 * MS], [50, 60]
+    with h5py.File(tmp_path / "rank-00000.h5", "a") as f:
+        del f["gpu"]
+        f.create_dataset("gpu", data=rows, maxshape=(None,), chunks=(16,))
+    run = load_run(tmp_path)
+    assert run.gpu["sm_util_pct"].tolist() == [50, 60] and (run.gpu["throttle_reasons"] == 0).all()
+    assert len(run.events) == 3 and not run.warnings
+    from distdiag.gpu_timeline import gpu_breakdown
+
+    assert gpu_breakdown(run) is None
+
+
+_SAMPLE = """
+import json, time
+from types import SimpleNamespace
+from distdiag.shim.hooks import nvml
+rows, attrs = [], {}
+s = nvml.start_sampler(SimpleNamespace(gpu_interval_s=0.02), rows.append, attrs.__setitem__, 0, 1, {})
+time.sleep(0.15)
+if s: s.stop()
+t0 = time.perf_counter()
+for _ in range(200):
+    s.sample()
+per = (time.perf_counter() - t0) / 200
+r = [dict(zip(x.dtype.names, x.tolist())) for b in rows for x in b]
+print(json.dumps({"attrs": attrs, "rows": r, "per_sample_s": per}))
+"""
+
+
+def _sampler(env: dict[str, str]) -> dict[str, Any]:
+    e = dict(os.environ, FAKE_NVML_GPUS="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "fake_pynvml"), str(REPO)]), **env)
+    p = subprocess.run([sys.executable, "-c", _SAMPLE], capture_output=True, text=True, timeout=120, env=e)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)  # type: ignore[no-any-return]
+
+
+def test_nvml_throttle_temperature_and_xid() -> None:
+    d = _sampler({"FAKE_NVML_THROTTLE": "64", "FAKE_NVML_TEMP": "83", "FAKE_NVML_XID": "79"})
+    rows = d["rows"]
+    assert all(r["throttle_reasons"] == 64 and r["temp_c"] == 83 for r in rows)
+    assert [r["xid"] for r in rows].count(79) == 1 and all(r["xid"] in (0, 79) for r in rows)  # reported once
+    assert d["per_sample_s"] < 0.01  # 11 calls of the fake; the real cost is measured by benchmarks/gpu_check.py
+
+
+def test_nvml_a_missing_or_failing_call_loses_its_metric_only() -> None:
+    d = _sampler({"FAKE_NVML_MISSING": "nvmlDeviceGetCurrentClocksEventReasons,nvmlEventSetCreate",
+                  "FAKE_NVML_FAIL_CALLS": "nvmlDeviceGetTemperature,nvmlDeviceGetPowerUsage"})  # fmt: skip
+    for r in d["rows"]:
+        assert r["throttle_reasons"] == -1 and r["xid"] == -1  # neither readable: said so, not 0
+        assert np.isnan(r["temp_c"]) and np.isnan(r["power_w"])
+        assert r["sm_util_pct"] == 97 and r["sm_clock_mhz"] == 1755 and r["pcie_tx_bytes_per_s"] == 1000 * 1024
+    assert d["attrs"]["gpu_sampler"].startswith("on:")
+
+
+def test_timer_rows_reach_the_rank_file_on_the_flusher(tmp_path: Path) -> None:
+    """One process under distdiag.wrap: a forward on the fake GPU; the file's GPU_SPAN row and attrs."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(REPO / 'tests' / 'fake_cuda')!r})\n"
+        "import torch, fake_cuda\n"
+        "from distdiag.shim.hooks import cuda_events\n"
+        "cuda_events.use_fake(fake_cuda, fake_cuda.device_of)\n"
+        "fake_cuda.current_stream()  # CUDA initialized, as by model.cuda()\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        fake_cuda.kernel(30)\n"
+        "        return x\n"
+        "M()(torch.ones(1))\n"
+        "fake_cuda.synchronize()\n"
+        "time.sleep(0.5)\n"
+        "print(sorted(fake_cuda.query_threads))\n"
+    )
+    env = dict(os.environ, DISTDIAG_DIR=str(tmp_path / "run"), DISTDIAG_HOOKS="fileio=0", DISTDIAG_FLUSH_INTERVAL_S="0.1")
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(v, None)
+    p = subprocess.run([sys.executable, "-m", "distdiag.wrap", str(job)], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=tmp_path)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "['distdiag-flusher']"
+    import h5py
+
+    (f,) = (tmp_path / "run").glob("rank-*.h5")
+    with h5py.File(f, "r") as h:
+        assert h.attrs["cuda_timing"].startswith("on: FAKE CUDA")
+        ev = h["events"][:]
+    (span,) = ev[ev["kind"] == Kind.GPU_SPAN]
+    (fwd,) = ev[ev["kind"] == Kind.FORWARD]
+    assert span["aux"] == Kind.FORWARD and span["nbytes"] == fwd["t0_ns"] and span["name_id"] == fwd["name_id"]
+    assert 25 * MS < span["t1_ns"] - span["t0_ns"] < 60 * MS
+    assert span["t0_ns"] >= fwd["t0_ns"] - 2 * MS  # the GPU starts the phase after its CPU launched it
