@@ -144,3 +144,23 @@ def test_the_healthy_twin_is_silent(jobs: dict[str, Any]) -> None:
         kinds = {f["kind"] for f in rep["findings"]}
         assert not kinds & {"straggler", "input_bound", "serial_section", "h2d_copy", "gpu_underutilized"}, rep["findings"]
         assert "gpu" in rep["breakdown"]
+
+
+def test_ddp_buckets_and_async_collectives_get_gpu_spans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP through the comm hook (CUDA DDPs' path) and ``async_op=True``: the end event is
+    recorded in the Work's future callback; every such row is joined to its span at load."""
+    from distdiag.run import load_run
+    from distdiag.schema import Kind
+
+    monkeypatch.setenv("DISTDIAG_DDP_KERNEL", "0")
+    run, _ = _job(tmp_path, "ddp", ["--ddp", "--async-op"])
+    r = load_run(run)
+    ev = r.events
+    spans = ev[(ev["kind"] == Kind.GPU_SPAN) & (ev["aux"] == Kind.COLL_ASYNC)]
+    buckets = ev[(ev["kind"] == Kind.COLL_ASYNC) & (ev["name_id"] == r.sid("ddp_bucket_allreduce"))]
+    asyncs = ev[(ev["kind"] == Kind.COLL_ASYNC) & (ev["name_id"] == r.sid("all_reduce"))]
+    assert len(buckets) == 2 * ITERS and len(asyncs) == 2 * ITERS
+    assert len(spans) == len(buckets) + len(asyncs)
+    assert sum(i.gpu_timed_collectives for i in r.ranks.values()) == len(spans)
+    # joined: each of those rows now starts where its span starts
+    assert set(map(int, buckets["t0_ns"])) | set(map(int, asyncs["t0_ns"])) == set(map(int, spans["t0_ns"]))

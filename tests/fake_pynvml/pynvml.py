@@ -70,8 +70,11 @@ _init = False
 calls = 0
 
 
+_ENV = {k: v for k, v in os.environ.items() if k.startswith("FAKE_NVML_")}  # read once: the fake stays cheap
+
+
 def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+    return _ENV.get(name, default)
 
 
 def nvmlInit() -> None:

@@ -37,6 +37,8 @@ ap.add_argument("--fwd-ms", type=float, default=10.0)
 ap.add_argument("--bwd-ms", type=float, default=10.0)
 ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-factor", type=float, default=1.0)
+ap.add_argument("--ddp", action="store_true", help="wrap the model in DDP (buckets through the comm hook: DISTDIAG_DDP_KERNEL=0)")
+ap.add_argument("--async-op", action="store_true", help="all_reduce(async_op=True) and wait()")
 ns = ap.parse_args()
 
 torch.set_num_threads(1)
@@ -90,7 +92,9 @@ class Slow(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.ones(8)
 
 
-model = Model()
+model: torch.nn.Module = Model()
+if ns.ddp:
+    model = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.0)
 loader = torch.utils.data.DataLoader(Slow(), batch_size=None, num_workers=0)
 grad = torch.ones(1024)
@@ -99,7 +103,10 @@ t0 = time.perf_counter()
 for x in loader:
     loss = model(x).sum()
     loss.backward()
-    dist.all_reduce(grad)
+    if ns.async_op:
+        dist.all_reduce(grad, async_op=True).wait()
+    else:
+        dist.all_reduce(grad)
     opt.step()
     opt.zero_grad()
     fake_cuda.synchronize()

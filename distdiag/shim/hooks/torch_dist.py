@@ -67,8 +67,12 @@ and stream-ordered completion for futures, not kernel time on the GPU. So a
 pair on the current stream around the call (:mod:`distdiag.shim.hooks.cuda_events`),
 written later as a ``GPU_SPAN`` row keyed by the row's t0; the analyzer then
 uses GPU start / end as the collective's arrival / exit (``distdiag.run``).
-Not timed on the GPU yet (their rows keep CPU times): ``async_op=True``
-collectives, DDP's buckets, point-to-point calls. Verified only against
+``async_op=True`` collectives (with a future) and DDP's buckets (the comm
+hook, CUDA DDPs' path) are timed too: the start event on the current stream
+at the post, the end event in the Work's future callback, where torch makes
+the current stream one synchronized with the collective's kernel
+(``Future.then``'s contract for CUDA values). Not timed on the GPU (their rows
+keep CPU times): point-to-point calls, async calls without a future. Verified only against
 ``tests/fake_cuda`` (no GPU here); ``benchmarks/gpu_check.py`` is the device check.
 """
 
@@ -289,8 +293,36 @@ def _record_done(rec: Recorder, row: tuple[Any, ...], _fut: Any = None) -> None:
     _add_from_callback(rec, row, now_ns())
 
 
-def _track(rec: Recorder, name: str, work: Any, row: tuple[Any, ...]) -> None:
-    """Arrange for ``row`` (t0 first, no t1) to be recorded when ``work`` completes."""
+def _gpu_begin(timer: Any, data: Any) -> tuple[Any, Any] | None:
+    """(timer, token) of a CUDA event pair started now on ``data``'s device, or None."""
+    try:
+        dev = timer.device_of(data)
+        tok = timer.begin(dev) if dev is not None else None
+    except Exception:
+        return None
+    return (timer, tok) if tok is not None else None
+
+
+def _gpu_end(gpu: tuple[Any, Any] | None, row: tuple[Any, ...]) -> None:
+    """The end event of ``row``'s pair (t0 first), recorded now on the current stream. In a
+    CUDA future's callback the current stream is one torch synchronized with the
+    collective's kernel (``Future.then``'s contract), so the event follows its end."""
+    if gpu is not None:
+        try:
+            gpu[0].end(gpu[1], row[1], row[2], row[0], row[3], row[4])
+        except Exception:
+            pass
+
+
+def _record_done_gpu(rec: Recorder, row: tuple[Any, ...], gpu: tuple[Any, Any] | None, _fut: Any = None) -> None:
+    """:func:`_record_done`, and the end event of the row's CUDA pair. Never raises."""
+    _add_from_callback(rec, row, now_ns())
+    _gpu_end(gpu, row)
+
+
+def _track(rec: Recorder, name: str, work: Any, row: tuple[Any, ...], gpu: tuple[Any, Any] | None = None) -> None:
+    """Arrange for ``row`` (t0 first, no t1) to be recorded when ``work`` completes
+    (with its CUDA pair's end, ``gpu``, when the Work has a future: else not GPU-timed)."""
     if work is None:
         batch = _tls.batch
         if batch is not None:  # coalesced inside batch_isend_irecv: completes with the batch's Work
@@ -302,7 +334,10 @@ def _track(rec: Recorder, name: str, work: Any, row: tuple[Any, ...]) -> None:
     if _future_ok.get(key, True):
         try:
             fut = work.get_future()
-            fut.add_done_callback(functools.partial(_record_done, rec, row))
+            if gpu is None:
+                fut.add_done_callback(functools.partial(_record_done, rec, row))
+            else:
+                fut.add_done_callback(functools.partial(_record_done_gpu, rec, row, gpu))
         except Exception:  # gloo p2p: "Work::getFuture not implemented"
             _future_ok[key] = False
         else:
@@ -361,6 +396,8 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             log.debug("distdiag: could not describe %s", name, exc_info=True)
             return orig(*args, **kwargs)
         if is_async:
+            timer = _cuda_events._TIMER
+            gpu = _gpu_begin(timer, data) if timer is not None and data is not None and seq >= 0 else None
             t0 = now_ns()
             tls.busy = True
             try:
@@ -368,7 +405,7 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             finally:
                 tls.busy = False
             try:
-                _track(rec, name, work, (t0, kind_async, nid, comm, seq, peer, nbytes, aux, site))
+                _track(rec, name, work, (t0, kind_async, nid, comm, seq, peer, nbytes, aux, site), gpu)
             except Exception:
                 log.debug("distdiag: could not track %s", name, exc_info=True)
             return work
@@ -508,7 +545,8 @@ class _DDPState:
         self.kernel = False  # recorded by the allreduce kernel, no comm hook (see _attach_ddp)
 
 
-def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None = None) -> Any:
+def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None = None,
+                         gpu: tuple[Any, Any] | None = None) -> Any:  # fmt: skip
     """The Reducer's built-in behaviour without a hook, in Python.
 
     Without a hook the Reducer scales each gradient by 1/world while copying it
@@ -534,17 +572,18 @@ def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None
         tls.busy = was_busy
     if row is None:
         return fut.then(_first_value)
-    return fut.then(functools.partial(_first_value_and_record, _REC, row))
+    return fut.then(functools.partial(_first_value_and_record, _REC, row, gpu))
 
 
 def _first_value(fut: Any) -> Any:
     return fut.value()[0]
 
 
-def _first_value_and_record(rec: Recorder | None, row: tuple[Any, ...], fut: Any) -> Any:
+def _first_value_and_record(rec: Recorder | None, row: tuple[Any, ...], gpu: tuple[Any, Any] | None, fut: Any) -> Any:
     t1 = now_ns()
     if rec is not None:
         _add_from_callback(rec, row, t1)
+        _gpu_end(gpu, row)
     return fut.value()[0]
 
 
@@ -605,6 +644,8 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
     inner = st.inner
     if rec is None:
         return inner(st.inner_state, bucket) if inner is not None else _default_bucket_hook(st, bucket)
+    timer = _cuda_events._TIMER
+    gpu = _gpu_begin(timer, bucket.buffer()) if timer is not None else None
     t0 = now_ns()
     seq = st.seq
     st.seq = seq + 1
@@ -613,7 +654,7 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
     except Exception:
         row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, 0, 0, 0)
     if inner is None:
-        return _default_bucket_hook(st, bucket, row)
+        return _default_bucket_hook(st, bucket, row, gpu)
     tls = _tls
     was_busy = tls.busy
     tls.busy = True  # collectives the user's hook makes are the bucket's, not rows of their own
@@ -622,7 +663,7 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
     finally:
         tls.busy = was_busy
     try:
-        fut.add_done_callback(functools.partial(_record_done, rec, row))
+        fut.add_done_callback(functools.partial(_record_done_gpu, rec, row, gpu))
     except Exception:
         log.debug("distdiag: could not time a DDP bucket", exc_info=True)
     return fut
