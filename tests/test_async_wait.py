@@ -111,5 +111,5 @@ def test_waiting_on_a_late_async_all_reduce_is_comm_wait(tmp_path: Path, backend
         assert row.other_s - create_s < 0.25 * waited[r], (r, create_s, measured, row.to_dict())
     # rank 1 waits for nobody (measured 0-1 ms)
     assert bd.loc[1].comm_wait_s < 0.25 * min(waited[0], waited[2]), (measured, bd.loc[1].to_dict())
-    cols = ["compute_s", "comm_wait_s", "comm_transfer_s", "io_s", "input_wait_s", "h2d_s", "other_s"]
+    cols = ["compute_s", "comm_wait_s", "comm_transfer_s", "io_s", "input_wait_s", "h2d_s", "other_s", "startup_s"]
     assert np.allclose(bd[cols].sum(axis=1), bd["wall_s"], rtol=0.01), bd
