@@ -1,4 +1,5 @@
-"""The probe under the real wrapper: `distdiag-wrap --probe-links` on an MPI job."""
+"""The probe under the real wrapper on an MPI job: `distdiag-wrap --probe-links`, and the
+default (on across hosts only, within 1 s; `--no-probe-links` switches it off)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,11 +54,41 @@ def test_probe_rows_make_a_full_matrix_and_leave_the_program_untouched(tmp_path:
     assert probe_comms == {"probe:mpi"}
 
 
-def test_without_the_flag_nothing_is_probed(tmp_path: Path) -> None:
-    _wrap(tmp_path / "r")
+def test_by_default_a_job_on_one_host_is_not_probed(tmp_path: Path) -> None:
+    _wrap(tmp_path / "r")  # the launcher says one host (MPI_LOCALNRANKS = the world size)
     run = load_run(tmp_path / "r")
     assert not (run.events["kind"] == Kind.PROBE).any()
     assert probe_matrix(run) is None
+
+
+def _two_nodes(tmp_path: Path, *flags: str) -> Any:
+    """4 ranks as 2 nodes of 2 (DISTDIAG_HOST per rank), the wrapper given ``flags``."""
+    wrap = shutil.which("distdiag-wrap") or ""
+    cmd = (f'DISTDIAG_HOST=node$((PMI_RANK / 2)) exec {wrap} --dir {tmp_path / "r"} {" ".join(flags)} '
+           f'{sys.executable} {JOB}')  # fmt: skip
+    p = subprocess.run(["mpiexec", "-n", "4", "sh", "-c", cmd], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return load_run(tmp_path / "r")
+
+
+def test_by_default_a_job_across_hosts_is_probed_within_the_small_budget(tmp_path: Path) -> None:
+    run = _two_nodes(tmp_path)
+    pr = run.events[run.events["kind"] == Kind.PROBE]
+    span = pr[pr["name_id"] == run.sid("probe")]
+    assert sorted(span["rank"].tolist()) == [0, 2]  # the first rank of each node
+    assert (span["value"] == 1.0).all()  # probe_auto_budget_s, not the 3 s of --probe-links
+    took = (span["t1_ns"] - span["t0_ns"]) / 1e9
+    print(f"the default probe took {', '.join(f'{t:.4f}' for t in took)} s (fast links: the sizes grow to 4 MiB)")
+    assert took.max() < 1.0
+    m = probe_matrix(run)
+    assert m is not None and m.units.kind == "host" and m.bw_bytes_per_s[0, 1] > 1e6
+    assert len(collectives_of(run)) == 20
+
+
+def test_no_probe_links_switches_the_default_off(tmp_path: Path) -> None:
+    run = _two_nodes(tmp_path, "--no-probe-links")
+    assert run.hosts == ["node0", "node1"]
+    assert not (run.events["kind"] == Kind.PROBE).any()
 
 
 def test_only_the_first_rank_of_each_node_probes(tmp_path: Path) -> None:

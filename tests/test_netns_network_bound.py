@@ -1,6 +1,6 @@
 """Never silent on the network (issue 20 item 2): the 4-node DDP job of
 ``tests/test_netns_slow_link.py``, one node's link throttled to 50 Mbit/s with tbf, run
-*without* ``--probe-links``: no bandwidth per pair exists, so no link can be named, and
+with ``--no-probe-links`` (the probe is on by default across hosts): no bandwidth per pair exists, so no link can be named, and
 the report had no finding at all while most of the job was collective transfer. Now it
 says the network binds (``network_bound``), priced at the union of the transfer windows
 in which every rank waited, against what the throttle cost the job (the same job on the

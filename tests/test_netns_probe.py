@@ -62,6 +62,42 @@ def test_probe_over_mpi_measures_every_rank_pair_on_one_host(tmp_path: Path) -> 
         assert d["elapsed_s"] < 3.0
 
 
+@pytest.mark.parametrize(("env", "one"), [
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, True),              # torchrun, one node
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, False),             # torchrun, two nodes
+    ({"PMI_SIZE": "3", "MPI_LOCALNRANKS": "3"}, True),                 # MPICH's hydra, one host
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, False),
+    ({"SLURM_PROCID": "0", "SLURM_NNODES": "1", "WORLD_SIZE": "4"}, True),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "1"}, False),
+    ({"WORLD_SIZE": "4"}, False),                                      # not said: the all-gather decides
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "DISTDIAG_HOST": "n1"}, False),  # hosts named by hand
+])  # fmt: skip
+def test_the_default_probe_knows_a_single_host_from_the_launcher(env: dict[str, str], one: bool) -> None:
+    from distdiag.shim.probe import one_host_said
+
+    assert one_host_said(env) is one
+
+
+def test_the_default_mode_installs_only_where_the_job_may_span_hosts() -> None:
+    import types
+
+    dist = pytest.importorskip("torch.distributed")
+    from distdiag.shim import probe
+    from distdiag.shim.recorder import Recorder
+
+    orig = dist.init_process_group
+    for mode, env, patched in [("auto", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, False),
+                               ("auto", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, True),
+                               ("off", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, False),
+                               ("on", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, True)]:  # fmt: skip
+        probe.install(Recorder(), types.SimpleNamespace(probe_links=mode), environ=env)
+        try:
+            assert (dist.init_process_group is not orig) is patched, (mode, env)
+        finally:
+            probe.uninstall()
+        assert dist.init_process_group is orig
+
+
 def test_install_is_a_no_op_without_the_flag_and_uninstall_restores_exactly() -> None:
     import types
 

@@ -69,10 +69,13 @@ class ShimConfig:
     redact_args: str = DEFAULT_REDACT_ARGS
     #: keep the text of ``python -c CODE`` in the files (default: its length and hash only)
     keep_code_text: bool = False
-    #: measure point-to-point links at start (distdiag-wrap --probe-links)
-    probe_links: bool = False
+    #: measure point-to-point links at start: "auto" (the default) where the job spans more
+    #: than one host, within probe_auto_budget_s; "on" (distdiag-wrap --probe-links) also on
+    #: one host, within probe_budget_s; "off" (--no-probe-links) never (distdiag.shim.probe)
+    probe_links: str = "auto"
     #: the probe's time budget, its most rounds, and the wait for a peer that never answers
     probe_budget_s: float = 3.0
+    probe_auto_budget_s: float = 1.0
     probe_max_rounds: int = 15
     probe_timeout_s: float = 30.0
     #: NVML sampling interval

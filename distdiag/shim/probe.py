@@ -1,8 +1,17 @@
 """Active link probe: a short, bounded pairwise bandwidth/latency measurement.
 
-Enabled by ``distdiag-wrap --probe-links`` (``ShimConfig.probe_links``). It runs
-once per process, over the job's own transport, right after that transport is
-up:
+On by default where the job spans more than one host (``ShimConfig.probe_links``
+= ``"auto"``), within ``probe_auto_budget_s`` (1 s); ``distdiag-wrap --probe-links``
+(``"on"``) probes also on one host, within ``probe_budget_s``;
+``--no-probe-links`` (``"off"``) never. Under ``"auto"`` nothing is installed when
+the launcher says every rank is on one host (``SLURM_NNODES=1``, or its local
+size equals the world size: torchrun's ``LOCAL_WORLD_SIZE``, Open MPI's
+``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's ``MPI_LOCALNRANKS``); when it does not
+say (or ``DISTDIAG_HOST`` names the hosts), the probe's first step (the host names' all-gather, 64 bytes a rank) decides,
+and on one host it ends there. On healthy links the probe takes milliseconds (its
+sizes grow only while a step stays under an eighth of the round's share of the
+budget); a slow link is what spends the budget. It runs once per process, over the
+job's own transport, right after that transport is up:
 
 * torch.distributed: right after ``init_process_group`` returns, on the
   default process group, calling the ProcessGroup's own ``send``/``recv`` (not
@@ -76,6 +85,8 @@ LAT_SAMPLES = 3
 TORCH_TAG = 0x0D1A6
 MPI_TAG = 0x0D1A6
 DEFAULT_BUDGET_S = 3.0
+#: the budget when the probe is on by default (probe_links = "auto"): small enough to leave on
+DEFAULT_AUTO_BUDGET_S = 1.0
 DEFAULT_MAX_ROUNDS = 15
 HOST_BYTES = 64
 
@@ -129,10 +140,14 @@ def run_probe(
     rec: Any,
     budget_s: float = DEFAULT_BUDGET_S,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
+    across_hosts_only: bool = False,
 ) -> ProbeResult | None:
-    """Run the probe on this rank; every rank of the transport must call it."""
+    """Run the probe on this rank; every rank of the transport must call it.
+    ``across_hosts_only`` (the default mode): on one host, end after the host names."""
     start_ns = now_ns()
     hosts = tr.allgather_host(host)
+    if across_hosts_only and len(set(hosts)) <= 1:
+        return None
     members = participants_of(hosts)
     if tr.rank not in members:
         return None
@@ -292,6 +307,8 @@ _cfg: Any = None
 _done = False
 #: cleared by uninstall: post-import callbacks still pending then do nothing
 _active = False
+#: the probe is on by default here (probe_links = "auto"): across hosts only, the small budget
+_auto = False
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
 #: the last probe's result in this process (tests and the wrapper's log read it)
 LAST: ProbeResult | None = None
@@ -309,8 +326,48 @@ def _host() -> str:
     return os.environ.get("DISTDIAG_HOST") or socket.gethostname()
 
 
+def probe_mode(v: Any) -> str:
+    """``ShimConfig.probe_links`` as ``"on"``, ``"off"`` or ``"auto"`` (bools and the usual
+    spellings of true and false taken; anything else is ``"auto"``)."""
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return "on"
+    if s in ("0", "false", "no", "off"):
+        return "off"
+    return "auto"
+
+
+def _int_env(env: Any, *names: str) -> int | None:
+    for n in names:
+        try:
+            v = int(str(env.get(n, "")).strip())
+        except ValueError:
+            continue
+        if v > 0:
+            return v
+    return None
+
+
+def one_host_said(env: Any) -> bool:
+    """The launcher says every rank of the job is on this host (see the module docstring).
+    Not when ``DISTDIAG_HOST`` names the host (tests lay out nodes on one machine with it):
+    the host names' all-gather decides then."""
+    if env.get("DISTDIAG_HOST"):
+        return False
+    nodes = _int_env(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    if nodes is not None and "SLURM_PROCID" in env:
+        return nodes == 1
+    world = _int_env(env, "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+    local = _int_env(env, "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+    return world is not None and local is not None and local >= world
+
+
 def _settings() -> tuple[float, int, float]:
     budget_s = float(getattr(_cfg, "probe_budget_s", DEFAULT_BUDGET_S))
+    if _auto:
+        budget_s = min(budget_s, float(getattr(_cfg, "probe_auto_budget_s", DEFAULT_AUTO_BUDGET_S)))
     max_rounds = int(getattr(_cfg, "probe_max_rounds", DEFAULT_MAX_ROUNDS))
     # generous: only a peer that never joins hits it, and then once
     timeout_s = float(getattr(_cfg, "probe_timeout_s", 30.0))
@@ -328,7 +385,7 @@ def _run(make: Callable[[float], Transport]) -> None:
         try:
             if tr.world_size < 2:
                 return
-            LAST = run_probe(tr, _host(), _rec, budget_s, max_rounds)
+            LAST = run_probe(tr, _host(), _rec, budget_s, max_rounds, across_hosts_only=_auto)
         finally:  # also after `return`: a private MPI communicator is freed
             close = getattr(tr, "close", None)
             if close is not None:
@@ -578,11 +635,12 @@ def _probe_mpi(mpi: Any, _t0: int | None = None) -> None:
     _run(make)
 
 
-def install(rec: Any, cfg: Any) -> None:
-    global _rec, _cfg, _active
-    if not getattr(cfg, "probe_links", False):
+def install(rec: Any, cfg: Any, environ: Any = None) -> None:
+    global _rec, _cfg, _active, _auto
+    mode = probe_mode(getattr(cfg, "probe_links", "auto"))
+    if mode == "off" or (mode == "auto" and one_host_said(os.environ if environ is None else environ)):
         return
-    _rec, _cfg, _active = rec, cfg, True
+    _rec, _cfg, _active, _auto = rec, cfg, True, mode == "auto"
     from distdiag.shim.hooks import when_imported
 
     when_imported("torch.distributed", _patch_torch)
@@ -590,7 +648,7 @@ def install(rec: Any, cfg: Any) -> None:
 
 
 def uninstall() -> None:
-    global _rec, _cfg, _done, LAST, _active
+    global _rec, _cfg, _done, LAST, _active, _auto
     _active = False
     _undefer_torch()
     try:
@@ -605,3 +663,4 @@ def uninstall() -> None:
     _rec = _cfg = None
     _done = False
     LAST = None
+    _auto = False

@@ -2,7 +2,7 @@
 
 ::
 
-    distdiag-wrap [--dir DIR] [--probe-links] [--config FILE] [--] python script.py args...
+    distdiag-wrap [--dir DIR] [--[no-]probe-links] [--config FILE] [--] python script.py args...
     distdiag-wrap [...] python -m module args...
     distdiag-wrap [...] script.py args...
     python -m distdiag.wrap script.py args...        # for torchrun -m distdiag.wrap
@@ -68,8 +68,8 @@ log = logging.getLogger(__name__)
 
 PROG = "distdiag-wrap"
 USAGE = (
-    f"usage: {PROG} [--dir DIR] [--probe-links] [--config FILE] [--] python script.py args...\n"
-    f"       {PROG} [--dir DIR] [--probe-links] [--config FILE] [--] python -m module args...\n"
+    f"usage: {PROG} [--dir DIR] [--[no-]probe-links] [--config FILE] [--] python script.py args...\n"
+    f"       {PROG} [--dir DIR] [--[no-]probe-links] [--config FILE] [--] python -m module args...\n"
     "Runs the Python program unchanged and records this rank into DIR/rank-NNNNN.h5\n"
     "(DIR: --dir, else $DISTDIAG_DIR, else distdiag-<jobid> under Slurm,\n"
     "else distdiag-<YYYYmmdd-HHMMSS>-<launchhash> in the working directory)."
@@ -94,7 +94,8 @@ class UsageError(Exception):
 @dataclasses.dataclass
 class Options:
     dir: str | None = None
-    probe_links: bool = False
+    #: True: --probe-links, False: --no-probe-links, None: the config's (default "auto")
+    probe_links: bool | None = None
     config: str | None = None
 
 
@@ -174,6 +175,8 @@ def parse_args(argv: Sequence[str], interpreter_chosen: bool = False) -> tuple[O
             raise UsageError("help")
         if a == "--probe-links":
             opts.probe_links = True
+        elif a == "--no-probe-links":
+            opts.probe_links = False
         elif a in ("--dir", "--config"):
             if i + 1 >= len(argv):
                 raise UsageError(f"{a} needs a value")
@@ -337,7 +340,7 @@ def _reexec(path: str, opts: Options, t: Target) -> int:
     typed, so it finds itself (``sys.executable``, its venv) as it would unwrapped. Nothing
     of the shim is set up yet. Returns only on failure."""
     own = ["--dir", opts.dir] if opts.dir is not None else []
-    own += ["--probe-links"] if opts.probe_links else []
+    own += [] if opts.probe_links is None else ["--probe-links" if opts.probe_links else "--no-probe-links"]
     own += ["--config", opts.config] if opts.config is not None else []
     # a script after "--": the interpreter-chosen parse reads it as a path whatever its name
     prog = ["--", *t.command] if t.kind == "script" else t.command
@@ -1150,8 +1153,8 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
 
     info = detect()
     cfg = load_config(opts.config)
-    if opts.probe_links:
-        cfg.probe_links = True
+    if opts.probe_links is not None:
+        cfg.probe_links = "on" if opts.probe_links else "off"
     try:
         run_dir, launch_id = resolve_run(opts.dir, info)
     except OSError as e:
