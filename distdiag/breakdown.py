@@ -19,11 +19,18 @@ Columns (seconds, per rank, between the rank's shim start and end):
   then ``Wait``) is that collective's exposed time instead: it is split like a
   blocking collective at the collective's last arrival, into ``comm_wait_s``
   and ``comm_transfer_s`` (and counted in ``comm_exposed_s``).
+* ``startup_s``: the rank's time from its start (the shim's) to its first
+  collective, point-to-point call, compute phase or step (``STARTUP_END_KINDS``:
+  its first rendezvous with its peers or its first step) that no call above
+  covers: imports' own code, the dataset build, the model. Its file calls stay
+  ``io_s`` (imports), its communicator creation ``other_s`` (``MPI_Init``). A
+  rank with none of those rows has no startup (nothing tells it from its work).
+  Per step it is non-zero only in a step 0 that began at the rank's start.
 * ``compute_s``: the rest: time outside every call above. User phases
   (forward, backward, optimizer, ``distdiag.phase``) count as compute, minus
   the calls recorded inside them and minus exposed communication.
 
-These seven (``COLUMNS``) add up to ``wall_s`` (more only where two threads
+These eight (``COLUMNS``) add up to ``wall_s`` (more only where two threads
 ran calls of different categories at once, see below). Two more columns are
 information only and are *not* part of that sum (``INFO_COLUMNS``):
 
@@ -158,7 +165,7 @@ from distdiag.schema import COMM_KINDS, FILE_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 
 log = logging.getLogger(__name__)
 
-#: the columns that add up to a rank's wall_s
+#: the columns that add up to a rank's wall_s (startup_s: issue 20, added after the others, never renamed)
 COLUMNS = ("compute_s", "startup_s", "comm_wait_s", "comm_transfer_s", "io_s", "input_wait_s", "h2d_s", "other_s")
 #: information only, not part of that sum (see the module docstring)
 INFO_COLUMNS = ("comm_exposed_s", "comm_overlapped_s")

@@ -23,7 +23,7 @@ from distdiag.config import Config, load_config
 from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
-from distdiag.ranking import rank_findings
+from distdiag.ranking import coverage, rank_findings
 from distdiag.run import Run, _ranges, load_run, stream_out, streamed_kinds_for
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
@@ -43,6 +43,8 @@ class Report:
     config: Config = field(default_factory=Config)
     #: Slurm accounting and timeline (distdiag.slurm.SlurmView), None when not computed
     slurm: Any = None
+    #: the categories above 10% of a rank's wall-clock and what explains them (distdiag.ranking.coverage)
+    coverage: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def verdict(self) -> Finding | None:
@@ -73,6 +75,7 @@ class Report:
             },
             "findings": [_jsonable(f.to_json()) for f in self.findings],
             "breakdown": {"per_rank": per_rank, "per_step": per_step_json(step_breakdown(run, self.collectives)),
+                          "coverage": _jsonable(self.coverage),
                           # only for a run timed on the GPU (CUDA events, distdiag/gpu_timeline.py)
                           **({"gpu": _jsonable(g)} if (g := gpu_json(run)) is not None else {})},
         }
@@ -210,9 +213,10 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     _clock_bounds(findings, run)
     if split is not None:
         split.done(run)
-    return Report(
-        run=run, findings=findings, breakdown=breakdown(run, colls), collectives=colls, config=cfg, slurm=slurm_view
-    )
+    bd = breakdown(run, colls)
+    # never silent: each category above 10% of a rank's wall, and what explains it (distdiag/ranking.py)
+    return Report(run=run, findings=findings, breakdown=bd, collectives=colls, config=cfg, slurm=slurm_view,
+                  coverage=coverage(findings, bd, run, cfg))  # fmt: skip
 
 
 def analyze(run_dir: str | Path, cfg: Config | None = None, stream: bool = False) -> Report:

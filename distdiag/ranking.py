@@ -80,6 +80,7 @@ CLAIMED_KINDS: dict[str, tuple[int, ...]] = {
     "metadata_storm": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR),
     "io_bandwidth": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_READ, Kind.FILE_WRITE),
     "slow_link": (Kind.SEND, Kind.RECV, Kind.WAIT),
+    "io_bound": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR, Kind.FILE_READ, Kind.FILE_WRITE),
 }
 MECHANISMS = tuple(CLAIMED_KINDS)
 #: tier of each kind: lower explains higher (absent kinds are never adjusted nor explain)
@@ -90,6 +91,7 @@ def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: An
     """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list."""
     wall_s = float(run.wall_s)
     findings = _link_explains_network(findings, cfg, wall_s)
+    findings = _mechanism_explains_subsystem(findings, cfg, wall_s)
     kept = _deduplicate(findings, run, colls, cfg, wall_s)
     _charge_lost_runs(kept, run, wall_s)
     for f in kept:
@@ -128,6 +130,115 @@ def _link_explains_network(findings: list[Finding], cfg: Any, wall_s: float) -> 
             if f.cost_s < share * wall_s:
                 continue
         out.append(f)
+    return out
+
+
+#: a subsystem finding (never silent) -> the findings that name its cause, whose seconds are its first
+SUBSYSTEM_CAUSES = {"io_bound": ("metadata_storm", "io_bandwidth"), "startup": ("launch_overhead",)}
+
+
+def _mechanism_explains_subsystem(findings: list[Finding], cfg: Any, wall_s: float) -> list[Finding]:
+    """As :func:`_link_explains_network`, for the other subsystem findings: ``io_bound`` keeps
+    what ``metadata_storm`` and ``io_bandwidth`` leave (reported while that is still its
+    ``min_share``), and ``startup`` is dropped when ``launch_overhead`` prices the job's start
+    (job start to the last rank's first work holds the startup window)."""
+    out = []
+    for f in findings:
+        causes = [c for c in findings if c.kind in SUBSYSTEM_CAUSES.get(f.kind, ())]
+        if not causes:
+            out.append(f)
+            continue
+        before = float(f.cost_s)
+        if f.kind == "startup":
+            for c in causes:
+                c.evidence.setdefault("includes", {})["startup"] = round(before, 4)
+            continue
+        taken = sum(float(c.cost_s) for c in causes)
+        f.cost_s = max(0.0, before - taken)
+        f.evidence["deduplicated"] = {"cost_before_s": round(before, 4),
+                                      "explained_by": {c.kind: round(min(before, float(c.cost_s)), 4) for c in causes}}  # fmt: skip
+        for c in causes:
+            c.evidence.setdefault("includes", {})[f.kind] = round(min(before, float(c.cost_s)), 4)
+        if f.cost_s >= float(cfg.value(f.kind, "min_share", 0.1)) * wall_s:
+            out.append(f)
+    return out
+
+
+#: breakdown column -> the finding kinds that explain time in it (coverage, "never silent")
+EXPLAINS: dict[str, tuple[str, ...]] = {
+    "compute_s": ("compute_bound", "straggler", "serial_section", "gpu_underutilized"),
+    "startup_s": ("startup", "launch_overhead"),
+    "comm_wait_s": ("straggler", "serial_section", "input_bound", "h2d_copy", "metadata_storm", "io_bandwidth",
+                    "io_bound", "startup", "slow_link", "network_bound", "hang", "collective_mismatch",
+                    "launch_overhead", "compute_bound"),
+    "comm_transfer_s": ("network_bound", "slow_link"),
+    "io_s": ("io_bound", "metadata_storm", "io_bandwidth", "startup"),
+    "input_wait_s": ("input_bound",),
+    "h2d_s": ("h2d_copy",),
+    "other_s": ("slow_link", "hang", "network_bound"),
+}  # fmt: skip
+#: what binds, in words, when a category holds the run and no finding explains it
+BINDS = {
+    "compute_s": "compute binds: the ranks' own work holds the run (speed up the kernels, or spread the work "
+                 "over more ranks); no peak throughput is known to price it",
+    "startup_s": "startup binds: imports, init and setup before the first step hold the run (run longer per "
+                 "launch to amortize it, cache what the setup builds)",
+    "comm_wait_s": "waiting in collectives with no rank late most of the time: load imbalance that moves "
+                   "between ranks (look at the per-step view)",
+    "comm_transfer_s": "collective transfers hold the run (the network, or too many small collectives)",
+    "io_s": "file I/O holds the run during startup or in calls no rank waited for",
+    "input_wait_s": "the data loader holds the run (more workers, prefetch)",
+    "h2d_s": "host-to-device copies hold the run (pinned memory, non_blocking copies)",
+    "other_s": "other calls (point-to-point, waits, communicator creation) hold the run",
+}  # fmt: skip
+
+
+def coverage(findings: list[Finding], breakdown: Any, run: Any, cfg: Any) -> list[dict[str, Any]]:
+    """"Never silent" (issue 20 item 2): each breakdown category that holds more than
+    ``[analyze.coverage] min_share`` (0.1) of some rank's wall-clock, with the findings that explain
+    it (:data:`EXPLAINS`) or, when none does, what binds (:data:`BINDS`).
+
+    A category is measured on its most-held rank (a single rank reading files for half the
+    run holds the job though the others' share is small). What the ``startup``
+    counterfactual keeps (its floor, ``run.cache[startup.FLOOR_KEY]``: the imports, their
+    file calls in ``io_s``, ``MPI_Init`` in ``other_s``) explains its categories when it
+    holds all but ``min_share`` of them (the startup category: when what the counterfactual
+    removes, ``startup.COST_KEY``, is under ``min_share``): a short MPI job's 0.4 s in
+    MPI_Init is no finding.
+    Entries: ``{"category", "share", "rank", "seconds", "explained_by": [...], "binds": str|None}``."""
+    share_min = float(cfg.value("coverage", "min_share", 0.1))
+    if breakdown is None or len(breakdown) == 0:
+        return []
+    wall = breakdown["wall_s"].to_numpy(np.float64)
+    safe = np.where(wall > 0, wall, 1.0)
+    kinds = {f.kind for f in findings}
+    from distdiag.detectors.startup import COST_KEY, FLOOR_KEY
+
+    floor = run.cache.get(FLOOR_KEY)
+    startup_cost = run.cache.get(COST_KEY)
+    out = []
+    for col, explainers in EXPLAINS.items():  # eight categories
+        if col not in breakdown:
+            continue
+        v = breakdown[col].to_numpy(np.float64)
+        sh = v / safe
+        i = int(np.argmax(sh))
+        if sh[i] <= share_min:
+            continue
+        rank = int(breakdown["rank"].iloc[i])
+        by = [k for k in explainers if k in kinds]
+        kept = float(floor.get(rank, {}).get(col, 0.0)) if isinstance(floor, dict) else 0.0
+        if col == "startup_s" and startup_cost is not None:
+            # job-wide: a rank that waited for another's imports (at its first, unrecorded
+            # rendezvous: DDP's constructor) is held by that rank's floor, not its own
+            ok = float(startup_cost) <= share_min * wall[i]
+        else:
+            ok = v[i] - kept <= share_min * wall[i]
+        if not by and kept > 0 and ok:
+            what = {"startup_s": "imports", "io_s": "imports' file calls", "other_s": "MPI_Init"}.get(col, col)
+            by.append(f"startup floor: {what} ({kept:.3g} s, kept by the startup counterfactual)")
+        out.append({"category": col, "share": round(float(sh[i]), 4), "rank": rank, "seconds": round(float(v[i]), 4),
+                    "explained_by": by, "binds": None if by else BINDS.get(col)})  # fmt: skip
     return out
 
 
@@ -285,6 +396,12 @@ def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] |
     """The rank-time a cause finding claims: (rank, t0_ns, t1_ns) intervals."""
     if c.kind == "serial_section":
         return _serial(c, run, stretch=False)  # type: ignore[no-any-return]
+    if c.kind == "io_bound":  # its bursts: the file calls and the program's own gaps between them
+        from distdiag.detectors.io_bound import CACHE_KEY as IO_BURSTS
+
+        got = run.cache.get(IO_BURSTS)
+        if got is not None and len(got[0]):
+            return got[0].astype(np.int64), got[1].astype(np.int64), got[2].astype(np.int64)
     kinds = CLAIMED_KINDS.get(c.kind)
     if kinds is None:
         return None

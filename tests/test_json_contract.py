@@ -48,7 +48,10 @@ def test_report_keys_and_types(tmp_path: Path, case: str) -> None:
         assert f["fraction"] == pytest.approx(f["cost_s"] / rep["run"]["wall_s"])
     costs = [f["cost_s"] for f in rep["findings"]]
     assert costs == sorted(costs, reverse=True)
-    assert set(rep["breakdown"]) == {"per_rank", "per_step"}
+    # coverage: the categories above 10% of a rank's wall and what explains them (distdiag.ranking.coverage)
+    assert set(rep["breakdown"]) == {"per_rank", "per_step", "coverage"}
+    for c in rep["breakdown"]["coverage"]:
+        assert isinstance(c["explained_by"], list) and (c["binds"] is None) == bool(c["explained_by"])
     for row in rep["breakdown"]["per_rank"]:
         _check_types(row, PER_RANK_KEYS)
         assert all(row[k] >= 0 for k in PER_RANK_KEYS if k != "rank")

@@ -25,9 +25,9 @@ def register(name: str) -> Callable[[Detector], Detector]:
     return deco
 
 
-_MODULES = ("straggler", "input_bound", "h2d_copy", "gpu_underutilized", "metadata_storm", "io_bandwidth", "slow_link",
+_MODULES = ("straggler", "input_bound", "h2d_copy", "gpu_underutilized", "metadata_storm", "io_bandwidth", "io_bound", "slow_link",
             "network_bound",
-            "queue_wait", "launch_overhead", "serial_section", "hang",
+            "queue_wait", "launch_overhead", "serial_section", "hang", "startup", "compute_bound",
             "collective_mismatch")
 
 

@@ -1,0 +1,242 @@
+"""startup: the time from the ranks' start to the job's first step that the job need not spend.
+
+Every rank starts (its shim's start: the interpreter is up, the program not yet run),
+imports, initializes (``init_process_group``, ``MPI_Init``), builds its dataset and
+model, and only then meets its peers or steps: its *startup* ends at its first
+collective, point-to-point call, compute phase or step
+(:data:`distdiag.breakdown.STARTUP_END_KINDS`; the breakdown's ``startup_s`` is the
+part of it no recorded call covers). The job's first step begins when the last rank
+gets there (they meet at the first collective), at ``E = max_r e_r``.
+
+Counterfactual (the price): each rank runs its **imports** as recorded, except that
+its file calls among them on a shared file system (NFS, Lustre, FUSE...: not
+:data:`LOCAL_FSTYPES`) take at most ``healthy_call_ms`` (1 ms) each (a node-local disk's
+slow calls are the loaded machine's: under a load of 3-6 on 2 cores, 0.1-0.16 s of
+torch's import calls took over 1 ms each); its communicator creations (``MPI_Init``,
+which mpi4py runs inside ``import mpi4py.MPI`` and which waits for every rank to
+start: 0.5 s of a 2-rank job's 0.95 s startup here) are kept too; and the rest of its startup (``init_process_group``'s wait, the dataset
+build, the model) takes no time. A rank's imports are its file calls on modules
+(``.py``, ``.pyc``, ``.so``, ``.pth``, ``__pycache__``) in its startup and the gaps
+between them: every gap between two calls from the same call site (the fileio hook
+names the program's line: one ``import torch`` statement, or one ``DDP(model)`` that
+imports lazily: a module's own code running, a shared library loading), and a gap
+between two sites when shorter than ``import_gap_s`` (1 s; measured on torch's
+import here, the longest gap inside one statement was 0.23 s on an idle machine and
+0.58-0.75 s under a load of 3-6 on 2 cores: a setup shorter than that between two
+import statements is counted as imports, a conservative price), from the rank's
+start on (the lead-in from its start to its first import, the interpreter's and
+the shim's, always: under a load of 8 it took 2.4 s). Imports come in bursts: the program's own at the
+top, and lazy ones later (DDP's constructor imported ``torch._dynamo`` and sympy
+for ~2 s, after the dataset build): every burst counts. So, with ``i_r`` a rank's
+import time and ``x_r`` the excess of its module file calls over the healthy
+latency::
+
+    cost_s = E - max_r (s_r + i_r - x_r)
+
+An upper bound for the setup part (a dataset built once and cached, or built lazily
+by the loader's workers, still costs something), the imports kept at each rank's own
+pace. Why not "every rank at the fastest rank's pace" (issue 20's wording): ranks
+importing torch side by side on shared cores differ by 5-10% run to run, which would
+price a healthy twin's noise at several percent of a short run; a rank whose imports
+are slow because its file system is, is priced by the excess; the spread of the
+ranks' imports is in the evidence.
+
+Worked example: two ranks start at 0; rank 0 imports for 2.0 s, rank 1 for 2.1 s
+(its module files took 0.6 ms each, 0.4 ms above healthy, 500 of them: x = 0.2 s);
+both then build the dataset for 3 s and meet at DDP's first broadcast at 5.15 s.
+E' = max(2.0, 2.1 - 0.2) = 2.0: cost 3.15 s.
+
+Without module file rows (the fileio hook off: ``DISTDIAG_HOOKS=fileio=0``) the
+imports cannot be told from the setup: no finding (the report's coverage says so).
+Under Slurm, ``launch_overhead`` prices job start to the last rank's first work,
+which holds this window: the ranking keeps that one (:mod:`distdiag.ranking`).
+
+Reported from ``min_fraction`` (the [analyze] one, 2%) of the wall-clock.
+Settings (``[analyze.startup]``): ``min_fraction``, ``healthy_call_ms`` (1.0),
+``import_gap_s`` (1.0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from distdiag.breakdown import startup_ends, union_ns
+from distdiag.detectors import register
+from distdiag.findings import Finding
+from distdiag.rows import rows_of
+from distdiag.schema import FILE_KINDS, Kind
+
+#: ``run.cache`` key: rank -> {breakdown column: seconds of it the counterfactual keeps}
+FLOOR_KEY = "startup.floor_s"
+
+#: ``run.cache`` key: the price computed, reported or not
+COST_KEY = "startup.cost_s"
+
+#: file systems on the node itself: their calls' latency is the machine's, not a slow server's
+LOCAL_FSTYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "tmpfs", "ramfs", "overlay", "f2fs",
+                           "squashfs", "vfat", "devtmpfs"})  # fmt: skip
+
+#: a file call on a path like these is part of an import
+MODULE_SUFFIXES = (".py", ".pyc", ".so", ".pth", ".pyd")
+
+ADVICE = (
+    "cache what the setup builds (save the prepared dataset once and load it; build it lazily in the "
+    "DataLoader workers), run more steps per launch so startup is amortized, and keep the Python "
+    "environment on node-local storage if its imports are slow"
+)
+
+
+def _is_module(path: str) -> bool:
+    return path.endswith(MODULE_SUFFIXES) or "__pycache__" in path
+
+
+def shared_fs_rows(run: Any, rows: np.ndarray) -> np.ndarray:
+    """Which of these file rows are on a file system that is not the node's own (``aux``:
+    ``"fstype:mountpoint"``; NFS, Lustre, GPFS, FUSE...): one test a distinct mount."""
+    aux = run.events["aux"][rows].astype(np.int64)
+    uniq, inv = np.unique(aux, return_inverse=True)
+    shared = np.fromiter((u > 0 and run.s(int(u)).split(":", 1)[0] not in LOCAL_FSTYPES for u in uniq), bool, len(uniq))
+    return shared[inv]  # type: ignore[no-any-return]
+
+
+def module_rows(run: Any) -> np.ndarray:
+    """The run's file rows on module paths (imports), ascending (one test a distinct path)."""
+    rows = rows_of(run, tuple(int(k) for k in FILE_KINDS))
+    if len(rows) == 0:
+        return rows
+    nid = run.events["name_id"][rows]
+    uniq, inv = np.unique(nid, return_inverse=True)
+    is_mod = np.fromiter((_is_module(run.s(int(u))) for u in uniq), bool, len(uniq))  # distinct paths
+    return rows[is_mod[inv]]
+
+
+def import_time_ns(r: np.ndarray, t0: np.ndarray, t1: np.ndarray, start: np.ndarray, n: int, gap_ns: float,
+                   site: np.ndarray | None = None) -> np.ndarray:
+    """Per rank, its import time: the union of its module file calls ``[t0, t1)`` and the gaps
+    between them shorter than ``gap_ns`` or between two calls from the same call site ``site``
+    (one ``import`` statement, or one call that imports lazily), and from its ``start`` to the
+    first one (the interpreter and the shim before the program's first import: never setup).
+
+    Rows sorted by (rank, t0) (sorted here when not). Each row adds what sticks out past the
+    furthest end before it in its rank (``reach``, the rank's start for its first row), plus
+    the gap before it when that is under ``gap_ns``. Worked example (ms), start 0, gap 500:
+    [10, 20) [100, 130) [900, 910) -> 10 + 10 + 80 + 30 + 0 + 10 = 140; with sites 5, 7, 7:
+    the 770 ms between the last two count too: 910."""
+    if len(r) == 0:
+        return np.zeros(n)
+    if site is None:
+        site = np.zeros(len(r), np.int64)
+    if not bool(np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (t0[1:] >= t0[:-1])))):
+        o = np.lexsort((t0, r))
+        r, t0, t1, site = r[o], t0[o], t1[o], site[o]
+    lo = int(min(int(t0.min()), int(start[r].min())))
+    span = int(t1.max()) - lo + 1
+    key = r * span  # each rank in its own band: one running max over all rows never crosses ranks
+    reach = np.empty(len(r), np.int64)
+    reach[1:] = np.maximum.accumulate(key[:-1] + (t1[:-1] - lo))
+    first = np.r_[True, r[1:] != r[:-1]]
+    reach[first] = key[first] + (start[r[first]] - lo)
+    reach = np.maximum(reach, key + (start[r] - lo)) - key + lo  # back to times; never before the start
+    gap = t0 - reach
+    same = np.r_[False, (site[1:] == site[:-1]) & (site[1:] > 0)] | first  # a rank's lead-in always counts
+    got = np.maximum(0, t1 - np.maximum(t0, reach)) + np.where((gap > 0) & ((gap < gap_ns) | same), gap, 0)
+    return np.bincount(r, weights=got.astype(np.float64), minlength=n)
+
+
+@register("startup")
+def detect(run: Any, cfg: Any) -> list[Finding]:
+    wall_s = float(run.wall_s)
+    if wall_s <= 0 or not run.ranks:
+        return []
+    min_fraction = float(cfg.value("startup", "min_fraction", getattr(cfg, "min_fraction", 0.02)))
+    healthy_ns = float(cfg.value("startup", "healthy_call_ms", 1.0)) * 1e6
+    gap_ns = float(cfg.value("startup", "import_gap_s", 1.0)) * 1e9
+    start, _ = run.rank_bounds()
+    ends = startup_ends(run)
+    present = np.array(sorted(run.ranks), np.int64)
+    s0, e = start[present].astype(np.int64), ends[present]
+    if not (e > s0).any():
+        return []
+    mods = module_rows(run)
+    if len(mods) == 0:
+        return []
+    ev = run.events
+    # the floor: the imports and the communicator creations (MPI_Init: mpi4py's import of MPI,
+    # which waits for every rank to start), both kept by the counterfactual
+    init = rows_of(run, (int(Kind.COMM_CREATE),))
+    is_file = np.r_[np.ones(len(mods), bool), np.zeros(len(init), bool)]
+    if len(init):
+        mods = np.concatenate([mods, init])
+        o = np.argsort(mods, kind="stable")  # back to table order: (rank, t0)
+        mods, is_file = mods[o], is_file[o]
+    r = ev["rank"][mods].astype(np.int64)
+    t0 = ev["t0_ns"][mods].astype(np.int64)
+    t1 = np.maximum(ev["t1_ns"][mods].astype(np.int64), t0)
+    inside = (t0 < ends[r]) & (t1 > start[r])
+    mods, is_file = mods[inside], is_file[inside]
+    r, t0, t1 = r[inside], t0[inside], np.minimum(t1[inside], ends[r[inside]])
+    n = len(start)
+    site = ev["site_id"][mods].astype(np.int64)
+    imp = import_time_ns(r, t0, t1, start.astype(np.int64), n, gap_ns, site)
+    m = start.astype(np.int64) + imp.astype(np.int64)  # where the rank's startup would end
+    excess = np.zeros(n)
+    # only on shared file systems: a local disk's slow call is the loaded machine's (a deschedule)
+    slow = is_file & shared_fs_rows(run, mods)
+    np.add.at(excess, r, np.where(slow, np.maximum(0.0, (t1 - t0) - healthy_ns), 0.0))
+    file_s = np.bincount(r, weights=np.where(is_file, t1 - t0, 0), minlength=n) / 1e9
+    calls = np.bincount(r[is_file], minlength=n)
+    # the floor the counterfactual keeps, per breakdown column, for the report's coverage
+    # (distdiag.ranking.coverage): the imports, their file calls, the communicator creation
+    init_s = union_ns(r[~is_file], t0[~is_file], t1[~is_file], n) / 1e9
+    run.cache[FLOOR_KEY] = {int(q): {"startup_s": float(imp[q]) / 1e9, "io_s": float(file_s[q]),
+                                     "other_s": float(init_s[q])} for q in present}  # fmt: skip
+    e_job = int(e.max())
+    e_cf = float((m[present] - excess[present]).max())
+    cost_s = max(0.0, (e_job - e_cf) / 1e9)
+    run.cache[COST_KEY] = cost_s  # the coverage's test of the startup category, reported or not
+    if cost_s < min_fraction * wall_s:
+        return []
+    last = int(present[int(np.argmax(e))])
+    t_first = int(s0.min())
+    imports_s = imp[present] / 1e9
+    setup_s = np.maximum(0, e - m[present]) / 1e9
+    share = cost_s / wall_s
+    per_rank = {int(q): {"imports_s": round(float(imports_s[i]), 4), "setup_s": round(float(setup_s[i]), 4),
+                         "startup_s": round(float((e[i] - s0[i]) / 1e9), 4),
+                         "module_file_calls": int(calls[q]), "module_file_s": round(float(file_s[q]), 4),
+                         "module_file_excess_s": round(float(excess[q]) / 1e9, 4)}
+                for i, q in enumerate(present[:16])}  # fmt: skip
+    slow_files_s = float(excess[present].max()) / 1e9
+    summary = (
+        f"startup: the job's first step began {(e_job - t_first) / 1e9:.3g} s after its first rank started; "
+        f"{cost_s:.3g} s of it ({share:.0%} of the run) was not imports (waiting for rank {last}: "
+        f"{float(setup_s[int(np.argmax(e))]):.3g} s of init, dataset and model building besides "
+        f"{float(imports_s[int(np.argmax(e))]):.3g} s of imports before its first step)"
+        + (f" and {slow_files_s:.3g} s to slow module files" if slow_files_s >= 0.005 else "")
+    )
+    return [
+        Finding(
+            kind="startup",
+            cost_s=cost_s,
+            summary=summary,
+            ranks=[last],
+            hosts=run.hosts_of([last]),
+            advice=ADVICE,
+            evidence={
+                "share_of_wall": round(share, 4),
+                "first_step_s": round((e_job - t_first) / 1e9, 4),
+                "imports_s": {"min": round(float(imports_s.min()), 4), "max": round(float(imports_s.max()), 4)},
+                "setup_s": {"min": round(float(setup_s.min()), 4), "max": round(float(setup_s.max()), 4)},
+                "slow_module_files_s": round(slow_files_s, 4),
+                "healthy_call_ms": healthy_ns / 1e6,
+                "counterfactual": (
+                    "each rank's imports as recorded (their file calls at most healthy_call_ms each), "
+                    "then straight to its first step: the setup after the imports (init wait, dataset, "
+                    "model) taking no time; an upper bound for the setup"
+                ),
+                "per_rank": per_rank,
+            },
+        )
+    ]

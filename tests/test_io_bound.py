@@ -1,0 +1,106 @@
+"""io_bound on a real slow file system: one rank of an MPI job reads its samples one small
+file each from the FUSE mount of tests/slowfs.py, the other from the local disk (issue 20
+item 2: never silent on a subsystem that holds the wall-clock).
+
+No metadata storm (one rank, its own pace), no large file: before this detector the report
+said "straggler rank 0" at best, blaming a rank for its file system. The healthy twin
+reads the same files from the mount's backing directory on both ranks. By turns, 2 pairs;
+the truth is the job's own wall-clock between its first and last Barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from helpers import run_in_session
+
+from distdiag.config import Config
+from distdiag.pipeline import Report, analyze
+from slowfs import fuse_available, mount_slowfs
+from truth import Saving, loop_s, measure_saving
+
+pytestmark = [pytest.mark.mpi, pytest.mark.fuse]
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = REPO / "tests" / "jobs" / "io_bound.py"
+MPIEXEC = shutil.which("mpiexec")
+NFILES = 500
+LATENCY_MS = 0.1
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is absent: no FUSE on this machine")
+    why = fuse_available()
+    assert why is None, why
+    tmp = tmp_path_factory.mktemp("iobound")
+    backing = tmp / "backing"
+    backing.mkdir()
+    payload = os.urandom(256)
+    for i in range(NFILES):
+        (backing / f"s{i:05d}.bin").write_bytes(payload)
+    with mount_slowfs(backing, tmp / "mnt", LATENCY_MS) as mnt:
+        yield mnt
+
+
+def run_job(run_dir: Path, data0: Path, data1: Path) -> float:
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir),
+           sys.executable, str(JOB), "--data", str(data0), "--data", str(data1), "--nfiles", str(NFILES)]  # fmt: skip
+    out = run_in_session(cmd, 240, cwd=REPO, env=dict(os.environ), check=True).stdout
+    return loop_s(out)
+
+
+@dataclass(frozen=True)
+class IoAB:
+    saving: Saving
+    faulty: list[Report]
+    healthy: list[Report]
+
+
+@pytest.fixture(scope="module")
+def io_ab(mount: Path, tmp_path_factory: pytest.TempPathFactory) -> IoAB:
+    tmp = tmp_path_factory.mktemp("iobound_runs")
+    fast = mount.parent / "backing"
+    dirs: dict[bool, list[Path]] = {True: [], False: []}
+
+    def one(faulty: bool, i: int) -> float:
+        d = tmp / f"{'faulty' if faulty else 'healthy'}{i}"
+        dirs[faulty].append(d)
+        return run_job(d, mount if faulty else fast, fast)
+
+    saving = measure_saving(one, pairs=2)
+    return IoAB(saving, [analyze(d, Config()) for d in dirs[True]], [analyze(d, Config()) for d in dirs[False]])
+
+
+def test_a_rank_held_by_its_file_system_is_io_bound(io_ab: IoAB, mount: Path) -> None:
+    print(io_ab.saving)
+    for i, rep in enumerate(io_ab.faulty):
+        kinds = [(f.kind, round(f.cost_s, 3)) for f in rep.findings]
+        top = rep.findings[0]
+        assert top.kind == "io_bound", kinds
+        assert top.ranks == [0] and str(mount) in top.evidence["by_mount"][0]["mount"], top.evidence
+        lat = top.evidence["by_mount"][0]["metadata_latency_ms"]
+        assert lat is not None and lat["median"] > 0.1, lat  # the slow server's latency, in the evidence
+        # each second once: the straggler this makes of rank 0 is the file system's
+        assert not [f for f in rep.findings if f.kind == "straggler" and f.cost_s > 0.02 * rep.run.wall_s], kinds
+        cov = {c["category"]: c for c in rep.coverage}
+        assert "io_bound" in cov["io_s"]["explained_by"], cov
+        io_ab.saving.assert_prices(float(top.cost_s), i, rel=0.25, what="io_bound")
+
+
+def test_healthy_twin_reads_the_same_files_locally_and_is_silent(io_ab: IoAB) -> None:
+    for rep in io_ab.healthy:
+        wall = float(rep.run.wall_s)
+        assert not [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall]
+        assert not [f for f in rep.findings if f.kind == "io_bound"]
+        cov = {c["category"]: c for c in rep.coverage}
+        assert "io_s" not in cov, cov
