@@ -92,6 +92,7 @@ def test_slow_gpu_is_named_from_the_gpu_timeline_not_the_cpu_one(jobs: dict[str,
         rep = _analyze(run)
         f = _finding(rep, "straggler")
         assert f is not None and f["ranks"] == [1], rep["findings"]
+        print(f"slow GPU run {i}: straggler {f['cost_s']:.3f} s, lost {saving.of_run(i):.3f} s; {saving}")
         saving.assert_prices(f["cost_s"], i, rel=0.25, what="the GPU-side straggler's cost")
         gpu = rep["breakdown"]["gpu"]
         assert gpu["collective_times"] == "gpu" and gpu["collectives_gpu_timed"] >= 2 * ITERS
@@ -115,12 +116,15 @@ def test_gpu_breakdown_against_the_fake_devices_truth(jobs: dict[str, Any]) -> N
         assert d["steps"] == ITERS - 1
         lo, hi = _window(run, d["rank"])
         truth_k = sum(max(0, min(b, hi) - max(a, lo)) for a, b in out[d["rank"]]["truth"]["kernels"]) / 1e9
+        print(f"rank {d['rank']}: kernels {d['kernels_share']:.3f} of the window (truth {truth_k / w:.3f}), "
+              f"idle on input {d['idle_input_share']:.3f}")
         assert abs(d["kernels_s"] / w - truth_k / w) < 0.05, (d, truth_k)
         # the GPU idles while its CPU waits on the loader (25 ms of a ~50 ms step)
         assert 0.3 < d["idle_input_share"] < 0.65, d
         assert abs(sum(d[c] for c in ("kernels_s", "h2d_s", "nccl_s", "idle_input_s", "idle_other_s")) - w) < 1e-3 * w + 1e-6
     f = _finding(rep, "input_bound")
     assert f is not None, rep["findings"]
+    print(f"input_bound {f['cost_s']:.3f} s; {_saving(jobs, 'slow_loader')}")
     _saving(jobs, "slow_loader").assert_prices(f["cost_s"], 0, rel=0.25, what="input_bound's cost")
 
 
