@@ -135,13 +135,23 @@ def _incomplete_warnings(run: Run, colls: Collectives, limit: int = 3) -> list[s
 
 #: an attribution to one rank needs its lateness above this many clock-alignment bounds
 ATTRIBUTION_BOUNDS = 3.0
+#: kind -> (the evidence key holding the cross-rank time that names the rank, what it is,
+#: what the clocks then cannot tell): the findings whose rank is named by comparing
+#: arrivals across ranks' clocks. The others name ranks from one rank's own clock (an
+#: input wait, a copy, a probe) or from who is where (a hang, a mismatch).
+ATTRIBUTED_BY_ARRIVALS = {
+    "straggler": ("median_wait_ms", "median lateness", "which rank was late"),
+    "serial_section": ("median_window_ms", "median lone window", "which rank worked alone"),
+}
 
 
 def _clock_bounds(findings: list[Finding], run: Run) -> None:
     """Each finding that names ranks carries their clock-alignment bound (``clock_bound_ms``:
     the largest of the named ranks' and of the reference's, at the end of their records);
-    a straggler whose median lateness is under ATTRIBUTION_BOUNDS times the run's largest
-    bound says that the clocks cannot tell which rank was late (issue 20 item 6)."""
+    a finding named by arrivals across clocks (:data:`ATTRIBUTED_BY_ARRIVALS`: a straggler's
+    median lateness, a serial section's median lone window) under ATTRIBUTION_BOUNDS times
+    the run's largest bound says that the clocks cannot tell which rank it was (issue 20
+    item 6)."""
     model = run.cache.get("clock_model")
     b = getattr(model, "bound_ns", None)
     if b is None or len(b) == 0:
@@ -155,12 +165,13 @@ def _clock_bounds(findings: list[Finding], run: Run) -> None:
             continue
         mine = float(bound[named].max()) / 1e6
         f.evidence["clock_bound_ms"] = round(mine, 4) if np.isfinite(mine) else None
-        late = f.evidence.get("median_wait_ms") if f.kind == "straggler" else None
-        if late is not None and float(late) < ATTRIBUTION_BOUNDS * worst_ms:
+        by = ATTRIBUTED_BY_ARRIVALS.get(f.kind)
+        late = f.evidence.get(by[0]) if by is not None else None
+        if by is not None and late is not None and float(late) < ATTRIBUTION_BOUNDS * worst_ms:
             f.evidence["attribution"] = "uncertain"
             f.summary += (
-                f"; but its median lateness ({float(late):.3g} ms) is under {ATTRIBUTION_BOUNDS:g}x the clocks' "
-                f"alignment bound ({worst_ms:.3g} ms): the clocks cannot tell for sure which rank was late"
+                f"; but its {by[1]} ({float(late):.3g} ms) is under {ATTRIBUTION_BOUNDS:g}x the clocks' "
+                f"alignment bound ({worst_ms:.3g} ms): the clocks cannot tell for sure {by[2]}"
             )
 
 

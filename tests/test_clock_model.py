@@ -82,8 +82,11 @@ def simulate(
     iters: int = 200,
     rtt_us: float = 20.0,
     seed: int = 0,
+    serial: bool = False,
 ) -> Sim:
-    """Write a run dir; ``sync[r]`` is "full" (start, every second, exit), "start", or "none"."""
+    """Write a run dir; ``sync[r]`` is "full" (start, every second, exit), "start", or "none".
+    ``serial``: a serial section instead of a straggler: the collectives are Bcasts from
+    rank ``straggler``, which works ``delay_ms`` alone before each while the others idle."""
     rng = np.random.default_rng(seed)
     sync = sync or {}
     kd = np.zeros(world)
@@ -97,7 +100,7 @@ def simulate(
     leave = np.zeros((iters, world))
     t = np.full(world, 1.0 * MS)
     for i in range(iters):  # per iteration (a simulation, not the analyzer)
-        a = t + rng.uniform(9, 11, world) * MS
+        a = t + (rng.uniform(0.02, 0.05, world) if serial else rng.uniform(9, 11, world)) * MS
         a[straggler] += sim.delay_ns
         arrive[i] = a
         leave[i] = a.max() + 50 * US + rng.uniform(0, 5, world) * US
@@ -106,7 +109,7 @@ def simulate(
     end_t = float(leave[-1].max()) + 1 * MS
     if kink is not None:
         sim.kink_t_ns = end_t / 2
-    strings = ["", "Allreduce", "world", "job.py:7"]
+    strings = ["", "Bcast" if serial else "Allreduce", "world", "job.py:7"]
     run_dir.mkdir(parents=True, exist_ok=True)
     for r in range(world):  # per rank
         ev = np.zeros(iters, EVENT_DTYPE)
@@ -115,7 +118,7 @@ def simulate(
         ev["kind"] = int(Kind.COLL)
         ev["name_id"], ev["comm_id"], ev["site_id"] = 1, 2, 3
         ev["seq"] = np.arange(iters)
-        ev["peer"] = -1
+        ev["peer"] = straggler if serial else -1  # a rooted call records its root
         ev["nbytes"] = 8
         mode = sync.get(r, "full") if r != 0 else "none"
         rows = []
@@ -431,3 +434,19 @@ def test_a_straggler_within_3x_the_clock_bound_says_the_clocks_cannot_tell(tmp_p
     assert (bound_ms > 5.0) if uncertain else (bound_ms < 0.1), bound_ms
     assert (f.evidence.get("attribution") == "uncertain") is uncertain, f.evidence
     assert ("cannot tell for sure which rank" in f.summary) is uncertain, f.summary
+
+
+@pytest.mark.parametrize("rtt_us, uncertain", [(20.0, False), (20_000.0, True)])
+def test_a_serial_section_within_3x_the_clock_bound_says_the_clocks_cannot_tell(tmp_path: Path, rtt_us: float,
+                                                                                uncertain: bool) -> None:  # fmt: skip
+    """Rank 2, the Bcast root, works 15 ms alone before every Bcast while the others idle:
+    a serial section, named from the arrivals across the ranks' clocks like a straggler,
+    so with a ~10 ms alignment bound the finding says the clocks cannot tell."""
+    simulate(tmp_path / "run", rtt_us=rtt_us, delay_ms=15.0, serial=True)
+    rep = analyze_run(load_run(tmp_path / "run"), Config())
+    (f,) = [f for f in rep.findings if f.kind == "serial_section"]
+    assert f.ranks == [2] and not [g for g in rep.findings if g.kind == "straggler"]
+    bound_ms = f.evidence["clock_bound_ms"]
+    assert (bound_ms > 5.0) if uncertain else (bound_ms < 0.1), bound_ms
+    assert (f.evidence.get("attribution") == "uncertain") is uncertain, f.evidence
+    assert ("cannot tell for sure which rank worked alone" in f.summary) is uncertain, f.summary
