@@ -221,14 +221,14 @@ def _gpu_breakdown(run: Any) -> dict[str, Any] | None:
             d[c] = round(float(per_rank_tot[i, k]), 6)
             d[c.replace("_s", "_share")] = round(float(per_rank_tot[i, k]) / tot_r, 4) if tot_r > 0 else 0.0
         if flops[i] > 0 and window_s[i] > 0:
-            d["achieved_tflops"] = round(flops[i] / window_s[i] / 1e12, 4)
+            d["achieved_tflops"] = float(f"{flops[i] / window_s[i] / 1e12:.4g}")
             busy = float(per_rank_tot[i, 0])
             if busy > 0:
-                d["achieved_tflops_while_busy"] = round(flops[i] / busy / 1e12, 4)
+                d["achieved_tflops_while_busy"] = float(f"{flops[i] / busy / 1e12:.4g}")
             pk = peak.get(int(r))
             if pk is not None:
                 d["device"], d["peak_tflops"] = pk
-                d["mfu"] = round(flops[i] / window_s[i] / 1e12 / pk[1], 4)
+                d["mfu"] = float(f"{flops[i] / window_s[i] / 1e12 / pk[1]:.4g}")
         per_rank.append(d)
     per_step = []
     for s in range(min(n_steps, MAX_STEPS_JSON)):  # bounded

@@ -37,7 +37,7 @@ ITERS = 20
 TIMEOUT_S = 300
 
 
-def _job(tmp: Path, name: str, args: list[str]) -> tuple[Path, dict[int, dict[str, Any]]]:
+def _job(tmp: Path, name: str, args: list[str], env_extra: dict[str, str] | None = None) -> tuple[Path, dict[int, dict[str, Any]]]:
     d = tmp / name
     (d / "fc").mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "distdiag.wrap",
@@ -45,6 +45,7 @@ def _job(tmp: Path, name: str, args: list[str]) -> tuple[Path, dict[int, dict[st
     env = dict(os.environ, DISTDIAG_DIR=str(d / "run"), DISTDIAG_HOOKS="fileio=0", FAKE_CUDA_DIR=str(d / "fc"),
                PYTHONUNBUFFERED="1")  # fmt: skip
     env.pop("DISTDIAG_COLLECTIVE_TIMES", None)
+    env.update(env_extra or {})
     p = subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)  # fmt: skip
     try:
@@ -168,3 +169,46 @@ def test_ddp_buckets_and_async_collectives_get_gpu_spans(tmp_path: Path, monkeyp
     assert sum(i.gpu_timed_collectives for i in r.ranks.values()) == len(spans)
     # joined: each of those rows now starts where its span starts
     assert set(map(int, buckets["t0_ns"])) | set(map(int, asyncs["t0_ns"])) == set(map(int, spans["t0_ns"]))
+
+
+FAKE_NVML_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fake_pynvml"), os.environ.get("PYTHONPATH", "")]),
+                 "FAKE_NVML_GPUS": "1", "FAKE_NVML_NAME": "FAKE NVIDIA H200", "FAKE_NVML_SM_UTIL": "97",
+                 "DISTDIAG_GPU_INTERVAL_S": "0.05"}  # fmt: skip
+
+
+def test_gpu_underutilized_reads_the_gpus_own_busy_time_not_nvmls(tmp_path: Path) -> None:
+    """NVML (the FAKE one) reads 97% busy in both jobs. With the GPU kept busy by kernels and
+    tiny FLOP/s the finding holds, its busy from CUDA events; with a slow loader idling the GPU
+    half of each step, NVML's 97% is the lie (seed 003) and the GPU's own ~45% clears it."""
+    flops = ["--flops", "1e9"]  # per step: far under an H200's peak
+    busy_run, _ = _job(tmp_path, "busy", flops, FAKE_NVML_ENV)
+    rep = _analyze(busy_run)
+    f = _finding(rep, "gpu_underutilized")
+    assert f is not None, rep["findings"]
+    assert f["evidence"]["busy_source"] == ["cuda_events"]
+    for r in f["evidence"]["per_rank"].values():
+        assert r["sm_util_pct"] > 80 and r["device"] == "FAKE NVIDIA H200"
+    g = rep["breakdown"]["gpu"]["per_rank"]
+    assert all(d["device"] == "H200 SXM" and d["peak_tflops"] == 989 and 0 < d["mfu"] < 1e-3 for d in g)
+    idle_run, _ = _job(tmp_path, "idle", [*flops, "--loader-ms", "25"], FAKE_NVML_ENV)
+    rep = _analyze(idle_run)
+    assert _finding(rep, "gpu_underutilized") is None, rep["findings"]
+    assert _finding(rep, "input_bound") is not None
+
+
+def test_an_input_wait_the_gpu_spends_busy_is_hidden(tmp_path: Path) -> None:
+    """No synchronize a step: while the CPU waits 25 ms on the loader the GPU still runs the
+    step's 20 ms of kernels. From the CPU's rows alone every wait looks unhidden (~25 ms a
+    step); with the GPU's busy spans input_bound prices only what the job really loses,
+    measured here against the same job without the slow loader."""
+    args = ["--no-sync", "--iters", "60"]
+    faulty, healthy = [], []
+    for i in range(2):  # by turns
+        faulty.append(_job(tmp_path, f"f{i}", [*args, "--loader-ms", "25"]))
+        healthy.append(_job(tmp_path, f"h{i}", args))
+    saving = Saving(tuple(j[1][0]["loop_s"] for j in faulty), tuple(j[1][0]["loop_s"] for j in healthy))
+    f = _finding(_analyze(faulty[0][0]), "input_bound")
+    cost = f["cost_s"] if f is not None else 0.0
+    print(f"input_bound with the GPU busy: {cost:.3f} s; {saving}")
+    saving.assert_prices(cost, 0, rel=0.35, what="input_bound's cost")
+    assert cost < 0.6 * 60 * 0.025  # not the CPU-only view's every wait

@@ -39,6 +39,8 @@ ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-factor", type=float, default=1.0)
 ap.add_argument("--ddp", action="store_true", help="wrap the model in DDP (buckets through the comm hook: DISTDIAG_DDP_KERNEL=0)")
 ap.add_argument("--async-op", action="store_true", help="all_reduce(async_op=True) and wait()")
+ap.add_argument("--flops", type=float, default=0.0, help="distdiag.step(flops=...) each step")
+ap.add_argument("--no-sync", action="store_true", help="no synchronize() a step: the GPU runs on while the CPU loads")
 ns = ap.parse_args()
 
 torch.set_num_threads(1)
@@ -109,7 +111,13 @@ for x in loader:
         dist.all_reduce(grad)
     opt.step()
     opt.zero_grad()
-    fake_cuda.synchronize()
+    if not ns.no_sync:
+        fake_cuda.synchronize()
+    if ns.flops:
+        import distdiag
+
+        distdiag.step(flops=ns.flops)
+fake_cuda.synchronize()
 dist.barrier()
 loop_s = time.perf_counter() - t0
 os.makedirs(ns.out, exist_ok=True)
