@@ -94,6 +94,7 @@ def test_a_rank_held_by_its_file_system_is_io_bound(io_ab: IoAB, mount: Path) ->
         assert not [f for f in rep.findings if f.kind == "straggler" and f.cost_s > 0.02 * rep.run.wall_s], kinds
         cov = {c["category"]: c for c in rep.coverage}
         assert "io_bound" in cov["io_s"]["explained_by"], cov
+        print(f"io_bound priced {top.cost_s:.3f} s (faulty run {i}): {io_ab.saving}")
         io_ab.saving.assert_prices(float(top.cost_s), i, rel=0.25, what="io_bound")
 
 

@@ -9,9 +9,6 @@ and marks the step with ``distdiag.step(flops=2 n^3)``:
 * ``--kernel tiled``: the same product tile by tile (``--tile``), in Python loops, as
   hand-written code often is: the same FLOPs, several times slower.
 
-``--peak``: instead, print the fast kernel's FLOP/s on this core (``peak <flops/s>``),
-no MPI: the test's measure of the peak.
-
 Rank 0 prints ``loop <s> s``: the job's wall-clock between its first and last Barrier.
 """
 
@@ -24,10 +21,9 @@ import numpy as np
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--kernel", choices=("fast", "tiled"), default="fast")
-ap.add_argument("--steps", type=int, default=20)
-ap.add_argument("--n", type=int, default=256)
-ap.add_argument("--tile", type=int, default=16)
-ap.add_argument("--peak", action="store_true")
+ap.add_argument("--steps", type=int, default=100)
+ap.add_argument("--n", type=int, default=384)
+ap.add_argument("--tile", type=int, default=32)
 args = ap.parse_args()
 
 n = args.n
@@ -51,17 +47,6 @@ def tiled() -> np.ndarray:
                 acc += A[i : i + t, k : k + t] @ B[k : k + t, j : j + t]
     return C
 
-
-if args.peak:
-    fast()
-    best = float("inf")
-    for _ in range(5):  # the best of 5 rounds of 10: the core's rate when nothing interrupts it
-        t0 = time.perf_counter()
-        for _ in range(10):
-            fast()
-        best = min(best, (time.perf_counter() - t0) / 10)
-    print(f"peak {FLOPS / best:.6g}", flush=True)
-    raise SystemExit(0)
 
 import distdiag  # noqa: E402
 from mpi4py import MPI  # noqa: E402
