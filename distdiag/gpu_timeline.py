@@ -36,8 +36,9 @@ Throughput against the device's peak: the step marks' flops
 (``distdiag.step(flops=...)``) over the window, and over the kernels' busy time,
 against ``configs/gpus.toml`` (the NVML device name in ``gpu_names``).
 
-Vectorized: one sweep over every rank's span boundaries (sorted once on a
-shifted axis, rank * span), no loop per event.
+Vectorized: a sweep over the span boundaries of a block of ranks at a time
+(sorted once on a shifted axis, rank * span; ~2^20 boundaries a block, so the
+transient stays ~80 MB whatever the run's size), no loop per event.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ def gpu_breakdown(run: Any) -> dict[str, Any] | None:
     return out
 
 
+#: span boundaries per block of ranks in the sweep (its transient: ~80 bytes a boundary)
+BLOCK_BOUNDARIES = 1 << 20
+
+
 def _gpu_breakdown(run: Any) -> dict[str, Any] | None:
     from distdiag.breakdown import step_marks
     from distdiag.rows import events_of
@@ -129,154 +134,196 @@ def _gpu_breakdown(run: Any) -> dict[str, Any] | None:
     cat[sk == int(Kind.H2D)] = 1
     cat[np.isin(sk, _COMM)] = 2
     keep = cat >= 0
+    n_coll = int(np.count_nonzero(cat == 2))
     sp, cat = sp[keep], cat[keep]
     if not np.any(cat != 2):  # collectives alone: no phases timed, no breakdown to make
         return None
+    o = np.argsort(sp["rank"], kind="stable")  # by rank (the table's order already: a check)
+    sp, cat = sp[o], cat[o]
     ranks_all = np.unique(sp["rank"]).astype(np.int64)
-    mrank, mt = step_marks(run)
-    # the window of each rank: its first to its last step mark (at least two), else its spans
+    n_r = len(ranks_all)
+    mrank, mt = step_marks(run)  # sorted by (rank, t)
     sel = np.isin(mrank, ranks_all)
     mrank, mt = mrank[sel], mt[sel]
     inp = events_of(run, Kind.INPUT_WAIT)
     inp = inp[np.isin(inp["rank"], ranks_all)]
-    t_lo = int(min(sp["t0_ns"].min(), mt.min() if len(mt) else sp["t0_ns"].min()))
-    t_hi = int(max(sp["t1_ns"].max(), mt.max() if len(mt) else sp["t1_ns"].max()))
-    if len(inp):
-        t_lo = min(t_lo, int(inp["t0_ns"].min()))
-        t_hi = max(t_hi, int(inp["t1_ns"].max()))
-    span_len = t_hi - t_lo + 1
-    ridx = {int(r): i for i, r in enumerate(ranks_all.tolist())}  # per rank: one entry
-
-    def axis(rank: np.ndarray, t: np.ndarray) -> np.ndarray:
-        return np.searchsorted(ranks_all, rank).astype(np.int64) * span_len + (t.astype(np.int64) - t_lo)
-
-    # boundaries: +1/-1 per category (4 = the CPU's input wait), and step marks (no count)
-    n_cat = 4
-    a0 = axis(sp["rank"], sp["t0_ns"])
-    a1 = axis(sp["rank"], np.maximum(sp["t1_ns"], sp["t0_ns"]))
-    ia0 = axis(inp["rank"], inp["t0_ns"]) if len(inp) else np.zeros(0, np.int64)
-    ia1 = axis(inp["rank"], np.maximum(inp["t1_ns"], inp["t0_ns"])) if len(inp) else np.zeros(0, np.int64)
-    am = axis(mrank, mt) if len(mt) else np.zeros(0, np.int64)
-    pos = np.concatenate([a0, a1, ia0, ia1, am])
-    which = np.concatenate([cat, cat, np.full(len(ia0), 3), np.full(len(ia1), 3), np.full(len(am), -1)])
-    delta = np.concatenate([np.ones(len(a0)), -np.ones(len(a1)), np.ones(len(ia0)), -np.ones(len(ia1)),
-                            np.zeros(len(am))]).astype(np.int64)  # fmt: skip
-    o = np.argsort(pos, kind="stable")
-    pos, which, delta = pos[o], which[o], delta[o]
-    counts = np.zeros((len(pos), n_cat), np.int64)
-    w = which >= 0
-    counts[np.flatnonzero(w), which[w]] = delta[w]
-    counts = np.cumsum(counts, axis=0)  # active spans of each category after each boundary
-    seg_len = np.diff(pos)  # segment i: [pos[i], pos[i+1])
-    active = counts[:-1] > 0
-    seg_rank = pos[:-1] // span_len
-    same_rank = (pos[1:] // span_len) == seg_rank
-    seg_cat = np.where(active[:, 0], 0, np.where(active[:, 1], 1, np.where(active[:, 2], 2, np.where(active[:, 3], 3, 4))))
-
-    # per rank: window [first mark, last mark] when it has >= 2 marks, else [first, last span]
-    n_r = len(ranks_all)
-    w_lo = np.full(n_r, np.iinfo(np.int64).max, np.int64)
-    w_hi = np.full(n_r, np.iinfo(np.int64).min, np.int64)
-    ri_sp = np.searchsorted(ranks_all, sp["rank"])
-    np.minimum.at(w_lo, ri_sp, a0)
-    np.maximum.at(w_hi, ri_sp, a1)
-    n_marks = np.zeros(n_r, np.int64)
-    if len(am):
-        ri_m = np.searchsorted(ranks_all, mrank)
-        n_marks = np.bincount(ri_m, minlength=n_r)
-        m_lo = np.full(n_r, np.iinfo(np.int64).max, np.int64)
-        m_hi = np.full(n_r, np.iinfo(np.int64).min, np.int64)
-        np.minimum.at(m_lo, ri_m, am)
-        np.maximum.at(m_hi, ri_m, am)
-        use = n_marks >= 2
-        w_lo[use], w_hi[use] = m_lo[use], m_hi[use]
-    s0 = pos[:-1]
-    inside = same_rank & (s0 >= w_lo[seg_rank]) & (pos[1:] <= w_hi[seg_rank]) & (seg_len > 0)
-    # step of each segment: how many of its rank's marks are at or before its start, minus 1
-    if len(am):
-        am_sorted = np.sort(am)
-        before = np.searchsorted(am_sorted, s0, side="right")
-        first_of_rank = np.searchsorted(am_sorted, seg_rank * span_len, side="left")
-        step = before - first_of_rank - 1
-    else:
-        step = np.zeros(len(s0), np.int64)
-    step = np.where(n_marks[seg_rank] >= 2, step, 0)
-    inside &= step >= 0
-    n_steps = int(step[inside].max()) + 1 if inside.any() else 0
-    # totals per (rank, step, category) in one bincount
-    flat = (seg_rank[inside] * max(n_steps, 1) + step[inside]) * 5 + seg_cat[inside]
-    tot_ns = np.bincount(flat, weights=seg_len[inside].astype(np.float64), minlength=n_r * max(n_steps, 1) * 5)
-    tot = tot_ns.reshape(n_r, max(n_steps, 1), 5) / 1e9
-    per_rank_tot = tot.sum(axis=1)
-    per_step_tot = tot.sum(axis=0)
-    window_s = np.maximum(w_hi - w_lo, 0) / 1e9
+    inp = inp[np.argsort(inp["rank"], kind="stable")]
+    n_marks = np.bincount(np.searchsorted(ranks_all, mrank), minlength=n_r) if len(mrank) else np.zeros(n_r, np.int64)
+    n_steps = max(1, int(n_marks.max()) - 1) if len(mrank) else 1
+    rank_tot = np.zeros((n_r, 5))
+    step_tot = np.zeros((n_steps, 5))
+    window_ns = np.zeros(n_r, np.int64)
+    # blocks of ranks whose boundaries fit BLOCK_BOUNDARIES (and whose (rank, step) cells a
+    # bound too): a few numpy calls a block, whatever the run's size
+    sp_at = np.searchsorted(sp["rank"], ranks_all)
+    in_at = np.searchsorted(inp["rank"], ranks_all)
+    mk_at = np.searchsorted(mrank, ranks_all)
+    per_rank = np.diff(np.append(sp_at, len(sp))) * 2 + np.diff(np.append(in_at, len(inp))) * 2 + n_marks
+    cells = max(1, (1 << 22) // (n_steps * 5))
+    lo = 0
+    while lo < n_r:  # one iteration per block of ranks
+        hi = lo + 1
+        acc = int(per_rank[lo])
+        while hi < n_r and hi - lo < cells and acc + int(per_rank[hi]) <= BLOCK_BOUNDARIES:
+            acc += int(per_rank[hi])
+            hi += 1
+        s_end = int(sp_at[hi]) if hi < n_r else len(sp)
+        i_end = int(in_at[hi]) if hi < n_r else len(inp)
+        m_end = int(mk_at[hi]) if hi < n_r else len(mrank)
+        rt, st, wn = _sweep(sp[int(sp_at[lo]) : s_end], cat[int(sp_at[lo]) : s_end], inp[int(in_at[lo]) : i_end],
+                            mrank[int(mk_at[lo]) : m_end], mt[int(mk_at[lo]) : m_end], ranks_all[lo:hi], n_steps)  # fmt: skip
+        rank_tot[lo:hi] = rt
+        step_tot += st
+        window_ns[lo:hi] = wn
+        lo = hi
+    rank_tot /= 1e9
+    step_tot /= 1e9
+    window_s = window_ns / 1e9
     peak = _peaks(run, ranks_all)
-    flops = _flops(run, ranks_all, w_lo, w_hi, t_lo, span_len)
-    per_rank = []
+    flops = _flops(run, ranks_all, mrank, mt, n_marks)
+    out_ranks = []
     for i, r in enumerate(ranks_all.tolist()):  # one per rank with GPU spans
         d: dict[str, Any] = {"rank": int(r), "window_s": round(float(window_s[i]), 6),
                              "steps": int(max(0, n_marks[i] - 1))}  # fmt: skip
-        tot_r = float(per_rank_tot[i].sum())
+        tot_r = float(rank_tot[i].sum())
         for k, c in enumerate(CATEGORIES):
-            d[c] = round(float(per_rank_tot[i, k]), 6)
-            d[c.replace("_s", "_share")] = round(float(per_rank_tot[i, k]) / tot_r, 4) if tot_r > 0 else 0.0
+            d[c] = round(float(rank_tot[i, k]), 6)
+            d[c.replace("_s", "_share")] = round(float(rank_tot[i, k]) / tot_r, 4) if tot_r > 0 else 0.0
         if flops[i] > 0 and window_s[i] > 0:
             d["achieved_tflops"] = float(f"{flops[i] / window_s[i] / 1e12:.4g}")
-            busy = float(per_rank_tot[i, 0])
+            busy = float(rank_tot[i, 0])
             if busy > 0:
                 d["achieved_tflops_while_busy"] = float(f"{flops[i] / busy / 1e12:.4g}")
             pk = peak.get(int(r))
             if pk is not None:
                 d["device"], d["peak_tflops"] = pk
                 d["mfu"] = float(f"{flops[i] / window_s[i] / 1e12 / pk[1]:.4g}")
-        per_rank.append(d)
+        out_ranks.append(d)
+    n_real_steps = int(max(0, n_marks.max() - 1)) if len(mrank) else 0
     per_step = []
-    for s in range(min(n_steps, MAX_STEPS_JSON)):  # bounded
-        tot_s = float(per_step_tot[s].sum())
+    for s in range(min(n_real_steps, MAX_STEPS_JSON)):  # bounded
+        tot_s = float(step_tot[s].sum())
         row: dict[str, Any] = {"step": s}
         for k, c in enumerate(CATEGORIES):
-            row[c] = round(float(per_step_tot[s, k]), 6)  # summed over ranks
-        row["share"] = {c.replace("_s", ""): (round(float(per_step_tot[s, k]) / tot_s, 4) if tot_s > 0 else 0.0)
+            row[c] = round(float(step_tot[s, k]), 6)  # summed over ranks
+        row["share"] = {c.replace("_s", ""): (round(float(step_tot[s, k]) / tot_s, 4) if tot_s > 0 else 0.0)
                         for k, c in enumerate(CATEGORIES)}  # fmt: skip
         per_step.append(row)
-    all_tot = per_rank_tot.sum(axis=0)
+    all_tot = rank_tot.sum(axis=0)
     grand = float(all_tot.sum())
-    del ridx
     return {
         "source": "cuda_events",
         "collective_times": collective_times_mode(),
-        "collectives_gpu_timed": _n_gpu_timed_collectives(sp),
+        "collectives_gpu_timed": n_coll,
         "share": {c.replace("_s", ""): (round(float(all_tot[k]) / grand, 4) if grand > 0 else 0.0)
                   for k, c in enumerate(CATEGORIES)},  # fmt: skip
-        "per_rank": per_rank,
+        "per_rank": out_ranks,
         "per_step": per_step,
-        "steps_cut": max(0, n_steps - MAX_STEPS_JSON),
-        "_busy_s": {int(r): float(per_rank_tot[i, 0] + per_rank_tot[i, 1] + per_rank_tot[i, 2])
-                    for i, r in enumerate(ranks_all.tolist())},  # fmt: skip
-        "_kernels_s": {int(r): float(per_rank_tot[i, 0]) for i, r in enumerate(ranks_all.tolist())},
+        "steps_cut": max(0, n_real_steps - MAX_STEPS_JSON),
+        "_kernels_s": {int(r): float(rank_tot[i, 0]) for i, r in enumerate(ranks_all.tolist())},
         "_window_s": {int(r): float(window_s[i]) for i, r in enumerate(ranks_all.tolist())},
     }
+
+
+def _sweep(sp: np.ndarray, cat: np.ndarray, inp: np.ndarray, mrank: np.ndarray, mt: np.ndarray, ranks: np.ndarray,
+           n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """One block of ranks: per rank the ns of each category in its window, per step (summed
+    over the block's ranks) the same, and each rank's window (ns). All rows are the block's.
+
+    One sweep: every span's start (+1) and end (-1) in its category, the CPU's input waits as
+    a fourth count, the step marks as boundaries of no count, sorted on a shifted axis (rank
+    position * the block's time range + t) so that ranks never meet; a cumulative sum gives
+    the spans active in each segment, and the segment goes to the first category active."""
+    n_r = len(ranks)
+    z = np.zeros(0, np.int64)
+    t_lo = int(min(sp["t0_ns"].min(), mt.min() if len(mt) else sp["t0_ns"].min(),
+                   inp["t0_ns"].min() if len(inp) else sp["t0_ns"].min()))  # fmt: skip
+    t_hi = int(max(sp["t1_ns"].max(), mt.max() if len(mt) else sp["t1_ns"].max(),
+                   inp["t1_ns"].max() if len(inp) else sp["t1_ns"].max()))  # fmt: skip
+    span_len = t_hi - t_lo + 1
+
+    def axis(rank: np.ndarray, t: np.ndarray) -> np.ndarray:
+        return np.searchsorted(ranks, rank).astype(np.int64) * span_len + (t.astype(np.int64) - t_lo)
+
+    a0 = axis(sp["rank"], sp["t0_ns"])
+    a1 = axis(sp["rank"], np.maximum(sp["t1_ns"], sp["t0_ns"]))
+    ia0 = axis(inp["rank"], inp["t0_ns"]) if len(inp) else z
+    ia1 = axis(inp["rank"], np.maximum(inp["t1_ns"], inp["t0_ns"])) if len(inp) else z
+    am = axis(mrank, mt) if len(mt) else z
+    pos = np.concatenate([a0, a1, ia0, ia1, am])
+    which = np.concatenate([cat, cat, np.full(len(ia0), 3), np.full(len(ia1), 3), np.full(len(am), -1)])
+    delta = np.concatenate([np.ones(len(a0), np.int64), -np.ones(len(a1), np.int64), np.ones(len(ia0), np.int64),
+                            -np.ones(len(ia1), np.int64), np.zeros(len(am), np.int64)])  # fmt: skip
+    o = np.argsort(pos, kind="stable")
+    pos, which, delta = pos[o], which[o], delta[o]
+    del o
+    counts = np.zeros((len(pos), 4), np.int32)
+    w = which >= 0
+    counts[np.flatnonzero(w), which[w]] = delta[w]
+    np.cumsum(counts, axis=0, out=counts)  # spans of each category active after each boundary
+    active = counts[:-1] > 0
+    del counts
+    seg_cat = np.where(active[:, 0], 0, np.where(active[:, 1], 1, np.where(active[:, 2], 2,
+                                                                           np.where(active[:, 3], 3, 4))))  # fmt: skip
+    del active
+    s0 = pos[:-1]
+    seg_len = np.diff(pos)
+    seg_rank = s0 // span_len
+    # per rank: window [first mark, last mark] when it has >= 2 marks, else [first, last span]
+    w_lo = np.full(n_r, np.iinfo(np.int64).max, np.int64)
+    w_hi = np.full(n_r, np.iinfo(np.int64).min, np.int64)
+    ri = np.searchsorted(ranks, sp["rank"])
+    np.minimum.at(w_lo, ri, a0)
+    np.maximum.at(w_hi, ri, a1)
+    n_marks = np.zeros(n_r, np.int64)
+    if len(am):
+        rm = np.searchsorted(ranks, mrank)
+        n_marks = np.bincount(rm, minlength=n_r)
+        first = np.searchsorted(rm, np.arange(n_r))  # marks come sorted by (rank, t)
+        last = np.searchsorted(rm, np.arange(n_r), side="right") - 1
+        use = n_marks >= 2
+        w_lo[use], w_hi[use] = am[first[use]], am[last[use]]
+    inside = (seg_len > 0) & (s0 >= w_lo[seg_rank]) & (pos[1:] <= w_hi[seg_rank])
+    if len(am):
+        before = np.searchsorted(am, s0, side="right")  # am ascends: ranks are apart on the axis
+        first_of = np.searchsorted(am, seg_rank * span_len, side="left")
+        step = np.where(n_marks[seg_rank] >= 2, before - first_of - 1, 0)
+    else:
+        step = np.zeros(len(s0), np.int64)
+    inside &= (step >= 0) & (step < n_steps)
+    lens = seg_len[inside].astype(np.float64)
+    rc = seg_rank[inside] * 5 + seg_cat[inside]
+    rank_tot = np.bincount(rc, weights=lens, minlength=n_r * 5).reshape(n_r, 5)
+    sc = step[inside] * 5 + seg_cat[inside]
+    step_tot = np.bincount(sc, weights=lens, minlength=n_steps * 5).reshape(n_steps, 5)
+    return rank_tot, step_tot, np.maximum(w_hi - w_lo, 0)
 
 
 def _n_gpu_timed_collectives(sp: np.ndarray) -> int:
     return int(np.count_nonzero(np.isin(sp["aux"], _COMM)))
 
 
-def _flops(run: Any, ranks: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray, t_lo: int, span_len: int) -> np.ndarray:
-    """Per rank: the flops of the step marks inside its window, but its first (the window
-    starts at it), as ``distdiag.step(flops=...)`` gave them."""
+def _flops(run: Any, ranks: np.ndarray, mrank: np.ndarray, mt: np.ndarray, n_marks: np.ndarray) -> np.ndarray:
+    """Per rank: the flops of the STEP rows (``distdiag.step(flops=...)``) after its first step
+    mark and up to its last (its window), as the program gave them."""
     from distdiag.rows import events_of
 
     st = events_of(run, Kind.STEP)
     out = np.zeros(len(ranks), np.float64)
-    if len(st) == 0:
+    if len(st) == 0 or len(mrank) == 0:
         return out
     st = st[np.isin(st["rank"], ranks) & (st["value"] > 0)]
     if len(st) == 0:
         return out
     ri = np.searchsorted(ranks, st["rank"])
-    a = ri.astype(np.int64) * span_len + (st["t0_ns"].astype(np.int64) - t_lo)
-    ok = (a > w_lo[ri]) & (a <= w_hi[ri])
+    rm = np.searchsorted(ranks, mrank)
+    first = np.searchsorted(rm, np.arange(len(ranks)))
+    last = np.searchsorted(rm, np.arange(len(ranks)), side="right") - 1
+    has = n_marks >= 2
+    lo = np.where(has, mt[np.minimum(first, len(mt) - 1)], 0)
+    hi = np.where(has, mt[np.maximum(last, 0)], -1)
+    t = st["t0_ns"].astype(np.int64)
+    ok = (t > lo[ri]) & (t <= hi[ri])
     return np.bincount(ri[ok], weights=st["value"][ok], minlength=len(ranks)).astype(np.float64)
 
 

@@ -291,3 +291,32 @@ def test_timer_rows_reach_the_rank_file_on_the_flusher(tmp_path: Path) -> None:
     assert span["aux"] == Kind.FORWARD and span["nbytes"] == fwd["t0_ns"] and span["name_id"] == fwd["name_id"]
     assert 25 * MS < span["t1_ns"] - span["t0_ns"] < 60 * MS
     assert span["t0_ns"] >= fwd["t0_ns"] - 2 * MS  # the GPU starts the phase after its CPU launched it
+
+
+def test_gpu_breakdown_by_blocks_of_ranks_is_the_whole_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ranks with different spans, swept in one block and one rank a block: the same numbers."""
+    from distdiag import gpu_timeline
+    from distdiag.run import load_run
+
+    strings = ["", "optimizer_step", "Model", "DataLoader.__next__"]
+    for r in range(3):
+        rows = [_row(0, 0, Kind.SHIM)]
+        for s in range(4):
+            b = 100 * s
+            rows.append(_row(b, b, Kind.STEP, 1))
+            if s < 3:
+                rows += [_row(b + 1, b + 2, Kind.FORWARD, 2),
+                         _row(b + 5 + 10 * r, b + 50 + 5 * r, Kind.GPU_SPAN, 2, nbytes=(b + 1) * MS, aux=Kind.FORWARD),
+                         _row(b + 60, b + 60 + 10 * (r + 1), Kind.INPUT_WAIT, 3)]  # fmt: skip
+        ev = _ev(rows)
+        ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
+        from distdiag.shim.writer import write_rank_file
+
+        write_rank_file(tmp_path / f"rank-{r:05d}.h5", {"rank": r, "world_size": 3, "cuda_timing": "on: test"}, ev, strings)
+    whole = gpu_timeline._gpu_breakdown(load_run(tmp_path))
+    monkeypatch.setattr(gpu_timeline, "BLOCK_BOUNDARIES", 1)
+    apart = gpu_timeline._gpu_breakdown(load_run(tmp_path))
+    assert whole is not None and whole == apart
+    k = [d["kernels_s"] for d in whole["per_rank"]]
+    assert k == pytest.approx([0.135, 0.12, 0.105])  # 45, 40, 35 ms a step, 3 steps
+    assert [d["idle_input_s"] for d in whole["per_rank"]] == pytest.approx([0.03, 0.06, 0.09])
