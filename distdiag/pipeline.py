@@ -18,6 +18,7 @@ import pandas as pd
 
 from distdiag import clocks
 from distdiag.breakdown import COLUMNS, INFO_COLUMNS, breakdown, per_step_json, step_breakdown
+from distdiag.children import ChildIO, children_io
 from distdiag.gpu_timeline import gpu_json
 from distdiag.config import Config, load_config
 from distdiag.detectors import load_all
@@ -45,6 +46,8 @@ class Report:
     slurm: Any = None
     #: the categories above 10% of a rank's wall-clock and what explains them (distdiag.ranking.coverage)
     coverage: list[dict[str, Any]] = field(default_factory=list)
+    #: rank -> its forked children's file I/O (DataLoader workers; distdiag.children)
+    children: dict[int, ChildIO] = field(default_factory=dict)
 
     @property
     def verdict(self) -> Finding | None:
@@ -74,6 +77,8 @@ class Report:
                 **({"input": input_json(run)} if run.source == "kineto" else {}),
             },
             "findings": [_jsonable(f.to_json()) for f in self.findings],
+            # per rank with forked children (DataLoader workers): their file I/O (distdiag/children.py)
+            "children": [self.children[r].to_json() for r in sorted(self.children)],
             "breakdown": {"per_rank": per_rank, "per_step": per_step_json(step_breakdown(run, self.collectives)),
                           "coverage": _jsonable(self.coverage),
                           # only for a run timed on the GPU (CUDA events, distdiag/gpu_timeline.py)
@@ -225,9 +230,41 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     if split is not None:
         split.done(run)
     bd = breakdown(run, colls)
+    kids = _children(findings, run, cfg)
     # never silent: each category above 10% of a rank's wall, and what explains it (distdiag/ranking.py)
     return Report(run=run, findings=findings, breakdown=bd, collectives=colls, config=cfg, slurm=slurm_view,
-                  coverage=coverage(findings, bd, run, cfg))  # fmt: skip
+                  coverage=coverage(findings, bd, run, cfg), children=kids)  # fmt: skip
+
+
+#: the share of its children's time in file calls past which an input-bound rank's advice
+#: names the file system (distdiag.children)
+CHILD_IO_SHARE = 0.25
+
+
+def _children(findings: list[Finding], run: Run, cfg: Config) -> dict[int, ChildIO]:
+    """The ranks' forked children's file I/O (distdiag.children); an input-bound rank's
+    finding carries its children's (``evidence.children_io``): where its data comes from."""
+    try:
+        kids = children_io(run, int(cfg.value("children", "max_files", 4096)))
+    except Exception as e:  # never costs the report
+        log.debug("children", exc_info=True)
+        run.warnings.append(f"the forked processes' files could not be read ({type(e).__name__}: {e})")
+        return {}
+    for f in findings:  # a handful
+        mine = [kids[r] for r in f.ranks if r in kids]
+        if f.kind == "input_bound" and mine:
+            top = max(mine, key=lambda c: c.io_s)
+            f.evidence["children_io"] = top.to_json()
+            wall = run.ranks[top.rank].dur_s if top.rank in run.ranks else run.wall_s
+            # the workers mostly wait on files: the storage feeds the loader, not its CPU
+            if top.by_fs and wall > 0 and top.io_s >= CHILD_IO_SHARE * top.processes * wall:
+                fs, (n, secs, _b) = max(top.by_fs.items(), key=lambda kv: kv[1][1])
+                f.advice += (f" Its {top.processes} loader processes spend {top.io_s:.2f} s in file calls, "
+                             f"{top.io_s / (top.processes * wall):.0%} of their time (mostly {fs}, "
+                             f"{1e3 * secs / max(n, 1):.3g} ms a call): the file system feeds the loader, so more "
+                             "workers help only while it scales; stage the data on local disk or in memory, or pack "
+                             "small files into shards.")  # fmt: skip
+    return kids
 
 
 def analyze(run_dir: str | Path, cfg: Config | None = None, stream: bool = False) -> Report:

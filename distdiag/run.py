@@ -295,6 +295,9 @@ class RankInfo:
     #: profiler trace, :mod:`distdiag.kineto`), and the byte bound that read was held to
     source: str = "distdiag"
     read_limit_bytes: int = 0
+    #: a forked process's file only: what the process was (``dataloader_worker``,
+    #: ``multiprocessing``, ``fork``; :mod:`distdiag.children`)
+    role: str = ""
     #: the rank file's ``cuda_timing`` attribute ("on: ..." when its calls were timed on the GPU
     #: too, :mod:`distdiag.shim.hooks.cuda_events`), and how many of its collectives took their
     #: GPU times (:func:`distdiag.gpu_timeline.substitute_collective_times`)
@@ -1315,6 +1318,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 counted_only=counted,
                 recording_stopped=str(_attr(attrs, "recording_stopped", "") or "")[:300],
                 cuda_timing=cuda_timing,
+                role=str(_attr(attrs, "role", "") or "")[:40],
                 gpu_timed_collectives=n_gpu,
             )
             return _RankData(info, events, strings, sync, inflight, gpu, scan)

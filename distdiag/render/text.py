@@ -134,6 +134,9 @@ class TextRenderer:
         gpu = gpu_text(run)
         if gpu:
             lines += [""] + gpu
+        kids = _children_lines(getattr(report, "children", None) or {})
+        if kids:
+            lines += [""] + [self._c("head", kids[0])] + kids[1:]
         if run.warnings:
             lines.append("")
             lines.append(self._c("warn", f"WARNINGS ({len(run.warnings)})"))
@@ -296,6 +299,29 @@ def _then_line(report: Any) -> str:
         f"then: {nxt['kind']} ({fmt_s(nxt['cost_s'])}, {nxt['share']:.0%} of the {fmt_s(nxt['wall_s'])} "
         f"left once this is fixed) -- {fs[1].summary}"
     )
+
+
+def _children_lines(children: dict[int, Any], top: int = 8) -> list[str]:
+    """The ranks' forked children's file I/O (distdiag.children): one line per rank (the
+    busiest first), then each one's most costly file system and file."""
+    if not children:
+        return []
+    out = ["CHILD PROCESSES (forked from the ranks: DataLoader workers, ...; their time is not the ranks')"]
+    ranked = sorted(children.values(), key=lambda c: -c.io_s)
+    for c in ranked[:top]:  # a handful of lines
+        roles = ", ".join(f"{n} {r}" for r, n in sorted(c.roles.items()))
+        out.append(f"  rank {c.rank}: {roles}: {c.calls} file calls in {fmt_s(c.io_s)} ({c.metadata_calls} metadata "
+                   f"in {fmt_s(c.metadata_s)}), {c.bytes_read / 1e6:.1f} MB read")  # fmt: skip
+        if c.by_fs:
+            fs, (n, secs, _b) = max(c.by_fs.items(), key=lambda kv: kv[1][1])
+            avg_ms = 1e3 * secs / max(n, 1)
+            out.append(f"      mostly on {fs}: {int(n)} calls, {avg_ms:.3g} ms each")
+        if c.top_files:
+            p, n, secs, _b = c.top_files[0]
+            out.append(f"      costliest file: {p} ({n} calls, {fmt_s(secs)})")
+    if len(ranked) > top:
+        out.append(f"  ... and {len(ranked) - top} more ranks with children")
+    return out
 
 
 def _slurm_lines(view: Any) -> list[str]:

@@ -803,6 +803,22 @@ class _Shim:
             pass
 
 
+def _child_role() -> str:
+    """What a forked process is, for its file's ``role`` (distdiag.children): a DataLoader
+    worker (torch's worker loop has set its worker info), a ``multiprocessing`` child, or
+    another ``fork``. Read from modules already loaded; imports nothing."""
+    w = sys.modules.get("torch.utils.data._utils.worker")
+    if w is not None and getattr(w, "_worker_info", None) is not None:
+        return "dataloader_worker"
+    mp = sys.modules.get("multiprocessing")
+    try:
+        if mp is not None and mp.parent_process() is not None:
+            return "multiprocessing"
+    except Exception:
+        pass
+    return "fork"
+
+
 class _ForkStream:
     """What a process forked from the rank records (DataLoader workers, daemons, ``pty.fork``):
     its own file, ``rank-NNNNN.fork-PID.h5`` in the rank's run dir (:func:`fork_file_name`).
@@ -878,6 +894,7 @@ class _ForkStream:
         from distdiag.shim.rankfile import RankFile
 
         try:
+            self.attrs["role"] = _child_role()
             self.writer = RankFile(self.path, self.rec, self.cfg, self.attrs, compact_strings=True)
         except Exception as e:
             self.failed = True
