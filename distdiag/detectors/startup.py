@@ -153,14 +153,14 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     min_fraction = float(cfg.value("startup", "min_fraction", getattr(cfg, "min_fraction", 0.02)))
     healthy_ns = float(cfg.value("startup", "healthy_call_ms", 1.0)) * 1e6
     gap_ns = float(cfg.value("startup", "import_gap_s", 1.0)) * 1e9
+    mods = module_rows(run)
+    if len(mods) == 0:
+        return []
     start, _ = run.rank_bounds()
     ends = startup_ends(run)
     present = np.array(sorted(run.ranks), np.int64)
     s0, e = start[present].astype(np.int64), ends[present]
     if not (e > s0).any():
-        return []
-    mods = module_rows(run)
-    if len(mods) == 0:
         return []
     ev = run.events
     # the floor: the imports and the communicator creations (MPI_Init: mpi4py's import of MPI,
