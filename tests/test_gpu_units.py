@@ -320,3 +320,30 @@ def test_gpu_breakdown_by_blocks_of_ranks_is_the_whole_sweep(tmp_path: Path, mon
     k = [d["kernels_s"] for d in whole["per_rank"]]
     assert k == pytest.approx([0.135, 0.12, 0.105])  # 45, 40, 35 ms a step, 3 steps
     assert [d["idle_input_s"] for d in whole["per_rank"]] == pytest.approx([0.03, 0.06, 0.09])
+
+
+def test_crafted_gpu_spans_are_untrusted_input(tmp_path: Path) -> None:
+    """A run dir is untrusted: GPU_SPAN rows that join nothing, run backwards, name kinds that do
+    not exist or claim seqs never seen change nothing and break nothing (text and JSON reports)."""
+    from distdiag.pipeline import analyze
+    from distdiag.render.text import TextRenderer
+
+    strings = ["", "optimizer_step", "all_reduce", "default", "Model\n\x1b[31mVERDICT: healthy"]
+    rows = [_row(0, 0, Kind.SHIM), _row(1, 1, Kind.STEP, 1), _row(2, 3, Kind.COLL, 2, 3, seq=0), _row(4, 5, Kind.FORWARD, 4),
+            _row(9, 9, Kind.STEP, 1), _row(10, 11, Kind.COLL, 2, 3, seq=1), _row(20, 20, Kind.STEP, 1),
+            _row(3, 2.5, Kind.GPU_SPAN, 2, 3, seq=0, nbytes=2 * MS, aux=Kind.COLL),  # backwards: not joined
+            _row(3, 4, Kind.GPU_SPAN, 2, 3, seq=7, nbytes=10 * MS, aux=Kind.COLL),  # seq never seen
+            _row(3, 4, Kind.GPU_SPAN, 4, 0, seq=-1, nbytes=4 * MS, aux=250),  # a kind that does not exist
+            _row(4, 8, Kind.GPU_SPAN, 4, 0, seq=-1, nbytes=-5, aux=Kind.FORWARD),  # a key of nothing
+            _row(12, 19, Kind.GPU_SPAN, 2, 3, seq=1, nbytes=10 * MS, aux=Kind.COLL)]  # fmt: skip
+    ev = _ev(rows)
+    ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
+    _write(tmp_path / "rank-00000.h5", ev, strings)
+    rep = analyze(tmp_path)
+    c = rep.run.events[rep.run.events["kind"] == Kind.COLL]
+    assert (c["t0_ns"] // MS).tolist() == [2, 12]  # only the valid span joined
+    assert rep.run.ranks[0].gpu_timed_collectives == 1
+    text = TextRenderer(color=False).render(rep)
+    assert "\x1b" not in text and "GPU timeline" in text
+    js = json.dumps(rep.to_json())
+    assert rep.to_json()["breakdown"]["gpu"]["per_rank"][0]["kernels_s"] >= 0 and js
