@@ -35,7 +35,8 @@ def test_report_keys_and_types(tmp_path: Path, case: str) -> None:
           "missing_and_killed": dict(skip_ranks=[3], killed_ranks=[2], slow_rank=0, slow_ms=2.0)}[case]  # fmt: skip
     make_run(tmp_path / "r", iters=60, io_ms=0.2, **kw)
     rep = _json(tmp_path / "r")
-    assert set(rep) == {"schema", "run", "findings", "breakdown"}
+    assert set(rep) == {"schema", "run", "findings", "breakdown", "children"}
+    assert rep["children"] == []  # no forked processes' files (distdiag/children.py)
     assert rep["schema"] == REPORT_SCHEMA == "distdiag.report/1"
     _check_types(rep["run"], RUN_KEYS)
     assert rep["run"]["ranks"] == 4 and rep["run"]["job_id"] == "4242"
