@@ -43,6 +43,8 @@ class ChildIO:
 
     rank: int
     processes: int = 0
+    #: the children's recorded lifetimes, summed (their first to last recorded instant)
+    alive_s: float = 0.0
     roles: dict[str, int] = field(default_factory=dict)
     calls: int = 0
     metadata_calls: int = 0
@@ -59,6 +61,7 @@ class ChildIO:
         return {
             "rank": self.rank,
             "processes": self.processes,
+            "alive_s": round(self.alive_s, 6),
             "roles": dict(self.roles),
             "calls": self.calls,
             "metadata_calls": self.metadata_calls,
@@ -142,6 +145,7 @@ def children_io(run: Any, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO
             continue
         acc = out.setdefault(rank, ChildIO(rank))
         acc.processes += 1
+        acc.alive_s += max(0, int(got.info.end_ns) - int(got.info.start_ns)) / 1e9
         role = str(getattr(got.info, "role", "") or "fork")
         acc.roles[role] = acc.roles.get(role, 0) + 1
         _add(acc, got.events, got.strings, files.setdefault(rank, {}))

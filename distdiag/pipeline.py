@@ -255,12 +255,11 @@ def _children(findings: list[Finding], run: Run, cfg: Config) -> dict[int, Child
         if f.kind == "input_bound" and mine:
             top = max(mine, key=lambda c: c.io_s)
             f.evidence["children_io"] = top.to_json()
-            wall = run.ranks[top.rank].dur_s if top.rank in run.ranks else run.wall_s
             # the workers mostly wait on files: the storage feeds the loader, not its CPU
-            if top.by_fs and wall > 0 and top.io_s >= CHILD_IO_SHARE * top.processes * wall:
+            if top.by_fs and top.alive_s > 0 and top.io_s >= CHILD_IO_SHARE * top.alive_s:
                 fs, (n, secs, _b) = max(top.by_fs.items(), key=lambda kv: kv[1][1])
                 f.advice += (f" Its {top.processes} loader processes spend {top.io_s:.2f} s in file calls, "
-                             f"{top.io_s / (top.processes * wall):.0%} of their time (mostly {fs}, "
+                             f"{top.io_s / top.alive_s:.0%} of their time (mostly {fs}, "
                              f"{1e3 * secs / max(n, 1):.3g} ms a call): the file system feeds the loader, so more "
                              "workers help only while it scales; stage the data on local disk or in memory, or pack "
                              "small files into shards.")  # fmt: skip
