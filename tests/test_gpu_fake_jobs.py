@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from truth import Saving
+from truth import Saving, assert_prices_median
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "tests" / "jobs" / "fake_gpu_job.py"
@@ -203,12 +203,15 @@ def test_an_input_wait_the_gpu_spends_busy_is_hidden(tmp_path: Path) -> None:
     measured here against the same job without the slow loader."""
     args = ["--no-sync", "--iters", "60"]
     faulty, healthy = [], []
-    for i in range(2):  # by turns
+    for i in range(3):  # by turns
         faulty.append(_job(tmp_path, f"f{i}", [*args, "--loader-ms", "25"]))
         healthy.append(_job(tmp_path, f"h{i}", args))
     saving = Saving(tuple(j[1][0]["loop_s"] for j in faulty), tuple(j[1][0]["loop_s"] for j in healthy))
-    f = _finding(_analyze(faulty[0][0]), "input_bound")
-    cost = f["cost_s"] if f is not None else 0.0
-    print(f"input_bound with the GPU busy: {cost:.3f} s; {saving}")
-    saving.assert_prices(cost, 0, rel=0.35, what="input_bound's cost")
-    assert cost < 0.6 * 60 * 0.025  # not the CPU-only view's every wait
+    costs = []
+    for run, _ in faulty:
+        f = _finding(_analyze(run), "input_bound")
+        costs.append(f["cost_s"] if f is not None else 0.0)
+    print(f"input_bound with the GPU busy: {', '.join(f'{c:.3f}' for c in costs)} s; {saving}")
+    # the medians: a faulty run a load spike slowed elsewhere must not decide (tests/truth.py)
+    assert_prices_median(saving, costs, rel=0.35, what="input_bound's cost")
+    assert max(costs) < 0.6 * 60 * 0.025  # not the CPU-only view's every wait
