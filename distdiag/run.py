@@ -303,6 +303,9 @@ class RankInfo:
     #: GPU times (:func:`distdiag.gpu_timeline.substitute_collective_times`)
     cuda_timing: str = ""
     gpu_timed_collectives: int = 0
+    #: the rank file's ``fileio_capture`` attribute: what recorded its file calls ("preload":
+    #: the libc interposer, "python": the Python-level wrappers, "off"; "" in older files)
+    fileio_capture: str = ""
 
     @property
     def dur_s(self) -> float:
@@ -1320,6 +1323,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 cuda_timing=cuda_timing,
                 role=str(_attr(attrs, "role", "") or "")[:40],
                 gpu_timed_collectives=n_gpu,
+                fileio_capture=str(_attr(attrs, "fileio_capture", "") or "")[:20],
             )
             return _RankData(info, events, strings, sync, inflight, gpu, scan)
     except _H5_ERRORS as e:

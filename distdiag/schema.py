@@ -201,6 +201,8 @@ FILE_ATTRS = {
     "numpy import), memory (rows waiting passed 8 MiB) or exit (open_file_at, distdiag.shim.rankfile)",
     "launcher": "where the rank identity came from: torchrun, openmpi, pmix, mpich, slurm or single",
     "hooks": "JSON list: the hooks that installed (short names)",
+    "fileio_capture": "what recorded the file calls: preload (the libc interposer), python (the "
+    "Python-level wrappers) or off (distdiag.shim.preload)",
     "recording_stopped": "why the writer stopped early (e.g. the disk was nearly full); absent normally",
     "rows_not_written_at_exit": "rows the writer's close left out when exit_timeout_s passed",
     "budget_bytes": "max_file_bytes in force once the file reached it (absent until then)",

@@ -112,7 +112,9 @@ def test_a_forked_child_ending_normally_leaves_the_parents_file_readable(tmp_pat
         # what the child did is its own file's: the h5py open and close of child.h5
         assert len(forks) == 1
         cev, cstrings, _ = read(forks[0])
-        assert len(named(cev, cstrings, Kind.FILE_OPEN, str(tmp_path / "child.h5"))) == 1
+        opens = named(cev, cstrings, Kind.FILE_OPEN, str(tmp_path / "child.h5"))
+        # one that succeeded (the libc interposer also sees HDF5's first try, failed: ENOENT)
+        assert int((opens["value"] == 0).sum()) == 1, opens
     else:
         assert not forks, "a child that recorded nothing leaves no file"
 

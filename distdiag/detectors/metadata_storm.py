@@ -23,7 +23,10 @@ How (vectorized over events; loops only over file systems and windows):
    median latency of calls that had company over that of calls that ran
    alone must be at least ``min_latency_ratio``, or the median latency in the
    window at least ``slow_latency_ms`` (a metadata call that slow is a server
-   problem whatever the concurrency). Fast local disks fail both: a storm of
+   problem whatever the concurrency). That median is of file accesses
+   (:func:`_accesses`): the libc interposer records an open as open + fstat +
+   close, the Python hooks as one open row; both give the same latency. Fast
+   local disks fail both: a storm of
    5 µs stats costs nothing. On node-local file systems (``LOCAL_FSTYPES``:
    ext4, xfs, tmpfs, ...) there is no server to saturate, and calls slow
    down with concurrency because ranks compete for CPUs; there only a median
@@ -130,6 +133,28 @@ def concurrency_at_start(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
     return np.maximum(0, started - ended - 1)
 
 
+#: calls of the libc interposer (distdiag.shim.preload: ``comm_id`` "libc:<call>") on a
+#: descriptor or directory stream: they belong to the access that opened it
+_FD_CALLS = ("fstat", "close", "fclose", "closedir", "readdir", "getdents64", "lseek")
+
+
+def _accesses(meta: np.ndarray, dur: np.ndarray, fd_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Metadata calls as file accesses, for the latency test: a call on a path starts one,
+    and the calls on what it opened that follow on the same rank and path join it (libc's
+    ``open`` + ``fstat`` + ``close`` of one file is the one Python-level ``open`` row the
+    Python hooks make; a Python FILE_CLOSE row joins its open). The median latency is of
+    accesses, so it does not depend on which capture recorded the calls. Returns, per call,
+    the index of its access, and each access's summed duration. ``meta`` is in (rank, t0) order."""
+    n = len(meta)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    joins = (meta["kind"] == int(Kind.FILE_CLOSE)) | np.isin(meta["comm_id"], fd_ids)
+    same = np.zeros(n, bool)
+    same[1:] = (meta["rank"][1:] == meta["rank"][:-1]) & (meta["name_id"][1:] == meta["name_id"][:-1])
+    idx = np.cumsum(~(joins & same)) - 1
+    return idx, np.bincount(idx, weights=dur.astype(np.float64))
+
+
 def _windows(hot: np.ndarray, gap_bins: int) -> list[tuple[int, int]]:
     """Runs of hot bins ``[first, last]``, merging runs whose gap is <= gap_bins."""
     idx = np.flatnonzero(hot)
@@ -197,6 +222,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if len(fev) == 0:
         return []
     is_meta = np.isin(fev["kind"], META_KINDS)
+    fd_ids = np.array([i for i in (run.sid(f"libc:{c}") for c in _FD_CALLS) if i >= 0], np.int64)
     colls = collectives_of(run)  # the ranks' rendezvous: where a storm's unseen stretch ends
     bin_ns = int(bin_s * 1e9)
     n_ranks_all = int(max(run.world_size, int(fev["rank"].max()) + 1))
@@ -219,6 +245,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         fs_name = run.s(int(fs_id))
         fstype, _, mount = fs_name.partition(":")
         conc = concurrency_at_start(t0, meta["t1_ns"])
+        acc_start, acc_dur = _accesses(meta, dur, fd_ids)
         alone = dur[conc == 0]  # the server's own service time, measured on this fs
         lat_alone_ms = float(np.median(alone) / 1e6) if len(alone) else float("nan")
 
@@ -234,7 +261,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             w1 = int(meta["t1_ns"][in_w].max())
             d_w = dur[in_w]
             c_w = conc[in_w]
-            lat_ms = float(np.median(d_w) / 1e6)
+            lat_ms = float(np.median(acc_dur[acc_start[in_w]]) / 1e6)  # per file access
             crowd = d_w[c_w >= 1]
             lat_crowd_ms = float(np.median(crowd) / 1e6) if len(crowd) else lat_ms
             ratio = lat_crowd_ms / lat_alone_ms if lat_alone_ms > 0 else float("inf")

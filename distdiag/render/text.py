@@ -20,6 +20,7 @@ fresh random token each render, so text in a rank file cannot forge them.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import secrets
@@ -118,6 +119,9 @@ class TextRenderer:
         lines.append(f"distdiag: {job}{ranks_txt} on {host_txt}, wall-clock {fmt_s(run.wall_s)}  [{run.path}]")
         if getattr(run, "source", "distdiag") == "kineto":
             lines.append(_kineto_line(run))
+        cap = _capture_line(run)
+        if cap:
+            lines.append(cap)
         lines.append("")
         lines += self._verdict(report)
         lines += _coverage_lines(report)
@@ -335,6 +339,21 @@ def _slurm_lines(view: Any) -> list[str]:
     turn = f", turnaround {fmt_s(view.turnaround_s)}" if view.turnaround_s else ""
     return [f"slurm: job {a.job_id} {a.state or '?'} on {a.nodes or '?'}{turn} ({view.origin} accounting)",
             f"  timeline: {steps}"]  # fmt: skip
+
+
+#: the rank files' ``fileio_capture`` values, as the header says them
+_CAPTURES = {"preload": "libc interposer", "python": "Python-level hooks (no calls made from C)", "off": "off"}
+
+
+def _capture_line(run: Any) -> str:
+    """Which capture recorded the file calls (the ``fileio_capture`` attribute), or "" for
+    files that do not say (older ones, Kineto traces)."""
+    caps = collections.Counter(getattr(r, "fileio_capture", "") for r in run.ranks.values())
+    caps.pop("", None)
+    if not caps:
+        return ""
+    parts = [f"{_CAPTURES.get(c, c)}" + (f" ({n} ranks)" if len(caps) > 1 else "") for c, n in sorted(caps.items())]
+    return "file I/O capture: " + ", ".join(parts)
 
 
 def _kineto_line(run: Any) -> str:

@@ -4,7 +4,9 @@ then an optional ``--config FILE`` [shim] table, then ``DISTDIAG_*`` variables.
 Environment: every field has a variable named ``DISTDIAG_`` + the field name in
 upper case (``DISTDIAG_FLUSH_INTERVAL_S=0.2``, ``DISTDIAG_PROBE_LINKS=1``).
 Hooks are switched with ``DISTDIAG_HOOKS="mpi4py=1,fileio=0"`` (short module
-names as in ``distdiag.shim.hooks.HOOKS``). Variables the config does not know
+names as in ``distdiag.shim.hooks.HOOKS``); ``preload=1`` there records file calls with
+the libc interposer instead of the Python-level wrappers (a re-exec with LD_PRELOAD; off by
+default for now, see distdiag.shim.preload.PRELOAD_DEFAULT). Variables the config does not know
 (``DISTDIAG_DIR``, ``DISTDIAG_HOST``) are left to their owners.
 
 To add a setting: add a typed field with its default here and (optionally) a
@@ -93,6 +95,10 @@ class ShimConfig:
     #: count bytes of binary files opened with open() (the fileio hook gives them
     #: a counting raw layer under the real buffered object); false: opens only
     fileio_count_bytes: bool = True
+    #: slots of the libc interposer's ring (320 bytes each, rounded up to a power of two): what
+    #: a process may record between two drains (the drainer wakes when it is half full);
+    #: past it calls are counted as lost
+    preload_ring_slots: int = 16384
     #: hook short name -> enabled; absent names use the HOOKS registry default
     hooks: dict[str, bool] = dataclasses.field(default_factory=dict)
 

@@ -648,6 +648,16 @@ def _open_rank_file(run_dir: Path, name: str, rec: Any, cfg: Any, attrs: dict[st
 
 
 # -- the shim's state ------------------------------------------------------------------
+def _drain_preload() -> None:
+    """What the libc interposer recorded, into rows, before the last rows are written."""
+    try:
+        from distdiag.shim import preload
+
+        preload.drain_now(final=True)
+    except Exception:
+        pass
+
+
 class _Shim:
     """Everything wrap set up, and its orderly teardown."""
 
@@ -742,6 +752,7 @@ class _Shim:
             hooks.cancel_all()
         except Exception:
             pass
+        _drain_preload()
         self.writer.close(self.exit_code)
         if self.sigterm is not None:
             self.sigterm.restore()
@@ -763,6 +774,7 @@ class _Shim:
     def _close_fork(self, exit_code: int | None) -> None:
         fork = self.fork
         if fork is not None and fork.pid == os.getpid():
+            _drain_preload()
             fork.close(exit_code)
 
     def _after_fork_in_child(self) -> None:
@@ -1421,6 +1433,32 @@ def _exit_code_of(e: SystemExit) -> int:
     return 1
 
 
+def _preload(opts: Options, here: bool) -> None:
+    """The libc interposer (distdiag.shim.preload): ``here`` (the program runs in this
+    interpreter), re-execute it once with the library in LD_PRELOAD when it is wanted
+    (``DISTDIAG_HOOKS`` preload=1, fileio not 0) and not loaded, built, not tried; before a
+    named interpreter's exec, put it in LD_PRELOAD for that one. Then ``os.environ`` is
+    made what it would be unwrapped. Never raises."""
+    try:
+        from distdiag.shim import preload
+        from distdiag.shim.config import load_config
+
+        quiet = logging.getLogger("distdiag.shim.config")
+        was, quiet.disabled = quiet.disabled, True  # setup() loads it again and says what is wrong
+        try:
+            hooks = load_config(opts.config).hooks
+        finally:
+            quiet.disabled = was
+        if here:
+            preload.reexec(hooks)  # returns when nothing was re-executed
+        else:
+            preload.arm_env(hooks)
+            return
+        preload.clean_environ()
+    except Exception:
+        log.debug("distdiag: LD_PRELOAD not set", exc_info=True)
+
+
 def main_chosen(argv: Sequence[str]) -> int:
     """:func:`main` in the interpreter the user named (what :data:`_BOOT` calls after
     :func:`_reexec`): ``argv`` is the wrapper's options, ``--``, then the interpreter's own
@@ -1446,6 +1484,7 @@ def main(argv: Sequence[str] | None = None, interpreter_chosen: bool = False) ->
         if "can only wrap" not in str(e):
             sys.stderr.write(USAGE.splitlines()[0] + "\n")
         return 2
+    _preload(opts, exe is None)
     if exe is not None:
         return _reexec(exe, opts, target)
     shim: _Shim | None = None

@@ -56,8 +56,10 @@ systems (``PSEUDO_FSTYPES``: /proc, /sys, /dev/null...; no storage behind
 them), and ``stat`` of a file descriptor (``fstat`` is answered by the
 client, not the metadata server).
 
-Not seen: C code that opens files itself (``torch.save`` to a path, HDF5's
-data reads, ``np.fromfile``); file calls made before the hook is installed;
+Not seen (by these Python-level wrappers; the libc interposer, ``distdiag.shim.preload``,
+sees them, and when it is loaded these wrappers stay out): C code that opens files
+itself (``torch.save`` to a path, HDF5's data reads, ``np.fromfile``, ``DirEntry.is_dir()``
+of ``os.walk``); file calls made before the hook is installed;
 and a rank hung *inside* an open or stat leaves no in-flight row (the
 recorder's enter/leave does not nest, and an enclosing data-loader wait
 already holds that slot).
@@ -846,9 +848,47 @@ def skip_dir(path: str | os.PathLike[str]) -> None:
     _dirs.clear()
 
 
+#: which capture records the file calls: "preload" (the libc interposer, distdiag.shim.preload),
+#: "python" (the wrappers below) or "off" (not installed); the rank file's ``fileio_capture``
+CAPTURE = "off"
+
+
+def _start_preload(rec: Any, cfg: Any, run_dir: str | None) -> bool:
+    """Record through the libc interposer when it is loaded and wanted: then none of the
+    Python-level wrappers is installed (a call both would see is recorded once, by libc)."""
+    global CAPTURE
+    hooks_cfg = dict(getattr(cfg, "hooks", None) or {})
+    try:
+        from distdiag.shim import preload
+
+        if not preload.wanted(hooks_cfg) or preload.start(rec, cfg, run_dir, _tag) is None:
+            return False
+    except Exception:
+        log.debug("distdiag: the libc interposer did not start", exc_info=True)
+        return False
+    CAPTURE = "preload"
+    _set_capture_attr()
+    return True
+
+
+def _set_capture_attr() -> None:
+    try:
+        from distdiag.shim import session
+
+        s = session.SESSION
+        if s is not None:
+            s.writer.set_attr("fileio_capture", CAPTURE)
+    except Exception:
+        log.debug("distdiag: fileio_capture not set", exc_info=True)
+
+
 def install(rec: Any, cfg: Any = None) -> None:
-    """Start recording file I/O into ``rec``. Idempotent; never imports h5py/numpy itself."""
-    global _rec, _tls, _add, _intern, _count_bytes, _h5_cb, _np_cb
+    """Start recording file I/O into ``rec``. Idempotent; never imports h5py/numpy itself.
+
+    With the libc interposer loaded (distdiag-wrap preloads it when ``DISTDIAG_HOOKS``
+    says ``preload=1``) the calls are recorded by libc and none of the wrappers below is
+    installed; this module then only tags paths (mount, run dir) for the interposer's rows."""
+    global _rec, _tls, _add, _intern, _count_bytes, _h5_cb, _np_cb, CAPTURE
     from distdiag.shim import hooks
 
     with _lock:
@@ -867,6 +907,8 @@ def install(rec: Any, cfg: Any = None) -> None:
         rd = _run_dir_of(cfg)
         if rd:
             skip_dir(rd)
+        if _start_preload(rec, cfg, rd):
+            return
 
         opened = _wrap_open(io.open, count=True)
         _patch(builtins, "open", opened)
@@ -891,16 +933,26 @@ def install(rec: Any, cfg: Any = None) -> None:
 
         _h5_cb = _hook_h5py
         _np_cb = _hook_numpy
+        CAPTURE = "python"
+    _set_capture_attr()
     hooks.when_imported("h5py", _h5_cb)
     hooks.when_imported("numpy", _np_cb)
 
 
 def uninstall() -> None:
     """Put every original back; files opened meanwhile keep counting into nothing."""
-    global _rec, _tls, _add, _intern, _h5_cb, _np_cb
+    global _rec, _tls, _add, _intern, _h5_cb, _np_cb, CAPTURE
     from distdiag.shim import hooks
 
     with _lock:
+        if CAPTURE == "preload":
+            try:
+                from distdiag.shim import preload
+
+                preload.stop()
+            except Exception:
+                log.debug("distdiag: the libc interposer did not stop", exc_info=True)
+        CAPTURE = "off"
         for (owner, name), orig in reversed(list(_orig.items())):
             try:
                 setattr(owner, name, orig)

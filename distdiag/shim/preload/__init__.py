@@ -1,0 +1,583 @@
+"""The libc interposer's Python side: find and arm the library, drain its ring into rows.
+
+``interpose.c`` beside this file is built by ``pip install`` into ``_interpose*.so``
+(an optional setuptools extension: without a compiler the package installs without it
+and the file hook records at the Python level, as before). How it comes into a rank:
+
+* **Re-exec.** ``LD_PRELOAD`` must be set before the interpreter starts, so
+  ``distdiag-wrap`` re-executes itself once, in the same process (``exec``: same pid,
+  descriptors, signal dispositions), with the library appended to ``LD_PRELOAD``
+  (:func:`reexec`; a named interpreter's own re-exec carries it too, :func:`arm_env`).
+  Launchers need not do anything. ``DISTDIAG_PRELOAD_TRIED`` marks the second start, so a
+  library the loader refuses costs one exec, never a loop.
+* **Environment.** The process environment (what exec'd children inherit) keeps the
+  library, so the rank's children load it too (inert unless they are wrapped ranks, or
+  forked: a forked worker's calls are its own stream); ``os.environ`` is what it would be
+  without the shim (:func:`clean_environ`): ``LD_PRELOAD`` as the user set it (absent if
+  unset), no marker. A program's own ``LD_PRELOAD`` stays, ahead of ours (its interposers
+  keep precedence). A child started with an explicit ``env=`` built from ``os.environ``
+  does not load it.
+* **Which capture.** When the library is loaded and ``DISTDIAG_HOOKS`` says
+  ``preload=1`` (off by default for now: :data:`PRELOAD_DEFAULT`), the file hook installs *none* of its Python-level wrappers (os.stat,
+  open, listdir, h5py, ...) and this drainer is the only source of file rows: each call
+  is recorded once, by libc, whatever called it (Python, numpy, HDF5, torch's C++).
+  The price: those rows carry no call site (``site_id`` 0). ``comm_id`` holds the libc
+  call (``"libc:lstat"``, ``"libc:open"``...). The rank file's ``fileio_capture``
+  attribute says which capture was in force: ``preload``, ``python`` or ``off``.
+
+Rows, as the Python hook makes them: FILE_OPEN (open/openat/creat/fopen), FILE_STAT
+(stat/lstat/fstatat/statx/access/faccessat, mkdir,
+rmdir, unlink, rename, and an fstat or lseek of a tracked descriptor that took >=
+CLOSE_MIN_NS: one answered from the client's cached attributes, ~1 us, is no server
+call, as the Python hook skips fstat; on a file system that asks its server, it is a
+row), FILE_LISTDIR
+(opendir/fdopendir, getdents64, a readdir that went to the kernel), FILE_CLOSE (close,
+fclose, closedir, when they took >= CLOSE_MIN_NS), FILE_READ/FILE_WRITE (read, pread,
+readv, fread / write, pwrite, writev, fwrite: calls under BIG_CALL_BYTES and
+BIG_CALL_NS summed per file and thread into one row, ``value`` = the calls summed;
+fsync/fdatasync as a FILE_WRITE row with no bytes; an mmap of a file as a FILE_READ row
+with no bytes). An open's row also spans the fstat/lseek calls the same thread makes
+next on the new descriptor (Python's ``open()`` is open + fstat + fstat): one row, as
+the Python hook's. ``value`` of the other rows is the call's errno (0: it succeeded).
+``tid`` is a recorder thread id given to each OS thread the calls came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: the marker of the re-executed start (removed from the environment at once)
+TRIED_VAR = "DISTDIAG_PRELOAD_TRIED"
+
+#: the slot header of interpose.c's struct slot (64 bytes), then PATH_CAP path bytes
+_HDR = struct.Struct("<Qqqqiiii HH12x")
+PATH_CAP = 256
+SLOT_SIZE = _HDR.size + PATH_CAP
+#: slots copied out of the ring per dd_drain call
+DRAIN_BATCH = 1024
+#: OS threads given a recorder tid; past it the map starts over (new ids for old threads)
+MAX_THREADS = 4096
+
+OP_NAMES = (
+    "", "open", "close", "read", "write", "lseek", "fsync", "stat", "fstat", "access",
+    "opendir", "readdir", "mkdir", "unlink", "rename", "mmap", "fopen", "fread",
+    "fwrite", "lstat", "statx", "getdents64", "rmdir", "fclose", "closedir",
+)  # fmt: skip
+OP = {name: i for i, name in enumerate(OP_NAMES) if name}
+
+
+def library_path() -> str | None:
+    """The built interposer beside this file, or None (not built here)."""
+    try:
+        found = sorted(n for n in os.listdir(HERE) if n.startswith("_interpose") and n.endswith(".so"))
+    except OSError:
+        return None
+    return os.path.join(HERE, found[0]) if found else None
+
+
+_lib: Any = None
+
+
+def loaded() -> Any:
+    """The interposer as this process loaded it (LD_PRELOAD), through its binding
+    (``_binding``: no ctypes in the program's process), or None."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    try:
+        from distdiag.shim.preload import _binding  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        if not _binding.available() or _binding.version() != (1, SLOT_SIZE):
+            return None
+    except Exception:
+        return None
+    _lib = _binding
+    return _lib
+
+
+#: whether ``DISTDIAG_HOOKS`` without a ``preload`` entry uses the interposer. Off for now:
+#: its drainer (Python, ~1 us a slot) keeps up with a program's libc calls only while it
+#: gets the CPU; a program making 10^5-10^6 calls a second on a loaded machine overruns the
+#: ring and those calls are counted lost, where the Python-level capture (recording in the
+#: caller) loses none (tests/test_shim_fork_threads.py, test_shim_imports.py hold that).
+PRELOAD_DEFAULT = False
+
+
+def wanted(hooks: dict[str, bool]) -> bool:
+    """The interposer is to be used: the file hook on and ``preload`` switched on
+    (``DISTDIAG_HOOKS="preload=1"``; :data:`PRELOAD_DEFAULT` without the entry)."""
+    return bool(hooks.get("fileio", True)) and bool(hooks.get("preload", PRELOAD_DEFAULT))
+
+
+def arm_env(hooks: dict[str, bool]) -> bool:
+    """Put the library in LD_PRELOAD (and the marker) for the exec that follows; False when
+    it is not wanted, not built, already tried, or already loaded."""
+    if TRIED_VAR in os.environ or not wanted(hooks) or loaded() is not None:
+        return False
+    path = library_path()
+    if path is None:
+        return False
+    own = os.environ.get("LD_PRELOAD", "")
+    os.environ["LD_PRELOAD"] = f"{own}:{path}" if own else path
+    os.environ[TRIED_VAR] = "1"
+    return True
+
+
+def disarm_env() -> None:
+    """Undo :func:`arm_env` (the exec failed)."""
+    os.environ.pop(TRIED_VAR, None)
+    clean_environ()
+    own = os.environ.get("LD_PRELOAD")
+    if own is None:
+        os.unsetenv("LD_PRELOAD")
+    else:
+        os.putenv("LD_PRELOAD", own)
+
+
+def reexec(hooks: dict[str, bool]) -> None:
+    """Re-execute this interpreter, as it was started, with the interposer preloaded.
+    Returns only when that is not wanted or not possible (then nothing changed)."""
+    if not arm_env(hooks):
+        return
+    argv = list(getattr(sys, "orig_argv", []) or [])
+    if not argv or not sys.executable:
+        disarm_env()
+        return
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, argv)
+    except OSError:
+        disarm_env()
+
+
+def clean_environ() -> None:
+    """``os.environ`` as the program would see it unwrapped: no marker, and LD_PRELOAD
+    without our library (absent when that leaves it empty). The process environment keeps
+    LD_PRELOAD (exec'd children load the library), so ``os.environ``'s own mapping is
+    edited, not the process's (that would be putenv/unsetenv)."""
+    if TRIED_VAR in os.environ:
+        del os.environ[TRIED_VAR]  # from both: a child must not take it as its own retry
+    try:
+        data = os.environ._data  # type: ignore[attr-defined]
+        key = os.environ.encodekey("LD_PRELOAD")  # type: ignore[attr-defined]
+        raw = data.get(key)
+        if raw is None:
+            return
+        val = os.environ.decodevalue(raw)  # type: ignore[attr-defined]
+        ours = library_path()
+        keep = [p for p in val.replace(" ", ":").split(":") if p and not _is_ours(p, ours)]
+        if len(keep) == len([p for p in val.replace(" ", ":").split(":") if p]):
+            return
+        if keep:
+            data[key] = os.environ.encodevalue(":".join(keep))  # type: ignore[attr-defined]
+        else:
+            del data[key]
+    except Exception:
+        log.debug("distdiag: LD_PRELOAD not cleaned from os.environ", exc_info=True)
+
+
+def _is_ours(p: str, ours: str | None) -> bool:
+    if ours is not None and os.path.abspath(p) == ours:
+        return True
+    return os.path.basename(p).startswith("_interpose") and os.path.dirname(os.path.abspath(p)) == HERE
+
+
+# -- the drainer ------------------------------------------------------------------------------
+class Drainer:
+    """Moves the ring's slots into the recorder's rows, from a thread of its own.
+
+    The thread sleeps in ``dd_wait`` (GIL released) until the ring is half full or a
+    flush interval passed. Rows go into a recorder buffer no thread owns
+    (``Recorder.shared_buffer``), written under this object's lock. In a forked child
+    the thread is started again and a new buffer made (the recorder forgot the parent's).
+    """
+
+    def __init__(self, lib: Any, rec: Any, cfg: Any, tag: Any, interval_s: float) -> None:
+        from distdiag.schema import Kind
+        from distdiag.shim.hooks import fileio
+
+        self.lib = lib
+        self.rec = rec
+        self.tag = tag  # str path -> (name_id, aux) or ()
+        self.interval_ms = max(1, int(interval_s * 1000 / 2))
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.stop_ev = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.tb: Any = None
+        self.out = bytearray(SLOT_SIZE * DRAIN_BATCH)
+        self.paths: dict[bytes, tuple[int, ...]] = {}
+        self.tids: dict[int, int] = {}
+        self.lost_done = 0
+        self.acc: dict[tuple[int, int, int], list[int]] = {}
+        self.big_bytes = fileio.BIG_CALL_BYTES
+        self.big_ns = fileio.BIG_CALL_NS
+        self.close_min_ns = fileio.CLOSE_MIN_NS
+        self.max_paths = fileio.MAX_CACHED_PATHS
+        k_open, k_close, k_stat, k_list = int(Kind.FILE_OPEN), int(Kind.FILE_CLOSE), int(Kind.FILE_STAT), int(Kind.FILE_LISTDIR)
+        k_read, k_write = int(Kind.FILE_READ), int(Kind.FILE_WRITE)
+        #: op -> (kind, mode): mode 0 a row, 1 summed bytes, 2 a row when slow, 3 a row when slow + flush the file's sums
+        self.ops: dict[int, tuple[int, int]] = {
+            OP["open"]: (k_open, 0), OP["fopen"]: (k_open, 0),
+            OP["close"]: (k_close, 3), OP["fclose"]: (k_close, 3), OP["closedir"]: (k_close, 3),
+            OP["read"]: (k_read, 1), OP["fread"]: (k_read, 1), OP["mmap"]: (k_read, 0),
+            OP["write"]: (k_write, 1), OP["fwrite"]: (k_write, 1), OP["fsync"]: (k_write, 0),
+            OP["stat"]: (k_stat, 0), OP["lstat"]: (k_stat, 0), OP["statx"]: (k_stat, 0), OP["fstat"]: (k_stat, 2),
+            OP["access"]: (k_stat, 0), OP["mkdir"]: (k_stat, 0), OP["rmdir"]: (k_stat, 0),
+            OP["unlink"]: (k_stat, 0), OP["rename"]: (k_stat, 0), OP["lseek"]: (k_stat, 2),
+            OP["opendir"]: (k_list, 0), OP["readdir"]: (k_list, 0), OP["getdents64"]: (k_list, 0),
+        }  # fmt: skip
+        self.op_ids = [rec.intern(f"libc:{n}") if n else 0 for n in OP_NAMES]
+        #: numpy views of the slots and per-op tables, made at the first numpy drain
+        self.slot_dt: Any = None
+        self.fast_kind: Any = None
+        self.fast_op: Any = None
+        self.op_arr: Any = None
+        self.open_ops = frozenset({OP["open"], OP["fopen"]})
+        #: calls on a descriptor right after its open, by the same thread, on the same path:
+        #: the open's (Python's open() is open + fstat + fstat, numpy's fromfile an fstat)
+        self.fold_ops = frozenset({OP["fstat"], OP["lseek"]})
+
+    # -- thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        t = threading.Thread(target=self._loop, name="distdiag-preload-drainer", daemon=True)
+        self.thread = t
+        t.start()
+
+    def _loop(self) -> None:
+        try:
+            self.rec.mute_thread()
+            self.lib.mute(True)
+        except Exception:
+            pass
+        while not self.stop_ev.is_set():
+            try:
+                self.lib.wait(self.interval_ms)
+            except Exception:
+                return
+            if self.stop_ev.is_set():
+                break
+            self.drain()
+
+    def after_fork_in_child(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.tb = None
+        self.tids = {}
+        self.acc = {}
+        self.lost_done = 0
+        self.stop_ev = threading.Event()
+        try:
+            self.start()
+        except Exception:
+            self.thread = None
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+        try:
+            self.lib.kick()
+        except Exception:
+            pass
+
+    # -- rows -----------------------------------------------------------------------------
+    def _buffer(self) -> Any:
+        rec = self.rec
+        tb = self.tb
+        if tb is None or not any(b is tb for b in list(rec.buffers)):
+            # first rows here, or the recorder was reset by a fork: a fresh buffer, and the
+            # forked child's stream is woken as a thread's first row wakes it
+            tb = self.tb = rec.shared_buffer()
+            cb = rec.on_new_buffer
+            if cb is not None:
+                try:
+                    cb()
+                except Exception:
+                    pass
+        return tb
+
+    def drain(self, final: bool = False, timeout_s: float = 2.0) -> None:
+        """Move every published slot into rows; ``final``: also the partial sums. Never raises."""
+        if os.getpid() != self.pid:
+            return
+        if not self.lock.acquire(timeout=timeout_s):
+            return
+        try:
+            self._drain_locked(final)
+        except Exception:
+            log.debug("distdiag: preload drain failed", exc_info=True)
+        finally:
+            self.lock.release()
+
+    def _drain_locked(self, final: bool) -> None:
+        from distdiag.shim.recorder import ROW_SIZE, pack_row
+
+        lib, rec, out = self.lib, self.rec, self.out
+        tb: Any = None
+        #: per thread, its last open, held until its next call (see ``fold``)
+        pend: dict[int, list[Any]] = {}
+        opens, fold = self.open_ops, self.fold_ops
+
+        def put(row: Any) -> None:
+            nonlocal tb
+            if tb is None:
+                tb = self._buffer()
+            m = tb.n
+            if m >= tb.cap:
+                m = rec._rotate(tb)
+            t0_, t1_, k_, nid, cid, nbytes, aux_, tid_, val = row
+            pack_row(tb.buf, m * ROW_SIZE, t0_, t1_, k_, nid, cid, -1, -1, nbytes, aux_, 0, tid_, val)
+            tb.n = m + 1
+
+        unpack = _HDR.unpack_from
+        paths, tids, ops, acc, op_ids = self.paths, self.tids, self.ops, self.acc, self.op_ids
+        big_b, big_ns, close_min = self.big_bytes, self.big_ns, self.close_min_ns
+        # the shim's own threads (flusher, clock, sampler: "distdiag-*", muted in the recorder
+        # too, some before the interposer started) are not the program's I/O
+        shim = {t.native_id for t in threading.enumerate() if t.name.startswith("distdiag-") and t.native_id is not None}
+        while True:
+            n = lib.drain(out, DRAIN_BATCH)
+            if n <= 0:
+                break
+            np = sys.modules.get("numpy")  # the program's (or the writer's): never imported here
+            if np is not None:
+                slow: Any = self._drain_fast(np, n, shim)
+            else:
+                slow = range(n)
+            for i in slow:
+                o = i * SLOT_SIZE
+                _, t0, t1, nb, op, err, _fd, ostid, plen, _fl = unpack(out, o)
+                how = ops.get(op)
+                if how is None or ostid in shim:
+                    continue
+                p = bytes(out[o + 64 : o + 64 + plen])
+                tag = paths.get(p)
+                if tag is None:
+                    tag = self.tag(os.fsdecode(p))
+                    if len(paths) < self.max_paths:
+                        paths[p] = tag
+                if not tag:
+                    continue
+                tid = tids.get(ostid)
+                if tid is None:
+                    if len(tids) >= MAX_THREADS:  # a program of many short threads: bounded
+                        tids.clear()
+                    tid = tids[ostid] = next(rec._tids)
+                kind, mode = how
+                name_id, aux = tag[0], tag[1]
+                po = pend.get(tid)
+                if po is not None:
+                    if op in fold and po[3] == name_id:
+                        # the fstat/lseek Python's open() makes on the new descriptor: part
+                        # of the open, as the Python hook's one open row covers them
+                        po[1] = t1
+                        continue
+                    del pend[tid]
+                    put(po)
+                if op in opens:
+                    pend[tid] = [t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)]
+                    continue
+                if mode == 1:
+                    d = t1 - t0
+                    if nb >= big_b or d >= big_ns:
+                        put((t0, t1, kind, name_id, op_ids[op], nb, aux, tid, 1.0))
+                        continue
+                    key = (kind, name_id, tid)
+                    a = acc.get(key)
+                    if a is None:
+                        acc[key] = [t0, d, nb, 1, aux, op_ids[op]]
+                        continue
+                    a[1] += d
+                    a[2] += nb
+                    a[3] += 1
+                    if a[2] < big_b and a[1] < big_ns:
+                        continue
+                    del acc[key]
+                    put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, tid, float(a[3])))
+                elif mode == 0:
+                    put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
+                else:
+                    if mode == 3 and acc:
+                        for row in self._take_sums(name_id):
+                            put(row)
+                    if t1 - t0 >= close_min:
+                        put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
+            if n < DRAIN_BATCH:
+                break
+        for po in pend.values():  # an open whose fstat comes after this drain: a row of its own
+            put(po)
+        if final and acc:
+            for (kind, name_id, tid), a in list(acc.items()):
+                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], tid, float(a[3])))
+            acc.clear()
+        lost = int(lib.lost())
+        if lost > self.lost_done:
+            rec.lost_events += lost - self.lost_done
+            self.lost_done = lost
+
+    def _drain_fast(self, np: Any, n: int, shim: set[int]) -> Any:
+        """The slots of one-row calls (stat, lstat, access, opendir, readdir, mkdir, ...: most
+        of a metadata storm) of the batch in ``self.out`` made into rows at once, with numpy;
+        returns the indices of the others, for the loop (opens, closes, reads, writes)."""
+        from distdiag.schema import EVENT_DTYPE
+        from distdiag.shim.recorder import ROW_SIZE
+
+        if self.slot_dt is None:
+            self.slot_dt = np.dtype({"names": ["t0", "t1", "op", "err", "tid", "path"],
+                                     "formats": ["<i8", "<i8", "<i4", "<i4", "<i4", f"S{PATH_CAP}"],
+                                     "offsets": [8, 16, 32, 36, 44, 64], "itemsize": SLOT_SIZE})  # fmt: skip
+            kinds = np.zeros(len(OP_NAMES), np.int64)
+            one = np.zeros(len(OP_NAMES), bool)
+            for op_, (kind, mode) in self.ops.items():
+                if mode == 0 and op_ not in self.open_ops:
+                    kinds[op_], one[op_] = kind, True
+            self.fast_kind, self.fast_op = kinds, one
+            self.op_arr = np.asarray(self.op_ids, np.int64)
+        a = np.frombuffer(self.out, self.slot_dt, count=n)
+        op = a["op"]
+        ok = (op >= 0) & (op < len(OP_NAMES))
+        opc = np.where(ok, op, 0)
+        fast = ok & self.fast_op[opc]
+        if shim:
+            fast &= ~np.isin(a["tid"], np.fromiter(shim, np.int64, len(shim)))
+        idx = np.flatnonzero(fast)
+        if len(idx):
+            f = a[idx]
+            upaths, pinv = np.unique(f["path"], return_inverse=True)
+            name = np.empty(len(upaths), np.int64)
+            aux = np.empty(len(upaths), np.int64)
+            for j, raw in enumerate(upaths.tolist()):  # the distinct paths: few
+                # up to its NUL: the bytes after it are a former slot's (dd_drain copies no more)
+                p = raw.partition(b"\0")[0]
+                tag = self.paths.get(p)
+                if tag is None:
+                    tag = self.tag(os.fsdecode(p))
+                    if len(self.paths) < self.max_paths:
+                        self.paths[p] = tag
+                name[j], aux[j] = (tag[0], tag[1]) if tag else (-1, 0)
+            utid, tinv = np.unique(f["tid"], return_inverse=True)
+            tids = np.empty(len(utid), np.int64)
+            for j, t in enumerate(utid.tolist()):
+                tid = self.tids.get(t)
+                if tid is None:
+                    if len(self.tids) >= MAX_THREADS:
+                        self.tids.clear()
+                    tid = self.tids[t] = next(self.rec._tids)
+                tids[j] = tid
+            nid = name[pinv.ravel()]
+            keep = nid >= 0
+            ev = np.zeros(int(keep.sum()), EVENT_DTYPE)
+            if len(ev):
+                fo = f["op"][keep]
+                ev["t0_ns"] = f["t0"][keep]
+                ev["t1_ns"] = f["t1"][keep]
+                ev["kind"] = self.fast_kind[fo]
+                ev["name_id"] = nid[keep]
+                ev["comm_id"] = self.op_arr[fo]
+                ev["seq"] = -1
+                ev["peer"] = -1
+                ev["aux"] = aux[pinv.ravel()][keep]
+                ev["tid"] = tids[tinv.ravel()][keep]
+                ev["value"] = f["err"][keep]
+                self._put_bytes(ev.tobytes(), len(ev), ROW_SIZE)
+        return np.flatnonzero(~fast & ok & (op != 0)).tolist()
+
+    def _put_bytes(self, data: bytes, rows: int, row_size: int) -> None:
+        """Whole rows, packed as the recorder packs them, into the shared buffer."""
+        rec = self.rec
+        tb = self._buffer()
+        at = 0
+        while at < rows:
+            m = tb.n
+            if m >= tb.cap:
+                m = rec._rotate(tb)
+            take = min(tb.cap - m, rows - at)
+            tb.buf[m * row_size : (m + take) * row_size] = data[at * row_size : (at + take) * row_size]
+            tb.n = m + take  # the publish, after the bytes (the flusher reads buf, then n)
+            at += take
+
+    def _take_sums(self, name_id: int) -> tuple[tuple[Any, ...], ...]:
+        rows = []
+        for key in [k for k in self.acc if k[1] == name_id]:
+            a = self.acc.pop(key)
+            kind, _, tid = key
+            rows.append((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], tid, float(a[3])))
+        return tuple(rows)
+
+
+DRAINER: Drainer | None = None
+_forks_registered = False
+
+
+def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | None:
+    """Start the interposer's recording in this process and its drainer; None when the
+    interposer is not loaded (or not wanted, or cannot start): the caller falls back."""
+    global DRAINER, _forks_registered
+    if DRAINER is not None:
+        return DRAINER
+    lib = loaded()
+    if lib is None:
+        return None
+    slots = int(getattr(cfg, "preload_ring_slots", 16384))
+    skip = os.fsencode(os.path.abspath(skip_prefix)) if skip_prefix else None
+    try:
+        if lib.start(slots, skip) < 0:
+            return None
+    except Exception:
+        return None
+    d = Drainer(lib, rec, cfg, tag, float(getattr(cfg, "flush_interval_s", 1.0)))
+    d.start()
+    DRAINER = d
+    if not _forks_registered:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _forks_registered = True
+    return d
+
+
+def _after_fork_in_child() -> None:
+    d = DRAINER
+    if d is not None:
+        d.after_fork_in_child()
+
+
+def drain_now(final: bool = True) -> None:
+    """Everything the interposer recorded so far into rows (the shim calls this before it
+    writes its last rows). A no-op without the interposer. Never raises."""
+    d = DRAINER
+    if d is not None:
+        d.drain(final=final)
+
+
+def mute(on: bool) -> None:
+    """The calling thread's libc calls are (not) recorded: the shim's own threads."""
+    lib = _lib
+    if lib is not None:
+        try:
+            lib.mute(bool(on))
+        except Exception:
+            pass
+
+
+def stop() -> None:
+    """Stop recording (the file hook's uninstall); the ring's last slots are drained."""
+    global DRAINER
+    d = DRAINER
+    if d is None:
+        return
+    try:
+        d.lib.stop()
+    except Exception:
+        pass
+    d.stop()
+    d.drain(final=True)
+    DRAINER = None

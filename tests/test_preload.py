@@ -1,0 +1,356 @@
+"""The libc interposer (distdiag/shim/preload): real programs under ``distdiag-wrap``.
+
+* a walk + stat + read storm on the slow FUSE mount (tests/slowfs.py): with the
+  interposer the recorded metadata time covers the storm (within 10% of its duration as
+  the program measured it), and the per-entry stats ``os.walk`` makes from C
+  (``DirEntry.is_dir()``) are there, one row per call; the Python-level capture
+  (``preload=0``) is shown to miss them;
+* ``numpy.fromfile``, ``np.load`` and h5py dataset reads: their bytes are seen;
+* errno: a failing call returns the same errno to the program as unwrapped (Python and
+  ctypes calls), and the row holds it;
+* fork: a forked child's calls are in the child's own file, never in the parent's, and the
+  parent's calls made just before the fork are not in the child's;
+* the fallback (``DISTDIAG_HOOKS=preload=0``): Python-level rows, ``fileio_capture`` says so;
+* the environment: ``os.environ`` as unwrapped, a program's own ``LD_PRELOAD`` kept (and
+  ahead of ours in what children inherit).
+
+How the counts are known: CPython's documented behaviour, with the tree the test makes.
+``os.walk`` (top-down) calls ``DirEntry.is_dir()`` once per entry; on this FUSE mount the
+directory entries carry no type (fusepy's readdir gives names only: ``DT_UNKNOWN``), so
+each is one ``lstat`` from C (the entry's own stat, to tell a link first; a non-link's
+lstat is its stat); ``os.walk`` then ``os.path.islink``s each subdirectory (one more
+``lstat``), and the program ``os.stat``s each file (one ``stat``). So a tree of D
+directories of F files each costs D*F stats and D*F + 2*D lstats, exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+import pytest
+
+from distdiag.schema import Kind
+from distdiag.shim import preload
+from slowfs import fuse_available, mount_slowfs
+
+REPO = Path(__file__).resolve().parent.parent
+LATENCY_MS = 1.0
+DIRS, FILES = 6, 20
+
+
+def _env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("DISTDIAG_", "SLURM_", "PMI_", "OMPI_"))}
+    e.pop("LD_PRELOAD", None)
+    e["PYTHONPATH"] = str(REPO)
+    e["DISTDIAG_HOOKS"] = "preload=1"  # the interposer is opt-in (preload.PRELOAD_DEFAULT)
+    e.update(extra)
+    return e
+
+
+def wrap(tmp: Path, src: str, *args: str, env: dict[str, str] | None = None, name: str = "prog.py",
+         wrapped: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    tmp.mkdir(parents=True, exist_ok=True)
+    prog = tmp / name
+    prog.write_text(src)
+    run_dir = tmp / "run"
+    cmd = [sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable, str(prog), *args]
+    if not wrapped:
+        cmd = [sys.executable, str(prog), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp, env=env or _env())
+
+
+def rows(h5: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A rank (or fork) file's attributes and its file rows, decoded."""
+    with h5py.File(h5, "r") as f:
+        attrs = dict(f.attrs)
+        ev = f["events"][:]
+        st = [s.decode() if isinstance(s, bytes) else str(s) for s in f["strings"][:]]
+    file_kinds = {int(k) for k in (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR,
+                                   Kind.FILE_READ, Kind.FILE_WRITE)}  # fmt: skip
+    out = [
+        {"kind": int(e["kind"]), "path": st[int(e["name_id"])], "call": st[int(e["comm_id"])],
+         "t0": int(e["t0_ns"]), "t1": int(e["t1_ns"]), "nbytes": int(e["nbytes"]), "value": float(e["value"])}
+        for e in ev if int(e["kind"]) in file_kinds
+    ]  # fmt: skip
+    return attrs, out
+
+
+def record(p: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("REC "))
+    return json.loads(line[4:])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    # CI installs with gcc: the interposer must be there (a silent fallback would hide a broken build)
+    assert preload.library_path() is not None, "the interposer was not built (pip install -e . with gcc)"
+
+
+# -- the storm on the slow mount ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slow_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    why = fuse_available()
+    if why is not None and not os.path.exists("/dev/fuse"):
+        pytest.skip(why)
+    assert why is None, why
+    base = tmp_path_factory.mktemp("slowfs")
+    backing = base / "backing"
+    for d in range(DIRS):
+        sub = backing / "tree" / f"d{d:02d}"
+        sub.mkdir(parents=True)
+        for i in range(FILES):
+            (sub / f"f{i:03d}.bin").write_bytes(os.urandom(512))
+    with mount_slowfs(backing, base / "mnt", LATENCY_MS) as mnt:
+        yield mnt / "tree"
+
+
+WALK = """
+import json, os, sys, time
+top = sys.argv[1]
+t0 = time.perf_counter_ns()
+n = 0
+for root, dirs, files in os.walk(top):
+    for name in files:
+        p = os.path.join(root, name)
+        if os.stat(p).st_size:
+            with open(p, "rb") as f:
+                n += len(f.read())
+t1 = time.perf_counter_ns()
+print("REC " + json.dumps({"t0": t0, "t1": t1, "nbytes": n}))
+"""
+
+
+def _storm(tmp: Path, tree: Path, **env: str) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    rec = record(wrap(tmp, WALK, str(tree), env=_env(**env)))
+    attrs, rs = rows(tmp / "run" / "rank-00000.h5")
+    return rec, attrs, [r for r in rs if r["path"].startswith(str(tree)) and rec["t0"] <= r["t0"] <= rec["t1"]]
+
+
+def analyze_text(run_dir: Path) -> str:
+    p = subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(run_dir)], capture_output=True, text=True,
+                       timeout=120, env=_env())  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def _covered_s(rs: list[dict[str, Any]]) -> float:
+    meta = {int(Kind.FILE_OPEN), int(Kind.FILE_CLOSE), int(Kind.FILE_STAT), int(Kind.FILE_LISTDIR), int(Kind.FILE_READ)}
+    return sum(r["t1"] - r["t0"] for r in rs if r["kind"] in meta) / 1e9
+
+
+def test_walk_storm_on_slow_mount_is_covered_by_the_interposer(slow_tree: Path, tmp_path: Path) -> None:
+    rec, attrs, rs = _storm(tmp_path / "c", slow_tree)
+    assert attrs["fileio_capture"] == "preload"
+    assert "file I/O capture: libc interposer" in analyze_text(tmp_path / "c" / "run").splitlines()[:3]
+    assert rec["nbytes"] == DIRS * FILES * 512
+    storm_s = (rec["t1"] - rec["t0"]) / 1e9
+    covered = _covered_s(rs)
+    # the calls are the storm: what is left is Python between them (~5 us a call)
+    assert 0.9 * storm_s <= covered <= 1.0 * storm_s, (covered, storm_s)
+    calls = collections.Counter(r["call"] for r in rs)
+    assert calls["libc:stat"] == DIRS * FILES, calls  # the program's os.stat per file
+    # DirEntry.is_dir() per entry (from C, unseen by the Python hooks) + os.walk's islink per subdirectory
+    assert calls["libc:lstat"] == DIRS * FILES + DIRS + DIRS, calls
+    assert calls["libc:open"] == DIRS * FILES, calls
+    assert calls["libc:opendir"] == DIRS + 1, calls  # the top and each subdirectory
+    reads = [r for r in rs if r["kind"] == int(Kind.FILE_READ)]
+    assert sum(r["nbytes"] for r in reads) == DIRS * FILES * 512
+    # each call is recorded once: no (path, call, t0) twice
+    assert len({(r["path"], r["call"], r["t0"]) for r in rs}) == len(rs)
+
+
+def test_walk_storm_python_capture_misses_the_c_calls(slow_tree: Path, tmp_path: Path) -> None:
+    """The twin: the fallback's rows cover clearly less of the same storm (what the interposer is for)."""
+    rec, attrs, rs = _storm(tmp_path / "p", slow_tree, DISTDIAG_HOOKS="preload=0")
+    assert attrs["fileio_capture"] == "python"
+    assert any(ln.startswith("file I/O capture: Python-level") for ln in analyze_text(tmp_path / "p" / "run").splitlines()[:3])
+    storm_s = (rec["t1"] - rec["t0"]) / 1e9
+    stats = [r for r in rs if r["kind"] == int(Kind.FILE_STAT)]
+    assert len(stats) == DIRS * FILES + DIRS  # os.stat + islink's lstat only: no DirEntry stats
+    assert _covered_s(rs) < 0.85 * storm_s, (_covered_s(rs), storm_s)
+
+
+# -- C readers ----------------------------------------------------------------------------------
+READERS = """
+import json, os, sys
+import numpy as np, h5py
+d = sys.argv[1]
+a = np.arange(100_000, dtype=np.float64)
+a.tofile(os.path.join(d, "raw.bin"))
+np.save(os.path.join(d, "arr.npy"), a)
+with h5py.File(os.path.join(d, "data.h5"), "w") as f:
+    f.create_dataset("x", data=a)
+b = np.fromfile(os.path.join(d, "raw.bin"), dtype=np.float64)
+c = np.load(os.path.join(d, "arr.npy"))
+with h5py.File(os.path.join(d, "data.h5"), "r") as f:
+    x = f["x"][:]
+assert (b == a).all() and (c == a).all() and (x == a).all()
+print("REC " + json.dumps({"nbytes": a.nbytes}))
+"""
+
+
+@pytest.mark.parametrize("capture", ["preload", "python"])
+def test_numpy_and_h5py_reads_are_seen(tmp_path: Path, capture: str) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    env = _env() if capture == "preload" else _env(DISTDIAG_HOOKS="preload=0")
+    rec = record(wrap(tmp_path, READERS, str(data), env=env))
+    attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == capture
+    read = collections.Counter()
+    for r in rs:
+        if r["kind"] == int(Kind.FILE_READ):
+            read[os.path.basename(r["path"])] += r["nbytes"]
+    if capture == "preload":
+        assert read["raw.bin"] == rec["nbytes"], read  # np.fromfile: fread of a dup'ed descriptor
+        assert read["arr.npy"] >= rec["nbytes"], read  # np.load: header + data
+        assert read["data.h5"] >= rec["nbytes"], read  # HDF5's pread, under h5py
+    else:
+        # the Python level sees np.load's bytes only (through its FileIO); fromfile and HDF5 read in C
+        assert read["arr.npy"] >= rec["nbytes"], read
+        assert read["raw.bin"] == 0 and read["data.h5"] == 0, read
+
+
+# -- errno --------------------------------------------------------------------------------------
+ERRNO = """
+import ctypes, errno, json, os, sys
+d = sys.argv[1]
+out = {}
+def err(f):
+    try:
+        f()
+    except OSError as e:
+        return e.errno
+    return 0
+out["open_missing"] = err(lambda: open(os.path.join(d, "missing")))
+out["stat_missing"] = err(lambda: os.stat(os.path.join(d, "missing")))
+out["open_dir_w"] = err(lambda: open(d, "w"))
+out["mkdir_exists"] = err(lambda: os.mkdir(d))
+out["listdir_file"] = err(lambda: os.listdir(__file__))
+libc = ctypes.CDLL(None, use_errno=True)
+ctypes.set_errno(0)
+r = libc.open(os.path.join(d, "missing").encode(), os.O_RDONLY)
+out["c_open"] = [r, ctypes.get_errno()]
+ctypes.set_errno(0)
+r = libc.access(os.path.join(d, "missing").encode(), os.R_OK)
+out["c_access"] = [r, ctypes.get_errno()]
+ctypes.set_errno(12345)  # a call that succeeds leaves errno as it was
+fd = os.open(__file__, os.O_RDONLY)
+out["kept"] = ctypes.get_errno()
+os.close(fd)
+print("REC " + json.dumps(out))
+"""
+
+
+def test_errno_is_what_the_program_gets_unwrapped(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    plain = record(wrap(tmp_path, ERRNO, str(d), wrapped=False))
+    wrapped = record(wrap(tmp_path, ERRNO, str(d)))
+    assert wrapped == plain
+    assert plain["open_missing"] == plain["stat_missing"] == 2 and plain["c_open"] == [-1, 2]
+    assert plain["kept"] == 12345
+    attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    missing = [r for r in rs if r["path"] == str(d / "missing")]
+    assert {(r["call"], r["value"]) for r in missing} == {("libc:open", 2.0), ("libc:stat", 2.0), ("libc:access", 2.0)}
+
+
+# -- fork ---------------------------------------------------------------------------------------
+FORK = """
+import json, os, sys
+d = sys.argv[1]
+for i in range(50):
+    os.stat(os.path.join(d, "parent-before"))
+pid = os.fork()
+if pid == 0:
+    for i in range(30):
+        os.stat(os.path.join(d, "child-only"))
+    os._exit(7)
+_, status = os.waitpid(pid, 0)
+for i in range(20):
+    os.stat(os.path.join(d, "parent-after"))
+print("REC " + json.dumps({"child": pid, "code": os.waitstatus_to_exitcode(status)}))
+"""
+
+
+def test_forked_child_calls_are_its_own(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    for n in ("parent-before", "child-only", "parent-after"):
+        (d / n).write_text(n)
+    rec = record(wrap(tmp_path, FORK, str(d)))
+    assert rec["code"] == 7
+    attrs, parent = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    _, child = rows(tmp_path / "run" / f"rank-00000.fork-{rec['child']}.h5")
+
+    def count(rs: list[dict[str, Any]]) -> dict[str, int]:
+        return dict(collections.Counter(os.path.basename(r["path"]) for r in rs if r["call"] == "libc:stat"
+                                        and r["path"].startswith(str(d))))  # fmt: skip
+
+    assert count(parent) == {"parent-before": 50, "parent-after": 20}
+    assert count(child) == {"child-only": 30}
+
+
+# -- the fallback and the environment --------------------------------------------------------------
+ENV = """
+import json, os, subprocess, sys
+for i in range(10):
+    os.stat(__file__)
+child = subprocess.run(["sh", "-c", 'printf %s "$LD_PRELOAD"'], capture_output=True, text=True).stdout
+print("REC " + json.dumps({"env": os.environ.get("LD_PRELOAD"), "child": child,
+                           "marker": [k for k in os.environ if k.startswith("DISTDIAG_PRELOAD")]}))
+"""
+
+
+def test_environ_is_as_unwrapped_and_children_load_it(tmp_path: Path) -> None:
+    rec = record(wrap(tmp_path, ENV))
+    assert rec["env"] is None and rec["marker"] == []
+    assert rec["child"] == preload.library_path()  # exec'd children load it (inert unless wrapped)
+    attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    assert sum(r["call"] == "libc:stat" and r["path"] == str(tmp_path / "prog.py") for r in rs) >= 10
+
+
+def test_a_programs_own_ld_preload_is_kept(tmp_path: Path) -> None:
+    own = next(p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6") if os.path.exists(p))
+    rec = record(wrap(tmp_path, ENV, env=_env(LD_PRELOAD=own)))
+    assert rec["env"] == own
+    assert rec["child"] == f"{own}:{preload.library_path()}"  # the program's first: it keeps precedence
+    attrs, _ = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+
+
+def test_the_default_is_the_python_capture(tmp_path: Path) -> None:
+    e = _env()
+    del e["DISTDIAG_HOOKS"]
+    rec = record(wrap(tmp_path, ENV, env=e))
+    assert rec["env"] is None and rec["child"] == ""
+    attrs, _ = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "python"
+
+
+def test_preload_off_is_the_python_capture(tmp_path: Path) -> None:
+    rec = record(wrap(tmp_path, ENV, env=_env(DISTDIAG_HOOKS="preload=0")))
+    assert rec["env"] is None and rec["child"] == ""  # no re-exec, nothing preloaded
+    attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "python"
+    stats = [r for r in rs if r["kind"] == int(Kind.FILE_STAT) and r["path"] == str(tmp_path / "prog.py")]
+    assert len(stats) >= 10 and all(r["call"] == "" for r in stats)
+
+
+def test_fileio_off_records_no_file_rows(tmp_path: Path) -> None:
+    rec = record(wrap(tmp_path, ENV, env=_env(DISTDIAG_HOOKS="fileio=0,preload=1")))
+    assert rec["child"] == ""
+    attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs.get("fileio_capture", "off") == "off" and rs == []
