@@ -65,38 +65,41 @@ def collective_times_mode() -> str:
 
 
 def substitute_collective_times(ev: np.ndarray) -> int:
-    """In place: each collective row of ONE rank's ``ev`` that has a GPU span (a GPU_SPAN
-    row whose ``aux`` is its kind, ``nbytes`` its t0 and ``seq`` its seq) takes the span's
-    t0/t1. Returns how many rows changed (0 when ``collective_times_mode()`` is ``cpu``)."""
-    if len(ev) == 0 or collective_times_mode() == "cpu":
+    """In place, on ONE rank's rows as read from its file: join each GPU_SPAN row to the row
+    it times (its ``aux`` is that row's kind, its ``nbytes`` that row's t0, its ``seq`` that
+    row's seq). Then the span's ``nbytes`` becomes the timed row's bytes (0 when it joins
+    nothing: the key is a time of the rank's own clock, meaningless once the clocks are
+    aligned), and a collective with a span takes the span's t0/t1 (not when
+    ``collective_times_mode()`` is ``cpu``). Returns how many collectives did."""
+    if len(ev) == 0:
         return 0
     kind = ev["kind"]
     span = np.flatnonzero(kind == Kind.GPU_SPAN)
     if len(span) == 0:
         return 0
-    sk = ev["aux"][span]
-    span = span[np.isin(sk, _COMM)]
-    if len(span) == 0:
-        return 0
-    coll = np.flatnonzero(np.isin(kind, _COMM) & (ev["seq"] >= 0))
-    if len(coll) == 0:
-        return 0
-    ct0 = ev["t0_ns"][coll]
-    o = np.argsort(ct0, kind="stable")
-    ct0s = ct0[o]
+    tgt = np.flatnonzero(kind != Kind.GPU_SPAN)
     key = ev["nbytes"][span]
-    pos = np.minimum(np.searchsorted(ct0s, key), len(ct0s) - 1)
-    hit = coll[o[pos]]
-    ok = (ct0s[pos] == key) & (ev["seq"][hit] == ev["seq"][span]) & (ev["kind"][hit] == ev["aux"][span])
-    ok &= ev["t1_ns"][span] >= ev["t0_ns"][span]
-    hit, src = hit[ok], span[ok]
-    if len(hit) == 0:
-        return 0
-    t0 = ev["t0_ns"]
-    t1 = ev["t1_ns"]
-    t0[hit] = t0[src]
-    t1[hit] = t1[src]
-    return int(len(hit))
+    nb = np.zeros(len(span), np.int64)
+    n_done = 0
+    if len(tgt):
+        ct0 = ev["t0_ns"][tgt]
+        if len(ct0) > 1 and not bool(np.all(ct0[1:] >= ct0[:-1])):  # rows come sorted, mostly
+            o = np.argsort(ct0, kind="stable")
+            tgt, ct0 = tgt[o], ct0[o]
+        pos = np.minimum(np.searchsorted(ct0, key), len(ct0) - 1)
+        hit = tgt[pos]
+        ok = (ct0[pos] == key) & (ev["kind"][hit] == ev["aux"][span]) & (ev["seq"][hit] == ev["seq"][span])
+        nb[ok] = ev["nbytes"][hit[ok]]
+        coll = ok & np.isin(ev["aux"][span], _COMM) & (ev["seq"][span] >= 0) & (ev["t1_ns"][span] >= ev["t0_ns"][span])
+        if coll.any() and collective_times_mode() == "gpu":
+            dst, src = hit[coll], span[coll]
+            t0 = ev["t0_ns"]
+            t1 = ev["t1_ns"]
+            t0[dst] = t0[src]
+            t1[dst] = t1[src]
+            n_done = int(len(dst))
+    ev["nbytes"][span] = nb
+    return n_done
 
 
 def _spans(run: Any) -> np.ndarray:

@@ -71,7 +71,8 @@ class Kind(enum.IntEnum):
     GPU_SPAN = 47  # the GPU-side span of another row, from a pair of CUDA events around it on its stream
     #              (distdiag.shim.hooks.cuda_events): t0/t1 = GPU start/end on this rank's host clock;
     #              aux = the kind of the row it times, nbytes = that row's t0_ns (the key: its CPU
-    #              enqueue time), name_id/comm_id/seq = that row's, peer = CUDA device index,
+    #              enqueue time; the analyzer's load replaces it by that row's bytes, see
+    #              distdiag.gpu_timeline), name_id/comm_id/seq = that row's, peer = CUDA device index,
     #              value = the anchor's bound (ns) on where GPU times sit on the host clock
     # bookkeeping -------------------------------------------------------------
     MARK = 60  # instant user mark

@@ -124,23 +124,26 @@ def _row(t0: float, t1: float, kind: int, name: int = 0, comm: int = 0, seq: int
 def test_collectives_take_their_gpu_span_by_t0_seq_and_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     from distdiag.gpu_timeline import substitute_collective_times
 
-    ev = _ev([
-        _row(10, 11, Kind.COLL, 1, 2, seq=0),
-        _row(20, 21, Kind.COLL, 1, 2, seq=1),
-        _row(30, 31, Kind.COLL, 1, 2, seq=2),  # no span: keeps its CPU times
-        _row(40, 41, Kind.FORWARD, 3),
+    rows = [
+        _row(10, 11, Kind.COLL, 1, 2, seq=0, nbytes=4096),
+        _row(20, 21, Kind.COLL, 1, 2, seq=1, nbytes=4096),
+        _row(30, 31, Kind.COLL, 1, 2, seq=2, nbytes=4096),  # no span: keeps its CPU times
+        _row(40, 41, Kind.H2D, 3, nbytes=1 << 20),
         _row(15, 19, Kind.GPU_SPAN, 1, 2, seq=0, nbytes=10 * MS, aux=Kind.COLL),
         _row(25, 29, Kind.GPU_SPAN, 1, 2, seq=5, nbytes=20 * MS, aux=Kind.COLL),  # wrong seq: no join
-        _row(45, 49, Kind.GPU_SPAN, 3, nbytes=40 * MS, aux=Kind.FORWARD),  # a phase's span: phases keep CPU times
-    ])  # fmt: skip
-    before = ev.copy()
-    monkeypatch.setenv("DISTDIAG_COLLECTIVE_TIMES", "cpu")
-    assert substitute_collective_times(ev) == 0 and (ev == before).all()
-    monkeypatch.delenv("DISTDIAG_COLLECTIVE_TIMES")
-    assert substitute_collective_times(ev) == 1
+        _row(45, 49, Kind.GPU_SPAN, 3, nbytes=40 * MS, aux=Kind.H2D),  # a copy's span: copies keep CPU times
+    ]  # fmt: skip
+    spans = slice(4, 7)
+    for mode, moved in (("cpu", 0), ("gpu", 1)):
+        ev = _ev(rows)
+        before = ev.copy()
+        monkeypatch.setenv("DISTDIAG_COLLECTIVE_TIMES", mode)
+        assert substitute_collective_times(ev) == moved
+        # the spans' keys become their rows' bytes (0: joined nothing), in either mode
+        assert ev["nbytes"][spans].tolist() == [4096, 0, 1 << 20]
+        changed = np.flatnonzero(ev[:4] != before[:4]).tolist()
+        assert changed == ([0] if moved else [])
     assert (ev["t0_ns"][0], ev["t1_ns"][0]) == (15 * MS, 19 * MS)
-    changed = np.flatnonzero((ev != before))
-    assert changed.tolist() == [0]
 
 
 def _write(path: Path, events: np.ndarray, strings: list[str], gpu: np.ndarray | None = None, timed: bool = True) -> None:
@@ -347,3 +350,26 @@ def test_crafted_gpu_spans_are_untrusted_input(tmp_path: Path) -> None:
     assert "\x1b" not in text and "GPU timeline" in text
     js = json.dumps(rep.to_json())
     assert rep.to_json()["breakdown"]["gpu"]["per_rank"][0]["kernels_s"] >= 0 and js
+
+
+def test_h2d_copy_gives_the_copies_rate_on_the_gpu(tmp_path: Path) -> None:
+    """10 steps of 100 ms, each a 100 MB copy the CPU waits 20 ms for, 10 ms of it on the bus
+    (the copy's GPU span): the evidence gives the bus's 10 GB/s next to the CPU rows' 5."""
+    from distdiag.pipeline import analyze
+
+    strings = ["", "optimizer_step", "Tensor.to"]
+    rows = [_row(0, 0, Kind.SHIM)]
+    for s in range(11):
+        b = 100 * s
+        rows.append(_row(b, b, Kind.STEP, 1))
+        if s < 10:
+            rows += [_row(b + 10, b + 30, Kind.H2D, 2, nbytes=100_000_000),
+                     _row(b + 15, b + 25, Kind.GPU_SPAN, 2, nbytes=(b + 10) * MS, aux=Kind.H2D)]  # fmt: skip
+    ev = _ev(rows)
+    _write(tmp_path / "rank-00000.h5", ev[np.argsort(ev["t0_ns"], kind="stable")], strings)
+    rep = analyze(tmp_path)
+    (f,) = [f for f in rep.findings if f.kind == "h2d_copy"]
+    e = f.evidence
+    assert e["achieved_gb_per_s"] == pytest.approx(5.0) and e["gpu_copies"] == 10
+    assert e["gpu_copy_s"] == pytest.approx(0.1) and e["gpu_achieved_gb_per_s"] == pytest.approx(10.0)
+    assert "pageable" not in f.advice  # the bus's own 10 GB/s, not the CPU rows' 5
