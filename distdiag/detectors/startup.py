@@ -232,9 +232,10 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "slow_module_files_s": round(slow_files_s, 4),
                 "healthy_call_ms": healthy_ns / 1e6,
                 "counterfactual": (
-                    "each rank's imports as recorded (their file calls at most healthy_call_ms each), "
-                    "then straight to its first step: the setup after the imports (init wait, dataset, "
-                    "model) taking no time; an upper bound for the setup"
+                    "each rank's imports and communicator creation (MPI_Init) as recorded (module file "
+                    "calls on shared file systems at most healthy_call_ms each), then straight to its first "
+                    "step: the setup (init_process_group's wait, dataset, model) taking no time; an upper "
+                    "bound for the setup"
                 ),
                 "per_rank": per_rank,
             },

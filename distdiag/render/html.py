@@ -228,8 +228,8 @@ class HtmlRenderer:
         for r, h, vals in zip(df["rank"].tolist(), df["host"].tolist(), arr):  # one per rank
             rows.append(f"<tr><td class=\"n\">{int(r)}</td><td>{e(h)}</td>"
                         + "".join(f'<td class="n">{v:.3f}</td>' for v in vals) + "</tr>")  # fmt: skip
-        binds = "".join(f"<p>binds: {e(LABELS.get(c['category'], c['category']))} holds {c['share']:.0%} of rank "
-                        f"{int(c['rank'])}'s wall-clock and no finding explains it: {e(c['binds'])}</p>"
+        binds = "".join(f"<p>binds: {e(c['binds'])} ({e(LABELS.get(c['category'], c['category']))}: {c['share']:.0%} "
+                        f"of rank {int(c['rank'])}'s wall-clock; no finding explains it)</p>"
                         for c in (getattr(report, "coverage", None) or []) if c.get("binds"))  # fmt: skip
         return ("<h2>Per-rank breakdown (seconds)</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in heads)
                 + "</tr>" + "".join(rows) + "</table>" + binds)  # fmt: skip

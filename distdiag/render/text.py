@@ -286,8 +286,8 @@ def _coverage_lines(report: Any) -> list[str]:
     out = []
     for c in getattr(report, "coverage", None) or []:  # at most eight
         if c.get("binds"):
-            out.append(f"  binds: {LABELS.get(c['category'], c['category'])} holds {c['share']:.0%} of rank "
-                       f"{c['rank']}'s wall-clock ({fmt_s(c['seconds'])}) and no finding explains it: {c['binds']}")  # fmt: skip
+            out.append(f"  binds: {c['binds']} ({LABELS.get(c['category'], c['category'])}: {c['share']:.0%} of rank "
+                       f"{c['rank']}'s wall-clock, {fmt_s(c['seconds'])}; no finding explains it)")  # fmt: skip
     return out
 
 
