@@ -179,9 +179,9 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 #: what binds, in words, when a category holds the run and no finding explains it
 BINDS = {
-    "compute_s": "compute binds: the ranks' own work holds the run (speed up the kernels, or spread the work "
+    "compute_s": "compute: the ranks' own work holds the run (speed up the kernels, or spread the work "
                  "over more ranks); no peak throughput is known to price it",
-    "startup_s": "startup binds: imports, init and setup before the first step hold the run (run longer per "
+    "startup_s": "startup: imports, init and setup before the first step hold the run (run longer per "
                  "launch to amortize it, cache what the setup builds)",
     "comm_wait_s": "waiting in collectives with no rank late most of the time: load imbalance that moves "
                    "between ranks (look at the per-step view)",

@@ -106,7 +106,7 @@ def test_slow_kernels_are_compute_bound_priced_at_the_peak(compute_ab: ComputeAB
         plain = analyze(d, Config())
         assert not [f for f in plain.findings if f.kind == "compute_bound"]
         c = {c["category"]: c for c in plain.coverage}["compute_s"]
-        assert c["explained_by"] or c["binds"].startswith("compute binds"), c
+        assert c["explained_by"] or c["binds"].startswith("compute: the ranks' own work"), c
 
 
 def test_the_fast_twin_at_the_peak_has_no_finding(compute_ab: ComputeAB) -> None:
