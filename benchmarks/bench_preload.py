@@ -19,6 +19,8 @@ is the full price of a row). Best of ``repeats`` (a busy machine disturbs the mi
 least). Then the libc hook alone, from C (``--c``, needs gcc): a compiled loop of
 ``stat`` calls, plain vs preloaded and started (``dd_start``), draining the ring every
 4096 calls as the drainer would: ns added per libc call, with no Python in the loop.
+``--numpy``: the programs import numpy first, as an ML program has (the drainer then makes
+the one-row calls' rows with numpy, several slots at once).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ MODES = ("plain", "python", "preload")
 OPS = ("stat", "open+close", "open(rb)", "read 256B")
 
 
-def child(mode: str, n: int, d: str) -> None:
+def child(mode: str, n: int, d: str, with_numpy: bool) -> None:
+    if with_numpy:
+        import numpy  # noqa: F401 - as an ML program has: the drainer's one-row calls go through numpy
     from distdiag.shim import preload
     from distdiag.shim.config import ShimConfig
     from distdiag.shim.hooks import fileio
@@ -140,9 +144,10 @@ def main() -> int:
     ap.add_argument("--child", choices=MODES)
     ap.add_argument("--dir")
     ap.add_argument("--no-c", action="store_true", help="skip the C loop")
+    ap.add_argument("--numpy", action="store_true", help="the programs import numpy first (the drainer uses it)")
     a = ap.parse_args()
     if a.child:
-        child(a.child, a.n, a.dir)
+        child(a.child, a.n, a.dir, a.numpy)
         return 0
     from distdiag.shim import preload
 
@@ -161,7 +166,8 @@ def main() -> int:
                 env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("DISTDIAG_")}
                 if mode == "preload":
                     env["LD_PRELOAD"] = lib
-                p = subprocess.run([sys.executable, __file__, "--child", mode, "--n", str(a.n), "--dir", d],
+                p = subprocess.run([sys.executable, __file__, "--child", mode, "--n", str(a.n), "--dir", d,
+                                    *(["--numpy"] if a.numpy else [])],
                                    capture_output=True, text=True, env=env)  # fmt: skip
                 if p.returncode != 0:
                     print(p.stderr, file=sys.stderr)
@@ -169,7 +175,8 @@ def main() -> int:
                 for op, (t, pc) in json.loads(p.stdout).items():
                     old = best[mode].get(op, (float("inf"), float("inf")))
                     best[mode][op] = (min(old[0], t), min(old[1], pc))
-        print(f"ns per call, best of {a.repeats} x {a.n} (tmpfs); thread CPU / process CPU (process: + the drainer)")
+        print(f"ns per call, best of {a.repeats} x {a.n} (tmpfs){' with numpy imported' if a.numpy else ''}; "
+              "thread CPU / process CPU (process: + the drainer)")
         print(f"{'op':<12} {'plain':>13} {'python hooks':>20} {'interposer':>20}")
         for op in OPS:
             pt, pp = best["plain"][op]
