@@ -160,7 +160,9 @@ def test_real_nvml_on_this_machine_says_off_in_the_rank_file(tmp_path: Path) -> 
         pytest.skip("this machine has a working NVML")
     except pynvml.NVMLError:
         pass
-    (tmp_path / "job.py").write_text("print('hi')\n")
+    # a GPU program imports numpy (torch does): the sampler starts then (not before the
+    # program's own imports), and finds no NVML library here
+    (tmp_path / "job.py").write_text("import numpy, time\ntime.sleep(0.5)\nprint('hi')\n")
     _run(["-m", "distdiag.wrap", "job.py"], env={"DISTDIAG_DIR": str(tmp_path / "run"), "DISTDIAG_HOOKS": "fileio=0"}, cwd=tmp_path)
     import h5py
 
@@ -171,7 +173,8 @@ def test_real_nvml_on_this_machine_says_off_in_the_rank_file(tmp_path: Path) -> 
 
 
 def test_wrapped_job_records_fake_gpu_samples(tmp_path: Path) -> None:
-    (tmp_path / "job.py").write_text("import time\ntime.sleep(1.0)\n")
+    # the sampler starts at numpy's import, in a thread of its own (pynvml's import: ~0.2 s, more under load)
+    (tmp_path / "job.py").write_text("import numpy, time\ntime.sleep(2.0)\n")
     env = {"DISTDIAG_DIR": str(tmp_path / "run"), "DISTDIAG_HOOKS": "fileio=0", "DISTDIAG_GPU_INTERVAL_S": "0.05",
            "FAKE_NVML_GPUS": "1", "PYTHONPATH": os.pathsep.join([str(FAKE_NVML), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     _run(["-m", "distdiag.wrap", "job.py"], env=env, cwd=tmp_path)
