@@ -427,6 +427,10 @@ class RankFile:
         self._attrs_logged: dict[str, Any] = dict(self._attrs)  # to log at the next flush
         if not self._at_start and not compact_strings:
             self._log = self._make_log()
+        if not self._at_start:
+            from distdiag.shim import hooks
+
+            hooks.when_imported("numpy", self._load_writer)
         #: rows of threads that ended before the file opened (their buffers are freed), without a log
         self._held: list[bytes] = []
         self._held_bytes = 0
@@ -487,6 +491,26 @@ class RankFile:
         rec = self.rec
         rows = sum(n for _, n in list(rec.full)) + sum(tb.n for tb in list(rec.buffers))
         return self._held_bytes + rows * ROW_SIZE
+
+    def _load_writer(self, _numpy: Any) -> None:
+        """Right after the program's own ``import numpy``, in the thread that imported it:
+        import the writer's modules (h5py, libhdf5) there, so that the flusher's opening
+        imports nothing. An import made on the flusher thread could be under way when the
+        program forks (DataLoader workers start right after the imports): the child then
+        inherits that import's module locks held by a thread it does not have, and its own
+        ``import h5py`` waits forever (seen: 2 hangs in 10 runs of a child that imports
+        h5py). Costs the program's ``import numpy`` h5py's import (~0.1-0.3 s), what
+        ``open_file_at = "start"`` costs at start."""
+        if self._closed or self.failed:
+            return
+        try:
+            with self.rec.muted():  # h5py's files are not the program's I/O
+                import h5py  # noqa: F401
+
+                import distdiag.shim.writer  # noqa: F401
+            _take_h5py_exit()
+        except Exception:  # the flusher's opening says why, in one line
+            log.debug("distdiag: the writer's modules did not import", exc_info=True)
 
     # -- the spill log, until the HDF5 file opens ------------------------------------------
     def _make_log(self) -> Any:
