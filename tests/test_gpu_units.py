@@ -110,6 +110,37 @@ def test_without_cuda_initialized_phases_are_not_timed() -> None:
     assert t.begin() is None  # the shim never creates a CUDA context
 
 
+def test_torch_import_asks_no_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the program's ``import torch`` the shim must not call ``torch.cuda.is_available()``:
+    its cudaGetDeviceCount runs cuInit, which poisons fork (a child forked later cannot use
+    CUDA). A STAND-IN torch (no CUDA build here) whose availability check records being called."""
+    asked: list[str] = []
+
+    class StandInCuda:
+        _is_compiled = staticmethod(lambda: True)  # a CUDA build of torch, which this machine lacks
+        is_initialized = staticmethod(lambda: False)
+
+        @staticmethod
+        def is_available() -> bool:
+            asked.append("is_available")
+            return True
+
+        @staticmethod
+        def device_count() -> int:
+            asked.append("device_count")
+            return 1
+
+    class StandInTorch:
+        cuda = StandInCuda
+
+    monkeypatch.setattr(cuda_events, "_REC", Recorder())
+    monkeypatch.setattr(cuda_events, "_TIMER", None)
+    cuda_events._on_torch(StandInTorch)
+    assert asked == []
+    t = cuda_events.timer()
+    assert t is not None and t.begin() is None  # on, but nothing timed before the program's CUDA init
+
+
 def _ev(rows: list[tuple[Any, ...]]) -> np.ndarray:
     out = np.zeros(len(rows), EVENT_DTYPE)
     for i, r in enumerate(rows):  # a handful

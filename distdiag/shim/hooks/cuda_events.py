@@ -324,10 +324,16 @@ def use_fake(cuda: Any, device_of: Callable[[Any], int | None]) -> None:
 def _on_torch(torch: Any) -> None:
     if _REC is None or _TIMER is not None:
         return
+    # Not torch.cuda.is_available(): by default it calls cudaGetDeviceCount, whose cuInit
+    # poisons fork (torch's docs: a child forked afterwards cannot use CUDA) in a program that
+    # may never have touched CUDA before its fork. Whether torch was built with CUDA reads
+    # nothing from the driver; Timer.begin waits for the program's own CUDA initialization.
     try:
         cuda = torch.cuda
-        if not cuda.is_available():  # counts devices; creates no context
-            _set_timing_attr("off: torch.cuda.is_available() is False")
+        compiled = getattr(cuda, "_is_compiled", None)
+        built = bool(compiled()) if callable(compiled) else bool(getattr(getattr(torch, "version", None), "cuda", None))
+        if not built:
+            _set_timing_attr("off: torch is built without CUDA")
             return
     except Exception as e:
         _set_timing_attr(f"off: {type(e).__name__}")
