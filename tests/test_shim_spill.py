@@ -23,6 +23,7 @@ from helpers import single_process_env
 
 from distdiag.run import load_run, open_rank_file
 from distdiag.schema import Kind
+from distdiag.shim.recorder import ROW_SIZE
 from distdiag.shim.spill import MAGIC, read_log
 
 PY = sys.executable
@@ -113,7 +114,13 @@ def killed_log(tmp_path_factory: pytest.TempPathFactory) -> bytes:
         assert p.stdout is not None
         p.stdout.readline()
         p.stdout.readline()  # every mark recorded; 0.05 s flushes
-        time.sleep(0.5)
+        log = tmp / "run" / "rank-00000.h5.log"
+        t_end = time.monotonic() + 30
+        while time.monotonic() < t_end:  # until a flush took them all (a busy machine delays it)
+            if len(read_log(log.read_bytes())["rows"]) // ROW_SIZE >= 5000:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # the rows of a flush or two after (the rank's own, not the marks)
     finally:
         os.kill(p.pid, signal.SIGKILL)  # ours, by its PID
         p.wait(timeout=TIMEOUT_S)
