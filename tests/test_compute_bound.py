@@ -27,7 +27,7 @@ from distdiag.breakdown import step_breakdown
 from distdiag.config import Config
 from distdiag.pipeline import analyze
 from distdiag.schema import Kind
-from truth import Saving, loop_s, measure_saving
+from truth import Saving, loop_s, measure_twins
 
 pytestmark = pytest.mark.mpi
 
@@ -69,17 +69,11 @@ class ComputeAB:
 
 @pytest.fixture(scope="module")
 def compute_ab(tmp_path_factory: pytest.TempPathFactory) -> ComputeAB:
-    tmp = tmp_path_factory.mktemp("compute_bound")
-    dirs: dict[bool, list[Path]] = {True: [], False: []}
-
-    def one(faulty: bool, i: int) -> float:
-        d = tmp / f"{'tiled' if faulty else 'fast'}{i}"
-        dirs[faulty].append(d)
-        return run_job(d, "tiled" if faulty else "fast")
-
-    saving = measure_saving(one, pairs=2)
-    peak = max(achieved_flops_per_s(d) for d in dirs[False])
-    return ComputeAB(saving, peak, dirs[True], dirs[False])
+    kernel = {True: "tiled", False: "fast"}
+    twins = measure_twins(tmp_path_factory.mktemp("compute_bound"), lambda d, faulty: run_job(d, kernel[faulty]),
+                          pairs=2, names=(kernel[True], kernel[False]))  # fmt: skip
+    peak = max(achieved_flops_per_s(d) for d in twins.healthy)
+    return ComputeAB(twins.saving, peak, twins.faulty, twins.healthy)
 
 
 def _cfg(peak: float) -> Config:

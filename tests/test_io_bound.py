@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +22,7 @@ from helpers import run_in_session
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
 from slowfs import fuse_available, mount_slowfs
-from truth import Saving, loop_s, measure_saving
+from truth import Twins, loop_s, measure_twins
 
 pytestmark = [pytest.mark.mpi, pytest.mark.fuse]
 
@@ -59,26 +58,15 @@ def run_job(run_dir: Path, data0: Path, data1: Path) -> float:
     return loop_s(out)
 
 
-@dataclass(frozen=True)
-class IoAB:
-    saving: Saving
-    faulty: list[Report]
-    healthy: list[Report]
+IoAB = Twins[Report]
 
 
 @pytest.fixture(scope="module")
 def io_ab(mount: Path, tmp_path_factory: pytest.TempPathFactory) -> IoAB:
     tmp = tmp_path_factory.mktemp("iobound_runs")
     fast = mount.parent / "backing"
-    dirs: dict[bool, list[Path]] = {True: [], False: []}
-
-    def one(faulty: bool, i: int) -> float:
-        d = tmp / f"{'faulty' if faulty else 'healthy'}{i}"
-        dirs[faulty].append(d)
-        return run_job(d, mount if faulty else fast, fast)
-
-    saving = measure_saving(one, pairs=2)
-    return IoAB(saving, [analyze(d, Config()) for d in dirs[True]], [analyze(d, Config()) for d in dirs[False]])
+    twins = measure_twins(tmp, lambda d, faulty: run_job(d, mount if faulty else fast, fast), pairs=2)
+    return twins.map(lambda d: analyze(d, Config()))
 
 
 def test_a_rank_held_by_its_file_system_is_io_bound(io_ab: IoAB, mount: Path) -> None:

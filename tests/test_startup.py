@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from distdiag.breakdown import COLUMNS
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
 from distdiag.render import render
-from truth import Saving, loop_s, measure_saving
+from truth import Twins, loop_s, measure_twins
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -57,26 +56,14 @@ def run_tutorial(d: Path, cached: bool) -> float:
     return loop_s(text)
 
 
-@dataclass(frozen=True)
-class TutorialAB:
-    saving: Saving
-    faulty: list[Report]
-    healthy: list[Report]
+TutorialAB = Twins[Report]
 
 
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory: pytest.TempPathFactory) -> TutorialAB:
-    tmp = tmp_path_factory.mktemp("tutorial")
-    dirs: dict[bool, list[Path]] = {True: [], False: []}
-
-    def one(faulty: bool, i: int) -> float:
-        d = tmp / f"{'faulty' if faulty else 'healthy'}{i}"
-        dirs[faulty].append(d)
-        return run_tutorial(d, cached=not faulty)
-
-    saving = measure_saving(one, pairs=2)
-    return TutorialAB(saving, [analyze(d / "run", Config()) for d in dirs[True]],
-                      [analyze(d / "run", Config()) for d in dirs[False]])  # fmt: skip
+    twins = measure_twins(tmp_path_factory.mktemp("tutorial"), lambda d, faulty: run_tutorial(d, cached=not faulty),
+                          pairs=2)  # fmt: skip
+    return twins.map(lambda d: analyze(d / "run", Config()))
 
 
 def test_startup_is_a_breakdown_category_taken_out_of_compute(tutorial: TutorialAB) -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Callable, Generic, Sequence, TypeVar
 
 LOOP_RE = re.compile(r"\bloop ([0-9]+(?:\.[0-9]+)?) s\b")
 
@@ -91,6 +92,38 @@ def measure_saving(run: Callable[[bool, int], float], pairs: int) -> Saving:
         faulty.append(run(True, i))
         healthy.append(run(False, i))
     return Saving(tuple(faulty), tuple(healthy))
+
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass(frozen=True)
+class Twins(Generic[T]):
+    """What a fault costs (:class:`Saving`) and, in the order they ran, what each faulty run and
+    each healthy twin left (their run dirs, or the reports :meth:`map` made of them)."""
+
+    saving: Saving
+    faulty: list[T]
+    healthy: list[T]
+
+    def map(self, f: Callable[[T], U]) -> Twins[U]:
+        return Twins(self.saving, [f(x) for x in self.faulty], [f(x) for x in self.healthy])
+
+
+def measure_twins(tmp: Path, run: Callable[[Path, bool], float], pairs: int,
+                  names: tuple[str, str] = ("faulty", "healthy")) -> Twins[Path]:
+    """:func:`measure_saving` with each launch in a directory of its own, ``tmp/<name><i>`` (``names``:
+    the faulty job's and its healthy twin's); ``run(d, faulty)`` launches into ``d`` and returns the
+    job's wall-clock in s. The directories come back for the tests to analyze."""
+    dirs: dict[bool, list[Path]] = {True: [], False: []}
+
+    def one(faulty: bool, i: int) -> float:
+        d = tmp / f"{names[0] if faulty else names[1]}{i}"
+        dirs[faulty].append(d)
+        return run(d, faulty)
+
+    return Twins(measure_saving(one, pairs), dirs[True], dirs[False])
 
 
 def measure_savings(run: Callable[[str, int], float], twins: Sequence[str], rounds: int) -> dict[str, Saving]:
