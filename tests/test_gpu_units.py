@@ -137,6 +137,9 @@ def test_torch_import_asks_no_device_count(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(cuda_events, "_TIMER", None)
     cuda_events._on_torch(StandInTorch)
     assert asked == []
+    from distdiag.shim.hooks import phases
+
+    assert phases._accelerator_present(StandInTorch) and asked == []  # the H2D wrappers' choice too
     t = cuda_events.timer()
     assert t is not None and t.begin() is None  # on, but nothing timed before the program's CUDA init
 

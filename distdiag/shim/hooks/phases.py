@@ -285,9 +285,13 @@ def _h2d_mode() -> str:
 
 
 def _accelerator_present(torch: Any) -> bool:
-    """Without creating a CUDA context (``is_available`` only counts devices)."""
+    """A torch built with CUDA (or XPU, MPS available), read without the CUDA driver: not
+    ``torch.cuda.is_available()``, whose cudaGetDeviceCount runs cuInit, and a cuInit in a
+    program that had not touched CUDA poisons fork (torch's docs: a child forked afterwards
+    cannot use CUDA). A CUDA build on a node without a GPU wraps the copies for nothing."""
     try:
-        if torch.cuda.is_available():
+        compiled = getattr(torch.cuda, "_is_compiled", None)
+        if bool(compiled()) if callable(compiled) else bool(getattr(getattr(torch, "version", None), "cuda", None)):
             return True
     except Exception:
         pass
