@@ -73,17 +73,20 @@ def fill_prog(exit_code: int) -> str:
 
 
 def run_in_session(cmd: list[str], timeout_s: float, *, cwd: Path | None = None, env: dict[str, str] | None = None,
-                   check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout kill that session (mpiexec and its ranks: ours only)
-    and fail the test. With ``check`` a non-zero exit fails it too, with the output."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                         start_new_session=True)  # fmt: skip
+                   check: bool = False, merged: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill that session (mpiexec or torchrun and its ranks:
+    ours only) and fail the test. With ``check`` a non-zero exit fails it too, with the output. With
+    ``merged`` its stderr goes into its stdout (a launcher's and its ranks' lines in the order they
+    came; ``stderr`` is then empty)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                         text=True, cwd=cwd, env=env, start_new_session=True)  # fmt: skip
     try:
         out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)  # the group we created, by its leader's PID
         out, err = p.communicate(timeout=30)
-        pytest.fail(f"{cmd[:6]} timed out after {timeout_s} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+        pytest.fail(f"{cmd[:6]} timed out after {timeout_s} s\nstdout:\n{out[-3000:]}\nstderr:\n{(err or '')[-3000:]}")
+    err = err or ""  # None when merged
     if check and p.returncode != 0:
         pytest.fail(f"{cmd} exited {p.returncode}\nstdout:\n{out}\nstderr:\n{err}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)

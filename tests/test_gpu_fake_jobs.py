@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from helpers import run_in_session
 from truth import Saving, assert_prices_median
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,15 +46,7 @@ def _job(tmp: Path, name: str, args: list[str], env_extra: dict[str, str] | None
                PYTHONUNBUFFERED="1")  # fmt: skip
     env.pop("DISTDIAG_COLLECTIVE_TIMES", None)
     env.update(env_extra or {})
-    p = subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)  # fmt: skip
-    try:
-        out, _ = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # our own torchrun and its ranks only
-        out, _ = p.communicate()
-        raise AssertionError(f"the fake-GPU job did not finish in {TIMEOUT_S} s:\n{out[-3000:]}")
-    assert p.returncode == 0, out[-3000:]
+    run_in_session(cmd, TIMEOUT_S, cwd=d, env=env, check=True, merged=True)
     return d / "run", {r: json.loads((d / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 

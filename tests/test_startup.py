@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from distdiag.breakdown import COLUMNS
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
 from distdiag.render import render
+from helpers import run_in_session
 from truth import Twins, loop_s, measure_twins
 
 pytest.importorskip("torch")
@@ -44,16 +43,7 @@ def run_tutorial(d: Path, cached: bool) -> float:
     if cached:
         env["DDP_TUTORIAL_CACHED"] = "1"
     d.mkdir(parents=True, exist_ok=True)
-    p = subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)  # fmt: skip
-    try:
-        text, _ = p.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # our own torchrun and its ranks only
-        text, _ = p.communicate()
-        raise AssertionError(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{text[-3000:]}")
-    assert p.returncode == 0, text[-3000:]
-    return loop_s(text)
+    return loop_s(run_in_session(cmd, LAUNCH_TIMEOUT_S, cwd=d, env=env, check=True, merged=True).stdout)
 
 
 TutorialAB = Twins[Report]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from distdiag.match import MatchState, collectives_of
 from distdiag.pipeline import analyze
 from distdiag.run import load_run
 from distdiag.schema import Kind
+from helpers import run_in_session
 from truth import Saving, assert_prices_median, measure_saving
 
 torch = pytest.importorskip("torch")
@@ -48,15 +48,7 @@ def torchrun(tmp: Path, job_args: list[str], wrapped: bool = True, nproc: int = 
         cmd += ["-m", "distdiag.wrap"]
     cmd += [str(JOB), "--out", str(out), *job_args]
     env = dict(os.environ, DISTDIAG_DIR=str(tmp / "run"), DISTDIAG_HOOKS="fileio=0", PYTHONUNBUFFERED="1")
-    p = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)  # fmt: skip
-    try:
-        text, _ = p.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # our own torchrun and its ranks only
-        text, _ = p.communicate()
-        raise AssertionError(f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s:\n{text[-3000:]}")
-    assert p.returncode == 0, text[-3000:]
+    run_in_session(cmd, LAUNCH_TIMEOUT_S, cwd=tmp, env=env, check=True, merged=True)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
 
 
