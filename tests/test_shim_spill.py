@@ -208,3 +208,17 @@ def test_the_log_keeps_no_secret_of_the_command_line(tmp_path: Path) -> None:
         p.wait(timeout=TIMEOUT_S)
     log = (tmp_path / "run" / "rank-00000.h5.log").read_bytes()
     assert b"--api-token" in log and b"hunter2" not in log
+
+
+def test_a_budget_thinned_file_still_replaces_its_log(tmp_path: Path) -> None:
+    """A recording budget under the log's size thins the handed-over rows into the file's
+    counters (by design): the log must go all the same, or the analyzer reads it in the
+    file's place and loses the run after the program's numpy import, exit status included."""
+    p = _start(tmp_path, "numpy", "end", DISTDIAG_MAX_FILE_BYTES="100000")  # the log holds ~210 kB
+    _out, err = p.communicate(timeout=TIMEOUT_S)
+    assert p.returncode == 0, err
+    run_dir = tmp_path / "run"
+    assert sorted(q.name for q in run_dir.iterdir() if q.name.startswith("rank-")) == ["rank-00000.h5"]
+    run = load_run(run_dir)
+    assert run.ranks[0].closed_cleanly and not any("spill log" in w for w in run.warnings), run.warnings
+    assert any("recording budget" in w for w in run.warnings), run.warnings

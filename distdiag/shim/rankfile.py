@@ -599,7 +599,12 @@ class RankFile:
         lg, self._log = self._log, None
         if lg is None:
             return
-        if not w.failed and w.rows_written >= self._handed:
+        # rows under the recording budget (max_file_bytes) are thinned into the file's counters
+        # by design: the file holds the log's rows then too, and a log kept would be read in
+        # its place, the whole run after it lost (seen with max_file_bytes under the log's size)
+        budget = getattr(w, "_budget", None)
+        thinned = getattr(budget, "reached_ns", None) is not None and not getattr(w, "rows_cut", 0)
+        if not w.failed and (w.rows_written >= self._handed or thinned):
             lg.remove()
         else:
             lg.close()
