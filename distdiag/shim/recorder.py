@@ -190,13 +190,18 @@ class Recorder:
             loc = self._local
             loc.tb = tb
             loc.alive = mark  # only this slot holds it: it dies with the thread's locals
-            cb = self.on_new_buffer
-            if cb is not None:
-                try:
-                    cb()
-                except Exception:
-                    pass
+            self.new_buffer_made()
             return tb
+
+    def new_buffer_made(self) -> None:
+        """Call :attr:`on_new_buffer` (a buffer's first rows wake a forked child's stream); what it
+        raises is distdiag's failure, never the program's: ignored."""
+        cb = self.on_new_buffer
+        if cb is not None:
+            try:
+                cb()
+            except Exception:
+                pass
 
     def shared_buffer(self) -> ThreadBuffer:
         """A registered buffer that no thread owns and that is never pruned, for a caller

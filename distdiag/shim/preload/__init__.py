@@ -299,12 +299,7 @@ class Drainer:
             # first rows here, or the recorder was reset by a fork: a fresh buffer, and the
             # forked child's stream is woken as a thread's first row wakes it
             tb = self.tb = rec.shared_buffer()
-            cb = rec.on_new_buffer
-            if cb is not None:
-                try:
-                    cb()
-                except Exception:
-                    pass
+            rec.new_buffer_made()
         return tb
 
     def drain(self, final: bool = False, timeout_s: float = 2.0) -> None:
