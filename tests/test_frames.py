@@ -120,8 +120,11 @@ def test_phases_files_findings_breakdown(run) -> None:  # type: ignore[no-untype
 def test_plots_take_the_frames(run) -> None:  # type: ignore[no-untyped-def]
     from distdiag.render import plots
 
+    from distdiag.breakdown import COLUMNS
+
     ax = plots.plot_breakdown(run)
-    assert len(ax.patches) == 4 * 7  # ranks x categories
+    assert len(COLUMNS) == 8  # startup_s is a category of its own
+    assert len(ax.patches) == 4 * len(COLUMNS)  # ranks x categories
     with pytest.raises(plots.NoData):
         plots.plot_slurm_timeline(run)
 
