@@ -89,7 +89,7 @@ def child_files(run_dir: Path) -> list[tuple[int, int, Path]]:
     return sorted(out)
 
 
-def _add(acc: ChildIO, ev: np.ndarray, strings: np.ndarray, files: dict[str, list[float]]) -> None:
+def _add(acc: ChildIO, ev: np.ndarray, strings: np.ndarray, files: list[tuple[np.ndarray, ...]]) -> None:
     """Sum one child's file rows into its rank's ``acc`` (one pass of numpy over the rows)."""
     f = ev[np.isin(ev["kind"], np.array(sorted(FILE_KINDS), np.uint8)) & (ev["t1_ns"] >= ev["t0_ns"])]
     if not len(f):
@@ -108,17 +108,35 @@ def _add(acc: ChildIO, ev: np.ndarray, strings: np.ndarray, files: dict[str, lis
     def name(i: int) -> str:
         return str(strings[i]) if 0 <= i < n_str else ""
 
-    for col, out in (("aux", acc.by_fs), ("name_id", files)):
+    for col in ("aux", "name_id"):
         ids, inv = np.unique(f[col].astype(np.int64), return_inverse=True)
         calls = np.bincount(inv, minlength=len(ids))
         secs = np.bincount(inv, weights=dur, minlength=len(ids))
         byts = np.bincount(inv, weights=nb.astype(np.float64), minlength=len(ids))
-        for k, i in enumerate(ids.tolist()):  # distinct file systems / paths of one child
-            key = name(int(i)) or ("?" if col == "aux" else "")
-            cur = out.setdefault(key, [0.0, 0.0, 0.0])
+        if col == "name_id":  # one a distinct path (a worker reads each sample once): kept as arrays
+            ok = (ids > 0) & (ids < n_str)
+            paths = np.full(len(ids), "", object)
+            paths[ok] = np.asarray(strings, object)[ids[ok]]
+            files.append((paths, calls.astype(np.float64), secs, byts))
+            continue
+        for k, i in enumerate(ids.tolist()):  # distinct file systems of one child: a few
+            cur = acc.by_fs.setdefault(name(int(i)) or "?", [0.0, 0.0, 0.0])
             cur[0] += float(calls[k])
             cur[1] += float(secs[k])
             cur[2] += float(byts[k])
+
+
+def _top_files(parts: list[tuple[np.ndarray, ...]], top: int) -> list[tuple[str, int, float, int]]:
+    """The ``top`` paths by seconds over one rank's children (each child's per-path sums in
+    ``parts``), summed by path across children: one np.unique, no loop over paths."""
+    if not parts:
+        return []
+    paths = np.concatenate([p[0] for p in parts])  # objects: a fixed-width copy would be the longest path's width each
+    u, inv = np.unique(paths, return_inverse=True)
+    calls, secs, byts = (np.bincount(inv, weights=np.concatenate([p[k] for p in parts]), minlength=len(u))
+                         for k in (1, 2, 3))  # fmt: skip
+    order = [j for j in np.argsort(-secs, kind="stable").tolist()[: top + 1] if u[j]][:top]  # "" (no name) left out
+    return [(str(u[j]), int(calls[j]), float(secs[j]), int(byts[j])) for j in order]
 
 
 def children_io(run: Any, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO]:
@@ -135,7 +153,7 @@ def children_io(run: Any, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO
                             "([analyze.children] max_files)")  # fmt: skip
         found = found[:max_files]
     out: dict[int, ChildIO] = {}
-    files: dict[int, dict[str, list[float]]] = {}
+    files: dict[int, list[tuple[np.ndarray, ...]]] = {}
     bad = 0
     for rank, _pid, path in found:  # one per forked process
         warnings: list[str] = []
@@ -148,10 +166,9 @@ def children_io(run: Any, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO
         acc.alive_s += max(0, int(got.info.end_ns) - int(got.info.start_ns)) / 1e9
         role = str(getattr(got.info, "role", "") or "fork")
         acc.roles[role] = acc.roles.get(role, 0) + 1
-        _add(acc, got.events, got.strings, files.setdefault(rank, {}))
+        _add(acc, got.events, got.strings, files.setdefault(rank, []))
     if bad:
         run.warnings.append(f"{bad} forked processes' files could not be read (damaged or not distdiag's); skipped")
-    for rank, acc in out.items():
-        top = sorted(files.get(rank, {}).items(), key=lambda kv: -kv[1][1])[:TOP_FILES]
-        acc.top_files = [(p, int(v[0]), float(v[1]), int(v[2])) for p, v in top if p]
+    for rank, acc in out.items():  # one per rank with children
+        acc.top_files = _top_files(files.get(rank, []), TOP_FILES)
     return out
