@@ -605,6 +605,16 @@ def _open_spill(log_path: Path, st: os.stat_result) -> Any:
     return h5py.File(bio, "r", locking=False)
 
 
+def _closed_whole(f: Any) -> bool:
+    """The open rank file ``f`` was closed cleanly with every row it was given (no rows cut
+    by the exit's bound): then it, not a spill log left beside it, is the rank's record (a
+    log stays where the file failed, was cut before it held the log's rows, or never opened)."""
+    try:
+        return bool(f.attrs.get("closed_cleanly", False)) and int(f.attrs.get("rows_not_written_at_exit", 0)) == 0
+    except Exception:
+        return False
+
+
 def _open_h5(path: Path) -> Any:
     """Open a rank file read-only, also while its writer still has it open (SWMR).
 
@@ -632,7 +642,22 @@ def _open_h5(path: Path) -> Any:
     except FileNotFoundError:
         log_st = None
     if log_st is not None:
+        try:
+            f = _open_h5_file(path)
+        except (NotOwnFile, OSError, *_H5_ERRORS):
+            f = None  # the empty claim, a half-made file: the log
+        if f is not None and _closed_whole(f):
+            return f
+        if f is not None:
+            f.close()
         return _open_spill(log_path, log_st)
+    return _open_h5_file(path)
+
+
+def _open_h5_file(path: Path) -> Any:
+    """:func:`_open_h5` of the HDF5 file itself (never through a link, the same file after the open)."""
+    import h5py
+
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise NotOwnFile("is a symbolic link (a run dir's files are read only as regular files of their own)")

@@ -222,3 +222,34 @@ def test_a_budget_thinned_file_still_replaces_its_log(tmp_path: Path) -> None:
     run = load_run(run_dir)
     assert run.ranks[0].closed_cleanly and not any("spill log" in w for w in run.warnings), run.warnings
     assert any("recording budget" in w for w in run.warnings), run.warnings
+
+
+def test_a_cleanly_closed_file_is_read_over_a_log_left_beside_it(tmp_path: Path, killed_log: bytes) -> None:
+    """A log stays only where the file failed or was cut before holding it; a file closed
+    cleanly with every row it was given is the rank's record, whatever lies beside it."""
+    from distdiag.schema import EVENT_DTYPE
+    from distdiag.shim.writer import write_rank_file
+
+    d = tmp_path / "both"
+    d.mkdir()
+    ev = np.zeros(10, EVENT_DTYPE)
+    ev["t0_ns"] = ev["t1_ns"] = np.arange(10) * 1000 + 10**9
+    ev["kind"], ev["name_id"] = int(Kind.MARK), 1
+    write_rank_file(d / "rank-00000.h5", {}, ev, ["", "from_the_file"])
+    (d / "rank-00000.h5.log").write_bytes(killed_log)
+    run = load_run(d)
+    assert len(run.events) == 10 and run.s(int(run.events["name_id"][0])) == "from_the_file"
+    assert not any("spill log" in w for w in run.warnings)
+
+
+def test_a_rows_record_of_no_whole_rows_is_malformed(killed_log: bytes) -> None:
+    """A crafted ROWS record whose length is no multiple of a row would misalign every row
+    after it: it ends the read as malformed, the records before it kept."""
+    import struct
+    import zlib
+
+    body = b"x" * 70
+    bad = killed_log + struct.pack("<4sII", b"ROWS", len(body), zlib.crc32(body)) + body
+    got = read_log(bad)
+    assert got["damaged"] and "malformed ROWS" in got["damaged"]
+    assert got["rows"] == read_log(killed_log)["rows"]

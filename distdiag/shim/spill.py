@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 MAGIC = b"DDSPILL1"
+#: bytes of one EVENT_DTYPE row (distdiag.shim.recorder.ROW_SIZE)
+ROW_BYTES = 69
 _HEAD = struct.Struct("<4sII")
 TAGS = (b"ROWS", b"STRS", b"SYNC", b"ATTR", b"INFL", b"MARK")
 #: the most one record may hold (a chunk of rows is at most a few MiB)
@@ -161,6 +163,8 @@ def read_log(data: bytes) -> dict[str, Any]:
             break
         at += _HEAD.size + n
         try:
+            if tag in (b"ROWS", b"INFL") and n % ROW_BYTES:
+                raise ValueError("not whole rows")  # every later row would be misaligned
             if tag == b"ROWS":
                 rows.append(body)
             elif tag == b"INFL":
