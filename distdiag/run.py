@@ -1222,8 +1222,8 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
             except OSError:
                 empty = False
             if empty:  # claimed at start, written from the first flush after the program's numpy import
-                return (f"{fname} is not an HDF5 file: it is empty (the process ended, killed, before its file was "
-                        "first written: with open_file_at=numpy, before its program imported numpy); skipped")  # fmt: skip
+                return (f"{fname} is not an HDF5 file: it is empty and has no spill log beside it (the process was "
+                        "killed before its first flush, or its log could not be made); skipped")  # fmt: skip
             return f"{fname} is not an HDF5 file (no HDF5 signature: empty, overwritten or not a rank file); skipped"
         return f"{fname} cannot be opened as HDF5 (truncated or corrupt: {_short(e).strip('()')}); skipped"
     try:

@@ -253,3 +253,13 @@ def test_a_rows_record_of_no_whole_rows_is_malformed(killed_log: bytes) -> None:
     got = read_log(bad)
     assert got["damaged"] and "malformed ROWS" in got["damaged"]
     assert got["rows"] == read_log(killed_log)["rows"]
+
+
+def test_an_empty_claim_without_a_log_says_so(tmp_path: Path, killed_log: bytes) -> None:
+    """Killed before its first flush: the claim is empty and no log was written; the rank is
+    skipped with that reason (next to a readable rank, so the run still loads)."""
+    d = _run_dir_with(tmp_path, killed_log, "two")
+    (d / "rank-00001.h5").write_bytes(b"")
+    run = load_run(d)
+    assert list(run.ranks) == [0]
+    assert any("rank-00001.h5" in w and "no spill log beside it" in w for w in run.warnings), run.warnings
