@@ -17,6 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
+from distdiag.errors import DistdiagError
 from distdiag.render import RENDERERS
 from distdiag.render.fmt import escape_controls
 
@@ -115,8 +116,6 @@ def emit(report: object, ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distdiag.run import DistdiagError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         # The demo owns its arguments (and its --help).

@@ -23,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from distdiag.run import DistdiagError
+from distdiag.errors import DistdiagError
 # one place decides where configs/default.toml is, so the shim and the analyzer read the same file
 from distdiag.shim.config import default_config_path
 

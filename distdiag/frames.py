@@ -304,7 +304,7 @@ def load(run_dir: str | Path, config: str | Path | Any | None = None) -> RunFram
     """Load and analyze a run directory; see :class:`RunFrames` for the frames.
 
     ``config``: a TOML path (like ``--config``), a :class:`distdiag.config.Config`,
-    or None for the defaults. Raises :class:`distdiag.run.DistdiagError` when
+    or None for the defaults. Raises :class:`distdiag.errors.DistdiagError` when
     the directory holds nothing to analyze.
     """
     from distdiag.config import Config, load_config

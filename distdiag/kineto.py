@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.errors import TraceError
 from distdiag.schema import EVENT_DTYPE, RANK_FILE_RE, Kind
 
 #: Default bound on one trace file's bytes (compressed and decompressed): json.loads holds
@@ -98,10 +99,6 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 
 _COLUMNS = ["ph", "cat", "name", "pid", "tid", "ts", "dur", "args"]
-
-
-class TraceError(Exception):
-    """A trace file that cannot be used: the message is one line, the caller adds the file."""
 
 
 @dataclass

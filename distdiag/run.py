@@ -173,6 +173,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+# DistdiagError is re-exported: modules and tests import it from here too
+from distdiag.errors import DistdiagError as DistdiagError
+from distdiag.errors import SpillLogError, TraceError
 from distdiag.schema import (
     COMM_KINDS,
     COUNTER_DTYPE,
@@ -189,10 +192,6 @@ from distdiag.schema import (
 log = logging.getLogger(__name__)
 
 _KIND_VALUES = frozenset(int(k) for k in Kind)
-
-
-class DistdiagError(Exception):
-    """A problem the user must fix; the message is one line meant for them (no traceback)."""
 
 
 def _with_rank(dt: np.dtype) -> np.dtype:
@@ -538,10 +537,6 @@ def open_rank_file(path: Path) -> Any:
 #: the largest spill log read (distdiag.shim.spill): the shim opens the HDF5 file once its log
 #: holds 8 MiB, so a real one is smaller; a larger one is refused, never read whole
 MAX_SPILL_LOG_BYTES = 256 << 20
-
-
-class SpillLogError(Exception):
-    """A rank's spill log that cannot be used (the reason in one line)."""
 
 
 def _open_spill(log_path: Path, st: os.stat_result) -> Any:
@@ -1992,7 +1987,7 @@ def _read_trace_rank(path: Path, warnings: list[str], limit: int) -> _RankData |
 
     try:
         t = kineto.read_trace(path, limit)
-    except kineto.TraceError as e:
+    except TraceError as e:
         return f"{path.name} {e}; skipped"
     except MemoryError:
         return f"{path.name} does not fit in memory when parsed (lower kineto_max_trace_bytes); skipped"
@@ -2204,7 +2199,7 @@ def _read_events(info: RankInfo) -> np.ndarray | None:
 
         try:
             return kineto.read_trace(info.path, info.read_limit_bytes or kineto.DEFAULT_MAX_TRACE_BYTES).events
-        except (kineto.TraceError, MemoryError):
+        except (TraceError, MemoryError):
             return None
     try:
         f = _open_h5(info.path)

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.bands import bands, n_ranks
+from distdiag.errors import SlurmError
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 
@@ -68,10 +69,6 @@ _SYNC_KINDS = frozenset(COMM_KINDS | P2P_KINDS | {Kind.COMM_CREATE})
 #: definition) and the shim's own milestones. The streamed compute phases
 #: (distdiag.run.STREAMED_KINDS) are all rendezvous kinds, so these rows are all in run.events.
 _BEFORE_KINDS = np.setdiff1d(np.arange(256), [int(k) for k in RENDEZVOUS_KINDS | {Kind.SHIM}]).astype(np.uint8)
-
-
-class SlurmError(Exception):
-    """Accounting could not be read; the message is one line for the user."""
 
 
 @dataclass

@@ -544,7 +544,7 @@ def _child(run_dir: Path, out: Path, timeout_s: float, mem_bytes: int) -> int:
         from distdiag.config import load_config
         from distdiag.pipeline import analyze
         from distdiag.render import render
-        from distdiag.run import DistdiagError
+        from distdiag.errors import DistdiagError
 
         try:
             rep = analyze(run_dir, load_config())

@@ -131,7 +131,7 @@ def test_plots_take_the_frames(run) -> None:  # type: ignore[no-untyped-def]
 
 def test_load_of_a_dir_without_rank_files_says_so(tmp_path: Path) -> None:
     import distdiag
-    from distdiag.run import DistdiagError
+    from distdiag.errors import DistdiagError
 
     with pytest.raises(DistdiagError, match="holds no rank"):
         distdiag.load(tmp_path)

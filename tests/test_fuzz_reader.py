@@ -42,7 +42,8 @@ from hypothesis import strategies as st
 from distdiag.config import Config
 from distdiag.pipeline import analyze_run
 from distdiag.render import render
-from distdiag.run import DistdiagError, load_run
+from distdiag.errors import DistdiagError
+from distdiag.run import load_run
 from distdiag.schema import EVENT_DTYPE, SCHEMA_ATTR, Kind, rank_file_name
 import mutations
 from factories import coll, write_rank

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from distdiag.clocks import align
-from distdiag.run import RUN_EVENT_DTYPE, DistdiagError, load_run
+from distdiag.errors import DistdiagError
+from distdiag.run import RUN_EVENT_DTYPE, load_run
 from distdiag.schema import Kind
 from factories import MS, coll, make_run, set_attr, truncate_copy, write_foreign_h5, write_rank
 
