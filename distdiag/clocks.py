@@ -76,7 +76,8 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.run import Run, _ranges
+from distdiag.ranks import rank_ranges
+from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -591,7 +592,7 @@ def fit(run: Run) -> ClockModel:
         if got:
             b = max(models[r].bound_ns for r in got)
             warnings.append(
-                f"no clock-sync samples for ranks {_ranges(got)}: aligned from collective exits, "
+                f"no clock-sync samples for ranks {rank_ranges(got)}: aligned from collective exits, "
                 f"good to about +-{b / 1e3:.0f} us (synced ranks: a few us)"
             )
         need = [r for r in need if r not in models]
@@ -609,13 +610,13 @@ def fit(run: Run) -> ClockModel:
                 fell_back.append(r)
         if fell_back:
             warnings.append(
-                f"no clock-sync samples and no shared collectives for ranks {_ranges(fell_back)}: their alignment "
+                f"no clock-sync samples and no shared collectives for ranks {rank_ranges(fell_back)}: their alignment "
                 "rests on the system clocks (NTP, typically off by milliseconds); waits shorter than that are not "
                 "trustworthy"
             )
         unaligned = [r for r in need if r not in models]
         if unaligned:
-            warnings.append(f"ranks {_ranges(unaligned)} have neither clock-sync samples nor start times: left unaligned")
+            warnings.append(f"ranks {rank_ranges(unaligned)} have neither clock-sync samples nor start times: left unaligned")
         for r in unaligned:
             models[r] = RankClock(rank=r, method="none", bound_ns=np.inf)
     for r in present:
@@ -630,13 +631,13 @@ def fit(run: Run) -> ClockModel:
     single = [r for r, m in models.items() if m.method == "sync-single"]
     if single:
         warnings.append(
-            f"ranks {_ranges(sorted(single))} have clock samples from one moment only (killed early, or a run "
+            f"ranks {rank_ranges(sorted(single))} have clock samples from one moment only (killed early, or a run "
             f"shorter than the sync interval with no exit samples): drift unknown, bound grows {DRIFT_PRIOR_PPM:.0f} us/s"
         )
     loose = [r for r in present if np.isfinite(bound[r]) and bound[r] > WARN_BOUND_NS and models[r].method != "wall-clock"]
     if loose:
         warnings.append(
-            f"clock alignment of ranks {_ranges(loose)} is only good to +-{max(bound[r] for r in loose) / 1e6:.1f} ms: "
+            f"clock alignment of ranks {rank_ranges(loose)} is only good to +-{max(bound[r] for r in loose) / 1e6:.1f} ms: "
             "waits shorter than that are not trustworthy"
         )
     return ClockModel(ref_rank=ref, ranks=models, bound_ns=bound, warnings=warnings)
@@ -821,7 +822,7 @@ def check_causality(
         bad = sorted(set(r[beyond].tolist()) | set(last_rank[g[beyond]].tolist()))
         model.warnings.append(
             f"{int(beyond.sum())} of {model.causality_checked} synchronizing-collective exits preceded the last entry "
-            f"by more than the stated clock bounds (max {model.max_violation_ns / 1e3:.0f} us; ranks {_ranges(bad)}): "
+            f"by more than the stated clock bounds (max {model.max_violation_ns / 1e3:.0f} us; ranks {rank_ranges(bad)}): "
             "the clock model is off for these ranks; repaired with a controlled logical clock"
         )
     if not repair:

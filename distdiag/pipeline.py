@@ -25,7 +25,8 @@ from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.ranking import coverage, rank_findings
-from distdiag.run import Run, _ranges, load_run, stream_out, streamed_kinds_for
+from distdiag.ranks import rank_ranges
+from distdiag.run import Run, load_run, stream_out, streamed_kinds_for
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
 log = logging.getLogger(__name__)
@@ -128,10 +129,10 @@ def _incomplete_warnings(run: Run, colls: Collectives, limit: int = 3) -> list[s
         never = colls.missing_ranks(int(g))
         line = (
             f"{colls.op_name(int(g))} #{int(colls.g_seq[g])} on communicator '{colls.comm_name(int(g))}' never "
-            f"completed: rank(s) {_ranges(inside.tolist())} were inside it (in flight) when their record ends"
+            f"completed: rank(s) {rank_ranges(inside.tolist())} were inside it (in flight) when their record ends"
         )
         if len(never):
-            line += f"; rank(s) {_ranges(never.tolist())} never entered it"
+            line += f"; rank(s) {rank_ranges(never.tolist())} never entered it"
         out.append(line)
     if len(bad) > limit:
         out.append(f"... and {len(bad) - limit} more collectives in flight")

@@ -176,6 +176,7 @@ import numpy as np
 # DistdiagError is re-exported: modules and tests import it from here too
 from distdiag.errors import DistdiagError as DistdiagError
 from distdiag.errors import SpillLogError, TraceError
+from distdiag.ranks import rank_ranges
 from distdiag.schema import (
     COMM_KINDS,
     COUNTER_DTYPE,
@@ -192,6 +193,9 @@ from distdiag.schema import (
 log = logging.getLogger(__name__)
 
 _KIND_VALUES = frozenset(int(k) for k in Kind)
+
+#: the formatter's old name: detectors.straggler and serial_section still import it from here
+_ranges = rank_ranges
 
 
 def _with_rank(dt: np.dtype) -> np.dtype:
@@ -2078,7 +2082,7 @@ def _assemble(
     missing = np.setdiff1d(np.arange(world_size), np.asarray(ranks)).tolist()
     if missing:
         warnings.append(
-            f"{len(missing)} of {world_size} ranks have no usable file: {_ranges(missing)} "
+            f"{len(missing)} of {world_size} ranks have no usable file: {rank_ranges(missing)} "
             "(analyzing the others; collectives they joined count as incomplete)"
         )
     for r in ranks:  # per rank: a handful of checks
@@ -2378,15 +2382,3 @@ def stream_out(run: Run) -> Run:
 def _name_rank(path: Path) -> int:
     m = RANK_FILE_RE.match(path.name)
     return int(m.group(1)) if m else -1
-
-
-def _ranges(xs: list[int]) -> str:
-    """[0,1,2,5,7,8] -> '0-2, 5, 7-8' (ranks lists stay one line at 1,024 ranks)."""
-    if not xs:
-        return ""
-    a = np.asarray(sorted(xs))
-    breaks = np.flatnonzero(np.diff(a) != 1) + 1
-    out = []
-    for seg in np.split(a, breaks):
-        out.append(str(seg[0]) if len(seg) == 1 else f"{seg[0]}-{seg[-1]}")
-    return ", ".join(out)

@@ -47,6 +47,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import Collectives, GroupColumn, MatchState, collectives_of
+from distdiag.ranks import rank_list
 from distdiag.bands import bands
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS
@@ -122,14 +123,8 @@ def _by_value(values: np.ndarray, ranks: np.ndarray, fmt: Any) -> str:
     parts = []
     for v in u[np.argsort(-c, kind="stable")]:  # distinct values: a handful
         rs = ranks[values == v]
-        parts.append(f"{fmt(v)} on rank{'s' if len(rs) > 1 else ''} {_ranks_txt(rs)}")
+        parts.append(f"{fmt(v)} on rank{'s' if len(rs) > 1 else ''} {rank_list(rs)}")
     return "; ".join(parts)
-
-
-def _ranks_txt(rs: np.ndarray, limit: int = 16) -> str:
-    rs = np.sort(np.asarray(rs))
-    txt = ", ".join(str(int(r)) for r in rs[:limit])
-    return txt + (f" and {len(rs) - limit} more" if len(rs) > limit else "")
 
 
 def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColumn, dtype_bad: bool) -> dict[str, Any]:
@@ -171,7 +166,7 @@ def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColum
             "state": "missing",
             "odd": [int(r) for r in missing],
             "text": (
-                f"{head}: ranks {_ranks_txt(ranks)} completed it; rank(s) {_ranks_txt(missing)} never called it, "
+                f"{head}: ranks {rank_list(ranks)} completed it; rank(s) {rank_list(missing)} never called it, "
                 f"though their record goes on {float(after.min()) if len(after) else 0:.3g} s past it"
             ),
             "values": {"completed": [int(r) for r in ranks], "never_called": [int(r) for r in missing]},

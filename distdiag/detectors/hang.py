@@ -50,6 +50,7 @@ from distdiag.bands import bands
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import Collectives, collectives_of
+from distdiag.ranks import rank_list
 from distdiag.schema import COMM_KINDS, FILE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -289,9 +290,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         int(r): int(end[r]) if int(r) < len(end) and int(r) in run.ranks else waiting_end
         for r in culprits[:MAX_DESCRIBED]})  # fmt: skip
 
-    ranks_txt = ", ".join(str(int(r)) for r in culprits[:MAX_DESCRIBED])
-    if len(culprits) > MAX_DESCRIBED:
-        ranks_txt += f" and {len(culprits) - MAX_DESCRIBED} more"
+    ranks_txt = rank_list(culprits, MAX_DESCRIBED)
     where = f" at {site}" if site else ""
     first = described[0] if described else {}
     doing = ""
