@@ -158,6 +158,7 @@ import numpy as np
 import pandas as pd
 
 from distdiag.bands import Band, bands, part_edges
+from distdiag.intervals import band_of, union_length_in_band
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.rows import kind_index
 from distdiag.run import Run
@@ -206,112 +207,11 @@ AUTO_STEP_NAME = "optimizer_step"
 MAX_STEP_ROWS = 200
 
 
-def union_ns(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
-    """Per key, the total length of the union of intervals [t0, t1) (also metadata_storm's blocked time).
-
-    Sweep: sorted by (key, t0), an interval adds what sticks out past the
-    furthest end seen so far in its key. [0,10) [2,5) [8,12) -> 10 + 0 + 2 = 12.
-    """
-    if len(key) == 0:
-        return np.zeros(n_keys)
-    return _union(key.astype(np.int64), t0, t1, n_keys, _band(int(key.max()), t0, t1))
-
-
-def _union(
-    key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int, band: tuple[int, int] | None, key_lo: int = 0
-) -> np.ndarray:
-    """union_ns with ``band`` from :func:`_band` (for keys up to ``n_keys``) of these intervals or of any
-    superset of them; the keys lie in ``[key_lo, key_lo + n_keys)`` (a band's ranks, a band's steps).
-
-    In band coordinates (``key * span - lo + t``) every key's times lie in
-    ``[key * span, (key + 1) * span)``, so sorting the starts sorts by (key,
-    t0), and one running max of the ends over the whole array never carries a
-    value into the next key: at a key's first interval the previous keys' ends
-    all lie below its start. The sweep then needs no key-boundary mask and no
-    conversion back from band coordinates: 3 gathers and ~8 passes, not the
-    ~20 of a sort by (key, t0) and a sweep in times.
-    """
-    if len(key) == 0:
-        return np.zeros(n_keys)
-    if key_lo and (band is None or (key_lo + n_keys) * band[1] >= 1 << 62):
-        key, key_lo = key - key_lo, 0  # for the sweep, or absolute keys would overflow band coordinates
-    if band is None:  # astronomically long runs
-        o = np.lexsort((t0, key))
-        return _sweep(key[o], t0[o], t1[o], n_keys)
-    lo, span = band
-    s0 = key * span
-    s0 -= lo + key_lo * span  # key_lo's band is band 0: no pass to make the keys relative
-    s1 = s0 + t1
-    s0 += t0
-    if not _nondecreasing(s0):  # often already sorted (one interval a member, in time order): no sort
-        o = np.argsort(s0, kind="stable")  # timsort: the input is a few sorted runs
-        s0, s1, key = s0[o], s1[o], key[o]
-        del o
-    # reach[i]: the furthest end before interval i (its key's, or below its start);
-    # when the ends never go back (no interval inside another), the previous end
-    reach = np.empty_like(s1)
-    reach[0] = np.iinfo(np.int64).min
-    if _nondecreasing(s1):
-        reach[1:] = s1[:-1]
-    else:
-        np.maximum.accumulate(s1[:-1], out=reach[1:])
-    np.maximum(reach, s0, out=reach)
-    np.subtract(s1, reach, out=reach)
-    np.maximum(reach, 0, out=reach)
-    return _sum_by_key(key, reach, n_keys, key_lo)
-
-
-def _nondecreasing(x: np.ndarray) -> bool:
-    return bool(np.all(x[1:] >= x[:-1]))
-
-
-def _sum_by_key(key: np.ndarray, x: np.ndarray, n_keys: int, key_lo: int = 0) -> np.ndarray:
-    """Per key in ``[key_lo, key_lo + n_keys)``, the sum of the int64 ``x``, as float64; ``key`` sorted.
-
-    One sum per run of equal keys (``np.add.reduceat``, 2 ns an element, a
-    third of ``np.bincount`` with weights). The same numbers as bincount's: the
-    values are whole nanoseconds whose partial sums stay below 2^53 (a key's
-    union is at most its rank's wall-clock), so the float64 sums are exact.
-    """
-    out = np.zeros(n_keys)
-    if len(key) == 0:
-        return out
-    first = np.empty(len(key), bool)
-    first[0] = True
-    np.not_equal(key[1:], key[:-1], out=first[1:])
-    at = np.flatnonzero(first)
-    out[key[at] - key_lo] = np.add.reduceat(x, at)
-    return out
-
-
-def _band(key_max: int, *times: np.ndarray, ends: tuple[np.ndarray, ...] | None = None) -> tuple[int, int] | None:
-    """(lo, span) that put every key's times into its own band ``key * span - lo``, for keys up to
-    ``key_max`` (any upper bound) and times among ``times`` (non-empty arrays); None when int64 overflows.
-    With ``ends``, ``times`` are starts and ``ends`` the ends of the same intervals (each end >= its start):
-    the lowest start and the highest end then bound them all."""
-    lo = min(int(t.min()) for t in times)
-    span = max(int(t.max()) for t in (times if ends is None else ends)) - lo + 1
-    return (lo, span) if key_max < np.iinfo(np.int64).max // span - 1 else None
-
-
-def _sweep(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, n_keys: int) -> np.ndarray:
-    """union_ns on intervals already sorted by (key, t0), for runs too long for band coordinates."""
-    covered = pd.Series(t1).groupby(key).cummax().to_numpy()  # the grouped running max
-    prev = np.empty_like(covered)
-    prev[1:] = covered[:-1]
-    first = np.r_[True, key[1:] != key[:-1]]
-    prev[first] = np.iinfo(np.int64).min
-    contrib = np.maximum(t0, prev, out=prev)
-    np.subtract(t1, contrib, out=contrib)
-    np.maximum(contrib, 0, out=contrib)
-    return np.bincount(key, weights=contrib, minlength=n_keys)
-
-
 def _marks_up_to(b_rank: np.ndarray, b_t: np.ndarray, q_rank: np.ndarray, q_t: np.ndarray) -> np.ndarray:
     """Per query, how many marks sort at or before (q_rank, q_t) in (rank, t) order; marks sorted so.
 
     So ``result - 1`` is the index of the query's rank's last mark at or before
-    it, when that mark's rank is the query's. Like :func:`union_ns`, each
+    it, when that mark's rank is the query's. Like :func:`distdiag.intervals.union_length_by_key`, each
     rank's times go into their own band (rank * span), so one binary search
     over all marks finds it.
     """
@@ -893,11 +793,11 @@ class _Tally:
         if not parts:
             return
         # one band for every union below (each covers a subset of these intervals; keys - k_lo < n)
-        band = _band(n, *(p[1] for p in parts), ends=tuple(p[2] for p in parts))
+        band = band_of(n, *(p[1] for p in parts), ends=tuple(p[2] for p in parts))
         for c, ps in iv.cat.items():  # a few categories
-            self.per_cat[k_lo:k_hi, c] = _union(*_one(ps), n, band, k_lo)
+            self.per_cat[k_lo:k_hi, c] = union_length_in_band(*_one(ps), n, band, k_lo)
         busy_parts = _one(iv.busy)
-        busy = _union(*busy_parts, n, band, k_lo) if iv.busy else np.zeros(n)
+        busy = union_length_in_band(*busy_parts, n, band, k_lo) if iv.busy else np.zeros(n)
         self.busy[k_lo:k_hi] = busy
         # startup: the part of each key's startup piece [a, b) (one a key: a rank's one interval, or
         # its piece in one step) that no call covers = (b - a) - |busy clipped to [a, b)|. Clipping
@@ -916,17 +816,17 @@ class _Tally:
                 lo = np.maximum(b0[early], a[kk])
                 hi = np.minimum(b1[early], b[kk])
                 m = hi > lo
-                covered = _union(bk[early][m], lo[m], hi[m], n, band, k_lo)
+                covered = union_length_in_band(bk[early][m], lo[m], hi[m], n, band, k_lo)
             else:
                 covered = np.zeros(n)
             self.startup[k_lo:k_hi] = np.maximum(0.0, (b - a) - covered)
         if iv.exposed:
-            self.exposed[k_lo:k_hi] = _union(*_one(iv.exposed), n, band, k_lo)
+            self.exposed[k_lo:k_hi] = union_length_in_band(*_one(iv.exposed), n, band, k_lo)
         # the async spans' time outside every category = |spans U busy| - |busy|
         # (no spans: none; MPI runs skip the sort)
         if iv.spans:
             both = _one([busy_parts, *iv.spans])
-            self.overlapped[k_lo:k_hi] = np.maximum(0.0, _union(*both, n, band, k_lo) - busy)
+            self.overlapped[k_lo:k_hi] = np.maximum(0.0, union_length_in_band(*both, n, band, k_lo) - busy)
 
 
 def _columns(t: _Tally, span_ns: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:

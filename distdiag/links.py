@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.intervals import union_length
 from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.rows import events_of, rows_of
 from distdiag.run import Run
@@ -360,17 +361,8 @@ def group_unit_mask(colls: Collectives, groups: np.ndarray, rank_in: np.ndarray)
 
 
 def union_s(t0_ns: np.ndarray, t1_ns: np.ndarray) -> float:
-    """Length of the union of intervals, in seconds (vectorized sweep)."""
-    if len(t0_ns) == 0:
-        return 0.0
-    o = np.argsort(t0_ns, kind="stable")
-    a, b = t0_ns[o], np.maximum(t1_ns[o], t0_ns[o])
-    run_end = np.maximum.accumulate(b)
-    # an interval starts a new block when it begins after everything before it ended
-    new = np.r_[True, a[1:] > run_end[:-1]]
-    starts = a[new]
-    ends = np.maximum.reduceat(b, np.flatnonzero(new))
-    return float(np.sum(ends - starts)) / 1e9
+    """Length of the union of intervals, in seconds (network_bound, slow_link)."""
+    return union_length(t0_ns, t1_ns) / 1e9
 
 
 #: a collective is network-bound when its transfer phase is this many times

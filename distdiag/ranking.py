@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.findings import Finding
+from distdiag.intervals import covered_within, union_banded
 from distdiag.match import Collectives, MatchState
 from distdiag.rows import rows_of
 from distdiag.schema import Kind
@@ -434,28 +435,8 @@ def _explained_ns(win: Windows, claims: tuple[np.ndarray, np.ndarray, np.ndarray
         return 0.0
     lo = int(min(w0.min(), c0.min()))
     span = int(max(w1.max(), c1.max())) - lo + 1
-    cs, ce = _merge(cr * span + (c0 - lo), cr * span + (c1 - lo))
+    cs, ce = union_banded(cr, c0 - lo, c1 - lo, span)
     a = wr * span + (w0 - lo)
     b = wr * span + (np.maximum(w1, w0) - lo)
-    ov = _covered(cs, ce, b) - _covered(cs, ce, a)
+    ov = covered_within(cs, ce, a, b)
     return float(np.minimum(ov, np.maximum(charge, 0)).sum())
-
-
-def _merge(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Union of intervals [s, e) as sorted disjoint segments."""
-    o = np.argsort(s, kind="stable")
-    s, e = s[o], e[o]
-    run_end = np.maximum.accumulate(e)
-    new = np.r_[True, s[1:] > run_end[:-1]]
-    idx = np.flatnonzero(new)
-    return s[new], np.maximum.reduceat(e, idx)
-
-
-def _covered(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Length of the (sorted, disjoint) segments before each t."""
-    lens = seg_e - seg_s
-    before = np.concatenate([[0], np.cumsum(lens)])
-    k = np.searchsorted(seg_s, t, side="right") - 1
-    kk = np.maximum(k, 0)
-    inside = np.clip(t - seg_s[kk], 0, lens[kk])
-    return np.where(k >= 0, before[kk] + inside, 0)

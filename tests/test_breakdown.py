@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distdiag.breakdown import breakdown, union_ns
+from distdiag.breakdown import breakdown
+from distdiag.intervals import union_length_by_key
 from distdiag.clocks import align
 from distdiag.config import Config
 from distdiag.pipeline import analyze
@@ -37,7 +38,7 @@ def test_overlapping_calls_on_two_threads_count_once() -> None:
     key = np.array([0, 0, 0, 1])
     t0 = np.array([0, 2, 8, 5])
     t1 = np.array([10, 5, 12, 6])
-    np.testing.assert_array_equal(union_ns(key, t0, t1, 3), [12, 1, 0])
+    np.testing.assert_array_equal(union_length_by_key(key, t0, t1, 3), [12, 1, 0])
 
 
 def test_phases_and_point_to_point_land_in_their_columns(tmp_path: Path) -> None:

@@ -117,18 +117,3 @@ def test_a_duplicate_row_falls_back_to_the_member_table(tmp_path: Path, monkeypa
     pd.testing.assert_frame_equal(per_rank, want, check_exact=True)
     pd.testing.assert_frame_equal(steps, want_steps, check_exact=True)
 
-
-def test_a_union_of_offset_keys_is_the_union_of_relative_ones() -> None:
-    """The tallies pass a band's absolute keys (ranks, step rows) with their lowest one; keys too
-    large for band coordinates fall back to relative ones, and so does a run too long for them."""
-    rng = np.random.default_rng(3)
-    key = np.sort(rng.integers(0, 5, 400))
-    t0 = rng.integers(0, 10**12, 400)
-    t1 = t0 + rng.integers(0, 10**10, 400)
-    band = bd._band(5, t0, t1)
-    want = bd._union(key, t0, t1, 5, band)
-    assert want.sum() > 0
-    np.testing.assert_array_equal(want, bd.union_ns(key, t0, t1, 5))
-    for key_lo in (7, 2**40):  # 2**40 * span overflows int64: relative keys
-        np.testing.assert_array_equal(bd._union(key + key_lo, t0, t1, 5, band, key_lo), want)
-        np.testing.assert_array_equal(bd._union(key + key_lo, t0, t1, 5, None, key_lo), want)

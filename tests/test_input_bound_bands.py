@@ -18,13 +18,11 @@ from distdiag.detectors.input_bound import (
     COMPUTE_KINDS,
     PRICED_KEY,
     _collective_waits,
-    covered,
     critical_path_cost,
     critical_path_costs,
-    merge_intervals,
     priced,
-    union_sorted,
 )
+from distdiag.intervals import covered_within, union_banded
 from distdiag.match import MatchState, collectives_of
 from distdiag.run import STREAMED_KINDS, load_run
 from distdiag.schema import Kind
@@ -109,11 +107,11 @@ def _whole_table_cost(run: Any, kind: int) -> dict[str, Any]:
     tm = ev["kind"] == kind
     target = ev[tm]
     cm = np.isin(ev["kind"], COMPUTE_KINDS)
-    cs, ce = merge_intervals(ev["t0_ns"][cm] - tmin, ev["t1_ns"][cm] - tmin, rix(cm), span)
+    cs, ce = union_banded(rix(cm), ev["t0_ns"][cm] - tmin, ev["t1_ns"][cm] - tmin, span)
     tr = rix(tm)
     a0 = target["t0_ns"] - tmin + tr * span
     a1 = np.maximum(target["t1_ns"], target["t0_ns"]) - tmin + tr * span
-    unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
+    unhidden = (a1 - a0) - covered_within(cs, ce, a0, a1)
     steps = ev[ev["kind"] == Kind.STEP]
     auto = run.sid(AUTO_STEP_NAME)
     if auto >= 0 and np.any(steps["name_id"] == auto):
@@ -144,7 +142,7 @@ def _whole_table_cost(run: Any, kind: int) -> dict[str, Any]:
     m_t0 = colls.m_t0_ns[ok] - tmin
     m_last = colls.g_last_ns[colls.m_group[ok]] - tmin
     keep = m_last > m_t0
-    ws, we = merge_intervals(m_t0[keep], m_last[keep], m_r[keep], span)
+    ws, we = union_banded(m_r[keep], m_t0[keep], m_last[keep], span)
     wrank = ws // span
     np.add.at(W, (wrank, np.clip(np.searchsorted(st, ws) - first_step[wrank], 0, n_iter - 1)), (we - ws) * 1.0)
     Lz = np.nan_to_num(L)
@@ -235,37 +233,6 @@ def test_worked_example_and_a_rank_without_rows(tmp_path: Path) -> None:
         # rank's last window row (t = 280): empty
         np.testing.assert_array_equal(got["per_iter_ns"], [30 * MS, 30 * MS, 30 * MS, 0])
         assert got["cost_ns"] == 90 * MS
-
-
-def _merge_by_start(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The textbook union: intervals sorted by start, a new segment where one starts after
-    the running end (the way merge_intervals did it before it sorted starts and ends apart)."""
-    o = np.argsort(s, kind="stable")
-    s, e = s[o], e[o]
-    run_end = np.maximum.accumulate(e)
-    new = np.r_[True, s[1:] > run_end[:-1]]
-    return s[new], np.maximum.reduceat(e, np.flatnonzero(new))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_union_of_starts_and_ends_sorted_apart_is_the_union(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 400))
-    group = rng.integers(0, 5, n)
-    t0 = rng.integers(0, 60, n)  # few distinct times: ties, touching, nested and empty intervals
-    t1 = t0 + rng.integers(-3, 12, n) * (rng.random(n) < 0.9)  # some end before they start: clamped
-    got = merge_intervals(t0, t1, group, 100)
-    shift = group * 100
-    want = _merge_by_start(t0 + shift, np.maximum(t0, t1) + shift)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    # already sorted starts (a band's rows) take the check-only path: same segments
-    o = np.lexsort((t0, group))
-    got = merge_intervals(t0[o], t1[o], group[o], 100)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    z = np.zeros(0, np.int64)
-    assert all(len(x) == 0 for x in union_sorted(z.copy(), z.copy()))
 
 
 def test_collective_waits_by_blocks_of_members(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,7 @@ from distdiag.bands import Band, bands, event_ranks, time_bounds
 from distdiag.breakdown import WINDOW_KINDS, step_marks  # the window and step marks the breakdown uses
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.intervals import covered_within, union_banded, union_sorted
 from distdiag.match import MatchState, collectives_of
 from distdiag.rows import count_of
 from distdiag.schema import Kind
@@ -65,59 +66,6 @@ def _compute_rows(band: Band) -> np.ndarray:
         return rows
     g = g[np.isin(band.events["aux"][g], GPU_BUSY_KINDS)]
     return np.union1d(rows, g) if len(g) else rows
-
-
-def merge_intervals(t0: np.ndarray, t1: np.ndarray, group: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
-    """Union of intervals per group, as disjoint sorted segments on a shifted axis.
-
-    Each group's times are shifted by ``group * span`` (span > any time range)
-    so all groups merge in one vectorized pass without touching each other.
-    """
-    if len(t0) == 0:
-        z = np.zeros(0, np.int64)
-        return z, z
-    shift = group.astype(np.int64) * span
-    s = t0.astype(np.int64) + shift
-    e = np.maximum(t1, t0).astype(np.int64) + shift
-    del shift
-    return union_sorted(s, e)
-
-
-def union_sorted(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of the intervals ``[s[i], e[i]]`` (int64, ``e >= s``; touching ones join) as
-    (starts, ends) of disjoint segments, ascending. Sorts ``s`` and ``e`` in place.
-
-    The starts and the ends are sorted each on its own, not the intervals by
-    start: with both ascending, a segment ends at ``e[i]`` exactly when
-    ``s[i + 1] > e[i]``. (Then the i + 1 intervals with the smallest ends all
-    end before ``s[i + 1]``, so they are the i + 1 first by start, and no later
-    one starts before ``s[i + 1]``: a gap, and ``e[i]`` is the running max of
-    the ends by start, the test the merge by start makes. Conversely, where
-    that running max is below the next start, it is ``e[i]``.) Example: [0, 5],
-    [1, 2], [7, 9]: s = 0 1 7, e = 2 5 9; 1 <= 2, 7 > 5: segments [0, 5], [7, 9].
-    No argsort and no gathers of the intervals by its order (the collective
-    waits: ~40 B a member less), and arrays that come sorted are only checked
-    (a band's rows go by (rank, t0)); timsort takes nearly sorted ends in few
-    merges.
-    """
-    if len(s) == 0:
-        return s, e
-    for a in (s, e):
-        if len(a) > 1 and not bool(np.all(a[1:] >= a[:-1])):
-            a.sort(kind="stable")
-    gap = s[1:] > e[:-1]
-    return s[np.r_[True, gap]], e[np.r_[gap, True]]
-
-
-def covered(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """C(t): length of the union segments before t (segments sorted, disjoint)."""
-    if len(seg_s) == 0:
-        return np.zeros(len(t), np.int64)
-    lens = seg_e - seg_s
-    before = np.concatenate([[0], np.cumsum(lens)])
-    k = np.searchsorted(seg_s, t, side="right") - 1
-    inside = np.where(k >= 0, np.clip(t - seg_s[np.maximum(k, 0)], 0, lens[np.maximum(k, 0)]), 0)
-    return before[np.maximum(k, 0)] * (k >= 0) + inside
 
 
 def _iteration(st: np.ndarray, first_step: np.ndarray, t: np.ndarray, r: np.ndarray, n_iter: int) -> np.ndarray:
@@ -150,7 +98,7 @@ def _collective_waits(run: Any, tmin: int, span: int) -> tuple[np.ndarray, np.nd
     waits are unioned. From the matched collectives (cross-rank data,
     resident), for the bands to slice. The waits are written by blocks of
     members into two arrays (16 B a waiting member; the pages of members that
-    do not wait are never touched), then unioned in place (:func:`union_sorted`).
+    do not wait are never touched), then unioned in place (:func:`distdiag.intervals.union_sorted`).
     """
     colls = collectives_of(run)
     n = len(colls.m_rank)
@@ -238,11 +186,11 @@ def _fold(band: Band, r_lo: int, r_hi: int, rows: dict[Any, np.ndarray], todo: l
         if len(t):  # a[r, i]: sums in row (t0) order
             if cs is None or ce is None:
                 c = rows["compute"]
-                cs, ce = merge_intervals(t0[c] - tmin, t1[c] - tmin, band.rank_of(c) - r_lo, span)
+                cs, ce = union_banded(band.rank_of(c) - r_lo, t0[c] - tmin, t1[c] - tmin, span)
             tr = band.rank_of(t) - r_lo
             a0 = t0[t].astype(np.int64) - tmin + tr * span
             a1 = np.maximum(t1[t].astype(np.int64), t0[t]) - tmin + tr * span
-            unhidden = (a1 - a0) - (covered(cs, ce, a1) - covered(cs, ce, a0))
+            unhidden = (a1 - a0) - covered_within(cs, ce, a0, a1)
             A = _cell_sums(tr, _iteration(st, first_step, a0, tr, n_iter), unhidden, A.shape)
         B = np.clip(Lz - A - W, 0, None)
         rank_ns, busy_ns, ab_max, b_max = acc[kind]

@@ -45,6 +45,7 @@ import pandas as pd
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.intervals import covered_within, union_by_key, union_length
 from distdiag.bands import bands, n_ranks
 from distdiag.rows import events_of
 from distdiag.schema import Kind
@@ -63,34 +64,6 @@ _OPEN_CLOSE = np.array([Kind.FILE_OPEN, Kind.FILE_CLOSE], np.uint8)
 #: a rank inside one of these is waiting for someone (blocking collective,
 #: Wait on non-blocking ones, as DDP's buckets are, a blocking receive)
 _STALL = np.array([Kind.COLL, Kind.WAIT, Kind.RECV], np.uint8)
-
-
-def _merge(key: np.ndarray, t0: np.ndarray, t1: np.ndarray, gap_ns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge intervals per key into disjoint episodes (intervals closer than gap_ns join)."""
-    if len(key) == 0:
-        z = np.zeros(0, np.int64)
-        return z, z, z
-    order = np.lexsort((t0, key))
-    k, a, b = key[order], t0[order], t1[order]
-    reach = pd.Series(b).groupby(k).cummax().to_numpy()
-    new = np.r_[True, (k[1:] != k[:-1]) | (a[1:] > reach[:-1] + gap_ns)]
-    starts = np.flatnonzero(new)
-    ends = np.maximum.reduceat(b, starts)
-    return k[starts], a[starts], ends
-
-
-def _covered_before(starts: np.ndarray, ends: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """For disjoint sorted intervals, the covered length in (-inf, t] for every t."""
-    if len(starts) == 0:
-        return np.zeros(len(t))
-    lens = (ends - starts).astype(np.float64)
-    cum = np.r_[0.0, np.cumsum(lens)]
-    i = np.searchsorted(starts, t, side="right")  # intervals starting at or before t
-    full = cum[np.maximum(i - 1, 0)]  # all intervals before the one containing t
-    last_start = starts[np.maximum(i - 1, 0)]
-    last_end = ends[np.maximum(i - 1, 0)]
-    partial = np.clip(np.minimum(t, last_end) - last_start, 0, None)
-    return np.where(i > 0, full + partial, 0.0)
 
 
 def _stall_rows(run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -143,7 +116,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     io = events_of(run, np.r_[_DATA, _OPEN_CLOSE])
     pair_key = io["rank"].astype(np.int64) * (len(run.strings) + 1) + io["name_id"]
     io = io[np.isin(pair_key, large_keys) & (io["t1_ns"] >= io["t0_ns"])]
-    e_rank, e_t0, e_t1 = _merge(io["rank"].astype(np.int64), io["t0_ns"], io["t1_ns"], gap_ns)
+    e_rank, e_t0, e_t1 = union_by_key(io["rank"], io["t0_ns"], io["t1_ns"], gap_ns)
 
     # 2. what the other ranks did during each episode
     st_rank, st_t0, st_t1 = _stall_rows(run)
@@ -151,12 +124,12 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     s_t0 = np.r_[st_t0, e_t0]
     s_t1 = np.r_[st_t1, e_t1]
     del st_rank, st_t0, st_t1
-    m_rank, m_t0, m_t1 = _merge(s_rank, s_t0, s_t1, 0)
+    m_rank, m_t0, m_t1 = union_by_key(s_rank, s_t0, s_t1)
     present = np.array(sorted(run.ranks), np.int64)
     overlap = np.zeros((n, len(e_rank)))
     for q in present:  # per rank: vectorized over episodes
         mine = m_rank == q
-        overlap[q] = _covered_before(m_t0[mine], m_t1[mine], e_t1) - _covered_before(m_t0[mine], m_t1[mine], e_t0)
+        overlap[q] = covered_within(m_t0[mine], m_t1[mine], e_t0, e_t1)
     ep_len = (e_t1 - e_t0).astype(np.float64)
     ep_cost = np.zeros(len(e_rank))
     for r in np.unique(e_rank):  # ranks with large I/O: few
@@ -177,8 +150,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     rb = np.bincount(d_rank, weights=dsel["nbytes"].astype(np.float64), minlength=n)
     rt = np.bincount(d_rank, weights=call_ns, minlength=n)
     wrote = np.bincount(d_rank, weights=(dsel["kind"] == Kind.FILE_WRITE) * dsel["nbytes"].astype(np.float64), minlength=n)
-    u_rank, u_t0, u_t1 = _merge(np.zeros(len(e_rank), np.int64), e_t0, e_t1, 0)
-    job_span_s = float((u_t1 - u_t0).sum()) / 1e9
+    job_span_s = union_length(e_t0, e_t1) / 1e9
     per_rank = [
         {
             "rank": int(r),

@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.breakdown import startup_ends, union_ns
+from distdiag.breakdown import startup_ends
+from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.rows import rows_of
@@ -94,7 +95,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if not keep.any():
         return []
     br, b0, b1 = bursts(r[keep], t0c[keep], t1c[keep], float(cfg.value("io_bound", "gap_ms", 2.0)) * 1e6)
-    per_rank = union_ns(br, b0, b1, n)
+    per_rank = union_length_by_key(br, b0, b1, n)
     worst = int(np.argmax(per_rank))
     cost_s = float(per_rank[worst]) / 1e9
     if cost_s < min_share * wall_s:
@@ -154,7 +155,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "calls": int(mine.sum()),
                 "file_time_s": round(float(dur.sum()) / 1e9, 4),
                 "bursts": int(on.sum()),
-                "between_calls_s": round(cost_s - float(union_ns(r[mine], t0c[mine], t1c[mine], n)[worst]) / 1e9, 4),
+                "between_calls_s": round(cost_s - float(union_length_by_key(r[mine], t0c[mine], t1c[mine], n)[worst]) / 1e9, 4),
                 "ranks_over_min_share": int((per_rank >= min_share * wall_s * 1e9).sum()),
                 "by_mount": mounts,
                 "counterfactual": ("the file system took no time on this rank after its startup (its file calls and the gaps "

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from distdiag.breakdown import union_ns
+from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import collectives_of
@@ -276,9 +276,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             fa = fs_all[(fs_all["t1_ns"] > w0) & (fs_all["t0_ns"] < w1)]
             r = fa["rank"].astype(np.int64)
             a_ns, b_ns = np.maximum(fa["t0_ns"], w0), np.minimum(fa["t1_ns"], w1)
-            seen = union_ns(r, a_ns, b_ns, n_ranks_all)
+            seen = union_length_by_key(r, a_ns, b_ns, n_ranks_all)
             g_r, g_a, g_b = _idle_gaps(r, a_ns, b_ns, colls)
-            blocked = union_ns(np.concatenate([r, g_r]), np.concatenate([a_ns, g_a]), np.concatenate([b_ns, g_b]),
+            blocked = union_length_by_key(np.concatenate([r, g_r]), np.concatenate([a_ns, g_a]), np.concatenate([b_ns, g_b]),
                                n_ranks_all)  # fmt: skip
             cost_ns = float(blocked.max())
             ranks = np.flatnonzero(blocked > 0)

@@ -33,7 +33,7 @@ import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.breakdown import union_ns
+from distdiag.intervals import union_length_by_key
 from distdiag.links import collective_transfers, network_bound, union_s
 from distdiag.match import collectives_of
 
@@ -93,7 +93,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     t0, t1 = w0[grp], w1[grp]
     m_rank = colls.m_rank[members].astype(np.int64)
     n_ranks = int(max(int(run.world_size), int(m_rank.max()) + 1))
-    per_rank = union_ns(m_rank, t0, t1, n_ranks)
+    per_rank = union_length_by_key(m_rank, t0, t1, n_ranks)
     cost_s = float(per_rank.max()) / 1e9
     if cost_s < min_share * wall_s:
         return []

@@ -62,7 +62,8 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.breakdown import startup_ends, union_ns
+from distdiag.breakdown import startup_ends
+from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.rows import rows_of
@@ -189,7 +190,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     calls = np.bincount(r[is_file], minlength=n)
     # the floor the counterfactual keeps, per breakdown column, for the report's coverage
     # (distdiag.ranking.coverage): the imports, their file calls, the communicator creation
-    init_s = union_ns(r[~is_file], t0[~is_file], t1[~is_file], n) / 1e9
+    init_s = union_length_by_key(r[~is_file], t0[~is_file], t1[~is_file], n) / 1e9
     run.cache[FLOOR_KEY] = {int(q): {"startup_s": float(imp[q]) / 1e9, "io_s": float(file_s[q]),
                                      "other_s": float(init_s[q])} for q in present}  # fmt: skip
     e_job = int(e.max())
