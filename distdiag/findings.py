@@ -26,6 +26,9 @@ class Finding:
     #: what to do about it, one sentence
     advice: str = ""
     fraction: float = 0.0
+    #: the counterfactual that removes this cause (a :class:`distdiag.replay.Change`), for the
+    #: replay to price (``evidence.replay``); None where the detector cannot state one. Not in the JSON.
+    change: Any = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {

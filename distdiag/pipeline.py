@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from distdiag import clocks
+from distdiag import clocks, replay
 from distdiag.breakdown import COLUMNS, INFO_COLUMNS, breakdown, per_step_json, step_breakdown
 from distdiag.children import ChildIO, children_io
 from distdiag.gpu_timeline import gpu_json
@@ -225,6 +225,12 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
                 run.warnings.append(f"detector '{name}' gave a {f.kind} finding without a finite cost; dropped")
                 continue
             findings.append(f)
+    # what each cause saves, replayed without it (distdiag/replay.py), before the ranking shares seconds
+    try:
+        replay.price(findings, run, colls)
+    except Exception as e:  # never costs the report
+        log.debug("replay", exc_info=True)
+        run.warnings.append(f"the replay could not price the findings ({type(e).__name__}: {e})")
     # One ranking: each second counted once, shares, order (distdiag/ranking.py).
     findings = rank_findings(findings, run, colls, cfg)
     _clock_bounds(findings, run)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
+from distdiag import replay
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
 from distdiag.schema import EVENT_DTYPE, Kind
@@ -281,7 +282,7 @@ def serial_ab(tmp_path_factory: pytest.TempPathFactory) -> SerialAB:
 
 @pytest.mark.mpi
 def test_mpi_rank0_work_before_every_5th_bcast_is_the_top_finding(serial_ab: SerialAB) -> None:
-    costs, shares = [], []
+    costs, shares, replayed = [], [], []
     for run in serial_ab.serial:
         assert run.serial_s == pytest.approx(1.2)
         rep = analyze(run.run_dir, Config())
@@ -292,6 +293,7 @@ def test_mpi_rank0_work_before_every_5th_bcast_is_the_top_finding(serial_ab: Ser
         # the share of the run it reports is that cost's
         assert top.evidence["serial_fraction"] == pytest.approx(top.cost_s / rep.run.wall_s, abs=1e-4)
         costs.append(top.cost_s)
+        replayed.append(top.evidence["replay"]["saving_s"])
         shares.append(top.evidence["serial_fraction"] * rep.run.wall_s)
         # what rank 0 did in between, where it was recorded: the log file it appended to
         assert any(d["call"].endswith("log.txt") for d in top.evidence["in_between"])
@@ -306,11 +308,14 @@ def test_mpi_rank0_work_before_every_5th_bcast_is_the_top_finding(serial_ab: Ser
     # 0.75, the test fails before: rank 0's remaining waits then show as a straggler).
     assert_prices_median(saving, costs, rel=0.10, what="serial_section cost")
     assert_prices_median(saving, shares, rel=0.10, what="serial_fraction x wall")
+    # the replay without the lone windows saves what the healthy twin saves too
+    print(f"serial section replayed {', '.join(f'{c:.3f}' for c in replayed)} s")
+    assert_prices_median(saving, replayed, rel=0.10, what="serial_section replay saving")
 
 
 @pytest.mark.mpi
 def test_mpi_straggler_stays_a_straggler(serial_ab: SerialAB) -> None:
-    costs = []
+    costs, replayed = [], []
     for run in serial_ab.slow:
         assert run.slow_s == pytest.approx(1.0)
         rep = analyze(run.run_dir, Config())
@@ -320,7 +325,10 @@ def test_mpi_straggler_stays_a_straggler(serial_ab: SerialAB) -> None:
             (f.kind, f.summary) for f in rep.findings
         ]
         costs.append(top.cost_s)
+        replayed.append(top.evidence["replay"]["saving_s"])
     saving = serial_ab.saving("slow")
+    print(f"straggler replayed {', '.join(f'{c:.3f}' for c in replayed)} s")
+    assert_prices_median(saving, replayed, rel=0.10, what="straggler replay saving")
     print(f"straggler priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
     # Measured (8 sets of 3 rounds, 2 cores, load 3-9): faulty loops 1.45-1.56 s, saved
     # 0.97-1.01 s, priced 0.97-1.01 s a run. The margin, 10% plus the healthy spread, fails
@@ -334,6 +342,12 @@ def test_mpi_healthy_twin_has_neither(serial_ab: SerialAB) -> None:
         rep = analyze(run.run_dir, Config())
         loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.kind in ("serial_section", "straggler")]
         assert loud == [], loud
+        # the replay reproduces the recorded run exactly, and no rank at its peers' pace saves 2%
+        m = replay.model(rep.run, rep.collectives)
+        assert m.reason == "" and len(m.order) > 20
+        assert np.array_equal(m.replay()[m.present], m.end_ns[m.present])
+        saves = [m.saving_s(replay.Change("", median_ranks=np.array([r]))) for r in range(4)]
+        assert max(saves) < 0.02 * rep.run.wall_s, saves
 
 
 #: the textbook case (issue 20): every 5th iteration rank 0 works 0.25 s alone, records
@@ -373,6 +387,12 @@ def test_mpi_root_preparing_its_bcast_alone_is_a_serial_section_not_a_straggler(
         rep = analyze(run.run_dir, Config())
         loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.kind in ("serial_section", "straggler")]
         assert loud == [], loud
+        # the replay reproduces the recorded run exactly, and no rank at its peers' pace saves 2%
+        m = replay.model(rep.run, rep.collectives)
+        assert m.reason == "" and len(m.order) > 20
+        assert np.array_equal(m.replay()[m.present], m.end_ns[m.present])
+        saves = [m.saving_s(replay.Change("", median_ranks=np.array([r]))) for r in range(4)]
+        assert max(saves) < 0.02 * rep.run.wall_s, saves
     saving = Saving(tuple(r.loop_s for r in faulty), tuple(r.loop_s for r in healthy))
     print(f"textbook serial section priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
     assert_prices_median(saving, costs, rel=0.10, what="serial_section cost")

@@ -91,6 +91,7 @@ from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.detectors.straggler import nobody_waits, one_to_many_root_late, root_world_ranks, secs, tally
 from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
+from distdiag.replay import Change
 from distdiag.run import _ranges
 from distdiag.schema import Kind
 
@@ -440,6 +441,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 kind="serial_section",
                 cost_s=cost_s,
                 summary=summary,
+                # removed: each lone window (the late rank working while the others wait in the collective)
+                change=Change(f"rank {k}'s lone windows before the collectives removed", cut_group=mine.astype(np.int64),
+                              cut_rank=windows[k][0], cut_ns=windows[k][3] - windows[k][2]),  # fmt: skip
                 ranks=ranks,
                 hosts=run.hosts_of(ranks),
                 evidence={

@@ -57,7 +57,8 @@ from distdiag.links import (
     p2p_transfers,
     union_s,
 )
-from distdiag.match import collectives_of
+from distdiag.match import Collectives, collectives_of
+from distdiag.replay import Change
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 summary=summary,
                 ranks=ranks,
                 hosts=[names[x] for x in (su or list(sp[0]))] if units.kind == "host" else [],
+                change=_change(colls, ct.group[sel], save, what),
                 links=link_names,
                 evidence={
                     "source": m.source,
@@ -213,3 +215,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             )
         )
     return findings
+
+
+def _change(colls: Collectives, groups: np.ndarray, save_s: np.ndarray, what: str) -> Change:
+    """The counterfactual: each collective over the link transfers ``save_s`` sooner (at the
+    median pair's bandwidth, as priced above). Point-to-point stays in the replay's segments."""
+    cut = np.zeros(len(colls), np.int64)
+    cut[groups] = (save_s * 1e9).astype(np.int64)
+    return Change(f"the collectives over the link(s) of {what} at the median pair's bandwidth", transfer_cut_ns=cut)

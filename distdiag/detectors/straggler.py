@@ -81,6 +81,7 @@ from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import MatchState, collectives_of, group_blocks, member_gaps_ns
 from distdiag.run import _ranges
+from distdiag.replay import Change
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                     "per_op": per_op,
                     "top_sites": by_site,
                 },
+                change=Change(f"rank {r}'s work before each collective at the other members' median",
+                              median_ranks=np.array([r], np.int64)),
                 advice=(
                     f"Find what rank {r}{' on ' + host if host else ''} does before its collectives{where} "
                     "that the others do not: uneven data or work split, extra I/O or logging on that rank, "
@@ -492,6 +495,8 @@ def _fold_hosts(
                     "top_sites": by_site,
                     "level": "host",
                 },
+                change=Change(f"the work of host {hosts[h]}'s ranks before each collective at the other "
+                              "members' median", median_ranks=np.asarray(ranks_here, np.int64)),
                 advice=(
                     f"Every rank on {hosts[h]} is late, not one: look at the node (a slower or throttled CPU/GPU, "
                     "other jobs on it, a slower file system mount, a different software stack)."

@@ -168,6 +168,9 @@ class TextRenderer:
             "  cost: " + self._c("cost", f"{fmt_s(f.cost_s)} = {f.fraction:.0%} of the {base}")
             + " (what the job would save without it)"
         )
+        rp = f.evidence.get("replay")
+        if isinstance(rp, dict):
+            out.append("  " + _replay_line(rp))
         if f.kind == "serial_section" and f.evidence.get("serial_fraction"):
             s = float(f.evidence["serial_fraction"])
             out.append(
@@ -276,9 +279,17 @@ class TextRenderer:
 
 #: evidence keys the verdict shows in their own words
 _EVIDENCE_SHOWN_ELSEWHERE = frozenset({"deduplicated", "serial_fraction", "amdahl_speedup_cap", "fraction_of",
-                                       "includes", "first_windows", "next_once_fixed", "lead_rank"})
+                                       "includes", "first_windows", "next_once_fixed", "lead_rank", "replay"})
 #: evidence tables (dicts, lists) the verdict shows under its scalars
 MAX_EVIDENCE_TABLES = 3
+
+
+def _replay_line(rp: dict[str, Any]) -> str:
+    """The replay's check of the cost: the run replayed with the cause removed (distdiag.replay)."""
+    what = str(rp.get("counterfactual", ""))
+    if rp.get("saving_s") is None:
+        return f"replayed: not priced ({rp.get('why_not', '')}); counterfactual: {what}"
+    return f"replayed: the run ends {fmt_s(float(rp['saving_s']))} sooner with {what}"
 
 
 def _coverage_lines(report: Any) -> list[str]:

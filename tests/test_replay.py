@@ -1,0 +1,243 @@
+"""distdiag.replay on small hand-built runs whose counterfactual exits are worked out by hand.
+
+Every run is written as real rank files (tests/factories.write_rank, one true
+clock) and goes through the analyzer's own load, align and match; the replay
+model is then asked what-if questions whose answers are computed in the
+comments. The MPI jobs that check the replay's prices against measured savings
+are in tests/test_serial_section.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distdiag import replay
+from distdiag.clocks import align
+from distdiag.findings import Finding
+from distdiag.match import collectives_of
+from distdiag.replay import Change
+from distdiag.run import load_run
+from distdiag.schema import Kind
+from factories import MS, coll, make_run, write_rank
+
+
+def phase(t0_ms: float, t1_ms: float, strings: list[str], name: str = "work") -> tuple[Any, ...]:
+    if name not in strings:
+        strings.append(name)
+    return (int(t0_ms * MS), int(t1_ms * MS), int(Kind.PHASE), strings.index(name), 0, -1, -1, 0, 0, 0, 0, 0.0)
+
+
+def model_of(run_dir: Path) -> replay.Model:
+    run = align(load_run(run_dir))
+    return replay.model(run, collectives_of(run))
+
+
+def ms(x: Any) -> Any:
+    return np.asarray(x) / MS
+
+
+def group_of(m: replay.Model, op: str) -> int:
+    """The one replayed group whose op is ``op``."""
+    c = m.colls
+    ids = [g for g in m.order.tolist() if c.strings[int(c.g_op[g])] == op]
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_the_recorded_durations_replay_the_recorded_exits(tmp_path: Path) -> None:
+    """16 ranks x 200 all-reduces with jitter and a straggler: every rank's replayed end is its recorded
+    end to the nanosecond, and a change that changes nothing saves nothing."""
+    make_run(tmp_path, world_size=16, iters=200, slow_rank=5, slow_ms=2.0, slow_every=3, seed=4)
+    m = model_of(tmp_path)
+    assert m.reason == "" and len(m.order) == 200
+    np.testing.assert_array_equal(m.replay(None)[m.present], m.end_ns[m.present])
+    np.testing.assert_array_equal(m.replay(Change("nothing"))[m.present], m.end_ns[m.present])
+    assert m.saving_s(Change("nothing")) == 0.0
+
+
+def test_a_straggler_at_its_peers_median_saves_what_it_cost(tmp_path: Path) -> None:
+    """Rank 2 computes 3 ms longer every iteration: at the others' median it saves about the truth's
+    cost (the simulation's last-minus-second-to-last arrivals); its healthy twin saves under 1%."""
+    t = make_run(tmp_path / "slow", world_size=8, iters=80, slow_rank=2, slow_ms=3.0, jitter_ms=0.2, seed=1)
+    m = model_of(tmp_path / "slow")
+    saving = m.saving_s(Change("rank 2 at the median", median_ranks=np.array([2])))
+    assert saving == pytest.approx(t.straggler_cost_s(2), rel=0.1)
+    assert m.saving_s(Change("rank 4 at the median", median_ranks=np.array([4]))) < 0.01 * saving
+    make_run(tmp_path / "ok", world_size=8, iters=80, jitter_ms=0.2, seed=1)
+    h = model_of(tmp_path / "ok")
+    wall = h.wall_ns / 1e9
+    for r in range(8):
+        assert h.saving_s(Change(f"rank {r} at the median", median_ranks=np.array([r]))) < 0.01 * wall
+
+
+def _rooted(tmp_path: Path, op: str, root: int, t: dict[int, tuple[float, float]],
+            then: tuple[float, ...] = (12.0, 13.0, 14.0)) -> replay.Model:  # fmt: skip
+    """3 ranks: a rooted collective ``op`` (arrival, exit per rank, ms), then an all-reduce whose
+    arrivals are ``then`` and whose exits are 15 ms; every rank ends at 15 ms."""
+    s: list[str] = [""]
+    for r in range(3):
+        rows = [phase(0.0, 0.5, s), coll(*t[r], 0, s, op=op, root=root), coll(then[r], 15.0, 1, s)]
+        write_rank(tmp_path, r, 3, rows, s)
+    m = model_of(tmp_path)
+    assert m.reason == ""
+    np.testing.assert_array_equal(ms(m.start_ns), [0, 0, 0])
+    np.testing.assert_array_equal(ms(m.end_ns), [15, 15, 15])
+    np.testing.assert_array_equal(m.replay(None), m.end_ns)
+    return m
+
+
+def test_a_bcast_waits_for_its_root_only(tmp_path: Path) -> None:
+    """Bcast from rank 0, which arrives at 10 ms (the others at 1 ms, waiting for it). 6 ms cut from
+    the root's work: root exit' 4 + 1 = 5; rank 1 max(1, 4) + (11.5 - 10) = 5.5; rank 2 4 + 1.2 = 5.2.
+    All-reduce: arrivals' 5 + 1 = 6, 5.5 + 1.5 = 7, 5.2 + 2.8 = 8; exits' 8 + 1 = 9: 6 ms saved."""
+    m = _rooted(tmp_path, "Bcast", 0, {0: (10.0, 11.0), 1: (1.0, 11.5), 2: (1.0, 11.2)})
+    b = group_of(m, "Bcast")
+    cut = Change("root's work 6 ms shorter", cut_group=np.array([b]), cut_rank=np.array([0]), cut_ns=np.array([6 * MS]))
+    np.testing.assert_array_equal(ms(m.replay(cut)), [9, 9, 9])
+    assert m.saving_s(cut) == pytest.approx(0.006, abs=1e-9)
+    # the same 6 ms cut from a waiting non-root changes nothing: the bcast waits for the root
+    idle = Change("rank 1's work 6 ms shorter", cut_group=np.array([b]), cut_rank=np.array([1]), cut_ns=np.array([6 * MS]))
+    assert m.saving_s(idle) == 0.0
+
+
+def test_a_non_root_that_comes_after_the_root_does_not_hold_it(tmp_path: Path) -> None:
+    """Bcast from rank 0 (arrives 10 ms); rank 2 comes after it (10.5, leaves 10.8 without waiting).
+    6 ms cut from the root: exits' 5, 5.5 and 10.8 (rank 2 still its own arrival + 0.3); the
+    all-reduce (arrivals 12, 13, 11.5; exits 15: transfer 2) gets 6, 7, 11.5: exits' 13.5, 1.5 ms
+    saved. Were the bcast waited on by every member, rank 2's 10.5 would hold all: nothing saved."""
+    m = _rooted(tmp_path / "b", "Bcast", 0, {0: (10.0, 11.0), 1: (1.0, 11.5), 2: (10.5, 10.8)}, then=(12.0, 13.0, 11.5))
+    b = group_of(m, "Bcast")
+    cut = Change("root's work 6 ms shorter", cut_group=np.array([b]), cut_rank=np.array([0]), cut_ns=np.array([6 * MS]))
+    np.testing.assert_allclose(ms(m.replay(cut)), [13.5, 13.5, 13.5])
+
+
+def test_launch_skew_is_not_a_stragglers(tmp_path: Path) -> None:
+    """Rank 3 reaches its first all-reduce 45 ms after the others (it started late: startup's to
+    price), then keeps pace for 5 more: at its peers' median it saves nothing; a rank 3 that is
+    also 2 ms slow before every later one saves 5 x 1.8 ms (down to its slowest peer, rank 2 at +0.2)."""
+    for d, extra in (("skew", 0.0), ("slow", 2.0)):
+        s: list[str] = [""]
+        for r in range(4):
+            rows = [phase(0.0, 0.5, s), coll(50.0 if r == 3 else 5.0, 51.0, 0, s)]
+            for i in range(1, 6):
+                t = 51.0 + 5.0 * i
+                rows.append(coll(t + (extra if r == 3 else 0.1 * r), t + extra + 1.0, i, s))
+            write_rank(tmp_path / d, r, 4, rows, s)
+        m = model_of(tmp_path / d)
+        assert m.saving_s(Change("rank 3 at the median", median_ranks=np.array([3]))) == pytest.approx(
+            0.005 * extra - (0.0002 * 5 if extra else 0.0), abs=1e-9)
+
+
+def test_a_reduce_keeps_its_non_roots_free(tmp_path: Path) -> None:
+    """Reduce to rank 0; rank 2 arrives at 10 ms, rank 1 leaves at 1.2 ms without waiting. 8 ms cut
+    from rank 2: root exit' max(1, 1, 2) + 0.5 = 2.5, rank 1 1 + 0.2 = 1.2 (never waited), rank 2
+    2 + 0.3 = 2.3; all-reduce arrivals' 2.5 + 1.5 = 4, 1.2 + 11.8 = 13, 2.3 + 3.7 = 6: exits' 13 + 1 = 14.
+    Rank 1's own work before the all-reduce binds now: 1 ms saved, not 8."""
+    m = _rooted(tmp_path, "Reduce", 0, {0: (1.0, 10.5), 1: (1.0, 1.2), 2: (10.0, 10.3)})
+    g = group_of(m, "Reduce")
+    cut = Change("rank 2's work 8 ms shorter", cut_group=np.array([g]), cut_rank=np.array([2]), cut_ns=np.array([8 * MS]))
+    np.testing.assert_allclose(ms(m.replay(cut)), [14, 14, 14])
+    assert m.saving_s(cut) == pytest.approx(0.001, abs=1e-9)
+
+
+def _two_ranks(tmp_path: Path) -> replay.Model:
+    """2 ranks, all-reduce A (arrivals 4, 9 ms; exits 10), all-reduce B (arrivals 12, 15; exits 16);
+    then rank 0 works until 20 ms, rank 1 until 30 ms."""
+    s: list[str] = [""]
+    write_rank(tmp_path, 0, 2, [phase(0.0, 1.0, s), coll(4.0, 10.0, 0, s), coll(12.0, 16.0, 1, s), phase(16.0, 20.0, s)], s)
+    write_rank(tmp_path, 1, 2, [phase(0.0, 1.0, s), coll(9.0, 10.0, 0, s), coll(15.0, 16.0, 1, s), phase(16.0, 30.0, s)], s)
+    m = model_of(tmp_path)
+    np.testing.assert_array_equal(ms(m.end_ns), [20, 30])
+    np.testing.assert_array_equal(m.replay(None), m.end_ns)
+    return m
+
+
+def test_dropped_time_leaves_segments_and_the_tail_and_counts_once(tmp_path: Path) -> None:
+    """Rank 1's [2, 4) and [3, 6) (4 ms of union, before A), [9.5, 11) (0.5 ms inside A: kept; 1 ms
+    before B) and [25, 28) (3 ms of its tail) dropped. A: arrivals' 4, 9 - 4 = 5, exits' 5 + 1 = 6;
+    B: 6 + 2 = 8, 6 + (5 - 1) = 10, exits' 11; ends' 11 + 4 = 15 and 11 + (14 - 3) = 22: 8 ms saved."""
+    m = _two_ranks(tmp_path)
+    drop = Change(
+        "rank 1's waits removed",
+        drop_rank=np.array([1, 1, 1, 1]),
+        drop_t0=np.array([2, 3, 9.5, 25]) * MS,
+        drop_t1=np.array([4, 6, 11, 28]) * MS,
+    )
+    np.testing.assert_array_equal(ms(m.replay(drop)), [15, 22])
+    assert m.saving_s(drop) == pytest.approx(0.008, abs=1e-9)
+    # rank 0's time (it waits in A anyway): dropping 2 ms of its work before A saves nothing
+    mine = Change("rank 0's", drop_rank=np.array([0]), drop_t0=np.array([1 * MS]), drop_t1=np.array([3 * MS]))
+    assert m.saving_s(mine) == 0.0
+
+
+def test_two_changes_together(tmp_path: Path) -> None:
+    """``plus``: rank 1's 4 ms before A and its 3 ms of tail, each alone and together (4 + 3 ms: the
+    tail binds the end either way); two transfer cuts of one group take the larger."""
+    m = _two_ranks(tmp_path)
+    early = Change("early", drop_rank=np.array([1]), drop_t0=np.array([2 * MS]), drop_t1=np.array([6 * MS]))
+    late = Change("late", drop_rank=np.array([1]), drop_t0=np.array([25 * MS]), drop_t1=np.array([28 * MS]))
+    both = early.plus(late)
+    assert both.what == "early; late"
+    assert m.saving_s(early) == pytest.approx(0.004, abs=1e-9)
+    assert m.saving_s(late) == pytest.approx(0.003, abs=1e-9)
+    assert m.saving_s(both) == pytest.approx(0.007, abs=1e-9)
+    n = len(m.colls)
+    b = group_of_seq(m, 1)
+    one, two = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    one[b], two[b] = MS // 2, MS // 4
+    fast = Change("B 0.5 ms faster", transfer_cut_ns=one).plus(Change("B 0.25 ms faster", transfer_cut_ns=two))
+    assert fast.transfer_cut_ns is not None and int(fast.transfer_cut_ns[b]) == MS // 2
+    np.testing.assert_array_equal(ms(m.replay(fast)), [19.5, 29.5])
+    assert m.saving_s(Change("B no transfer", transfer_cut_ns=one * 10)) == pytest.approx(0.001, abs=1e-9)
+
+
+def group_of_seq(m: replay.Model, seq: int) -> int:
+    c = m.colls
+    ids = [g for g in m.order.tolist() if int(c.g_seq[g]) == seq]
+    assert len(ids) == 1
+    return ids[0]
+
+
+def test_what_the_replay_cannot_see_is_said_not_priced_zero(tmp_path: Path) -> None:
+    """A cut of a non-blocking all-reduce (inside a segment, as recorded): evidence.replay says why
+    not, with no saving; a straggler change on the same run is priced."""
+    s: list[str] = [""]
+    for r in range(2):
+        rows = [phase(0.0, 1.0, s), coll(2.0, 3.0, 0, s, op="Iallreduce", kind=Kind.COLL_ASYNC), coll(5.0 + r, 8.0, 1, s)]
+        write_rank(tmp_path, r, 2, rows, s)
+    run = align(load_run(tmp_path))
+    colls = collectives_of(run)
+    m = replay.model(run, colls)
+    i = [g for g in range(len(colls)) if colls.strings[int(colls.g_op[g])] == "Iallreduce"]
+    assert len(i) == 1 and i[0] not in m.order.tolist()
+    async_cut = Change("the Iallreduce's", cut_group=np.array(i), cut_rank=np.array([0]), cut_ns=np.array([MS]))
+    assert not async_cut.touches(m)
+    assert Change("rank 1", median_ranks=np.array([1])).touches(m)
+    f = Finding("slow_link", 0.001, "x", change=async_cut)
+    g = Finding("straggler", 0.001, "y", change=Change("rank 1 at the median", median_ranks=np.array([1])))
+    replay.price([f, g], run, colls)
+    assert f.evidence["replay"] == {"saving_s": None, "counterfactual": "the Iallreduce's", "why_not": replay.NOT_REPLAYED}
+    assert g.evidence["replay"]["counterfactual"] == "rank 1 at the median" and "why_not" not in g.evidence["replay"]
+
+
+def test_a_run_whose_order_breaks_is_not_replayed(tmp_path: Path) -> None:
+    """Rank 0 bcasts (root, leaves at 1.1 ms) and then all-reduces with rank 2 on "sub" (last arrival
+    3.5 ms) while rank 1 reaches the bcast at 20 ms: by last arrival the all-reduce comes first,
+    against rank 0's own order. The model says so, and a finding's replay says why not."""
+    s: list[str] = [""]
+    write_rank(tmp_path, 0, 3, [phase(0.0, 0.5, s), coll(1.0, 1.1, 0, s, op="Bcast", root=0),
+                                coll(3.0, 4.0, 0, s, comm="sub")], s)  # fmt: skip
+    write_rank(tmp_path, 1, 3, [phase(0.0, 0.5, s), coll(20.0, 20.1, 0, s, op="Bcast", root=0)], s)
+    write_rank(tmp_path, 2, 3, [phase(0.0, 0.5, s), coll(2.0, 2.1, 0, s, op="Bcast", root=0),
+                                coll(3.5, 4.0, 0, s, comm="sub")], s)  # fmt: skip
+    run = align(load_run(tmp_path))
+    colls = collectives_of(run)
+    m = replay.model(run, colls)
+    assert "out of its own order" in m.reason
+    f = Finding("straggler", 0.001, "y", change=Change("rank 1 at the median", median_ranks=np.array([1])))
+    replay.price([f], run, colls)
+    assert f.evidence["replay"]["saving_s"] is None and f.evidence["replay"]["why_not"] == m.reason
