@@ -241,3 +241,18 @@ def test_a_run_whose_order_breaks_is_not_replayed(tmp_path: Path) -> None:
     f = Finding("straggler", 0.001, "y", change=Change("rank 1 at the median", median_ranks=np.array([1])))
     replay.price([f], run, colls)
     assert f.evidence["replay"]["saving_s"] is None and f.evidence["replay"]["why_not"] == m.reason
+
+
+def test_a_network_bound_run_replayed_with_a_network_that_takes_no_time(tmp_path: Path) -> None:
+    """4 ranks, 60 all-reduces whose transfers take 4 ms after 2 ms of compute: the network_bound
+    finding's replay (every such transfer at 0) saves 60 x 4 ms; with 0.3 ms transfers, no finding."""
+    from distdiag.config import Config
+    from distdiag.pipeline import analyze
+
+    make_run(tmp_path / "slow", world_size=4, iters=60, compute_ms=2.0, jitter_ms=0.05, transfer_ms=4.0)
+    got = [f for f in analyze(tmp_path / "slow", Config()).findings if f.kind == "network_bound"]
+    assert len(got) == 1
+    rp = got[0].evidence["replay"]
+    assert rp["saving_s"] == pytest.approx(60 * 0.004, rel=0.02) and "no time" in rp["counterfactual"]
+    make_run(tmp_path / "ok", world_size=4, iters=60, compute_ms=2.0, jitter_ms=0.05, transfer_ms=0.3)
+    assert analyze(tmp_path / "ok", Config()).findings == []

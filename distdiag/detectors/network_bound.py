@@ -36,6 +36,7 @@ from distdiag.findings import Finding
 from distdiag.intervals import union_length_by_key
 from distdiag.links import collective_transfers, network_bound, union_s
 from distdiag.match import collectives_of
+from distdiag.replay import Change
 
 ADVICE = (
     "measure the links to see whether one is slow: rerun with `distdiag-wrap --probe-links` "
@@ -43,6 +44,10 @@ ADVICE = (
     "overlap it (larger DDP buckets, gradient compression, fewer all-reduces per step) or "
     "use a faster fabric"
 )
+
+
+#: a transfer cut longer than any transfer: the replay's "the network took no time"
+_NO_TIME_NS = 1 << 60
 
 
 def _size_class(nbytes: np.ndarray) -> np.ndarray:
@@ -136,5 +141,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "localize": "distdiag-wrap --probe-links",
             },
             advice=ADVICE,
+            change=Change("the network-bound collectives' transfers taking no time (an upper bound)",
+                          transfer_cut_ns=np.where(chosen, _NO_TIME_NS, 0).astype(np.int64)),  # fmt: skip
         )
     ]

@@ -66,6 +66,7 @@ from distdiag.breakdown import startup_ends
 from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.replay import Change
 from distdiag.rows import rows_of
 from distdiag.schema import FILE_KINDS, Kind
 
@@ -240,5 +241,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 ),
                 "per_rank": per_rank,
             },
+            # for the replay: each rank's setup (its imports' end, less their excess, to its first step) removed
+            change=Change("each rank straight from its imports to its first step (the setup taking no time)",
+                          drop_rank=present, drop_t0=np.maximum(s0, (m[present] - excess[present]).astype(np.int64)),
+                          drop_t1=e.astype(np.int64)),  # fmt: skip
         )
     ]
