@@ -80,7 +80,9 @@ class Change:
     drop_t1: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def plus(self, other: Change) -> Change:
-        """Both changes at once (the cumulative ranking: the first cause removed, then the next)."""
+        """Both changes at once (the cumulative ranking: the first cause removed, then the next).
+        Dropped rank-time counts once where both drop it (the replay takes the union); cuts add up,
+        so a detector whose cause is rank-time states it as drops."""
         cut = self.transfer_cut_ns
         if other.transfer_cut_ns is not None:  # two causes of one slow transfer: the larger cut
             cut = other.transfer_cut_ns if cut is None else np.maximum(cut, other.transfer_cut_ns)
@@ -328,15 +330,16 @@ def _positions(r: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.where((at < len(r)) & (r[np.minimum(found, len(r) - 1)] == want), found, len(r))
 
 
-def price(findings: list[Any], run: Any, colls: Collectives) -> None:
+def price(findings: list[Any], run: Any, colls: Collectives) -> Model | None:
     """Each finding that states its counterfactual (``Finding.change``) gets ``evidence.replay``:
-    the wall-clock the replay saves without it, and the counterfactual in words."""
+    the wall-clock the replay saves without it, and the counterfactual in words. Returns the
+    model (for :func:`cumulate`), None when nothing was replayed."""
     for f in findings:  # a handful
         if f.change is None:
             f.change = claims_change(f, run)
     mine = [f for f in findings if f.change is not None]
     if not mine or len(colls) == 0:
-        return
+        return None
     m = model(run, colls)
     for f in mine:  # a handful
         why = m.reason or ("" if f.change.touches(m) else NOT_REPLAYED)
@@ -345,6 +348,27 @@ def price(findings: list[Any], run: Any, colls: Collectives) -> None:
             continue
         f.evidence["replay"] = {"saving_s": round(max(0.0, m.saving_s(f.change)), 4),
                                 "counterfactual": f.change.what}  # fmt: skip
+    return m
+
+
+def cumulate(ranked: list[Any], m: Model) -> None:
+    """The causes removed one after another in the ranking's order: each replayed finding's
+    ``evidence.replay`` gets ``together_s`` (the saving with it and every replayed finding ranked
+    above it removed at once) and ``after_above_s`` (what it adds to those above: its own share,
+    each second counted once by construction). Measured: a serial section replayed at 1.20 s and
+    a straggler on another rank at 0.40 s, together 1.60 s, against 1.60 s saved by the job run
+    without both (tests/test_ranking.py)."""
+    acc: Change | None = None
+    before = 0.0
+    for f in ranked:  # a handful: one replay each
+        rp = f.evidence.get("replay")
+        if f.change is None or not isinstance(rp, dict) or rp.get("saving_s") is None:
+            continue
+        acc = f.change if acc is None else acc.plus(f.change)
+        together = max(0.0, m.saving_s(acc))
+        rp["together_s"] = round(together, 4)
+        rp["after_above_s"] = round(max(0.0, together - before), 4)
+        before = together
 
 
 #: why a change the replay cannot see is not priced (rather than priced 0)

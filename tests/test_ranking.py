@@ -100,7 +100,7 @@ def test_text_report_puts_the_verdict_first_with_the_next_one(tmp_path: Path) ->
 @pytest.mark.mpi
 def test_mpi_two_causes_of_very_different_size_are_ranked_with_their_costs(tmp_path: Path) -> None:
     slow = ("--slow-rank", "2", "--slow-s", "0.02")  # 0.4 s injected, against SERIAL's 1.2 s
-    variants = {"faulty": (*SERIAL, *slow), "no_serial": slow, "no_straggler": SERIAL}
+    variants = {"faulty": (*SERIAL, *slow), "no_serial": slow, "no_straggler": SERIAL, "neither": ()}
     faulty: list[SerialRun] = []
 
     def run(variant: str, i: int) -> float:
@@ -109,8 +109,9 @@ def test_mpi_two_causes_of_very_different_size_are_ranked_with_their_costs(tmp_p
             faulty.append(r)
         return r.loop_s
 
-    savings = measure_savings(run, ["no_serial", "no_straggler"], rounds=3)
+    savings = measure_savings(run, ["no_serial", "no_straggler", "neither"], rounds=3)
     costs: dict[str, list[float]] = {"serial_section": [], "straggler": []}
+    replayed: dict[str, list[float]] = {"serial_section": [], "straggler": [], "together": []}
     for r in faulty:
         assert (r.serial_s, r.slow_s) == pytest.approx((1.2, 0.4))
         rep = analyze(r.run_dir, Config())
@@ -121,6 +122,8 @@ def test_mpi_two_causes_of_very_different_size_are_ranked_with_their_costs(tmp_p
         assert rep.verdict is loud[0]
         for f in loud[:2]:
             costs[f.kind].append(f.cost_s)
+            replayed[f.kind].append(f.evidence["replay"]["saving_s"])
+        replayed["together"].append(loud[1].evidence["replay"]["together_s"])  # both removed, replayed
     for kind, twin in (("serial_section", "no_serial"), ("straggler", "no_straggler")):
         print(f"{kind} priced {', '.join(f'{c:.3f}' for c in costs[kind])} s: {savings[twin]}")
     # Each price is what the job saves without that cause alone: the faulty loops against
@@ -131,6 +134,12 @@ def test_mpi_two_causes_of_very_different_size_are_ranked_with_their_costs(tmp_p
     # scaled by 1.25 and a straggler price scaled by 0.75.
     assert_prices_median(savings["no_serial"], costs["serial_section"], rel=0.10, what="serial_section cost")
     assert_prices_median(savings["no_straggler"], costs["straggler"], rel=0.10, what="straggler cost")
+    # the replay (distdiag/replay.py): each cause alone, and both removed at once against the job
+    # run with neither fault (the cumulative replay in the ranking's order)
+    print(f"replayed {replayed}: {savings['neither']}")
+    assert_prices_median(savings["no_serial"], replayed["serial_section"], rel=0.10, what="serial_section replayed")
+    assert_prices_median(savings["no_straggler"], replayed["straggler"], rel=0.10, what="straggler replayed")
+    assert_prices_median(savings["neither"], replayed["together"], rel=0.10, what="both replayed together")
 
 
 # --- the terminal: colour and progress only on a TTY ------------------------------------

@@ -256,3 +256,25 @@ def test_a_network_bound_run_replayed_with_a_network_that_takes_no_time(tmp_path
     assert rp["saving_s"] == pytest.approx(60 * 0.004, rel=0.02) and "no time" in rp["counterfactual"]
     make_run(tmp_path / "ok", world_size=4, iters=60, compute_ms=2.0, jitter_ms=0.05, transfer_ms=0.3)
     assert analyze(tmp_path / "ok", Config()).findings == []
+
+
+def test_causes_removed_one_after_another_count_each_second_once(tmp_path: Path) -> None:
+    """``cumulate`` in the ranking's order: rank 1's 4 ms before A (saves 4), the same rank-time
+    claimed again by a second finding (adds 0: the union), its 3 ms of tail (adds 3); a finding the
+    replay cannot see is left out of the sum."""
+    m = _two_ranks(tmp_path)
+
+    def f(kind: str, ch: Change | None) -> Finding:
+        x = Finding(kind, 0.0, kind, change=ch)
+        if ch is not None:
+            x.evidence["replay"] = {"saving_s": m.saving_s(ch), "counterfactual": ch.what}
+        return x
+
+    early = Change("early", drop_rank=np.array([1]), drop_t0=np.array([2 * MS]), drop_t1=np.array([6 * MS]))
+    again = Change("again", drop_rank=np.array([1, 1]), drop_t0=np.array([2, 4]) * MS, drop_t1=np.array([4, 6]) * MS)
+    late = Change("late", drop_rank=np.array([1]), drop_t0=np.array([25 * MS]), drop_t1=np.array([28 * MS]))
+    ranked = [f("input_bound", early), f("io_bound", again), f("hang", None), f("startup", late)]
+    replay.cumulate(ranked, m)
+    got = [(x.evidence["replay"]["together_s"], x.evidence["replay"]["after_above_s"]) for x in ranked if x.change]
+    assert got == [(0.004, 0.004), (0.004, 0.0), (0.007, 0.003)]
+    assert "replay" not in ranked[2].evidence

@@ -441,9 +441,10 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 kind="serial_section",
                 cost_s=cost_s,
                 summary=summary,
-                # removed: each lone window (the late rank working while the others wait in the collective)
-                change=Change(f"rank {k}'s lone windows before the collectives removed", cut_group=mine.astype(np.int64),
-                              cut_rank=windows[k][0], cut_ns=windows[k][3] - windows[k][2]),  # fmt: skip
+                # removed: each lone window (the late rank working while the others wait in the collective), as
+                # rank-time, so that a cause claiming the same time (an I/O finding) counts it once with it
+                change=Change(f"rank {k}'s lone windows before the collectives removed", drop_rank=windows[k][0],
+                              drop_t0=windows[k][2], drop_t1=windows[k][3]),  # fmt: skip
                 ranks=ranks,
                 hosts=run.hosts_of(ranks),
                 evidence={

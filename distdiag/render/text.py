@@ -171,6 +171,11 @@ class TextRenderer:
         rp = f.evidence.get("replay")
         if isinstance(rp, dict):
             out.append("  " + _replay_line(rp))
+        tog = [g.evidence["replay"] for g in report.findings
+               if isinstance(g.evidence.get("replay"), dict) and g.evidence["replay"].get("together_s") is not None]  # fmt: skip
+        if len(tog) > 1:
+            out.append(f"  replayed together: the {len(tog)} causes replayed, removed at once, end the run "
+                       f"{fmt_s(float(tog[-1]['together_s']))} sooner (each second counted once)")  # fmt: skip
         if f.kind == "serial_section" and f.evidence.get("serial_fraction"):
             s = float(f.evidence["serial_fraction"])
             out.append(
