@@ -98,6 +98,16 @@ class Change:
             drop_t1=np.concatenate([self.drop_t1, other.drop_t1]).astype(np.int64),
         )
 
+    def reaches(self, m: Model, t_ns: int) -> bool:
+        """True when the change alters the run at or after ``t_ns`` (a straggler's pace: always)."""
+        if len(self.median_ranks) or (len(self.drop_t1) and bool((self.drop_t1 > t_ns).any())):
+            return True
+        c = m.colls
+        if len(self.cut_group) and bool((c.g_last_ns[self.cut_group] > t_ns).any()):
+            return True
+        cut = self.transfer_cut_ns
+        return cut is not None and bool((c.g_last_ns[m.order][cut[m.order] > 0] > t_ns).any())
+
     def touches(self, m: Model) -> bool:
         """True when the change alters something the replay replays (else it would price 0 wrongly)."""
         if len(self.median_ranks) or len(self.drop_rank):
@@ -126,6 +136,10 @@ class Model:
     wall_ns: int
     #: why the run cannot be replayed ("" when it can)
     reason: str = ""
+    #: from this time (ns) on the ranks also synchronize through what the replay keeps as recorded
+    #: (non-blocking collectives, point-to-point calls and waits): a change there is not replayed
+    coupled_from_ns: int = np.iinfo(np.int64).max
+    coupled_why: str = ""
 
     def replay(self, change: Change | None = None) -> np.ndarray:
         """Each rank's end (ns, indexed by rank) when the run is replayed with ``change``."""
@@ -172,10 +186,47 @@ def model(run: Any, colls: Collectives) -> Model:
     scheme[rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))] = 1
     scheme[rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))] = 2
     m = Model(colls, order, scheme, root, start, end, present, wall)
+    m.coupled_from_ns, m.coupled_why = _coupling(run, colls, ok, blocking, wall)
     bad = _replay(m, None, check=True)
     if bad:
         m.reason = bad
     return m
+
+
+#: the share of the replayed groups that non-blocking ones may reach, and of the wall-clock that
+#: any rank may spend in blocking point-to-point calls and waits, before the replay stops there
+ASYNC_SHARE = 0.01
+P2P_SHARE = 0.05
+
+
+def _coupling(run: Any, colls: Collectives, ok: np.ndarray, blocking: np.ndarray, wall_ns: int) -> tuple[int, str]:
+    """(from when, why) the ranks synchronize through what the replay does not model: complete
+    non-blocking collectives of two or more members (DDP's gradient buckets) past ``ASYNC_SHARE``
+    of the blocking ones, or a rank's blocking point-to-point calls and waits past ``P2P_SHARE``
+    of the wall-clock. (int64 max, "") when neither."""
+    from distdiag.match import MatchState
+    from distdiag.rows import rows_of
+
+    t = int(np.iinfo(np.int64).max)
+    why = []
+    nb = (~blocking) & (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2)
+    n_async = int(nb.sum())
+    if n_async > ASYNC_SHARE * max(int(ok.sum()), 1):
+        t = min(t, int(colls.g_first_ns[nb].min()))
+        why.append(f"{n_async} non-blocking collectives (DDP's gradient buckets, Iallreduce, ...)")
+    rows = rows_of(run, (int(Kind.SEND), int(Kind.RECV), int(Kind.WAIT)))
+    if len(rows) and wall_ns > 0:
+        ev = run.events
+        r = ev["rank"][rows].astype(np.int64)
+        t0 = ev["t0_ns"][rows].astype(np.int64)
+        held = intervals.union_length_by_key(r, t0, np.maximum(ev["t1_ns"][rows], t0), int(r.max()) + 1)
+        if float(held.max()) > P2P_SHARE * wall_ns:
+            t = min(t, int(t0.min()))
+            why.append(f"point-to-point calls and waits (up to {float(held.max()) / 1e9:.3g} s a rank)")
+    if not why:
+        return t, ""
+    return t, ("from then on the ranks also synchronize through " + " and ".join(why) + ", which the replay "
+               "keeps as recorded: a change there is not replayed")  # fmt: skip
 
 
 def _replay(m: Model, change: Change | None, check: bool = False) -> Any:
@@ -343,6 +394,8 @@ def price(findings: list[Any], run: Any, colls: Collectives) -> Model | None:
     m = model(run, colls)
     for f in mine:  # a handful
         why = m.reason or ("" if f.change.touches(m) else NOT_REPLAYED)
+        if not why and f.change.reaches(m, m.coupled_from_ns):
+            why = m.coupled_why
         if why:
             f.evidence["replay"] = {"saving_s": None, "counterfactual": f.change.what, "why_not": why}
             continue

@@ -204,10 +204,12 @@ def group_of_seq(m: replay.Model, seq: int) -> int:
 
 def test_what_the_replay_cannot_see_is_said_not_priced_zero(tmp_path: Path) -> None:
     """A cut of a non-blocking all-reduce (inside a segment, as recorded): evidence.replay says why
-    not, with no saving; a straggler change on the same run is priced."""
+    not, with no saving; a straggler change on the same run is priced (one non-blocking collective
+    among 200 blocking ones: under ASYNC_SHARE, the run is not coupled through them)."""
     s: list[str] = [""]
     for r in range(2):
-        rows = [phase(0.0, 1.0, s), coll(2.0, 3.0, 0, s, op="Iallreduce", kind=Kind.COLL_ASYNC), coll(5.0 + r, 8.0, 1, s)]
+        rows = [phase(0.0, 1.0, s), coll(2.0, 3.0, 0, s, op="Iallreduce", kind=Kind.COLL_ASYNC)]
+        rows += [coll(5.0 + 5 * i + r, 8.0 + 5 * i, 1 + i, s) for i in range(200)]
         write_rank(tmp_path, r, 2, rows, s)
     run = align(load_run(tmp_path))
     colls = collectives_of(run)
@@ -278,3 +280,47 @@ def test_causes_removed_one_after_another_count_each_second_once(tmp_path: Path)
     got = [(x.evidence["replay"]["together_s"], x.evidence["replay"]["after_above_s"]) for x in ranked if x.change]
     assert got == [(0.004, 0.004), (0.004, 0.0), (0.007, 0.003)]
     assert "replay" not in ranked[2].evidence
+
+
+def test_a_run_coupled_through_non_blocking_collectives_is_replayed_only_before_them(tmp_path: Path) -> None:
+    """A blocking all-reduce at 5-6 ms, then 20 Iallreduces (DDP's buckets: how the ranks wait for
+    each other from then on, which the replay keeps as recorded). Rank 1's 3 ms before the
+    all-reduce are priced; its time after the first Iallreduce, and a straggler's pace, are not."""
+    s: list[str] = [""]
+    for r in range(2):
+        rows = [phase(0.0, 1.0, s), coll(5.0 + r, 7.0, 0, s)]
+        rows += [coll(10.0 + 2 * i, 11.0 + 2 * i, 1 + i, s, op="Iallreduce", kind=Kind.COLL_ASYNC) for i in range(20)]
+        rows.append(phase(50.0, 60.0, s))
+        write_rank(tmp_path, r, 2, rows, s)
+    run = align(load_run(tmp_path))
+    colls = collectives_of(run)
+    m = replay.model(run, colls)
+    assert m.reason == "" and m.coupled_from_ns == 10 * MS and "20 non-blocking" in m.coupled_why
+    early = Finding("input_bound", 0.0, "a", change=Change("early", drop_rank=np.array([1]),
+                                                            drop_t0=np.array([2 * MS]), drop_t1=np.array([5 * MS])))  # fmt: skip
+    late = Finding("input_bound", 0.0, "b", change=Change("late", drop_rank=np.array([1]),
+                                                           drop_t0=np.array([52 * MS]), drop_t1=np.array([55 * MS])))  # fmt: skip
+    pace = Finding("straggler", 0.0, "c", change=Change("pace", median_ranks=np.array([1])))
+    replay.price([early, late, pace], run, colls)
+    assert early.evidence["replay"]["saving_s"] == pytest.approx(0.001, abs=1e-6)  # rank 0 arrives at 5, rank 1 at 6 - 3
+    for f in (late, pace):
+        assert f.evidence["replay"]["saving_s"] is None and f.evidence["replay"]["why_not"] == m.coupled_why
+
+
+def test_point_to_point_waits_couple_the_run_from_the_first(tmp_path: Path) -> None:
+    """Rank 1 receives from rank 0 for 20 ms of a 70 ms run (a halo exchange the replay keeps as
+    recorded): a change after the first receive is not replayed; 1 ms of receives would not count."""
+    for d, recv_ms in (("p2p", 20.0), ("little", 1.0)):
+        s: list[str] = [""]
+        for r in range(2):
+            rows = [phase(0.0, 1.0, s), coll(5.0 + r, 7.0, 0, s)]
+            if r == 1:
+                rows.append((int(10 * MS), int((10 + recv_ms) * MS), int(Kind.RECV), 0, 0, -1, 0, 1024, 0, 0, 0, 0.0))
+            rows.append(phase(40.0, 60.0 + 10 * r, s))  # rank 1 ends last, at 70 ms
+            write_rank(tmp_path / d, r, 2, rows, s)
+        m = model_of(tmp_path / d)
+        late = Change("late", drop_rank=np.array([1]), drop_t0=np.array([45 * MS]), drop_t1=np.array([48 * MS]))
+        if recv_ms > 1.0:
+            assert m.coupled_from_ns == 10 * MS and "point-to-point" in m.coupled_why and late.reaches(m, m.coupled_from_ns)
+        else:
+            assert m.coupled_why == "" and m.saving_s(late) == pytest.approx(0.003, abs=1e-6)
