@@ -40,12 +40,9 @@ def ms(x: Any) -> Any:
     return np.asarray(x) / MS
 
 
-def group_of(m: replay.Model, op: str) -> int:
-    """The one replayed group whose op is ``op``."""
-    c = m.colls
-    ids = [g for g in m.order.tolist() if c.strings[int(c.g_op[g])] == op]
-    assert len(ids) == 1, ids
-    return ids[0]
+def drop(what: str, rank: int, t0_ms: float, t1_ms: float) -> Change:
+    """``rank``'s time [t0_ms, t1_ms) taken out of its run."""
+    return Change(what, drop_rank=np.array([rank]), drop_t0=np.array([int(t0_ms * MS)]), drop_t1=np.array([int(t1_ms * MS)]))
 
 
 def test_the_recorded_durations_replay_the_recorded_exits(tmp_path: Path) -> None:
@@ -95,12 +92,11 @@ def test_a_bcast_waits_for_its_root_only(tmp_path: Path) -> None:
     the root's work: root exit' 4 + 1 = 5; rank 1 max(1, 4) + (11.5 - 10) = 5.5; rank 2 4 + 1.2 = 5.2.
     All-reduce: arrivals' 5 + 1 = 6, 5.5 + 1.5 = 7, 5.2 + 2.8 = 8; exits' 8 + 1 = 9: 6 ms saved."""
     m = _rooted(tmp_path, "Bcast", 0, {0: (10.0, 11.0), 1: (1.0, 11.5), 2: (1.0, 11.2)})
-    b = group_of(m, "Bcast")
-    cut = Change("root's work 6 ms shorter", cut_group=np.array([b]), cut_rank=np.array([0]), cut_ns=np.array([6 * MS]))
+    cut = drop("root's work 6 ms shorter", 0, 2.0, 8.0)
     np.testing.assert_array_equal(ms(m.replay(cut)), [9, 9, 9])
     assert m.saving_s(cut) == pytest.approx(0.006, abs=1e-9)
-    # the same 6 ms cut from a waiting non-root changes nothing: the bcast waits for the root
-    idle = Change("rank 1's work 6 ms shorter", cut_group=np.array([b]), cut_rank=np.array([1]), cut_ns=np.array([6 * MS]))
+    # a waiting non-root's work before it (all of it: 1 ms) taken out changes nothing: the bcast waits for the root
+    idle = drop("rank 1's work taken out", 1, 0.0, 1.0)
     assert m.saving_s(idle) == 0.0
 
 
@@ -110,8 +106,7 @@ def test_a_non_root_that_comes_after_the_root_does_not_hold_it(tmp_path: Path) -
     all-reduce (arrivals 12, 13, 11.5; exits 15: transfer 2) gets 6, 7, 11.5: exits' 13.5, 1.5 ms
     saved. Were the bcast waited on by every member, rank 2's 10.5 would hold all: nothing saved."""
     m = _rooted(tmp_path / "b", "Bcast", 0, {0: (10.0, 11.0), 1: (1.0, 11.5), 2: (10.5, 10.8)}, then=(12.0, 13.0, 11.5))
-    b = group_of(m, "Bcast")
-    cut = Change("root's work 6 ms shorter", cut_group=np.array([b]), cut_rank=np.array([0]), cut_ns=np.array([6 * MS]))
+    cut = drop("root's work 6 ms shorter", 0, 2.0, 8.0)
     np.testing.assert_allclose(ms(m.replay(cut)), [13.5, 13.5, 13.5])
 
 
@@ -138,8 +133,7 @@ def test_a_reduce_keeps_its_non_roots_free(tmp_path: Path) -> None:
     2 + 0.3 = 2.3; all-reduce arrivals' 2.5 + 1.5 = 4, 1.2 + 11.8 = 13, 2.3 + 3.7 = 6: exits' 13 + 1 = 14.
     Rank 1's own work before the all-reduce binds now: 1 ms saved, not 8."""
     m = _rooted(tmp_path, "Reduce", 0, {0: (1.0, 10.5), 1: (1.0, 1.2), 2: (10.0, 10.3)})
-    g = group_of(m, "Reduce")
-    cut = Change("rank 2's work 8 ms shorter", cut_group=np.array([g]), cut_rank=np.array([2]), cut_ns=np.array([8 * MS]))
+    cut = drop("rank 2's work 8 ms shorter", 2, 1.0, 9.0)
     np.testing.assert_allclose(ms(m.replay(cut)), [14, 14, 14])
     assert m.saving_s(cut) == pytest.approx(0.001, abs=1e-9)
 
@@ -203,7 +197,7 @@ def group_of_seq(m: replay.Model, seq: int) -> int:
 
 
 def test_what_the_replay_cannot_see_is_said_not_priced_zero(tmp_path: Path) -> None:
-    """A cut of a non-blocking all-reduce (inside a segment, as recorded): evidence.replay says why
+    """A faster transfer of a non-blocking all-reduce (inside a segment, as recorded): evidence.replay says why
     not, with no saving; a straggler change on the same run is priced (one non-blocking collective
     among 200 blocking ones: under ASYNC_SHARE, the run is not coupled through them)."""
     s: list[str] = [""]
@@ -216,7 +210,9 @@ def test_what_the_replay_cannot_see_is_said_not_priced_zero(tmp_path: Path) -> N
     m = replay.model(run, colls)
     i = [g for g in range(len(colls)) if colls.strings[int(colls.g_op[g])] == "Iallreduce"]
     assert len(i) == 1 and i[0] not in m.order.tolist()
-    async_cut = Change("the Iallreduce's", cut_group=np.array(i), cut_rank=np.array([0]), cut_ns=np.array([MS]))
+    fast = np.zeros(len(colls), np.int64)
+    fast[i] = MS
+    async_cut = Change("the Iallreduce's", transfer_cut_ns=fast)
     assert not async_cut.touches(m)
     assert Change("rank 1", median_ranks=np.array([1])).touches(m)
     f = Finding("slow_link", 0.001, "x", change=async_cut)

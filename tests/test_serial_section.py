@@ -336,18 +336,25 @@ def test_mpi_straggler_stays_a_straggler(serial_ab: SerialAB) -> None:
     assert_prices_median(saving, costs, rel=0.10, what="straggler cost")
 
 
+def assert_replays_healthy(rep: Report, noise_s: float) -> None:
+    """A healthy run: the replay gives back its recorded ends exactly, and no rank at its peers'
+    pace saves 2% of the wall-clock, plus the healthy runs' measured spread (a descheduled rank's
+    late arrivals on a loaded machine are a real saving of that run, not a straggler)."""
+    m = replay.model(rep.run, rep.collectives)
+    assert m.reason == "" and len(m.order) > 20
+    assert np.array_equal(m.replay()[m.present], m.end_ns[m.present])
+    saves = [m.saving_s(replay.Change("", median_ranks=np.array([r]))) for r in sorted(rep.run.ranks)]
+    assert max(saves) < 0.02 * rep.run.wall_s + noise_s, (saves, noise_s)
+
+
 @pytest.mark.mpi
 def test_mpi_healthy_twin_has_neither(serial_ab: SerialAB) -> None:
+    noise = serial_ab.saving("slow").noise_s
     for run in serial_ab.healthy:  # every healthy twin stays silent
         rep = analyze(run.run_dir, Config())
         loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.kind in ("serial_section", "straggler")]
         assert loud == [], loud
-        # the replay reproduces the recorded run exactly, and no rank at its peers' pace saves 2%
-        m = replay.model(rep.run, rep.collectives)
-        assert m.reason == "" and len(m.order) > 20
-        assert np.array_equal(m.replay()[m.present], m.end_ns[m.present])
-        saves = [m.saving_s(replay.Change("", median_ranks=np.array([r]))) for r in range(4)]
-        assert max(saves) < 0.02 * rep.run.wall_s, saves
+        assert_replays_healthy(rep, noise)
 
 
 #: the textbook case (issue 20): every 5th iteration rank 0 works 0.25 s alone, records
@@ -383,17 +390,12 @@ def test_mpi_root_preparing_its_bcast_alone_is_a_serial_section_not_a_straggler(
         assert top.evidence["why_serial"]["intermittent"] == 0  # late at every call of its line
         assert of_kind(rep, "straggler") == []
         costs.append(top.cost_s)
+    saving = Saving(tuple(r.loop_s for r in faulty), tuple(r.loop_s for r in healthy))
     for run in healthy:  # the twin stays silent
         rep = analyze(run.run_dir, Config())
         loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.kind in ("serial_section", "straggler")]
         assert loud == [], loud
-        # the replay reproduces the recorded run exactly, and no rank at its peers' pace saves 2%
-        m = replay.model(rep.run, rep.collectives)
-        assert m.reason == "" and len(m.order) > 20
-        assert np.array_equal(m.replay()[m.present], m.end_ns[m.present])
-        saves = [m.saving_s(replay.Change("", median_ranks=np.array([r]))) for r in range(4)]
-        assert max(saves) < 0.02 * rep.run.wall_s, saves
-    saving = Saving(tuple(r.loop_s for r in faulty), tuple(r.loop_s for r in healthy))
+        assert_replays_healthy(rep, saving.noise_s)
     print(f"textbook serial section priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
     assert_prices_median(saving, costs, rel=0.10, what="serial_section cost")
 

@@ -280,9 +280,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             a_ns, b_ns = np.maximum(fa["t0_ns"], w0), np.minimum(fa["t1_ns"], w1)
             seen = union_length_by_key(r, a_ns, b_ns, n_ranks_all)
             g_r, g_a, g_b = _idle_gaps(r, a_ns, b_ns, colls)
-            blocked = union_length_by_key(np.concatenate([r, g_r]), np.concatenate([a_ns, g_a]), np.concatenate([b_ns, g_b]),
-                               n_ranks_all)  # fmt: skip
-            blocked_ivs.append((np.concatenate([r, g_r]), np.concatenate([a_ns, g_a]), np.concatenate([b_ns, g_b])))
+            ivs = (np.concatenate([r, g_r]), np.concatenate([a_ns, g_a]), np.concatenate([b_ns, g_b]))
+            blocked = union_length_by_key(*ivs, n_ranks_all)
+            blocked_ivs.append(ivs)
             cost_ns = float(blocked.max())
             ranks = np.flatnonzero(blocked > 0)
             all_ranks.update(int(x) for x in ranks)
