@@ -58,6 +58,7 @@ Settings (``[analyze.startup]``): ``min_fraction``, ``healthy_call_ms`` (1.0),
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,24 @@ def shared_fs_rows(run: Any, rows: np.ndarray) -> np.ndarray:
     uniq, inv = np.unique(aux, return_inverse=True)
     shared = np.fromiter((u > 0 and run.s(int(u)).split(":", 1)[0] not in LOCAL_FSTYPES for u in uniq), bool, len(uniq))
     return shared[inv]  # type: ignore[no-any-return]
+
+
+def import_paths(run: Any, nid: np.ndarray) -> np.ndarray:
+    """Which of these path ids (``name_id`` of file rows) an import touches: a module path, or a
+    directory holding one of the run's module paths at any depth (the import system stats and
+    lists each ``sys.path`` entry and package directory it searches). One test a distinct path:
+    ``["/a/pkg/__init__.py", "/a/pkg", "/a", "/a/data.bin"]`` -> True, True, True, False."""
+    uniq, inv = np.unique(nid, return_inverse=True)
+    paths = [run.s(int(u)) for u in uniq]  # distinct paths
+    is_mod = np.fromiter((_is_module(p) for p in paths), bool, len(paths))
+    dirs: set[str] = set()
+    for p in (p for p, m in zip(paths, is_mod) if m):  # distinct module paths
+        d = os.path.dirname(p)
+        while d and d not in dirs:
+            dirs.add(d)
+            d = os.path.dirname(d) if d != os.path.dirname(d) else ""
+    is_imp = is_mod | np.fromiter((p.rstrip("/") in dirs for p in paths), bool, len(paths))
+    return is_imp[inv]  # type: ignore[no-any-return]
 
 
 def module_rows(run: Any) -> np.ndarray:
