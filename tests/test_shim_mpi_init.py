@@ -312,3 +312,41 @@ def test_nccl_probe_with_device_id_runs_at_init(monkeypatch: pytest.MonkeyPatch)
         probe.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_one_rank_mpi_singleton_does_not_spend_the_torch_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torchrun program that also imports mpi4py (some libraries do) runs MPI as a singleton of one
+    rank: nothing to probe there, and the one probe of the process must still run on the torch group.
+    (It was spent on the singleton: the torch group, the one spanning the ranks, was never probed.)
+    Real mpi4py, imported in this process as such a program does; FAKE cuda and transport as above."""
+    pytest.importorskip("mpi4py.MPI")  # MPI_Init at import: a singleton of one rank here
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from distdiag.shim import probe
+    from distdiag.shim.recorder import Recorder
+
+    FakeCuda().install(monkeypatch, torch)
+    made: list[tuple[str, Any]] = []
+
+    class FakeTransport:
+        """FAKE TorchTransport: notes the device; one rank, so no probe."""
+
+        name = "torch"
+
+        def __init__(self, pg: Any, timeout_s: float, device: Any = None) -> None:
+            made.append(("torch", device))
+            self.rank, self.world_size = 0, 1
+
+    monkeypatch.setattr(probe, "TorchTransport", FakeTransport)
+    monkeypatch.setattr(probe, "_is_nccl", lambda pg: True)  # FAKE: NCCL
+    monkeypatch.setattr(probe, "_device_id_of", lambda orig, a, k: 2)  # FAKE: as if device_id=2 was given
+    probe.install(Recorder(), types.SimpleNamespace(probe_links=True))  # mpi4py.MPI is imported: its probe runs now
+    try:
+        assert made == [] and not probe._done  # the singleton probed nothing and spent nothing
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        assert made == [("torch", torch.device("cuda", 2))]
+    finally:
+        probe.uninstall()
+        if dist.is_initialized():
+            dist.destroy_process_group()

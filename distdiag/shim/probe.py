@@ -11,7 +11,9 @@ say (or ``DISTDIAG_HOST`` names the hosts), the probe's first step (the host nam
 and on one host it ends there. On healthy links the probe takes milliseconds (its
 sizes grow only while a step stays under an eighth of the round's share of the
 budget); a slow link is what spends the budget. It runs once per process, over the
-job's own transport, right after that transport is up:
+job's own transport, right after that transport is up; a transport of one rank (an
+MPI singleton in a torchrun job whose program also imports mpi4py) probes nothing
+and leaves the one probe to the next transport that spans ranks:
 
 * torch.distributed: right after ``init_process_group`` returns, on the
   default process group, calling the ProcessGroup's own ``send``/``recv`` (not
@@ -384,6 +386,9 @@ def _run(make: Callable[[float], Transport]) -> None:
         tr = make(timeout_s)
         try:
             if tr.world_size < 2:
+                # nothing to probe, and the one probe is not spent on it: a program under torchrun
+                # that also imports mpi4py (an MPI singleton of one rank) still probes its torch group
+                _done = False
                 return
             LAST = run_probe(tr, _host(), _rec, budget_s, max_rounds, across_hosts_only=_auto)
         finally:  # also after `return`: a private MPI communicator is freed
