@@ -172,7 +172,10 @@ def test_gpu_underutilized_reads_the_gpus_own_busy_time_not_nvmls(tmp_path: Path
     """NVML (the FAKE one) reads 97% busy in both jobs. With the GPU kept busy by kernels and
     tiny FLOP/s the finding holds, its busy from CUDA events; with a slow loader idling the GPU
     half of each step, NVML's 97% is the lie (seed 003) and the GPU's own ~45% clears it."""
-    flops = ["--flops", "1e9"]  # per step: far under an H200's peak
+    # 80 ms of kernels a step: the CPU's own share of a step (the launch, gloo's all-reduce, the
+    # synchronize) stays far under the 20% that would clear the finding, also with a busy core beside
+    # it (CI saw 10+10 ms kernels fall under 80% busy on a loaded machine)
+    flops = ["--flops", "1e9", "--fwd-ms", "40", "--bwd-ms", "40"]  # per step: far under an H200's peak
     busy_run, _ = _job(tmp_path, "busy", flops, FAKE_NVML_ENV)
     rep = _analyze(busy_run)
     f = _finding(rep, "gpu_underutilized")
@@ -182,7 +185,7 @@ def test_gpu_underutilized_reads_the_gpus_own_busy_time_not_nvmls(tmp_path: Path
         assert r["sm_util_pct"] > 80 and r["device"] == "FAKE NVIDIA H200"
     g = rep["breakdown"]["gpu"]["per_rank"]
     assert all(d["device"] == "H200 SXM" and d["peak_tflops"] == 989 and 0 < d["mfu"] < 1e-3 for d in g)
-    idle_run, _ = _job(tmp_path, "idle", [*flops, "--loader-ms", "25"], FAKE_NVML_ENV)
+    idle_run, _ = _job(tmp_path, "idle", [*flops, "--loader-ms", "80"], FAKE_NVML_ENV)  # the GPU ~50% busy
     rep = _analyze(idle_run)
     assert _finding(rep, "gpu_underutilized") is None, rep["findings"]
     assert _finding(rep, "input_bound") is not None
