@@ -114,7 +114,12 @@ def test_real_gloo_mapping(gloo_ab: tuple[Saving, list[Path], list[Path]]) -> No
     js = json.loads(_cli("analyze", str(faulty[1]), "--format", "json").stdout)
     inp = js["run"]["input"]
     assert inp["format"] == "kineto" and inp["files"] == 2 and "collective-exits" in inp["clock_methods"]
-    assert 0 < inp["clock_bound_ms"] < 5
+    # the bound stated is the clock model's own (its largest over the ranks), and small against the run. It
+    # is measured, not a constant: the spread of the exits it is fitted to grows with the machine's load
+    # (0.04-0.14 ms on an idle machine here, 11 ms once in CI beside other work), so no fixed ms limit holds
+    model = analyze(faulty[1]).run.cache["clock_model"]
+    assert inp["clock_bound_ms"] == pytest.approx(max(m.bound_ns for m in model.ranks.values()) / 1e6, abs=1e-4)
+    assert 0 < inp["clock_bound_ms"] < 0.05 * js["run"]["wall_s"] * 1e3, (inp, js["run"]["wall_s"])
 
 
 # ----------------------------------------------------------------------------------
