@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,24 @@ def mount_slowfs(backing: str | os.PathLike[str], mnt: str | os.PathLike[str], l
                 proc.kill()  # our own server process, by its PID
                 proc.wait(timeout=10)
             logf.close()
+
+
+@contextlib.contextmanager
+def slow_mount_over(tmp: Path, latency_ms: float, fill: Callable[[Path], None]) -> Iterator[Path]:
+    """For a module fixture: ``tmp/backing``, written by ``fill``, mounted at ``tmp/mnt`` through
+    the slow server. Skips the test only where this machine has no ``/dev/fuse``; FUSE there but
+    unusable (no fusermount, no fusepy) is a failure, not a skip."""
+    import pytest
+
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is absent: no FUSE on this machine")
+    why = fuse_available()
+    assert why is None, why
+    backing = tmp / "backing"
+    backing.mkdir()
+    fill(backing)
+    with mount_slowfs(backing, tmp / "mnt", latency_ms) as mnt:
+        yield mnt
 
 
 def main(argv: list[str] | None = None) -> int:

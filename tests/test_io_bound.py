@@ -21,7 +21,7 @@ from helpers import run_in_session
 
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
-from slowfs import fuse_available, mount_slowfs
+from slowfs import slow_mount_over
 from truth import Twins, loop_s, measure_twins
 
 pytestmark = [pytest.mark.mpi, pytest.mark.fuse]
@@ -35,17 +35,12 @@ LATENCY_MS = 0.1
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("/dev/fuse is absent: no FUSE on this machine")
-    why = fuse_available()
-    assert why is None, why
-    tmp = tmp_path_factory.mktemp("iobound")
-    backing = tmp / "backing"
-    backing.mkdir()
-    payload = os.urandom(256)
-    for i in range(NFILES):
-        (backing / f"s{i:05d}.bin").write_bytes(payload)
-    with mount_slowfs(backing, tmp / "mnt", LATENCY_MS) as mnt:
+    def fill(backing: Path) -> None:
+        payload = os.urandom(256)
+        for i in range(NFILES):
+            (backing / f"s{i:05d}.bin").write_bytes(payload)
+
+    with slow_mount_over(tmp_path_factory.mktemp("iobound"), LATENCY_MS, fill) as mnt:
         yield mnt
 
 

@@ -26,7 +26,7 @@ from helpers import run_in_session
 
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
-from slowfs import fuse_available, mount_slowfs
+from slowfs import slow_mount_over
 from truth import Twins, loop_s, measure_twins
 
 pytestmark = [pytest.mark.mpi, pytest.mark.fuse]
@@ -45,15 +45,10 @@ from lazy_imports import write_package  # noqa: E402
 
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("/dev/fuse is absent: no FUSE on this machine")
-    why = fuse_available()
-    assert why is None, why
-    tmp = tmp_path_factory.mktemp("lazyimports")
-    backing = tmp / "backing"
-    backing.mkdir()
-    write_package(str(backing), MODULES, BODY_MS)
-    with mount_slowfs(backing, tmp / "mnt", LATENCY_MS) as mnt:
+    def fill(backing: Path) -> None:
+        write_package(str(backing), MODULES, BODY_MS)
+
+    with slow_mount_over(tmp_path_factory.mktemp("lazyimports"), LATENCY_MS, fill) as mnt:
         yield mnt
 
 
