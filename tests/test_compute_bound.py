@@ -1,7 +1,7 @@
 """compute_bound on a real 2-rank MPI job: the same FLOPs a step by a slow kernel (a matrix
 product tile by tile in Python) or by BLAS's (issue 20 item 2).
 
-The peak is measured in the same test: the best rate the fast twins' ranks reached in their
+The peak is measured in the same test: the median rate the fast twins' ranks reached in their
 steps (their STEP FLOPs over their compute, as recorded), given as ``[analyze.compute_bound]
 peak_flops_per_s``: what BLAS delivers on one of these cores under the same load (a core's
 rate measured alone, before the jobs, was 20-40% above what two ranks and the other
@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import run_in_session
 
@@ -37,18 +38,18 @@ MPIEXEC = shutil.which("mpiexec")
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def achieved_flops_per_s(d: Path) -> float:
-    """The best rank's FLOP/s over its steps' compute, as the run recorded them."""
+def achieved_flops_per_s(d: Path) -> list[float]:
+    """Each rank's FLOP/s over its steps' compute, as the run recorded them."""
     rep = analyze(d, Config())
     steps = step_breakdown(rep.run, rep.collectives)
     ev = rep.run.events
     st = ev[ev["kind"] == Kind.STEP]
-    best = 0.0
+    rates = []
     for r in sorted(rep.run.ranks):  # two ranks
         compute_s = float(steps.loc[steps["rank"] == r, "compute_s"].sum())
         flops = float(st["value"][st["rank"] == r].sum())
-        best = max(best, flops / compute_s)
-    return best
+        rates.append(flops / compute_s)
+    return rates
 
 
 def run_job(run_dir: Path, kernel: str) -> float:
@@ -72,7 +73,10 @@ def compute_ab(tmp_path_factory: pytest.TempPathFactory) -> ComputeAB:
     kernel = {True: "tiled", False: "fast"}
     twins = measure_twins(tmp_path_factory.mktemp("compute_bound"), lambda d, faulty: run_job(d, kernel[faulty]),
                           pairs=2, names=(kernel[True], kernel[False]))  # fmt: skip
-    peak = max(achieved_flops_per_s(d) for d in twins.healthy)
+    # the median rank: what BLAS typically delivers on one core under this load (the best rank of
+    # all set the bar by the one that had a core to itself the longest: beside a busy core the other
+    # rank of the same healthy run sat 5% of the run below it, priced as compute_bound)
+    peak = float(np.median([r for d in twins.healthy for r in achieved_flops_per_s(d)]))
     return ComputeAB(twins.saving, peak, twins.faulty, twins.healthy)
 
 
@@ -104,10 +108,11 @@ def test_slow_kernels_are_compute_bound_priced_at_the_peak(compute_ab: ComputeAB
 
 
 def test_the_fast_twin_at_the_peak_has_no_finding(compute_ab: ComputeAB) -> None:
-    # The peak is the best twin rank's rate, so the other twin rank's compute prices a little over
+    # The peak is the twin ranks' median rate, so a twin rank's compute prices a little over
     # nothing: no finding above 2% plus the noise measured in the same test (the twins' spread;
-    # measured: 0.027 s against 0.022 + 0.030 s). Priced without the peak's term it would be all
-    # of the fast compute, a quarter of the run.
+    # measured beside a busy core: at most 0.048 s against 0.029-0.153 s in 8 runs, where the best
+    # rank's rate as the peak gave 0.067 s against 0.055 s). Priced without the peak's term it
+    # would be all of the fast compute, a quarter of the run.
     for d in compute_ab.healthy:
         rep = analyze(d, _cfg(compute_ab.peak))
         wall = float(rep.run.wall_s)
