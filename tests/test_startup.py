@@ -81,7 +81,7 @@ def test_startup_is_priced_at_what_the_build_costs(tutorial: TutorialAB) -> None
     torch import (2-12 s beside a loaded core), which no price of the build should include
     (seen: one faulty run lost 1.72 s, priced 2.42 s, while the runs' medians agreed)."""
     costs: list[float] = []
-    replayed: list[float] = []
+    replayed: list[dict] = []  # evidence.replay of each faulty run
     for rep in tutorial.faulty:
         got = [f for f in rep.findings if f.kind == "startup"]
         assert got, [(f.kind, f.cost_s) for f in rep.findings]
@@ -89,10 +89,14 @@ def test_startup_is_priced_at_what_the_build_costs(tutorial: TutorialAB) -> None
         assert "counterfactual" in f.evidence and f.evidence["share_of_wall"] > 0.1
         assert rep.findings[0].kind == "startup"  # the verdict
         costs.append(float(f.cost_s))
-        replayed.append(f.evidence["replay"]["saving_s"])  # the run replayed without the setup (distdiag.replay)
+        replayed.append(f.evidence["replay"])  # the run replayed without the setup (distdiag.replay)
     print(f"startup priced {', '.join(f'{c:.3f}' for c in costs)} s, replayed {replayed}: {tutorial.saving}")
     assert_prices_median(tutorial.saving, costs, rel=0.25, what="startup")
-    assert_prices_median(tutorial.saving, replayed, rel=0.25, what="startup replayed")
+    # The replay may decline a run, and then says why instead of a number (saving_s None, why_not:
+    # seen once beside a busy core); it prices at least one, and what it prices is the saving.
+    priced = [float(r["saving_s"]) for r in replayed if r.get("saving_s") is not None]
+    assert priced and all(r.get("why_not") for r in replayed if r.get("saving_s") is None), replayed
+    assert_prices_median(tutorial.saving, priced, rel=0.25, what="startup replayed")
 
 
 def test_healthy_twin_no_finding_above_2pct_and_startup_explained(tutorial: TutorialAB) -> None:
