@@ -17,8 +17,9 @@ Run as a program (what the fixture does, in a subprocess)::
 For tests: ``mount_slowfs(backing, mnt, latency_ms)`` is a context manager
 that mounts, waits until the mount is in ``/proc/self/mounts``, and always
 unmounts (``fusermount -u``, lazily if still busy, then the server process
-by its PID) even when the test fails; ``tests/test_fileio_e2e.py`` wraps it
-in the ``slow_mount`` fixture (which skips only when ``/dev/fuse`` is absent).
+by its PID) even when the test fails. ``slow_mount_over(tmp, latency_ms, fill)``
+is the module fixtures' form: a backing dir that ``fill`` writes, mounted, and
+the test skipped only when ``/dev/fuse`` is absent.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import pytest
 from helpers import run_in_session
 
-from slowfs import fuse_available, mount_slowfs
+from slowfs import slow_mount_over
 from truth import Saving, measure_saving
 
 pytestmark = [pytest.mark.mpi, pytest.mark.fuse]
@@ -54,27 +54,22 @@ WALK_DIRS, WALK_FILES = 10, 300
 @pytest.fixture(scope="module")
 def slow_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The slow mount (tests only read it; one per module); its backing directory is :func:`fast_dir`."""
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("/dev/fuse is absent: no FUSE on this machine")
-    why = fuse_available()
-    assert why is None, why  # FUSE exists, so the packages must too (CI installs them)
-    tmp_path = tmp_path_factory.mktemp("slowfs")
-    backing = tmp_path / "backing"
-    backing.mkdir()
-    payload = os.urandom(SAMPLE_BYTES)
-    for i in range(NFILES):
-        (backing / f"s{i:05d}.bin").write_bytes(payload)
-    mods = backing / "pylib"
-    mods.mkdir()
-    for i in range(NMODULES):
-        (mods / f"m{i:05d}.py").write_text(f"VALUE = {i}\n")
-    (backing / "packed.bin").write_bytes(payload * NFILES)
-    for d in range(WALK_DIRS):  # the tree the walk mode reads: 300 files in 10 directories
-        sub = backing / "tree" / f"d{d:02d}"
-        sub.mkdir(parents=True)
-        for i in range(WALK_FILES // WALK_DIRS):
-            (sub / f"f{i:03d}.bin").write_bytes(payload)
-    with mount_slowfs(backing, tmp_path / "mnt", LATENCY_MS) as mnt:
+    def fill(backing: Path) -> None:
+        payload = os.urandom(SAMPLE_BYTES)
+        for i in range(NFILES):
+            (backing / f"s{i:05d}.bin").write_bytes(payload)
+        mods = backing / "pylib"
+        mods.mkdir()
+        for i in range(NMODULES):
+            (mods / f"m{i:05d}.py").write_text(f"VALUE = {i}\n")
+        (backing / "packed.bin").write_bytes(payload * NFILES)
+        for d in range(WALK_DIRS):  # the tree the walk mode reads: 300 files in 10 directories
+            sub = backing / "tree" / f"d{d:02d}"
+            sub.mkdir(parents=True)
+            for i in range(WALK_FILES // WALK_DIRS):
+                (sub / f"f{i:03d}.bin").write_bytes(payload)
+
+    with slow_mount_over(tmp_path_factory.mktemp("slowfs"), LATENCY_MS, fill) as mnt:
         yield mnt
 
 

@@ -39,7 +39,7 @@ import pytest
 
 from distdiag.schema import Kind
 from distdiag.shim import preload
-from slowfs import fuse_available, mount_slowfs
+from slowfs import slow_mount_over
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY_MS = 1.0
@@ -98,18 +98,14 @@ def built() -> None:
 # -- the storm on the slow mount ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slow_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    why = fuse_available()
-    if why is not None and not os.path.exists("/dev/fuse"):
-        pytest.skip(why)
-    assert why is None, why
-    base = tmp_path_factory.mktemp("slowfs")
-    backing = base / "backing"
-    for d in range(DIRS):
-        sub = backing / "tree" / f"d{d:02d}"
-        sub.mkdir(parents=True)
-        for i in range(FILES):
-            (sub / f"f{i:03d}.bin").write_bytes(os.urandom(512))
-    with mount_slowfs(backing, base / "mnt", LATENCY_MS) as mnt:
+    def fill(backing: Path) -> None:
+        for d in range(DIRS):
+            sub = backing / "tree" / f"d{d:02d}"
+            sub.mkdir(parents=True)
+            for i in range(FILES):
+                (sub / f"f{i:03d}.bin").write_bytes(os.urandom(512))
+
+    with slow_mount_over(tmp_path_factory.mktemp("slowfs"), LATENCY_MS, fill) as mnt:
         yield mnt / "tree"
 
 
