@@ -194,6 +194,31 @@ def covered_before(seg_s: np.ndarray, seg_e: np.ndarray, t: np.ndarray) -> np.nd
     return before[kk] * (k >= 0) + inside
 
 
+def subtract_sorted(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray, b_e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The segment set ``a`` less the segment set ``b`` (both sorted and disjoint: what the unions
+    return, e.g. two :func:`union_banded` of one band layout), as a sorted disjoint set.
+
+    ``a`` is cut against ``b``'s gaps: each piece of ``a`` that lies in a gap of ``b`` (before its
+    first segment, between two, after its last) is kept; the gaps an ``a`` segment meets are a
+    contiguous run of them, found by two searches. Worked example: a = [0, 10) [20, 30), b =
+    [2, 4) [25, 40): [0, 2) [4, 10) [20, 25)."""
+    if len(a_s) == 0 or len(b_s) == 0:
+        return a_s.copy(), a_e.copy()
+    lo = min(int(a_s[0]), int(b_s[0])) - 1
+    hi = max(int(a_e[-1]), int(b_e[-1])) + 1
+    g_s = np.concatenate([[lo], b_e]).astype(np.int64)  # b's gaps: [lo, b0) [b_e[i], b_s[i+1]) [b_e[-1], hi)
+    g_e = np.concatenate([b_s, [hi]]).astype(np.int64)
+    first = np.searchsorted(g_e, a_s, side="right")  # the first gap that ends after the segment starts
+    last = np.searchsorted(g_s, a_e, side="left")  # one past the last gap that starts before it ends
+    n = np.maximum(last - first, 0)
+    seg = np.repeat(np.arange(len(a_s)), n)
+    gap = np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+    s = np.maximum(a_s[seg], g_s[gap])
+    e = np.minimum(a_e[seg], g_e[gap])
+    keep = e > s
+    return s[keep], e[keep]
+
+
 def covered_within(seg_s: np.ndarray, seg_e: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
     """Per query interval ``[t0[i], t1[i])`` (``t1 >= t0``), the length of it that a segment set
     covers (the length of their intersection), int64. Worked example: segments [0, 5) [10, 20),

@@ -232,14 +232,9 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     except Exception as e:  # never costs the report
         log.debug("replay", exc_info=True)
         run.warnings.append(f"the replay could not price the findings ({type(e).__name__}: {e})")
-    # One ranking: each second counted once, shares, order (distdiag/ranking.py).
-    findings = rank_findings(findings, run, colls, cfg)
-    if model is not None:  # the causes removed one after another, in the ranking's order
-        try:
-            replay.cumulate(findings, model)
-        except Exception as e:
-            log.debug("replay", exc_info=True)
-            run.warnings.append(f"the replay could not price the causes together ({type(e).__name__}: {e})")
+    # One ranking: each second counted once (the replayed causes removed one after another), shares,
+    # order (distdiag/ranking.py)
+    findings = rank_findings(findings, run, colls, cfg, model)
     _clock_bounds(findings, run)
     if split is not None:
         split.done(run)

@@ -394,32 +394,45 @@ def price(findings: list[Any], run: Any, colls: Collectives) -> Model | None:
         if why:
             f.evidence["replay"] = {"saving_s": None, "counterfactual": f.change.what, "why_not": why}
             continue
-        f.evidence["replay"] = {"saving_s": round(max(0.0, m.saving_s(f.change)), 4),
+        f.evidence["replay"] = {"saving_s": round(max(0.0, m.saving_s(f.change)), 6),
                                 "counterfactual": f.change.what}  # fmt: skip
     return m
 
 
-def cumulate(ranked: list[Any], m: Model) -> None:
-    """The causes removed one after another in the ranking's order: each replayed finding's
-    ``evidence.replay`` gets ``together_s`` (the saving with it and every replayed finding ranked
-    above it removed at once) and ``after_above_s`` (what it adds to those above: its own share,
-    each second counted once by construction). Measured: a serial section replayed at 1.20 s and
-    a straggler on another rank at 0.40 s, together 1.60 s, against 1.60 s saved by the job run
-    without both (tests/test_ranking.py)."""
+def cumulate(ranked: list[Any], m: Model, keep: Any = None) -> list[Any]:
+    """The causes removed one after another in the order given: each replayed finding's
+    ``evidence.replay`` gets ``together_s`` (the saving with it and every replayed finding before it
+    removed at once) and ``after_above_s`` (what it adds to those before it: its own share, each
+    second counted once by construction). ``keep(f, after_above_s)``, when given, decides whether the
+    finding stays removed for those after it (False: it is left in the run, and out of the returned
+    list). Returns the findings kept. Measured: a serial section replayed at 1.20 s and a straggler on
+    another rank at 0.40 s, together 1.60 s, against 1.60 s saved by the job run without both
+    (tests/test_ranking.py)."""
     acc: Change | None = None
     before = 0.0
+    out = []
     for f in ranked:  # a handful: one replay each
         rp = f.evidence.get("replay")
         if f.change is None or not isinstance(rp, dict) or rp.get("saving_s") is None:
+            out.append(f)
             continue
-        if acc is None:  # the first alone: its own saving, replayed already
-            acc, together = f.change, float(rp["saving_s"])
-        else:
-            acc = acc.plus(f.change)
-            together = max(0.0, m.saving_s(acc))
-        rp["together_s"] = round(together, 4)
-        rp["after_above_s"] = round(max(0.0, together - before), 4)
-        before = together
+        trial = f.change if acc is None else acc.plus(f.change)
+        # the first alone: its own saving, replayed already; removing more never lengthens the run
+        together = float(rp["saving_s"]) if acc is None else max(before, m.saving_s(trial))
+        added = max(0.0, together - before)
+        if keep is not None and not keep(f, added):
+            continue
+        rp["together_s"] = round(together, 6)
+        rp["after_above_s"] = round(added, 6)
+        acc, before = trial, together
+        out.append(f)
+    return out
+
+
+def overlap_s(m: Model, a: Any, b: Any) -> float:
+    """The seconds two replayed findings both save: each alone, less both at once (>= 0)."""
+    sa, sb = float(a.evidence["replay"]["saving_s"]), float(b.evidence["replay"]["saving_s"])
+    return max(0.0, sa + sb - max(0.0, m.saving_s(a.change.plus(b.change))))
 
 
 #: why a change the replay cannot see is not priced (rather than priced 0)
@@ -438,4 +451,43 @@ def claims_change(f: Any, run: Any) -> Change | None:
     if got is None:
         return None
     r, t0, t1 = got
+    if f.kind in ("input_bound", "h2d_copy"):  # the detector prices what compute did not hide: so does the replay
+        r, t0, t1 = unhidden(run, r, t0, t1)
+        return Change(f"the {f.kind} rows of the finding's ranks that compute did not hide removed", drop_rank=r,
+                      drop_t0=t0, drop_t1=t1)  # fmt: skip
     return Change(f"the {f.kind} rows of the finding's ranks removed", drop_rank=r, drop_t0=t0, drop_t1=t1)
+
+
+def unhidden(run: Any, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rank-time intervals less what the rank's compute covered (its compute phases, and on a
+    GPU-timed run its GPU's busy spans: :func:`distdiag.detectors.input_bound._compute_rows`): a
+    loader wait the GPU spends running queued kernels costs nothing, and taking it out of the
+    replay would price it. Band by band of the ranks named (a streamed run reads only theirs)."""
+    from distdiag.bands import bands
+    from distdiag.detectors.input_bound import _compute_rows
+
+    out_r, out_0, out_1 = [rank[:0]], [t0[:0]], [t1[:0]]
+    if len(rank) == 0:
+        return rank, t0, t1
+    for band in bands(run, ranks=np.unique(rank)):  # a few dozen bands at most
+        mine = (rank >= band.r_lo) & (rank < band.r_hi)
+        if not mine.any():
+            continue
+        r, a0, a1 = rank[mine].astype(np.int64), t0[mine].astype(np.int64), t1[mine].astype(np.int64)
+        rows = _compute_rows(band)
+        if len(rows) == 0:
+            out_r.append(r), out_0.append(a0), out_1.append(a1)
+            continue
+        cr = band.rank_of(rows).astype(np.int64)
+        c0 = band.events["t0_ns"][rows].astype(np.int64)
+        c1 = np.maximum(band.events["t1_ns"][rows], c0).astype(np.int64)
+        lim = intervals.band_of(band.r_hi - band.r_lo, a0, c0, ends=(a1, c1))
+        if lim is None:
+            raise OverflowError("times too far apart for the replay's band coordinates")
+        lo, span = lim
+        a_s, a_e = intervals.union_banded(r - band.r_lo, a0 - lo, a1 - lo, span)
+        b_s, b_e = intervals.union_banded(cr - band.r_lo, c0 - lo, c1 - lo, span)
+        s_, e_ = intervals.subtract_sorted(a_s, a_e, b_s, b_e)
+        k = s_ // span
+        out_r.append(k + band.r_lo), out_0.append(s_ - k * span + lo), out_1.append(e_ - k * span + lo)
+    return np.concatenate(out_r), np.concatenate(out_0), np.concatenate(out_1)

@@ -67,6 +67,33 @@ def test_serial_section_and_straggler_on_different_ranks_rank_by_cost(tmp_path: 
     assert all(f.fraction == pytest.approx(f.cost_s / rep.run.wall_s) for f in rep.findings)
 
 
+def test_a_replayed_cause_costs_what_the_replay_saves_not_its_detectors_price(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 20: cost_s is the replay's where the replay prices the cause; the detector's own
+    # price is kept beside it. A serial_section detector that overstates by half is corrected.
+    from distdiag.detectors import DETECTORS, load_all
+
+    real = load_all()["serial_section"]
+
+    def overstated(run: object, cfg: object) -> list[Finding]:
+        got = real(run, cfg)
+        for f in got:
+            f.cost_s *= 1.5
+        return got
+
+    monkeypatch.setitem(DETECTORS, "serial_section", overstated)
+    sim = simulate(tmp_path / "r", serial=(0, 40.0, 5), slow=(2, 1.5))
+    rep = analyze(sim.run_dir, Config())
+    (ser,) = of_kind(rep, "serial_section")
+    assert ser.cost_s == pytest.approx(sim.serial_s, rel=1e-3)
+    assert ser.evidence["detector_cost_s"] == pytest.approx(1.5 * sim.serial_s, rel=1e-3)
+    assert ser.cost_s == pytest.approx(ser.evidence["replay"]["after_above_s"], abs=1e-4)
+    # the causes removed one after another: the straggler adds its own seconds to the serial section's
+    (st,) = of_kind(rep, "straggler")
+    assert st.evidence["replay"]["together_s"] == pytest.approx(sim.serial_s + st.cost_s, rel=1e-3)
+
+
 def test_outlook_says_what_binds_once_the_first_is_fixed() -> None:
     fs = [Finding("serial_section", 30.0, ""), Finding("straggler", 10.0, ""), Finding("input_bound", 5.0, "")]
     out = outlook(fs, wall_s=100.0)

@@ -412,6 +412,12 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         busy_rows = np.flatnonzero(np.isin(colls.m_group, mine) & ~idle_m)
         br, bc = np.unique(colls.m_rank[busy_rows], return_counts=True)
         ranks = sorted({k, *(int(x) for x in br[bc * 2 >= len(mine)])})
+        # removed in the replay: every busy member's stretch from the last idle arrival to its own (the
+        # few ranks that work together all arrive late; taking one's window alone saves nothing)
+        b_t0 = t_idle_last[colls.m_group[busy_rows]].astype(np.int64)
+        b_t1 = colls.m_t0_ns[busy_rows].astype(np.int64)
+        on = b_t1 > b_t0
+        drop = (colls.m_rank[busy_rows][on].astype(np.int64), b_t0[on], b_t1[on])
         cost_s = float(per_lead_ns[k]) / 1e9
         s = cost_s / wall_s
         coll_sites = tally(colls.m_site[lr], charge[mine], run, top, key="s", ndigits=4)
@@ -443,8 +449,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 summary=summary,
                 # removed: each lone window (the late rank working while the others wait in the collective), as
                 # rank-time, so that a cause claiming the same time (an I/O finding) counts it once with it
-                change=Change(f"rank {k}'s lone windows before the collectives removed", drop_rank=windows[k][0],
-                              drop_t0=windows[k][2], drop_t1=windows[k][3]),  # fmt: skip
+                change=Change(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranges(ranks)}'s lone windows before "
+                              "the collectives removed", drop_rank=drop[0], drop_t0=drop[1], drop_t1=drop[2]),  # fmt: skip
                 ranks=ranks,
                 hosts=run.hosts_of(ranks),
                 evidence={

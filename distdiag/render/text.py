@@ -175,7 +175,7 @@ class TextRenderer:
                if isinstance(g.evidence.get("replay"), dict) and g.evidence["replay"].get("together_s") is not None]  # fmt: skip
         if len(tog) > 1:
             out.append(f"  replayed together: the {len(tog)} causes replayed, removed at once, end the run "
-                       f"{fmt_s(float(tog[-1]['together_s']))} sooner (each second counted once)")  # fmt: skip
+                       f"{fmt_s(max(float(t['together_s']) for t in tog))} sooner (each second counted once)")  # fmt: skip
         if f.kind == "serial_section" and f.evidence.get("serial_fraction"):
             s = float(f.evidence["serial_fraction"])
             out.append(
