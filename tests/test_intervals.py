@@ -188,3 +188,21 @@ def test_union_length_of_chained_overlaps() -> None:
     key = np.array([0, 0, 0, 1, 1], np.int64)
     assert iv.union_length_by_key(key, t0, t1, 2).tolist() == [9.0, 5.0]
     assert iv.union_length(t0, t1) == 14
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_subtract_sorted_keeps_exactly_the_ns_of_a_not_in_b(seed: int) -> None:
+    _, a0, a1 = random_intervals(seed)
+    _, b0, b1 = random_intervals(seed + 100)
+    a = np.array(ref_segments(a0, a1), np.int64).reshape(-1, 2)
+    b = np.array(ref_segments(b0, b1), np.int64).reshape(-1, 2)
+    s, e = iv.subtract_sorted(a[:, 0], a[:, 1], b[:, 0], b[:, 1])
+    assert (e > s).all() and (s[1:] >= e[:-1]).all()  # sorted, disjoint, no empty pieces
+    assert grid(s, e).tolist() == (grid(a0, a1) & ~grid(b0, b1)).tolist()
+
+
+def test_subtract_sorted_worked_example() -> None:
+    s, e = iv.subtract_sorted(np.array([0, 20]), np.array([10, 30]), np.array([2, 25]), np.array([4, 40]))
+    assert (s.tolist(), e.tolist()) == ([0, 4, 20], [2, 10, 25])
+    s, e = iv.subtract_sorted(np.array([0]), np.array([10]), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert (s.tolist(), e.tolist()) == ([0], [10])
