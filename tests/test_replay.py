@@ -256,6 +256,29 @@ def test_a_network_bound_run_replayed_with_a_network_that_takes_no_time(tmp_path
     assert analyze(tmp_path / "ok", Config()).findings == []
 
 
+@pytest.mark.parametrize("fabric_MB_per_s, saved_ms", [(0.0, 4.0), (6.144, 2.0), (12.288, 3.0), (3.0, None)])
+def test_a_network_bound_run_priced_at_the_fabrics_bandwidth(tmp_path: Path, fabric_MB_per_s: float,
+                                                             saved_ms: float | None) -> None:
+    """The same 60 all-reduces of 8 KiB on 4 ranks (bus bytes 12,288: 2(n-1)/n of the buffer) whose
+    transfers take 4 ms (3.07 MB/s): at a fabric of 6.144 MB/s each would take 2 ms, at 12.288 MB/s
+    1 ms; unknown, the network taking no time is the upper bound; a fabric slower than the run
+    achieved leaves nothing to save: no finding."""
+    from distdiag.config import Config
+    from distdiag.pipeline import analyze
+
+    make_run(tmp_path / "r", world_size=4, iters=60, compute_ms=2.0, jitter_ms=0.05, transfer_ms=4.0)
+    cfg = Config()
+    cfg.sections["network_bound"] = {"fabric_MB_per_s": fabric_MB_per_s}
+    got = [f for f in analyze(tmp_path / "r", cfg).findings if f.kind == "network_bound"]
+    if saved_ms is None:
+        assert got == []
+        return
+    (f,) = got
+    assert f.cost_s == pytest.approx(60 * saved_ms * 1e-3, rel=0.03)
+    assert f.evidence["detector_cost_s"] == pytest.approx(60 * saved_ms * 1e-3, rel=0.03)
+    assert f.evidence["fabric_MB_per_s"] == (fabric_MB_per_s or None)
+
+
 def test_causes_removed_one_after_another_count_each_second_once(tmp_path: Path) -> None:
     """``cumulate`` in the ranking's order: rank 1's 4 ms before A (saves 4), the same rank-time
     claimed again by a second finding (adds 0: the union), its 3 ms of tail (adds 3); a finding the

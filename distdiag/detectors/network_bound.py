@@ -14,15 +14,22 @@ bytes. Their transfer windows are put on the aligned timeline and merged per mem
 (DDP's buckets in flight together count once): the most-held rank's union is the time the
 job waited on the network (sub-communicators taking turns do not add up).
 
-Cost: that union, what the job would save with a network that took no time: an upper
-bound, stated as such. Without a measured bandwidth of the fabric nothing tells the
-floor; the evidence gives the bus bandwidth each (op, size) achieved, and the advice the
-command that measures the links. The finding is reported from ``min_share`` (0.1) of the
+Cost: what the job would save were the transfers at the bandwidth the fabric delivers
+(issue 20): each such collective's transfer at ``bus bytes / fabric bandwidth``, its
+excess over that taken out, per rank the union of the excess windows. The fabric's
+bandwidth comes from ``[analyze.network_bound] fabric_MB_per_s`` (the bus bandwidth one
+rank's link delivers, as ``nccl-tests`` reports it), else from the link probe (the median
+pair's bandwidth it measured); without either nothing tells the floor, and the price is
+the network taking no time: an upper bound, stated as such. A job whose transfers run
+at the fabric's bandwidth is not slowed by the network it has: no finding (the report's
+coverage still says the collective transfers hold the run, to communicate less). The
+evidence gives the bus bandwidth each (op, size) achieved, and the advice the command
+that measures the links. The finding is reported from ``min_share`` (0.1) of the
 wall-clock. When ``slow_link`` names a link, its seconds are this finding's first: the
 ranking keeps only the rest here, reported while it is still ``min_share`` of the run
 (:func:`distdiag.ranking.rank_findings`).
 
-Settings (``[analyze.network_bound]``): ``min_share`` (0.1), ``top`` (5).
+Settings (``[analyze.network_bound]``): ``min_share`` (0.1), ``top`` (5), ``fabric_MB_per_s`` (0: unknown).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import numpy as np
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.intervals import union_length_by_key
-from distdiag.links import collective_transfers, network_bound, union_s
+from distdiag.links import collective_transfers, network_bound, probe_matrix, union_s
 from distdiag.match import collectives_of
 from distdiag.replay import Change
 
@@ -62,6 +69,25 @@ def _human(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def fabric_bw(run: Any, cfg: Any) -> tuple[float, str]:
+    """(bytes/s the fabric delivers, where that comes from), or (0.0, "") when unknown:
+    ``fabric_MB_per_s`` in the config, else the median pair the link probe measured."""
+    conf = float(cfg.value("network_bound", "fabric_MB_per_s", 0.0) or 0.0)
+    if conf > 0:
+        return conf * 1e6, "config ([analyze.network_bound] fabric_MB_per_s)"
+    try:
+        m = probe_matrix(run)
+    except Exception:  # a damaged probe table: as unknown
+        return 0.0, ""
+    if m is None:
+        return 0.0, ""
+    bw = m.pairs()[2]
+    bw = bw[np.isfinite(bw) & (bw > 0)]
+    if len(bw) == 0:
+        return 0.0, ""
+    return float(np.median(bw)), f"the link probe (the median of {len(bw)} pairs)"
+
+
 @register("network_bound")
 def detect(run: Any, cfg: Any) -> list[Finding]:
     min_share = float(cfg.value("network_bound", "min_share", 0.1))
@@ -84,13 +110,21 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     sel = network_bound(ct) & (ct.bus_bytes > 0)
     if not sel.any():
         return []
+    # at the fabric's bandwidth each transfer takes bus bytes / bandwidth; what it took beyond that
+    # is the network's excess (all of it when the fabric is unknown: the upper bound)
+    fabric, fabric_from = fabric_bw(run, cfg)
+    ideal_ns = np.zeros(len(ct), np.int64)
+    if fabric > 0:
+        ideal_ns = np.minimum(ct.bus_bytes / fabric * 1e9, ct.transfer_s * 1e9).astype(np.int64)
     # per rank, the union of the windows of the groups it is a member of; the job is held as
     # long as its most-held rank (sub-communicators taking turns do not add up)
     n_groups = len(colls.g_start) - 1
     w0 = np.zeros(n_groups, np.int64)
     w1 = np.zeros(n_groups, np.int64)
-    w0[ct.group[sel]] = ct.last_arrival_ns[sel]
+    cut = np.zeros(n_groups, np.int64)
+    w0[ct.group[sel]] = ct.last_arrival_ns[sel] + ideal_ns[sel]
     w1[ct.group[sel]] = ct.last_arrival_ns[sel] + (ct.transfer_s[sel] * 1e9).astype(np.int64)
+    cut[ct.group[sel]] = np.maximum(w1[ct.group[sel]] - w0[ct.group[sel]], 0) if fabric > 0 else _NO_TIME_NS
     chosen = np.zeros(n_groups, bool)
     chosen[ct.group[sel]] = True
     members = np.flatnonzero(chosen[colls.m_group])
@@ -120,12 +154,19 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     total_s = float(ct.transfer_s[sel].sum())
     bw = total_bus / total_s if total_s > 0 else float("nan")
     share = cost_s / wall_s
+    held_s = union_s(ct.last_arrival_ns[sel], ct.last_arrival_ns[sel] + (ct.transfer_s[sel] * 1e9).astype(np.int64))
     worst = by[0] if by else {"op": "collectives", "size": "?", "bus_bw_MB_per_s": None}
     summary = (
         f"the network binds: for {cost_s:.3g} s ({share:.0%} of the run) every rank waited on collectives "
         f"moving their bytes ({int(sel.sum())} calls, mostly {worst['op']} of {worst['size']} at "
         f"{worst['bus_bw_MB_per_s']} MB/s bus bandwidth); no rank was late, so no rank is to blame"
     )
+    if fabric > 0:
+        summary += f"; the fabric delivers {fabric / 1e6:.4g} MB/s, so {cost_s:.3g} s of it is the network falling short"
+        what = (f"the network-bound collectives' transfers at the fabric's {fabric / 1e6:.4g} MB/s bus bandwidth "
+                f"(from {fabric_from})")
+    else:
+        what = "the network-bound collectives' transfers taking no time (an upper bound)"
     return [
         Finding(
             kind="network_bound",
@@ -134,14 +175,16 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             evidence={
                 "share_of_wall": round(share, 4),
                 "calls": int(sel.sum()),
-                "transfer_union_s": round(cost_s, 4),
+                "transfer_union_s": round(held_s, 4),
                 "bus_bw_MB_per_s": round(bw / 1e6, 3) if np.isfinite(bw) else None,
                 "by_op_and_size": by,
-                "counterfactual": "the network took no time: an upper bound (no measured fabric bandwidth)",
+                "counterfactual": (f"the transfers at the fabric's bandwidth, {fabric / 1e6:.4g} MB/s from {fabric_from}"
+                                   if fabric > 0 else
+                                   "the network took no time: an upper bound (no measured fabric bandwidth)"),
+                "fabric_MB_per_s": round(fabric / 1e6, 3) if fabric > 0 else None,
                 "localize": "distdiag-wrap --probe-links",
             },
             advice=ADVICE,
-            change=Change("the network-bound collectives' transfers taking no time (an upper bound)",
-                          transfer_cut_ns=np.where(chosen, _NO_TIME_NS, 0).astype(np.int64)),  # fmt: skip
+            change=Change(what, transfer_cut_ns=np.where(chosen, cut, 0).astype(np.int64)),
         )
     ]
