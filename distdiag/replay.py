@@ -476,7 +476,9 @@ def unhidden(run: Any, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tupl
         r, a0, a1 = rank[mine].astype(np.int64), t0[mine].astype(np.int64), t1[mine].astype(np.int64)
         rows = _compute_rows(band)
         if len(rows) == 0:
-            out_r.append(r), out_0.append(a0), out_1.append(a1)
+            out_r.append(r)
+            out_0.append(a0)
+            out_1.append(a1)
             continue
         cr = band.rank_of(rows).astype(np.int64)
         c0 = band.events["t0_ns"][rows].astype(np.int64)
@@ -489,5 +491,7 @@ def unhidden(run: Any, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tupl
         b_s, b_e = intervals.union_banded(cr - band.r_lo, c0 - lo, c1 - lo, span)
         s_, e_ = intervals.subtract_sorted(a_s, a_e, b_s, b_e)
         k = s_ // span
-        out_r.append(k + band.r_lo), out_0.append(s_ - k * span + lo), out_1.append(e_ - k * span + lo)
+        out_r.append(k + band.r_lo)
+        out_0.append(s_ - k * span + lo)
+        out_1.append(e_ - k * span + lo)
     return np.concatenate(out_r), np.concatenate(out_0), np.concatenate(out_1)
