@@ -9,7 +9,8 @@ which subsystem binds, so the report is never silent on it.
 
 Which collectives: complete groups of two or more members whose transfer phase (last
 arrival to the median member's exit) is at least ``NETWORK_BOUND_RATIO`` (4) times their
-arrival spread (everyone was there; the bytes were not) and at least 1 ms, and that move
+arrival spread (everyone was there; the bytes were not; a non-blocking one, DDP's buckets,
+whatever its spread: nobody waits at its launch) and at least 1 ms, and that move
 bytes. Their transfer windows are put on the aligned timeline and merged per member rank
 (DDP's buckets in flight together count once): the most-held rank's union is the time the
 job waited on the network (sub-communicators taking turns do not add up).
