@@ -16,7 +16,7 @@ import re
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -224,6 +224,19 @@ def test_probe_device_follows_device_id_or_the_bound_device_and_else_waits(monke
     assert probe.device_at_call((torch.zeros(1),), {}) == torch.device("cuda", 4)
 
 
+def fake_transport(note: Callable[[Any], Any]) -> type:
+    """A FAKE TorchTransport class: ``note(device)`` when made; one rank, so no probe runs."""
+
+    class FakeTransport:
+        name = "torch"
+
+        def __init__(self, pg: Any, timeout_s: float, device: Any = None) -> None:
+            note(device)
+            self.rank, self.world_size = 0, 1
+
+    return FakeTransport
+
+
 def test_nccl_probe_runs_at_the_first_collective_on_the_device_set_after_init(monkeypatch: pytest.MonkeyPatch) -> None:
     """init_process_group, then set_device(1), then all_reduce: the probe runs at the all_reduce on cuda:1
     (FAKE cuda and FAKE NCCL group; a real one-rank gloo group underneath; FakeTransport keeps the CPU)."""
@@ -239,16 +252,8 @@ def test_nccl_probe_runs_at_the_first_collective_on_the_device_set_after_init(mo
     seen: list[tuple[Any, int, int]] = []
     order: list[str] = []
 
-    class FakeTransport:
-        """FAKE TorchTransport: notes the device it was given and the current one; one rank, so no probe."""
-
-        name = "torch"
-
-        def __init__(self, pg: Any, timeout_s: float, device: Any = None) -> None:
-            seen.append((device, cuda.current, len(order)))
-            self.rank, self.world_size = 0, 1
-
-    monkeypatch.setattr(probe, "TorchTransport", FakeTransport)
+    monkeypatch.setattr(probe, "TorchTransport", fake_transport(lambda device: seen.append((device, cuda.current,
+                                                                                               len(order)))))  # fmt: skip
     monkeypatch.setattr(probe, "_is_nccl", lambda pg: pg.name() == "nccl")
     real_default = distributed_c10d._get_default_group
     fakes: dict[Any, FakeNcclGroup] = {}
@@ -291,16 +296,7 @@ def test_nccl_probe_with_device_id_runs_at_init(monkeypatch: pytest.MonkeyPatch)
     cuda.install(monkeypatch, torch)
     seen: list[Any] = []
 
-    class FakeTransport:
-        """FAKE TorchTransport: notes the device; one rank, so no probe."""
-
-        name = "torch"
-
-        def __init__(self, pg: Any, timeout_s: float, device: Any = None) -> None:
-            seen.append(device)
-            self.rank, self.world_size = 0, 1
-
-    monkeypatch.setattr(probe, "TorchTransport", FakeTransport)
+    monkeypatch.setattr(probe, "TorchTransport", fake_transport(seen.append))
     monkeypatch.setattr(probe, "_is_nccl", lambda pg: True)  # FAKE: NCCL
     monkeypatch.setattr(probe, "_device_id_of", lambda orig, a, k: 3)  # FAKE: as if device_id=3 was given
     probe.install(Recorder(), types.SimpleNamespace(probe_links=True))
@@ -329,16 +325,7 @@ def test_a_one_rank_mpi_singleton_does_not_spend_the_torch_probe(monkeypatch: py
     FakeCuda().install(monkeypatch, torch)
     made: list[tuple[str, Any]] = []
 
-    class FakeTransport:
-        """FAKE TorchTransport: notes the device; one rank, so no probe."""
-
-        name = "torch"
-
-        def __init__(self, pg: Any, timeout_s: float, device: Any = None) -> None:
-            made.append(("torch", device))
-            self.rank, self.world_size = 0, 1
-
-    monkeypatch.setattr(probe, "TorchTransport", FakeTransport)
+    monkeypatch.setattr(probe, "TorchTransport", fake_transport(lambda device: made.append(("torch", device))))
     monkeypatch.setattr(probe, "_is_nccl", lambda pg: True)  # FAKE: NCCL
     monkeypatch.setattr(probe, "_device_id_of", lambda orig, a, k: 2)  # FAKE: as if device_id=2 was given
     probe.install(Recorder(), types.SimpleNamespace(probe_links=True))  # mpi4py.MPI is imported: its probe runs now
