@@ -205,7 +205,7 @@ def test_numpy_and_h5py_reads_are_seen(tmp_path: Path, capture: str) -> None:
     rec = record(wrap(tmp_path, READERS, str(data), env=env))
     attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
     assert attrs["fileio_capture"] == capture
-    read = collections.Counter()
+    read: collections.Counter[str] = collections.Counter()
     for r in rs:
         if r["kind"] == int(Kind.FILE_READ):
             read[os.path.basename(r["path"])] += r["nbytes"]
