@@ -162,10 +162,10 @@ def _price_by_replay(findings: list[Finding], model: Any, cfg: Any, wall_s: floa
     :data:`REMOVAL_ORDER` are removed (:func:`distdiag.replay.cumulate`): each second counted once by
     construction, and never more than the finding's own saving (the synergy of two causes,
     each hiding the other, stays in ``together_s``). The detector's own price stays in
-    ``evidence.detector_cost_s``. A finding that
-    the causes before it explain in part says by whom (``evidence.deduplicated``; each such cause
-    ``evidence.includes``: the seconds both save, each alone less both at once), and is dropped
-    when what it keeps falls under its threshold. Worked example: rank 3 waits 5 ms on its loader
+    ``evidence.detector_cost_s``. A finding that the causes before it explain in part says by
+    whom (``evidence.deduplicated``; each such cause ``evidence.includes``: the seconds both
+    save, each alone less both at once), and is dropped when what it keeps falls under its
+    threshold. Worked example: rank 3 waits 5 ms on its loader
     and computes 10 ms longer at each of 50 all-reduces; input_bound (removed first) 0.25 s,
     the straggler at its peers' pace alone 0.735 s, after the loader waits 0.49 s."""
     mine = [f for f in findings if replayed(f)]
