@@ -42,7 +42,7 @@ replayable (:attr:`Model.reason`), never replayed wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -399,7 +399,7 @@ def price(findings: list[Any], run: Any, colls: Collectives) -> Model | None:
     return m
 
 
-def cumulate(ranked: list[Any], m: Model, keep: Any = None) -> list[Any]:
+def cumulate(ranked: list[Any], m: Model, keep: Callable[[Any, float], bool] | None = None) -> list[Any]:
     """The causes removed one after another in the order given: each replayed finding's
     ``evidence.replay`` gets ``together_s`` (the saving with it and every replayed finding before it
     removed at once) and ``after_above_s`` (what it adds to those before it: its own share, each
@@ -460,21 +460,21 @@ def claims_change(f: Any, run: Any) -> Change | None:
 
 def unhidden(run: Any, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rank-time intervals less what the rank's compute covered (its compute phases, and on a
-    GPU-timed run its GPU's busy spans: :func:`distdiag.detectors.input_bound._compute_rows`): a
+    GPU-timed run its GPU's busy spans: :func:`distdiag.detectors.input_bound.compute_rows`): a
     loader wait the GPU spends running queued kernels costs nothing, and taking it out of the
     replay would price it. Band by band of the ranks named (a streamed run reads only theirs)."""
     from distdiag.bands import bands
-    from distdiag.detectors.input_bound import _compute_rows
+    from distdiag.detectors.input_bound import compute_rows
 
-    out_r, out_0, out_1 = [rank[:0]], [t0[:0]], [t1[:0]]
     if len(rank) == 0:
         return rank, t0, t1
+    out_r, out_0, out_1 = [rank[:0]], [t0[:0]], [t1[:0]]
     for band in bands(run, ranks=np.unique(rank)):  # a few dozen bands at most
         mine = (rank >= band.r_lo) & (rank < band.r_hi)
         if not mine.any():
             continue
         r, a0, a1 = rank[mine].astype(np.int64), t0[mine].astype(np.int64), t1[mine].astype(np.int64)
-        rows = _compute_rows(band)
+        rows = compute_rows(band)
         if len(rows) == 0:
             out_r.append(r)
             out_0.append(a0)

@@ -61,6 +61,10 @@ def test_a_throttled_network_without_the_probe_is_network_bound_not_healthy(
         (f,) = [f for f in analyze(d, cfg).findings if f.kind == "network_bound"]
         assert f.evidence["fabric_MB_per_s"] == pytest.approx(fabric, rel=1e-3)
         at_fabric.append(f.cost_s)
+    for d in dirs[False]:  # the twins run at the fabric's bandwidth: nothing to save on the network
+        cfg = Config()
+        cfg.sections["network_bound"] = {"fabric_MB_per_s": fabric}
+        assert not [f for f in analyze(d, cfg).findings if f.kind == "network_bound"]
     print(f"network_bound at the fabric's {fabric:.1f} MB/s priced {', '.join(f'{c:.3f}' for c in at_fabric)} s: {saving}")
     assert_prices_median(saving, at_fabric, rel=0.25, what="network_bound cost at the fabric's bandwidth")
 

@@ -57,7 +57,7 @@ COMPUTE_KINDS = (Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 GPU_BUSY_KINDS = (int(Kind.FORWARD), int(Kind.BACKWARD), int(Kind.OPTIMIZER), int(Kind.COLL), int(Kind.COLL_ASYNC))
 
 
-def _compute_rows(band: Band) -> np.ndarray:
+def compute_rows(band: Band) -> np.ndarray:
     """The band's rows that keep the rank busy: its compute phases, and on a GPU-timed run
     its GPU spans of kernels and collectives (offsets into ``band.events``, ascending)."""
     rows = band.rows(COMPUTE_KINDS)
@@ -300,7 +300,7 @@ def critical_path_part(run: Any, kinds: tuple[int, ...], part: tuple[int, int] |
         rows: dict[Any, np.ndarray] = {"window": band.rows(WINDOW_KINDS)}
         rows.update({k: band.rows(k) for k in todo})
         if any(len(rows[k]) for k in todo):
-            rows["compute"] = _compute_rows(band)
+            rows["compute"] = compute_rows(band)
         for r_lo in range(band.r_lo, band.r_hi, chunk):  # one chunk, unless ranks with few rows meet many steps
             r_hi = min(band.r_hi, r_lo + chunk)
             if chunk < band.r_hi - band.r_lo:  # the rows of ranks [r_lo, r_hi): their offsets are a range

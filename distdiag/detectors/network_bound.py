@@ -123,6 +123,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     w0 = np.zeros(n_groups, np.int64)
     w1 = np.zeros(n_groups, np.int64)
     cut = np.zeros(n_groups, np.int64)
+    ideal_g = np.zeros(n_groups, np.int64)
+    ideal_g[ct.group[sel]] = ideal_ns[sel]
     w0[ct.group[sel]] = ct.last_arrival_ns[sel] + ideal_ns[sel]
     w1[ct.group[sel]] = ct.last_arrival_ns[sel] + (ct.transfer_s[sel] * 1e9).astype(np.int64)
     cut[ct.group[sel]] = np.maximum(w1[ct.group[sel]] - w0[ct.group[sel]], 0) if fabric > 0 else _NO_TIME_NS
@@ -135,6 +137,10 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     n_ranks = int(max(int(run.world_size), int(m_rank.max()) + 1))
     per_rank = union_length_by_key(m_rank, t0, t1, n_ranks)
     cost_s = float(per_rank.max()) / 1e9
+    held_s = cost_s  # the whole transfers (no fabric known): the windows are the transfers
+    if fabric > 0:  # the most-held rank's union of the whole transfer windows, for the evidence
+        t_full = w0[grp] - ideal_g[grp]
+        held_s = float(union_length_by_key(m_rank, t_full, t1, n_ranks).max()) / 1e9
     if cost_s < min_share * wall_s:
         return []
     # evidence: per (op, size class) the calls, seconds and bus bandwidth achieved
@@ -155,7 +161,6 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     total_s = float(ct.transfer_s[sel].sum())
     bw = total_bus / total_s if total_s > 0 else float("nan")
     share = cost_s / wall_s
-    held_s = union_s(ct.last_arrival_ns[sel], ct.last_arrival_ns[sel] + (ct.transfer_s[sel] * 1e9).astype(np.int64))
     worst = by[0] if by else {"op": "collectives", "size": "?", "bus_bw_MB_per_s": None}
     summary = (
         f"the network binds: for {cost_s:.3g} s ({share:.0%} of the run) every rank waited on collectives "
