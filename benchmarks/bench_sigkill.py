@@ -1,7 +1,7 @@
 """SIGKILL a wrapped rank at N random instants and count the files that lost more than the
 promise allows (see ``tests/sigkill.py`` for what each kill checks).
 
-    python benchmarks/bench_sigkill.py [--kills 200] [--flush-interval-s 0.01] [--seed 0]
+    python benchmarks/bench_sigkill.py [--kills 200] [--flush-interval-s 0.01] [--seed 0] [--writer process]
 
 The kills take the three jobs of ``tests/sigkill.py`` in turn: numpy imported first (the
 HDF5 file opens at the first flush), late (kills before, during and after the file's
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=200)
     ap.add_argument("--flush-interval-s", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--writer", choices=("thread", "process"), default="thread", help="the shim's writer setting")
     ns = ap.parse_args(argv)
     rng = random.Random(ns.seed)
     bad = 0
@@ -38,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="distdiag-sigkill-") as td:
         for k in range(ns.kills):
             job = list(JOBS)[k % len(JOBS)]
-            why = kill_once(Path(td), rng, ns.flush_interval_s, REPO, job)
+            why = kill_once(Path(td), rng, ns.flush_interval_s, REPO, job, ns.writer)
             if why is not None:
                 bad += 1
                 by_job[job] += 1
                 print(f"  kill {k} (numpy {job}): {why}", flush=True)
-    print(f"{ns.kills} SIGKILLs (flush every {ns.flush_interval_s:g} s) in {time.perf_counter() - t0:.0f} s: "
+    print(f"{ns.kills} SIGKILLs (writer={ns.writer}, flush every {ns.flush_interval_s:g} s) in {time.perf_counter() - t0:.0f} s: "
           f"{bad} files lost rows of a completed flush or did not open; by job (numpy first/late/never): "
           f"{'/'.join(str(v) for v in by_job.values())}")  # fmt: skip
     return 1 if bad else 0

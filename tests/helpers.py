@@ -25,6 +25,40 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")  # fmt: skip
 
 
+def holders(path: Path) -> list[int]:
+    """PIDs of the processes that have ``path`` open (read from /proc: ours, as root, all)."""
+    want = os.path.realpath(path)
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == want:
+                    out.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return out
+
+
+def wait_until_closed(path: Path, timeout_s: float = 30.0) -> None:
+    """Wait until no process has ``path`` open: a rank file written by a helper process
+    (``writer = "process"``) is complete once its helper closed it, which may be after the
+    rank's death."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while holders(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{path} still open by {holders(path)} after {timeout_s} s")
+        time.sleep(0.01)
+
+
 def single_process_env(**extra: str) -> dict[str, str]:
     """os.environ without a launcher's rank variables or distdiag's/Slurm's settings, with this
     checkout on PYTHONPATH, plus ``extra``: one process, as a user starts it by hand."""

@@ -57,8 +57,13 @@ def _has_bytes(path: Path) -> bool:
         return False
 
 
-def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Path, numpy_at: str = "first") -> str | None:
+def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Path, numpy_at: str = "first",
+              writer: str = "thread") -> str | None:  # fmt: skip
+    """``writer``: the shim's ``writer`` setting ("process": the file is written by a helper
+    process, which goes on after the kill; the file is read once the helper closed it)."""
     import numpy as np
+
+    from helpers import wait_until_closed
 
     from distdiag.run import open_rank_file
     from distdiag.schema import Kind
@@ -69,7 +74,7 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
     d = work / "run"
     shutil.rmtree(d, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
-    env.update(PYTHONPATH=str(repo), DISTDIAG_FLUSH_INTERVAL_S=str(flush_interval_s))
+    env.update(PYTHONPATH=str(repo), DISTDIAG_FLUSH_INTERVAL_S=str(flush_interval_s), DISTDIAG_WRITER=writer)
     p = subprocess.Popen([sys.executable, "-m", "distdiag.wrap", "--dir", str(d), sys.executable, str(job)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
@@ -84,6 +89,8 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
     finally:
         os.kill(p.pid, signal.SIGKILL)  # ours, by its PID
         _, err = p.communicate(timeout=30)
+    if writer == "process" and (d / "rank-00000.h5").exists():
+        wait_until_closed(d / "rank-00000.h5")
     try:
         with open_rank_file(d / "rank-00000.h5") as f:  # or its spill log, as the analyzer reads it
             ev = f["events"][:]

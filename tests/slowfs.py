@@ -30,6 +30,7 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -199,6 +200,10 @@ def _unmount(mnt: str, timeout_s: float = 10.0) -> None:
                 break
 
 
+#: mount point -> the PID of the server process serving it (a test may SIGSTOP it: a hung server)
+SERVERS: dict[str, int] = {}
+
+
 @contextlib.contextmanager
 def mount_slowfs(backing: str | os.PathLike[str], mnt: str | os.PathLike[str], latency_ms: float, timeout_s: float = 15.0,
                  write_ms_per_mb: float = 0.0) -> Iterator[Path]:  # fmt: skip
@@ -223,8 +228,14 @@ def mount_slowfs(backing: str | os.PathLike[str], mnt: str | os.PathLike[str], l
             if time.monotonic() > deadline:
                 raise TimeoutError(f"slowfs did not mount {mnt_s} within {timeout_s} s")
             time.sleep(0.02)
+        SERVERS[mnt_s] = proc.pid
         yield Path(mnt_s)
     finally:
+        SERVERS.pop(mnt_s, None)
+        try:
+            os.kill(proc.pid, signal.SIGCONT)  # a test that stopped it (a hung server) must not hang the unmount
+        except OSError:
+            pass
         try:
             _unmount(mnt_s)
         finally:

@@ -55,6 +55,10 @@ class ShimConfig:
     #: import holds, the rows spilled to a log until then (see distdiag.shim.rankfile and
     #: distdiag.shim.spill); "start" at start, before the program runs
     open_file_at: str = "numpy"
+    #: who writes the rank file: "thread" (a flusher thread of the program's process) or "process"
+    #: (a helper process fed through a pipe: a hung file system never holds the job's exit, a
+    #: SIGKILLed rank's file is complete by construction; see distdiag.shim.helper)
+    writer: str = "thread"
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

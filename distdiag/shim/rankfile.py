@@ -363,6 +363,11 @@ def say(line: str) -> None:
         pass
 
 
+def _writer_mode(cfg: Any) -> str:
+    """``writer``: "process" (a helper process writes the file, distdiag.shim.helper) or "thread"."""
+    return str(getattr(cfg, "writer", "thread")).strip().lower()
+
+
 def numpy_imported() -> bool:
     """The program's own ``import numpy`` has finished (not merely begun) in this process."""
     m = sys.modules.get("numpy")
@@ -425,9 +430,15 @@ class RankFile:
         self._handed = 0  # rows the Writer took from the log
         self._sync_logged = 0
         self._attrs_logged: dict[str, Any] = dict(self._attrs)  # to log at the next flush
-        if not self._at_start and not compact_strings:
+        #: the file is written by a helper process (distdiag.shim.helper), the rows piped to it
+        self._piped = False
+        self._gpu_logged = 0
+        if not self._at_start and not compact_strings and _writer_mode(cfg) == "process":
+            self._log = self._spawn_helper()
+            self._piped = self._log is not None
+        if not self._at_start and not compact_strings and self._log is None:
             self._log = self._make_log()
-        if not self._at_start:
+        if not self._at_start and not self._piped:
             from distdiag.shim import hooks
 
             hooks.when_imported("numpy", self._load_writer)
@@ -476,6 +487,8 @@ class RankFile:
     # -- opening --------------------------------------------------------------------
     def _due(self) -> str | None:
         """Why the HDF5 file may open now, or None."""
+        if self._piped:  # the helper's
+            return None
         if self._at_start:
             return "start"
         if numpy_imported():
@@ -513,6 +526,21 @@ class RankFile:
             log.debug("distdiag: the writer's modules did not import", exc_info=True)
 
     # -- the spill log, until the HDF5 file opens ------------------------------------------
+    def _spawn_helper(self) -> Any:
+        """The pipe to a helper process that writes the file (the claim goes to it); None when it
+        cannot start (the file is then written in this process, as with ``writer = "thread"``)."""
+        from distdiag.shim.helper import spawn
+
+        if self._fd is None:
+            return None
+        try:
+            lg = spawn(self.path, self._fd, self.cfg, os.getpid())
+        except Exception as e:
+            log.debug("distdiag: no helper process for %s: %s", self.path, e)
+            return None
+        self._close_claim()  # the helper holds the file: this process keeps nothing of the run dir open
+        return lg
+
     def _make_log(self) -> Any:
         from distdiag.shim.spill import SpillLog, log_name
 
@@ -547,6 +575,9 @@ class RankFile:
             n_sync = len(self._sync)
             if n_sync > self._sync_logged:
                 out.append((b"SYNC", [list(r) for rows in self._sync[self._sync_logged : n_sync] for r in rows]))
+            n_gpu = len(self._gpu)
+            if self._piped and n_gpu > self._gpu_logged:  # a log keeps them for the file's opening instead
+                out.append((b"GPUS", b"".join(bytes(memoryview(g).cast("B")) for g in self._gpu[self._gpu_logged : n_gpu])))
             if self._attrs_logged:
                 attrs, self._attrs_logged = self._attrs_logged, {}
                 if "argv" in attrs:
@@ -558,9 +589,9 @@ class RankFile:
                 pack_row(buf, i * ROW_SIZE, *row)
             out.append((b"INFL", bytes(buf)))
             batch = sum(len(p) if isinstance(p, bytes) else 64 * len(p) for _, p in out)
-            try:
-                st = os.statvfs(self.path.parent)
-                free, need = st.f_bavail * st.f_frsize, batch + DISK_RESERVE_BYTES  # no HDF5 overhead
+            try:  # the helper's Writer checks its own disk: this process never touches the run dir
+                st = None if self._piped else os.statvfs(self.path.parent)
+                free, need = (st.f_bavail * st.f_frsize, batch + DISK_RESERVE_BYTES) if st else (0, 0)
             except OSError:
                 free = need = 0
             if free < need:
@@ -572,9 +603,13 @@ class RankFile:
                     lg.add_json(tag, payload)
             self._strings_logged, self._sync_logged = n_str, n_sync
             lg.add_json(b"MARK", {"last_flush_mono_ns": now_ns(), "lost_events": int(rec.lost_events)})
+            if self._piped:  # sent: nothing is handed over later, so nothing is kept
+                del self._sync[:n_sync], self._gpu[:n_gpu]
+                self._sync_logged = self._gpu_logged = 0
         except Exception as e:  # full disk, quota, a vanished dir: the log stops, its rows so far stay
             try:
-                lg.add_json(b"ATTR", {"recording_stopped": one_line(e), "lost_events": int(rec.lost_events)})
+                if not self._piped:  # a pipe that failed may hold half a record: nothing more after it
+                    lg.add_json(b"ATTR", {"recording_stopped": one_line(e), "lost_events": int(rec.lost_events)})
             except Exception:
                 pass
             self._log = None
@@ -700,6 +735,10 @@ class RankFile:
         if w is None:
             with self._lock:
                 if self._w is None and not self._closed:
+                    if self._piped:
+                        self._hear_helper()
+                        if self._log is not None:  # a helper that takes nothing for this long is stuck
+                            self._log.deadline = time.monotonic() + max(30.0, 4 * self.interval_s)
                     if self._log is not None:
                         self._spill()
                     else:
@@ -716,6 +755,49 @@ class RankFile:
         w.flush()
         if w.failed:
             self.failed = True
+
+    def _hear_helper(self, wait_until: float | None = None) -> None:
+        """Print what the helper said (a write error, a full disk); after its failure stop
+        recording, as an in-process writer's failure does (under ``self._lock``)."""
+        lg = self._log
+        if lg is None:
+            return
+        for line in lg.read_back(wait_until):
+            if line:
+                say(line)
+        if lg.failed_line is not None and not self.failed:
+            self.failed = True
+            self._stop.set()
+            self._log = None
+            lg.close()
+            self.rec.max_pending_chunks = 0  # from now on full chunks are dropped and counted
+            self.rec.full.clear()
+
+    def _close_piped(self, exit_code: int | None, deadline: float) -> None:
+        """The last flush and the exit to the helper, then its "done", not past ``deadline``."""
+        from distdiag.shim.recorder import now_ns
+
+        lg = self._log
+        if lg is None:
+            return
+        lg.deadline = deadline
+        self._hear_helper()
+        self._spill()
+        lg = self._log
+        if lg is None:
+            return
+        try:
+            lg.add_json(b"EXIT", {"exit_code": exit_code, "end_mono_ns": now_ns()})
+            lg.finish()
+            self._hear_helper(wait_until=deadline)
+            if not lg.done:
+                say(f"distdiag: {self.path}: its helper did not finish within exit_timeout_s="
+                    f"{self.exit_timeout_s:g} s (hung file system?); the job exits without waiting")
+        except Exception as e:
+            say(f"distdiag: {self.path}: the exit did not reach its helper: {one_line(e)}")
+        finally:
+            self._log = None
+            lg.close()
 
     def close(self, exit_code: int | None) -> None:
         """Open the file now if it never was, then Writer.close. Bounded by ``exit_timeout_s``
@@ -735,6 +817,10 @@ class RankFile:
             if self._closed:
                 return
             self._closed = True
+            if self._piped:
+                if not self.failed:
+                    self._close_piped(exit_code, deadline)
+                return
             w = self._w
             if w is None and not self.failed:
                 lg = self._log

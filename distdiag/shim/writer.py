@@ -534,6 +534,9 @@ class Writer:
         self._held: list[np.ndarray] = []
         self.rows_written = 0
         self.flushes = 0
+        #: the time the next flush is stamped with (``last_flush_mono_ns``) instead of now: a helper
+        #: process writes the rank's flush after it was made (distdiag.shim.helper)
+        self.flush_mono_ns: int | None = None
         self._detached = False
         #: a forked child's file: only the strings its rows use (see _LocalIds)
         self._ids = _LocalIds(rec.strings.strings) if compact_strings else None
@@ -714,7 +717,7 @@ class Writer:
                 f.create_dataset("counters", shape=(0,), maxshape=(None,), dtype=COUNTER_DTYPE, chunks=(1024,))
             _replace(f["counters"], counters)
             _set_attrs(f, budget.attrs())
-        f.attrs["last_flush_mono_ns"] = now_ns()
+        f.attrs["last_flush_mono_ns"] = now_ns() if self.flush_mono_ns is None else int(self.flush_mono_ns)
         f.attrs["lost_events"] = int(self.rec.lost_events)
         f.flush()
         self.flushes += 1
@@ -818,7 +821,8 @@ class Writer:
         except Exception:
             pass
 
-    def close(self, exit_code: int | None, deadline: float | None = None) -> None:
+    def close(self, exit_code: int | None, deadline: float | None = None, end_mono_ns: int | None = None,
+              clean: bool = True) -> None:
         """Final flush; write end_mono_ns, exit_code, closed_cleanly=True. Idempotent, never raises.
 
         Bounded by ``exit_timeout_s`` (10 s) whatever the file system does: the flusher's
@@ -826,7 +830,10 @@ class Writer:
         _write_pieces; the rows not written are counted in ``rows_not_written_at_exit``),
         and a flush stuck inside one call (a hung file system) is not waited for past
         it: the file then stays as of its last flush. ``deadline``: a time.monotonic() bound
-        set by the caller instead. What the kernel does with the
+        set by the caller instead. ``end_mono_ns``: the process's end as it said it (a helper
+        process writes the file after the rank's end, distdiag.shim.helper); ``clean`` False:
+        the process did not close the file (it died), so ``closed_cleanly`` stays false and no
+        exit is written. What the kernel does with the
         descriptor at process exit is the kernel's (a hung FUSE or NFS server can hold
         the exit itself; see the README)."""
         from distdiag.shim.recorder import now_ns
@@ -846,10 +853,9 @@ class Writer:
                 return
             try:
                 self._flush_locked()
-                _set_attrs(
-                    self._f,
-                    {"end_mono_ns": now_ns(), "exit_code": exit_code, "closed_cleanly": True},
-                )
+                if clean:
+                    end = now_ns() if end_mono_ns is None else int(end_mono_ns)
+                    _set_attrs(self._f, {"end_mono_ns": end, "exit_code": exit_code, "closed_cleanly": True})
                 self._ds = {}
                 self._f.close()
             except Exception as e:
@@ -857,6 +863,11 @@ class Writer:
             self._closed = True
         finally:
             self._lock.release()
+
+    def close_unclean(self) -> None:
+        """The process that recorded died: write what was handed over and close the file, leaving
+        ``closed_cleanly`` false (the analyzer reads the rank as killed, as after a SIGKILL)."""
+        self.close(None, clean=False)
 
     def detach(self) -> None:
         """In a forked child: the inherited file is the parent's; never write, flush or close it.

@@ -1,0 +1,205 @@
+"""The rank file written by a helper process (``writer = "process"``, distdiag.shim.helper;
+issue 17: a hung file system never holds the job's exit, a SIGKILLed rank's file is complete
+by construction, nothing of numpy or h5py in the program's process).
+
+Real parts: the slow FUSE server of tests/slowfs.py, stopped with SIGSTOP to make a *hung*
+server (every call on the mount then waits for an answer that never comes), real wrapped
+processes, SIGKILLs by PID, a real 8 MiB tmpfs for the full disk.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from helpers import small_tmpfs, single_process_env, wait_until_closed
+from sigkill import kill_once
+from slowfs import SERVERS, fuse_available, mount_slowfs
+
+from distdiag.schema import Kind
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parent.parent
+BOUND_S = 2.0
+
+#: marks, one flush, then the program's end once the test says so (the go file)
+HUNG_JOB = """\
+import os, sys, time
+import distdiag
+for i in range(20_000):
+    distdiag.mark("tick")
+print("ready", flush=True)
+go = sys.argv[1]
+while not os.path.exists(go):
+    time.sleep(0.01)
+print("end", time.monotonic(), flush=True)  # the program's end: the exit starts here
+"""
+
+
+def _start(tmp: Path, run_dir: Path, writer: str) -> tuple[subprocess.Popen[str], Path]:
+    job = tmp / "job.py"
+    job.write_text(HUNG_JOB)
+    go = tmp / f"go-{writer}"
+    env = single_process_env(DISTDIAG_WRITER=writer, DISTDIAG_EXIT_TIMEOUT_S=str(BOUND_S),
+                             DISTDIAG_FLUSH_INTERVAL_S="0.1")  # fmt: skip
+    p = subprocess.Popen([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(go)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stdout is not None
+    assert p.stdout.readline().split() == ["ready"]
+    files = (run_dir / "rank-00000.h5", run_dir / "rank-00000.h5.log")  # the thread's spill log until numpy
+    end = time.monotonic() + 30
+    while not any(f.exists() and f.stat().st_size > 0 for f in files):  # the first flush reached the disk
+        assert time.monotonic() < end and p.poll() is None
+        time.sleep(0.02)
+    return p, go
+
+
+def _end_s(p: subprocess.Popen[str], wait_s: float) -> float | None:
+    """Seconds from the program's end to the process's end, None if it is still there after ``wait_s``."""
+    assert p.stdout is not None
+    words = p.stdout.readline().split()
+    assert words[:1] == ["end"], words
+    try:
+        p.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return None
+    return time.monotonic() - float(words[1])  # CLOCK_MONOTONIC: one clock for both processes
+
+
+def test_a_hung_file_system_never_holds_the_exit_and_the_file_completes_once_it_answers(tmp_path: Path) -> None:
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with mount_slowfs(backing, tmp_path / "mnt", latency_ms=0.0) as mnt:
+        server = SERVERS[str(mnt)]
+        # the fault is real: a rank whose own process holds the file (writer = "thread") hangs at exit
+        p, go = _start(tmp_path, mnt / "run-thread", "thread")
+        os.kill(server, signal.SIGSTOP)  # the test's own server process, by its PID
+        try:
+            go.touch()
+            assert _end_s(p, BOUND_S + 3.0) is None, "a hung server did not hold the in-process writer's exit"
+        finally:
+            os.kill(server, signal.SIGCONT)
+        p.communicate(timeout=60)
+        assert p.returncode == 0
+
+        p, go = _start(tmp_path, mnt / "run", "process")
+        os.kill(server, signal.SIGSTOP)
+        try:
+            go.touch()
+            exit_s = _end_s(p, 30.0)
+            _, err = p.communicate(timeout=10)
+        finally:
+            os.kill(server, signal.SIGCONT)
+        print(f"exit took {exit_s} s with the server hung, exit_timeout_s={BOUND_S:g}")
+        assert exit_s is not None and exit_s < BOUND_S + 1.5, (exit_s, err)
+        assert p.returncode == 0, err
+        assert "helper did not finish within exit_timeout_s=2" in err, err
+        # the server answers again: the helper writes the last flush and closes the file
+        f = mnt / "run" / "rank-00000.h5"
+        wait_until_closed(f)
+        with h5py.File(f, "r") as h:
+            ev = h["events"][:]
+            assert bool(h.attrs["closed_cleanly"]) and int(h.attrs["exit_code"]) == 0
+            assert int((ev["kind"] == Kind.MARK).sum()) == 20_000
+            assert h.attrs["file_opened_on"] == "helper"
+
+
+COMPARE_JOB = """\
+import os, sys, threading
+import distdiag
+def work(k):
+    for i in range(200):
+        distdiag.mark(f"t{k}")
+        os.stat(sys.argv[1])
+ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+pid = os.fork()
+if pid == 0:
+    for i in range(50):
+        os.stat(sys.argv[1])
+    os._exit(3)
+print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "numpy" in sys.modules, "h5py" in sys.modules)
+sys.exit(5)
+"""
+
+
+def test_the_helper_writes_what_the_in_process_writer_writes_and_the_program_behaves_the_same(tmp_path: Path) -> None:
+    job = tmp_path / "job.py"
+    job.write_text(COMPARE_JOB)
+    got = {}
+    for writer in ("thread", "process"):
+        d = tmp_path / writer
+        env = single_process_env(DISTDIAG_WRITER=writer)
+        p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(d), PY, str(job), str(job)], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 5, p.stderr
+        with h5py.File(d / "rank-00000.h5", "r") as h:
+            ev = h["events"][:]
+            strings = list(h["strings"].asstr()[:])
+            # the program's own rows (an in-process writer opening its file at exit records numpy's
+            # and h5py's imports too: there only)
+            kinds = {Kind(k).name: int((ev["kind"] == k).sum()) for k in (Kind.MARK, Kind.SHIM)}
+            kinds["stats of the job"] = sum(strings[i] == str(job) for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT])
+            marks = sorted(strings[i] for i in ev["name_id"][ev["kind"] == Kind.MARK])
+            got[writer] = (p.stdout, kinds, marks, int(h.attrs["exit_code"]), bool(h.attrs["closed_cleanly"]))
+        children = list(d.glob("rank-00000.fork-*.h5"))
+        assert len(children) == 1, children  # the forked child's file, as with the in-process writer
+        with h5py.File(children[0], "r") as h:
+            ev, strings = h["events"][:], h["strings"].asstr()[:]
+            mine = [strings[i] == str(job) for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT]]
+            assert sum(mine) == 50
+    assert got["process"] == got["thread"]
+    # the program never had numpy or h5py loaded by the helper's way (it imports neither)
+    assert got["process"][0].split() == ["child", "3", "False", "False"]
+
+
+def test_a_rank_killed_at_random_instants_leaves_the_helper_every_row_of_its_last_flush(tmp_path: Path) -> None:
+    """The in-process writer's kill test (tests/sigkill.py) with the helper: the file is written
+    after the kill, from the stream the rank sent (``benchmarks/bench_sigkill.py --writer
+    process`` runs hundreds)."""
+    rng = random.Random(21)
+    jobs = ("first", "late", "never")
+    bad = [(k, why) for k in range(6) if (why := kill_once(tmp_path, rng, 0.01, REPO, jobs[k % 3], "process"))]
+    assert bad == [], bad
+    with h5py.File(tmp_path / "run" / "rank-00000.h5", "r") as h:
+        assert not bool(h.attrs["closed_cleanly"])  # the rank died: the helper does not say it closed
+
+
+FULL_JOB = """\
+import sys, time
+import distdiag
+for i in range(100):
+    for k in range(2000):
+        distdiag.mark("tick")
+    time.sleep(0.01)
+print("done", flush=True)
+sys.exit(7)
+"""
+
+
+def test_a_full_disk_costs_the_job_nothing_and_is_said_once(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(FULL_JOB)
+    with small_tmpfs(tmp_path, "8m") as mnt:
+        env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.05")
+        p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(mnt / "run"), PY, str(tmp_path / "job.py")],
+                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 7 and p.stdout == "done\n", p.stderr
+        said = [ln for ln in p.stderr.splitlines() if ln.startswith("distdiag:")]
+        assert len(said) == 1 and "the job runs without recording" in said[0], p.stderr
+        f = mnt / "run" / "rank-00000.h5"
+        wait_until_closed(f)
+        with h5py.File(f, "r") as h:  # what was written before the disk filled stays readable
+            assert "free on its file system" in str(h.attrs["recording_stopped"])
+            assert len(h["events"]) > 0
