@@ -167,6 +167,7 @@ import os
 import re
 import stat
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -653,6 +654,45 @@ def _open_h5(path: Path) -> Any:
     return _open_h5_file(path)
 
 
+#: how long a rank file whose writer still holds it (its HDF5 lock) is waited for: a rank's helper
+#: process (distdiag.shim.helper) writes the last flush of a rank that died just now
+WRITER_WAIT_S = 3.0
+#: run dirs whose files were still held after WRITER_WAIT_S (a live job), -> when: not waited for again
+_HELD_DIRS: dict[str, float] = {}
+
+
+def _wait_for_writer(path: Path) -> None:
+    """Wait (at most :data:`WRITER_WAIT_S`, once per run dir a minute) while a process holds
+    ``path``'s HDF5 lock for writing (``flock``, same host; a file system without flocks holds
+    none): the file is then being finished, e.g. by the helper of a rank killed a moment ago.
+    A file still held after the wait (a job still running) is read as it is."""
+    import fcntl
+
+    key = str(path.parent)
+    seen = _HELD_DIRS.get(key)
+    if seen is not None and time.monotonic() - seen < 60.0:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        end = time.monotonic() + WRITER_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > end:
+                    _HELD_DIRS[key] = time.monotonic()
+                    return
+                time.sleep(0.01)
+            except OSError:  # no flocks here
+                return
+    finally:
+        os.close(fd)
+
+
 def _open_h5_file(path: Path) -> Any:
     """:func:`_open_h5` of the HDF5 file itself (never through a link, the same file after the open)."""
     import h5py
@@ -662,6 +702,7 @@ def _open_h5_file(path: Path) -> Any:
         raise NotOwnFile("is a symbolic link (a run dir's files are read only as regular files of their own)")
     if not stat.S_ISREG(st.st_mode):
         raise NotOwnFile("is not a regular file")
+    _wait_for_writer(path)
     try:
         f = h5py.File(path, "r", libver="latest", swmr=True, locking=False, rdcc_nbytes=0)
     except _H5_ERRORS:

@@ -43,7 +43,7 @@ def test_exit_on_a_slow_disk_ends_within_exit_timeout_and_counts_what_it_left(tm
     backing = tmp_path / "backing"
     backing.mkdir()
     with mount_slowfs(backing, tmp_path / "mnt", latency_ms=0.0, write_ms_per_mb=300.0) as mnt:
-        env = single_process_env(DISTDIAG_EXIT_TIMEOUT_S=str(BOUND_S), DISTDIAG_FLUSH_INTERVAL_S="600")
+        env = single_process_env(DISTDIAG_EXIT_TIMEOUT_S=str(BOUND_S), DISTDIAG_FLUSH_INTERVAL_S="600", DISTDIAG_WRITER="thread")
         p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(mnt / "run"), PY, str(tmp_path / "job.py")],
                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
         ended = time.monotonic()  # CLOCK_MONOTONIC: the same clock in both processes

@@ -27,7 +27,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from helpers import single_process_env
+from helpers import single_process_env, wait_until_closed
 
 from distdiag.schema import Kind
 
@@ -87,16 +87,20 @@ else:
 
 
 @pytest.mark.parametrize("how", ["sys_exit", "end", "pty", "h5py_then_exit"])
-def test_a_forked_child_ending_normally_leaves_the_parents_file_readable(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_forked_child_ending_normally_leaves_the_parents_file_readable(tmp_path: Path, how: str, writer: str) -> None:
     """Seen before: the child's exit closed its inherited HDF5 handle and wrote its stale
-    metadata into the parent's file (``bad heap index`` or ``addr overflow`` on reading)."""
+    metadata into the parent's file (``bad heap index`` or ``addr overflow`` on reading).
+    ``writer``: the file written by a helper process (the default: the child inherits no HDF5
+    handle, only the pipe, which it closes) or by the process's own thread."""
     prog = tmp_path / "prog.py"
     prog.write_text(FORK_THEN_KILL)
     run_dir = tmp_path / "run"
     p = run([*WRAP, "--dir", str(run_dir), PY, str(prog), str(tmp_path), how], tmp_path,
-            DISTDIAG_FLUSH_INTERVAL_S="0.2")  # fmt: skip
+            DISTDIAG_FLUSH_INTERVAL_S="0.2", DISTDIAG_WRITER=writer)  # fmt: skip
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert p.stderr == ""  # the child's HDF5 said nothing either
+    wait_until_closed(run_dir / "rank-00000.h5")  # the helper writes the killed rank's last flush
     ev, strings, attrs = read(run_dir / "rank-00000.h5")
     stats = named(ev, strings, Kind.FILE_STAT, str(tmp_path / "target"))
     assert len(stats) == 40000

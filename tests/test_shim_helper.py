@@ -203,3 +203,55 @@ def test_a_full_disk_costs_the_job_nothing_and_is_said_once(tmp_path: Path) -> N
         with h5py.File(f, "r") as h:  # what was written before the disk filled stays readable
             assert "free on its file system" in str(h.attrs["recording_stopped"])
             assert len(h["events"]) > 0
+
+
+HOLDER = """\
+import sys, time
+import h5py
+f = h5py.File(sys.argv[1], "w", locking=True)  # as the writer holds a rank file: HDF5's lock
+f["first"] = [1]
+f.flush()
+print("open", flush=True)
+time.sleep(float(sys.argv[2]))
+f["last"] = [2]  # the last flush, written after the rank's death
+f.close()
+"""
+
+
+def _hold(tmp: Path, name: str, hold_s: float) -> tuple[subprocess.Popen[str], Path]:
+    (tmp / "holder.py").write_text(HOLDER)
+    path = tmp / name / "rank-00000.h5"
+    path.parent.mkdir()
+    p = subprocess.Popen([PY, str(tmp / "holder.py"), str(path), str(hold_s)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "open\n"
+    return p, path
+
+
+def test_the_analyzer_waits_for_a_writer_finishing_a_file_but_not_for_a_running_job(tmp_path: Path) -> None:
+    from distdiag import run as run_mod
+
+    # a writer that finishes 0.5 s from now (a killed rank's helper): waited for, its last flush read
+    p, path = _hold(tmp_path, "finishing", 0.5)
+    t0 = time.monotonic()
+    run_mod._wait_for_writer(path)
+    waited = time.monotonic() - t0
+    with h5py.File(path, "r", locking=False) as f:
+        assert "last" in f, waited
+    p.wait(timeout=30)
+    # the healthy twin: nobody holds it, no wait
+    t0 = time.monotonic()
+    run_mod._wait_for_writer(path)
+    assert time.monotonic() - t0 < 0.2
+    # a job still running: waited for WRITER_WAIT_S once, then read as it is (its dir not waited for again)
+    p, path = _hold(tmp_path, "running", 60)
+    try:
+        t0 = time.monotonic()
+        run_mod._wait_for_writer(path)
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        run_mod._wait_for_writer(path)
+        second = time.monotonic() - t0
+    finally:
+        p.kill()  # ours, by its PID
+        p.wait(timeout=30)
+    assert run_mod.WRITER_WAIT_S <= first < run_mod.WRITER_WAIT_S + 2 and second < 0.2, (first, second)

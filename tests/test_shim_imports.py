@@ -20,6 +20,7 @@ from typing import Any
 
 import h5py
 import numpy as np
+import pytest
 from helpers import single_process_env
 
 from distdiag.schema import Kind
@@ -32,7 +33,8 @@ WATCHED = ("numpy", "h5py", "ctypes", "pynvml", "threadpoolctl", "mpi4py", "torc
 
 
 def _run(cmd: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
-    env = single_process_env(**{"DISTDIAG_OPEN_FILE_AT": "numpy", **extra})  # the default, said for clarity
+    # the in-process writer's opening (writer = "thread"): a helper process loads nothing here at all
+    env = single_process_env(**{"DISTDIAG_OPEN_FILE_AT": "numpy", "DISTDIAG_WRITER": "thread", **extra})
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
@@ -53,11 +55,13 @@ print(json.dumps({{"first": first, "blas": blas}}))
 """
 
 
-def test_what_the_program_sets_before_its_numpy_import_holds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_what_the_program_sets_before_its_numpy_import_holds(tmp_path: Path, writer: str) -> None:
     prog = tmp_path / "blas.py"
     prog.write_text(BLAS)
     # the environment the job was launched with says 3: only the program's own setting may win
-    outer = {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "3", "DISTDIAG_FLUSH_INTERVAL_S": "0.2"}
+    outer = {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "3", "DISTDIAG_FLUSH_INTERVAL_S": "0.2",
+             "DISTDIAG_WRITER": writer}  # fmt: skip
     plain = _run([PY, str(prog)], tmp_path, **outer)
     wrapped = _run([*WRAP, "--dir", str(tmp_path / "run"), PY, str(prog)], tmp_path, **outer)
     assert plain.returncode == 0 and wrapped.returncode == 0, (plain.stderr, wrapped.stderr)
@@ -66,7 +70,7 @@ def test_what_the_program_sets_before_its_numpy_import_holds(tmp_path: Path) -> 
     assert w["first"] == []
     assert w["blas"] and all(n == 1 for _, n in w["blas"]), w["blas"]
     ev, strings, attrs = _rank_file(tmp_path / "run")
-    assert bool(attrs["closed_cleanly"]) and attrs["file_opened_on"] in ("numpy", "exit")
+    assert bool(attrs["closed_cleanly"]) and attrs["file_opened_on"] in {"thread": ("numpy", "exit"), "process": ("helper",)}[writer]
     opened = [strings[i] for i in ev["name_id"][ev["kind"] == Kind.FILE_OPEN]]
     # the program's own import of numpy is its I/O; h5py's (the shim's file) is not
     assert any("/numpy/" in s for s in opened)

@@ -53,7 +53,7 @@ if sys.argv[2] == "hang":
 def _start(tmp: Path, *args: str, **env: str) -> subprocess.Popen[str]:
     prog = tmp / "prog.py"
     prog.write_text(PROG)
-    e = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05", **env)
+    e = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05", **env, DISTDIAG_WRITER="thread")
     return subprocess.Popen([*WRAP, "--dir", str(tmp / "run"), PY, str(prog), *args], cwd=tmp, env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -197,7 +197,7 @@ def test_a_log_is_untrusted_input(tmp_path: Path, killed_log: bytes) -> None:
 def test_the_log_keeps_no_secret_of_the_command_line(tmp_path: Path) -> None:
     prog = tmp_path / "prog.py"
     prog.write_text("import time, distdiag\ndistdiag.mark('x')\ntime.sleep(0.5)\nprint('up', flush=True)\ntime.sleep(60)\n")
-    e = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05")
+    e = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05", DISTDIAG_WRITER="thread")
     p = subprocess.Popen([*WRAP, "--dir", str(tmp_path / "run"), PY, str(prog), "--api-token", "hunter2-secret"],
                          cwd=tmp_path, env=e, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:

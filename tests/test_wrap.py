@@ -23,7 +23,7 @@ from typing import Iterator
 import h5py
 import numpy as np
 import pytest
-from helpers import fill_prog, small_tmpfs
+from helpers import fill_prog, small_tmpfs, wait_until_closed
 
 from distdiag.run import open_rank_file
 from distdiag.schema import Kind
@@ -348,14 +348,16 @@ def _wait_flushed(path: Path, dataset: str, min_rows: int, timeout_s: float = 30
     raise AssertionError(f"{path}:{dataset} never reached {min_rows} rows")
 
 
-@pytest.mark.parametrize("open_at", ["numpy", "start"])
-def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_path: Path, open_at: str) -> None:
-    """The program never imports numpy: with open_file_at=numpy (the default) its rows are in
-    the spill log, which the analyzer reads in the empty file's place; with "start" in the file."""
+@pytest.mark.parametrize(("writer", "open_at"), [("process", "numpy"), ("thread", "numpy"), ("thread", "start")])
+def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_path: Path, writer: str,
+                                                                            open_at: str) -> None:  # fmt: skip
+    """The program never imports numpy. With the helper process (the default) the helper writes
+    the file, also after the kill; in-process with open_file_at=numpy its rows are in the spill
+    log, which the analyzer reads in the empty file's place; with "start" in the file."""
     prog = tmp_path / "kill.py"
     prog.write_text(KILL_PROG)
     run_dir = tmp_path / "run"
-    env = clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.2", DISTDIAG_OPEN_FILE_AT=open_at)
+    env = clean_env(DISTDIAG_FLUSH_INTERVAL_S="0.2", DISTDIAG_OPEN_FILE_AT=open_at, DISTDIAG_WRITER=writer)
     with _started([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog), "5000"], tmp_path, env) as p:
         _wait_line(p, "inside")
         _wait_flushed(rank_file(run_dir), "inflight", 1)  # the enter is on disk as in flight
@@ -364,7 +366,10 @@ def test_sigkill_leaves_a_file_with_every_flushed_row_and_the_inflight_call(tmp_
     assert p.returncode == -signal.SIGKILL
     path = rank_file(run_dir)
     spill = path.with_name(path.name + ".log")
-    if open_at == "numpy":
+    if writer == "process":
+        wait_until_closed(path)  # the helper writes what the rank sent, then closes the file
+        assert not spill.exists() and path.stat().st_size > 0
+    elif open_at == "numpy":
         assert path.stat().st_size == 0 and spill.stat().st_size > 0  # the HDF5 file never opened
     else:
         assert not spill.exists()

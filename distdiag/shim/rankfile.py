@@ -1,6 +1,8 @@
-"""The rank's file as the program's process sees it: claimed at start, opened as HDF5
-from the first flush after the program's own ``import numpy`` (the default,
-``open_file_at = "numpy"``) or at start (``"start"``).
+"""The rank's file as the program's process sees it: claimed at start, then either handed
+to a helper process that writes it from a pipe (``writer = "process"``, the default:
+:mod:`distdiag.shim.helper`; the spill log's records go down the pipe), or opened as
+HDF5 in this process (``writer = "thread"``) from the first flush after the program's
+own ``import numpy`` (``open_file_at = "numpy"``) or at start (``"start"``), as follows.
 
 Why: numpy, h5py (and with it libhdf5) are loaded into the program's process the
 moment the shim imports them, and what a library reads at load time is then fixed
@@ -782,6 +784,8 @@ class RankFile:
             return
         lg.deadline = deadline
         self._hear_helper()
+        if BEFORE_FLUSH:  # rows made off the hot path (CUDA events resolved) before the last flush
+            _before_flush()
         self._spill()
         lg = self._log
         if lg is None:
