@@ -80,7 +80,7 @@ VARIANTS = {
 def launch(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            __file__, "--worker", "--width", str(args.width), "--blocks", str(args.blocks), "--steps", str(args.steps),
-           "--variants", args.variants] + (["--no-writer"] if args.no_writer else [])  # fmt: skip
+           "--variants", args.variants, "--writer", args.writer] + (["--no-writer"] if args.no_writer else [])  # fmt: skip
     return subprocess.run(cmd, timeout=1800).returncode
 
 
@@ -100,8 +100,14 @@ def worker(args: argparse.Namespace) -> None:
     cfg = ShimConfig()
     cfg_nb = ShimConfig(ddp_buckets=False)
     rec = Recorder(cfg.chunk_rows, cfg.max_pending_chunks)
-    writer = None
-    if not args.no_writer:
+    writer: Any = None
+    if not args.no_writer and args.writer == "process":  # the default under distdiag-wrap: a helper writes
+        from distdiag.shim.rankfile import RankFile
+
+        writer = RankFile(tmp / f"rank-{rank:05d}.h5", rec, ShimConfig(writer="process"),
+                          base_attrs(rank=rank, world_size=world))  # fmt: skip
+        writer.start()
+    elif not args.no_writer:
         writer = Writer(tmp / f"rank-{rank:05d}.h5", rec, cfg, base_attrs(rank=rank, world_size=world))
         writer.start()
     names = [v for v in args.variants.split(",") if v]
@@ -180,7 +186,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(allres, res)
     if rank == 0:
         print(f"DDP on gloo, {world} ranks, Linear {args.width}x{args.width} x2, {args.blocks} rotating blocks of {args.steps} steps"
-              f" per variant; writer: {'off' if args.no_writer else 'on'}")
+              f" per variant; writer: {'off' if args.no_writer else args.writer}")
         print("ratio = median over ranks of (rank's median step / its median 'builtin' step); cpu = process CPU time")
         print(f"{'variant':>10} {'wall ms':>8} {'wall x':>7} {'cpu ms':>7} {'cpu x':>6} {'losses':>7}  what")
         out = {}
@@ -325,6 +331,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     ap.add_argument("--no-writer", action="store_true", help="no background HDF5 writer in the 'with' blocks")
+    ap.add_argument("--writer", choices=("thread", "process"), default="process",
+                    help="the rank file written by a helper process (the default, as distdiag-wrap does) or by a "
+                         "flusher thread of the rank (writer = \"thread\")")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--micro", action="store_true")
     args = ap.parse_args()

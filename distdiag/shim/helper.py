@@ -58,7 +58,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from distdiag.shim.spill import MAX_RECORD_BYTES
+from distdiag.shim.spill import MAX_RECORD_BYTES, SpillLog
 
 _HEAD = struct.Struct("<4sII")
 #: the helper's descriptors: the stream from the rank, the channel back, the claimed rank file
@@ -75,13 +75,13 @@ class HelperGone(OSError):
     """The helper cannot take more (it ended, or the exit's bound passed inside a write)."""
 
 
-class PipeLog:
-    """The spill log's interface (:class:`distdiag.shim.spill.SpillLog`: ``add``, ``add_json``,
-    ``size``, ``close``, ``remove``) over the pipe to a helper process. Made by :func:`spawn`."""
+class PipeLog(SpillLog):
+    """The spill log (:class:`distdiag.shim.spill.SpillLog`: ``add``, ``add_json``, ``size``,
+    ``close``, ``remove``) written into the pipe to a helper process. Made by :func:`spawn`."""
 
-    def __init__(self, path: Path, data_fd: int, back_fd: int) -> None:
+    def __init__(self, path: Path, data_fd: int, back_fd: int) -> None:  # no file: the pipe
         self.path = path
-        self.fd: int | None = data_fd
+        self.fd = data_fd
         self.back_fd: int | None = back_fd
         self.size = 0
         #: a time.monotonic() bound for writes (the exit's); None: wait as long as the helper takes
@@ -113,12 +113,6 @@ class PipeLog:
                 ev = poller.poll(None if left is None else max(1, int(left * 1000)))
                 if any(e & (select.POLLERR | select.POLLHUP) for _, e in ev):
                     raise HelperGone("the helper ended")
-
-    def add(self, tag: bytes, payload: bytes) -> None:
-        self._write(_HEAD.pack(tag, len(payload), zlib.crc32(payload)) + payload)
-
-    def add_json(self, tag: bytes, obj: Any) -> None:
-        self.add(tag, json.dumps(obj, separators=(",", ":")).encode())
 
     def read_back(self, wait_until: float | None = None) -> list[str]:
         """Lines the helper sent back (``SAY ...``, ``FAIL ...``, ``DONE``), without waiting, or
@@ -159,23 +153,17 @@ class PipeLog:
                 break
         return out
 
-    def close(self) -> None:
-        """Close the stream (the helper then ends what it has) and the channel back."""
-        for name in ("fd", "back_fd"):
-            fd = getattr(self, name)
-            setattr(self, name, None)
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-
     def finish(self) -> None:
         """Close the stream only: the helper writes what it has and says ``DONE``."""
-        fd, self.fd = self.fd, None
-        if fd is not None:
+        super().close()
+
+    def close(self) -> None:
+        """Close the stream (the helper then ends what it has) and the channel back."""
+        super().close()
+        back, self.back_fd = self.back_fd, None
+        if back is not None:
             try:
-                os.close(fd)
+                os.close(back)
             except OSError:
                 pass
 
