@@ -255,3 +255,55 @@ def test_the_analyzer_waits_for_a_writer_finishing_a_file_but_not_for_a_running_
         p.kill()  # ours, by its PID
         p.wait(timeout=30)
     assert run_mod.WRITER_WAIT_S <= first < run_mod.WRITER_WAIT_S + 2 and second < 0.2, (first, second)
+
+
+SIGPIPE_JOB = """\
+import signal, sys, time
+import distdiag
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as CLI tools do, to end quietly in a closed pipeline
+for i in range(2000):
+    distdiag.mark("tick")
+print("ready", flush=True)
+sys.stdin.readline()  # the test has killed the helper
+t_end = time.monotonic() + 1.0
+while time.monotonic() < t_end:  # flushes every 0.05 s go to a helper that is gone
+    for i in range(2000):
+        distdiag.mark("tick")
+    time.sleep(0.01)
+print("done", flush=True)
+"""
+
+
+def test_a_helper_that_died_costs_the_job_nothing_even_where_sigpipe_kills(tmp_path: Path) -> None:
+    """The program restores SIGPIPE's default (death) before the shim's flusher writes to a helper
+    that is gone: the flusher must never raise SIGPIPE in the job, and says once that recording stopped."""
+    from helpers import holders
+
+    (tmp_path / "job.py").write_text(SIGPIPE_JOB)
+    env = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05")
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(tmp_path / "job.py")], env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline() == "ready\n"
+        f = run_dir / "rank-00000.h5"
+        end = time.monotonic() + 30
+        helper = []
+        while not helper:  # the helper holds the file once its first flush opened it
+            assert time.monotonic() < end and p.poll() is None
+            helper = [q for q in holders(f) if q != p.pid]
+            time.sleep(0.02)
+        assert len(helper) == 1
+        cmd = Path(f"/proc/{helper[0]}/cmdline").read_bytes()
+        assert b"distdiag.shim.helper" in cmd, cmd  # ours: the helper this test's job started
+        os.kill(helper[0], signal.SIGKILL)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0 and out == "done\n", (p.returncode, err)
+    said = [ln for ln in err.splitlines() if ln.startswith("distdiag:")]
+    assert len(said) == 1 and "the job runs without recording" in said[0], err

@@ -11,7 +11,8 @@ a SIGKILL that lands while HDF5 writes its metadata leaves a file that may not o
   flusher frames each interval's rows, strings, clock samples, GPU samples,
   attributes and in-flight calls exactly as the spill log does
   (:mod:`distdiag.shim.spill`: tag, length, crc32, payload; a ``MARK`` ends a
-  completed flush) and writes them into a pipe; no numpy, h5py or libhdf5 is ever
+  completed flush) and sends them down a Unix socket pair (``MSG_NOSIGNAL``: a helper that
+  died never raises SIGPIPE in the job); no numpy, h5py or libhdf5 is ever
   loaded into the program's process by the shim;
 * the helper applies a flush's records to the HDF5 file (the same
   :class:`distdiag.shim.writer.Writer`: layout, budget, disk checks) only once its
@@ -51,6 +52,7 @@ import json
 import os
 import select
 import signal
+import socket
 import struct
 import sys
 import time
@@ -79,9 +81,10 @@ class PipeLog(SpillLog):
     """The spill log (:class:`distdiag.shim.spill.SpillLog`: ``add``, ``add_json``, ``size``,
     ``close``, ``remove``) written into the pipe to a helper process. Made by :func:`spawn`."""
 
-    def __init__(self, path: Path, data_fd: int, back_fd: int) -> None:  # no file: the pipe
+    def __init__(self, path: Path, sock: socket.socket, back_fd: int) -> None:  # no file: the socket
         self.path = path
-        self.fd = data_fd
+        self._sock: socket.socket | None = sock
+        self.fd = sock.fileno()
         self.back_fd: int | None = back_fd
         self.size = 0
         #: a time.monotonic() bound for writes (the exit's); None: wait as long as the helper takes
@@ -91,15 +94,16 @@ class PipeLog(SpillLog):
         self.failed_line: str | None = None
 
     def _write(self, data: bytes) -> None:
-        fd = self.fd
-        if fd is None:
-            raise HelperGone("the helper's pipe is closed")
+        sock = self._sock
+        if sock is None:
+            raise HelperGone("the helper's stream is closed")
         view = memoryview(data)
         poller = select.poll()
-        poller.register(fd, select.POLLOUT)
+        poller.register(sock.fileno(), select.POLLOUT)
         while view:
-            try:
-                n = os.write(fd, view[:_PIPE_BYTES])
+            try:  # MSG_NOSIGNAL: a helper that died is EPIPE here, never a SIGPIPE in a program that
+                # restored SIGPIPE's default (a pipe's write would have killed the job)
+                n = sock.send(view[:_PIPE_BYTES], socket.MSG_NOSIGNAL)
             except BlockingIOError:
                 n = 0
             except OSError as e:  # EPIPE: the helper ended
@@ -155,11 +159,16 @@ class PipeLog(SpillLog):
 
     def finish(self) -> None:
         """Close the stream only: the helper writes what it has and says ``DONE``."""
-        super().close()
+        sock, self._sock, self.fd = self._sock, None, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Close the stream (the helper then ends what it has) and the channel back."""
-        super().close()
+        self.finish()
         back, self.back_fd = self.back_fd, None
         if back is not None:
             try:
@@ -204,21 +213,22 @@ _BOOT = "from distdiag.shim.helper import main; main()"
 def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
     """Start the helper for the rank file ``path`` (claimed empty at ``claim_fd``, which the
     helper takes: the caller closes its own). Returns the stream to it. Raises ``OSError``."""
-    r_data, w_data = os.pipe2(os.O_CLOEXEC)
+    # the stream: a socket pair, not a pipe (send(MSG_NOSIGNAL) never raises SIGPIPE in the job);
+    # the channel back: a pipe the rank only reads
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    r_data = theirs.detach()
     r_back, w_back = os.pipe2(os.O_CLOEXEC)
-    fds = [r_data, w_data, r_back, w_back]
+    fds = [r_data, r_back, w_back]
     try:
-        r_data, w_data, r_back, w_back = fds = [_high_dup(fd) for fd in fds]
+        r_data, r_back, w_back = fds = [_high_dup(fd) for fd in fds]
         claim = os.dup(claim_fd)
         fds.append(claim)
         claim = _high_dup(claim)
         fds[-1] = claim
         try:
-            import fcntl
-
-            fcntl.fcntl(w_data, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
+            mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PIPE_BYTES)
         except OSError:
-            pass  # the default 64 KiB: more polls, same bytes
+            pass  # the default: more polls, same bytes
         actions = [(os.POSIX_SPAWN_DUP2, r_data, DATA_FD), (os.POSIX_SPAWN_DUP2, w_back, BACK_FD),
                    (os.POSIX_SPAWN_DUP2, claim, CLAIM_FD)]  # fmt: skip
         argv = ["/bin/sh", "-c", '"$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable, "-c", _BOOT]
@@ -232,6 +242,7 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
             except InterruptedError:
                 continue
     except BaseException:
+        mine.close()
         for fd in fds:
             try:
                 os.close(fd)
@@ -240,8 +251,8 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
         raise
     for fd in (r_data, w_back, claim):
         os.close(fd)
-    os.set_blocking(w_data, False)
-    lg = PipeLog(path, w_data, r_back)
+    mine.setblocking(False)
+    lg = PipeLog(path, mine, r_back)
     keys = ("flush_interval_s", "exit_timeout_s", "max_file_bytes", "sample_every")
     lg.add_json(b"INIT", {"path": str(Path(path).absolute()), "rank_pid": attrs_pid,
                           "cfg": {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}})  # fmt: skip
