@@ -307,3 +307,42 @@ def test_a_helper_that_died_costs_the_job_nothing_even_where_sigpipe_kills(tmp_p
     assert p.returncode == 0 and out == "done\n", (p.returncode, err)
     said = [ln for ln in err.splitlines() if ln.startswith("distdiag:")]
     assert len(said) == 1 and "the job runs without recording" in said[0], err
+
+
+CLOSERANGE_JOB = """\
+import os, sys, time
+import distdiag
+for i in range(2000):
+    distdiag.mark("tick")
+time.sleep(0.3)  # flushed
+os.closerange(3, 4096)  # as a daemonizer does: the shim's descriptors are gone
+fds = []
+for k in range(4):  # the lowest numbers again, the shim's among them: the program's own pipes now
+    fds.append(os.pipe())
+t_end = time.monotonic() + 1.0
+n = 0
+while time.monotonic() < t_end:  # flushes every 0.05 s meanwhile
+    for r, w in fds:
+        msg = b"%08d" % n
+        os.write(w, msg)
+        got = os.read(r, 8)
+        assert got == msg, (got, msg)  # nobody else read or wrote the program's pipes
+        n += 1
+    distdiag.mark("tick")
+    time.sleep(0.005)
+print("ok", n > 0, flush=True)
+"""
+
+
+def test_a_program_that_closes_every_descriptor_keeps_its_own(tmp_path: Path) -> None:
+    """The program closes all descriptors and opens pipes that take the shim's old numbers: the
+    shim must never read or write them (it checks its socket is still its own before each use)."""
+    (tmp_path / "job.py").write_text(CLOSERANGE_JOB)
+    env = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05")
+    p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(tmp_path / "run"), PY, str(tmp_path / "job.py")],
+                       env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and p.stdout == "ok True\n", (p.returncode, p.stdout, p.stderr)
+    f = tmp_path / "run" / "rank-00000.h5"
+    wait_until_closed(f)
+    with h5py.File(f, "r") as h:  # the rows of the flushes before the program closed our socket
+        assert int((h["events"]["kind"] == Kind.MARK).sum()) >= 2000

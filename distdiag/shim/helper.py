@@ -79,13 +79,21 @@ class HelperGone(OSError):
 
 class PipeLog(SpillLog):
     """The spill log (:class:`distdiag.shim.spill.SpillLog`: ``add``, ``add_json``, ``size``,
-    ``close``, ``remove``) written into the pipe to a helper process. Made by :func:`spawn`."""
+    ``close``, ``remove``) sent down a socket to a helper process, which answers on the same
+    socket (``SAY ...``, ``FAIL ...``, ``DONE`` lines). Made by :func:`spawn`.
 
-    def __init__(self, path: Path, sock: socket.socket, back_fd: int) -> None:  # no file: the socket
+    Before each use the descriptor is checked to be still the socket made at start (device and
+    inode): a program that closed every descriptor (a daemonizer's ``closerange``) and opened
+    files of its own may have the same number now, and the shim must never read or write its
+    data; the helper is then given up without closing what is now the program's."""
+
+    def __init__(self, path: Path, sock: socket.socket) -> None:  # no file: the socket
         self.path = path
         self._sock: socket.socket | None = sock
         self.fd = sock.fileno()
-        self.back_fd: int | None = back_fd
+        st = os.fstat(self.fd)
+        self._id = (st.st_dev, st.st_ino)
+        self._shut = False
         self.size = 0
         #: a time.monotonic() bound for writes (the exit's); None: wait as long as the helper takes
         self.deadline: float | None = None
@@ -93,9 +101,25 @@ class PipeLog(SpillLog):
         self.done = False
         self.failed_line: str | None = None
 
-    def _write(self, data: bytes) -> None:
+    def _ours(self) -> socket.socket | None:
+        """The socket while its descriptor is still ours; else None (and it is forgotten, not closed)."""
         sock = self._sock
         if sock is None:
+            return None
+        try:
+            st = os.fstat(sock.fileno())
+            mine = (st.st_dev, st.st_ino) == self._id
+        except OSError:
+            mine = False
+        if not mine:
+            sock.detach()  # the number is the program's now: never closed by us
+            self._sock, self.fd = None, None
+            self.done = True
+        return self._sock
+
+    def _write(self, data: bytes) -> None:
+        sock = self._ours()
+        if sock is None or self._shut:
             raise HelperGone("the helper's stream is closed")
         view = memoryview(data)
         poller = select.poll()
@@ -121,20 +145,20 @@ class PipeLog(SpillLog):
     def read_back(self, wait_until: float | None = None) -> list[str]:
         """Lines the helper sent back (``SAY ...``, ``FAIL ...``, ``DONE``), without waiting, or
         until ``DONE`` (or the helper's end) but not past ``wait_until`` (time.monotonic())."""
-        fd = self.back_fd
         out: list[str] = []
-        if fd is None:
+        sock = self._ours()
+        if sock is None:
             return out
         while True:
-            timeout = 0 if wait_until is None else max(0, int((wait_until - time.monotonic()) * 1000))
+            timeout = 0 if wait_until is None else max(0.0, wait_until - time.monotonic())
             try:
-                ready = select.select([fd], [], [], timeout / 1000)[0]
+                ready = select.select([sock], [], [], timeout)[0]
             except (OSError, ValueError):
                 ready = []
             if not ready:
                 break
             try:
-                chunk = os.read(fd, 65536)
+                chunk = sock.recv(65536)
             except BlockingIOError:
                 continue
             except OSError:
@@ -158,21 +182,22 @@ class PipeLog(SpillLog):
         return out
 
     def finish(self) -> None:
-        """Close the stream only: the helper writes what it has and says ``DONE``."""
-        sock, self._sock, self.fd = self._sock, None, None
+        """End the stream (the helper writes what it has and says ``DONE``); the answer can still be read."""
+        sock = self._ours()
+        self._shut = True
         if sock is not None:
             try:
-                sock.close()
+                sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
 
     def close(self) -> None:
-        """Close the stream (the helper then ends what it has) and the channel back."""
-        self.finish()
-        back, self.back_fd = self.back_fd, None
-        if back is not None:
+        """Close the socket (the helper then ends what it has)."""
+        sock = self._ours()
+        self._sock, self.fd = None, None
+        if sock is not None:
             try:
-                os.close(back)
+                sock.close()
             except OSError:
                 pass
 
@@ -213,23 +238,19 @@ _BOOT = "from distdiag.shim.helper import main; main()"
 def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
     """Start the helper for the rank file ``path`` (claimed empty at ``claim_fd``, which the
     helper takes: the caller closes its own). Returns the stream to it. Raises ``OSError``."""
-    # the stream: a socket pair, not a pipe (send(MSG_NOSIGNAL) never raises SIGPIPE in the job);
-    # the channel back: a pipe the rank only reads
+    # one socket pair, both ways: send(MSG_NOSIGNAL) never raises SIGPIPE in the job (a pipe's
+    # write does, where the program restored SIGPIPE's default)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    r_data = theirs.detach()
-    r_back, w_back = os.pipe2(os.O_CLOEXEC)
-    fds = [r_data, r_back, w_back]
+    fds = [theirs.detach()]
     try:
-        r_data, r_back, w_back = fds = [_high_dup(fd) for fd in fds]
-        claim = os.dup(claim_fd)
-        fds.append(claim)
-        claim = _high_dup(claim)
-        fds[-1] = claim
+        fds[0] = _high_dup(fds[0])
+        fds.append(_high_dup(os.dup(claim_fd)))
+        there, claim = fds
         try:
             mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PIPE_BYTES)
         except OSError:
             pass  # the default: more polls, same bytes
-        actions = [(os.POSIX_SPAWN_DUP2, r_data, DATA_FD), (os.POSIX_SPAWN_DUP2, w_back, BACK_FD),
+        actions = [(os.POSIX_SPAWN_DUP2, there, DATA_FD), (os.POSIX_SPAWN_DUP2, there, BACK_FD),
                    (os.POSIX_SPAWN_DUP2, claim, CLAIM_FD)]  # fmt: skip
         argv = ["/bin/sh", "-c", '"$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable, "-c", _BOOT]
         pid = os.posix_spawn("/bin/sh", argv, _helper_env(), file_actions=actions)
@@ -249,10 +270,10 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
             except OSError:
                 pass
         raise
-    for fd in (r_data, w_back, claim):
+    for fd in fds:
         os.close(fd)
     mine.setblocking(False)
-    lg = PipeLog(path, mine, r_back)
+    lg = PipeLog(path, mine)
     keys = ("flush_interval_s", "exit_timeout_s", "max_file_bytes", "sample_every")
     lg.add_json(b"INIT", {"path": str(Path(path).absolute()), "rank_pid": attrs_pid,
                           "cfg": {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}})  # fmt: skip
