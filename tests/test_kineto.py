@@ -43,9 +43,18 @@ def _findings(report: object, kind: str) -> list:
 # real torch.profiler traces of a gloo job
 
 
+#: rank 1's extra compute a step. The replay keeps each all-reduce's time after the last arrival as
+#: recorded; in the faulty run the early rank has done its part of the collective (gloo's and the
+#: profiler's own per-step work) while it waited, so that part is ~2 ms a step there and 5-9 ms in
+#: the healthy twin, where both ranks arrive together: 0.15-0.2 s of 30 steps the twin pays back,
+#: which the price cannot know (seen: priced 0.557 s against 0.384 s saved with 20 ms a step,
+#: once in four runs). 40 ms keeps that known error well inside the test's 25%.
+SLOW_MS = "40"
+
+
 @pytest.fixture(scope="module")
 def gloo_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Saving, list[Path], list[Path]]:
-    """The 2-rank job (10 ms of compute a step) with rank 1 computing 20 ms more before each of 30
+    """The 2-rank job (10 ms of compute a step) with rank 1 computing 40 ms more before each of 30
     all-reduces, and its healthy twin, 3 pairs by turns (2 ranks on the 2 cores: the saving is still measured, not assumed;
     three healthy runs measure their spread, the noise the healthy-twin check allows, better than two: beside a busy
     core two runs 11.5 ms apart held a 25 ms straggler, a descheduled rank)."""
@@ -56,7 +65,7 @@ def gloo_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Saving, list[Path
     def run(is_faulty: bool, i: int) -> float:
         d = tmp_path_factory.mktemp(f"kineto_{'faulty' if is_faulty else 'healthy'}{i}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB),
-               "--out", str(d), "--iters", "30", "--slow-rank", "1" if is_faulty else "-1", "--slow-ms", "20"]
+               "--out", str(d), "--iters", "30", "--slow-rank", "1" if is_faulty else "-1", "--slow-ms", SLOW_MS]
         if is_faulty and i == 0:
             cmd.append("--gz")  # one run's traces as .json.gz
         env = dict(os.environ, OMP_NUM_THREADS="1")
