@@ -280,7 +280,7 @@ def test_a_helper_that_died_costs_the_job_nothing_even_where_sigpipe_kills(tmp_p
     from helpers import holders
 
     (tmp_path / "job.py").write_text(SIGPIPE_JOB)
-    env = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05")
+    env = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05", DISTDIAG_WRITER="process")
     run_dir = tmp_path / "run"
     p = subprocess.Popen([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(tmp_path / "job.py")], env=env,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -338,7 +338,7 @@ def test_a_program_that_closes_every_descriptor_keeps_its_own(tmp_path: Path) ->
     """The program closes all descriptors and opens pipes that take the shim's old numbers: the
     shim must never read or write them (it checks its socket is still its own before each use)."""
     (tmp_path / "job.py").write_text(CLOSERANGE_JOB)
-    env = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05")
+    env = single_process_env(DISTDIAG_FLUSH_INTERVAL_S="0.05", DISTDIAG_WRITER="process")
     p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(tmp_path / "run"), PY, str(tmp_path / "job.py")],
                        env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 0 and p.stdout == "ok True\n", (p.returncode, p.stdout, p.stderr)
