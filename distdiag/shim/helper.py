@@ -25,7 +25,7 @@ a SIGKILL that lands while HDF5 writes its metadata leaves a file that may not o
   helper is in a session of its own and ignores SIGINT, SIGTERM and SIGHUP, and
   ends when the stream does);
 * at the rank's exit (normal, ``sys.exit``, ``os._exit``, SIGTERM) the rank sends
-  its last flush and an ``EXIT`` record, closes the pipe, and waits for the
+  its last flush and an ``EXIT`` record, ends the stream, and waits for the
   helper's "done" at most until the exit's bound (``exit_timeout_s``). A hung file
   system then holds the helper, never the job: the rank's exit takes at most the
   bound.
@@ -40,7 +40,7 @@ background (``sh`` ends at once and is reaped before the program runs), so the
 program's ``os.wait()`` never sees it. Its standard streams are ``/dev/null`` (a
 helper that outlives the rank on a hung file system never holds the job's output
 pipes open, which launchers and ``subprocess`` wait on); what it has to say (a full
-disk, a write error) comes back to the rank over a second pipe and is printed on
+disk, a write error) comes back to the rank on the same socket and is printed on
 the rank's stderr as one line, as the in-process writer does. It costs a Python
 interpreter with numpy and h5py per rank (~50 MB of memory, ~0.3 s of CPU at its
 first flush), which the program's own process no longer pays.
@@ -68,8 +68,8 @@ DATA_FD, BACK_FD, CLAIM_FD = 3, 4, 5
 #: the helper's niceness added to the rank's: its CPU (numpy's and h5py's imports at its start, then the
 #: writes) yields to the job's ranks on a busy node (CFS: ~10% of a core's share at +10 against 0)
 NICE = 10
-#: what the rank writes into the pipe at most at once before it polls (a flush's batch can be MiBs)
-_PIPE_BYTES = 1 << 20
+#: what the rank sends at most at once before it polls (a flush's batch can be MiBs)
+_SEND_BYTES = 1 << 20
 
 
 # -- the rank's side -------------------------------------------------------------------------
@@ -127,7 +127,7 @@ class PipeLog(SpillLog):
         while view:
             try:  # MSG_NOSIGNAL: a helper that died is EPIPE here, never a SIGPIPE in a program that
                 # restored SIGPIPE's default (a pipe's write would have killed the job)
-                n = sock.send(view[:_PIPE_BYTES], socket.MSG_NOSIGNAL)
+                n = sock.send(view[:_SEND_BYTES], socket.MSG_NOSIGNAL)
             except BlockingIOError:
                 n = 0
             except OSError as e:  # EPIPE: the helper ended
@@ -247,7 +247,7 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
         fds.append(_high_dup(os.dup(claim_fd)))
         there, claim = fds
         try:
-            mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PIPE_BYTES)
+            mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BYTES)
         except OSError:
             pass  # the default: more polls, same bytes
         actions = [(os.POSIX_SPAWN_DUP2, there, DATA_FD), (os.POSIX_SPAWN_DUP2, there, BACK_FD),
@@ -467,7 +467,7 @@ def main() -> None:
     buf = bytearray()
     try:
         while h.end is None:
-            chunk = os.read(DATA_FD, _PIPE_BYTES)
+            chunk = os.read(DATA_FD, _SEND_BYTES)
             if not chunk:
                 break
             buf += chunk

@@ -1,6 +1,6 @@
 """The rank's file as the program's process sees it: claimed at start, then either handed
 to a helper process that writes it from a socket (``writer = "process"``, opt-in:
-:mod:`distdiag.shim.helper`; the spill log's records go down the pipe), or opened as
+:mod:`distdiag.shim.helper`; the spill log's records go down a socket), or opened as
 HDF5 in this process (``writer = "thread"``, the default) from the first flush after the program's
 own ``import numpy`` (``open_file_at = "numpy"``) or at start (``"start"``), as follows.
 
@@ -432,7 +432,7 @@ class RankFile:
         self._handed = 0  # rows the Writer took from the log
         self._sync_logged = 0
         self._attrs_logged: dict[str, Any] = dict(self._attrs)  # to log at the next flush
-        #: the file is written by a helper process (distdiag.shim.helper), the rows piped to it
+        #: the file is written by a helper process (distdiag.shim.helper), the rows sent to it
         self._piped = False
         self._gpu_logged = 0
         if not self._at_start and not compact_strings and _writer_mode(cfg) == "process":
@@ -529,7 +529,7 @@ class RankFile:
 
     # -- the spill log, until the HDF5 file opens ------------------------------------------
     def _spawn_helper(self) -> Any:
-        """The pipe to a helper process that writes the file (the claim goes to it); None when it
+        """The stream to a helper process that writes the file (the claim goes to it); None when it
         cannot start (the file is then written in this process, as with ``writer = "thread"``)."""
         from distdiag.shim.helper import spawn
 
