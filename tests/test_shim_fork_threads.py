@@ -160,6 +160,37 @@ def test_a_program_the_rank_starts_never_holds_its_rank_file(tmp_path: Path) -> 
     assert p.stdout == run([PY, str(prog)], tmp_path).stdout  # the same descriptors as unwrapped
 
 
+FORK_DURING_SHIM_IMPORT = """
+import os, signal, sys, time
+import numpy  # the shim's NVML starter begins its imports (pynvml, ctypes.util, subprocess) in the background
+pids = []
+for i in range(40):  # forks spread over the ~0.4 s those imports take
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(5)  # a child whose import waits forever dies of SIGALRM
+        import pynvml, ctypes.util, subprocess, platform
+        os._exit(0)
+    pids.append(pid)
+    time.sleep(0.01)
+hung = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
+print(len(hung), "of", len(pids), "children hung")
+"""
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_child_forked_while_a_shim_thread_imports_imports_normally(tmp_path: Path, writer: str) -> None:
+    """Seen before: 1-2 of 30 children forked in the 0.3 s after ``import numpy`` inherited the
+    module locks of the NVML starter's import under way, held by a thread the child does not
+    have, and their own ``import subprocess`` waited forever (distdiag.shim.forkimports)."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(FORK_DURING_SHIM_IMPORT)
+    p = run([*WRAP, "--dir", str(tmp_path / "run"), PY, str(prog)], tmp_path, DISTDIAG_WRITER=writer)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "0 of 40 children hung\n", p.stderr
+    plain = run([PY, str(prog)], tmp_path)
+    assert plain.stdout == "0 of 40 children hung\n", plain.stderr
+
+
 # -- 2: a forked child's I/O goes to a file of its own, bounded -------------------------------
 
 CHILD_STATS = """

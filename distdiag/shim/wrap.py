@@ -1213,6 +1213,12 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
         watch_h5py()
     except Exception:
         log.debug("distdiag: h5py's exit handler not watched", exc_info=True)
+    try:  # before the shim's first thread: a fork never inherits an import one of them had under way
+        from distdiag.shim import forkimports
+
+        forkimports.install()
+    except Exception:
+        log.debug("distdiag: fork import repair not installed", exc_info=True)
     writer.start()
     shim = _Shim(rec, writer, None)
     shim.fork_args = (cfg, run_dir, info.rank, attrs)
