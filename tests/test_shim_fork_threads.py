@@ -87,11 +87,7 @@ else:
 
 
 @pytest.mark.parametrize("how", ["sys_exit", "end", "pty", "h5py_then_exit"])
-@pytest.mark.parametrize("writer", [
-    pytest.param("process", marks=pytest.mark.skip(reason="known hang, 1 suite run in ~4 (h5py_then_exit): the child's "
-                                                          "stream thread imports h5py beside the child's own import; "
-                                                          "writer = 'process' is opt-in until it is found")),
-    "thread"])  # fmt: skip
+@pytest.mark.parametrize("writer", ["process", "thread"])
 def test_a_forked_child_ending_normally_leaves_the_parents_file_readable(tmp_path: Path, how: str, writer: str) -> None:
     """Seen before: the child's exit closed its inherited HDF5 handle and wrote its stale
     metadata into the parent's file (``bad heap index`` or ``addr overflow`` on reading).

@@ -115,6 +115,107 @@ def test_a_hung_file_system_never_holds_the_exit_and_the_file_completes_once_it_
             assert h.attrs["file_opened_on"] == "helper"
 
 
+#: a forked child that records, then ends once the test says so (the go file); the rank waits for it
+HUNG_CHILD_JOB = """\
+import os, sys, time
+import numpy  # the child is a DataLoader worker's like: forked from a program that has numpy
+go = sys.argv[1]
+pid = os.fork()
+if pid == 0:
+    for i in range(5000):
+        os.stat(sys.argv[0])
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    print("end", time.monotonic(), flush=True)  # the child's end: its exit starts here
+    sys.exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_hung_file_system_never_holds_a_forked_childs_exit(tmp_path: Path) -> None:
+    """The child's file is written by the rank's helper too (handed a stream of the child's own
+    on the helper's connector): the child never holds a descriptor in the run dir, so a hung
+    server holds neither its exit nor the rank's wait for it."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    job = tmp_path / "child-job.py"
+    job.write_text(HUNG_CHILD_JOB)
+    with mount_slowfs(backing, tmp_path / "mnt", latency_ms=0.0) as mnt:
+        server = SERVERS[str(mnt)]
+        for writer in ("thread", "process"):
+            run_dir, go = mnt / f"run-{writer}", tmp_path / f"go-child-{writer}"
+            env = single_process_env(DISTDIAG_WRITER=writer, DISTDIAG_EXIT_TIMEOUT_S=str(BOUND_S),
+                                     DISTDIAG_FLUSH_INTERVAL_S="0.1")  # fmt: skip
+            p = subprocess.Popen([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(go)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            assert p.stdout is not None and p.stdout.readline().split() == ["ready"]
+            end = time.monotonic() + 30
+            while not [f for f in run_dir.glob("rank-00000.fork-*.h5") if f.stat().st_size > 0]:
+                assert time.monotonic() < end and p.poll() is None  # the child's first flush is on the disk
+                time.sleep(0.02)
+            os.kill(server, signal.SIGSTOP)  # the test's own server process, by its PID
+            try:
+                go.touch()
+                exit_s = _end_s(p, 2 * BOUND_S + 3.0)
+            finally:
+                os.kill(server, signal.SIGCONT)
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            if writer == "thread":  # the fault is real: a child that holds its own file hangs at exit
+                assert exit_s is None, "a hung server did not hold the in-process writer's child"
+                continue
+            print(f"child and rank done {exit_s} s after the child's end with the server hung")
+            assert exit_s is not None and exit_s < 2 * BOUND_S + 1.5, (exit_s, err)
+            (child,) = run_dir.glob("rank-00000.fork-*.h5")
+            wait_until_closed(child)  # the server answers again: the helper completes the child's file
+            with h5py.File(child, "r") as h:
+                ev, strings = h["events"][:], h["strings"].asstr()[:]
+                assert bool(h.attrs["closed_cleanly"]) and h.attrs["file_opened_on"] == "helper"
+                assert sum(strings[i] == str(job) for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT]) == 5000
+
+
+CHILD_JOB = """\
+import os, sys, time
+import numpy
+pid = os.fork()
+if pid == 0:
+    for i in range(300):
+        os.stat(sys.argv[0])
+    time.sleep(0.6)  # several of the child's flushes
+    run_dir = os.path.realpath(sys.argv[1])
+    held = [fd for fd in os.listdir("/proc/self/fd")
+            if os.path.realpath(f"/proc/self/fd/{fd}").startswith(run_dir + os.sep)]
+    print("h5py" in sys.modules, held, flush=True)
+    sys.exit(4)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "h5py" in sys.modules)
+"""
+
+
+def test_a_forked_childs_file_is_written_by_the_ranks_helper(tmp_path: Path) -> None:
+    """The child loads no h5py (its own thread importing h5py beside the child's imports was the
+    risk) and holds nothing in the run dir; its file has every row, closed cleanly."""
+    job = tmp_path / "job.py"
+    job.write_text(CHILD_JOB)
+    run_dir = tmp_path / "run"
+    env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.1")
+    p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(run_dir)], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.splitlines() == ["False []", "4 False"]
+    (child,) = run_dir.glob("rank-00000.fork-*.h5")
+    wait_until_closed(child)
+    with h5py.File(child, "r") as h:
+        ev, strings = h["events"][:], list(h["strings"].asstr()[:])
+        assert bool(h.attrs["closed_cleanly"]) and int(h.attrs["exit_code"]) == 4
+        assert h.attrs["file_opened_on"] == "helper" and h.attrs["role"] == "fork"
+        assert sum(strings[i] == str(job) for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT]) == 300
+        assert len(strings) < 100  # only the strings its rows use, as the in-process writer keeps them
+
+
 COMPARE_JOB = """\
 import os, sys, threading
 import distdiag

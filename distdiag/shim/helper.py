@@ -30,6 +30,17 @@ a SIGKILL that lands while HDF5 writes its metadata leaves a file that may not o
   system then holds the helper, never the job: the rank's exit takes at most the
   bound.
 
+* a process forked from the rank (a DataLoader worker) that records gets a stream of
+  its own: it hands the far end of a new socket pair to the helper on the connector
+  (a ``SOCK_SEQPACKET`` pair made at the spawn, inherited by every fork, close-on-exec;
+  one message is one hand-over, whole, from any process), and the same helper writes
+  the child's ``rank-NNNNN.fork-PID.h5`` (made by the helper: the child opens nothing in
+  the run dir). So the child imports no h5py on a thread of its own beside its own
+  imports, and a hung file system holds neither its recording nor its exit. The
+  helper reads every stream it holds (``poll``) and ends once the rank's stream and
+  every child's have ended. A child whose helper has gone writes its file itself,
+  as with ``writer = "thread"``.
+
 Not covered: a SIGKILL of the helper itself (Slurm's SIGKILL of every process of a
 step after ``KillWait``, when the rank did not end at its SIGTERM) while it writes:
 the file is then as the in-process writer leaves it when the rank is killed (it
@@ -63,13 +74,16 @@ from typing import Any
 from distdiag.shim.spill import MAX_RECORD_BYTES, SpillLog
 
 _HEAD = struct.Struct("<4sII")
-#: the helper's descriptors: the stream from the rank, the channel back, the claimed rank file
-DATA_FD, BACK_FD, CLAIM_FD = 3, 4, 5
+#: the helper's descriptors: the stream from the rank, the channel back, the claimed rank file,
+#: and the connector on which the rank's forked children hand it streams of their own
+DATA_FD, BACK_FD, CLAIM_FD, CONN_FD = 3, 4, 5, 6
 #: the helper's niceness added to the rank's: its CPU (numpy's and h5py's imports at its start, then the
 #: writes) yields to the job's ranks on a busy node (CFS: ~10% of a core's share at +10 against 0)
 NICE = 10
 #: what the rank sends at most at once before it polls (a flush's batch can be MiBs)
 _SEND_BYTES = 1 << 20
+#: how long a forked child waits for the helper's connector to take its stream
+_HAND_OVER_S = 2.0
 
 
 # -- the rank's side -------------------------------------------------------------------------
@@ -91,8 +105,9 @@ class PipeLog(SpillLog):
         self.path = path
         self._sock: socket.socket | None = sock
         self.fd = sock.fileno()
-        st = os.fstat(self.fd)
-        self._id = (st.st_dev, st.st_ino)
+        self._id = _identity(self.fd)
+        #: where a process forked from this one hands the helper a stream of its own (:func:`connect`)
+        self.connector: Connector | None = None
         self._shut = False
         self.size = 0
         #: a time.monotonic() bound for writes (the exit's); None: wait as long as the helper takes
@@ -106,12 +121,7 @@ class PipeLog(SpillLog):
         sock = self._sock
         if sock is None:
             return None
-        try:
-            st = os.fstat(sock.fileno())
-            mine = (st.st_dev, st.st_ino) == self._id
-        except OSError:
-            mine = False
-        if not mine:
+        if not _is(sock, self._id):
             sock.detach()  # the number is the program's now: never closed by us
             self._sock, self.fd = None, None
             self.done = True
@@ -204,6 +214,61 @@ class PipeLog(SpillLog):
     remove = close  # the spill log's "its rows are in the file now": nothing to delete here
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def _is(sock: socket.socket, ident: tuple[int, int]) -> bool:
+    """Whether ``sock``'s descriptor is still the socket it was made as (device and inode)."""
+    try:
+        return _identity(sock.fileno()) == ident
+    except (OSError, ValueError):
+        return False
+
+
+class Connector:
+    """The rank's end of the helper's connector (a ``SOCK_SEQPACKET`` pair: one message is one
+    hand-over, whole, whichever process sends it). A process forked from the rank inherits it and
+    hands the helper, in one message, the far end of a new stream (:func:`connect`), so the rank's
+    helper also writes the child's file: the child loads nothing (no h5py import on a thread of
+    the child beside the child's own imports) and never touches the run dir (a hung file system
+    holds neither its recording nor its exit)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock: socket.socket | None = sock
+        self._id = _identity(sock.fileno())
+
+    def hand_over(self, fd: int) -> None:
+        """Give the helper ``fd`` (a stream socket's far end). Raises ``OSError`` (``HelperGone``)."""
+        sock = self._sock
+        if sock is None or not _is(sock, self._id):
+            self._sock = None  # the number is the program's now (closerange): left alone
+            raise HelperGone("the helper's connector is no longer open")
+        deadline = time.monotonic() + _HAND_OVER_S
+        while True:  # the helper's queue may be full for a moment (many workers start at once)
+            try:
+                sock.sendmsg([b"S"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))],
+                             socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)  # fmt: skip
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise HelperGone(f"the helper took no stream within {_HAND_OVER_S:g} s") from None
+                select.select([], [sock], [], left)
+            except OSError as e:
+                raise HelperGone(f"the helper took no stream ({e.strerror})") from e
+
+    def forget(self) -> None:
+        """This process's copy, closed (a forked child that records nothing keeps none open)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            if _is(sock, self._id):
+                sock.close()
+            else:
+                sock.detach()
+
+
 def _high_dup(fd: int) -> int:
     """``fd`` duplicated to a number above the helper's 3-5 (close-on-exec), the original closed:
     posix_spawn's dup2 onto the same number would keep close-on-exec set."""
@@ -241,17 +306,15 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
     # one socket pair, both ways: send(MSG_NOSIGNAL) never raises SIGPIPE in the job (a pipe's
     # write does, where the program restored SIGPIPE's default)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn_mine, conn_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     fds = [theirs.detach()]
     try:
         fds[0] = _high_dup(fds[0])
         fds.append(_high_dup(os.dup(claim_fd)))
-        there, claim = fds
-        try:
-            mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BYTES)
-        except OSError:
-            pass  # the default: more polls, same bytes
+        fds.append(_high_dup(conn_theirs.detach()))
+        there, claim, conn = fds
         actions = [(os.POSIX_SPAWN_DUP2, there, DATA_FD), (os.POSIX_SPAWN_DUP2, there, BACK_FD),
-                   (os.POSIX_SPAWN_DUP2, claim, CLAIM_FD)]  # fmt: skip
+                   (os.POSIX_SPAWN_DUP2, claim, CLAIM_FD), (os.POSIX_SPAWN_DUP2, conn, CONN_FD)]  # fmt: skip
         argv = ["/bin/sh", "-c", '"$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable, "-c", _BOOT]
         pid = os.posix_spawn("/bin/sh", argv, _helper_env(), file_actions=actions)
         while True:  # sh ends as soon as the helper is started in the background
@@ -264,6 +327,7 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
                 continue
     except BaseException:
         mine.close()
+        conn_mine.close()
         for fd in fds:
             try:
                 os.close(fd)
@@ -272,10 +336,38 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
         raise
     for fd in fds:
         os.close(fd)
-    mine.setblocking(False)
-    lg = PipeLog(path, mine)
+    lg = _stream(path, mine, cfg, attrs_pid, forked=False)
+    hi = _high_dup(conn_mine.detach())  # close-on-exec: a forked child inherits it, an exec'd program not
+    lg.connector = Connector(socket.socket(fileno=hi))
+    return lg
+
+
+def connect(path: Path, connector: Connector, cfg: Any, pid: int) -> PipeLog:
+    """In a process forked from the rank: a stream of its own to the rank's helper, which
+    writes ``path`` (made by the helper: this process opens nothing in the run dir). Raises
+    ``OSError`` when the helper takes none (it ended, or the connector is gone)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connector.hand_over(theirs.fileno())
+    except BaseException:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
+    lg = _stream(path, mine, cfg, pid, forked=True)
+    lg.connector = connector
+    return lg
+
+
+def _stream(path: Path, sock: socket.socket, cfg: Any, pid: int, forked: bool) -> PipeLog:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BYTES)
+    except OSError:
+        pass  # the default: more polls, same bytes
+    sock.setblocking(False)
+    lg = PipeLog(path, sock)
     keys = ("flush_interval_s", "exit_timeout_s", "max_file_bytes", "sample_every")
-    lg.add_json(b"INIT", {"path": str(Path(path).absolute()), "rank_pid": attrs_pid,
+    lg.add_json(b"INIT", {"path": str(Path(path).absolute()), "rank_pid": pid, "forked": forked,
                           "cfg": {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}})  # fmt: skip
     return lg
 
@@ -332,8 +424,13 @@ class _Back:
 
 
 class _Helper:
-    def __init__(self, back: _Back) -> None:
+    """One stream's file: the rank's (its claimed file at ``claim_fd``), or a forked child's
+    (made by the helper: ``claim_fd`` None)."""
+
+    def __init__(self, back: _Back, claim_fd: int | None = CLAIM_FD) -> None:
         self.back = back
+        self.claim_fd = claim_fd
+        self.compact = False
         self.rec = _Replica()
         self.path: Path | None = None
         self.cfg: Any = None
@@ -355,6 +452,7 @@ class _Helper:
             from types import SimpleNamespace
 
             self.path = Path(init["path"])
+            self.compact = bool(init.get("forked", False))  # a child's file: only the strings its rows use
             # the rank redacted argv already: the Writer must not redact it twice
             self.cfg = SimpleNamespace(**init.get("cfg", {}), redact_args="", keep_code_text=True)
         elif tag == b"ROWS":
@@ -398,7 +496,7 @@ class _Helper:
             attrs = {}
             try:
                 w = self.w = Writer(self.path, self.rec, self.cfg, {**self.attrs, "file_opened_on": "helper"},
-                                    claim_fd=CLAIM_FD)  # fmt: skip
+                                    compact_strings=self.compact, claim_fd=self.claim_fd)  # fmt: skip
             except Exception as e:
                 self.fail(f"distdiag: cannot write {self.path}: {' '.join(str(e).split())[:300]}; "
                           "the job runs without recording")  # fmt: skip
@@ -434,20 +532,107 @@ class _Helper:
             w.close(end.get("exit_code"), end_mono_ns=end.get("end_mono_ns"))
 
 
-def _say_through(back: _Back) -> None:
-    """The Writer's one-line messages (``rankfile.say``) go back to the rank's stderr."""
+#: the stream being read: where the Writer's one-line messages go
+_SAY_TO: list[_Back] = []
+
+
+def _say_through() -> None:
+    """The Writer's one-line messages (``rankfile.say``) go back to the stderr of the process
+    whose stream is being read."""
     from distdiag.shim import rankfile, writer
 
     def say(line: str) -> None:
-        back.send("SAY " + line)
+        if _SAY_TO:
+            _SAY_TO[0].send("SAY " + line)
 
     rankfile.say = say
     writer.say = say
 
 
+class _Stream:
+    """One stream being read: the rank's (``DATA_FD``, answered on ``BACK_FD``) or a forked
+    child's (one socket both ways), and the file it writes."""
+
+    def __init__(self, fd: int, back_fd: int, claim_fd: int | None) -> None:
+        self.fd = fd
+        self.back = _Back(back_fd)
+        self.h = _Helper(self.back, claim_fd)
+        self.buf = bytearray()
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take what arrived; True once the stream's ``EXIT`` is in. Raises ``ValueError`` on a
+        damaged stream."""
+        buf, h = self.buf, self.h
+        buf += chunk
+        at = 0
+        while len(buf) - at >= _HEAD.size:
+            tag, n, crc = _HEAD.unpack_from(buf, at)
+            if n > MAX_RECORD_BYTES:
+                raise ValueError(f"a record of {n} bytes")
+            if len(buf) - at - _HEAD.size < n:
+                break
+            body = bytes(buf[at + _HEAD.size : at + _HEAD.size + n])
+            if zlib.crc32(body) != crc:
+                raise ValueError("a damaged record")
+            at += _HEAD.size + n
+            if tag == b"INIT":
+                _say_through()
+            h.take(tag, body)
+            if h.end is not None:
+                break
+        del buf[:at]
+        return h.end is not None
+
+    def finish(self, broken: BaseException | None = None) -> None:
+        """The stream ended (or broke): close its file with what it holds, say ``DONE``."""
+        if broken is not None:  # what the file holds stays, the file is closed
+            self.back.send(f"SAY distdiag: the rank file's helper stopped reading: {' '.join(str(broken).split())[:200]}")
+        try:
+            self.h.close()
+        except Exception as e:
+            self.back.send(f"SAY distdiag: {self.h.path}: its helper could not close it: {' '.join(str(e).split())[:200]}")
+        finally:
+            self.back.send("DONE")
+            for fd in {self.fd, self.back.fd}:
+                if fd is not None and fd != DATA_FD and fd != BACK_FD:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+
+
+def _take_streams(conn: socket.socket) -> tuple[list[int], bool]:
+    """The streams forked children handed over on the connector, without waiting; and
+    whether it is still open (every process holding its other end has ended: closed)."""
+    got: list[int] = []
+    while True:
+        try:
+            msg, anc, _flags, _addr = conn.recvmsg(1, socket.CMSG_SPACE(4 * struct.calcsize("i")), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return got, True
+        except InterruptedError:
+            continue
+        except OSError:
+            return got, False
+        fds: list[int] = []
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(data) - len(data) % struct.calcsize("i")
+                fds.extend(struct.unpack(f"{usable // struct.calcsize('i')}i", data[:usable]))
+        if not msg and not fds:
+            return got, False
+        for extra in fds[1:]:  # one per message; anything else is not ours to keep
+            try:
+                os.close(extra)
+            except OSError:
+                pass
+        if fds:
+            got.append(fds[0])
+
+
 def main() -> None:
-    """The helper process: read the rank's stream from fd 3 until it ends, write the file, say
-    ``DONE`` on fd 4."""
+    """The helper process: read the rank's stream from fd 3 (and those its forked children hand
+    over on fd 6) until each ends, write their files, say ``DONE`` on each."""
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
     try:  # a guest: on a busy node the job's ranks come first (its imports at start, then its writes)
@@ -459,39 +644,56 @@ def main() -> None:
     except OSError:
         pass
     try:  # everything else the rank's process had open stays the rank's
-        os.closerange(CLAIM_FD + 1, os.sysconf("SC_OPEN_MAX"))
+        os.closerange(CONN_FD + 1, os.sysconf("SC_OPEN_MAX"))
     except (OSError, ValueError):
         pass
-    back = _Back(BACK_FD)
-    h = _Helper(back)
-    buf = bytearray()
     try:
-        while h.end is None:
-            chunk = os.read(DATA_FD, _SEND_BYTES)
-            if not chunk:
-                break
-            buf += chunk
-            at = 0
-            while len(buf) - at >= _HEAD.size:
-                tag, n, crc = _HEAD.unpack_from(buf, at)
-                if n > MAX_RECORD_BYTES:
-                    raise ValueError(f"a record of {n} bytes")
-                if len(buf) - at - _HEAD.size < n:
-                    break
-                body = bytes(buf[at + _HEAD.size : at + _HEAD.size + n])
-                if zlib.crc32(body) != crc:
-                    raise ValueError("a damaged record")
-                at += _HEAD.size + n
-                if tag == b"INIT":
-                    _say_through(back)
-                h.take(tag, body)
-                if h.end is not None:
-                    break
-            del buf[:at]
-    except Exception as e:  # a broken stream: what the file holds stays, the file is closed
-        back.send(f"SAY distdiag: the rank file's helper stopped reading: {' '.join(str(e).split())[:200]}")
-    try:
-        h.close()
-    finally:
-        back.send("DONE")
-        os._exit(0)
+        conn: socket.socket | None = socket.socket(fileno=CONN_FD)
+    except OSError:
+        conn = None
+    streams = {DATA_FD: _Stream(DATA_FD, BACK_FD, CLAIM_FD)}
+    while True:
+        if conn is not None and DATA_FD not in streams:  # the rank is done: a child's last word still counts
+            new, open_ = _take_streams(conn)
+            streams.update((fd, _Stream(fd, fd, None)) for fd in new)
+            if not open_:
+                conn.close()
+                conn = None
+        if not streams:
+            break
+        poller = select.poll()
+        for fd in streams:
+            poller.register(fd, select.POLLIN)
+        if conn is not None:
+            poller.register(conn.fileno(), select.POLLIN)
+        try:
+            ready = poller.poll()
+        except InterruptedError:
+            continue
+        for fd, _ev in ready:
+            if conn is not None and fd == conn.fileno():
+                new, open_ = _take_streams(conn)
+                streams.update((fd2, _Stream(fd2, fd2, None)) for fd2 in new)
+                if not open_:
+                    conn.close()
+                    conn = None
+                continue
+            st = streams.get(fd)
+            if st is None:
+                continue
+            _SAY_TO[:] = [st.back]
+            broken: BaseException | None = None
+            try:
+                chunk = os.read(fd, _SEND_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                chunk, broken = b"", e
+            try:
+                ended = not chunk or st.feed(chunk)
+            except Exception as e:
+                ended, broken = True, e
+            if ended:
+                del streams[fd]
+                st.finish(broken)
+    os._exit(0)

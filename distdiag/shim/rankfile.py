@@ -408,7 +408,13 @@ class RankFile:
     docstring) they keep what they are given; then they pass it on."""
 
     def __init__(
-        self, path: str | os.PathLike[str], rec: Any, cfg: Any, attrs: dict[str, Any], compact_strings: bool = False
+        self,
+        path: str | os.PathLike[str],
+        rec: Any,
+        cfg: Any,
+        attrs: dict[str, Any],
+        compact_strings: bool = False,
+        connector: Any = None,
     ) -> None:
         self.path = Path(path)
         self.rec = rec
@@ -417,12 +423,14 @@ class RankFile:
         self.exit_timeout_s = _exit_timeout(getattr(cfg, "exit_timeout_s", 10.0))
         self._at_start = str(getattr(cfg, "open_file_at", "numpy")).strip().lower() == "start"
         self._compact = compact_strings
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        self._fd: int | None = os.open(self.path, flags, FILE_MODE)
-        try:  # HDF5 and os.open honour the umask; 0600 whatever it is
-            os.fchmod(self._fd, FILE_MODE)
-        except OSError:
-            pass
+        self._fd: int | None = None
+        if connector is None:  # else the rank's helper makes the file: this process opens nothing there
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            self._fd = os.open(self.path, flags, FILE_MODE)
+            try:  # HDF5 and os.open honour the umask; 0600 whatever it is
+                os.fchmod(self._fd, FILE_MODE)
+            except OSError:
+                pass
         self._attrs = dict(attrs)
         #: before the HDF5 file opens, the rows go here (distdiag.shim.spill); None: held in
         #: memory instead (open_file_at = "start", a forked process's file, or no log could be made)
@@ -435,9 +443,20 @@ class RankFile:
         #: the file is written by a helper process (distdiag.shim.helper), the rows sent to it
         self._piped = False
         self._gpu_logged = 0
-        if not self._at_start and not compact_strings and _writer_mode(cfg) == "process":
+        #: where processes forked from this one hand the helper streams of their own
+        #: (distdiag.shim.helper.Connector); None without a helper
+        self.connector: Any = None
+        if connector is not None:  # a forked child's stream to the rank's helper (OSError: it takes none)
+            from distdiag.shim.helper import connect
+
+            self._log = connect(self.path, connector, cfg, os.getpid())
+            self._piped = True
+            self.connector = connector
+        elif not self._at_start and not compact_strings and _writer_mode(cfg) == "process":
             self._log = self._spawn_helper()
             self._piped = self._log is not None
+            if self._log is not None:
+                self.connector = self._log.connector
         if not self._at_start and not compact_strings and self._log is None:
             self._log = self._make_log()
         if not self._at_start and not self._piped:

@@ -670,6 +670,8 @@ class _Shim:
         #: with what a child's file needs: config, run dir, rank and the rank's attributes
         self.fork: _ForkStream | None = None
         self.fork_args: tuple[Any, Path, int, dict[str, Any]] | None = None
+        #: the rank's helper's connector (writer = "process"): forked children's files go to it too
+        self.connector: Any = getattr(writer, "connector", None)
         self.exit_code: int | None = None
         self.target_ended = False
         self._closed = False
@@ -807,7 +809,7 @@ class _Shim:
             self.rec.reset_after_fork()
             if self.fork_args is not None:
                 cfg, run_dir, rank, attrs = self.fork_args
-                self.fork = _ForkStream(self.rec, cfg, run_dir, rank, attrs)
+                self.fork = _ForkStream(self.rec, cfg, run_dir, rank, attrs, self.connector)
                 self.rec.on_new_buffer = self.fork.wake
             else:  # nobody would write what it records: keep it bounded
                 self.rec.max_pending_chunks = 0
@@ -849,7 +851,9 @@ class _ForkStream:
     are dropped and counted).
     """
 
-    def __init__(self, rec: Any, cfg: Any, run_dir: Path, rank: int, attrs: dict[str, Any]) -> None:
+    def __init__(
+        self, rec: Any, cfg: Any, run_dir: Path, rank: int, attrs: dict[str, Any], connector: Any = None
+    ) -> None:
         from distdiag.shim.recorder import now_ns
         from distdiag.shim.rankfile import fork_file_name
 
@@ -867,6 +871,8 @@ class _ForkStream:
             "last_flush_mono_ns": t,
         }
         self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
+        #: the rank's helper (writer = "process"): it writes this file too, from a stream
+        self.connector = connector
         self.exit_code: int | None = None
         self.writer: Any = None
         self.failed = False
@@ -907,6 +913,13 @@ class _ForkStream:
 
         try:
             self.attrs["role"] = _child_role()
+            if self.connector is not None:
+                try:  # the rank's helper writes it: this process loads no h5py and opens nothing in the run dir
+                    self.writer = RankFile(self.path, self.rec, self.cfg, self.attrs, compact_strings=True,
+                                           connector=self.connector)  # fmt: skip
+                    return self.writer
+                except OSError as e:  # the helper has ended: written here, as with writer = "thread"
+                    log.debug("distdiag: %s not handed to the helper: %s", self.path, e)
             self.writer = RankFile(self.path, self.rec, self.cfg, self.attrs, compact_strings=True)
         except Exception as e:
             self.failed = True
