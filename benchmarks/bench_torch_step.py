@@ -331,9 +331,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     ap.add_argument("--no-writer", action="store_true", help="no background HDF5 writer in the 'with' blocks")
-    ap.add_argument("--writer", choices=("thread", "process"), default="thread",
-                    help="the rank file written by a flusher thread of the rank (the default, as distdiag-wrap "
-                         "does) or by a helper process (writer = \"process\")")  # fmt: skip
+    ap.add_argument("--writer", choices=("thread", "process"), default="process",
+                    help="the rank file written by a helper process (the default, as distdiag-wrap does) or by a "
+                         "flusher thread of the rank (writer = \"thread\")")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--micro", action="store_true")
     args = ap.parse_args()

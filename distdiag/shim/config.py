@@ -55,11 +55,12 @@ class ShimConfig:
     #: import holds, the rows spilled to a log until then (see distdiag.shim.rankfile and
     #: distdiag.shim.spill); "start" at start, before the program runs
     open_file_at: str = "numpy"
-    #: who writes the rank file: "thread" (the default: a flusher thread of the program's process,
-    #: open_file_at deciding when numpy and h5py load) or "process" (opt-in: a helper process fed
-    #: through a socket; a hung file system never holds the job's exit, a SIGKILLed rank's file is
-    #: finished by construction, nothing of the writer loads into the program; distdiag.shim.helper)
-    writer: str = "thread"
+    #: who writes the rank file: "process" (the default: a helper process fed through a socket; a
+    #: hung file system never holds the job's exit, a SIGKILLed rank's file is finished by
+    #: construction, nothing of the writer loads into the program or its forked children;
+    #: distdiag.shim.helper) or "thread" (a flusher thread of the program's process, open_file_at
+    #: deciding when numpy and h5py load; also the fallback where the helper cannot start)
+    writer: str = "process"
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

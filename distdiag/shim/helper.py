@@ -1,4 +1,4 @@
-"""The rank file written by a helper process (``writer = "process"``, opt-in; ``DISTDIAG_WRITER``).
+"""The rank file written by a helper process (``writer = "process"``, the default; ``DISTDIAG_WRITER``).
 
 Why (issue 17): while the rank's own process holds a descriptor of its file, the
 file system can hold the process. A hung FUSE or NFS server makes the kernel's own

@@ -1,7 +1,7 @@
 """The rank's file as the program's process sees it: claimed at start, then either handed
-to a helper process that writes it from a socket (``writer = "process"``, opt-in:
+to a helper process that writes it from a socket (``writer = "process"``, the default:
 :mod:`distdiag.shim.helper`; the spill log's records go down a socket), or opened as
-HDF5 in this process (``writer = "thread"``, the default) from the first flush after the program's
+HDF5 in this process (``writer = "thread"``) from the first flush after the program's
 own ``import numpy`` (``open_file_at = "numpy"``) or at start (``"start"``), as follows.
 
 Why: numpy, h5py (and with it libhdf5) are loaded into the program's process the
