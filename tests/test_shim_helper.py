@@ -216,6 +216,52 @@ def test_a_forked_childs_file_is_written_by_the_ranks_helper(tmp_path: Path) -> 
         assert len(strings) < 100  # only the strings its rows use, as the in-process writer keeps them
 
 
+TABLE_JOB = """\
+import os, sys, time
+d = sys.argv[1]
+def stat(name):
+    try:
+        os.stat(os.path.join(d, name))
+    except OSError:
+        pass
+for i in range(20000):  # the rank's table: 20k paths before the fork (a dataset scan)
+    stat(f"before-fork-{i}")
+time.sleep(0.25)  # flushed: the helper has them
+stat("just-before-fork")  # made after the rank's last flush: sent at its next one
+pid = os.fork()
+if pid == 0:
+    stat("before-fork-7")  # inherited names, and one of the child's own
+    stat("just-before-fork")
+    stat("childs-own")
+    os._exit(0)
+os.waitpid(pid, 0)
+time.sleep(0.25)
+"""
+
+
+def test_a_forked_child_sends_only_the_strings_it_made_after_the_fork(tmp_path: Path) -> None:
+    """A DataLoader worker inherits the rank's string table (10^5 paths after a dataset scan):
+    its stream starts from the rank's strings, which the helper already has (the same objects,
+    not a copy per worker); its file still names every row right, one the rank had not
+    flushed before the fork included."""
+    job = tmp_path / "job.py"
+    job.write_text(TABLE_JOB)
+    run_dir = tmp_path / "run"
+    env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.1")
+    p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    (child,) = run_dir.glob("rank-00000.fork-*.h5")
+    wait_until_closed(child)
+    wait_until_closed(run_dir / "rank-00000.h5")
+    with h5py.File(child, "r") as h:
+        ev, strings = h["events"][:], list(h["strings"].asstr()[:])
+        stats = [strings[i] for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT]]
+        assert stats == [str(tmp_path / n) for n in ("before-fork-7", "just-before-fork", "childs-own")]
+        assert len(strings) < 100  # only the strings its rows use
+        assert int(h.attrs["strings_inherited"]) > 20000  # the stream did not carry the rank's table
+
+
 COMPARE_JOB = """\
 import os, sys, threading
 import distdiag

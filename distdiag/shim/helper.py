@@ -342,10 +342,12 @@ def spawn(path: Path, claim_fd: int, cfg: Any, attrs_pid: int) -> PipeLog:
     return lg
 
 
-def connect(path: Path, connector: Connector, cfg: Any, pid: int) -> PipeLog:
+def connect(path: Path, connector: Connector, cfg: Any, pid: int, inherited: int = 0) -> PipeLog:
     """In a process forked from the rank: a stream of its own to the rank's helper, which
     writes ``path`` (made by the helper: this process opens nothing in the run dir). Raises
-    ``OSError`` when the helper takes none (it ended, or the connector is gone)."""
+    ``OSError`` when the helper takes none (it ended, or the connector is gone). ``inherited``: the
+    rank's strings this process's table starts with (a child of the rank itself; the helper has
+    them from the rank's stream), 0 to send the whole table."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connector.hand_over(theirs.fileno())
@@ -354,12 +356,12 @@ def connect(path: Path, connector: Connector, cfg: Any, pid: int) -> PipeLog:
         raise
     finally:
         theirs.close()
-    lg = _stream(path, mine, cfg, pid, forked=True)
+    lg = _stream(path, mine, cfg, pid, forked=True, inherited=inherited)
     lg.connector = connector
     return lg
 
 
-def _stream(path: Path, sock: socket.socket, cfg: Any, pid: int, forked: bool) -> PipeLog:
+def _stream(path: Path, sock: socket.socket, cfg: Any, pid: int, forked: bool, inherited: int = 0) -> PipeLog:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BYTES)
     except OSError:
@@ -367,7 +369,7 @@ def _stream(path: Path, sock: socket.socket, cfg: Any, pid: int, forked: bool) -
     sock.setblocking(False)
     lg = PipeLog(path, sock)
     keys = ("flush_interval_s", "exit_timeout_s", "max_file_bytes", "sample_every")
-    lg.add_json(b"INIT", {"path": str(Path(path).absolute()), "rank_pid": pid, "forked": forked,
+    lg.add_json(b"INIT", {"path": str(Path(path).absolute()), "rank_pid": pid, "forked": forked, "inherited": inherited,
                           "cfg": {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}})  # fmt: skip
     return lg
 
@@ -385,6 +387,8 @@ class _Replica:
         self.max_pending_chunks = 0
         self.full: list[Any] = []
         self.inflight = b""
+        #: a forked child's: (the rank's replica's ids, how many of them the child inherited)
+        self.base_ids: tuple[dict[str, int], int] | None = None
 
     def add_strings(self, first: int, new: list[str]) -> None:
         if first != len(self.strings.strings) or not all(isinstance(s, str) for s in new):
@@ -394,7 +398,11 @@ class _Replica:
             self.strings.strings.append(s)
 
     def intern(self, s: str) -> int:
-        return self._ids.get(s, 0)  # the rank interns every name the writer uses (wrap._Shim)
+        i = self._ids.get(s)  # the rank interns every name the writer uses (wrap._Shim)
+        if i is None and self.base_ids is not None:
+            j = self.base_ids[0].get(s)
+            i = j if j is not None and j < self.base_ids[1] else None
+        return 0 if i is None else i
 
     def drain(self, offsets: Any) -> list[Any]:
         return []
@@ -427,10 +435,15 @@ class _Helper:
     """One stream's file: the rank's (its claimed file at ``claim_fd``), or a forked child's
     (made by the helper: ``claim_fd`` None)."""
 
-    def __init__(self, back: _Back, claim_fd: int | None = CLAIM_FD) -> None:
+    def __init__(self, back: _Back, claim_fd: int | None = CLAIM_FD, base: _Replica | None = None) -> None:
         self.back = back
         self.claim_fd = claim_fd
         self.compact = False
+        #: a forked child's stream: the rank's replica, whose first ``inherited`` strings the
+        #: child's table starts with (the child sends only those it made after the fork)
+        self.base = base
+        self.inherited = 0
+        self.held_mark: dict[str, Any] | None = None
         self.rec = _Replica()
         self.path: Path | None = None
         self.cfg: Any = None
@@ -453,6 +466,7 @@ class _Helper:
 
             self.path = Path(init["path"])
             self.compact = bool(init.get("forked", False))  # a child's file: only the strings its rows use
+            self.inherited = max(0, int(init.get("inherited", 0)))
             # the rank redacted argv already: the Writer must not redact it twice
             self.cfg = SimpleNamespace(**init.get("cfg", {}), redact_args="", keep_code_text=True)
         elif tag == b"ROWS":
@@ -469,7 +483,16 @@ class _Helper:
         elif tag == b"INFL":
             self.inflight = body
         elif tag == b"MARK":
-            self.apply(json.loads(body))
+            mark = json.loads(body)
+            if self.inherited and len(self.rec.strings.strings) < self.inherited:
+                if self.base is not None and len(self.base.strings.strings) < self.inherited:
+                    # the rank has not sent the strings it made just before the fork yet (it
+                    # does at its next flush): this flush waits, its records kept, for at most that
+                    self.held_mark = mark
+                    return
+                self.take_base()
+            self.held_mark = None
+            self.apply(mark)
         elif tag == b"EXIT":
             self.end = json.loads(body)
 
@@ -515,6 +538,16 @@ class _Helper:
         if w.failed:
             self.fail("")
 
+    def take_base(self) -> None:
+        """The child's table starts as the rank's first ``inherited`` strings (the same objects,
+        no copy of the text); any the rank never sent (it died first) are ""."""
+        have = self.base.strings.strings[: self.inherited] if self.base is not None else []
+        self.rec.strings.strings.extend(have)
+        self.rec.strings.strings.extend([""] * (self.inherited - len(have)))
+        if self.base is not None:
+            self.rec.base_ids = (self.base._ids, len(have))
+        self.attrs["strings_inherited"] = self.inherited
+
     def fail(self, line: str) -> None:
         self.failed = True
         self.back.send("FAIL " + line)
@@ -522,6 +555,10 @@ class _Helper:
     def close(self) -> None:
         """The stream ended: the last completed flush is in; close the file, cleanly only when the
         rank said so (``EXIT``); a rank that died leaves ``closed_cleanly`` false, as a killed one does."""
+        if self.held_mark is not None:  # the rank's strings never came: what the child has still goes
+            self.take_base()
+            mark, self.held_mark = self.held_mark, None
+            self.apply(mark)
         w = self.w
         if w is None or self.failed:
             return
@@ -553,10 +590,10 @@ class _Stream:
     """One stream being read: the rank's (``DATA_FD``, answered on ``BACK_FD``) or a forked
     child's (one socket both ways), and the file it writes."""
 
-    def __init__(self, fd: int, back_fd: int, claim_fd: int | None) -> None:
+    def __init__(self, fd: int, back_fd: int, claim_fd: int | None, base: _Replica | None = None) -> None:
         self.fd = fd
         self.back = _Back(back_fd)
-        self.h = _Helper(self.back, claim_fd)
+        self.h = _Helper(self.back, claim_fd, base)
         self.buf = bytearray()
 
     def feed(self, chunk: bytes) -> bool:
@@ -583,14 +620,19 @@ class _Stream:
         del buf[:at]
         return h.end is not None
 
-    def finish(self, broken: BaseException | None = None) -> None:
-        """The stream ended (or broke): close its file with what it holds, say ``DONE``."""
+    def waits_for_rank(self) -> bool:
+        """A child's flush held until the rank's stream brings the strings it inherited."""
+        h = self.h
+        return h.held_mark is not None and h.base is not None and len(h.base.strings.strings) < h.inherited
+
+    def finish(self, broken: BaseException | None = None, write: bool = True) -> None:
+        """The stream ended (or broke): close its file with what it holds (``write``; else
+        :meth:`write_file` later), say ``DONE``."""
         if broken is not None:  # what the file holds stays, the file is closed
             self.back.send(f"SAY distdiag: the rank file's helper stopped reading: {' '.join(str(broken).split())[:200]}")
         try:
-            self.h.close()
-        except Exception as e:
-            self.back.send(f"SAY distdiag: {self.h.path}: its helper could not close it: {' '.join(str(e).split())[:200]}")
+            if write:
+                self.write_file()
         finally:
             self.back.send("DONE")
             for fd in {self.fd, self.back.fd}:
@@ -599,6 +641,12 @@ class _Stream:
                         os.close(fd)
                     except OSError:
                         pass
+
+    def write_file(self) -> None:
+        try:
+            self.h.close()
+        except Exception as e:
+            self.back.send(f"SAY distdiag: {self.h.path}: its helper could not close it: {' '.join(str(e).split())[:200]}")
 
 
 def _take_streams(conn: socket.socket) -> tuple[list[int], bool]:
@@ -652,10 +700,12 @@ def main() -> None:
     except OSError:
         conn = None
     streams = {DATA_FD: _Stream(DATA_FD, BACK_FD, CLAIM_FD)}
+    rank = streams[DATA_FD].h.rec  # the table forked children's start with
+    waiting: list[_Stream] = []  # children ended, their file waiting for the rank's next flush
     while True:
         if conn is not None and DATA_FD not in streams:  # the rank is done: a child's last word still counts
             new, open_ = _take_streams(conn)
-            streams.update((fd, _Stream(fd, fd, None)) for fd in new)
+            streams.update((fd, _Stream(fd, fd, None, rank)) for fd in new)
             if not open_:
                 conn.close()
                 conn = None
@@ -673,7 +723,7 @@ def main() -> None:
         for fd, _ev in ready:
             if conn is not None and fd == conn.fileno():
                 new, open_ = _take_streams(conn)
-                streams.update((fd2, _Stream(fd2, fd2, None)) for fd2 in new)
+                streams.update((fd2, _Stream(fd2, fd2, None, rank)) for fd2 in new)
                 if not open_:
                     conn.close()
                     conn = None
@@ -695,5 +745,16 @@ def main() -> None:
                 ended, broken = True, e
             if ended:
                 del streams[fd]
+                if fd != DATA_FD and DATA_FD in streams and st.waits_for_rank():
+                    st.finish(broken, write=False)  # the child's exit waits for nothing more
+                    waiting.append(st)
+                    continue
+                if fd == DATA_FD:  # all the rank will ever send: the children's files go first
+                    for w in waiting:
+                        w.write_file()
+                    waiting.clear()
                 st.finish(broken)
+        for w in [w for w in waiting if not w.waits_for_rank()]:
+            w.write_file()
+            waiting.remove(w)
     os._exit(0)

@@ -415,6 +415,7 @@ class RankFile:
         attrs: dict[str, Any],
         compact_strings: bool = False,
         connector: Any = None,
+        inherited: int = 0,
     ) -> None:
         self.path = Path(path)
         self.rec = rec
@@ -449,7 +450,8 @@ class RankFile:
         if connector is not None:  # a forked child's stream to the rank's helper (OSError: it takes none)
             from distdiag.shim.helper import connect
 
-            self._log = connect(self.path, connector, cfg, os.getpid())
+            self._log = connect(self.path, connector, cfg, os.getpid(), inherited)
+            self._strings_logged = inherited  # the helper has those from the rank's stream
             self._piped = True
             self.connector = connector
         elif not self._at_start and not compact_strings and _writer_mode(cfg) == "process":

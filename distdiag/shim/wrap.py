@@ -783,6 +783,9 @@ class _Shim:
         # The child inherits the open HDF5 handle: it must never write, flush or
         # close it (see Writer.detach); nor the file of the process it forked
         # from, when that was itself a forked child.
+        # a child of the rank itself starts its table with the rank's strings, which the rank's
+        # helper has: its stream sends only those made after the fork (a grandchild sends all)
+        inherited = len(self.rec.strings.strings) if self.fork is None else 0
         try:
             self.writer.detach()
             if self.fork is not None:
@@ -809,7 +812,7 @@ class _Shim:
             self.rec.reset_after_fork()
             if self.fork_args is not None:
                 cfg, run_dir, rank, attrs = self.fork_args
-                self.fork = _ForkStream(self.rec, cfg, run_dir, rank, attrs, self.connector)
+                self.fork = _ForkStream(self.rec, cfg, run_dir, rank, attrs, self.connector, inherited)
                 self.rec.on_new_buffer = self.fork.wake
             else:  # nobody would write what it records: keep it bounded
                 self.rec.max_pending_chunks = 0
@@ -852,7 +855,14 @@ class _ForkStream:
     """
 
     def __init__(
-        self, rec: Any, cfg: Any, run_dir: Path, rank: int, attrs: dict[str, Any], connector: Any = None
+        self,
+        rec: Any,
+        cfg: Any,
+        run_dir: Path,
+        rank: int,
+        attrs: dict[str, Any],
+        connector: Any = None,
+        inherited: int = 0,
     ) -> None:
         from distdiag.shim.recorder import now_ns
         from distdiag.shim.rankfile import fork_file_name
@@ -873,6 +883,7 @@ class _ForkStream:
         self.interval_s = float(getattr(cfg, "flush_interval_s", 1.0))
         #: the rank's helper (writer = "process"): it writes this file too, from a stream
         self.connector = connector
+        self.inherited = inherited
         self.exit_code: int | None = None
         self.writer: Any = None
         self.failed = False
@@ -916,7 +927,7 @@ class _ForkStream:
             if self.connector is not None:
                 try:  # the rank's helper writes it: this process loads no h5py and opens nothing in the run dir
                     self.writer = RankFile(self.path, self.rec, self.cfg, self.attrs, compact_strings=True,
-                                           connector=self.connector)  # fmt: skip
+                                           connector=self.connector, inherited=self.inherited)  # fmt: skip
                     return self.writer
                 except OSError as e:  # the helper has ended: written here, as with writer = "thread"
                     log.debug("distdiag: %s not handed to the helper: %s", self.path, e)
