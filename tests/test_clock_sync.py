@@ -155,3 +155,51 @@ def test_periodic_rounds_follow_the_interval(tmp_path: Path) -> None:
     assert 3 <= c.rounds[int(SyncTag.PERIODIC)] <= 8, c.rounds
     assert (tags == int(SyncTag.PERIODIC)).sum() >= 3 * 5
     assert c.lost == 0
+
+
+CLOSERANGE_PROGRAM = """
+import os, socket, sys, time
+from distdiag.shim.clock import ClockSync
+from distdiag.shim.config import ShimConfig
+cfg = ShimConfig()
+cfg.sync_interval_s = 0.1
+run_dir = sys.argv[1]
+ref = ClockSync(0, 2, run_dir, cfg, lambda rows: None)
+ref.start()
+cli = ClockSync(1, 2, run_dir, cfg, lambda rows: None)
+cli.start()
+end = time.monotonic() + 10
+while sum(cli.rounds.values()) < 2 and time.monotonic() < end:  # synced, periodic rounds going
+    time.sleep(0.01)
+assert sum(cli.rounds.values()) >= 2, cli.rounds
+os.closerange(3, 4096)  # a daemonizer's: every descriptor the program did not open itself
+pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(8)]  # the lowest numbers again
+for i, (a, b) in enumerate(pairs):
+    a.send(b"a%d" % i)
+    b.send(b"b%d" % i)
+time.sleep(1.0)  # ~10 of the client's periods, the reference's loop awake on every packet
+got = []
+for a, b in pairs:
+    for s in (a, b):
+        s.setblocking(False)
+        while True:
+            try:
+                got.append(s.recv(256))
+            except BlockingIOError:
+                break
+cli.stop()
+ref.stop()
+still_open = [s.fileno() for a, b in pairs for s in (a, b) if os.fstat(s.fileno()).st_nlink >= 0]
+want = sorted([b"a%d" % i for i in range(8)] + [b"b%d" % i for i in range(8)])
+print(sorted(got) == want, len(got), len(still_open), flush=True)
+"""
+
+
+def test_a_program_that_closes_every_descriptor_keeps_its_own_sockets(tmp_path: Path) -> None:
+    """The program closes every descriptor and makes sockets of its own on the same numbers:
+    the clock threads must never read their packets, send into them or close them."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(CLOSERANGE_PROGRAM)
+    p = subprocess.run([sys.executable, str(prog), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "16", "16"], (p.stdout, p.stderr)

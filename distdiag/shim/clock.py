@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distdiag.schema import SyncTag
+from distdiag.shim.ownfd import Ident, ident, let_go, still_ours
 from distdiag.shim.recorder import now_ns
 
 log = logging.getLogger(__name__)
@@ -329,12 +330,15 @@ class ClockSync:
         self._stopped = False
         self._lock = threading.Lock()  # one round at a time (thread vs. stop())
         self._sock: socket.socket | None = None
+        #: each socket's (device, inode) when made: checked before each use (distdiag.shim.ownfd)
+        self._sock_id: Ident | None = None
         self._thread: threading.Thread | None = None
         self._mac: _Mac | None = None
         #: packets that did not verify (wrong key, size or magic; replayed pings): dropped
         self.dropped = 0
         # reference side
         self._socks: list[socket.socket] = []  # one per address it answers on
+        self._socks_id: dict[int, Ident] = {}  # id(socket) -> (device, inode)
         #: (rank, client nonce) -> the last sequence number answered: a replayed ping is dropped
         self._last_seq: dict[tuple[int, bytes], int] = {}
         self._bye: set[int] = set()
@@ -397,6 +401,7 @@ class ClockSync:
                     continue
                 sock.setblocking(False)
                 self._socks.append(sock)
+                self._socks_id[id(sock)] = ident(sock.fileno())
                 addrs.append(a)
                 ports.append(int(sock.getsockname()[1]))
         except BaseException:
@@ -438,6 +443,9 @@ class ClockSync:
             mac.seal(_DIR_PONG, pack(_MAGIC, 0, 0, t0, b"\0" * 8))
             seal_ns = min(seal_ns, now_ns() - t0)
         while not self._stop.is_set() or not self._all_bye.is_set():
+            socks = self._own_socks(socks)
+            if not socks:
+                return  # the program closed them (and may have opened its own on their numbers)
             try:
                 ready, _, _ = select.select(socks, [], [], 0.5)  # checks for stop twice a second
             except (OSError, ValueError):
@@ -447,6 +455,8 @@ class ClockSync:
                     return
                 continue
             for sock in ready:
+                if not still_ours(sock, self._socks_id.get(id(sock))):
+                    continue  # forgotten at the next turn: never read what is now the program's
                 try:
                     data, addr = sock.recvfrom(128)
                     t_in = now_ns()  # first thing after the ping arrived: the reply leg starts here
@@ -484,6 +494,16 @@ class ClockSync:
                             self._all_bye.set()
                 except (struct.error, OSError):
                     continue
+
+    def _own_socks(self, socks: list[socket.socket]) -> list[socket.socket]:
+        """``socks`` less those whose descriptor is no longer ours (forgotten, never closed)."""
+        keep = [s for s in socks if still_ours(s, self._socks_id.get(id(s)))]
+        if len(keep) < len(socks):
+            for s in socks:
+                if s not in keep:
+                    let_go(s, self._socks_id.get(id(s)))
+            log.debug("distdiag: clock reference: %d socket(s) closed by the program", len(socks) - len(keep))
+        return keep
 
     def _closed_sock(self) -> bool:
         return not self._socks or any(s.fileno() < 0 for s in self._socks)
@@ -588,6 +608,7 @@ class ClockSync:
         if doc is None:
             return False
         socks: dict[socket.socket, tuple[str, int]] = {}
+        ids: dict[socket.socket, Ident] = {}
         try:
             key = bytes.fromhex(str(doc["key"]))
             addrs = [str(a) for a in doc["addrs"]]
@@ -601,6 +622,7 @@ class ClockSync:
             for a, port in zip(addrs, ports):  # a handful of addresses
                 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
                 try:
+                    ids[sock] = ident(sock.fileno())
                     sock.connect((a, port))
                     sock.send(ping)
                 except OSError:
@@ -632,6 +654,7 @@ class ClockSync:
                         continue  # a late reply to an earlier discovery
                     peer = socks.pop(sock)
                     self._sock, self._mac = sock, mac
+                    self._sock_id = ids[sock]
                     self._connected = True
                     log.debug("distdiag: rank %d syncs clocks with rank 0 at %s from %s",
                               self.rank, peer, sock.getsockname())  # fmt: skip
@@ -649,7 +672,7 @@ class ClockSync:
 
     def _exchange(self) -> tuple[int, int, int] | None:
         """One ping-pong: (t_send, t_ref, t_recv), or None when lost."""
-        sock, mac = self._sock, self._mac
+        sock, mac = self._own_sock(), self._mac
         if sock is None or mac is None:
             return None
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -737,8 +760,18 @@ class ClockSync:
         except Exception:
             log.debug("distdiag: clock samples not stored", exc_info=True)
 
+    def _own_sock(self) -> socket.socket | None:
+        """The client's socket while its descriptor is still ours; else None (forgotten, not closed)."""
+        sock = self._sock
+        if sock is not None and not still_ours(sock, self._sock_id):
+            let_go(sock, self._sock_id)
+            self._sock = None
+            log.debug("distdiag: rank %d: the clock socket was closed by the program; sync stops", self.rank)
+            return None
+        return sock
+
     def _bye_msg(self) -> None:
-        sock, mac = self._sock, self._mac
+        sock, mac = self._own_sock(), self._mac
         if sock is None or mac is None:
             return
         for _ in range(2):  # UDP: a second copy in case one is dropped (its own sequence number)
@@ -752,11 +785,8 @@ class ClockSync:
     def _close(self) -> None:
         s, self._sock = self._sock, None
         socks, self._socks = self._socks, []
-        for x in [s, *socks]:
-            if x is not None:
-                try:
-                    x.close()
-                except OSError:
-                    pass
+        let_go(s, self._sock_id)
+        for x in socks:
+            let_go(x, self._socks_id.get(id(x)))
         if self.dropped:
             log.debug("distdiag: rank %d dropped %d clock packets that did not verify", self.rank, self.dropped)

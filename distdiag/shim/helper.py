@@ -71,6 +71,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from distdiag.shim.ownfd import ident, let_go, still_ours
 from distdiag.shim.spill import MAX_RECORD_BYTES, SpillLog
 
 _HEAD = struct.Struct("<4sII")
@@ -105,7 +106,7 @@ class PipeLog(SpillLog):
         self.path = path
         self._sock: socket.socket | None = sock
         self.fd = sock.fileno()
-        self._id = _identity(self.fd)
+        self._id = ident(self.fd)
         #: where a process forked from this one hands the helper a stream of its own (:func:`connect`)
         self.connector: Connector | None = None
         self._shut = False
@@ -121,7 +122,7 @@ class PipeLog(SpillLog):
         sock = self._sock
         if sock is None:
             return None
-        if not _is(sock, self._id):
+        if not still_ours(sock, self._id):
             sock.detach()  # the number is the program's now: never closed by us
             self._sock, self.fd = None, None
             self.done = True
@@ -214,19 +215,6 @@ class PipeLog(SpillLog):
     remove = close  # the spill log's "its rows are in the file now": nothing to delete here
 
 
-def _identity(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return (st.st_dev, st.st_ino)
-
-
-def _is(sock: socket.socket, ident: tuple[int, int]) -> bool:
-    """Whether ``sock``'s descriptor is still the socket it was made as (device and inode)."""
-    try:
-        return _identity(sock.fileno()) == ident
-    except (OSError, ValueError):
-        return False
-
-
 class Connector:
     """The rank's end of the helper's connector (a ``SOCK_SEQPACKET`` pair: one message is one
     hand-over, whole, whichever process sends it). A process forked from the rank inherits it and
@@ -237,12 +225,12 @@ class Connector:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock: socket.socket | None = sock
-        self._id = _identity(sock.fileno())
+        self._id = ident(sock.fileno())
 
     def hand_over(self, fd: int) -> None:
         """Give the helper ``fd`` (a stream socket's far end). Raises ``OSError`` (``HelperGone``)."""
         sock = self._sock
-        if sock is None or not _is(sock, self._id):
+        if sock is None or not still_ours(sock, self._id):
             self._sock = None  # the number is the program's now (closerange): left alone
             raise HelperGone("the helper's connector is no longer open")
         deadline = time.monotonic() + _HAND_OVER_S
@@ -262,11 +250,7 @@ class Connector:
     def forget(self) -> None:
         """This process's copy, closed (a forked child that records nothing keeps none open)."""
         sock, self._sock = self._sock, None
-        if sock is not None:
-            if _is(sock, self._id):
-                sock.close()
-            else:
-                sock.detach()
+        let_go(sock, self._id)
 
 
 def _high_dup(fd: int) -> int:

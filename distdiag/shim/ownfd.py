@@ -1,0 +1,48 @@
+"""Descriptors the shim made, checked to be still its own before each use.
+
+A program may close every descriptor it did not open itself (a daemonizer's
+``os.closerange(3, ...)``, ``subprocess``'s ``close_fds`` in a ``preexec_fn``
+path, a C library's ``closefrom``) and then open files, pipes or sockets of
+its own, which take the same numbers. A socket object of the shim still holds
+the old number: used as it is, the shim would read the program's data, write
+into its files and finally close them. So every socket the shim keeps is
+remembered by its (device, inode) at creation and checked before each use; one
+that is no longer ours is forgotten (``detach``: never closed by us) and its
+work stops, as the shim's failures do, at no cost to the job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+Ident = tuple[int, int]
+
+
+def ident(fd: int) -> Ident:
+    """(device, inode) of ``fd``. Raises ``OSError``."""
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def still_ours(sock: socket.socket | None, mine: Ident | None) -> bool:
+    """Whether ``sock``'s descriptor is still the socket it was made as."""
+    if sock is None or mine is None:
+        return False
+    try:
+        return ident(sock.fileno()) == mine
+    except (OSError, ValueError):
+        return False
+
+
+def let_go(sock: socket.socket | None, mine: Ident | None) -> None:
+    """Close ``sock`` if its descriptor is still ours; else forget it, closing nothing."""
+    if sock is None:
+        return
+    try:
+        if still_ours(sock, mine):
+            sock.close()
+        else:
+            sock.detach()
+    except OSError:
+        pass
