@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=200)
     ap.add_argument("--flush-interval-s", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--writer", choices=("thread", "process"), default="thread", help="the shim's writer setting")
+    ap.add_argument("--writer", choices=("thread", "process"), default="process", help="the shim's writer setting")
     ns = ap.parse_args(argv)
     rng = random.Random(ns.seed)
     bad = 0
