@@ -595,6 +595,48 @@ def test_sigterm_while_the_main_thread_sits_in_c_still_ends_the_rank_and_closes(
     assert "before" in set(s[ev["name_id"]]) and "sigterm" in shim_names(rank_file(run_dir))
 
 
+DAEMON_PROG = """
+import hashlib, os, signal, sys, time
+os.closerange(3, 65536)  # a daemonizer's: every descriptor it did not open itself
+r, w = os.pipe()  # its own, on the lowest free numbers
+time.sleep(1.5)
+signal.signal(signal.SIGUSR1, lambda *a: None)
+for i in range(3):
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.05)
+os.set_blocking(r, False)
+try:
+    print("pipe got", os.read(r, 100), flush=True)
+except BlockingIOError:
+    print("pipe empty", flush=True)
+if sys.argv[1:] == ["block"]:
+    print("blocking", flush=True)
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2 * 10**9)
+"""
+
+
+def test_a_program_that_closes_every_descriptor_gets_its_signals_as_unwrapped(tmp_path: Path) -> None:
+    """Python's C signal handler writes to the wakeup descriptor the SIGTERM watcher gave it;
+    after the program closed it, every signal printed "Exception ignored when trying to write to
+    the signal wakeup fd ... Bad file descriptor" on the program's stderr (or wrote a byte into a
+    file of the program's on that number). The watcher takes the number back while it is free,
+    and SIGTERM inside a C call still ends the rank."""
+    prog = tmp_path / "daemon.py"
+    prog.write_text(DAEMON_PROG)
+    plain = run([PY, str(prog)], cwd=tmp_path)
+    w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "run"), PY, str(prog)], cwd=tmp_path)
+    own = [ln for ln in w.stderr.splitlines() if not ln.startswith("distdiag: ")]  # the shim's one line: its file
+    assert (w.returncode, w.stdout, own) == (plain.returncode, plain.stdout, []) == (0, "pipe empty\n", []), w.stderr
+    with _started([*WRAP_CONSOLE, "--dir", str(tmp_path / "run2"), PY, str(prog), "block"], tmp_path, clean_env()) as p:
+        _wait_line(p, "blocking")
+        time.sleep(0.3)  # inside the C call
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        took_s = time.monotonic() - t0
+    assert p.returncode == -signal.SIGTERM and took_s < 10
+
+
 ASYNC_PROG = """
 import asyncio, os, signal
 

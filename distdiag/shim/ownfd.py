@@ -25,14 +25,19 @@ def ident(fd: int) -> Ident:
     return (st.st_dev, st.st_ino)
 
 
-def still_ours(sock: socket.socket | None, mine: Ident | None) -> bool:
-    """Whether ``sock``'s descriptor is still the socket it was made as."""
-    if sock is None or mine is None:
+def fd_is(fd: int, mine: Ident | None) -> bool:
+    """Whether descriptor number ``fd`` is still the file it was made as."""
+    if mine is None or fd < 0:
         return False
     try:
-        return ident(sock.fileno()) == mine
-    except (OSError, ValueError):
+        return ident(fd) == mine
+    except OSError:
         return False
+
+
+def still_ours(sock: socket.socket | None, mine: Ident | None) -> bool:
+    """Whether ``sock``'s descriptor is still the socket it was made as."""
+    return sock is not None and fd_is(sock.fileno(), mine)
 
 
 def let_go(sock: socket.socket | None, mine: Ident | None) -> None:

@@ -52,6 +52,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -63,6 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from distdiag.schema import Kind, allowed_env, rank_file_name
+from distdiag.shim.ownfd import fd_is, ident, let_go, still_ours
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ USAGE = (
 )
 #: How long the SIGTERM watcher lets the main thread run our handler before acting itself.
 SIGTERM_GRACE_S = 1.0
+#: how often the SIGTERM watcher checks that its wakeup pair is still its own (see _mend_wake)
+WAKE_CHECK_S = 1.0
 #: How long ranks other than 0 look for rank 0's run dir before making their own.
 FIND_DIR_WAIT_S = 3.0
 #: What rank 0 publishes in the run dir it makes for its launch (default dir only):
@@ -981,6 +985,36 @@ class _ForkStream:
             self.writer.detach()
 
 
+def _moved(s: socket.socket, at_least: int) -> socket.socket:
+    """``s`` on the lowest free number >= ``at_least`` (close-on-exec, non-blocking); as it is
+    where that fails (it still works, its number only more likely to be reused)."""
+    import fcntl
+
+    try:
+        fd = fcntl.fcntl(s.fileno(), fcntl.F_DUPFD_CLOEXEC, at_least)
+        s.close()
+        s = socket.socket(fileno=fd)
+    except OSError:
+        pass
+    s.setblocking(False)
+    return s
+
+
+def _high_fd() -> int:
+    try:
+        return max(16, min(int(os.sysconf("SC_OPEN_MAX")) // 2, 1024))
+    except (ValueError, OSError):
+        return 256
+
+
+def _wake_pair() -> tuple[socket.socket, socket.socket]:
+    """The SIGTERM watcher's socket pair (non-blocking, as ``set_wakeup_fd`` wants), both on
+    high numbers: a program that closes every descriptor and opens its own takes the lowest
+    free numbers, so ours stay free for :meth:`_SigtermChain._mend_wake` to take back."""
+    r, w = socket.socketpair()
+    return _moved(r, _high_fd()), _moved(w, _high_fd())
+
+
 class _SigtermChain:
     """SIGTERM (Slurm time limit, scancel) closes the file, then does what the program wanted.
 
@@ -1023,6 +1057,9 @@ class _SigtermChain:
         signal.getsignal = self._getsignal  # type: ignore[assignment]
         self._restored = False
         self._wake: tuple[Any, Any] | None = None
+        self._wake_ids: tuple[Any, Any] = (None, None)
+        #: the wakeup number, when the program took it over (see _mend_wake)
+        self._wake_lost: int | None = None
         try:
             self._start_watcher()
         except Exception:
@@ -1044,11 +1081,7 @@ class _SigtermChain:
 
     # -- the watcher (SIGTERM while the main thread sits in C) -------------------
     def _start_watcher(self) -> None:
-        import socket
-
-        r, w = socket.socketpair()
-        r.setblocking(True)
-        w.setblocking(False)
+        r, w = _wake_pair()
         old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
         if old != -1:  # the program's own wakeup fd: leave it alone
             signal.set_wakeup_fd(old)
@@ -1056,18 +1089,90 @@ class _SigtermChain:
             w.close()
             return
         self._wake = (r, w)
-        threading.Thread(target=self._watch, args=(r,), name="distdiag-sigterm", daemon=True).start()
+        self._wake_ids = (ident(r.fileno()), ident(w.fileno()))
+        threading.Thread(target=self._watch, name="distdiag-sigterm", daemon=True).start()
 
-    def _watch(self, r: Any) -> None:
+    def _watch(self) -> None:
         while True:
+            wake = self._wake
+            if wake is None:
+                return
+            r = wake[0]
+            try:  # awake now and then: a program that closed every descriptor is noticed (_mend_wake)
+                poller = select.poll()  # not select(): the pair sits above FD_SETSIZE (_wake_pair)
+                poller.register(r.fileno(), select.POLLIN)
+                ready = poller.poll(int(WAKE_CHECK_S * 1000))
+            except (OSError, ValueError):
+                ready = []
+            if not (still_ours(r, self._wake_ids[0]) and still_ours(wake[1], self._wake_ids[1])):
+                if not self._mend_wake():
+                    return
+                continue
+            if not ready:
+                continue
             try:
                 data = r.recv(64)
+            except BlockingIOError:
+                continue
             except OSError:
                 return
             if not data:
                 return
             if int(signal.SIGTERM) in data and os.getpid() == self.shim.pid:
                 self._on_wakeup()
+
+    def _mend_wake(self) -> bool:
+        """The program closed our wakeup pair (``closerange``): Python's C signal handler still
+        writes to the number it was given, which gave the program one "Exception ignored when
+        trying to write to the signal wakeup fd ... EBADF" on its stderr per signal (or a byte
+        in a file of its own on that number). Put a fresh pair's write end back on that very
+        number while it is free (``F_DUPFD`` onto it: atomic, never over a descriptor of the
+        program). False when the number is the program's now: the watcher ends, and the main
+        thread drops the wakeup fd at the next chance (``_drop_lost_wake``)."""
+        import fcntl
+
+        wake = self._wake
+        if wake is None or os.getpid() != self.shim.pid:
+            return False
+        let_go(wake[0], self._wake_ids[0])
+        num = wake[1].fileno()
+        let_go(wake[1], self._wake_ids[1])
+        try:
+            r, w = socket.socketpair()  # low numbers: the write end goes onto ``num`` first
+        except OSError:
+            self._wake, self._wake_lost = None, num
+            return False
+        try:
+            got = fcntl.fcntl(w.fileno(), fcntl.F_DUPFD_CLOEXEC, num)
+        except OSError:
+            got = -1
+        w.close()
+        if got != num:  # taken: the program's descriptor; never touched
+            if got >= 0:
+                os.close(got)
+            r.close()
+            self._wake, self._wake_lost = None, num
+            log.debug("distdiag: the SIGTERM wakeup descriptor %d is the program's now", num)
+            return False
+        w = socket.socket(fileno=got)
+        w.setblocking(False)
+        r = _moved(r, _high_fd())
+        self._wake = (r, w)
+        self._wake_ids = (ident(r.fileno()), ident(w.fileno()))
+        log.debug("distdiag: the SIGTERM wakeup pair was closed by the program; made again on %d", num)
+        return True
+
+    def _drop_lost_wake(self) -> None:
+        """On the main thread: a wakeup number that is the program's now is no longer given to Python."""
+        num, self._wake_lost = self._wake_lost, None
+        if num is None:
+            return
+        try:
+            cur = signal.set_wakeup_fd(-1)
+            if cur != num:  # the program's own wakeup fd since: put it back
+                signal.set_wakeup_fd(cur)
+        except (ValueError, OSError):
+            pass
 
     def _main_position(self) -> tuple[int, int] | None:
         f = sys._current_frames().get(threading.main_thread().ident or -1)
@@ -1107,20 +1212,21 @@ class _SigtermChain:
         except Exception:
             pass
         if in_child:
-            # the parent's watcher still reads this pair: close only our copies
-            for s in wake:
+            # the parent's watcher still reads this pair: close only our copies (ours still)
+            for s, i in zip(wake, self._wake_ids):
                 try:
-                    os.close(s.detach())
+                    fd = s.detach()
+                    if fd_is(fd, i):
+                        os.close(fd)
                 except Exception:
                     pass
             return
-        for s in wake:
-            try:
-                s.close()
-            except Exception:
-                pass
+        for s, i in zip(wake, self._wake_ids):
+            let_go(s, i)
 
     def _signal(self, signalnum: Any, handler: Any) -> Any:
+        if self._wake_lost is not None and threading.current_thread() is threading.main_thread():
+            self._drop_lost_wake()
         if signalnum != signal.SIGTERM or self._restored:
             return self._orig_signal(signalnum, handler)
         if threading.current_thread() is not threading.main_thread():
@@ -1138,6 +1244,8 @@ class _SigtermChain:
 
     def _handler(self, signum: int, frame: Any) -> Any:
         self._handled.set()
+        if self._wake_lost is not None:
+            self._drop_lost_wake()
         user = self.user
         if os.getpid() != self.shim.pid:  # a forked child that kept our handler
             return self._act_as(user, signum, frame)
