@@ -163,11 +163,17 @@ def test_a_hung_file_system_never_holds_a_forked_childs_exit(tmp_path: Path) -> 
                 exit_s = _end_s(p, 2 * BOUND_S + 3.0)
             finally:
                 os.kill(server, signal.SIGCONT)
-            _, err = p.communicate(timeout=60)
-            assert p.returncode == 0, err
             if writer == "thread":  # the fault is real: a child that holds its own file hangs at exit
                 assert exit_s is None, "a hung server did not hold the in-process writer's child"
+                # and it may never end: its exit froze the flusher thread that held h5py's lock
+                # inside the hung write. Ended here, the child and the rank, by their PIDs.
+                (f,) = run_dir.glob("rank-00000.fork-*.h5")
+                os.kill(int(f.name.split("fork-")[1].split(".")[0]), signal.SIGKILL)
+                p.kill()
+                p.communicate(timeout=60)
                 continue
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
             print(f"child and rank done {exit_s} s after the child's end with the server hung")
             assert exit_s is not None and exit_s < 2 * BOUND_S + 1.5, (exit_s, err)
             (child,) = run_dir.glob("rank-00000.fork-*.h5")
@@ -195,24 +201,32 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "h5py" in sys.modules)
 """
 
 
+def _one_child(tmp: Path, source: str, arg: str) -> tuple[str, Path]:
+    """Run ``source`` wrapped (the helper, flushing every 0.1 s) into ``tmp/run``; its stdout and
+    its one forked child's file, once closed."""
+    job = tmp / "job.py"
+    job.write_text(source)
+    run_dir = tmp / "run"
+    env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.1")
+    p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), arg], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    (child,) = run_dir.glob("rank-00000.fork-*.h5")
+    wait_until_closed(child)
+    return p.stdout, child
+
+
 def test_a_forked_childs_file_is_written_by_the_ranks_helper(tmp_path: Path) -> None:
     """The child loads no h5py (its own thread importing h5py beside the child's imports was the
     risk) and holds nothing in the run dir; its file has every row, closed cleanly."""
-    job = tmp_path / "job.py"
-    job.write_text(CHILD_JOB)
     run_dir = tmp_path / "run"
-    env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.1")
-    p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(run_dir)], env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert p.returncode == 0 and p.stderr == "", p.stderr
-    assert p.stdout.splitlines() == ["False []", "4 False"]
-    (child,) = run_dir.glob("rank-00000.fork-*.h5")
-    wait_until_closed(child)
+    out, child = _one_child(tmp_path, CHILD_JOB, str(run_dir))
+    assert out.splitlines() == ["False []", "4 False"]
     with h5py.File(child, "r") as h:
         ev, strings = h["events"][:], list(h["strings"].asstr()[:])
         assert bool(h.attrs["closed_cleanly"]) and int(h.attrs["exit_code"]) == 4
         assert h.attrs["file_opened_on"] == "helper" and h.attrs["role"] == "fork"
-        assert sum(strings[i] == str(job) for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT]) == 300
+        assert sum(strings[i] == str(tmp_path / "job.py") for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT]) == 300
         assert len(strings) < 100  # only the strings its rows use, as the in-process writer keeps them
 
 
@@ -244,16 +258,8 @@ def test_a_forked_child_sends_only_the_strings_it_made_after_the_fork(tmp_path: 
     its stream starts from the rank's strings, which the helper already has (the same objects,
     not a copy per worker); its file still names every row right, one the rank had not
     flushed before the fork included."""
-    job = tmp_path / "job.py"
-    job.write_text(TABLE_JOB)
-    run_dir = tmp_path / "run"
-    env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.1")
-    p = subprocess.run([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(tmp_path)], env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert p.returncode == 0 and p.stderr == "", p.stderr
-    (child,) = run_dir.glob("rank-00000.fork-*.h5")
-    wait_until_closed(child)
-    wait_until_closed(run_dir / "rank-00000.h5")
+    _, child = _one_child(tmp_path, TABLE_JOB, str(tmp_path))
+    wait_until_closed(tmp_path / "run" / "rank-00000.h5")
     with h5py.File(child, "r") as h:
         ev, strings = h["events"][:], list(h["strings"].asstr()[:])
         stats = [strings[i] for i in ev["name_id"][ev["kind"] == Kind.FILE_STAT]]

@@ -574,21 +574,27 @@ print("never")
 """
 
 
+def _sigterm_inside_c(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, float]:
+    """Start ``cmd``, SIGTERM it once it printed "blocking" (then inside a long C call): its exit
+    status and the seconds it took to end."""
+    with _started(cmd, cwd, env) as p:
+        _wait_line(p, "blocking")
+        time.sleep(0.3)  # inside the C call
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        return p.returncode, time.monotonic() - t0
+
+
 def test_sigterm_while_the_main_thread_sits_in_c_still_ends_the_rank_and_closes(tmp_path: Path) -> None:
     """Unwrapped, SIGTERM kills a process inside a long C call at once; wrapped it must too
     (within the watcher's grace), with the file closed, instead of waiting for SIGKILL."""
     prog = tmp_path / "cblock.py"
     prog.write_text(CBLOCK_PROG)
     run_dir = tmp_path / "run"
-    with _started([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], tmp_path,
-                  clean_env(DISTDIAG_FLUSH_INTERVAL_S="30")) as p:
-        _wait_line(p, "blocking")
-        time.sleep(0.3)  # inside the C call
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
-        took_s = time.monotonic() - t0
-    assert p.returncode == -signal.SIGTERM
+    rc, took_s = _sigterm_inside_c([*WRAP_CONSOLE, "--dir", str(run_dir), PY, str(prog)], tmp_path,
+                                   clean_env(DISTDIAG_FLUSH_INTERVAL_S="30"))  # fmt: skip
+    assert rc == -signal.SIGTERM
     assert took_s < 10
     ev, s, attrs = events_of(rank_file(run_dir))
     assert bool(attrs["closed_cleanly"]) and int(attrs["exit_code"]) == -signal.SIGTERM
@@ -627,14 +633,9 @@ def test_a_program_that_closes_every_descriptor_gets_its_signals_as_unwrapped(tm
     w = run([*WRAP_CONSOLE, "--dir", str(tmp_path / "run"), PY, str(prog)], cwd=tmp_path)
     own = [ln for ln in w.stderr.splitlines() if not ln.startswith("distdiag: ")]  # the shim's one line: its file
     assert (w.returncode, w.stdout, own) == (plain.returncode, plain.stdout, []) == (0, "pipe empty\n", []), w.stderr
-    with _started([*WRAP_CONSOLE, "--dir", str(tmp_path / "run2"), PY, str(prog), "block"], tmp_path, clean_env()) as p:
-        _wait_line(p, "blocking")
-        time.sleep(0.3)  # inside the C call
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
-        took_s = time.monotonic() - t0
-    assert p.returncode == -signal.SIGTERM and took_s < 10
+    rc, took_s = _sigterm_inside_c([*WRAP_CONSOLE, "--dir", str(tmp_path / "run2"), PY, str(prog), "block"], tmp_path,
+                                   clean_env())  # fmt: skip
+    assert rc == -signal.SIGTERM and took_s < 10
 
 
 ASYNC_PROG = """
