@@ -156,6 +156,25 @@ def test_each_state_explains_itself_and_names_the_odd_rank(
     assert f.evidence["completed"] is True and f.cost_s == 0.0 and not f.evidence["ends_job"]
 
 
+@pytest.mark.parametrize("odd", [0, 1])
+def test_a_one_against_one_tie_is_broken_by_the_calls_before_it(tmp_path: Path, odd: int) -> None:
+    """Seen: MPICH aborted within milliseconds and only ranks 0 and 1 had their Allreduce #5 on
+    disk, one value each; the smaller value was taken as the common one and rank 0 named. The
+    communicator's Allreduce #4, which every rank agreed on, says which value is the odd one."""
+    got = _mismatch(_write(tmp_path, {odd: {"nbytes": 32}}, n_ranks=2))
+    assert len(got) == 1 and got[0].ranks == [odd], [(f.ranks, f.summary) for f in got]
+    assert "as many ranks on each side" not in got[0].summary
+
+
+def test_a_tie_with_no_call_before_it_names_both_and_says_why(tmp_path: Path) -> None:
+    for r in range(2):
+        s = [""]
+        write_rank(tmp_path, r, 2, [coll(0.1 * r, 2.0, 0, s, op="Allreduce", nbytes=64 if r == 0 else 32)], s)
+    got = _mismatch(tmp_path)
+    assert len(got) == 1 and got[0].ranks == [0, 1]
+    assert "as many ranks on each side, and no earlier call of it to tell which is odd" in got[0].summary
+
+
 def test_different_datatypes_are_a_dtype_mismatch(tmp_path: Path) -> None:
     # Same op and bytes, but rank 2 sends MPI_FLOAT where the others send MPI_DOUBLE (aux = dtype string id).
     for r in range(4):

@@ -112,9 +112,25 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
     return out
 
 
-def _mode(values: np.ndarray) -> int:
+def _mode(values: np.ndarray, colls: Collectives | None = None, g: int = -1, column: Any = None) -> int | None:
+    """The most common of ``values`` (the members' values at group ``g``). A tie (two of four
+    ranks' calls reached the disk before an abort: one value each) is broken by the value the
+    communicator's latest earlier completed collective of the same op agreed on (``column``: the
+    member column the values come from); None when that does not decide (no odd rank then)."""
     u, c = np.unique(values, return_counts=True)
-    return int(u[np.argmax(c)])
+    top = u[c == c.max()]
+    if len(top) == 1:
+        return int(top[0])
+    if colls is None or column is None:
+        return None
+    prev = np.flatnonzero((colls.g_comm == colls.g_comm[g]) & (colls.g_op == colls.g_op[g])
+                          & (colls.g_seq < colls.g_seq[g]) & colls.complete)  # fmt: skip
+    if len(prev) == 0:
+        return None
+    last = int(prev[np.argmax(colls.g_seq[prev])])
+    pu, pc = np.unique(np.asarray(column[colls.members(last)]), return_counts=True)
+    agreed = int(pu[np.argmax(pc)])
+    return agreed if agreed in top else None
 
 
 def _by_value(values: np.ndarray, ranks: np.ndarray, fmt: Any) -> str:
@@ -135,6 +151,7 @@ def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColum
     head = f"{op} #{int(colls.g_seq[g])} on communicator '{colls.comm_name(g)}'"
     st = int(colls.g_state[g])
     values: dict[str, Any] = {}
+    column: Any = None  # where the members' values come from, for a tie's history (_mode)
     if st == MatchState.OP_MISMATCH:
         v = colls.m_op[sl]
         state = "type"
@@ -142,19 +159,19 @@ def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColum
             _by_value(v, ranks, lambda x: run.s(int(x)))
         values = {run.s(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
     elif st == MatchState.SIZE_MISMATCH:
-        v = colls.m_nbytes[sl]
+        v, column = colls.m_nbytes[sl], colls.m_nbytes
         state = "size"
         text = f"{head}: ranks passed different sizes: " + _by_value(v, ranks, lambda x: f"{int(x)} bytes")
         values = {str(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
     elif st == MatchState.ROOT_MISMATCH:
-        v = colls.m_peer[sl]
+        v, column = colls.m_peer[sl], colls.m_peer
         state = "root"
         text = f"{head}: ranks named different roots: " + _by_value(v, ranks, lambda x: f"root {int(x)}")
         values = {str(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
     elif dtype_bad:
         a = aux[sl]
         known = a > 0
-        v, ranks = a[known], ranks[known]
+        v, ranks, column = a[known], ranks[known], aux
         state = "dtype"
         text = f"{head}: ranks passed different datatypes: " + _by_value(v, ranks, lambda x: run.s(int(x)))
         values = {run.s(int(x)): sorted(int(r) for r in ranks[v == x]) for x in np.unique(v)}
@@ -171,7 +188,10 @@ def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColum
             ),
             "values": {"completed": [int(r) for r in ranks], "never_called": [int(r) for r in missing]},
         }
-    mode = _mode(v)
+    mode = _mode(v, colls, g, column)
+    if mode is None:  # a tie nothing decides: every member is named, and the text says why
+        return {"state": state, "odd": [int(r) for r in ranks], "values": values,
+                "text": text + " (as many ranks on each side, and no earlier call of it to tell which is odd)"}  # fmt: skip
     odd = ranks[v != mode]
     return {"state": state, "odd": [int(r) for r in odd], "text": text, "values": values}
 
