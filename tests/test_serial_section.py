@@ -292,8 +292,12 @@ def test_mpi_rank0_work_before_every_5th_bcast_is_the_top_finding(serial_ab: Ser
         assert top is not None and top.kind == "serial_section", [(f.kind, f.summary) for f in rep.findings]
         assert top.ranks == [0]
         assert next(iter(top.evidence["collective_sites"])).endswith(f"serial_job.py:{bcast_line()}")
-        # the share of the run it reports is that cost's
-        assert top.evidence["serial_fraction"] == pytest.approx(top.cost_s / rep.run.wall_s, abs=1e-4)
+        # the share of the run it reports is the detector's measured serial time over the wall; the
+        # cost is the replay's saving (ranking._price_by_replay), a few ms apart under load (seen:
+        # 0.4362 against 0.4347 of the run beside a busy core): both are checked against the
+        # measured saving below
+        detector_s = top.evidence.get("detector_cost_s", top.cost_s)
+        assert top.evidence["serial_fraction"] == pytest.approx(detector_s / rep.run.wall_s, abs=1e-4)
         costs.append(top.cost_s)
         replayed.append(top.evidence["replay"]["saving_s"])
         shares.append(top.evidence["serial_fraction"] * rep.run.wall_s)
