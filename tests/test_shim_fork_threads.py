@@ -164,7 +164,11 @@ for i in range(40):  # forks spread over the ~0.4 s those imports take
     pid = os.fork()
     if pid == 0:
         signal.alarm(5)  # a child whose import waits forever dies of SIGALRM
-        import pynvml, ctypes.util, subprocess, platform
+        try:
+            import pynvml  # nvidia-ml-py ('.[all]'); without it the starter's import fails at once
+        except ImportError:
+            pass
+        import ctypes.util, subprocess, platform
         os._exit(0)
     pids.append(pid)
     time.sleep(0.01)

@@ -71,7 +71,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from distdiag.shim.ownfd import ident, let_go, still_ours
+from distdiag.shim.ownfd import dup_above, ident, still_ours
 from distdiag.shim.spill import MAX_RECORD_BYTES, SpillLog
 
 _HEAD = struct.Struct("<4sII")
@@ -243,24 +243,17 @@ class Connector:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise HelperGone(f"the helper took no stream within {_HAND_OVER_S:g} s") from None
-                select.select([], [sock], [], left)
+                poller = select.poll()  # not select(): the number may be above FD_SETSIZE
+                poller.register(sock.fileno(), select.POLLOUT)
+                poller.poll(max(1, int(left * 1000)))
             except OSError as e:
                 raise HelperGone(f"the helper took no stream ({e.strerror})") from e
 
-    def forget(self) -> None:
-        """This process's copy, closed (a forked child that records nothing keeps none open)."""
-        sock, self._sock = self._sock, None
-        let_go(sock, self._id)
-
 
 def _high_dup(fd: int) -> int:
-    """``fd`` duplicated to a number above the helper's 3-5 (close-on-exec), the original closed:
-    posix_spawn's dup2 onto the same number would keep close-on-exec set."""
-    import fcntl
-
-    new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
-    os.close(fd)
-    return new
+    """``fd`` moved above the helper's 3-6 (close-on-exec): posix_spawn's dup2 onto the same
+    number would keep close-on-exec set."""
+    return dup_above(fd, 10)
 
 
 def _helper_env() -> dict[str, str]:
@@ -469,7 +462,7 @@ class _Helper:
         elif tag == b"MARK":
             mark = json.loads(body)
             if self.inherited and len(self.rec.strings.strings) < self.inherited:
-                if self.base is not None and len(self.base.strings.strings) < self.inherited:
+                if self.base_pending():
                     # the rank has not sent the strings it made just before the fork yet (it
                     # does at its next flush): this flush waits, its records kept, for at most that
                     self.held_mark = mark
@@ -521,6 +514,10 @@ class _Helper:
         w.flush()
         if w.failed:
             self.fail("")
+
+    def base_pending(self) -> bool:
+        """The rank has not yet sent all the strings this child's table starts with."""
+        return self.base is not None and len(self.base.strings.strings) < self.inherited
 
     def take_base(self) -> None:
         """The child's table starts as the rank's first ``inherited`` strings (the same objects,
@@ -596,8 +593,6 @@ class _Stream:
             if zlib.crc32(body) != crc:
                 raise ValueError("a damaged record")
             at += _HEAD.size + n
-            if tag == b"INIT":
-                _say_through()
             h.take(tag, body)
             if h.end is not None:
                 break
@@ -606,8 +601,7 @@ class _Stream:
 
     def waits_for_rank(self) -> bool:
         """A child's flush held until the rank's stream brings the strings it inherited."""
-        h = self.h
-        return h.held_mark is not None and h.base is not None and len(h.base.strings.strings) < h.inherited
+        return self.h.held_mark is not None and self.h.base_pending()
 
     def finish(self, broken: BaseException | None = None, write: bool = True) -> None:
         """The stream ended (or broke): close its file with what it holds (``write``; else
@@ -683,6 +677,7 @@ def main() -> None:
         conn: socket.socket | None = socket.socket(fileno=CONN_FD)
     except OSError:
         conn = None
+    _say_through()  # the Writer's one-line messages: to the process whose stream is being read
     streams = {DATA_FD: _Stream(DATA_FD, BACK_FD, CLAIM_FD)}
     rank = streams[DATA_FD].h.rec  # the table forked children's start with
     waiting: list[_Stream] = []  # children ended, their file waiting for the rank's next flush

@@ -40,6 +40,16 @@ def still_ours(sock: socket.socket | None, mine: Ident | None) -> bool:
     return sock is not None and fd_is(sock.fileno(), mine)
 
 
+def dup_above(fd: int, at_least: int) -> int:
+    """``fd`` moved to the lowest free number >= ``at_least``, close-on-exec; the original is
+    closed. Raises ``OSError`` (the original then stays)."""
+    import fcntl
+
+    new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, at_least)
+    os.close(fd)
+    return int(new)
+
+
 def let_go(sock: socket.socket | None, mine: Ident | None) -> None:
     """Close ``sock`` if its descriptor is still ours; else forget it, closing nothing."""
     if sock is None:

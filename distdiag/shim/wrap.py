@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from distdiag.schema import Kind, allowed_env, rank_file_name
-from distdiag.shim.ownfd import fd_is, ident, let_go, still_ours
+from distdiag.shim.ownfd import dup_above, fd_is, ident, let_go, still_ours
 
 log = logging.getLogger(__name__)
 
@@ -988,14 +988,12 @@ class _ForkStream:
 def _moved(s: socket.socket, at_least: int) -> socket.socket:
     """``s`` on the lowest free number >= ``at_least`` (close-on-exec, non-blocking); as it is
     where that fails (it still works, its number only more likely to be reused)."""
-    import fcntl
-
+    fd = s.detach()
     try:
-        fd = fcntl.fcntl(s.fileno(), fcntl.F_DUPFD_CLOEXEC, at_least)
-        s.close()
-        s = socket.socket(fileno=fd)
+        fd = dup_above(fd, at_least)
     except OSError:
         pass
+    s = socket.socket(fileno=fd)
     s.setblocking(False)
     return s
 
