@@ -62,9 +62,12 @@ def test_pairs_wait_until_done_and_land_on_the_host_clock() -> None:
     (row,) = _rows(t)
     assert row["kind"] == Kind.GPU_SPAN and row["aux"] == Kind.COLL and row["nbytes"] == 12345
     assert (row["seq"], row["comm_id"], row["name_id"], row["peer"]) == (9, 3, 7, 0)
-    # the fake GPU's clock is CLOCK_OFFSET_NS off the host's: the anchor takes it out
-    assert abs(int(row["t0_ns"]) - k0.host_ns()) < 2 * MS  # type: ignore[operator]
-    assert abs(int(row["t1_ns"]) - k1.host_ns()) < 2 * MS  # type: ignore[operator]
+    # the fake GPU's clock is CLOCK_OFFSET_NS off the host's: the anchor takes it out, to within
+    # the bound the row states (``value``: where the anchor ran; a busy core beside the test
+    # stretched it to ~4.6 ms once, past a fixed 2 ms)
+    bound = float(row["value"]) + 2 * MS
+    assert abs(int(row["t0_ns"]) - k0.host_ns()) < bound  # type: ignore[operator]
+    assert abs(int(row["t1_ns"]) - k1.host_ns()) < bound  # type: ignore[operator]
     assert 18 * MS < row["t1_ns"] - row["t0_ns"] < 40 * MS
     assert 0 <= row["value"] < 50 * MS  # the anchor's bound
 
