@@ -58,12 +58,15 @@ def _has_bytes(path: Path) -> bool:
 
 
 def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Path, numpy_at: str = "first",
-              writer: str = "thread") -> str | None:  # fmt: skip
+              writer: str = "thread", helper_too: bool = False) -> str | None:  # fmt: skip
     """``writer``: the shim's ``writer`` setting ("process": the file is written by a helper
-    process, which goes on after the kill; the file is read once the helper closed it)."""
+    process, which goes on after the kill; the file is read once the helper closed it).
+    ``helper_too`` (with "process"): the helper is SIGKILLed too, just before the rank, as
+    Slurm's step kill after ``KillWait`` or the OOM killer of a cgroup ends every process of
+    the step: nobody closes the file, and it must open with the helper's last completed flush."""
     import numpy as np
 
-    from helpers import wait_until_closed
+    from helpers import holders, wait_until_closed
 
     from distdiag.run import open_rank_file
     from distdiag.schema import Kind
@@ -77,6 +80,7 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
     env.update(PYTHONPATH=str(repo), DISTDIAG_FLUSH_INTERVAL_S=str(flush_interval_s), DISTDIAG_WRITER=writer)
     p = subprocess.Popen([sys.executable, "-m", "distdiag.wrap", "--dir", str(d), sys.executable, str(job)], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    helper: list[int] = []
     try:
         # from the rank's first flush on: the first bytes of its file or its spill log (the
         # interpreter's start takes ~0.3 s here and longer beside a busy core: a kill before
@@ -85,8 +89,15 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
         while not (_has_bytes(d / "rank-00000.h5") or _has_bytes(d / "rank-00000.h5.log")) and p.poll() is None \
                 and time.monotonic() < t_end:  # fmt: skip
             time.sleep(0.005)
+        t_first = time.monotonic()
         time.sleep(rng.uniform(0.05, 0.8))
+        helper = [q for q in holders(d / "rank-00000.h5") if q != p.pid] if helper_too else []
+        if helper_too and len(helper) != 1:
+            return None if p.poll() is not None else f"no one helper holds the file: {helper}"
     finally:
+        t_kill = time.monotonic()
+        for q in helper:
+            os.kill(q, signal.SIGKILL)  # the job's helper: started by the job we started, found by its PID
         os.kill(p.pid, signal.SIGKILL)  # ours, by its PID
         _, err = p.communicate(timeout=30)
     if writer == "process" and (d / "rank-00000.h5").exists():
@@ -96,15 +107,22 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
             ev = f["events"][:]
             strings = list(f["strings"].asstr()[:])
             last_flush = int(f.attrs["last_flush_mono_ns"])
+            clean = bool(f.attrs.get("closed_cleanly", False))
     except Exception as e:
         return f"the file does not open: {type(e).__name__}: {e}"[:300] + f" (stderr {err[-300:]!r})"
+    if helper and clean:  # the helper closes cleanly only once the rank said it exits: it never did
+        return "closed cleanly, though neither the rank nor its helper lived to close it"
     marks = np.sort(ev["t0_ns"][ev["kind"] == Kind.MARK])
     if len(marks) == 0:
         # killed before its program's first marks reached a flush: nothing flushed is lost,
         # provided the program had not been running for more than the slack at that flush
         shim = ev[ev["kind"] == Kind.SHIM]
         started = [int(r["t0_ns"]) for r in shim if strings[int(r["name_id"])] == "target_start"]
-        if not started or last_flush - started[0] < SLACK_S * 1e9:
+        if not started:  # not one flush in the file: only when the kill came before the first could land
+            if t_kill - t_first > flush_interval_s + SLACK_S:
+                return f"no rows {t_kill - t_first:.3f} s after the file was first written (stderr {err[-300:]!r})"
+            return None
+        if last_flush - started[0] < SLACK_S * 1e9:
             return None
         return f"no marks, {(last_flush - started[0]) / 1e9:.3f} s into the program (stderr {err[-300:]!r})"
     if len(marks) > 1 and np.diff(marks).max() > SLACK_S * 1e9:
