@@ -343,3 +343,74 @@ def test_point_to_point_waits_couple_the_run_from_the_first(tmp_path: Path) -> N
             assert m.coupled_from_ns == 10 * MS and "point-to-point" in m.coupled_why and late.reaches(m, m.coupled_from_ns)
         else:
             assert m.coupled_why == "" and m.saving_s(late) == pytest.approx(0.003, abs=1e-6)
+
+
+def _ddp_steps(tmp_path: Path, n_steps: int = 5) -> replay.Model:
+    """Two ranks, ``n_steps`` DDP steps of 20 ms (t in ms from T = 20 i): a BACKWARD row from 2 to 15;
+    bucket 1 launched at 4 and done at 7 (behind the backward's compute); bucket 2 launched at
+    8 by rank 0 and at 10 by rank 1 (2 ms more compute), done at 15: DDP's finalize waits from
+    the last launch to 15. No WAIT rows: the waits are the BACKWARD rows'."""
+    s: list[str] = [""]
+    for r in range(2):
+        rows = []
+        for i in range(n_steps):
+            t = 20.0 * i
+            rows.append((int((t + 2) * MS), int((t + 15) * MS), int(Kind.BACKWARD), 0, 0, -1, -1, 0, 0, 0, 0, 0.0))
+            for k, (a, b) in enumerate([(4.0, 7.0), (8.0 + 2.0 * r, 15.0)]):
+                rows.append(coll(t + a, t + b, 2 * i + k, s, op="ddp_bucket_allreduce", comm="ddp0:default",
+                                 kind=Kind.COLL_ASYNC, nbytes=1 << 20))  # fmt: skip
+        rows.append(phase(20.0 * n_steps - 1, 20.0 * n_steps, s))
+        write_rank(tmp_path, r, 2, rows, s)
+    return model_of(tmp_path)
+
+
+def _cut_on(m: replay.Model, bucket: int, ns: int) -> Change:
+    c = m.colls
+    cut = np.zeros(len(c), np.int64)
+    cut[(c.g_seq % 2) == bucket] = ns
+    return Change(f"bucket {bucket + 1} faster", transfer_cut_ns=cut)
+
+
+def test_ddp_buckets_are_replayed_through_the_finalize_that_waits_for_them(tmp_path: Path) -> None:
+    """The buckets are rendezvous (no coupling left); the recorded run replays exactly; the network
+    taking no time saves the 5 ms a step waited after the last launch; rank 1 at rank 0's pace
+    saves its 2 ms a step; bucket 1's transfer, hidden behind compute, saves nothing."""
+    n = 5
+    m = _ddp_steps(tmp_path, n)
+    assert m.reason == "" and m.coupled_why == "" and len(m.order) == 2 * n
+    assert m.waits is not None and len(m.waits.rank) == 2 * n  # one finalize per rank and step
+    np.testing.assert_array_equal(m.replay(None)[m.present], m.end_ns[m.present])
+    assert m.saving_s(_cut_on(m, 1, 10**12)) == pytest.approx(n * 0.005, abs=1e-9)  # done at the last launch
+    assert m.saving_s(_cut_on(m, 1, 2 * MS)) == pytest.approx(n * 0.002, abs=1e-9)
+    assert m.saving_s(Change("rank 1 at the median", median_ranks=np.array([1]))) == pytest.approx(n * 0.002, abs=1e-9)
+    assert m.saving_s(_cut_on(m, 0, 10**12)) == 0.0
+    # rank 1's 2 ms before its last launch taken out (a drop inside the backward's compute) saves them
+    assert m.saving_s(drop("late grads", 1, 28.0, 30.0)) == pytest.approx(0.002, abs=1e-9)
+
+
+def test_an_iallreduce_waited_in_mpi_wait_is_replayed_from_the_wait(tmp_path: Path) -> None:
+    """Two ranks, 4 steps of 20 ms: an Iallreduce launched at 1, compute, MPI_Wait from 6 (rank 0)
+    or 8 (rank 1) to 12, done at 12. Replayed exactly; its transfer 3 ms shorter ends every wait
+    at 9, saving 3 ms a step; without the WAIT rows the run is coupled and not replayed."""
+    for waits in (True, False):
+        s: list[str] = [""]
+        d = tmp_path / str(waits)
+        for r in range(2):
+            rows = []
+            for i in range(4):
+                t = 20.0 * i
+                rows.append(coll(t + 1, t + 12, i, s, op="Iallreduce", kind=Kind.COLL_ASYNC))
+                if waits:
+                    s.append("Wait") if "Wait" not in s else None
+                    rows.append((int((t + 6 + 2 * r) * MS), int((t + 12) * MS), int(Kind.WAIT), s.index("Wait"), 0, i,
+                                 -1, 0, 0, 0, 0, 0.0))  # fmt: skip
+            rows.append(phase(79.0, 80.0, s))
+            write_rank(d, r, 2, rows, s)
+        m = model_of(d)
+        cut = Change("faster", transfer_cut_ns=np.full(len(m.colls), 3 * MS, np.int64))
+        if not waits:
+            assert "non-blocking" in m.coupled_why and len(m.order) == 0
+            continue
+        assert m.coupled_why == "" and len(m.order) == 4
+        np.testing.assert_array_equal(m.replay(None)[m.present], m.end_ns[m.present])
+        assert m.saving_s(cut) == pytest.approx(4 * 0.003, abs=1e-9)
