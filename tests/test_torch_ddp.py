@@ -29,7 +29,7 @@ from distdiag.pipeline import analyze
 from distdiag.run import load_run
 from distdiag.schema import Kind
 from helpers import run_in_session
-from truth import Saving, assert_prices_median, measure_saving
+from truth import Saving, Twins, assert_prices_median, measure_saving, measure_twins
 
 torch = pytest.importorskip("torch")
 
@@ -316,3 +316,40 @@ def test_ddp_kernel_off_records_buckets_through_the_comm_hook(tmp_path: Path) ->
     ev = run.events
     buckets = ev[(ev["kind"] == int(Kind.COLL_ASYNC)) & (ev["name_id"] == run.sid("ddp_bucket_allreduce"))]
     assert list(buckets["seq"]) == [0, 1, 2] and (buckets["t1_ns"] >= buckets["t0_ns"]).all()
+
+
+# -- a straggler on DDP, priced by the replay ----------------------------------------------------
+@pytest.fixture(scope="module")
+def straggler_twins(tmp_path_factory: pytest.TempPathFactory) -> Twins[Path]:
+    """Rank 2 does 300 extra products a step (the straggler fixture's fault) and its healthy twin
+    none, by turns, 2 pairs: what the straggler costs the job is measured (4 ranks on 2 cores:
+    the products are not the saving). Two buckets a step (``--bucket-mb 0.05``), so that the
+    replay meets launches that compute hides and the finalize that waits."""
+
+    def run(d: Path, faulty: bool) -> float:
+        d.mkdir(parents=True, exist_ok=True)
+        slow = ["--slow-rank", "2", "--slow-iters", "300"] if faulty else []
+        ranks = torchrun(d, ["--steps", "15", "--bucket-mb", "0.05", "--timed", *slow])
+        return float(ranks[0]["loop_s"])
+
+    return measure_twins(tmp_path_factory.mktemp("ddp_straggler"), run, pairs=2)
+
+
+def test_a_ddp_straggler_is_priced_by_the_replay_at_the_measured_saving(straggler_twins: Twins[Path]) -> None:
+    """The buckets are the replay's rendezvous (before, they coupled the run and the price was the
+    detector's): the straggler's ``cost_s`` is the replay's, within 25% of the measured saving;
+    the healthy twins have no straggler above 2% of the run."""
+    costs = []
+    for d in straggler_twins.faulty:
+        rep = analyze(d / "run")
+        top = rep.findings[0]
+        assert top.kind == "straggler" and top.ranks == [2], [(f.kind, f.ranks, f.cost_s) for f in rep.findings]
+        rp = top.evidence["replay"]
+        assert rp["saving_s"] is not None and "why_not" not in rp, rp
+        assert top.cost_s == pytest.approx(rp.get("after_above_s", rp["saving_s"]), abs=1e-6)
+        costs.append(top.cost_s)
+    for d in straggler_twins.healthy:
+        rep = analyze(d / "run")
+        assert not [f for f in rep.findings if f.kind == "straggler" and f.fraction >= 0.02], rep.findings
+    print(f"DDP straggler replayed {', '.join(f'{c:.3f}' for c in costs)} s: {straggler_twins.saving}")
+    assert_prices_median(straggler_twins.saving, costs, rel=0.25, what="DDP straggler cost")
