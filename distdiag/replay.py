@@ -236,6 +236,8 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     r_a = colls.m_rank[a_rows].astype(np.int64)
     p_a = colls.m_t0_ns[a_rows].astype(np.int64)
     c_a = np.maximum(colls.m_t1_ns[a_rows], p_a).astype(np.int64)
+    # the members by rank (then group: about time), so that the searches below walk in order
+    by_r = np.argsort(r_a.astype(np.uint16) if int(r_a.max()) < 1 << 16 else r_a, kind="stable")
     wid = np.full(len(a_rows), -1, np.int64)  # per async member: its wait (an index into the rows below)
     w_r: list[np.ndarray] = []
     w_0: list[np.ndarray] = []
@@ -246,7 +248,7 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
         free = wid < 0
         if not free.any():
             continue
-        rows, r, t0, t1 = _kind_rows(run, int(kind), np.unique(r_a[free]))
+        rows, r, t0, t1 = _kind_rows(run, int(kind), lambda: np.unique(r_a[free]))
         if len(rows) == 0:
             continue
         t1 = np.maximum(t1, t0)
@@ -260,12 +262,14 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
         lo, span = band
         o = np.argsort(r * span + (t1 + slack - lo), kind="stable")  # by (rank, end)
         key = (r * span + (t1 + slack - lo))[o]
-        j = np.searchsorted(key, r_a * span + (at - lo))  # the first row of the rank ending at or after it
-        jj = np.minimum(j, len(o) - 1)
-        hit = free & (j < len(o)) & (r[o][jj] == r_a) & (t0[o][jj] <= at)
+        j = np.empty(len(a_rows), np.int64)  # the first row of the rank ending at or after it
+        j[by_r] = np.searchsorted(key, (r_a * span + (at - lo))[by_r])
+        jj = o[np.minimum(j, len(o) - 1)]  # the row itself
+        t0_j = t0[jj]
+        hit = free & (j < len(o)) & (r[jj] == r_a) & (t0_j <= at)
         if kind == Kind.WAIT:
-            hit &= t0[o][jj] >= p_a
-        wid[hit] = int(sum(len(x) for x in w_r)) + o[jj[hit]]
+            hit &= t0_j >= p_a
+        wid[hit] = int(sum(len(x) for x in w_r)) + jj[hit]
         w_r.append(r)
         w_0.append(t0)
         w_1.append(t1)
@@ -283,19 +287,23 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     keep = waited[g_a] & cov_m
     rows_k, wid_k = a_rows[keep], wid[keep]
     pos = a_off[colls.m_group[rows_k]] + (rows_k - colls.g_start[colls.m_group[rows_k]])
-    u, inv = np.unique(wid_k, return_inverse=True)  # the waits that hold a replayed member
+    # the waits that hold a replayed member (u) and each member's (inv): by marks, not a sort
+    held = np.zeros(int(sum(len(x) for x in w_r)), bool)
+    held[wid_k] = True
+    u = np.flatnonzero(held)
+    inv = (np.cumsum(held) - 1)[wid_k]
     all_r, all_0, all_1 = np.concatenate(w_r)[u], np.concatenate(w_0)[u], np.concatenate(w_1)[u]
     is_bw = np.concatenate(w_bw)[u]
     # a BACKWARD's wait is entered at the rank's last launch inside it; an explicit wait at its start
-    last_post = np.full(len(u), np.iinfo(np.int64).min, np.int64)
-    np.maximum.at(last_post, inv, colls.m_t0_ns[rows_k].astype(np.int64))
+    by_w = np.argsort(inv, kind="stable")  # every wait holds a member: reduceat over non-empty runs
+    w_at = np.flatnonzero(np.r_[True, np.diff(inv[by_w]) != 0])
+    last_post = np.maximum.reduceat(colls.m_t0_ns[rows_k].astype(np.int64)[by_w], w_at)
     # a completion is seen no later than the wait on it ends: a BACKWARD returns once DDP's finalize
     # has its buckets (the callback's stamp may come after); a WAIT row's completion is stamped
     # just after it (within the slack): the wait ends at the later of the two
     seen = np.maximum(colls.m_t1_ns[rows_k], colls.m_t0_ns[rows_k]).astype(np.int64)
     seen = np.where(is_bw[inv], np.minimum(seen, all_1[inv]), seen)
-    last_done = np.full(len(u), np.iinfo(np.int64).min, np.int64)
-    np.maximum.at(last_done, inv, seen)
+    last_done = np.maximum.reduceat(seen[by_w], w_at)
     entry = np.where(is_bw, np.minimum(last_post, all_1), all_0)
     exit_ = np.maximum(all_1, last_done)
     seen_a = np.zeros(int(sizes.sum()), np.int64)
@@ -306,9 +314,10 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     return waits, waited
 
 
-def _kind_rows(run: Any, kind: int, ranks: np.ndarray) -> tuple[np.ndarray, ...]:
+def _kind_rows(run: Any, kind: int, ranks: Callable[[], np.ndarray]) -> tuple[np.ndarray, ...]:
     """(row in ``run.events`` or -1 where streamed, rank, t0, t1) of the rows of ``kind`` of
-    ``ranks``' bands (all of the run's rows of ``kind`` when it is resident); int64."""
+    the bands of the ranks ``ranks()`` gives (all of the run's rows of ``kind`` when it is
+    resident: then ``ranks`` is not called); int64."""
     from distdiag.bands import bands
     from distdiag.rows import rows_of
 
@@ -318,7 +327,7 @@ def _kind_rows(run: Any, kind: int, ranks: np.ndarray) -> tuple[np.ndarray, ...]
         return (rows, ev["rank"][rows].astype(np.int64), ev["t0_ns"][rows].astype(np.int64),
                 ev["t1_ns"][rows].astype(np.int64))  # fmt: skip
     got = []
-    for band in bands(run, ranks=ranks):  # streamed: the bands of the ranks asked about, read again
+    for band in bands(run, ranks=ranks()):  # streamed: the bands of the ranks asked about, read again
         rr = band.rows(kind)
         got.append((band.rank_of(rr).astype(np.int64), band.events["t0_ns"][rr].astype(np.int64),
                     band.events["t1_ns"][rr].astype(np.int64)))  # fmt: skip
