@@ -260,8 +260,12 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
         if band is None:
             continue
         lo, span = band
-        o = np.argsort(r * span + (t1 + slack - lo), kind="stable")  # by (rank, end)
-        key = (r * span + (t1 + slack - lo))[o]
+        key = r * span + (t1 + slack - lo)
+        if bool(np.all(key[1:] >= key[:-1])):  # the run's rows come by (rank, t0): ends too, unless they nest
+            o = np.arange(len(key))
+        else:
+            o = np.argsort(key, kind="stable")  # by (rank, end)
+            key = key[o]
         j = np.empty(len(a_rows), np.int64)  # the first row of the rank ending at or after it
         j[by_r] = np.searchsorted(key, (r_a * span + (at - lo))[by_r])
         jj = o[np.minimum(j, len(o) - 1)]  # the row itself
@@ -284,8 +288,8 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     # the async members of the waited groups, numbered group by group (a_off), and their waits
     sizes = np.where(waited, np.diff(colls.g_start), 0).astype(np.int64)
     a_off = np.where(waited, np.cumsum(sizes) - sizes, -1).astype(np.int64)
-    keep = waited[g_a] & cov_m
-    rows_k, wid_k = a_rows[keep], wid[keep]
+    keep = (waited[g_a] & cov_m)[by_r]  # by rank: each rank's waits then come in order (no sort below)
+    rows_k, wid_k = a_rows[by_r][keep], wid[by_r][keep]
     pos = a_off[colls.m_group[rows_k]] + (rows_k - colls.g_start[colls.m_group[rows_k]])
     # the waits that hold a replayed member (u) and each member's (inv): by marks, not a sort
     held = np.zeros(int(sum(len(x) for x in w_r)), bool)
