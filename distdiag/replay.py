@@ -25,18 +25,30 @@ judges them, :data:`distdiag.detectors.straggler.ONE_TO_MANY`):
 * many-to-one (reduce, gather): the root every member; a non-root only itself.
 
 Scope (say it where a number depends on it): the rendezvous are the complete
-blocking collectives (``Kind.COLL``) whose members all returned. Non-blocking
-collectives, point-to-point calls and waits are inside the segments, replayed
-as recorded; a hang's open collective and everything after it is the rank's
-tail, as recorded. The run's ``end`` per rank is its last exit' plus the tail
-it recorded after its last rendezvous.
+blocking collectives (``Kind.COLL``) whose members all returned, and the
+complete non-blocking ones whose every member's wait the run shows
+(:func:`_waits`: a ``WAIT`` row, or DDP's finalize inside a ``BACKWARD`` row).
+Those are replayed as each rank's **launch** (its segment before it, as an
+arrival's; the rank goes on), the group's **done** (per member: the last
+launch' it waits for plus its transfer, the completion it saw less that
+launch) and the rank's **wait** (it ends at the later of its entry' and the
+groups it holds being done', plus what the wait recorded after both).
+Point-to-point calls, non-blocking collectives no wait shows (a test loop, a
+future never waited) and their waits are inside the segments, replayed as
+recorded (:func:`_coupling` says when they couple the ranks); a hang's open
+collective and everything after it is the rank's tail, as recorded. The
+run's ``end`` per rank is its last exit' plus the tail it recorded after its
+last rendezvous.
 
-Cost: one step per collective group, numpy over its members (a step costs a
-few µs plus ~10 ns a member): 1024 ranks x 50k all-reduces replays in ~1 s.
-Groups are replayed in the order of their last arrival, which is each rank's
-own order when the collectives synchronize; a run whose rooted collectives
-let a rank run ahead so far that this order breaks it is said to be not
-replayable (:attr:`Model.reason`), never replayed wrong.
+Cost: one step per blocking collective group and per non-blocking group's
+done, numpy over its members (a step costs a few µs plus ~10 ns a member),
+and one per batch of launches and waits, numpy over the batch (a rank's 1st,
+2nd, ... such event between two group steps: :func:`_schedule`): 1024 ranks x
+50k all-reduces replays in ~1 s. Steps are replayed in the order of their
+key (a group's last arrival or launch, a launch's time, a wait's exit),
+which is each rank's own order when the collectives synchronize; a run
+whose rooted collectives let a rank run ahead so far that this order breaks
+it is said to be not replayable (:attr:`Model.reason`), never replayed wrong.
 """
 
 from __future__ import annotations
@@ -108,13 +120,16 @@ class Change:
 
 @dataclass
 class Waits:
-    """Where the ranks block on non-blocking collectives, as the breakdown reads it
-    (:mod:`distdiag.breakdown`): a ``WAIT`` row (``MPI_Wait``, ``Work.wait``) that holds a
-    member's completion, or else, for DDP's buckets, the ``BACKWARD`` row that holds it, entered
-    at the rank's last launch inside it (autograd has no gradient left to produce). One row per
-    wait, in replay order: its rank, entry and exit (ns), and the members it waits for
-    (``cov``: positions in the async members' own numbering, ``Model.a_off``; ``cov_start`` is
-    CSR over the waits). ``batch_end[i]``: where the batch that wait i opens ends."""
+    """The ranks' own events around non-blocking collectives, replayed one rank at a time: the
+    **launches** (the rank goes on) and the **waits**, where a rank blocks on them as the
+    breakdown reads it (:mod:`distdiag.breakdown`): a ``WAIT`` row (``MPI_Wait``, ``Work.wait``)
+    that holds a member's completion, or else, for DDP's buckets, the ``BACKWARD`` row that holds
+    its launch, entered at the rank's last launch inside it (autograd has no gradient left to
+    produce). One row per event, in replay order: its rank, entry and exit (ns; a launch's are
+    its time), ``launch`` and, for a launch, ``ref``: its member's position in the async members'
+    own numbering (``a_off``); for a wait, the members it waits for (``cov``, CSR by event in
+    ``cov_start``; a launch's range is empty). ``batch_end[i]``: where the batch that event i
+    opens ends."""
 
     rank: np.ndarray
     entry_ns: np.ndarray
@@ -129,6 +144,10 @@ class Waits:
     rows: np.ndarray
     #: per async member (``a_off`` numbering): its completion as seen, no later than its wait's end
     seen_ns: np.ndarray
+    launch: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    ref: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: per async member: its recorded segment before the launch (filled by the first plain replay)
+    seg_ns: np.ndarray | None = None
 
 
 @dataclass
@@ -153,10 +172,11 @@ class Model:
     #: (non-blocking collectives, point-to-point calls and waits): a change there is not replayed
     coupled_from_ns: int = np.iinfo(np.int64).max
     coupled_why: str = ""
-    #: the waits on non-blocking collectives (:class:`Waits`), replayed in steps of their own
+    #: the launches and waits of non-blocking collectives (:class:`Waits`), replayed in steps of their own
     waits: Waits | None = None
-    #: the replay's steps in order: per step, 0 (a group of ``order``'s) or 1 (a batch of waits), and
-    #: the group, or the batch's first wait; ``waits.batch_end`` closes a batch
+    #: the replay's steps in order: per step, 0 (a blocking group of ``order``'s), 1 (a batch of
+    #: launches and waits: ``waits.batch_end`` closes it) or 2 (a non-blocking group of ``order``'s:
+    #: when it is done, from its members' launches), and the group, or the batch's first event
     step_kind: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
     step_ref: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -207,7 +227,7 @@ def model(run: Any, colls: Collectives) -> Model:
     scheme[rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))] = 1
     scheme[rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))] = 2
     m = Model(colls, order, scheme, root, start, end, present, wall, waits=waits)
-    m.step_kind, m.step_ref = _schedule(colls, order, waits)
+    m.step_kind, m.step_ref = _schedule(colls, order, waits)  # also puts waits' events in replay order
     m.coupled_from_ns, m.coupled_why = _coupling(run, colls, ok | waited, blocking, wall, waits)
     if not _in_each_ranks_order(m):
         m.reason = ("a rank's collectives replayed out of its own order (rooted collectives let ranks run "
@@ -312,9 +332,18 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     exit_ = np.maximum(all_1, last_done)
     seen_a = np.zeros(int(sizes.sum()), np.int64)
     seen_a[pos] = seen
-    waits = Waits(all_r, entry, exit_, np.zeros(0, np.int64), pos, np.zeros(0, np.int64), a_off, int(sizes.sum()),
-                  np.sort(np.concatenate(w_row)[u]).astype(np.int64), seen_a)  # fmt: skip (rows: -1 where streamed)
-    waits.cov_start = inv  # per member in ``cov``: its wait, until _schedule builds the CSR in replay order
+    # the events: every async member's launch (numbered as a_off), then the waits
+    n_a = int(sizes.sum())
+    g_w = np.flatnonzero(waited)
+    mem = np.repeat(colls.g_start[g_w] - a_off[g_w], sizes[g_w]) + np.arange(n_a, dtype=np.int64)  # member rows
+    launch_t = colls.m_t0_ns[mem].astype(np.int64)
+    cat = np.concatenate
+    waits = Waits(cat([colls.m_rank[mem].astype(np.int64), all_r]), cat([launch_t, entry]), cat([launch_t, exit_]),
+                  np.zeros(0, np.int64), pos, np.zeros(0, np.int64), a_off, n_a,
+                  np.sort(cat(w_row)[u]).astype(np.int64), seen_a,  # rows: -1 where streamed
+                  cat([np.ones(n_a, bool), np.zeros(len(u), bool)]),
+                  cat([np.arange(n_a, dtype=np.int64), np.full(len(u), -1, np.int64)]))  # fmt: skip
+    waits.cov_start = n_a + inv  # per member in ``cov``: its wait's event, until _schedule builds the CSR
     return waits, waited
 
 
@@ -343,50 +372,70 @@ def _kind_rows(run: Any, kind: int, ranks: Callable[[], np.ndarray]) -> tuple[np
 
 
 def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tuple[np.ndarray, np.ndarray]:
-    """The replay's steps (kind, ref) and the waits put in replay order (``waits`` rewritten).
+    """The replay's steps (kind, ref) and the launches and waits put in replay order (``waits``
+    rewritten).
 
-    ``order``'s groups are keyed by their last arrival, the waits by their exit (every member a
-    wait holds was launched before it, so its group's step comes first; a group goes before a
-    wait at the same instant). The waits between two group steps form one run; a run is cut into
-    batches by each rank's 1st, 2nd, ... wait in it (a rank's second wait follows its first), and
-    each batch is one step: numpy over its waits, as over a group's members."""
+    Keys: a blocking group its last arrival; a launch its own time; a non-blocking group, when it
+    is done, its last launch (after the launches at that instant); a wait its exit (after the
+    groups it holds: each was launched before it). A rank's own events come in its own order
+    (the order check, :func:`_in_each_ranks_order`, says where not). The launches and waits
+    between two group steps form one run; a run is cut into batches by each rank's 1st, 2nd, ...
+    event in it, and each batch is one step: numpy over its events, as over a group's members."""
+    is_async = np.zeros(len(colls), bool)
+    if waits is not None:
+        is_async[order] = waits.a_off[order] >= 0
+    g_kind = np.where(is_async[order], 2, 0).astype(np.int8)
     if waits is None or len(waits.rank) == 0:
-        return np.zeros(len(order), np.int8), order.astype(np.int64)
-    n_w, n_o = len(waits.rank), len(order)
-    key = np.concatenate([colls.g_last_ns[order].astype(np.int64), waits.exit_ns])
-    kind = np.r_[np.zeros(n_o, np.int8), np.ones(n_w, np.int8)]
-    o = np.lexsort((kind, key))
-    is_w = kind[o] == 1
-    run = np.empty(n_w, np.int64)
-    run[o[is_w] - n_o] = np.cumsum(~is_w)[is_w]  # per wait: how many group steps come before it
-    # each rank's 1st, 2nd, ... wait within its run
-    w = np.lexsort((waits.exit_ns, waits.rank, run))
+        return g_kind, order.astype(np.int64)
+    n_e, n_o = len(waits.rank), len(order)
+    key = np.concatenate([colls.g_last_ns[order].astype(np.int64), np.where(waits.launch, waits.entry_ns,
+                                                                            waits.exit_ns)])  # fmt: skip
+    tie = np.r_[np.where(g_kind == 2, 2, 1), np.where(waits.launch, 0, 3)].astype(np.int8)
+    k_lo, k_span = int(key.min()), int(key.max()) - int(key.min()) + 1
+    if k_span < np.iinfo(np.int64).max // 8:  # one int64 key: one sort instead of two
+        o = np.argsort((key - k_lo) * 4 + tie, kind="stable")
+    else:
+        o = np.lexsort((tie, key))
+    is_e = o >= n_o  # in key order: a launch or a wait
+    run = np.empty(n_e, np.int64)
+    run[o[is_e] - n_o] = np.cumsum(~is_e)[is_e]  # per event: how many group steps come before it
+    # each rank's 1st, 2nd, ... event within its run
+    e_key = key[n_o:]
+    # by (rank, key): within a rank the run grows with the key, so each (run, rank) is one block
+    r_max = int(waits.rank.max()) + 1
+    if r_max < np.iinfo(np.int64).max // k_span - 1:
+        w = np.argsort(waits.rank * k_span + (e_key - k_lo), kind="stable")
+    else:
+        w = np.lexsort((e_key, waits.rank))
     blk = np.r_[True, (run[w][1:] != run[w][:-1]) | (waits.rank[w][1:] != waits.rank[w][:-1])]
     at = np.flatnonzero(blk)
-    occ = np.empty(n_w, np.int64)
-    occ[w] = np.arange(n_w) - np.repeat(at, np.diff(np.r_[at, n_w]))
-    perm = np.lexsort((waits.exit_ns, occ, run))  # replay order of the waits
+    occ = np.empty(n_e, np.int64)
+    occ[w] = np.arange(n_e) - np.repeat(at, np.diff(np.r_[at, n_e]))
+    # replay order of the events: by run, then occurrence (a batch's events are of distinct ranks: any order)
+    perm = np.argsort(run * (int(occ.max()) + 1) + occ, kind="stable")
     run_p, occ_p = run[perm], occ[perm]
     starts = np.flatnonzero(np.r_[True, (run_p[1:] != run_p[:-1]) | (occ_p[1:] != occ_p[:-1])])
-    ends = np.r_[starts[1:], n_w]
-    # the CSR of the members each wait holds, in the new order
-    new_of = np.empty(n_w, np.int64)
-    new_of[perm] = np.arange(n_w)
+    ends = np.r_[starts[1:], n_e]
+    # the CSR of the members each wait holds, in the new order (a launch holds none)
+    new_of = np.empty(n_e, np.int64)
+    new_of[perm] = np.arange(n_e)
     w_of = new_of[waits.cov_start]
     oo = np.argsort(w_of, kind="stable")
-    cov_start = np.zeros(n_w + 1, np.int64)
-    np.cumsum(np.bincount(w_of, minlength=n_w), out=cov_start[1:])
+    cov_start = np.zeros(n_e + 1, np.int64)
+    np.cumsum(np.bincount(w_of, minlength=n_e), out=cov_start[1:])
     waits.rank, waits.entry_ns, waits.exit_ns = waits.rank[perm], waits.entry_ns[perm], waits.exit_ns[perm]
+    waits.launch, waits.ref = waits.launch[perm], waits.ref[perm]
     waits.cov, waits.cov_start = waits.cov[oo], cov_start
-    waits.batch_end = np.zeros(n_w, np.int64)
+    waits.batch_end = np.zeros(n_e, np.int64)
     waits.batch_end[starts] = ends
     # steps: group j (j groups before it) after the batches of run j, which have j groups before them
     s_run = np.r_[np.arange(n_o, dtype=np.int64), run_p[starts]]
-    s_kind = np.r_[np.ones(n_o, np.int8), np.zeros(len(starts), np.int8)]  # a batch before the group of its run
+    s_after = np.r_[np.ones(n_o, np.int8), np.zeros(len(starts), np.int8)]  # a batch before the group of its run
     s_occ = np.r_[np.zeros(n_o, np.int64), occ_p[starts]]
-    so = np.lexsort((s_occ, s_kind, s_run))
+    so = np.lexsort((s_occ, s_after, s_run))
+    kind = np.r_[g_kind, np.ones(len(starts), np.int8)][so]
     ref = np.r_[order.astype(np.int64), starts.astype(np.int64)][so]
-    return (1 - s_kind[so]).astype(np.int8), ref
+    return kind, ref
 
 
 #: the share of the replayed groups that non-blocking ones may reach, and of the wall-clock that
@@ -432,8 +481,8 @@ def _coupling(run: Any, colls: Collectives, ok: np.ndarray, blocking: np.ndarray
 def _events(m: Model, want: np.ndarray) -> tuple[np.ndarray, ...]:
     """The replayed events of the ranks in ``want`` (bool by rank), in no particular order:
     (step, position in the step, rank, arrival, exit). A blocking member arrives at its call and
-    leaves at its return; a non-blocking one is a launch (it leaves when it arrives: the rank
-    goes on); a wait arrives at its entry and leaves at its exit."""
+    leaves at its return; a launch of a non-blocking one leaves when it arrives (the rank goes
+    on); a wait arrives at its entry and leaves at its exit."""
     c = m.colls
     step_of = np.full(len(c), -1, np.int64)
     gsteps = np.flatnonzero(m.step_kind == 0)
@@ -448,8 +497,6 @@ def _events(m: Model, want: np.ndarray) -> tuple[np.ndarray, ...]:
     W = m.waits
     if W is None:
         return st, pos, r, arr, ext
-    launch = W.a_off[g] >= 0
-    ext[launch] = arr[launch]
     bsteps = np.flatnonzero(m.step_kind == 1)
     first = m.step_ref[bsteps]  # each batch's first wait, ascending
     wi = np.flatnonzero(want[W.rank])
@@ -468,17 +515,18 @@ def _in_each_ranks_order(m: Model) -> bool:
         return True
     gs, W = m.colls.g_start, m.waits
     is_g = m.step_kind == 0
+    is_b = m.step_kind == 1  # a non-blocking group's step (2) holds no event: its launches are the ranks'
     ref = m.step_ref
-    start = np.empty(n_s, np.int64)
-    size = np.empty(n_s, np.int64)
+    start = np.zeros(n_s, np.int64)
+    size = np.zeros(n_s, np.int64)
     start[is_g] = gs[ref[is_g]]
     size[is_g] = gs[ref[is_g] + 1] - start[is_g]
-    if W is not None and not is_g.all():
-        start[~is_g] = ref[~is_g]
-        size[~is_g] = W.batch_end[ref[~is_g]] - ref[~is_g]
+    if W is not None and is_b.any():
+        start[is_b] = ref[is_b]
+        size[is_b] = W.batch_end[ref[is_b]] - ref[is_b]
     first = np.cumsum(size) - size  # where each step's events begin in the order of the steps
     idx = np.repeat(start - first, size) + np.arange(int(size.sum()), dtype=np.int64)
-    if W is None or is_g.all():
+    if W is None or not is_b.any():
         r, t = m.colls.m_rank[idx], m.colls.m_t0_ns[idx]
     else:
         on_g = np.repeat(is_g, size)
@@ -517,29 +565,46 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     gs, m_rank, m_t0, m_t1 = c.g_start, c.m_rank, c.m_t0_ns, c.m_t1_ns
     scheme, root = m.scheme, m.root
     W = m.waits
-    a_off = W.a_off if W is not None else None
-    done_rec = np.zeros(W.n_async if W is not None else 0, np.int64)  # per launched member: its collective done
-    done_new = np.zeros_like(done_rec)
+    n_a = W.n_async if W is not None else 0
+    launch_new = np.zeros(n_a, np.int64)  # per async member: its launch, replayed
+    done_rec = np.zeros(n_a, np.int64)  # per async member: its collective done, recorded and replayed
+    done_new = np.zeros(n_a, np.int64)
+    med_a = _launch_medians(m, slow) if (any_slow and W is not None) else None
+    fill_seg = None
+    if W is not None and W.seg_ns is None and change is None:
+        fill_seg = W.seg_ns = np.zeros(n_a, np.int64)
     for s, (kind, ref) in enumerate(zip(m.step_kind.tolist(), m.step_ref.tolist())):  # one step per group or batch
-        if kind == 1:  # a batch of waits: numpy over them
+        if kind == 1:  # a batch of launches and waits, one per rank: numpy over them
             assert W is not None
             i0, i1 = ref, int(W.batch_end[ref])
             r = W.rank[i0:i1]
-            entry, ext = W.entry_ns[i0:i1], W.exit_ns[i0:i1]
+            entry, ext, is_l, a_i = W.entry_ns[i0:i1], W.exit_ns[i0:i1], W.launch[i0:i1], W.ref[i0:i1]
             seg = entry - rec_last[r]
+            if fill_seg is not None and is_l.any():  # the recorded segments, for the medians (once per model)
+                fill_seg[a_i[is_l]] = seg[is_l]
+            if med_a is not None:  # a straggler's launch after its peers' median segment before it
+                med = np.where(is_l, med_a[np.maximum(a_i, 0)], -1)
+                seg = np.where((med >= 0) & slow[r] & started[r] & (seg > med), med, seg)
             hit = cuts.get(s) if change is not None else None
             if hit is not None:
                 seg = seg.copy()
                 np.subtract.at(seg, hit[0], hit[1])
                 np.maximum(seg, 0, out=seg)
-            cs = W.cov_start[i0 : i1 + 1]
-            held = W.cov[cs[0] : cs[-1]]
-            at = cs[:-1] - cs[0]  # every wait holds a member: no empty reduceat segment
-            d_new = np.maximum.reduceat(done_new[held], at)
-            d_rec = np.maximum.reduceat(done_rec[held], at)
-            exit_new = np.maximum(new_last[r] + seg, d_new) + (ext - np.maximum(entry, d_rec))
-            rec_last[r] = np.maximum(rec_last[r], ext)
-            new_last[r] = np.maximum(new_last[r], exit_new)
+            arr_new = new_last[r] + seg
+            if is_l.any():
+                launch_new[a_i[is_l]] = arr_new[is_l]
+            out_rec, out_new = entry, arr_new  # a launch: the rank goes on from it
+            if not is_l.all():
+                cs = W.cov_start[i0 : i1 + 1]
+                held = W.cov[cs[0] : cs[-1]]
+                at = np.minimum(cs[:-1] - cs[0], max(len(held) - 1, 0))  # a launch's empty range: unused
+                d_new = np.maximum.reduceat(done_new[held], at)
+                d_rec = np.maximum.reduceat(done_rec[held], at)
+                exit_new = np.maximum(arr_new, d_new) + (ext - np.maximum(entry, d_rec))
+                out_rec = np.where(is_l, entry, ext)
+                out_new = np.where(is_l, arr_new, exit_new)
+            rec_last[r] = np.maximum(rec_last[r], out_rec)
+            new_last[r] = np.maximum(new_last[r], out_new)
             started[r] = True
             continue
         g = ref
@@ -547,19 +612,25 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
         r = m_rank[lo:hi]
         t0 = m_t0[lo:hi]
         t1 = m_t1[lo:hi]
-        seg = t0 - rec_last[r]
-        if change is not None:
-            if any_slow:
-                sl = slow[r] & started[r]
-                if sl.any() and not sl.all():
-                    med = np.median(seg[~sl])
-                    seg = np.where(sl & (seg > med), np.int64(med), seg)
-            hit = cuts.get(s)
-            if hit is not None:
-                seg = seg.copy()
-                np.subtract.at(seg, hit[0], hit[1])
-                np.maximum(seg, 0, out=seg)
-        arr_new = new_last[r] + seg
+        if kind == 2:  # a non-blocking group: done for each member at its last launch' plus its transfer
+            assert W is not None
+            a0 = int(W.a_off[g])
+            arr_new = launch_new[a0 : a0 + len(r)]
+            t1 = W.seen_ns[a0 : a0 + len(r)]  # its completion as seen, no later than its wait's end
+        else:
+            seg = t0 - rec_last[r]
+            if change is not None:
+                if any_slow:
+                    sl = slow[r] & started[r]
+                    if sl.any() and not sl.all():
+                        med = np.median(seg[~sl])
+                        seg = np.where(sl & (seg > med), np.int64(med), seg)
+                hit = cuts.get(s)
+                if hit is not None:
+                    seg = seg.copy()
+                    np.subtract.at(seg, hit[0], hit[1])
+                    np.maximum(seg, 0, out=seg)
+            arr_new = new_last[r] + seg
         sch = int(scheme[g])
         if sch == _ALL:
             ref_rec = np.full(len(r), t0.max())
@@ -576,31 +647,51 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
             else:  # many-to-one: the root waits for everyone, the others for nobody
                 ref_rec = np.where(at_root, t0.max(), t0)
                 ref_new = np.where(at_root, arr_new.max(), arr_new)
-        a0 = int(a_off[g]) if a_off is not None else -1
-        if a0 >= 0:
-            # a launch: the rank goes on; the collective is done for this member when it saw it
-            # complete, its transfer measured from the last launch it waits for
-            done = W.seen_ns[a0 : a0 + len(r)]  # type: ignore[union-attr]
-            transfer = done - ref_rec
-        else:
-            transfer = t1 - ref_rec
+        transfer = t1 - ref_rec
         if cap is not None and cap[g] > 0:
             transfer = np.maximum(transfer - cap[g], np.minimum(transfer, 0))
-        if a0 >= 0:
-            done_rec[a0 : a0 + len(r)] = done
+        if kind == 2:
+            done_rec[a0 : a0 + len(r)] = t1
             done_new[a0 : a0 + len(r)] = ref_new + transfer
-            rec_last[r] = np.maximum(rec_last[r], t0)
-            new_last[r] = np.maximum(new_last[r], arr_new)
-        else:
-            exit_new = ref_new + transfer
-            rec_last[r] = np.maximum(rec_last[r], t1)
-            new_last[r] = np.maximum(new_last[r], exit_new)
+            continue
+        exit_new = ref_new + transfer
+        rec_last[r] = np.maximum(rec_last[r], t1)
+        new_last[r] = np.maximum(new_last[r], exit_new)
         started[r] = True
     end = m.end_ns.copy()
     tail = np.maximum(m.end_ns - rec_last - tail_cut, 0)  # after the last rendezvous, as recorded
     out = new_last + tail
     end[m.present] = out[m.present]
     return end
+
+
+def _launch_medians(m: Model, slow: np.ndarray) -> np.ndarray:
+    """Per async member (``a_off`` numbering): the median of its group's recorded segments before
+    the launch over the members whose ranks are not ``slow`` (-1 where none is, or none is slow):
+    a straggler's launch at its peers' pace, as a blocking member's arrival. The segments come
+    from one plain replay per model (:attr:`Waits.seg_ns`)."""
+    W = m.waits
+    assert W is not None
+    c = m.colls
+    g_w = np.flatnonzero(W.a_off >= 0)
+    g_w = g_w[np.argsort(W.a_off[g_w], kind="stable")]
+    sizes = (c.g_start[g_w + 1] - c.g_start[g_w]).astype(np.int64)
+    mem = np.repeat(c.g_start[g_w] - W.a_off[g_w], sizes) + np.arange(W.n_async, dtype=np.int64)
+    if W.seg_ns is None:
+        _replay(m, None)  # fills W.seg_ns: each launch's recorded segment, as the loop reads it
+    assert W.seg_ns is not None
+    a_slow = slow[c.m_rank[mem]]
+    grp = np.repeat(np.arange(len(g_w), dtype=np.int64), sizes)
+    k = np.bincount(grp, weights=~a_slow, minlength=len(g_w)).astype(np.int64)  # the non-slow members
+    big = np.iinfo(np.int64).max
+    o = np.lexsort((np.where(a_slow, big, W.seg_ns), grp))  # by group, the non-slow segments first
+    v = np.where(a_slow, big, W.seg_ns)[o]
+    first = np.cumsum(sizes) - sizes
+    ok = (k > 0) & (k < sizes)
+    lo = first + np.maximum(k - 1, 0) // 2
+    hi = first + k // 2
+    med = np.where(ok, (v[np.minimum(lo, len(v) - 1)] + v[np.minimum(hi, len(v) - 1)]) // 2, -1)
+    return np.repeat(med, sizes)
 
 
 def _cuts_of_drops(m: Model, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -339,7 +339,8 @@ def test_a_ddp_straggler_is_priced_by_the_replay_at_the_measured_saving(straggle
     """The buckets are the replay's rendezvous (before, they coupled the run and the price was the
     detector's): the straggler's ``cost_s`` is the replay's, within 25% of the measured saving;
     the healthy twins have no straggler above 2% of the run."""
-    costs = []
+    costs: list[float] = []
+    detector: list[float] = []
     for d in straggler_twins.faulty:
         rep = analyze(d / "run")
         top = rep.findings[0]
@@ -348,8 +349,10 @@ def test_a_ddp_straggler_is_priced_by_the_replay_at_the_measured_saving(straggle
         assert rp["saving_s"] is not None and "why_not" not in rp, rp
         assert top.cost_s == pytest.approx(rp.get("after_above_s", rp["saving_s"]), abs=1e-6)
         costs.append(top.cost_s)
+        detector.append(float(top.evidence["detector_cost_s"]))
     for d in straggler_twins.healthy:
         rep = analyze(d / "run")
         assert not [f for f in rep.findings if f.kind == "straggler" and f.fraction >= 0.02], rep.findings
-    print(f"DDP straggler replayed {', '.join(f'{c:.3f}' for c in costs)} s: {straggler_twins.saving}")
+    print(f"DDP straggler replayed {', '.join(f'{c:.3f}' for c in costs)} s (the detector: "
+          f"{', '.join(f'{c:.3f}' for c in detector)} s): {straggler_twins.saving}")
     assert_prices_median(straggler_twins.saving, costs, rel=0.25, what="DDP straggler cost")
