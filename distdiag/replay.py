@@ -319,7 +319,8 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     all_r, all_0, all_1 = np.concatenate(w_r)[u], np.concatenate(w_0)[u], np.concatenate(w_1)[u]
     is_bw = np.concatenate(w_bw)[u]
     # a BACKWARD's wait is entered at the rank's last launch inside it; an explicit wait at its start
-    by_w = np.argsort(inv, kind="stable")  # every wait holds a member: reduceat over non-empty runs
+    # every wait holds a member: reduceat over non-empty runs (by rank, the members come by wait)
+    by_w = np.arange(len(inv)) if bool(np.all(inv[1:] >= inv[:-1])) else np.argsort(inv, kind="stable")
     w_at = np.flatnonzero(np.r_[True, np.diff(inv[by_w]) != 0])
     last_post = np.maximum.reduceat(colls.m_t0_ns[rows_k].astype(np.int64)[by_w], w_at)
     # a completion is seen no later than the wait on it ends: a BACKWARD returns once DDP's finalize
@@ -334,15 +335,15 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     seen_a[pos] = seen
     # the events: every async member's launch (numbered as a_off), then the waits
     n_a = int(sizes.sum())
-    g_w = np.flatnonzero(waited)
-    mem = np.repeat(colls.g_start[g_w] - a_off[g_w], sizes[g_w]) + np.arange(n_a, dtype=np.int64)  # member rows
-    launch_t = colls.m_t0_ns[mem].astype(np.int64)
+    # the launches: the members kept, by rank (then group: about time), as the waits come, so that
+    # _schedule's sort by (rank, time) merges two sorted runs
+    launch_t = colls.m_t0_ns[rows_k].astype(np.int64)
     cat = np.concatenate
-    waits = Waits(cat([colls.m_rank[mem].astype(np.int64), all_r]), cat([launch_t, entry]), cat([launch_t, exit_]),
+    waits = Waits(cat([colls.m_rank[rows_k].astype(np.int64), all_r]), cat([launch_t, entry]), cat([launch_t, exit_]),
                   np.zeros(0, np.int64), pos, np.zeros(0, np.int64), a_off, n_a,
                   np.sort(cat(w_row)[u]).astype(np.int64), seen_a,  # rows: -1 where streamed
                   cat([np.ones(n_a, bool), np.zeros(len(u), bool)]),
-                  cat([np.arange(n_a, dtype=np.int64), np.full(len(u), -1, np.int64)]))  # fmt: skip
+                  cat([pos, np.full(len(u), -1, np.int64)]))  # fmt: skip
     waits.cov_start = n_a + inv  # per member in ``cov``: its wait's event, until _schedule builds the CSR
     return waits, waited
 
@@ -388,26 +389,25 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     if waits is None or len(waits.rank) == 0:
         return g_kind, order.astype(np.int64)
     n_e, n_o = len(waits.rank), len(order)
-    key = np.concatenate([colls.g_last_ns[order].astype(np.int64), np.where(waits.launch, waits.entry_ns,
-                                                                            waits.exit_ns)])  # fmt: skip
-    tie = np.r_[np.where(g_kind == 2, 2, 1), np.where(waits.launch, 0, 3)].astype(np.int8)
-    k_lo, k_span = int(key.min()), int(key.max()) - int(key.min()) + 1
-    if k_span < np.iinfo(np.int64).max // 8:  # one int64 key: one sort instead of two
-        o = np.argsort((key - k_lo) * 4 + tie, kind="stable")
-    else:
-        o = np.lexsort((tie, key))
-    is_e = o >= n_o  # in key order: a launch or a wait
-    run = np.empty(n_e, np.int64)
-    run[o[is_e] - n_o] = np.cumsum(~is_e)[is_e]  # per event: how many group steps come before it
-    # each rank's 1st, 2nd, ... event within its run
-    e_key = key[n_o:]
-    # by (rank, key): within a rank the run grows with the key, so each (run, rank) is one block
-    r_max = int(waits.rank.max()) + 1
-    if r_max < np.iinfo(np.int64).max // k_span - 1:
-        w = np.argsort(waits.rank * k_span + (e_key - k_lo), kind="stable")
-    else:
-        w = np.lexsort((e_key, waits.rank))
-    blk = np.r_[True, (run[w][1:] != run[w][:-1]) | (waits.rank[w][1:] != waits.rank[w][:-1])]
+    e_key = np.where(waits.launch, waits.entry_ns, waits.exit_ns)
+    g_key = colls.g_last_ns[order].astype(np.int64)
+    k_lo = int(min(e_key.min(), g_key.min()) if n_o else e_key.min())
+    k_span = int(max(e_key.max(), g_key.max()) if n_o else e_key.max()) - k_lo + 1
+    if k_span >= np.iinfo(np.int64).max // 8 or int(waits.rank.max()) + 1 >= np.iinfo(np.int64).max // (4 * k_span) - 1:
+        raise OverflowError("times too far apart for the replay's schedule")
+    # one int64 key each: time, then the tie (a launch 0, a blocking group 1, a group's done 2, a wait
+    # 3): a group's and an event's never collide; groups re-sorted by it (a few thousand)
+    gk = (g_key - k_lo) * 4 + np.where(g_kind == 2, 2, 1)
+    go = np.argsort(gk, kind="stable")
+    order, g_kind, gk = order[go], g_kind[go], gk[go]
+    ek = (e_key - k_lo) * 4 + np.where(waits.launch, 0, 3)
+    run = np.searchsorted(gk, ek)  # per event: how many group steps come before it
+    # each rank's 1st, 2nd, ... event within its run, by (rank, key): within a rank the run grows
+    # with the key, so each (run, rank) is one block (launches and waits each come by rank: two runs
+    # for the stable sort to merge)
+    w = np.argsort(waits.rank * (4 * k_span) + ek, kind="stable")
+    r_w, run_w = waits.rank[w], run[w]
+    blk = np.r_[True, (run_w[1:] != run_w[:-1]) | (r_w[1:] != r_w[:-1])]
     at = np.flatnonzero(blk)
     occ = np.empty(n_e, np.int64)
     occ[w] = np.arange(n_e) - np.repeat(at, np.diff(np.r_[at, n_e]))
@@ -416,16 +416,21 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     run_p, occ_p = run[perm], occ[perm]
     starts = np.flatnonzero(np.r_[True, (run_p[1:] != run_p[:-1]) | (occ_p[1:] != occ_p[:-1])])
     ends = np.r_[starts[1:], n_e]
-    # the CSR of the members each wait holds, in the new order (a launch holds none)
-    new_of = np.empty(n_e, np.int64)
-    new_of[perm] = np.arange(n_e)
-    w_of = new_of[waits.cov_start]
-    oo = np.argsort(w_of, kind="stable")
+    # the CSR of the members each wait holds, in the new order (a launch holds none): the members
+    # come grouped by their wait already where the waits are (rank, time)-ordered as the launches
+    ev_of = waits.cov_start
+    if len(ev_of) > 1 and not bool(np.all(ev_of[1:] >= ev_of[:-1])):
+        oc = np.argsort(ev_of, kind="stable")
+        ev_of, waits.cov = ev_of[oc], waits.cov[oc]
+    counts = np.bincount(ev_of, minlength=n_e)
+    old_start = np.cumsum(counts) - counts
+    c_new = counts[perm]
     cov_start = np.zeros(n_e + 1, np.int64)
-    np.cumsum(np.bincount(w_of, minlength=n_e), out=cov_start[1:])
+    np.cumsum(c_new, out=cov_start[1:])
+    take = np.repeat(old_start[perm] - cov_start[:-1], c_new) + np.arange(int(cov_start[-1]), dtype=np.int64)
     waits.rank, waits.entry_ns, waits.exit_ns = waits.rank[perm], waits.entry_ns[perm], waits.exit_ns[perm]
     waits.launch, waits.ref = waits.launch[perm], waits.ref[perm]
-    waits.cov, waits.cov_start = waits.cov[oo], cov_start
+    waits.cov, waits.cov_start = waits.cov[take], cov_start
     waits.batch_end = np.zeros(n_e, np.int64)
     waits.batch_end[starts] = ends
     # steps: group j (j groups before it) after the batches of run j, which have j groups before them
