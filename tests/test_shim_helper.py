@@ -133,6 +133,16 @@ os.waitpid(pid, 0)
 """
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent PID of ``pid`` (/proc/PID/stat's 4th field, after the command in parentheses), or
+    None when no such process is left."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def test_a_hung_file_system_never_holds_a_forked_childs_exit(tmp_path: Path) -> None:
     """The child's file is written by the rank's helper too (handed a stream of the child's own
     on the helper's connector): the child never holds a descriptor in the run dir, so a hung
@@ -166,9 +176,12 @@ def test_a_hung_file_system_never_holds_a_forked_childs_exit(tmp_path: Path) -> 
             if writer == "thread":  # the fault is real: a child that holds its own file hangs at exit
                 assert exit_s is None, "a hung server did not hold the in-process writer's child"
                 # and it may never end: its exit froze the flusher thread that held h5py's lock
-                # inside the hung write. Ended here, the child and the rank, by their PIDs.
+                # inside the hung write (or it ends once the server answers again, as it now
+                # does). Ended here, the child while it is still the rank's and the rank, by PID.
                 (f,) = run_dir.glob("rank-00000.fork-*.h5")
-                os.kill(int(f.name.split("fork-")[1].split(".")[0]), signal.SIGKILL)
+                child = int(f.name.split("fork-")[1].split(".")[0])
+                if _parent_of(child) == p.pid:  # not ended and reaped, its PID not reused
+                    os.kill(child, signal.SIGKILL)
                 p.kill()
                 p.communicate(timeout=60)
                 continue
