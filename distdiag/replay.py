@@ -146,6 +146,8 @@ class Waits:
     seen_ns: np.ndarray
     launch: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     ref: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: per entry of ``cov`` as :func:`_waits` made it: the event of the wait holding it (for _schedule's CSR)
+    cov_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: per async member: its recorded segment before the launch (filled by the first plain replay)
     seg_ns: np.ndarray | None = None
 
@@ -344,7 +346,7 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
                   np.sort(cat(w_row)[u]).astype(np.int64), seen_a,  # rows: -1 where streamed
                   cat([np.ones(n_a, bool), np.zeros(len(u), bool)]),
                   cat([pos, np.full(len(u), -1, np.int64)]))  # fmt: skip
-    waits.cov_start = n_a + inv  # per member in ``cov``: its wait's event, until _schedule builds the CSR
+    waits.cov_of = n_a + inv
     return waits, waited
 
 
@@ -418,7 +420,7 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     ends = np.r_[starts[1:], n_e]
     # the CSR of the members each wait holds, in the new order (a launch holds none): the members
     # come grouped by their wait already where the waits are (rank, time)-ordered as the launches
-    ev_of = waits.cov_start
+    ev_of = waits.cov_of
     if len(ev_of) > 1 and not bool(np.all(ev_of[1:] >= ev_of[:-1])):
         oc = np.argsort(ev_of, kind="stable")
         ev_of, waits.cov = ev_of[oc], waits.cov[oc]

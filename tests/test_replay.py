@@ -393,7 +393,7 @@ def test_an_iallreduce_waited_in_mpi_wait_is_replayed_from_the_wait(tmp_path: Pa
     or 8 (rank 1) to 12, done at 12. Replayed exactly; its transfer 3 ms shorter ends every wait
     at 9, saving 3 ms a step; without the WAIT rows the run is coupled and not replayed."""
     for waits in (True, False):
-        s: list[str] = [""]
+        s: list[str] = ["", "Wait"]
         d = tmp_path / str(waits)
         for r in range(2):
             rows = []
@@ -401,7 +401,6 @@ def test_an_iallreduce_waited_in_mpi_wait_is_replayed_from_the_wait(tmp_path: Pa
                 t = 20.0 * i
                 rows.append(coll(t + 1, t + 12, i, s, op="Iallreduce", kind=Kind.COLL_ASYNC))
                 if waits:
-                    s.append("Wait") if "Wait" not in s else None
                     rows.append((int((t + 6 + 2 * r) * MS), int((t + 12) * MS), int(Kind.WAIT), s.index("Wait"), 0, i,
                                  -1, 0, 0, 0, 0, 0.0))  # fmt: skip
             rows.append(phase(79.0, 80.0, s))
