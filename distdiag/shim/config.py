@@ -61,6 +61,11 @@ class ShimConfig:
     #: distdiag.shim.helper) or "thread" (a flusher thread of the program's process, open_file_at
     #: deciding when numpy and h5py load; also the fallback where the helper cannot start)
     writer: str = "process"
+    #: the helper process opens the HDF5 file (importing numpy and h5py) only after this many
+    #: seconds of the rank's run, once 8 MiB of rows wait, or at the rank's end, whichever comes
+    #: first; until then it appends the flushes to the spill log (distdiag.shim.helper._Helper._defer).
+    #: 0: at the first flush
+    helper_open_after_s: float = 30.0
     #: clock sync: seconds between periodic exchanges, exchanges per round, exit wait
     sync_interval_s: float = 60.0
     sync_exchanges: int = 10

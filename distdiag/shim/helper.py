@@ -53,8 +53,9 @@ helper that outlives the rank on a hung file system never holds the job's output
 pipes open, which launchers and ``subprocess`` wait on); what it has to say (a full
 disk, a write error) comes back to the rank on the same socket and is printed on
 the rank's stderr as one line, as the in-process writer does. It costs a Python
-interpreter with numpy and h5py per rank (~50 MB of memory, ~0.3 s of CPU at its
-first flush), which the program's own process no longer pays.
+interpreter with numpy and h5py per rank (~50 MB of memory, ~0.3 s of CPU when it opens the
+file), which the program's own process no longer pays; it opens the file only after the job's
+start-up (:meth:`_Helper._defer`), the flushes going to the spill log until then.
 """
 
 from __future__ import annotations
@@ -345,7 +346,7 @@ def _stream(path: Path, sock: socket.socket, cfg: Any, pid: int, forked: bool, i
         pass  # the default: more polls, same bytes
     sock.setblocking(False)
     lg = PipeLog(path, sock)
-    keys = ("flush_interval_s", "exit_timeout_s", "max_file_bytes", "sample_every")
+    keys = ("flush_interval_s", "exit_timeout_s", "max_file_bytes", "sample_every", "helper_open_after_s")
     lg.add_json(b"INIT", {"path": str(Path(path).absolute()), "rank_pid": pid, "forked": forked, "inherited": inherited,
                           "cfg": {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}})  # fmt: skip
     return lg
@@ -435,6 +436,14 @@ class _Helper:
         self.inflight: bytes | None = None
         self.end: dict[str, Any] | None = None
         self.failed = False
+        #: until the file opens: the spill log the rank's flushes go to (see :meth:`_defer`), how many
+        #: of the replica's strings it holds, its clock samples (kept for the Writer too), and its
+        #: bytes up to the end of its last completed flush
+        self.log: Any = None
+        self.log_strings = 0
+        self.log_sync: list[Any] = []
+        self.log_marked = 0
+        self.started = time.monotonic()
 
     def take(self, tag: bytes, body: bytes) -> None:
         if tag == b"INIT":
@@ -485,6 +494,91 @@ class _Helper:
         self.rec.lost_events = int(mark.get("lost_events", 0))
         if self.failed or self.path is None:
             return
+        if self.w is None:
+            went = self._defer(rows, sync, gpu, attrs, mark)
+            if went == "held":
+                return
+            if went == "logged":  # the file opens now and takes this flush from the log
+                rows, sync, attrs = [], [], {}
+        self.open_and_flush(rows, sync, gpu, attrs, mark)
+
+    def _defer(self, rows: list[bytes], sync: list[Any], gpu: list[bytes], attrs: dict[str, Any],
+               mark: dict[str, Any]) -> str:  # fmt: skip
+        """Before the file opens: append this flush to the spill log instead. Returns ``"held"``
+        (it went there, the file stays unopened), ``"logged"`` (it went there, and the file opens
+        now) or ``""`` (it is not in the log: the file opens now and takes it).
+
+        Why: opening the HDF5 file imports numpy and h5py (~0.3 s of CPU a rank, hundreds of
+        metadata calls to where Python's packages live). At the helper's first flush, one second
+        into the rank's run, that landed inside the job's own start-up (its imports, its dataset
+        build, an import storm on a parallel file system) and, on a node with fewer free cores
+        than helpers, slowed it (measured: 4 ranks on 2 cores, a 0.2 s start of a job ran 0.04-0.1 s
+        longer wrapped, none with the file opened later). So the rank's stream goes to the spill
+        log (:mod:`distdiag.shim.spill`, the standard library only; the analyzer reads it in the
+        file's place if the helper dies too) until ``helper_open_after_s`` of the rank's run have
+        passed, the log holds :data:`distdiag.shim.rankfile.OPEN_AFTER_BYTES` (or half the
+        recording budget), GPU samples come, or the stream ends: then the file opens and takes
+        the log's rows first. A short job opens its file at its exit."""
+        if self.base is not None or self.claim_fd is None or gpu:
+            return ""  # a forked child's file (a compact table of its own) opens at once
+        from distdiag.shim.rankfile import DISK_RESERVE_BYTES, OPEN_AFTER_BYTES
+
+        after_s = float(getattr(self.cfg, "helper_open_after_s", 30.0))
+        budget = int(getattr(self.cfg, "max_file_bytes", 0) or 0)
+        limit = min(OPEN_AFTER_BYTES, budget // 2) if budget > 0 else OPEN_AFTER_BYTES
+        if self.log is None:
+            if after_s <= 0 or time.monotonic() - self.started >= after_s:
+                return ""
+            from distdiag.shim.spill import SpillLog, log_name
+
+            try:
+                self.log = SpillLog(self.path.with_name(log_name(self.path.name)))
+            except OSError:
+                return ""  # a stale log of that name, a read-only dir: the file opens now
+        lg = self.log
+        batch = sum(len(r) for r in rows) + 64 * len(sync) + len(self.rec.inflight) + 4096
+        try:
+            st = os.statvfs(self.path.parent)
+            free, need = st.f_bavail * st.f_frsize, batch + DISK_RESERVE_BYTES
+        except OSError:
+            free = need = 0
+        if free < need:  # as the file's writer would (Writer._check_space): stop before the disk is full
+            why = f"only {free} bytes free on its file system (need {need})"
+            try:
+                lg.add_json(b"ATTR", {"recording_stopped": why, "lost_events": int(self.rec.lost_events)})
+            except OSError:
+                pass
+            lg.close()
+            self.log = None
+            self.fail(f"distdiag: cannot write {self.path}: {why}; the job runs without recording")
+            return "held"  # the rows so far stay readable in the log, which the analyzer reads
+        try:
+            strings = self.rec.strings.strings
+            if len(strings) > self.log_strings:  # strings first: the rows name them
+                lg.add_json(b"STRS", [self.log_strings, strings[self.log_strings :]])
+                self.log_strings = len(strings)
+            for raw in rows:
+                lg.add(b"ROWS", raw)
+            if sync:
+                lg.add_json(b"SYNC", sync)
+            if attrs:
+                lg.add_json(b"ATTR", attrs)
+            if self.rec.inflight:
+                lg.add(b"INFL", bytes(self.rec.inflight))
+            lg.add_json(b"MARK", mark)
+        except OSError:  # a full disk: the file opens now and takes this flush from memory
+            lg.size = self.log_marked  # what the log holds whole; a torn record is never handed over
+            self.log_strings = min(self.log_strings, len(self.rec.strings.strings))
+            return ""
+        self.log_marked = lg.size
+        self.log_sync.extend(sync)
+        self.attrs.update(attrs)
+        return "held" if lg.size < limit and time.monotonic() - self.started < after_s else "logged"
+
+    def open_and_flush(self, rows: list[bytes], sync: list[Any], gpu: list[bytes], attrs: dict[str, Any],
+                       mark: dict[str, Any]) -> None:  # fmt: skip
+        """Write a completed flush's records into the file (opened first if it is not; it then
+        takes what the spill log holds before them), then flush the file."""
         import numpy as np
 
         from distdiag.schema import GPU_DTYPE, SYNC_DTYPE
@@ -501,6 +595,7 @@ class _Helper:
                 self.fail(f"distdiag: cannot write {self.path}: {' '.join(str(e).split())[:300]}; "
                           "the job runs without recording")  # fmt: skip
                 return
+        handed = self._hand_over(w)
         for raw in rows:
             w.add_rows(raw)
         if sync:
@@ -512,8 +607,43 @@ class _Helper:
         if "last_flush_mono_ns" in mark:  # the rank's flush, not the time the helper wrote it
             w.flush_mono_ns = int(mark["last_flush_mono_ns"])
         w.flush()
+        if handed is not None:
+            self._settle_log(w, handed)
         if w.failed:
             self.fail("")
+
+    def _hand_over(self, w: Any) -> int | None:
+        """The log's rows and clock samples to the new file, first (None: there was no log)."""
+        lg = self.log
+        if lg is None:
+            return None
+        import numpy as np
+
+        from distdiag.schema import EVENT_DTYPE, SYNC_DTYPE
+
+        handed = 0
+        try:
+            for _tag, raw in lg.records((b"ROWS",)):
+                w.add_rows(raw)
+                handed += len(raw) // EVENT_DTYPE.itemsize
+        except OSError as e:
+            self.back.send(f"SAY distdiag: {self.path}: its spill log could not be read back ({e}); it stays beside the file")
+        if self.log_sync:
+            w.add_sync(np.array([tuple(r) for r in self.log_sync], SYNC_DTYPE))
+            self.log_sync = []
+        return handed
+
+    def _settle_log(self, w: Any, handed: int) -> None:
+        """The log goes once the file holds its rows (else it stays, and the analyzer reads it)."""
+        lg, self.log = self.log, None
+        if lg is None:
+            return
+        budget = getattr(w, "_budget", None)
+        thinned = getattr(budget, "reached_ns", None) is not None and not getattr(w, "rows_cut", 0)
+        if not w.failed and (w.rows_written >= handed or thinned):
+            lg.remove()
+        else:
+            lg.close()
 
     def base_pending(self) -> bool:
         """The rank has not yet sent all the strings this child's table starts with."""
@@ -540,6 +670,8 @@ class _Helper:
             self.take_base()
             mark, self.held_mark = self.held_mark, None
             self.apply(mark)
+        if self.w is None and self.log is not None and not self.failed:  # the file opens now, from the log
+            self.open_and_flush([], [], [], {}, {})
         w = self.w
         if w is None or self.failed:
             return
@@ -556,15 +688,18 @@ _SAY_TO: list[_Back] = []
 
 def _say_through() -> None:
     """The Writer's one-line messages (``rankfile.say``) go back to the stderr of the process
-    whose stream is being read."""
-    from distdiag.shim import rankfile, writer
+    whose stream is being read. The writer's module (numpy) is not imported here: it takes
+    ``rankfile.say`` when it is, at the file's opening (:meth:`_Helper._defer` says why)."""
+    from distdiag.shim import rankfile
 
     def say(line: str) -> None:
         if _SAY_TO:
             _SAY_TO[0].send("SAY " + line)
 
     rankfile.say = say
-    writer.say = say
+    writer = sys.modules.get("distdiag.shim.writer")
+    if writer is not None:
+        writer.say = say  # type: ignore[attr-defined]
 
 
 class _Stream:
