@@ -519,7 +519,8 @@ class _Helper:
         passed, the log holds :data:`distdiag.shim.rankfile.OPEN_AFTER_BYTES` (or half the
         recording budget), GPU samples come, or the stream ends: then the file opens and takes
         the log's rows first. A short job opens its file at its exit."""
-        if self.base is not None or self.claim_fd is None or gpu:
+        path = self.path
+        if path is None or self.base is not None or self.claim_fd is None or gpu:
             return ""  # a forked child's file (a compact table of its own) opens at once
         from distdiag.shim.rankfile import DISK_RESERVE_BYTES, OPEN_AFTER_BYTES
 
@@ -532,13 +533,13 @@ class _Helper:
             from distdiag.shim.spill import SpillLog, log_name
 
             try:
-                self.log = SpillLog(self.path.with_name(log_name(self.path.name)))
+                self.log = SpillLog(path.with_name(log_name(path.name)))
             except OSError:
                 return ""  # a stale log of that name, a read-only dir: the file opens now
         lg = self.log
         batch = sum(len(r) for r in rows) + 64 * len(sync) + len(self.rec.inflight) + 4096
         try:
-            st = os.statvfs(self.path.parent)
+            st = os.statvfs(path.parent)
             free, need = st.f_bavail * st.f_frsize, batch + DISK_RESERVE_BYTES
         except OSError:
             free = need = 0
@@ -579,6 +580,8 @@ class _Helper:
                        mark: dict[str, Any]) -> None:  # fmt: skip
         """Write a completed flush's records into the file (opened first if it is not; it then
         takes what the spill log holds before them), then flush the file."""
+        if self.path is None:
+            return
         import numpy as np
 
         from distdiag.schema import GPU_DTYPE, SYNC_DTYPE
