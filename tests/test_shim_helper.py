@@ -122,18 +122,19 @@ def _loaded(pid: int) -> set[str]:
     return {name for name, mark in (("numpy", "_multiarray_umath"), ("hdf5", "libhdf5")) if mark in maps}
 
 
-@pytest.mark.parametrize("open_after_s", ["30", "0.3"])
-def test_the_helper_loads_nothing_while_the_job_starts(tmp_path: Path, open_after_s: str) -> None:
+@pytest.mark.parametrize("open_after_s,budget", [("30", "0"), ("0.3", "0"), ("30", str(2 << 20))])
+def test_the_helper_loads_nothing_while_the_job_starts(tmp_path: Path, open_after_s: str, budget: str) -> None:
     """Opening the HDF5 file imports numpy and h5py into the helper (~0.3 s of CPU a rank): at its
     first flush, one second in, that competed with the job's own start-up (measured: 4 ranks on 2
     cores ran a 0.2 s start 0.04-0.1 s slower wrapped). The helper now appends the flushes to the
     spill log, readable as the rank's file meanwhile, until ``helper_open_after_s`` of the rank's
-    run (the 0.3 s twin: opened by then) or its end; the file then holds every row, the log gone."""
+    run (the 0.3 s twin: opened by then), until the log holds half the recording budget (the 2 MiB
+    twin: 20,000 rows, 1.4 MB, open it at once) or its end; the file then holds every row, the log gone."""
     job = tmp_path / "job.py"
     job.write_text(HUNG_JOB)
     go, run_dir = tmp_path / "go", tmp_path / "run"
     env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.1",
-                             DISTDIAG_HELPER_OPEN_AFTER_S=open_after_s)  # fmt: skip
+                             DISTDIAG_HELPER_OPEN_AFTER_S=open_after_s, DISTDIAG_MAX_FILE_BYTES=budget)  # fmt: skip
     p = subprocess.Popen([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(go)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -145,7 +146,7 @@ def test_the_helper_loads_nothing_while_the_job_starts(tmp_path: Path, open_afte
         with open_rank_file(f) as h:  # what the rank recorded is readable meanwhile
             assert int((h["events"][:]["kind"] == Kind.MARK).sum()) == 20_000
         loaded = _loaded(helper[0])
-        if open_after_s == "30":
+        if open_after_s == "30" and budget == "0":
             assert loaded == set() and lg.exists() and f.stat().st_size == 0, loaded
         else:
             assert loaded == {"numpy", "hdf5"} and not lg.exists(), loaded
