@@ -643,14 +643,23 @@ def _open_h5(path: Path) -> Any:
         log_st = None
     if log_st is not None:
         try:
-            f = _open_h5_file(path)
+            f = _open_h5_file(path)  # (waits a moment for a writer finishing it)
         except (NotOwnFile, OSError, *_H5_ERRORS):
             f = None  # the empty claim, a half-made file: the log
         if f is not None and _closed_whole(f):
             return f
+        try:  # a helper making the file from the log removes the log once the file holds its rows
+            log_st = os.lstat(log_path)
+        except FileNotFoundError:
+            log_st = None
+        if log_st is None:
+            return f if f is not None else _open_h5_file(path)
         if f is not None:
             f.close()
-        return _open_spill(log_path, log_st)
+        try:
+            return _open_spill(log_path, log_st)
+        except FileNotFoundError:  # removed just now: the file holds its rows
+            return _open_h5_file(path)
     return _open_h5_file(path)
 
 

@@ -141,3 +141,12 @@ def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+
+
+def wait_for_writers(run_dir: Path, timeout_s: float = 60.0) -> None:
+    """Wait until every rank file of ``run_dir`` is closed by its writer: after a rank's death its
+    helper process finishes the file (within seconds: it may first import numpy and h5py and take
+    over the rank's spill log; distdiag.shim.helper), and a test reading the files by hand reads
+    them finished."""
+    for f in sorted(run_dir.glob("rank-*.h5")):
+        wait_until_closed(f, timeout_s)

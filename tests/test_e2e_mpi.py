@@ -22,6 +22,7 @@ from pathlib import Path
 
 import h5py
 import pytest
+from helpers import wait_for_writers
 from truth import Saving, loop_s, measure_saving
 
 pytestmark = pytest.mark.mpi
@@ -134,6 +135,7 @@ def test_sigkilled_job_leaves_readable_files_and_the_stuck_collective(tmp_path: 
             proc.wait(timeout=10)
     files = sorted(run_dir.glob("rank-*.h5"))
     assert len(files) == 4
+    wait_for_writers(run_dir)  # the killed ranks' helpers finish their files
     for f in files:
         with h5py.File(f, "r") as h:
             assert len(h["events"]) > 0

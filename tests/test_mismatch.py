@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_for_writers
 
 from distdiag.pipeline import analyze
 from factories import MS, coll, write_rank
@@ -75,6 +76,7 @@ def _run_job(tmp_path: Path, bad_count: int) -> Path:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+    wait_for_writers(run_dir)  # the aborted ranks' helpers finish their files
     return run_dir
 
 

@@ -164,6 +164,37 @@ def test_the_helper_loads_nothing_while_the_job_starts(tmp_path: Path, open_afte
         assert int((h["events"][:]["kind"] == Kind.MARK).sum()) == 20_000
 
 
+def test_a_rank_killed_before_its_file_opened_is_finished_from_its_log(tmp_path: Path) -> None:
+    """The rank dies while its helper still appends to the spill log: the helper makes the file
+    from the log, and it ends where the rank's records end, at its last completed flush (before,
+    the file's end was stamped when the helper wrote it, seconds after the death: the analyzer
+    then read the rank as alive until then); the log is gone once the file holds its rows."""
+    job = tmp_path / "job.py"
+    job.write_text(HUNG_JOB)
+    run_dir = tmp_path / "run"
+    env = single_process_env(DISTDIAG_WRITER="process", DISTDIAG_FLUSH_INTERVAL_S="0.1")
+    p = subprocess.Popen([PY, "-m", "distdiag.wrap", "--dir", str(run_dir), PY, str(job), str(tmp_path / "go")],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline().split() == ["ready"]
+        f, lg = run_dir / "rank-00000.h5", run_dir / "rank-00000.h5.log"
+        time.sleep(0.5)
+        assert lg.exists() and f.stat().st_size == 0  # the file is not open yet
+        p.kill()  # the test's own child, by its PID
+        killed_ns = time.monotonic_ns()  # CLOCK_MONOTONIC: the shim's clock
+        p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    time.sleep(0.5)  # the helper, a moment later, makes the file (holders: it still has the claim)
+    wait_until_closed(f)
+    assert not lg.exists()
+    with h5py.File(f, "r") as h:
+        assert not bool(h.attrs["closed_cleanly"]) and h.attrs["file_opened_on"] == "helper"
+        assert int((h["events"][:]["kind"] == Kind.MARK).sum()) == 20_000
+        assert int(h.attrs["last_flush_mono_ns"]) <= killed_ns, (int(h.attrs["last_flush_mono_ns"]) - killed_ns) / 1e9
+
+
 def _end_s_of(err: str) -> str | None:
     """A line the shim said on stderr (none expected)."""
     said = [ln for ln in err.splitlines() if ln.startswith("distdiag:")]

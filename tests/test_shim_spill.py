@@ -242,6 +242,36 @@ def test_a_cleanly_closed_file_is_read_over_a_log_left_beside_it(tmp_path: Path,
     assert not any("spill log" in w for w in run.warnings)
 
 
+def test_a_log_removed_while_the_file_is_read_leaves_the_file(tmp_path: Path, killed_log: bytes,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A killed rank's helper makes its file from the log, then removes the log: an analysis
+    that saw the log, and the file not yet whole (a killed rank's is never "closed cleanly"),
+    reads the file once the log is gone (before: the log's read failed, the rank unreadable)."""
+    from distdiag import run as run_mod
+    from distdiag.schema import EVENT_DTYPE
+    from distdiag.shim.writer import write_rank_file
+
+    d = tmp_path / "finishing"
+    d.mkdir()
+    ev = np.zeros(10, EVENT_DTYPE)
+    ev["t0_ns"] = ev["t1_ns"] = np.arange(10) * 1000 + 10**9
+    ev["kind"], ev["name_id"] = int(Kind.MARK), 1
+    write_rank_file(d / "rank-00000.h5", {"closed_cleanly": False}, ev, ["", "from_the_file"])
+    log = d / "rank-00000.h5.log"
+    log.write_bytes(killed_log)
+    real = run_mod._open_h5_file
+
+    def helper_done_meanwhile(path: Path) -> object:  # the helper removes the log while we read the file
+        f = real(path)
+        log.unlink(missing_ok=True)
+        return f
+
+    monkeypatch.setattr(run_mod, "_open_h5_file", helper_done_meanwhile)
+    run = load_run(d)
+    assert len(run.events) == 10 and run.s(int(run.events["name_id"][0])) == "from_the_file"
+    assert not any("spill log" in w for w in run.warnings)
+
+
 def test_a_rows_record_of_no_whole_rows_is_malformed(killed_log: bytes) -> None:
     """A crafted ROWS record whose length is no multiple of a row would misalign every row
     after it: it ends the read as malformed, the records before it kept."""

@@ -443,6 +443,8 @@ class _Helper:
         self.log_strings = 0
         self.log_sync: list[Any] = []
         self.log_marked = 0
+        #: the last completed flush's MARK in the log (its time is the rank's last flush, not the file's)
+        self.log_mark: dict[str, Any] = {}
         self.started = time.monotonic()
 
     def take(self, tag: bytes, body: bytes) -> None:
@@ -572,6 +574,7 @@ class _Helper:
             self.log_strings = min(self.log_strings, len(self.rec.strings.strings))
             return ""
         self.log_marked = lg.size
+        self.log_mark = mark
         self.log_sync.extend(sync)
         self.attrs.update(attrs)
         return "held" if lg.size < limit and time.monotonic() - self.started < after_s else "logged"
@@ -674,7 +677,7 @@ class _Helper:
             mark, self.held_mark = self.held_mark, None
             self.apply(mark)
         if self.w is None and self.log is not None and not self.failed:  # the file opens now, from the log
-            self.open_and_flush([], [], [], {}, {})
+            self.open_and_flush([], [], [], {}, self.log_mark)
         w = self.w
         if w is None or self.failed:
             return
