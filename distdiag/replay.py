@@ -310,9 +310,14 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     # the async members of the waited groups, numbered group by group (a_off), and their waits
     sizes = np.where(waited, np.diff(colls.g_start), 0).astype(np.int64)
     a_off = np.where(waited, np.cumsum(sizes) - sizes, -1).astype(np.int64)
-    keep = (waited[g_a] & cov_m)[by_r]  # by rank: each rank's waits then come in order (no sort below)
-    rows_k, wid_k = a_rows[by_r][keep], wid[by_r][keep]
-    pos = a_off[colls.m_group[rows_k]] + (rows_k - colls.g_start[colls.m_group[rows_k]])
+    kept = waited[g_a] & cov_m
+    sel = by_r[kept[by_r]]  # by rank: each rank's waits then come in order (no sort below)
+    # each column the kept members need, gathered once rank by rank (the members come group by group,
+    # so these gathers read far apart: the fewer the better); their ranks, ascending, need none
+    rows_k, wid_k, t0_k, c_k, g_k = a_rows[sel], wid[sel], p_a[sel], c_a[sel], g_a[sel]
+    n_r = int(r_a.max()) + 1
+    r_k = np.repeat(np.arange(n_r, dtype=np.int64), np.bincount(r_a[kept], minlength=n_r))
+    pos = a_off[g_k] + (rows_k - colls.g_start[g_k])
     # the waits that hold a replayed member (u) and each member's (inv): by marks, not a sort
     held = np.zeros(int(sum(len(x) for x in w_r)), bool)
     held[wid_k] = True
@@ -324,12 +329,11 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     # every wait holds a member: reduceat over non-empty runs (by rank, the members come by wait)
     by_w = np.arange(len(inv)) if bool(np.all(inv[1:] >= inv[:-1])) else np.argsort(inv, kind="stable")
     w_at = np.flatnonzero(np.r_[True, np.diff(inv[by_w]) != 0])
-    last_post = np.maximum.reduceat(colls.m_t0_ns[rows_k].astype(np.int64)[by_w], w_at)
+    last_post = np.maximum.reduceat(t0_k[by_w], w_at)
     # a completion is seen no later than the wait on it ends: a BACKWARD returns once DDP's finalize
     # has its buckets (the callback's stamp may come after); a WAIT row's completion is stamped
     # just after it (within the slack): the wait ends at the later of the two
-    seen = np.maximum(colls.m_t1_ns[rows_k], colls.m_t0_ns[rows_k]).astype(np.int64)
-    seen = np.where(is_bw[inv], np.minimum(seen, all_1[inv]), seen)
+    seen = np.where(is_bw[inv], np.minimum(c_k, all_1[inv]), c_k)
     last_done = np.maximum.reduceat(seen[by_w], w_at)
     entry = np.where(is_bw, np.minimum(last_post, all_1), all_0)
     exit_ = np.maximum(all_1, last_done)
@@ -339,9 +343,9 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     n_a = int(sizes.sum())
     # the launches: the members kept, by rank (then group: about time), as the waits come, so that
     # _schedule's sort by (rank, time) merges two sorted runs
-    launch_t = colls.m_t0_ns[rows_k].astype(np.int64)
+    launch_t = np.ascontiguousarray(t0_k)
     cat = np.concatenate
-    waits = Waits(cat([colls.m_rank[rows_k].astype(np.int64), all_r]), cat([launch_t, entry]), cat([launch_t, exit_]),
+    waits = Waits(cat([r_k, all_r]), cat([launch_t, entry]), cat([launch_t, exit_]),
                   np.zeros(0, np.int64), pos, np.zeros(0, np.int64), a_off, n_a,
                   np.sort(cat(w_row)[u]).astype(np.int64), seen_a,  # rows: -1 where streamed
                   cat([np.ones(n_a, bool), np.zeros(len(u), bool)]),
