@@ -632,8 +632,9 @@ class _Helper:
             for _tag, raw in lg.records((b"ROWS",)):
                 w.add_rows(raw)
                 handed += len(raw) // EVENT_DTYPE.itemsize
-        except OSError as e:
+        except OSError as e:  # the log keeps what the file may lack: it stays (never removed below)
             self.back.send(f"SAY distdiag: {self.path}: its spill log could not be read back ({e}); it stays beside the file")
+            handed = -1
         if self.log_sync:
             w.add_sync(np.array([tuple(r) for r in self.log_sync], SYNC_DTYPE))
             self.log_sync = []
@@ -644,9 +645,9 @@ class _Helper:
         lg, self.log = self.log, None
         if lg is None:
             return
-        budget = getattr(w, "_budget", None)
-        thinned = getattr(budget, "reached_ns", None) is not None and not getattr(w, "rows_cut", 0)
-        if not w.failed and (w.rows_written >= handed or thinned):
+        from distdiag.shim.rankfile import holds_the_log
+
+        if holds_the_log(w, handed):
             lg.remove()
         else:
             lg.close()

@@ -254,6 +254,17 @@ def base_attrs(
 #: rows (in bytes) waiting in memory past which the file opens before the program imports numpy
 OPEN_AFTER_BYTES = 8 << 20
 
+
+def holds_the_log(w: Any, handed: int) -> bool:
+    """The Writer ``w``, after its first flush, holds the ``handed`` rows it took from a spill
+    log (``handed`` < 0: the log could not be read back), so the log may go. Rows under the
+    recording budget (``max_file_bytes``) are thinned into the file's counters by design: the
+    file holds the log's rows then too, and a log kept would be read in its place, the whole run
+    after it lost (seen with max_file_bytes under the log's size)."""
+    budget = getattr(w, "_budget", None)
+    thinned = getattr(budget, "reached_ns", None) is not None and not getattr(w, "rows_cut", 0)
+    return handed >= 0 and not w.failed and (w.rows_written >= handed or thinned)
+
 #: set by the wrapper's atexit handler before it closes the file (distdiag.shim.wrap)
 EXITING = False
 #: called (no arguments, on the flusher thread; at exit on the closing one) before every
@@ -657,12 +668,7 @@ class RankFile:
         lg, self._log = self._log, None
         if lg is None:
             return
-        # rows under the recording budget (max_file_bytes) are thinned into the file's counters
-        # by design: the file holds the log's rows then too, and a log kept would be read in
-        # its place, the whole run after it lost (seen with max_file_bytes under the log's size)
-        budget = getattr(w, "_budget", None)
-        thinned = getattr(budget, "reached_ns", None) is not None and not getattr(w, "rows_cut", 0)
-        if not w.failed and (w.rows_written >= self._handed or thinned):
+        if holds_the_log(w, self._handed):
             lg.remove()
         else:
             lg.close()
