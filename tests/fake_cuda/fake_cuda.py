@@ -10,7 +10,8 @@ what is queued on the stream in order, in real time:
 * ``kernel(ms)``: a "kernel" of ``ms`` milliseconds (a sleep on the stream's
   thread); the CPU returns at once, as from a real launch;
 * ``Event.record(stream)``: the event completes when the stream's thread
-  reaches it, stamped with ``time.perf_counter_ns() + CLOCK_OFFSET_NS`` (the
+  reaches it (on an idle stream: at once, in the recording thread), stamped
+  with ``time.perf_counter_ns() + CLOCK_OFFSET_NS`` (the
   fake GPU's clock is offset from the host's, as a real one is: the shim's
   anchoring must recover host times);
 * a collective: :func:`install` makes ``ProcessGroup.allreduce`` queue a
@@ -126,8 +127,14 @@ class Event:
 
     def record(self, stream: Any = None) -> None:
         s = stream if stream is not None else current_stream()
-        self._t = None
         self._recorded = True
+        with _lock:
+            if s.queued == 0:  # an idle stream reaches it at once, as a real GPU's does: stamped
+                # now, not whenever the stream's thread next runs (beside a busy core that was up
+                # to ~4.6 ms later, an error of the fake's that the shim's anchors then carried)
+                self._t = time.perf_counter_ns() + CLOCK_OFFSET_NS
+                return
+            self._t = None
         s.put(self._stamp)
 
     def _stamp(self) -> None:
