@@ -146,10 +146,10 @@ def test_the_helper_loads_nothing_while_the_job_starts(tmp_path: Path, open_afte
         with open_rank_file(f) as h:  # what the rank recorded is readable meanwhile
             assert int((h["events"][:]["kind"] == Kind.MARK).sum()) == 20_000
         loaded = _loaded(helper[0])
-        if open_after_s == "30" and budget == "0":
-            assert loaded == set() and lg.exists() and f.stat().st_size == 0, loaded
+        if open_after_s == "30" and budget == "0":  # (numpy loads at the helper's start: see _say_through)
+            assert "hdf5" not in loaded and lg.exists() and f.stat().st_size == 0, loaded
         else:
-            assert loaded == {"numpy", "hdf5"} and not lg.exists(), loaded
+            assert "hdf5" in loaded and not lg.exists(), loaded
         go.touch()
         _, err = p.communicate(timeout=60)
     finally:
