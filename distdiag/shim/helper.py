@@ -510,9 +510,9 @@ class _Helper:
         (it went there, the file stays unopened), ``"logged"`` (it went there, and the file opens
         now) or ``""`` (it is not in the log: the file opens now and takes it).
 
-        Why: opening the HDF5 file imports numpy and h5py (~0.3 s of CPU a rank, hundreds of
-        metadata calls to where Python's packages live). At the helper's first flush, one second
-        into the rank's run, that landed inside the job's own start-up (its imports, its dataset
+        Why: opening the HDF5 file imports h5py and loads libhdf5 (CPU, and metadata calls to where
+        Python's packages live; numpy loads at the helper's start, see _say_through). At the
+        helper's first flush, one second into the rank's run, that landed inside the job's own start-up (its imports, its dataset
         build, an import storm on a parallel file system) and, on a node with fewer free cores
         than helpers, slowed it (measured: 4 ranks on 2 cores, a 0.2 s start of a job ran 0.04-0.1 s
         longer wrapped, none with the file opened later). So the rank's stream goes to the spill
@@ -576,7 +576,6 @@ class _Helper:
             lg.add_json(b"MARK", mark)
         except OSError:  # a full disk: the file opens now and takes this flush from memory
             lg.size = self.log_marked  # what the log holds whole; a torn record is never handed over
-            self.log_strings = min(self.log_strings, len(self.rec.strings.strings))
             return ""
         self.log_marked = lg.size
         self.log_mark = mark
