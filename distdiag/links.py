@@ -187,7 +187,8 @@ def probe_matrix(run: Run) -> LinkMatrix | None:
 
 
 def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
-    """Matched point-to-point transfers (columns src, dst, nbytes, t0_ns, t1_ns, xfer_s).
+    """Matched point-to-point transfers (columns src, dst, nbytes, t0_ns, t1_ns, xfer_s, and the
+    ``run.events`` rows of each side: send_row, recv_row).
 
     Sends and receives pair up by (communicator, source, destination, n-th
     message between them): MPI and gloo deliver messages between one pair in
@@ -205,7 +206,8 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     si = si[(peer[si] >= 0) & (ev["t1_ns"][si] >= ev["t0_ns"][si])]
     ri = rows_of(run, (Kind.RECV, Kind.RECV_ASYNC))
     ri = ri[(peer[ri] >= 0) & (ev["t1_ns"][ri] >= ev["t0_ns"][ri])]
-    out: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns")}
+    out: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns",
+                                                                       "send_row", "recv_row")}  # fmt: skip
     out["xfer_s"] = np.zeros(0)
     if len(si) and len(ri):
         both = np.concatenate([si, ri])
@@ -257,6 +259,8 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
             "t0_ns": start_ns.astype(np.int64),
             "t1_ns": end_ns.astype(np.int64),
             "xfer_s": np.maximum(end_ns - start_ns, 1) / 1e9,
+            "send_row": ms.astype(np.int64),
+            "recv_row": mr.astype(np.int64),
         }
     run.cache["p2p_transfers"] = out
     return out

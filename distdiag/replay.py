@@ -33,9 +33,11 @@ arrival's; the rank goes on), the group's **done** (per member: the last
 launch' it waits for plus its transfer, the completion it saw less that
 launch) and the rank's **wait** (it ends at the later of its entry' and the
 groups it holds being done', plus what the wait recorded after both).
-Point-to-point calls, non-blocking collectives no wait shows (a test loop, a
-future never waited) and their waits are inside the segments, replayed as
-recorded (:func:`_coupling` says when they couple the ranks); a hang's open
+Blocking receives matched with their sends are rendezvous too
+(:func:`_p2p_events`), replayed in the batches of the launches and waits
+(:func:`_levels`). Receives a wait completes, non-blocking collectives no wait
+shows (a test loop, a future never waited) and their waits are inside the
+segments, replayed as recorded (:func:`_coupling` says when they couple the ranks); a hang's open
 collective and everything after it is the rank's tail, as recorded. The
 run's ``end`` per rank is its last exit' plus the tail it recorded after its
 last rendezvous.
@@ -150,6 +152,15 @@ class Waits:
     cov_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: per async member: its recorded segment before the launch (filled by the first plain replay)
     seg_ns: np.ndarray | None = None
+    #: per event: a point-to-point event's partners (:class:`_P2P`; event indices, -1 where none);
+    #: None when the run has none replayed
+    src: np.ndarray | None = None
+    dst: np.ndarray | None = None
+    p2p: np.ndarray | None = None
+    #: the ``run.events`` rows of the point-to-point events, ascending
+    p2p_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: per event: a point-to-point event's call site (string id; -1 for the others)
+    p2p_site: np.ndarray | None = None
 
 
 @dataclass
@@ -228,13 +239,124 @@ def model(run: Any, colls: Collectives) -> Model:
     rooted = root >= 0
     scheme[rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))] = 1
     scheme[rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))] = 2
-    m = Model(colls, order, scheme, root, start, end, present, wall, waits=waits)
-    m.step_kind, m.step_ref = _schedule(colls, order, waits)  # also puts waits' events in replay order
-    m.coupled_from_ns, m.coupled_why = _coupling(run, colls, ok | waited, blocking, wall, waits)
+    p2p = _p2p_events(run)
+    for with_p2p in ((True, False) if p2p is not None else (False,)):
+        w = _with_p2p(waits, p2p, n_g) if with_p2p else waits
+        m = Model(colls, order, scheme, root, start, end, present, wall, waits=w)
+        try:
+            m.step_kind, m.step_ref = _schedule(colls, order, w)  # also puts the events in replay order
+        except _Unschedulable:  # point-to-point calls the steps cannot hold: kept as recorded instead
+            continue
+        if with_p2p and not _in_each_ranks_order(m):
+            continue
+        break
+    m.coupled_from_ns, m.coupled_why = _coupling(run, colls, ok | waited, blocking, wall, m.waits)
     if not _in_each_ranks_order(m):
         m.reason = ("a rank's collectives replayed out of its own order (rooted collectives let ranks run "
                     "ahead): not replayable one group at a time")  # fmt: skip
     return m
+
+
+#: a blocking send of this many bytes or more waits for its receiver to arrive (MPI's rendezvous
+#: protocol; a smaller one is eager: it returns once the message is buffered), where the run
+#: cannot show which (the receiver arrived first)
+EAGER_BYTES = 64 * 1024
+
+
+@dataclass
+class _P2P:
+    """The replayed point-to-point events: per event its rank, entry and exit (ns; an ``Isend``'s
+    exit is its entry: the rank goes on), the event whose arrival its receive waits for (``src``)
+    and the one its send waits for (``dst``: a send that waits for its receiver), -1 where none;
+    ``rows``: the ``run.events`` rows they replay, ascending."""
+
+    rank: np.ndarray
+    entry_ns: np.ndarray
+    exit_ns: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    rows: np.ndarray
+    site: np.ndarray
+
+
+def _p2p_events(run: Any) -> _P2P | None:
+    """The point-to-point rendezvous (issue 20): every blocking receive matched with its send
+    (:func:`distdiag.links.p2p_transfers`), blocking or not. One event per blocking call: a
+    ``Sendrecv``'s SEND and RECV rows (same rank, same times) are one event that waits for both
+    partners. A receive waits for its sender's arrival; a blocking send waits for its receiver's
+    when it returned after the receiver came and either sent ``EAGER_BYTES`` or more, or came
+    first itself with nothing else to wait for (a ``Sendrecv`` whose own receive's sender came
+    after the receiver waited for that one). Receives a wait completes (``Irecv``) and their sends stay in the
+    segments, as recorded (:func:`_coupling`)."""
+    from distdiag.links import p2p_transfers
+
+    tr = p2p_transfers(run)
+    ms, mr = tr["send_row"], tr["recv_row"]
+    if len(ms) == 0:
+        return None
+    ev = run.events
+    kind = ev["kind"]
+    ok = (kind[mr] == Kind.RECV) & ((kind[ms] == Kind.SEND) | (kind[ms] == Kind.SEND_ASYNC))
+    if not ok.any():
+        return None
+    ms, mr, nb = ms[ok], mr[ok], tr["nbytes"][ok]
+    rows = np.concatenate([ms, mr])
+    # in row order: run.events comes by (rank, t0), so a Sendrecv's two rows are next to each other
+    o = np.argsort(rows, kind="stable")
+    rows_o = rows[o]
+    r = ev["rank"][rows_o].astype(np.int64)
+    t0 = ev["t0_ns"][rows_o].astype(np.int64)
+    t1 = np.maximum(ev["t1_ns"][rows_o], t0)
+    blocking = kind[rows_o] != Kind.SEND_ASYNC
+    # one event per (rank, t0, t1) of blocking rows; an Isend is an event of its own
+    same = (np.diff(r) == 0) & (np.diff(t0) == 0) & (np.diff(t1) == 0) & blocking[1:] & blocking[:-1]
+    new = np.r_[True, ~same]
+    eid_o = np.cumsum(new) - 1
+    eid = np.empty(len(rows), np.int64)
+    eid[o] = eid_o
+    head = np.flatnonzero(new)  # positions in row order
+    n_e = len(head)
+    e_exit = np.where(blocking, t1, t0)[head]
+    send_e, recv_e = eid[: len(ms)], eid[len(ms) :]
+    at = np.empty(len(rows), np.int64)  # each pair's rows: where they are in row order
+    at[o] = np.arange(len(rows), dtype=np.int64)
+    at_s, at_r = at[: len(ms)], at[len(ms) :]
+    t0_s, t1_s, t0_r = t0[at_s], t1[at_s], t0[at_r]
+    src = np.full(n_e, -1, np.int64)
+    src[recv_e] = send_e
+    # a send waits for its receiver when it stayed until the receiver came, unless waiting for its own
+    # receive's sender explains that (a Sendrecv whose left neighbour came last)
+    e_entry = t0[head]
+    s_src = src[send_e]
+    a_src = np.where(s_src >= 0, e_entry[np.maximum(s_src, 0)], np.iinfo(np.int64).min)
+    waits_r = blocking[at_s] & (t1_s > t0_r) & ((nb >= EAGER_BYTES) | ((t0_s < t0_r) & (a_src < t0_r)))
+    dst = np.full(n_e, -1, np.int64)
+    dst[send_e[waits_r]] = recv_e[waits_r]
+    site = ev["site_id"][rows_o[head]].astype(np.int64)
+    return _P2P(r[head], e_entry, e_exit, src, dst, rows_o.astype(np.int64), site)
+
+
+def _with_p2p(waits: Waits | None, p2p: _P2P | None, n_g: int) -> Waits | None:
+    """``waits`` with the point-to-point events appended (a Waits of those alone when None)."""
+    if p2p is None:
+        return waits
+    z = np.zeros(0, np.int64)
+    w = waits if waits is not None else Waits(z, z, z, z, z, z, np.full(n_g, -1, np.int64), 0, z, z,
+                                                np.zeros(0, bool), z, z)  # fmt: skip
+    n_w, n_p = len(w.rank), len(p2p.rank)
+    shift = np.where(p2p.src >= 0, p2p.src + n_w, -1), np.where(p2p.dst >= 0, p2p.dst + n_w, -1)
+    cat = np.concatenate
+    return Waits(cat([w.rank, p2p.rank]), cat([w.entry_ns, p2p.entry_ns]), cat([w.exit_ns, p2p.exit_ns]),
+                 w.cov_start, w.cov, w.batch_end, w.a_off, w.n_async, w.rows, w.seen_ns,
+                 cat([w.launch, np.zeros(n_p, bool)]), cat([w.ref, np.full(n_p, -1, np.int64)]), w.cov_of,
+                 w.seg_ns, src=cat([np.full(n_w, -1, np.int64), shift[0]]),
+                 dst=cat([np.full(n_w, -1, np.int64), shift[1]]), p2p=cat([np.zeros(n_w, bool), np.ones(n_p, bool)]),
+                 p2p_rows=p2p.rows, p2p_site=cat([np.full(n_w, -1, np.int64), p2p.site]))  # fmt: skip
+
+
+class _Unschedulable(ValueError):
+    """The point-to-point events cannot be put in steps (a partner after a collective its rank
+    makes first, or chains deeper than :data:`MAX_LEVEL_ROUNDS`)."""
 
 
 #: how far past a WAIT row's or a BACKWARD row's end a completion may be seen and still be its (the
@@ -406,7 +528,8 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     gk = (g_key - k_lo) * 4 + np.where(g_kind == 2, 2, 1)
     go = np.argsort(gk, kind="stable")
     order, g_kind, gk = order[go], g_kind[go], gk[go]
-    ek = (e_key - k_lo) * 4 + np.where(waits.launch, 0, 3)
+    goes_on = waits.launch if waits.p2p is None else waits.launch | (waits.p2p & (waits.exit_ns == waits.entry_ns))
+    ek = (e_key - k_lo) * 4 + np.where(goes_on, 0, 3)
     run = np.searchsorted(gk, ek)  # per event: how many group steps come before it
     # each rank's 1st, 2nd, ... event within its run, by (rank, key): within a rank the run grows
     # with the key, so each (run, rank) is one block (launches and waits each come by rank: two runs
@@ -417,6 +540,8 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     at = np.flatnonzero(blk)
     occ = np.empty(n_e, np.int64)
     occ[w] = np.arange(n_e) - np.repeat(at, np.diff(np.r_[at, n_e]))
+    if waits.src is not None and waits.dst is not None:  # point-to-point partners: a batch at or after theirs
+        occ = _levels(run, occ, w, blk, (waits.src, waits.dst))
     # replay order of the events: by run, then occurrence (a batch's events are of distinct ranks: any order)
     perm = np.argsort(run * (int(occ.max()) + 1) + occ, kind="stable")
     run_p, occ_p = run[perm], occ[perm]
@@ -436,6 +561,15 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     take = np.repeat(old_start[perm] - cov_start[:-1], c_new) + np.arange(int(cov_start[-1]), dtype=np.int64)
     waits.rank, waits.entry_ns, waits.exit_ns = waits.rank[perm], waits.entry_ns[perm], waits.exit_ns[perm]
     waits.launch, waits.ref = waits.launch[perm], waits.ref[perm]
+    if waits.src is not None and waits.dst is not None and waits.p2p is not None:
+        new_of = np.empty(n_e, np.int64)
+        new_of[perm] = np.arange(n_e, dtype=np.int64)
+        src, dst = waits.src[perm], waits.dst[perm]
+        waits.src = np.where(src >= 0, new_of[np.maximum(src, 0)], -1)
+        waits.dst = np.where(dst >= 0, new_of[np.maximum(dst, 0)], -1)
+        waits.p2p = waits.p2p[perm]
+        if waits.p2p_site is not None:
+            waits.p2p_site = waits.p2p_site[perm]
     waits.cov, waits.cov_start = waits.cov[take], cov_start
     waits.batch_end = np.zeros(n_e, np.int64)
     waits.batch_end[starts] = ends
@@ -447,6 +581,48 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     kind = np.r_[g_kind, np.ones(len(starts), np.int8)][so]
     ref = np.r_[order.astype(np.int64), starts.astype(np.int64)][so]
     return kind, ref
+
+
+#: rounds of :func:`_levels` before point-to-point chains count as too deep to replay in steps
+MAX_LEVEL_ROUNDS = 64
+
+
+def _levels(run: np.ndarray, occ: np.ndarray, w: np.ndarray, blk: np.ndarray,
+            partners: tuple[np.ndarray, ...]) -> np.ndarray:  # fmt: skip
+    """Each event's batch within its run (its rank's 1st, 2nd, ... step there), raised so that an
+    event comes no earlier than the partners whose arrival it waits for (``partners``: event
+    indices, -1 none), and each rank's batches still rise one by one at least: the least such
+    levels, by rounds of "at least my partners', then after my rank's previous" (numpy over all
+    events a round). A partner in a later run than the event (a collective between them in the
+    steps' order) or a chain deeper than :data:`MAX_LEVEL_ROUNDS` raises :class:`_Unschedulable`.
+    ``w``: the events by (rank, key); ``blk``: where a (run, rank) block begins in that order."""
+    e_l, p_l = [], []
+    for p in partners:
+        e = np.flatnonzero(p >= 0)
+        e_l.append(e)
+        p_l.append(p[e])
+    de, dp = np.concatenate(e_l), np.concatenate(p_l)
+    if bool((run[dp] > run[de]).any()):
+        raise _Unschedulable("a point-to-point partner after a collective its rank makes first")
+    same = run[dp] == run[de]
+    de, dp = de[same], dp[same]
+    if len(de) == 0:
+        return occ
+    bid = np.cumsum(blk) - 1  # per position in w: its (run, rank) block
+    occ_w = occ[w]
+    lvl = occ
+    for _ in range(MAX_LEVEL_ROUNDS):
+        need = lvl.copy()
+        np.maximum.at(need, de, lvl[dp])
+        v = need[w] - occ_w  # >= 0: a level is never below the event's place in its block
+        big = int(v.max()) + 1
+        v = np.maximum.accumulate(v + bid * big) - bid * big  # running max within each block
+        new = np.empty_like(lvl)
+        new[w] = v + occ_w
+        if np.array_equal(new, lvl):
+            return lvl
+        lvl = new
+    raise _Unschedulable(f"point-to-point calls chained more than {MAX_LEVEL_ROUNDS} deep between two collectives")
 
 
 #: the share of the replayed groups that non-blocking ones may reach, and of the wall-clock that
@@ -475,6 +651,8 @@ def _coupling(run: Any, colls: Collectives, ok: np.ndarray, blocking: np.ndarray
     rows = rows_of(run, (int(Kind.SEND), int(Kind.RECV), int(Kind.WAIT)))
     if waits is not None and len(waits.rows):
         rows = rows[~np.isin(rows, waits.rows)]
+    if waits is not None and len(waits.p2p_rows):  # replayed rendezvous
+        rows = rows[~np.isin(rows, waits.p2p_rows, assume_unique=True)]
     if len(rows) and wall_ns > 0:
         ev = run.events
         r = ev["rank"][rows].astype(np.int64)
@@ -580,7 +758,9 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     launch_new = np.zeros(n_a, np.int64)  # per async member: its launch, replayed
     done_rec = np.zeros(n_a, np.int64)  # per async member: its collective done, recorded and replayed
     done_new = np.zeros(n_a, np.int64)
-    med_a = _launch_medians(m, slow) if (any_slow and W is not None) else None
+    med_a = _launch_medians(m, slow) if (any_slow and W is not None and W.n_async) else None
+    #: per event: a point-to-point event's arrival, replayed (its partners read it in its batch or later)
+    p2p_new = np.zeros(len(W.rank), np.int64) if W is not None and W.p2p is not None else None
     fill_seg = None
     if W is not None and W.seg_ns is None and change is None:
         fill_seg = W.seg_ns = np.zeros(n_a, np.int64)
@@ -601,19 +781,36 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 seg = seg.copy()
                 np.subtract.at(seg, hit[0], hit[1])
                 np.maximum(seg, 0, out=seg)
+            if p2p_new is not None:
+                is_p = W.p2p[i0:i1]  # type: ignore[index]
+                if any_slow and is_p.any():
+                    site = W.p2p_site[i0:i1]  # type: ignore[index]
+                    seg = _p2p_pace(seg, is_p & slow[r] & started[r], is_p & ~slow[r], site)
             arr_new = new_last[r] + seg
             if is_l.any():
                 launch_new[a_i[is_l]] = arr_new[is_l]
             out_rec, out_new = entry, arr_new  # a launch: the rank goes on from it
-            if not is_l.all():
+            if p2p_new is not None and is_p.any():  # a rendezvous: at the later of it and its partners
+                p2p_new[i0:i1] = arr_new
+                ref_rec, ref_new = entry.copy(), arr_new.copy()
+                for part in (W.src[i0:i1], W.dst[i0:i1]):  # type: ignore[index]
+                    has = part >= 0
+                    if has.any():
+                        q = part[has]
+                        ref_rec[has] = np.maximum(ref_rec[has], W.entry_ns[q])
+                        ref_new[has] = np.maximum(ref_new[has], p2p_new[q])
+                out_rec = np.where(is_p, ext, out_rec)
+                out_new = np.where(is_p, ref_new + (ext - ref_rec), out_new)
+            if not (is_l.all() or (p2p_new is not None and (is_l | is_p).all())):
                 cs = W.cov_start[i0 : i1 + 1]
                 held = W.cov[cs[0] : cs[-1]]
                 at = np.minimum(cs[:-1] - cs[0], max(len(held) - 1, 0))  # a launch's empty range: unused
                 d_new = np.maximum.reduceat(done_new[held], at)
                 d_rec = np.maximum.reduceat(done_rec[held], at)
                 exit_new = np.maximum(arr_new, d_new) + (ext - np.maximum(entry, d_rec))
-                out_rec = np.where(is_l, entry, ext)
-                out_new = np.where(is_l, arr_new, exit_new)
+                is_w = ~is_l if p2p_new is None else ~(is_l | is_p)
+                out_rec = np.where(is_w, ext, out_rec)
+                out_new = np.where(is_w, exit_new, out_new)
             rec_last[r] = np.maximum(rec_last[r], out_rec)
             new_last[r] = np.maximum(new_last[r], out_new)
             started[r] = True
@@ -674,6 +871,22 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     out = new_last + tail
     end[m.present] = out[m.present]
     return end
+
+
+def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.ndarray) -> np.ndarray:
+    """A batch's segments with each slow rank's before a point-to-point call at the median of its
+    peers' before a call from the same line in the batch (a halo exchange: every rank's k-th
+    exchange), where that is shorter; a call no peer makes from its line keeps its own (a
+    pipeline's stages run different code)."""
+    if not slow.any() or not peers.any():
+        return seg
+    out = seg
+    for s in np.unique(site[slow]).tolist():  # the slow ranks' sites in one batch: a few
+        same = peers & (site == s)
+        if same.any():
+            med = np.int64(np.median(seg[same]))
+            out = np.where(slow & (site == s) & (out > med), med, out)
+    return out
 
 
 def _launch_medians(m: Model, slow: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from distdiag.replay import EAGER_BYTES
 from distdiag.schema import EVENT_DTYPE, SYNC_DTYPE, Kind, SyncTag, rank_file_name
 from distdiag.shim.writer import write_rank_file
 
@@ -339,3 +340,99 @@ def reorder_strings_and_rows(path: Path) -> None:
         half = len(ev) // 2
         f["events"][...] = np.concatenate([ev[half:], ev[:half]])
         f["strings"][...] = strings[perm]
+
+
+# -- point-to-point jobs (issue 20) --------------------------------------------------------------
+def p2p_row(t0_ms: float, t1_ms: float, kind: int, peer: int, s: list[str], name: str = "Send",
+            site: str = "halo.py:9", nbytes: int = 1024) -> tuple[Any, ...]:  # fmt: skip
+    """One point-to-point row on the world communicator (``peer``: the world rank)."""
+    for x in (name, "world", site):
+        if x not in s:
+            s.append(x)
+    return (int(t0_ms * MS), int(t1_ms * MS), int(kind), s.index(name), s.index("world"), -1, peer, nbytes, 0,
+            s.index(site), 0, 0.0)  # fmt: skip
+
+
+XFER_MS = 0.1  # a message's transfer after the arrivals it waits for
+
+
+def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, write: bool = True) -> np.ndarray:
+    """A job whose truth is computed here, one step at a time: every step each rank computes
+    ``compute[step, rank]`` ms, then exchanges with its neighbours (``pattern``), then an
+    all-reduce every other step. A receive ends ``XFER_MS`` after the later of its own and its
+    sender's arrival; a small (eager) send returns ``XFER_MS`` after its own arrival, a big one
+    (``big``: distdiag.replay.EAGER_BYTES) waits for its receiver too. Writes the rank files
+    (``write``) and returns each rank's end (ms).
+
+    Patterns: ``ring`` (one Sendrecv each: to the right, from the left), ``pairs`` (even ranks
+    Send to the right then Recv from it, odd ranks Recv from the left then Send to it), ``isend``
+    (an Isend to the right, completed at the step's end, then a Recv from the left), ``chain`` (a
+    pipeline: rank 0 Sends to 1, each rank Recvs from the left, then Sends to the right)."""
+    s: list[str] = [""]
+    rows: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]
+    nb = EAGER_BYTES if big else 1024
+    t = np.zeros(n)
+    for k in range(len(compute)):
+        t = t + compute[k]
+        a = t.copy()  # arrivals at the exchange
+        if pattern == "ring":
+            left = np.roll(a, 1)  # each one's source's arrival
+            right = np.roll(a, -1)
+            ex = np.maximum(a, left) + XFER_MS
+            if big:
+                ex = np.maximum(ex, right + XFER_MS)
+            for r in range(n):
+                rows[r].append(p2p_row(a[r], ex[r], Kind.SEND, (r + 1) % n, s, "Sendrecv", nbytes=nb))
+                rows[r].append(p2p_row(a[r], ex[r], Kind.RECV, (r - 1) % n, s, "Sendrecv", nbytes=nb))
+            t = ex
+        elif pattern == "pairs":
+            ex = a.copy()
+            for r in range(0, n - 1, 2):
+                q = r + 1
+                s_end = (max(a[r], a[q]) if big else a[r]) + XFER_MS  # r's Send
+                r_end = max(a[q], a[r]) + XFER_MS  # q's Recv
+                rows[r].append(p2p_row(a[r], s_end, Kind.SEND, q, s, "Send", "halo.py:10", nb))
+                rows[q].append(p2p_row(a[q], r_end, Kind.RECV, r, s, "Recv", "halo.py:11", nb))
+                b_q = r_end  # q sends back right away, r receives
+                b_s = (max(b_q, s_end) if big else b_q) + XFER_MS
+                b_r = max(s_end, b_q) + XFER_MS
+                rows[q].append(p2p_row(b_q, b_s, Kind.SEND, r, s, "Send", "halo.py:12", nb))
+                rows[r].append(p2p_row(s_end, b_r, Kind.RECV, q, s, "Recv", "halo.py:13", nb))
+                ex[r], ex[q] = b_r, b_s
+            t = ex
+        elif pattern == "isend":
+            left = np.roll(a, 1)
+            r_end = np.maximum(a, left) + XFER_MS
+            for r in range(n):
+                rows[r].append(p2p_row(a[r], r_end[(r + 1) % n], Kind.SEND_ASYNC, (r + 1) % n, s, "Isend", nbytes=nb))
+                rows[r].append(p2p_row(a[r], r_end[r], Kind.RECV, (r - 1) % n, s, "Recv", "halo.py:10", nb))
+            t = r_end
+        else:  # chain
+            ex = a.copy()
+            arrive_send = a.copy()
+            for r in range(n):
+                if r > 0:  # receive from the left, after its send
+                    r_end = max(a[r], arrive_send[r - 1]) + XFER_MS
+                    rows[r].append(p2p_row(a[r], r_end, Kind.RECV, r - 1, s, "Recv", "pipe.py:5", nb))
+                    arrive_send[r] = r_end
+                    ex[r] = r_end
+                if r < n - 1:  # send to the right (eager)
+                    s0 = arrive_send[r]
+                    rows[r].append(p2p_row(s0, s0 + XFER_MS, Kind.SEND, r + 1, s, "Send", "pipe.py:6", nb))
+                    arrive_send[r] = s0
+                    ex[r] = s0 + XFER_MS
+            t = ex
+        if k % 2:
+            t = t + 0.2
+            out = float(t.max()) + 0.3
+            for r in range(n):
+                rows[r].append(coll(float(t[r]), out, k // 2, s))
+            t = np.full(n, out)
+    if write:
+        for r in range(n):
+            if "work" not in s:
+                s.append("work")
+            rows[r].append((int(t[r] * MS), int((t[r] + 0.5) * MS), int(Kind.PHASE), s.index("work"), 0, -1, -1, 0, 0,
+                            0, 0, 0.0))  # fmt: skip
+            write_rank(d, r, n, sorted(rows[r]), s)
+    return t + 0.5

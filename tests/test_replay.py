@@ -22,7 +22,7 @@ from distdiag.match import collectives_of
 from distdiag.replay import Change
 from distdiag.run import load_run
 from distdiag.schema import Kind
-from factories import MS, coll, make_run, write_rank
+from factories import MS, XFER_MS, coll, make_run, p2p_row, simulate_p2p, write_rank
 
 
 def phase(t0_ms: float, t1_ms: float, strings: list[str], name: str = "work") -> tuple[Any, ...]:
@@ -487,3 +487,95 @@ def test_random_runs_with_waited_buckets_replay_exactly_and_removing_more_never_
     for x, y in ((cut, pace), (cut, gone), (pace, gone)):
         both = m.saving_s(x.plus(y))
         assert both >= max(saved[x.what], saved[y.what]) - 1e-9, (x.what, y.what, both, saved)
+
+
+# -- point-to-point rendezvous (issue 20) ------------------------------------------------------
+def _ring_compute(n: int, steps: int, seed: int, slow: int = -1, extra_ms: float = 0.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    c = rng.uniform(0.5, 3.0, (steps, n))
+    if slow >= 0:
+        c[:, slow] += extra_ms
+    return c
+
+
+@pytest.mark.parametrize("pattern", ["ring", "pairs", "isend", "chain"])
+@pytest.mark.parametrize("big", [False, True])
+def test_point_to_point_calls_are_rendezvous_replayed_exactly(tmp_path: Path, pattern: str, big: bool) -> None:
+    """Each exchange pattern, small and large messages, 4-5 ranks with random compute: the
+    point-to-point calls are replayed (nothing left coupled), the recorded run replays to the
+    nanosecond, and taking 1.5 ms out of one rank's compute in one step saves what the job
+    simulated without it saves (up to the transfer slack a small Sendrecv leaves ambiguous)."""
+    n = 5 if pattern == "chain" else 4
+    c = _ring_compute(n, 8, seed=len(pattern) + 10 * big)
+    simulate_p2p(tmp_path, n, c, pattern, big)
+    m = model_of(tmp_path)
+    assert m.reason == "" and m.coupled_why == "", m.coupled_why
+    assert m.waits is not None and m.waits.p2p is not None and int(m.waits.p2p.sum()) > 0
+    np.testing.assert_array_equal(m.replay(None)[m.present], m.end_ns[m.present])
+    truth_end = simulate_p2p(tmp_path, n, c, pattern, big, write=False).max()
+    for rank, step in ((1, 3), (2, 6), (0, 0)):
+        c2 = c.copy()
+        c2[step, rank] -= 1.5
+        saved_ms = truth_end - simulate_p2p(tmp_path, n, c2, pattern, big, write=False).max()
+        t_start = c[: step + 1, rank].sum()  # a lower bound on where that compute lies: find it in the rows
+        # the step's compute is the stretch before the rank's step-th exchange: take its last 1.5 ms
+        ev = load_run(tmp_path).events
+        mine = ev[(ev["rank"] == rank) & np.isin(ev["kind"], [int(Kind.SEND), int(Kind.RECV), int(Kind.SEND_ASYNC)])]
+        firsts = np.unique(mine["t0_ns"])
+        per_step = len(firsts) // len(c)
+        arrive_ms = firsts[step * per_step] / MS
+        assert arrive_ms >= t_start - 1e-6
+        got = m.saving_s(drop("faster", rank, arrive_ms - 1.5, arrive_ms)) * 1e3
+        assert got == pytest.approx(saved_ms, abs=1e-6 + (0.0 if big else XFER_MS * len(c))), (rank, step)
+
+
+def test_a_straggler_in_a_sendrecv_ring_is_replayed_at_its_peers_pace(tmp_path: Path) -> None:
+    """Rank 2 computes 2 ms more than its peers' 1 ms before each Sendrecv of a ring after the
+    first (the first is start-up's): at its peers' pace it saves exactly what the job without the
+    extra work saves; a peer saves nothing."""
+    n, steps = 4, 10
+    c = np.ones((steps, n))
+    slow = c.copy()
+    slow[1:, 2] += 2.0
+    simulate_p2p(tmp_path, n, slow, "ring", big=False)
+    m = model_of(tmp_path)
+    assert m.coupled_why == ""
+    truth_ms = simulate_p2p(tmp_path, n, slow, "ring", False, write=False).max() - \
+        simulate_p2p(tmp_path, n, c, "ring", False, write=False).max()  # fmt: skip
+    assert truth_ms == pytest.approx(18.0, abs=1.0)
+    assert m.saving_s(Change("pace", median_ranks=np.array([2]))) * 1e3 == pytest.approx(truth_ms, abs=1e-6)
+    assert m.saving_s(Change("pace", median_ranks=np.array([0]))) == 0.0
+
+
+def test_point_to_point_chains_too_deep_for_the_steps_stay_as_recorded(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A pipeline 6 ranks deep needs 5 rounds of levels; allowed 2, the model keeps the point-to-point
+    calls inside the segments as before (coupled from the first), and still replays exactly."""
+    simulate_p2p(tmp_path, 6, _ring_compute(6, 6, seed=3), "chain", big=False)
+    monkeypatch.setattr(replay, "MAX_LEVEL_ROUNDS", 2)
+    m = model_of(tmp_path)
+    assert m.waits is None and "point-to-point" in m.coupled_why
+    np.testing.assert_array_equal(m.replay(None)[m.present], m.end_ns[m.present])
+    monkeypatch.undo()
+    m = model_of(tmp_path)
+    assert m.coupled_why == "" and m.waits is not None
+
+
+def test_a_sendrecv_held_by_its_left_neighbour_does_not_wait_for_its_right_one(tmp_path: Path) -> None:
+    """A ring of 3 Sendrecvs (1 KB): rank 0 arrives at 10 ms, ranks 1 and 2 at 1 and 2. Rank 1
+    returns at 10.1 although rank 2, whom it sends to, came at 2: it waited for rank 0 (its own
+    receive's sender), not for rank 2. Then 1, 5 and 1 ms of work and an all-reduce ending at 15.4.
+    Without rank 0's late 9 ms every rank leaves the ring by 2.1 (rank 1 at 1.1) and the
+    all-reduce ends at 1.1 + 5 + 0.3 = 6.4: 9 ms saved (8 if rank 1 were held until rank 2 came)."""
+    s: list[str] = [""]
+    arrive, leave = [10.0, 1.0, 2.0], [10.1, 10.1, 2.1]
+    after = [1.0, 5.0, 1.0]
+    for r in range(3):
+        rows = [phase(0.0, arrive[r], s),
+                p2p_row(arrive[r], leave[r], Kind.SEND, (r + 1) % 3, s, "Sendrecv"),
+                p2p_row(arrive[r], leave[r], Kind.RECV, (r - 1) % 3, s, "Sendrecv"),
+                coll(leave[r] + after[r], 15.4, 0, s), phase(15.4, 16.0, s)]  # fmt: skip
+        write_rank(tmp_path, r, 3, sorted(rows), s)
+    m = model_of(tmp_path)
+    np.testing.assert_array_equal(m.replay(None)[m.present], m.end_ns[m.present])
+    assert m.saving_s(drop("rank 0 on time", 0, 1.0, 10.0)) == pytest.approx(0.009, abs=1e-9)
