@@ -24,6 +24,7 @@ import pytest
 
 from distdiag import replay
 from distdiag.config import Config
+from distdiag.findings import Finding
 from distdiag.pipeline import Report, analyze
 from distdiag.schema import EVENT_DTYPE, Kind
 from factories import write_rank
@@ -370,15 +371,28 @@ def test_mpi_healthy_twin_has_neither(serial_ab: SerialAB) -> None:
 TEXTBOOK = ("--serial-rank", "0", "--serial-s", "0.25", "--every", "5", "--bcast-every", "5", "--no-log")
 
 
+def run_ab(tmp: Path, faulty_args: tuple[str, ...],
+           healthy_args: tuple[str, ...]) -> tuple[list[SerialRun], list[SerialRun]]:  # fmt: skip
+    """3 rounds of (the faulty job, its healthy twin), by turns."""
+    faulty, healthy = [], []
+    for i in range(3):
+        faulty.append(run_serial_job(tmp / f"faulty{i}", *ITERS, *faulty_args))
+        healthy.append(run_serial_job(tmp / f"healthy{i}", *ITERS, *healthy_args))
+    return faulty, healthy
+
+
+def verdict_of(run: SerialRun, kind: str, ranks: list[int]) -> tuple[Report, Finding]:
+    """The report of ``run``, whose verdict must be ``kind`` on ``ranks``."""
+    rep = analyze(run.run_dir, Config())
+    top = rep.verdict
+    assert top is not None and top.kind == kind and top.ranks == ranks, [(f.kind, f.summary) for f in rep.findings]
+    return rep, top
+
+
 @pytest.fixture(scope="module")
 def textbook_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[SerialRun], list[SerialRun]]:
     """3 rounds of (textbook serial section, its healthy twin: the same bcasts, no work)."""
-    tmp = tmp_path_factory.mktemp("textbook_ab")
-    faulty, healthy = [], []
-    for i in range(3):
-        faulty.append(run_serial_job(tmp / f"serial{i}", *ITERS, *TEXTBOOK))
-        healthy.append(run_serial_job(tmp / f"healthy{i}", *ITERS, "--bcast-every", "5"))
-    return faulty, healthy
+    return run_ab(tmp_path_factory.mktemp("textbook_ab"), TEXTBOOK, ("--bcast-every", "5"))
 
 
 @pytest.mark.mpi
@@ -389,10 +403,8 @@ def test_mpi_root_preparing_its_bcast_alone_is_a_serial_section_not_a_straggler(
     costs = []
     for run in faulty:
         assert run.serial_s == pytest.approx(1.0)
-        rep = analyze(run.run_dir, Config())
-        top = rep.verdict
-        assert top is not None and top.kind == "serial_section", [(f.kind, f.summary) for f in rep.findings]
-        assert top.ranks == [0] and top.evidence["why_serial"]["root_prepares"] == top.evidence["windows"] == 4
+        rep, top = verdict_of(run, "serial_section", [0])
+        assert top.evidence["why_serial"]["root_prepares"] == top.evidence["windows"] == 4
         assert top.evidence["why_serial"]["intermittent"] == 0  # late at every call of its line
         assert of_kind(rep, "straggler") == []
         costs.append(top.cost_s)
@@ -404,6 +416,43 @@ def test_mpi_root_preparing_its_bcast_alone_is_a_serial_section_not_a_straggler(
         assert_replays_healthy(rep, saving.noise_s)
     print(f"textbook serial section priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
     assert_prices_median(saving, costs, rel=0.10, what="serial_section cost")
+
+
+#: a halo exchange (issue 20): every iteration a ring Sendrecv of 8 KB after the compute; rank 2
+#: computes 50 ms longer each time, so its right neighbour waits for it in the Sendrecv (and its
+#: left one, whose send it does not take): the others reach the all-reduce together, late
+HALO = ("--halo-bytes", "8192")
+
+
+@pytest.fixture(scope="module")
+def halo_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[SerialRun], list[SerialRun]]:
+    """3 rounds of (halo exchange with a slow rank, its healthy twin)."""
+    return run_ab(tmp_path_factory.mktemp("halo_ab"), HALO + SLOW, HALO)
+
+
+@pytest.mark.mpi
+def test_mpi_straggler_held_at_a_halo_exchange_is_named_and_priced(
+    halo_ab: tuple[list[SerialRun], list[SerialRun]],
+) -> None:
+    """The slow rank holds its neighbours at a point-to-point call, not at the collective (they
+    all reach it late together): the straggler is found from the Sendrecvs and priced by the
+    replay through them, within 10% of what the job run without it saves; the twin stays silent."""
+    faulty, healthy = halo_ab
+    costs = []
+    for run in faulty:
+        assert run.slow_s == pytest.approx(1.0)
+        _rep, top = verdict_of(run, "straggler", [2])
+        assert top.evidence["p2p_late_calls"] >= 15 and "Sendrecv" in top.evidence["per_op"]
+        assert top.evidence["replay"]["saving_s"] == top.cost_s  # priced through the Sendrecvs, not kept as recorded
+        costs.append(top.cost_s)
+    saving = Saving(tuple(r.loop_s for r in faulty), tuple(r.loop_s for r in healthy))
+    for run in healthy:
+        rep = analyze(run.run_dir, Config())
+        loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.fraction > 0.02]
+        assert loud == [], loud
+        assert_replays_healthy(rep, saving.noise_s)
+    print(f"halo straggler priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
+    assert_prices_median(saving, costs, rel=0.10, what="straggler cost at a halo exchange")
 
 
 @pytest.mark.parametrize("n", [4, 5])  # 3 others a group (odd), 4 (even: the mean of two middle gaps)

@@ -73,12 +73,13 @@ the stage (``--stages --baseline <worktree of 3599750> --repeat 2``, load
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.intervals import band_of
 from distdiag.match import MatchState, collectives_of, group_blocks, member_gaps_ns
 from distdiag.run import _ranges
 from distdiag.replay import Change
@@ -111,13 +112,21 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     n_last = np.bincount(last, minlength=n)
     # Complete groups each rank took part in: the denominator of "last at x%".
     n_member = _members_per_rank(colls, complete, n)
+    # the lateness partners waited for at point-to-point calls (a halo exchange), charged alike
+    p2p = p2p_lateness(run, colls, min_fraction * wall_s * 1e9, cost_ns)
+    p2p = P2PLateness(*(a[p2p.rank < n] for a in p2p))
+    p2p_ns = np.bincount(p2p.rank, weights=p2p.ns, minlength=n)
+    cost_ns = cost_ns + p2p_ns
+    in_p2p = np.zeros(n, bool)
+    p2p_r = np.unique(run.events["rank"][_p2p_rows(run)]).astype(np.int64)
+    in_p2p[p2p_r[p2p_r < n]] = True
 
     # The last arriver's own member row of each group: its op and call site.
     last_row = colls.g_start[1:][g_idx] - 1
     ops = colls.m_op[last_row]
     sites = colls.m_site[last_row]
 
-    took_part = n_member > 0
+    took_part = (n_member > 0) | in_p2p
     blamed: list[tuple[int, float]] = []  # (rank, its peers' median charge), ranks over threshold: few
     for r_ in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):
         r = int(r_)
@@ -132,19 +141,30 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     rank_ops = _ops_per_rank(colls, complete, [r for r, _ in blamed])
 
     findings = []
+    ev = run.events
     for r, peer_median_ns in blamed:  # the blamed ranks: few
         mine = last == r
         cost_s = float(cost_ns[r]) / 1e9
-        frac_last = float(n_last[r]) / max(1, int(n_member[r]))
-        per_op = tally(ops[mine], wait_ns[mine], run, limit=10)
-        by_site = tally(sites[mine], wait_ns[mine], run, limit=top_sites)
-        w = wait_ns[mine]
+        n_coll = int(n_member[r])
+        frac_last = float(n_last[r]) / max(1, n_coll)
+        p_mine = p2p.rank == r
+        p_rows = p2p.row[p_mine]
+        w = np.r_[wait_ns[mine], p2p.ns[p_mine]]
+        per_op = tally(np.r_[ops[mine], ev["name_id"][p_rows]], w, run, limit=10)
+        by_site = tally(np.r_[sites[mine], ev["site_id"][p_rows]], w, run, limit=top_sites)
         my_ops = rank_ops[r]
         op_word = f"{run.s(int(my_ops[0]))} calls" if len(my_ops) == 1 else "collectives"
-        summary = (
-            f"rank {r} arrived last at {frac_last:.0%} of {int(n_member[r])} {op_word}; "
-            f"the others waited {secs(cost_s)}"
-        )
+        if p2p_ns[r] > cost_ns[r] - p2p_ns[r]:  # held mostly at point-to-point calls
+            names = sorted({run.s(int(i)) for i in np.unique(ev["name_id"][p_rows])})
+            summary = (
+                f"rank {r} kept its point-to-point partners waiting at {int(p_mine.sum())} calls "
+                f"({', '.join(names[:3])}); the others waited {secs(cost_s)}"
+            )
+        else:
+            summary = (
+                f"rank {r} arrived last at {frac_last:.0%} of {n_coll} {op_word}; "
+                f"the others waited {secs(cost_s)}"
+            )
         host = run.host_of(r)
         top_site = next(iter(by_site.keys()), "")
         where = f" (top call site {top_site})" if top_site and top_site != "?" else ""
@@ -157,19 +177,24 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 hosts=[host] if host else [],
                 evidence={
                     "count": int(n_last[r]),
-                    "collectives": int(n_member[r]),
+                    "collectives": n_coll,
                     "fraction_last": round(frac_last, 4),
                     "wait_s": cost_s,
+                    "p2p_late_calls": int(p_mine.sum()),
+                    "p2p_wait_s": float(p2p_ns[r]) / 1e9,
                     "median_wait_ms": float(np.median(w)) / 1e6,
                     "max_wait_ms": float(w.max()) / 1e6,
                     "peers_median_wait_s": peer_median_ns / 1e9,
                     "per_op": per_op,
                     "top_sites": by_site,
                 },
-                change=Change(f"rank {r}'s work before each collective at the other members' median",
+                change=Change(f"rank {r}'s work before each collective at the other members' median"
+                              + (", and before each point-to-point call at that of the ranks calling from the same line"
+                                 if p_mine.any() else ""),
                               median_ranks=np.array([r], np.int64)),
                 advice=(
-                    f"Find what rank {r}{' on ' + host if host else ''} does before its collectives{where} "
+                    f"Find what rank {r}{' on ' + host if host else ''} does before its "
+                    f"{'point-to-point calls and collectives' if p_mine.any() else 'collectives'}{where} "
                     "that the others do not: uneven data or work split, extra I/O or logging on that rank, "
                     "or a slower/busier node."
                 ),
@@ -326,6 +351,140 @@ def _early_rows(colls: Any) -> np.ndarray | None:
 
 #: Member rows per block of the passes over member rows.
 _ROWS = 1 << 18
+
+#: member rows of the ranks :func:`p2p_lateness` looks at, up to which their collectives' exits
+#: count as where a rank left before a point-to-point call (past it: the point-to-point calls' only)
+P2P_COLL_ROWS = 1 << 24
+
+
+class P2PLateness(NamedTuple):
+    """Per late point-to-point event (a call a partner waited for): its rank, its ``run.events``
+    row and what its lateness cost the partners who waited (ns, its own: less what it inherited)."""
+
+    rank: np.ndarray
+    row: np.ndarray
+    ns: np.ndarray
+
+
+def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None = None) -> P2PLateness:
+    """The lateness at point-to-point rendezvous (issue 20), as :func:`own_lateness_ns` at collectives.
+
+    A blocking receive waits for its sender's arrival: the sender is late by ``send t0 - receive
+    t0`` (at most the receive's length). A blocking send that came first and returned after its
+    receiver came waited for it (a rendezvous send, or a ``Sendrecv``): the receiver is late by
+    ``receive t0 - send t0``. Pairs come from
+    :func:`distdiag.links.p2p_transfers`. One call's lateness is charged once, at the largest wait
+    it caused (a ``Sendrecv`` in a ring that holds both neighbours costs the run one wait, not
+    two). What the late rank inherited is subtracted: how much later it left its previous
+    rendezvous (a collective or a point-to-point call) than the rank that waited, at most as long
+    as it was held there (a pipeline stage late because it waited for the stage before; not a
+    rank that came last to its previous call); a late rank's first rendezvous is launch skew and
+    never charged. Ranks whose charge before that subtraction,
+    plus ``have_ns[rank]`` (their charges elsewhere), stays under ``min_ns`` are left out (their
+    previous exits are not looked up)."""
+    from distdiag.links import p2p_transfers
+    from distdiag.schema import Kind
+
+    z = np.zeros(0, np.int64)
+    tr = p2p_transfers(run)
+    ms, mr = tr["send_row"], tr["recv_row"]
+    if len(ms) == 0:
+        return P2PLateness(z, z, z)
+    ev = run.events
+    kind = ev["kind"]
+    t0, t1 = ev["t0_ns"].astype(np.int64), ev["t1_ns"].astype(np.int64)
+    s0, s1, r0, r1 = t0[ms], t1[ms], t0[mr], t1[mr]
+    recv_waits = (kind[mr] == Kind.RECV) & (s0 > r0)
+    send_waits = (kind[ms] == Kind.SEND) & (r0 > s0) & (s1 > r0)  # it came first and stayed until the receiver did
+    late_row = np.r_[ms[recv_waits], mr[send_waits]]
+    wait_row = np.r_[mr[recv_waits], ms[send_waits]]
+    gap = np.r_[np.minimum(s0 - r0, r1 - r0)[recv_waits], (r0 - s0)[send_waits]]
+    if len(late_row) == 0:
+        return P2PLateness(z, z, z)
+    rank = ev["rank"].astype(np.int64)
+    late_r = rank[late_row]
+    n = int(max(int(rank.max()), int(colls.m_rank.max()) if len(colls) else 0)) + 1
+    raw = np.bincount(late_r, weights=gap, minlength=n)
+    if have_ns is not None:
+        raw[: len(have_ns)] += have_ns[:n]
+    keep = raw[late_r] >= min_ns
+    late_row, wait_row, gap, late_r = late_row[keep], wait_row[keep], gap[keep], late_r[keep]
+    if len(late_row) == 0:
+        return P2PLateness(z, z, z)
+    # where each rank left its previous rendezvous before each arrival asked about
+    who = np.unique(np.r_[late_r, rank[wait_row]])
+    q_r, q_t = np.r_[late_r, rank[wait_row]], np.r_[t0[late_row], t0[wait_row]]
+    left, held = _left_before(run, colls, who, q_r, q_t)
+    left_late, left_wait = left[: len(late_row)], left[len(late_row) :]
+    # inherited: how much later it left than the waiter, at most what it waited there itself (a rank
+    # that came last to its previous rendezvous left it late by its own doing)
+    inherited = np.minimum(np.maximum(left_late - np.maximum(left_wait, 0), 0), held[: len(late_row)])
+    own = np.clip(gap - inherited, 0, gap)
+    own[left_late < 0] = 0  # the late rank's first rendezvous: launch skew
+    # one charge per late call: its largest (a Sendrecv's SEND and RECV rows are one call, at one
+    # (rank, t0)); run.events comes by (rank, t0), so the rows' order is the calls'
+    o = np.argsort(late_row, kind="stable")
+    lr, lo_own = late_row[o], own[o]
+    key_r, key_t = late_r[o], t0[lr]
+    first = np.flatnonzero(np.r_[True, (np.diff(key_r) != 0) | (np.diff(key_t) != 0)])
+    best = np.maximum.reduceat(lo_own, first)
+    # the call's first row whose charge is its largest: any row of the call names it alike
+    keep = best > 0
+    return P2PLateness(key_r[first][keep], lr[first][keep], best[keep])
+
+
+def _p2p_rows(run: Any) -> np.ndarray:
+    from distdiag.rows import rows_of
+    from distdiag.schema import Kind
+
+    return rows_of(run, (Kind.SEND, Kind.RECV))
+
+
+def _left_before(run: Any, colls: Any, who: np.ndarray, q_rank: np.ndarray,
+                 q_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Per query: the latest exit (ns) of rank ``q_rank`` from a rendezvous (a collective member
+    row's return, a point-to-point call's) at or before ``q_t`` (-1 where none), and how long that
+    call took (0 where none). The ranks
+    ``who`` (ascending, holding every query's) only: their member rows, by blocks of whole groups,
+    while they are at most :data:`P2P_COLL_ROWS` (else only the point-to-point calls count)."""
+    from distdiag.rows import rows_of
+    from distdiag.schema import Kind
+
+    ev = run.events
+    p_rows = rows_of(run, (Kind.SEND, Kind.RECV, Kind.SEND_ASYNC, Kind.RECV_ASYNC))
+    p_rows = p_rows[np.isin(ev["rank"][p_rows], who)]
+    ex_r = [ev["rank"][p_rows].astype(np.int64)]
+    ex_t = [ev["t1_ns"][p_rows].astype(np.int64)]
+    ex_0 = [ev["t0_ns"][p_rows].astype(np.int64)]
+    got = 0
+    for _g_lo, _g_hi, a, b in group_blocks(colls):  # per block of ~262,144 member rows
+        sel = np.flatnonzero(np.isin(colls.m_rank[a:b], who))
+        got += len(sel)
+        if got > P2P_COLL_ROWS:
+            ex_r, ex_t, ex_0 = ex_r[:1], ex_t[:1], ex_0[:1]
+            break
+        ex_r.append(colls.m_rank[a:b][sel].astype(np.int64))
+        ex_t.append(colls.m_t1_ns[a:b][sel].astype(np.int64))
+        ex_0.append(colls.m_t0_ns[a:b][sel].astype(np.int64))
+    r, t, t_in = np.concatenate(ex_r), np.concatenate(ex_t), np.concatenate(ex_0)
+    ok = t >= t_in
+    r, t, t_in = r[ok], t[ok], t_in[ok]
+    out = np.full(len(q_rank), -1, np.int64)
+    held = np.zeros(len(q_rank), np.int64)
+    if len(r) == 0:
+        return out, held
+    band = band_of(int(who.max()) + 1, t, q_t)
+    if band is None:
+        return out, held
+    lo, span = band
+    key = r * span + (t - lo)
+    o = np.argsort(key, kind="stable")
+    key, dur = key[o], (t - t_in)[o]
+    at = np.searchsorted(key, q_rank * span + (q_t - lo), side="right") - 1
+    hit = (at >= 0) & (key[np.maximum(at, 0)] // span == q_rank)
+    out[hit] = key[at[hit]] - q_rank[hit] * span + lo
+    held[hit] = dur[at[hit]]
+    return out, held
 
 
 def one_to_many_root_late(run: Any, colls: Any) -> np.ndarray:

@@ -13,6 +13,9 @@ job), ``Allreduce`` of a gradient, then a ``bcast`` of the "config" from rank 0.
   of it, nothing else recorded; issue 20).
 * ``--slow-rank Q --slow-s D``: rank Q computes D seconds longer in every
   iteration (a rank on a loaded node): a straggler at the Allreduce.
+* ``--halo-bytes B``: after the compute, every iteration, each rank swaps B bytes with its
+  neighbours in a ring (``Sendrecv`` to the right, from the left: a halo exchange), so a
+  slow rank holds its right neighbour first, through a point-to-point call.
 
 It knows nothing about distdiag. Rank 0 prints the injected seconds and the
 loop's wall-clock (``loop <s> s``: from the first Barrier to the final
@@ -43,6 +46,7 @@ def main() -> int:
     p.add_argument("--log", default=os.devnull)
     p.add_argument("--bcast-every", type=int, default=1, help="bcast only at every K-th iteration (its own line)")
     p.add_argument("--no-log", action="store_true", help="the serial work writes nothing (no recorded calls)")
+    p.add_argument("--halo-bytes", type=int, default=0, help="a ring Sendrecv of this many bytes each iteration")
     a = p.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -51,6 +55,9 @@ def main() -> int:
     out = np.empty_like(grad)
     serial_s = slow_s = 0.0
     cfg = {"lr": 0.1}
+    size = comm.Get_size()
+    halo = np.full(max(a.halo_bytes, 0) // 8, float(rank))
+    halo_in = np.empty_like(halo)
     comm.Barrier()
     t0 = time.perf_counter()
     for it in range(a.iters):
@@ -58,6 +65,8 @@ def main() -> int:
         if rank == a.slow_rank:
             time.sleep(a.slow_s)
             slow_s += a.slow_s
+        if a.halo_bytes > 0:
+            comm.Sendrecv(halo, dest=(rank + 1) % size, recvbuf=halo_in, source=(rank - 1) % size)
         comm.Allreduce(grad, out, op=MPI.SUM)
         if rank == a.serial_rank and it % a.every == a.every - 1:
             time.sleep(a.serial_s)  # evaluation / logging that only this rank runs
