@@ -77,7 +77,8 @@ class Change:
     shorter (a straggler at its peers' pace). ``transfer_cut_ns``:
     per group, every member's transfer after the arrivals it waits for is this
     much shorter, down to 0 (a slow link's collectives at the median pair's
-    bandwidth). ``drop_rank``/``drop_t0``/``drop_t1``: rank-time intervals (ns) taken
+    bandwidth; ``p2p_rows``/``p2p_cut_ns``: the same for the replayed point-to-point
+    calls). ``drop_rank``/``drop_t0``/``drop_t1``: rank-time intervals (ns) taken
     out of the segments they fall in, or out of the rank's tail after its last
     rendezvous (a serial section's lone windows, a storm's blocked time, a loader's waits).
     Time is dropped as rank-time, never as a length cut from a segment, so that two causes
@@ -89,6 +90,11 @@ class Change:
     drop_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     drop_t0: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     drop_t1: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: point-to-point calls whose transfer is shorter: their ``run.events`` rows, by how much (ns)
+    #: and their start (ns); a call the replay keeps in the segments is not changed
+    p2p_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    p2p_cut_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    p2p_t_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def plus(self, other: Change) -> Change:
         """Both changes at once (the cumulative ranking: the first cause removed, then the next).
@@ -103,11 +109,16 @@ class Change:
             drop_rank=np.concatenate([self.drop_rank, other.drop_rank]).astype(np.int64),
             drop_t0=np.concatenate([self.drop_t0, other.drop_t0]).astype(np.int64),
             drop_t1=np.concatenate([self.drop_t1, other.drop_t1]).astype(np.int64),
+            p2p_rows=np.concatenate([self.p2p_rows, other.p2p_rows]).astype(np.int64),  # a row twice: the larger cut
+            p2p_cut_ns=np.concatenate([self.p2p_cut_ns, other.p2p_cut_ns]).astype(np.int64),
+            p2p_t_ns=np.concatenate([self.p2p_t_ns, other.p2p_t_ns]).astype(np.int64),
         )
 
     def reaches(self, m: Model, t_ns: int) -> bool:
         """True when the change alters the run at or after ``t_ns`` (a straggler's pace: always)."""
         if len(self.median_ranks) or (len(self.drop_t1) and bool((self.drop_t1 > t_ns).any())):
+            return True
+        if len(self.p2p_t_ns) and bool((self.p2p_t_ns[self.p2p_cut_ns > 0] >= t_ns).any()):
             return True
         cut = self.transfer_cut_ns
         return cut is not None and bool((m.colls.g_last_ns[m.order][cut[m.order] > 0] > t_ns).any())
@@ -116,6 +127,9 @@ class Change:
         """True when the change alters something the replay replays (else it would price 0 wrongly)."""
         if len(self.median_ranks) or len(self.drop_rank):
             return True
+        if len(self.p2p_rows) and m.waits is not None and len(m.waits.p2p_rows):
+            if bool(np.isin(self.p2p_rows[self.p2p_cut_ns > 0], m.waits.p2p_rows).any()):
+                return True
         cut = self.transfer_cut_ns
         return cut is not None and bool((cut[m.order] > 0).any())
 
@@ -161,6 +175,8 @@ class Waits:
     p2p_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: per event: a point-to-point event's call site (string id; -1 for the others)
     p2p_site: np.ndarray | None = None
+    #: per entry of ``p2p_rows``: its event
+    p2p_row_event: np.ndarray | None = None
 
 
 @dataclass
@@ -277,6 +293,8 @@ class _P2P:
     dst: np.ndarray
     rows: np.ndarray
     site: np.ndarray
+    #: per entry of ``rows``: its event
+    row_event: np.ndarray
 
 
 def _p2p_events(run: Any) -> _P2P | None:
@@ -333,7 +351,7 @@ def _p2p_events(run: Any) -> _P2P | None:
     dst = np.full(n_e, -1, np.int64)
     dst[send_e[waits_r]] = recv_e[waits_r]
     site = ev["site_id"][rows_o[head]].astype(np.int64)
-    return _P2P(r[head], e_entry, e_exit, src, dst, rows_o.astype(np.int64), site)
+    return _P2P(r[head], e_entry, e_exit, src, dst, rows_o.astype(np.int64), site, eid_o)
 
 
 def _with_p2p(waits: Waits | None, p2p: _P2P | None, n_g: int) -> Waits | None:
@@ -351,7 +369,8 @@ def _with_p2p(waits: Waits | None, p2p: _P2P | None, n_g: int) -> Waits | None:
                  cat([w.launch, np.zeros(n_p, bool)]), cat([w.ref, np.full(n_p, -1, np.int64)]), w.cov_of,
                  w.seg_ns, src=cat([np.full(n_w, -1, np.int64), shift[0]]),
                  dst=cat([np.full(n_w, -1, np.int64), shift[1]]), p2p=cat([np.zeros(n_w, bool), np.ones(n_p, bool)]),
-                 p2p_rows=p2p.rows, p2p_site=cat([np.full(n_w, -1, np.int64), p2p.site]))  # fmt: skip
+                 p2p_rows=p2p.rows, p2p_site=cat([np.full(n_w, -1, np.int64), p2p.site]),
+                 p2p_row_event=p2p.row_event + n_w)  # fmt: skip
 
 
 class _Unschedulable(ValueError):
@@ -570,6 +589,8 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
         waits.p2p = waits.p2p[perm]
         if waits.p2p_site is not None:
             waits.p2p_site = waits.p2p_site[perm]
+        if waits.p2p_row_event is not None:
+            waits.p2p_row_event = new_of[waits.p2p_row_event]
     waits.cov, waits.cov_start = waits.cov[take], cov_start
     waits.batch_end = np.zeros(n_e, np.int64)
     waits.batch_end[starts] = ends
@@ -761,6 +782,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     med_a = _launch_medians(m, slow) if (any_slow and W is not None and W.n_async) else None
     #: per event: a point-to-point event's arrival, replayed (its partners read it in its batch or later)
     p2p_new = np.zeros(len(W.rank), np.int64) if W is not None and W.p2p is not None else None
+    p2p_cut = _p2p_cuts(W, change) if W is not None and p2p_new is not None and change is not None else None
     fill_seg = None
     if W is not None and W.seg_ns is None and change is None:
         fill_seg = W.seg_ns = np.zeros(n_a, np.int64)
@@ -799,8 +821,12 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                         q = part[has]
                         ref_rec[has] = np.maximum(ref_rec[has], W.entry_ns[q])
                         ref_new[has] = np.maximum(ref_new[has], p2p_new[q])
+                xfer = ext - ref_rec
+                if p2p_cut is not None:
+                    c_p = p2p_cut[i0:i1]
+                    xfer = np.where(c_p > 0, np.maximum(xfer - c_p, np.minimum(xfer, 0)), xfer)
                 out_rec = np.where(is_p, ext, out_rec)
-                out_new = np.where(is_p, ref_new + (ext - ref_rec), out_new)
+                out_new = np.where(is_p, ref_new + xfer, out_new)
             if not (is_l.all() or (p2p_new is not None and (is_l | is_p).all())):
                 cs = W.cov_start[i0 : i1 + 1]
                 held = W.cov[cs[0] : cs[-1]]
@@ -871,6 +897,20 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     out = new_last + tail
     end[m.present] = out[m.present]
     return end
+
+
+def _p2p_cuts(W: Waits, change: Change) -> np.ndarray | None:
+    """Per event: how much shorter its transfer is under ``change`` (the largest cut of its rows),
+    None when the change cuts none of the replayed point-to-point calls."""
+    if not len(change.p2p_rows) or W.p2p_row_event is None or not len(W.p2p_rows):
+        return None
+    at = np.minimum(np.searchsorted(W.p2p_rows, change.p2p_rows), len(W.p2p_rows) - 1)
+    hit = (W.p2p_rows[at] == change.p2p_rows) & (change.p2p_cut_ns > 0)
+    if not hit.any():
+        return None
+    out = np.zeros(len(W.rank), np.int64)
+    np.maximum.at(out, W.p2p_row_event[at[hit]], change.p2p_cut_ns[hit])
+    return out
 
 
 def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.ndarray) -> np.ndarray:

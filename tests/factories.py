@@ -356,11 +356,12 @@ def p2p_row(t0_ms: float, t1_ms: float, kind: int, peer: int, s: list[str], name
 XFER_MS = 0.1  # a message's transfer after the arrivals it waits for
 
 
-def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, write: bool = True) -> np.ndarray:
+def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, write: bool = True,
+                 xfer_ms: float = XFER_MS) -> np.ndarray:  # fmt: skip
     """A job whose truth is computed here, one step at a time: every step each rank computes
     ``compute[step, rank]`` ms, then exchanges with its neighbours (``pattern``), then an
-    all-reduce every other step. A receive ends ``XFER_MS`` after the later of its own and its
-    sender's arrival; a small (eager) send returns ``XFER_MS`` after its own arrival, a big one
+    all-reduce every other step. A receive ends ``xfer_ms`` after the later of its own and its
+    sender's arrival; a small (eager) send returns ``xfer_ms`` after its own arrival, a big one
     (``big``: distdiag.replay.EAGER_BYTES) waits for its receiver too. Writes the rank files
     (``write``) and returns each rank's end (ms).
 
@@ -378,9 +379,9 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
         if pattern == "ring":
             left = np.roll(a, 1)  # each one's source's arrival
             right = np.roll(a, -1)
-            ex = np.maximum(a, left) + XFER_MS
+            ex = np.maximum(a, left) + xfer_ms
             if big:
-                ex = np.maximum(ex, right + XFER_MS)
+                ex = np.maximum(ex, right + xfer_ms)
             for r in range(n):
                 rows[r].append(p2p_row(a[r], ex[r], Kind.SEND, (r + 1) % n, s, "Sendrecv", nbytes=nb))
                 rows[r].append(p2p_row(a[r], ex[r], Kind.RECV, (r - 1) % n, s, "Sendrecv", nbytes=nb))
@@ -389,20 +390,20 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
             ex = a.copy()
             for r in range(0, n - 1, 2):
                 q = r + 1
-                s_end = (max(a[r], a[q]) if big else a[r]) + XFER_MS  # r's Send
-                r_end = max(a[q], a[r]) + XFER_MS  # q's Recv
+                s_end = (max(a[r], a[q]) if big else a[r]) + xfer_ms  # r's Send
+                r_end = max(a[q], a[r]) + xfer_ms  # q's Recv
                 rows[r].append(p2p_row(a[r], s_end, Kind.SEND, q, s, "Send", "halo.py:10", nb))
                 rows[q].append(p2p_row(a[q], r_end, Kind.RECV, r, s, "Recv", "halo.py:11", nb))
                 b_q = r_end  # q sends back right away, r receives
-                b_s = (max(b_q, s_end) if big else b_q) + XFER_MS
-                b_r = max(s_end, b_q) + XFER_MS
+                b_s = (max(b_q, s_end) if big else b_q) + xfer_ms
+                b_r = max(s_end, b_q) + xfer_ms
                 rows[q].append(p2p_row(b_q, b_s, Kind.SEND, r, s, "Send", "halo.py:12", nb))
                 rows[r].append(p2p_row(s_end, b_r, Kind.RECV, q, s, "Recv", "halo.py:13", nb))
                 ex[r], ex[q] = b_r, b_s
             t = ex
         elif pattern == "isend":
             left = np.roll(a, 1)
-            r_end = np.maximum(a, left) + XFER_MS
+            r_end = np.maximum(a, left) + xfer_ms
             for r in range(n):
                 rows[r].append(p2p_row(a[r], r_end[(r + 1) % n], Kind.SEND_ASYNC, (r + 1) % n, s, "Isend", nbytes=nb))
                 rows[r].append(p2p_row(a[r], r_end[r], Kind.RECV, (r - 1) % n, s, "Recv", "halo.py:10", nb))
@@ -412,15 +413,15 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
             arrive_send = a.copy()
             for r in range(n):
                 if r > 0:  # receive from the left, after its send
-                    r_end = max(a[r], arrive_send[r - 1]) + XFER_MS
+                    r_end = max(a[r], arrive_send[r - 1]) + xfer_ms
                     rows[r].append(p2p_row(a[r], r_end, Kind.RECV, r - 1, s, "Recv", "pipe.py:5", nb))
                     arrive_send[r] = r_end
                     ex[r] = r_end
                 if r < n - 1:  # send to the right (eager)
                     s0 = arrive_send[r]
-                    rows[r].append(p2p_row(s0, s0 + XFER_MS, Kind.SEND, r + 1, s, "Send", "pipe.py:6", nb))
+                    rows[r].append(p2p_row(s0, s0 + xfer_ms, Kind.SEND, r + 1, s, "Send", "pipe.py:6", nb))
                     arrive_send[r] = s0
-                    ex[r] = s0 + XFER_MS
+                    ex[r] = s0 + xfer_ms
             t = ex
         if k % 2:
             t = t + 0.2
