@@ -266,6 +266,51 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     return out
 
 
+#: how far past a WAIT row's end a request's completion may be stamped and still be that wait's
+#: (the completion is stamped just after the wait returns)
+WAIT_SLACK_NS = 1_000_000
+
+
+def p2p_waits(run: Run) -> tuple[np.ndarray, np.ndarray]:
+    """Per matched transfer (:func:`p2p_transfers`): the ``run.events`` row of the ``WAIT`` that holds
+    its receive's completion (an ``Irecv`` completed in ``Wait``/``Waitall``) and of the one that
+    holds its send's (an ``Isend``'s); -1 where the side is blocking or no wait holds it. A request
+    posted at p and completed at c is held by its rank's WAIT row [w0, w1] with p <= w0 <= c <=
+    w1 + :data:`WAIT_SLACK_NS`. Cached on the run."""
+    got = run.cache.get("p2p_waits")
+    if got is not None:
+        return got  # type: ignore[no-any-return]
+    tr = p2p_transfers(run)
+    ev = run.events
+    out = []
+    w_rows = rows_of(run, (Kind.WAIT,))
+    for col, kind in (("recv_row", Kind.RECV_ASYNC), ("send_row", Kind.SEND_ASYNC)):
+        rows = tr[col]
+        hold = np.full(len(rows), -1, np.int64)
+        mine = np.flatnonzero(ev["kind"][rows] == kind) if len(rows) else rows
+        if len(mine) and len(w_rows):
+            q = rows[mine]
+            r_q = ev["rank"][q].astype(np.int64)
+            p_q = ev["t0_ns"][q].astype(np.int64)
+            c_q = np.maximum(ev["t1_ns"][q], ev["t0_ns"][q]).astype(np.int64)
+            r_w = ev["rank"][w_rows].astype(np.int64)
+            w0 = ev["t0_ns"][w_rows].astype(np.int64)
+            w1 = np.maximum(ev["t1_ns"][w_rows], w0) + WAIT_SLACK_NS
+            lo = int(min(w0.min(), p_q.min()))
+            span = int(max(w1.max(), c_q.max())) - lo + 1
+            if int(max(r_w.max(), r_q.max())) + 1 < np.iinfo(np.int64).max // span - 1:
+                key = r_w * span + (w1 - lo)  # by (rank, end): the first ending at or after c
+                o = np.argsort(key, kind="stable")
+                j = np.searchsorted(key[o], r_q * span + (c_q - lo))
+                jj = o[np.minimum(j, len(o) - 1)]
+                hit = (j < len(o)) & (r_w[jj] == r_q) & (w0[jj] <= c_q) & (w0[jj] >= p_q)
+                hold[mine[hit]] = w_rows[jj[hit]]
+        out.append(hold)
+    got = (out[0], out[1])
+    run.cache["p2p_waits"] = got
+    return got
+
+
 def p2p_matrix(run: Run, tr: dict[str, np.ndarray] | None = None) -> LinkMatrix | None:
     """Effective bandwidth per unit pair from large matched transfers (bytes / time, both directions)."""
     tr = p2p_transfers(run) if tr is None else tr

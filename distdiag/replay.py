@@ -60,7 +60,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from distdiag import intervals
+from distdiag import intervals, links
 from distdiag.match import Collectives
 from distdiag.schema import Kind
 
@@ -166,10 +166,12 @@ class Waits:
     cov_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: per async member: its recorded segment before the launch (filled by the first plain replay)
     seg_ns: np.ndarray | None = None
-    #: per event: a point-to-point event's partners (:class:`_P2P`; event indices, -1 where none);
+    #: the point-to-point events' dependencies (:class:`_P2P`), as pairs of event indices sorted
+    #: by ``dep_e`` once :func:`_schedule` ran, and where each event's begin (``dep_start``, CSR);
     #: None when the run has none replayed
-    src: np.ndarray | None = None
-    dst: np.ndarray | None = None
+    dep_e: np.ndarray | None = None
+    dep_p: np.ndarray | None = None
+    dep_start: np.ndarray | None = None
     p2p: np.ndarray | None = None
     #: the ``run.events`` rows of the point-to-point events, ascending
     p2p_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -255,7 +257,7 @@ def model(run: Any, colls: Collectives) -> Model:
     rooted = root >= 0
     scheme[rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))] = 1
     scheme[rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))] = 2
-    p2p = _p2p_events(run)
+    p2p = _p2p_events(run, waits.rows if waits is not None else np.zeros(0, np.int64))
     for with_p2p in ((True, False) if p2p is not None else (False,)):
         w = _with_p2p(waits, p2p, n_g) if with_p2p else waits
         m = Model(colls, order, scheme, root, start, end, present, wall, waits=w)
@@ -281,77 +283,104 @@ EAGER_BYTES = 64 * 1024
 
 @dataclass
 class _P2P:
-    """The replayed point-to-point events: per event its rank, entry and exit (ns; an ``Isend``'s
-    exit is its entry: the rank goes on), the event whose arrival its receive waits for (``src``)
-    and the one its send waits for (``dst``: a send that waits for its receiver), -1 where none;
-    ``rows``: the ``run.events`` rows they replay, ascending."""
+    """The replayed point-to-point events: per event its rank, entry and exit (ns; a post's exit
+    is its entry: the rank goes on), and the dependencies, as pairs: event ``dep_e`` leaves no
+    earlier than event ``dep_p`` arrives (a receive's completion after its sender's arrival; a
+    send held by its receiver after the receiver's). ``rows``: the ``run.events`` rows the events
+    replay (sends, receives, posts and the WAIT rows that complete them), ascending, and
+    ``row_event`` each one's event (a request's row: the event it completes in)."""
 
     rank: np.ndarray
     entry_ns: np.ndarray
     exit_ns: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
+    dep_e: np.ndarray
+    dep_p: np.ndarray
     rows: np.ndarray
-    site: np.ndarray
-    #: per entry of ``rows``: its event
     row_event: np.ndarray
+    site: np.ndarray
 
 
-def _p2p_events(run: Any) -> _P2P | None:
-    """The point-to-point rendezvous (issue 20): every blocking receive matched with its send
-    (:func:`distdiag.links.p2p_transfers`), blocking or not. One event per blocking call: a
-    ``Sendrecv``'s SEND and RECV rows (same rank, same times) are one event that waits for both
-    partners. A receive waits for its sender's arrival; a blocking send waits for its receiver's
-    when it returned after the receiver came and either sent ``EAGER_BYTES`` or more, or came
-    first itself with nothing else to wait for (a ``Sendrecv`` whose own receive's sender came
-    after the receiver waited for that one). Receives a wait completes (``Irecv``) and their sends stay in the
-    segments, as recorded (:func:`_coupling`)."""
-    from distdiag.links import p2p_transfers
+def _p2p_events(run: Any, taken: np.ndarray) -> _P2P | None:
+    """The point-to-point rendezvous (issue 20): every receive matched with its send
+    (:func:`distdiag.links.p2p_transfers`) whose completion the run shows: a blocking ``Recv``,
+    or an ``Irecv`` completed in a WAIT row (:func:`distdiag.links.p2p_waits`; not one of
+    ``taken``, the rows the non-blocking collectives' waits hold). Events: one per blocking call
+    (a ``Sendrecv``'s SEND and RECV rows, same rank and times, are one), one per ``Isend`` and
+    ``Irecv`` post (the rank goes on), one per WAIT row that completes them. A receive completes
+    no earlier than its sender's arrival (its call or its post). A send is held by its receiver
+    (its call or its post) when it, or the wait completing an ``Isend``, stayed until the
+    receiver came, and either sent ``EAGER_BYTES`` or more or came first itself with nothing else
+    to wait for (a ``Sendrecv`` or ``Waitall`` held by its own receive's sender is not held by the
+    receiver). Receives no wait completes stay in the segments, as recorded (:func:`_coupling`)."""
+    from distdiag.links import p2p_transfers, p2p_waits
 
     tr = p2p_transfers(run)
     ms, mr = tr["send_row"], tr["recv_row"]
     if len(ms) == 0:
         return None
+    w_recv, w_send = p2p_waits(run)
     ev = run.events
     kind = ev["kind"]
-    ok = (kind[mr] == Kind.RECV) & ((kind[ms] == Kind.SEND) | (kind[ms] == Kind.SEND_ASYNC))
+    if len(taken):
+        w_recv = np.where(np.isin(w_recv, taken), -1, w_recv)
+        w_send = np.where(np.isin(w_send, taken), -1, w_send)
+    k_s, k_r = kind[ms], kind[mr]
+    ok = ((k_r == Kind.RECV) | ((k_r == Kind.RECV_ASYNC) & (w_recv >= 0))) & ((k_s == Kind.SEND) | (k_s == Kind.SEND_ASYNC))
     if not ok.any():
         return None
-    ms, mr, nb = ms[ok], mr[ok], tr["nbytes"][ok]
-    rows = np.concatenate([ms, mr])
-    # in row order: run.events comes by (rank, t0), so a Sendrecv's two rows are next to each other
-    o = np.argsort(rows, kind="stable")
+    ms, mr, nb, w_recv, w_send = ms[ok], mr[ok], tr["nbytes"][ok], w_recv[ok], w_send[ok]
+    n_p = len(ms)
+    # every row an event stands for: the pairs' own rows, then the waits completing them
+    waits_u = np.unique(np.r_[w_recv[w_recv >= 0], w_send[w_send >= 0]])
+    rows = np.concatenate([ms, mr, waits_u])
+    o = np.argsort(rows, kind="stable")  # row order: run.events comes by (rank, t0)
     rows_o = rows[o]
     r = ev["rank"][rows_o].astype(np.int64)
     t0 = ev["t0_ns"][rows_o].astype(np.int64)
     t1 = np.maximum(ev["t1_ns"][rows_o], t0)
-    blocking = kind[rows_o] != Kind.SEND_ASYNC
-    # one event per (rank, t0, t1) of blocking rows; an Isend is an event of its own
+    k = kind[rows_o]
+    blocking = (k == Kind.SEND) | (k == Kind.RECV)
+    # one event per (rank, t0, t1) of blocking rows (a Sendrecv's two are next to each other); a
+    # post or a wait is one of its own (a wait that holds several requests is listed once)
     same = (np.diff(r) == 0) & (np.diff(t0) == 0) & (np.diff(t1) == 0) & blocking[1:] & blocking[:-1]
     new = np.r_[True, ~same]
     eid_o = np.cumsum(new) - 1
     eid = np.empty(len(rows), np.int64)
     eid[o] = eid_o
-    head = np.flatnonzero(new)  # positions in row order
-    n_e = len(head)
-    e_exit = np.where(blocking, t1, t0)[head]
-    send_e, recv_e = eid[: len(ms)], eid[len(ms) :]
-    at = np.empty(len(rows), np.int64)  # each pair's rows: where they are in row order
-    at[o] = np.arange(len(rows), dtype=np.int64)
-    at_s, at_r = at[: len(ms)], at[len(ms) :]
-    t0_s, t1_s, t0_r = t0[at_s], t1[at_s], t0[at_r]
-    src = np.full(n_e, -1, np.int64)
-    src[recv_e] = send_e
-    # a send waits for its receiver when it stayed until the receiver came, unless waiting for its own
-    # receive's sender explains that (a Sendrecv whose left neighbour came last)
+    head = np.flatnonzero(new)
     e_entry = t0[head]
-    s_src = src[send_e]
-    a_src = np.where(s_src >= 0, e_entry[np.maximum(s_src, 0)], np.iinfo(np.int64).min)
-    waits_r = blocking[at_s] & (t1_s > t0_r) & ((nb >= EAGER_BYTES) | ((t0_s < t0_r) & (a_src < t0_r)))
-    dst = np.full(n_e, -1, np.int64)
-    dst[send_e[waits_r]] = recv_e[waits_r]
+    e_exit = np.where(blocking | (k == Kind.WAIT), t1, t0)[head]  # a post: the rank goes on
+    n_e = len(head)
+    at = np.empty(len(rows), np.int64)
+    at[o] = np.arange(len(rows), dtype=np.int64)
+    send_e, recv_e = eid[:n_p], eid[n_p : 2 * n_p]
+    wait_e = eid[2 * n_p :]  # the events of waits_u, in its (ascending) order
+
+    def wait_event(w: np.ndarray) -> np.ndarray:
+        if not len(waits_u):
+            return np.full(len(w), -1, np.int64)
+        return np.where(w >= 0, wait_e[np.minimum(np.searchsorted(waits_u, w), len(waits_u) - 1)], -1)
+
+    # where each side completes: its blocking call, or the wait that completes its request
+    recv_done = np.where(w_recv >= 0, wait_event(w_recv), recv_e)
+    send_done = np.where(w_send >= 0, wait_event(w_send), np.where(kind[ms] == Kind.SEND, send_e, -1))
+    t0_s, t0_r = t0[at[:n_p]], t0[at[n_p : 2 * n_p]]
+    # a receive's completion waits for its sender's arrival
+    a_in = np.full(n_e, np.iinfo(np.int64).min, np.int64)
+    np.maximum.at(a_in, recv_done, t0_s)
+    # a send held by its receiver's arrival
+    d = np.maximum(send_done, 0)
+    held = (send_done >= 0) & (e_exit[d] > t0_r) & (
+        (nb >= EAGER_BYTES) | ((e_entry[d] < t0_r) & (a_in[d] < t0_r)))  # fmt: skip
+    dep_e = np.r_[recv_done, send_done[held]]
+    dep_p = np.r_[send_e, recv_e[held]]
+    # each row's event (for cuts and the coupling check): a request's is the one it completes in
+    row_ev = eid.copy()
+    row_ev[n_p : 2 * n_p] = recv_done
+    row_ev[:n_p] = np.where(send_done >= 0, send_done, send_e)
     site = ev["site_id"][rows_o[head]].astype(np.int64)
-    return _P2P(r[head], e_entry, e_exit, src, dst, rows_o.astype(np.int64), site, eid_o)
+    return _P2P(r[head], e_entry, e_exit, dep_e.astype(np.int64), dep_p.astype(np.int64), rows_o.astype(np.int64),
+                row_ev[o], site)  # fmt: skip
 
 
 def _with_p2p(waits: Waits | None, p2p: _P2P | None, n_g: int) -> Waits | None:
@@ -362,15 +391,13 @@ def _with_p2p(waits: Waits | None, p2p: _P2P | None, n_g: int) -> Waits | None:
     w = waits if waits is not None else Waits(z, z, z, z, z, z, np.full(n_g, -1, np.int64), 0, z, z,
                                                 np.zeros(0, bool), z, z)  # fmt: skip
     n_w, n_p = len(w.rank), len(p2p.rank)
-    shift = np.where(p2p.src >= 0, p2p.src + n_w, -1), np.where(p2p.dst >= 0, p2p.dst + n_w, -1)
     cat = np.concatenate
     return Waits(cat([w.rank, p2p.rank]), cat([w.entry_ns, p2p.entry_ns]), cat([w.exit_ns, p2p.exit_ns]),
                  w.cov_start, w.cov, w.batch_end, w.a_off, w.n_async, w.rows, w.seen_ns,
                  cat([w.launch, np.zeros(n_p, bool)]), cat([w.ref, np.full(n_p, -1, np.int64)]), w.cov_of,
-                 w.seg_ns, src=cat([np.full(n_w, -1, np.int64), shift[0]]),
-                 dst=cat([np.full(n_w, -1, np.int64), shift[1]]), p2p=cat([np.zeros(n_w, bool), np.ones(n_p, bool)]),
-                 p2p_rows=p2p.rows, p2p_site=cat([np.full(n_w, -1, np.int64), p2p.site]),
-                 p2p_row_event=p2p.row_event + n_w)  # fmt: skip
+                 w.seg_ns, dep_e=p2p.dep_e + n_w, dep_p=p2p.dep_p + n_w,
+                 p2p=cat([np.zeros(n_w, bool), np.ones(n_p, bool)]), p2p_rows=p2p.rows,
+                 p2p_site=cat([np.full(n_w, -1, np.int64), p2p.site]), p2p_row_event=p2p.row_event + n_w)  # fmt: skip
 
 
 class _Unschedulable(ValueError):
@@ -379,8 +406,8 @@ class _Unschedulable(ValueError):
 
 
 #: how far past a WAIT row's or a BACKWARD row's end a completion may be seen and still be its (the
-#: completion is stamped just after the wait returns)
-WAIT_SLACK_NS = 1_000_000
+#: completion is stamped just after the wait returns): the point-to-point waits' rule too
+WAIT_SLACK_NS = links.WAIT_SLACK_NS
 
 
 def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None, np.ndarray]:
@@ -559,8 +586,8 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     at = np.flatnonzero(blk)
     occ = np.empty(n_e, np.int64)
     occ[w] = np.arange(n_e) - np.repeat(at, np.diff(np.r_[at, n_e]))
-    if waits.src is not None and waits.dst is not None:  # point-to-point partners: a batch at or after theirs
-        occ = _levels(run, occ, w, blk, (waits.src, waits.dst))
+    if waits.dep_e is not None and waits.dep_p is not None:  # point-to-point partners: a batch at or after theirs
+        occ = _levels(run, occ, w, blk, waits.dep_e, waits.dep_p)
     # replay order of the events: by run, then occurrence (a batch's events are of distinct ranks: any order)
     perm = np.argsort(run * (int(occ.max()) + 1) + occ, kind="stable")
     run_p, occ_p = run[perm], occ[perm]
@@ -580,12 +607,13 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
     take = np.repeat(old_start[perm] - cov_start[:-1], c_new) + np.arange(int(cov_start[-1]), dtype=np.int64)
     waits.rank, waits.entry_ns, waits.exit_ns = waits.rank[perm], waits.entry_ns[perm], waits.exit_ns[perm]
     waits.launch, waits.ref = waits.launch[perm], waits.ref[perm]
-    if waits.src is not None and waits.dst is not None and waits.p2p is not None:
+    if waits.dep_e is not None and waits.dep_p is not None and waits.p2p is not None:
         new_of = np.empty(n_e, np.int64)
         new_of[perm] = np.arange(n_e, dtype=np.int64)
-        src, dst = waits.src[perm], waits.dst[perm]
-        waits.src = np.where(src >= 0, new_of[np.maximum(src, 0)], -1)
-        waits.dst = np.where(dst >= 0, new_of[np.maximum(dst, 0)], -1)
+        de, dp = new_of[waits.dep_e], new_of[waits.dep_p]
+        od = np.argsort(de, kind="stable")
+        waits.dep_e, waits.dep_p = de[od], dp[od]
+        waits.dep_start = np.searchsorted(waits.dep_e, np.arange(n_e + 1, dtype=np.int64))
         waits.p2p = waits.p2p[perm]
         if waits.p2p_site is not None:
             waits.p2p_site = waits.p2p_site[perm]
@@ -608,21 +636,16 @@ def _schedule(colls: Collectives, order: np.ndarray, waits: Waits | None) -> tup
 MAX_LEVEL_ROUNDS = 64
 
 
-def _levels(run: np.ndarray, occ: np.ndarray, w: np.ndarray, blk: np.ndarray,
-            partners: tuple[np.ndarray, ...]) -> np.ndarray:  # fmt: skip
+def _levels(run: np.ndarray, occ: np.ndarray, w: np.ndarray, blk: np.ndarray, de: np.ndarray,
+            dp: np.ndarray) -> np.ndarray:  # fmt: skip
     """Each event's batch within its run (its rank's 1st, 2nd, ... step there), raised so that an
-    event comes no earlier than the partners whose arrival it waits for (``partners``: event
-    indices, -1 none), and each rank's batches still rise one by one at least: the least such
+    event comes no earlier than the partners whose arrival it waits for, and each rank's batches
+    still rise one by one at least: the least such
     levels, by rounds of "at least my partners', then after my rank's previous" (numpy over all
-    events a round). A partner in a later run than the event (a collective between them in the
-    steps' order) or a chain deeper than :data:`MAX_LEVEL_ROUNDS` raises :class:`_Unschedulable`.
-    ``w``: the events by (rank, key); ``blk``: where a (run, rank) block begins in that order."""
-    e_l, p_l = [], []
-    for p in partners:
-        e = np.flatnonzero(p >= 0)
-        e_l.append(e)
-        p_l.append(p[e])
-    de, dp = np.concatenate(e_l), np.concatenate(p_l)
+    events a round). Event ``de[i]`` waits for event ``dp[i]``'s arrival. A partner in a later
+    run than the event (a collective between them in the steps' order) or a chain deeper than
+    :data:`MAX_LEVEL_ROUNDS` raises :class:`_Unschedulable`. ``w``: the events by (rank, key);
+    ``blk``: where a (run, rank) block begins in that order."""
     if bool((run[dp] > run[de]).any()):
         raise _Unschedulable("a point-to-point partner after a collective its rank makes first")
     same = run[dp] == run[de]
@@ -815,12 +838,11 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
             if p2p_new is not None and is_p.any():  # a rendezvous: at the later of it and its partners
                 p2p_new[i0:i1] = arr_new
                 ref_rec, ref_new = entry.copy(), arr_new.copy()
-                for part in (W.src[i0:i1], W.dst[i0:i1]):  # type: ignore[index]
-                    has = part >= 0
-                    if has.any():
-                        q = part[has]
-                        ref_rec[has] = np.maximum(ref_rec[has], W.entry_ns[q])
-                        ref_new[has] = np.maximum(ref_new[has], p2p_new[q])
+                k0, k1 = int(W.dep_start[i0]), int(W.dep_start[i1])  # type: ignore[index]
+                if k1 > k0:  # the partners each event waits for: their arrivals, recorded and replayed
+                    q, e_loc = W.dep_p[k0:k1], W.dep_e[k0:k1] - i0  # type: ignore[index]
+                    np.maximum.at(ref_rec, e_loc, W.entry_ns[q])
+                    np.maximum.at(ref_new, e_loc, p2p_new[q])
                 xfer = ext - ref_rec
                 if p2p_cut is not None:
                     c_p = p2p_cut[i0:i1]

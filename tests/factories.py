@@ -368,7 +368,8 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
     Patterns: ``ring`` (one Sendrecv each: to the right, from the left), ``pairs`` (even ranks
     Send to the right then Recv from it, odd ranks Recv from the left then Send to it), ``isend``
     (an Isend to the right, completed at the step's end, then a Recv from the left), ``chain`` (a
-    pipeline: rank 0 Sends to 1, each rank Recvs from the left, then Sends to the right)."""
+    pipeline: rank 0 Sends to 1, each rank Recvs from the left, then Sends to the right),
+    ``nonblocking`` (an Irecv from the left and an Isend to the right, completed in one Waitall)."""
     s: list[str] = [""]
     rows: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]
     nb = EAGER_BYTES if big else 1024
@@ -400,6 +401,20 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
                 rows[q].append(p2p_row(b_q, b_s, Kind.SEND, r, s, "Send", "halo.py:12", nb))
                 rows[r].append(p2p_row(s_end, b_r, Kind.RECV, q, s, "Recv", "halo.py:13", nb))
                 ex[r], ex[q] = b_r, b_s
+            t = ex
+        elif pattern == "nonblocking":  # Irecv from the left, Isend to the right, Waitall
+            left, right = np.roll(a, 1), np.roll(a, -1)
+            w0 = a  # posted and waited for at once (work between the posts and the wait is a segment)
+            done_r = np.maximum(a, left) + xfer_ms  # the receive: after its sender posted
+            done_s = (np.maximum(a, right) if big else a) + xfer_ms  # a large send: after its receiver posted
+            ex = np.maximum(done_r, done_s)
+            for r in range(n):
+                if "Waitall" not in s:
+                    s.append("Waitall")
+                rows[r].append(p2p_row(a[r], ex[r], Kind.RECV_ASYNC, (r - 1) % n, s, "Irecv", "halo.py:20", nb))
+                rows[r].append(p2p_row(a[r], ex[r], Kind.SEND_ASYNC, (r + 1) % n, s, "Isend", "halo.py:21", nb))
+                rows[r].append((int(w0[r] * MS), int(ex[r] * MS), int(Kind.WAIT), s.index("Waitall"), 0, -1, -1, 0, 0,
+                                0, 0, 0.0))  # fmt: skip
             t = ex
         elif pattern == "isend":
             left = np.roll(a, 1)

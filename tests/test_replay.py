@@ -498,7 +498,7 @@ def _ring_compute(n: int, steps: int, seed: int, slow: int = -1, extra_ms: float
     return c
 
 
-@pytest.mark.parametrize("pattern", ["ring", "pairs", "isend", "chain"])
+@pytest.mark.parametrize("pattern", ["ring", "pairs", "isend", "chain", "nonblocking"])
 @pytest.mark.parametrize("big", [False, True])
 def test_point_to_point_calls_are_rendezvous_replayed_exactly(tmp_path: Path, pattern: str, big: bool) -> None:
     """Each exchange pattern, small and large messages, 4-5 ranks with random compute: the
@@ -520,7 +520,8 @@ def test_point_to_point_calls_are_rendezvous_replayed_exactly(tmp_path: Path, pa
         t_start = c[: step + 1, rank].sum()  # a lower bound on where that compute lies: find it in the rows
         # the step's compute is the stretch before the rank's step-th exchange: take its last 1.5 ms
         ev = load_run(tmp_path).events
-        mine = ev[(ev["rank"] == rank) & np.isin(ev["kind"], [int(Kind.SEND), int(Kind.RECV), int(Kind.SEND_ASYNC)])]
+        mine = ev[(ev["rank"] == rank) & np.isin(ev["kind"], [int(Kind.SEND), int(Kind.RECV), int(Kind.SEND_ASYNC),
+                                                              int(Kind.RECV_ASYNC)])]  # fmt: skip
         firsts = np.unique(mine["t0_ns"])
         per_step = len(firsts) // len(c)
         arrive_ms = firsts[step * per_step] / MS

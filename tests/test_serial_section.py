@@ -424,25 +424,29 @@ def test_mpi_root_preparing_its_bcast_alone_is_a_serial_section_not_a_straggler(
 HALO = ("--halo-bytes", "8192")
 
 
-@pytest.fixture(scope="module")
-def halo_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[SerialRun], list[SerialRun]]:
-    """3 rounds of (halo exchange with a slow rank, its healthy twin)."""
-    return run_ab(tmp_path_factory.mktemp("halo_ab"), HALO + SLOW, HALO)
+@pytest.fixture(scope="module", params=["Sendrecv", "Isend"])
+def halo_ab(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[list[SerialRun], list[SerialRun], str]:  # fmt: skip
+    """3 rounds of (halo exchange with a slow rank, its healthy twin), the exchange by Sendrecv or by
+    Irecv + Isend + Waitall (named by the slow rank's late call: its Sendrecv, its Isend)."""
+    halo = HALO + (("--halo-nonblocking",) if request.param != "Sendrecv" else ())
+    return (*run_ab(tmp_path_factory.mktemp("halo_ab"), halo + SLOW, halo), request.param)
 
 
 @pytest.mark.mpi
 def test_mpi_straggler_held_at_a_halo_exchange_is_named_and_priced(
-    halo_ab: tuple[list[SerialRun], list[SerialRun]],
+    halo_ab: tuple[list[SerialRun], list[SerialRun], str],
 ) -> None:
-    """The slow rank holds its neighbours at a point-to-point call, not at the collective (they
-    all reach it late together): the straggler is found from the Sendrecvs and priced by the
-    replay through them, within 10% of what the job run without it saves; the twin stays silent."""
-    faulty, healthy = halo_ab
+    """The slow rank holds its neighbours at a point-to-point call (a Sendrecv, or the Waitall of
+    an Irecv), not at the collective (they all reach it late together): the straggler is found
+    from those calls and priced by the replay through them, within 10% of what the job run
+    without it saves; the twin stays silent."""
+    faulty, healthy, op = halo_ab
     costs = []
     for run in faulty:
         assert run.slow_s == pytest.approx(1.0)
         _rep, top = verdict_of(run, "straggler", [2])
-        assert top.evidence["p2p_late_calls"] >= 15 and "Sendrecv" in top.evidence["per_op"]
+        assert top.evidence["p2p_late_calls"] >= 15 and op in top.evidence["per_op"]
         assert top.evidence["replay"]["saving_s"] == top.cost_s  # priced through the Sendrecvs, not kept as recorded
         costs.append(top.cost_s)
     saving = Saving(tuple(r.loop_s for r in faulty), tuple(r.loop_s for r in healthy))
@@ -451,7 +455,7 @@ def test_mpi_straggler_held_at_a_halo_exchange_is_named_and_priced(
         loud = [(f.kind, f.ranks, f.cost_s) for f in rep.findings if f.fraction > 0.02]
         assert loud == [], loud
         assert_replays_healthy(rep, saving.noise_s)
-    print(f"halo straggler priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
+    print(f"halo ({op}) straggler priced {', '.join(f'{c:.3f}' for c in costs)} s: {saving}")
     assert_prices_median(saving, costs, rel=0.10, what="straggler cost at a halo exchange")
 
 

@@ -288,7 +288,7 @@ def _compute(n: int, steps: int, seed: int, slow: int = -1, extra_ms: float = 0.
     return c
 
 
-@pytest.mark.parametrize("pattern", ["ring", "pairs", "ring-big"])
+@pytest.mark.parametrize("pattern", ["ring", "pairs", "ring-big", "nonblocking", "nonblocking-big"])
 @pytest.mark.parametrize("seed", [7, 8, 9])
 def test_a_rank_its_neighbours_wait_for_at_point_to_point_calls_is_a_straggler(tmp_path: Path, pattern: str,
                                                                                seed: int) -> None:  # fmt: skip

@@ -369,10 +369,12 @@ class P2PLateness(NamedTuple):
 def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None = None) -> P2PLateness:
     """The lateness at point-to-point rendezvous (issue 20), as :func:`own_lateness_ns` at collectives.
 
-    A blocking receive waits for its sender's arrival: the sender is late by ``send t0 - receive
-    t0`` (at most the receive's length). A blocking send that came first and returned after its
-    receiver came waited for it (a rendezvous send, or a ``Sendrecv``): the receiver is late by
-    ``receive t0 - send t0``. Pairs come from
+    A blocking receive, or the WAIT that completes an ``Irecv``
+    (:func:`distdiag.links.p2p_waits`), waits for its sender's arrival (its call or its ``Isend``):
+    the sender is late by ``send t0 - wait t0`` (at most the wait's length). A blocking send that
+    came first and returned after its receiver came waited for it (a rendezvous send, or a
+    ``Sendrecv``), and so did the WAIT that completes an ``Isend`` of ``replay.EAGER_BYTES`` or
+    more: the receiver is late by ``receive t0 - wait t0``. Pairs come from
     :func:`distdiag.links.p2p_transfers`. One call's lateness is charged once, at the largest wait
     it caused (a ``Sendrecv`` in a ring that holds both neighbours costs the run one wait, not
     two). What the late rank inherited is subtracted: how much later it left its previous
@@ -382,7 +384,8 @@ def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None
     never charged. Ranks whose charge before that subtraction,
     plus ``have_ns[rank]`` (their charges elsewhere), stays under ``min_ns`` are left out (their
     previous exits are not looked up)."""
-    from distdiag.links import p2p_transfers
+    from distdiag.links import p2p_transfers, p2p_waits
+    from distdiag.replay import EAGER_BYTES
     from distdiag.schema import Kind
 
     z = np.zeros(0, np.int64)
@@ -392,28 +395,37 @@ def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None
         return P2PLateness(z, z, z)
     ev = run.events
     kind = ev["kind"]
-    t0, t1 = ev["t0_ns"].astype(np.int64), ev["t1_ns"].astype(np.int64)
-    s0, s1, r0, r1 = t0[ms], t1[ms], t0[mr], t1[mr]
-    recv_waits = (kind[mr] == Kind.RECV) & (s0 > r0)
-    send_waits = (kind[ms] == Kind.SEND) & (r0 > s0) & (s1 > r0)  # it came first and stayed until the receiver did
+
+    def col(name: str, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(ev[name][rows], dtype=np.int64)
+
+    w_recv, w_send = p2p_waits(run)
+    # where each side waits: its blocking call, or the WAIT completing its request (an Isend's only
+    # when it is large enough to need its receiver)
+    rw = np.where(kind[mr] == Kind.RECV, mr, w_recv)
+    sw = np.where(kind[ms] == Kind.SEND, ms, np.where(tr["nbytes"] >= EAGER_BYTES, w_send, -1))
+    s0, r0 = col("t0_ns", ms), col("t0_ns", mr)
+    rw0, rw1 = col("t0_ns", np.maximum(rw, 0)), col("t1_ns", np.maximum(rw, 0))
+    sw0, sw1 = col("t0_ns", np.maximum(sw, 0)), col("t1_ns", np.maximum(sw, 0))
+    recv_waits = (rw >= 0) & (s0 > rw0)
+    send_waits = (sw >= 0) & (r0 > sw0) & (sw1 > r0)  # it came first and stayed until the receiver did
     late_row = np.r_[ms[recv_waits], mr[send_waits]]
-    wait_row = np.r_[mr[recv_waits], ms[send_waits]]
-    gap = np.r_[np.minimum(s0 - r0, r1 - r0)[recv_waits], (r0 - s0)[send_waits]]
+    wait_row = np.r_[rw[recv_waits], sw[send_waits]]
+    gap = np.r_[np.minimum(s0 - rw0, rw1 - rw0)[recv_waits], (r0 - sw0)[send_waits]]
     if len(late_row) == 0:
         return P2PLateness(z, z, z)
-    rank = ev["rank"].astype(np.int64)
-    late_r = rank[late_row]
-    n = int(max(int(rank.max()), int(colls.m_rank.max()) if len(colls) else 0)) + 1
+    late_r, wait_r = col("rank", late_row), col("rank", wait_row)
+    n = int(max(int(late_r.max()), int(wait_r.max()), int(colls.m_rank.max()) if len(colls) else 0)) + 1
     raw = np.bincount(late_r, weights=gap, minlength=n)
     if have_ns is not None:
         raw[: len(have_ns)] += have_ns[:n]
     keep = raw[late_r] >= min_ns
-    late_row, wait_row, gap, late_r = late_row[keep], wait_row[keep], gap[keep], late_r[keep]
+    late_row, wait_row, gap, late_r, wait_r = late_row[keep], wait_row[keep], gap[keep], late_r[keep], wait_r[keep]
     if len(late_row) == 0:
         return P2PLateness(z, z, z)
     # where each rank left its previous rendezvous before each arrival asked about
-    who = np.unique(np.r_[late_r, rank[wait_row]])
-    q_r, q_t = np.r_[late_r, rank[wait_row]], np.r_[t0[late_row], t0[wait_row]]
+    who = np.unique(np.r_[late_r, wait_r])
+    q_r, q_t = np.r_[late_r, wait_r], np.r_[col("t0_ns", late_row), col("t0_ns", wait_row)]
     left, held = _left_before(run, colls, who, q_r, q_t)
     left_late, left_wait = left[: len(late_row)], left[len(late_row) :]
     # inherited: how much later it left than the waiter, at most what it waited there itself (a rank
@@ -425,7 +437,7 @@ def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None
     # (rank, t0)); run.events comes by (rank, t0), so the rows' order is the calls'
     o = np.argsort(late_row, kind="stable")
     lr, lo_own = late_row[o], own[o]
-    key_r, key_t = late_r[o], t0[lr]
+    key_r, key_t = late_r[o], col("t0_ns", lr)
     first = np.flatnonzero(np.r_[True, (np.diff(key_r) != 0) | (np.diff(key_t) != 0)])
     best = np.maximum.reduceat(lo_own, first)
     # the call's first row whose charge is its largest: any row of the call names it alike

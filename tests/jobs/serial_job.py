@@ -47,6 +47,7 @@ def main() -> int:
     p.add_argument("--bcast-every", type=int, default=1, help="bcast only at every K-th iteration (its own line)")
     p.add_argument("--no-log", action="store_true", help="the serial work writes nothing (no recorded calls)")
     p.add_argument("--halo-bytes", type=int, default=0, help="a ring Sendrecv of this many bytes each iteration")
+    p.add_argument("--halo-nonblocking", action="store_true", help="the halo by Irecv + Isend + Waitall instead")
     a = p.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -65,7 +66,10 @@ def main() -> int:
         if rank == a.slow_rank:
             time.sleep(a.slow_s)
             slow_s += a.slow_s
-        if a.halo_bytes > 0:
+        if a.halo_bytes > 0 and a.halo_nonblocking:
+            reqs = [comm.Irecv(halo_in, source=(rank - 1) % size), comm.Isend(halo, dest=(rank + 1) % size)]
+            MPI.Request.Waitall(reqs)
+        elif a.halo_bytes > 0:
             comm.Sendrecv(halo, dest=(rank + 1) % size, recvbuf=halo_in, source=(rank - 1) % size)
         comm.Allreduce(grad, out, op=MPI.SUM)
         if rank == a.serial_rank and it % a.every == a.every - 1:
