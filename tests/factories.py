@@ -369,7 +369,9 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
     Send to the right then Recv from it, odd ranks Recv from the left then Send to it), ``isend``
     (an Isend to the right, completed at the step's end, then a Recv from the left), ``chain`` (a
     pipeline: rank 0 Sends to 1, each rank Recvs from the left, then Sends to the right),
-    ``nonblocking`` (an Irecv from the left and an Isend to the right, completed in one Waitall)."""
+    ``nonblocking`` (an Irecv from the left and an Isend to the right, completed in one Waitall),
+    ``oddeven`` (a ring without deadlock: even ranks Send right then Recv left, odd ranks Recv left
+    then Send right; n even)."""
     s: list[str] = [""]
     rows: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]
     nb = EAGER_BYTES if big else 1024
@@ -401,6 +403,23 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
                 rows[q].append(p2p_row(b_q, b_s, Kind.SEND, r, s, "Send", "halo.py:12", nb))
                 rows[r].append(p2p_row(s_end, b_r, Kind.RECV, q, s, "Recv", "halo.py:13", nb))
                 ex[r], ex[q] = b_r, b_s
+            t = ex
+        elif pattern == "oddeven":  # even ranks Send right then Recv left, odd ranks Recv left then Send right
+            ex = a.copy()
+            first_end = np.zeros(n)
+            for e in range(0, n, 2):  # the first calls: e's Send to e + 1, e + 1's Recv from e
+                q = (e + 1) % n
+                first_end[e] = (max(a[e], a[q]) if big else a[e]) + xfer_ms
+                first_end[q] = max(a[q], a[e]) + xfer_ms
+                rows[e].append(p2p_row(a[e], first_end[e], Kind.SEND, q, s, "Send", "ring.py:30", nb))
+                rows[q].append(p2p_row(a[q], first_end[q], Kind.RECV, e, s, "Recv", "ring.py:31", nb))
+            for e in range(0, n, 2):  # then e's Recv from e - 1, which Sends once its own Recv returned
+                q = (e - 1) % n
+                r_end = max(first_end[e], first_end[q]) + xfer_ms
+                s_end = (max(first_end[q], first_end[e]) if big else first_end[q]) + xfer_ms
+                rows[e].append(p2p_row(first_end[e], r_end, Kind.RECV, q, s, "Recv", "ring.py:32", nb))
+                rows[q].append(p2p_row(first_end[q], s_end, Kind.SEND, e, s, "Send", "ring.py:33", nb))
+                ex[e], ex[q] = r_end, s_end
             t = ex
         elif pattern == "nonblocking":  # Irecv from the left, Isend to the right, Waitall
             left, right = np.roll(a, 1), np.roll(a, -1)

@@ -498,7 +498,7 @@ def _ring_compute(n: int, steps: int, seed: int, slow: int = -1, extra_ms: float
     return c
 
 
-@pytest.mark.parametrize("pattern", ["ring", "pairs", "isend", "chain", "nonblocking"])
+@pytest.mark.parametrize("pattern", ["ring", "pairs", "isend", "chain", "nonblocking", "oddeven"])
 @pytest.mark.parametrize("big", [False, True])
 def test_point_to_point_calls_are_rendezvous_replayed_exactly(tmp_path: Path, pattern: str, big: bool) -> None:
     """Each exchange pattern, small and large messages, 4-5 ranks with random compute: the
