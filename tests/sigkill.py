@@ -96,10 +96,16 @@ def kill_once(work: Path, rng: random.Random, flush_interval_s: float, repo: Pat
             return None if p.poll() is not None else f"no one helper holds the file: {helper}"
     finally:
         t_kill = time.monotonic()
+        gone = []
         for q in helper:
-            os.kill(q, signal.SIGKILL)  # the job's helper: started by the job we started, found by its PID
-        os.kill(p.pid, signal.SIGKILL)  # ours, by its PID
+            try:
+                os.kill(q, signal.SIGKILL)  # the job's helper: started by the job we started, found by its PID
+            except ProcessLookupError:  # it ended on its own: said below, once its rank is ended too
+                gone.append(q)
+        os.kill(p.pid, signal.SIGKILL)  # ours, by its PID (always: a rank left running would load the rest)
         _, err = p.communicate(timeout=30)
+    if gone:
+        return f"the helper {gone} ended on its own while its rank ran (stderr {err[-300:]!r})"
     if writer == "process" and (d / "rank-00000.h5").exists():
         wait_until_closed(d / "rank-00000.h5")
     try:
