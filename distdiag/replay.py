@@ -943,7 +943,8 @@ def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.nda
     if not slow.any() or not peers.any():
         return seg
     out = seg
-    for s in np.unique(site[slow]).tolist():  # the slow ranks' sites in one batch: a few
+    at = site[slow]
+    for s in ([int(at[0])] if bool((at == at[0]).all()) else np.unique(at).tolist()):  # a few sites
         same = peers & (site == s)
         if same.any():
             med = np.int64(np.median(seg[same]))
