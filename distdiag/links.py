@@ -292,7 +292,7 @@ def p2p_waits(run: Run) -> tuple[np.ndarray, np.ndarray]:
             q = rows[mine]
             r_q = ev["rank"][q].astype(np.int64)
             p_q = ev["t0_ns"][q].astype(np.int64)
-            c_q = np.maximum(ev["t1_ns"][q], ev["t0_ns"][q]).astype(np.int64)
+            c_q = np.maximum(ev["t1_ns"][q], p_q)
             r_w = ev["rank"][w_rows].astype(np.int64)
             w0 = ev["t0_ns"][w_rows].astype(np.int64)
             w1 = np.maximum(ev["t1_ns"][w_rows], w0) + WAIT_SLACK_NS

@@ -331,7 +331,8 @@ def _p2p_events(run: Any, taken: np.ndarray) -> _P2P | None:
     ms, mr, nb, w_recv, w_send = ms[ok], mr[ok], tr["nbytes"][ok], w_recv[ok], w_send[ok]
     n_p = len(ms)
     # every row an event stands for: the pairs' own rows, then the waits completing them
-    waits_u = np.unique(np.r_[w_recv[w_recv >= 0], w_send[w_send >= 0]])
+    waits_u = np.sort(np.r_[w_recv[w_recv >= 0], w_send[w_send >= 0]])  # np.unique hashes: 2.5 s for 6 M here
+    waits_u = waits_u[np.r_[True, waits_u[1:] != waits_u[:-1]]] if len(waits_u) else waits_u
     rows = np.concatenate([ms, mr, waits_u])
     o = np.argsort(rows, kind="stable")  # row order: run.events comes by (rank, t0)
     rows_o = rows[o]

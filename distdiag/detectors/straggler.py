@@ -117,9 +117,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     p2p = P2PLateness(*(a[p2p.rank < n] for a in p2p))
     p2p_ns = np.bincount(p2p.rank, weights=p2p.ns, minlength=n)
     cost_ns = cost_ns + p2p_ns
-    in_p2p = np.zeros(n, bool)
-    p2p_r = np.unique(run.events["rank"][_p2p_rows(run)]).astype(np.int64)
-    in_p2p[p2p_r[p2p_r < n]] = True
+    in_p2p = (np.bincount(run.events["rank"][_p2p_rows(run)], minlength=n) > 0)[:n]
 
     # The last arriver's own member row of each group: its op and call site.
     last_row = colls.g_start[1:][g_idx] - 1
@@ -424,7 +422,7 @@ def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None
     if len(late_row) == 0:
         return P2PLateness(z, z, z)
     # where each rank left its previous rendezvous before each arrival asked about
-    who = np.unique(np.r_[late_r, wait_r])
+    who = np.flatnonzero(np.bincount(np.r_[late_r, wait_r]) > 0)
     q_r, q_t = np.r_[late_r, wait_r], np.r_[col("t0_ns", late_row), col("t0_ns", wait_row)]
     left, held = _left_before(run, colls, who, q_r, q_t)
     left_late, left_wait = left[: len(late_row)], left[len(late_row) :]
