@@ -178,8 +178,6 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                     "collectives": n_coll,
                     "fraction_last": round(frac_last, 4),
                     "wait_s": cost_s,
-                    "p2p_late_calls": int(p_mine.sum()),
-                    "p2p_wait_s": float(p2p_ns[r]) / 1e9,
                     "median_wait_ms": float(np.median(w)) / 1e6,
                     "max_wait_ms": float(w.max()) / 1e6,
                     "peers_median_wait_s": peer_median_ns / 1e9,
@@ -198,6 +196,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 ),
             )
         )
+    for f in findings:  # point-to-point lateness, where a blamed rank had some (else the JSON is as before)
+        p_mine = p2p.rank == f.ranks[0]
+        if p_mine.any():
+            f.evidence["p2p_late_calls"] = int(p_mine.sum())
+            f.evidence["p2p_wait_s"] = float(p2p_ns[f.ranks[0]]) / 1e9
     return _fold_hosts(run, colls, ok, cost_ns, findings, min_fraction, peer_ratio, wall_s, top_sites)
 
 
