@@ -33,11 +33,12 @@ arrival's; the rank goes on), the group's **done** (per member: the last
 launch' it waits for plus its transfer, the completion it saw less that
 launch) and the rank's **wait** (it ends at the later of its entry' and the
 groups it holds being done', plus what the wait recorded after both).
-Blocking receives matched with their sends are rendezvous too
+Receives matched with their sends whose completion the run shows (a blocking
+receive; an ``Irecv`` completed in a WAIT row) are rendezvous too
 (:func:`_p2p_events`), replayed in the batches of the launches and waits
-(:func:`_levels`). Receives a wait completes, non-blocking collectives no wait
-shows (a test loop, a future never waited) and their waits are inside the
-segments, replayed as recorded (:func:`_coupling` says when they couple the ranks); a hang's open
+(:func:`_levels`). Receives no wait completes (a test loop), non-blocking
+collectives no wait shows (a test loop, a future never waited) and their waits
+are inside the segments, replayed as recorded (:func:`_coupling` says when they couple the ranks); a hang's open
 collective and everything after it is the rank's tail, as recorded. The
 run's ``end`` per rank is its last exit' plus the tail it recorded after its
 last rendezvous.
@@ -325,7 +326,8 @@ def _p2p_events(run: Any, taken: np.ndarray) -> _P2P | None:
         w_recv = np.where(np.isin(w_recv, taken), -1, w_recv)
         w_send = np.where(np.isin(w_send, taken), -1, w_send)
     k_s, k_r = kind[ms], kind[mr]
-    ok = ((k_r == Kind.RECV) | ((k_r == Kind.RECV_ASYNC) & (w_recv >= 0))) & ((k_s == Kind.SEND) | (k_s == Kind.SEND_ASYNC))
+    ok = (k_r == Kind.RECV) | ((k_r == Kind.RECV_ASYNC) & (w_recv >= 0))
+    ok &= (k_s == Kind.SEND) | (k_s == Kind.SEND_ASYNC)
     if not ok.any():
         return None
     ms, mr, nb, w_recv, w_send = ms[ok], mr[ok], tr["nbytes"][ok], w_recv[ok], w_send[ok]
