@@ -370,6 +370,12 @@ COUNTERS_MAX = 1 << 16
 _ALWAYS_KEPT = np.zeros(256, bool)
 _ALWAYS_KEPT[[int(k) for k in (Kind.SHIM, Kind.LOST, Kind.COLL, Kind.COLL_ASYNC, Kind.SEND, Kind.RECV,
                                Kind.SEND_ASYNC, Kind.RECV_ASYNC, Kind.WAIT, Kind.COMM_CREATE, Kind.PROBE)]] = True  # fmt: skip
+#: the share of a budget kept for what a file takes once the budget is reached: the sampled
+#: rows (budget / 8), the string table's growth (budget / 8), the counters and HDF5's chunk slack
+#: (the last eighth). Thinning starts where the rest would be passed, so the file ends near its
+#: budget, not 1.25x it plus the rest: when a loaded machine's flushes came small, the rows before
+#: the budget took it all and the file ended at 1.4-1.6x (455 kB under 300 kB, seen twice)
+BUDGET_RESERVE = 3 / 8
 #: past this many times its budget a rank file stops recording (communication rows alone
 #: can pass the budget): it is closed properly with ``recording_stopped`` saying so
 HARD_FACTOR = 4
@@ -407,8 +413,8 @@ class _Budget:
     """A rank file's byte budget (``max_file_bytes``; Darshan's "partial" log, done so the
     analysis still sees the whole run).
 
-    Until the file would pass it, every row is written. From the flush that would pass it
-    on, the file keeps one row in ``sample_every`` by arrival, except the rows it always
+    Until the file would pass it, less :data:`BUDGET_RESERVE` of it, every row is written.
+    From the flush that would pass that on, the file keeps one row in ``sample_every`` by arrival, except the rows it always
     keeps (:data:`_ALWAYS_KEPT`: milestones, loss counts and every communication row, which
     the analysis matches across ranks). Every row not written is added to ``/counters``, its
     (kind, name) count, duration and bytes. The sampled rows may take a further
@@ -417,7 +423,7 @@ class _Budget:
     ``rows_counted_only``. From then on the string table takes only the names of the
     rows kept and of the counters, at most ``budget / 8`` more bytes of them (a row whose
     name finds no room is counted instead; a counter's name becomes -1, "other names").
-    So a file ends below about 1.25 x the budget plus the counters (29 bytes each), the
+    So a file ends near the budget plus the counters past their eighth (29 bytes each), the
     clock and GPU samples (a row per minute and per second) and the communication rows; at
     :data:`HARD_FACTOR` x the budget it stops recording (closed properly, said in
     ``recording_stopped``)."""
@@ -432,7 +438,10 @@ class _Budget:
         self.counters = np.zeros(0, COUNTER_DTYPE)
 
     def over(self, file_bytes: int, batch_bytes: int) -> bool:
-        return self.budget > 0 and (self.reached_ns is not None or file_bytes + batch_bytes > self.budget)
+        """The budget is reached: the file would pass what the budget leaves after the room it
+        keeps (:data:`BUDGET_RESERVE`) for what is written once it is reached."""
+        limit = self.budget - int(self.budget * BUDGET_RESERVE)
+        return self.budget > 0 and (self.reached_ns is not None or file_bytes + batch_bytes > limit)
 
     def thin(self, events: np.ndarray, t_ns: int) -> np.ndarray:
         """The rows of ``events`` to write; the others go into the counters."""
