@@ -370,6 +370,7 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
     (an Isend to the right, completed at the step's end, then a Recv from the left), ``chain`` (a
     pipeline: rank 0 Sends to 1, each rank Recvs from the left, then Sends to the right),
     ``nonblocking`` (an Irecv from the left and an Isend to the right, completed in one Waitall),
+    ``halo2`` (an Irecv from and an Isend to each neighbour, one Waitall; small messages only),
     ``oddeven`` (a ring without deadlock: even ranks Send right then Recv left, odd ranks Recv left
     then Send right; n even)."""
     s: list[str] = [""]
@@ -420,6 +421,19 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
                 rows[e].append(p2p_row(first_end[e], r_end, Kind.RECV, q, s, "Recv", "ring.py:32", nb))
                 rows[q].append(p2p_row(first_end[q], s_end, Kind.SEND, e, s, "Send", "ring.py:33", nb))
                 ex[e], ex[q] = r_end, s_end
+            t = ex
+        elif pattern == "halo2":  # Irecv from both neighbours, Isend to both, one Waitall
+            left, right = np.roll(a, 1), np.roll(a, -1)
+            ex = np.maximum(a, np.maximum(left, right)) + xfer_ms  # the receives: after both senders posted
+            for r in range(n):
+                if "Waitall" not in s:
+                    s.append("Waitall")
+                for q, line in (((r - 1) % n, 30), ((r + 1) % n, 31)):
+                    rows[r].append(p2p_row(a[r], ex[r], Kind.RECV_ASYNC, q, s, "Irecv", f"halo.py:{line}", nb))
+                for q, line in (((r - 1) % n, 32), ((r + 1) % n, 33)):
+                    rows[r].append(p2p_row(a[r] + 0.001 * line, ex[r], Kind.SEND_ASYNC, q, s, "Isend", f"halo.py:{line}", nb))
+                rows[r].append((int(a[r] * MS + 0.04 * MS), int(ex[r] * MS), int(Kind.WAIT), s.index("Waitall"), 0, -1,
+                                -1, 0, 0, 0, 0, 0.0))  # fmt: skip
             t = ex
         elif pattern == "nonblocking":  # Irecv from the left, Isend to the right, Waitall
             left, right = np.roll(a, 1), np.roll(a, -1)

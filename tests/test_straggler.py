@@ -288,7 +288,8 @@ def _compute(n: int, steps: int, seed: int, slow: int = -1, extra_ms: float = 0.
     return c
 
 
-@pytest.mark.parametrize("pattern", ["ring", "pairs", "ring-big", "nonblocking", "nonblocking-big", "oddeven-big"])
+@pytest.mark.parametrize("pattern", ["ring", "pairs", "ring-big", "nonblocking", "nonblocking-big", "oddeven-big",
+                                     "halo2"])
 @pytest.mark.parametrize("seed", [7, 8, 9])
 def test_a_rank_its_neighbours_wait_for_at_point_to_point_calls_is_a_straggler(tmp_path: Path, pattern: str,
                                                                                seed: int) -> None:  # fmt: skip
@@ -296,8 +297,8 @@ def test_a_rank_its_neighbours_wait_for_at_point_to_point_calls_is_a_straggler(t
     together: rank 1 computing 2 ms more each step is found from the point-to-point waits and
     priced by the replay, and by the detector's own arithmetic, at what the simulated job without
     it saves (with 64 KB messages rank 1's Sendrecv holds both neighbours: one wait a call, not
-    two; in the odd-even ring its Recv and its Send each hold one, one after the other: one wait
-    a step, not two); its healthy twin (the same jitter: 1-1.2 ms of compute a step) has no
+    two; in the odd-even ring its Recv and its Send each hold one, one after the other, and in
+    the two-sided halo its two Isends each one: one wait a step, not two); its healthy twin (the same jitter: 1-1.2 ms of compute a step) has no
     straggler."""
     n, steps = 4, 20
     big = pattern.endswith("-big")

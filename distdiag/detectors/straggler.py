@@ -444,20 +444,23 @@ def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None
     # one lateness, several calls: a rank late at its send and then, having done nothing in between,
     # at its receive (two neighbours waiting at once) costs the run one wait. Calls that follow the
     # rank's previous late call with no work of its own between (it left that call and came to this
-    # one at once: under a tenth of the charge) form a stretch, charged its largest, once
+    # one at once: under a tenth of the charge) form a stretch, charged once: as its largest call
     c_r, c_t = key_r[first], key_t[first]
     c_left = left_late[o][first]
-    c_exit = col("t1_ns", lr[first])
-    cont = np.r_[False, (c_r[1:] == c_r[:-1]) & (c_left[1:] == c_exit[:-1]) & (c_t[1:] - c_left[1:] < best[1:] // 10)]
-    stretch = np.cumsum(~cont)
-    if cont.any():
-        big = int(best.max()) + 1
-        run_max = np.maximum.accumulate(best + stretch * big) - stretch * big
-        before = np.r_[0, run_max[:-1]]
-        best = np.where(cont, np.maximum(best - before, 0), best)
-    # the call's first row whose charge is its largest: any row of the call names it alike
+    # where the rank went on from a late call: a blocking call's return, a post's own start (three
+    # Isends to three neighbours, each waited for: one lateness)
+    posted = np.isin(kind[lr[first]], (Kind.SEND_ASYNC, Kind.RECV_ASYNC))
+    c_exit = np.where(posted, c_t, col("t1_ns", lr[first]))
+    went_on = np.maximum(c_left[1:], c_exit[:-1])
+    cont = np.r_[False, (c_r[1:] == c_r[:-1]) & (c_left[1:] <= c_exit[:-1]) & (c_t[1:] - went_on < best[1:] // 10)]
+    rows = lr[first]  # each call's first row: any row of the call names it alike
+    if cont.any():  # each stretch: its largest call, once (by stretch, the largest first)
+        stretch = np.cumsum(~cont)
+        o2 = np.lexsort((-best, stretch))
+        pick = o2[np.r_[True, stretch[o2][1:] != stretch[o2][:-1]]]
+        c_r, rows, best = c_r[pick], rows[pick], best[pick]
     keep = best > 0
-    return P2PLateness(c_r[keep], lr[first][keep], best[keep])
+    return P2PLateness(c_r[keep], rows[keep], best[keep])
 
 
 def _p2p_rows(run: Any) -> np.ndarray:
@@ -470,7 +473,7 @@ def _p2p_rows(run: Any) -> np.ndarray:
 def _left_before(run: Any, colls: Any, who: np.ndarray, q_rank: np.ndarray,
                  q_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Per query: the latest exit (ns) of rank ``q_rank`` from a rendezvous (a collective member
-    row's return, a point-to-point call's) at or before ``q_t`` (-1 where none), and how long that
+    row's return, a blocking point-to-point call's or a wait's) at or before ``q_t`` (-1 where none), and how long that
     call took (0 where none). The ranks
     ``who`` (ascending, holding every query's) only: their member rows, by blocks of whole groups,
     while they are at most :data:`P2P_COLL_ROWS` (else only the point-to-point calls count)."""
@@ -478,7 +481,7 @@ def _left_before(run: Any, colls: Any, who: np.ndarray, q_rank: np.ndarray,
     from distdiag.schema import Kind
 
     ev = run.events
-    p_rows = rows_of(run, (Kind.SEND, Kind.RECV, Kind.SEND_ASYNC, Kind.RECV_ASYNC))
+    p_rows = rows_of(run, (Kind.SEND, Kind.RECV, Kind.WAIT))  # rendezvous: a post is none (the rank goes on)
     p_rows = p_rows[np.isin(ev["rank"][p_rows], who)]
     ex_r = [ev["rank"][p_rows].astype(np.int64)]
     ex_t = [ev["t1_ns"][p_rows].astype(np.int64)]
