@@ -431,7 +431,8 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
                 for q, line in (((r - 1) % n, 30), ((r + 1) % n, 31)):
                     rows[r].append(p2p_row(a[r], ex[r], Kind.RECV_ASYNC, q, s, "Irecv", f"halo.py:{line}", nb))
                 for q, line in (((r - 1) % n, 32), ((r + 1) % n, 33)):
-                    rows[r].append(p2p_row(a[r] + 0.001 * line, ex[r], Kind.SEND_ASYNC, q, s, "Isend", f"halo.py:{line}", nb))
+                    posted = a[r] + 0.001 * line  # the two Isends a microsecond or so apart
+                    rows[r].append(p2p_row(posted, ex[r], Kind.SEND_ASYNC, q, s, "Isend", f"halo.py:{line}", nb))
                 rows[r].append((int(a[r] * MS + 0.04 * MS), int(ex[r] * MS), int(Kind.WAIT), s.index("Waitall"), 0, -1,
                                 -1, 0, 0, 0, 0, 0.0))  # fmt: skip
             t = ex

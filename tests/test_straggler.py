@@ -298,8 +298,8 @@ def test_a_rank_its_neighbours_wait_for_at_point_to_point_calls_is_a_straggler(t
     priced by the replay, and by the detector's own arithmetic, at what the simulated job without
     it saves (with 64 KB messages rank 1's Sendrecv holds both neighbours: one wait a call, not
     two; in the odd-even ring its Recv and its Send each hold one, one after the other, and in
-    the two-sided halo its two Isends each one: one wait a step, not two); its healthy twin (the same jitter: 1-1.2 ms of compute a step) has no
-    straggler."""
+    the two-sided halo its two Isends each one: one wait a step, not two); its healthy twin (the
+    same jitter: 1-1.2 ms of compute a step) has no straggler."""
     n, steps = 4, 20
     big = pattern.endswith("-big")
     pattern = pattern.removesuffix("-big")
