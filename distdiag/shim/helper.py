@@ -512,15 +512,18 @@ class _Helper:
 
         Why: opening the HDF5 file imports h5py and loads libhdf5 (CPU, and metadata calls to where
         Python's packages live; numpy loads at the helper's start, see _say_through). At the
-        helper's first flush, one second into the rank's run, that landed inside the job's own start-up (its imports, its dataset
+        helper's first flush, one second into the rank's run, that landed inside the job's own
+        start-up (its imports, its dataset
         build, an import storm on a parallel file system) and, on a node with fewer free cores
         than helpers, slowed it (measured: 4 ranks on 2 cores, a 0.2 s start of a job ran 0.04-0.1 s
         longer wrapped, none with the file opened later). So the rank's stream goes to the spill
         log (:mod:`distdiag.shim.spill`, the standard library only; the analyzer reads it in the
         file's place if the helper dies too) until ``helper_open_after_s`` of the rank's run have
-        passed, the log holds :data:`distdiag.shim.rankfile.OPEN_AFTER_BYTES`, GPU samples come, or the stream ends (a budget under 16 MiB: no
-        deferral): then the file opens and takes
-        the log's rows first. A short job opens its file at its exit."""
+        passed, the log holds :data:`distdiag.shim.rankfile.OPEN_AFTER_BYTES` (or half the
+        recording budget: the rows handed over at once are then written under the budget's
+        reserve, :data:`distdiag.shim.writer.BUDGET_RESERVE`), GPU samples come, or the stream
+        ends: then the file opens and takes the log's rows first. A short job opens its file at
+        its exit."""
         path = self.path
         if path is None or self.base is not None or self.claim_fd is None or gpu:
             return ""  # a forked child's file (a compact table of its own) opens at once
@@ -528,12 +531,7 @@ class _Helper:
 
         after_s = float(getattr(self.cfg, "helper_open_after_s", 30.0))
         budget = int(getattr(self.cfg, "max_file_bytes", 0) or 0)
-        if 0 < budget < 2 * OPEN_AFTER_BYTES:
-            # a small recording budget is applied flush by flush as the rows come (thinned once a
-            # flush would pass it); the log's rows, handed over at once, went in whole under half
-            # of it and the file ended 1.5x over (tests/test_shim_budget.py, 1 run in 4): such a
-            # rank's file opens at its first flush, as before
-            return ""
+        limit = min(OPEN_AFTER_BYTES, budget // 2) if budget > 0 else OPEN_AFTER_BYTES
         if self.log is None:
             if after_s <= 0 or time.monotonic() - self.started >= after_s:
                 return ""
@@ -581,7 +579,7 @@ class _Helper:
         self.log_mark = mark
         self.log_sync.extend(sync)
         self.attrs.update(attrs)
-        return "held" if lg.size < OPEN_AFTER_BYTES and time.monotonic() - self.started < after_s else "logged"
+        return "held" if lg.size < limit and time.monotonic() - self.started < after_s else "logged"
 
     def open_and_flush(self, rows: list[bytes], sync: list[Any], gpu: list[bytes], attrs: dict[str, Any],
                        mark: dict[str, Any]) -> None:  # fmt: skip
