@@ -212,7 +212,8 @@ def _frame(events: list[Any]) -> Any:
 
 def _str_col(s: Any) -> Any:
     """A column as text: missing values read as "", other non-strings as their text."""
-    return s.fillna("").astype(str).astype(object)
+    # as object first: a column that is all missing reads as float64, which pandas will not fill with a str
+    return s.astype(object).fillna("").astype(str).astype(object)
 
 
 def _args(col: Any, keys: list[str]) -> Any:

@@ -24,7 +24,7 @@ from distdiag.match import MatchState, collectives_of
 from distdiag.pipeline import analyze
 from distdiag.run import load_run
 from distdiag.schema import Kind
-from truth import Saving, assert_prices_median, loop_s, measure_saving
+from truth import Saving, assert_prices_median, loop_s, measure_saving, sched_imbalance_s
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "tests" / "jobs" / "kineto_gloo.py"
@@ -51,6 +51,9 @@ def _findings(report: object, kind: str) -> list:
 #: once in four runs). 40 ms keeps that known error well inside the test's 25%.
 SLOW_MS = "40"
 
+#: run dir -> how much longer one rank waited for a core than the other in its loop (truth.sched_imbalance_s)
+_IMBALANCE: dict[Path, float] = {}
+
 
 @pytest.fixture(scope="module")
 def gloo_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Saving, list[Path], list[Path]]:
@@ -72,6 +75,7 @@ def gloo_ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Saving, list[Path
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=d)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
         (faulty if is_faulty else healthy).append(d)
+        _IMBALANCE[d] = sched_imbalance_s(p.stdout)
         return loop_s(p.stdout)
 
     saving = measure_saving(run, pairs=3)
@@ -96,15 +100,20 @@ def test_real_gloo_straggler_priced_at_the_measured_saving(gloo_ab: tuple[Saving
 
 @pytest.mark.torch
 def test_real_gloo_healthy_twin_silent(gloo_ab: tuple[Saving, list[Path], list[Path]]) -> None:
-    """No finding above 2% of the wall-clock plus the noise measured in the same test (the healthy
-    runs' spread): beside a busy core a rank is really descheduled now and then (seen: a 15 ms
-    straggler in a 0.48 s healthy run, 3.1%), which is no fault of the job's."""
+    """No finding above 2% of the wall-clock plus the noise measured in the same test: the healthy
+    runs' spread, and how much longer one rank of that run waited for a core than the other
+    (the kernel's run_delay, printed by the job). Beside a busy core a healthy rank is really
+    descheduled, and the detector rightly sees it late: seen in CI, a 35 ms straggler in a 0.57 s
+    healthy run, its rank 0 waking 10 ms late at 7 all-reduces; on a more loaded machine 92 and
+    177 ms, with rank 1 waiting for a core 92 and 188 ms longer than rank 0. That is the
+    machine's fault, not the job's; the allowance is measured in the run, never assumed."""
     saving, _, healthy = gloo_ab
     for d in healthy:
         rep = analyze(d)
         wall = rep.run.wall_s
-        loud = [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall + saving.noise_s]
-        assert not loud, (loud, wall, saving.noise_s)
+        allowed = 0.02 * wall + saving.noise_s + _IMBALANCE[d]
+        loud = [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > allowed]
+        assert not loud, (loud, wall, saving.noise_s, _IMBALANCE[d])
 
 
 @pytest.mark.torch

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Generic, Sequence, TypeVar
 
 LOOP_RE = re.compile(r"\bloop ([0-9]+(?:\.[0-9]+)?) s\b")
+SCHED_RE = re.compile(r"\brank ([0-9]+) sched_delay ([0-9]+(?:\.[0-9]+)?) s\b")
 
 
 def loop_s(stdout: str) -> float:
@@ -35,6 +36,18 @@ def loop_s(stdout: str) -> float:
     m = LOOP_RE.search(stdout)
     assert m, f"the job printed no 'loop <seconds> s' line:\n{stdout[-2000:]}"
     return float(m.group(1))
+
+
+def sched_imbalance_s(stdout: str) -> float:
+    """How much longer one rank's main thread waited for a core than another's in the job's loop.
+
+    A job that prints ``rank <r> sched_delay <seconds> s`` per rank (the thread's ``run_delay`` from
+    ``/proc/thread-self/schedstat`` over the loop) says how long the machine kept each rank from
+    running while it was ready to. Beside a busy core one rank of a healthy job can lose a tenth
+    of a second more than the other: a real straggler, made by the machine, not the job. The
+    largest difference is what a healthy twin's check allows for it (0 when no rank printed one)."""
+    d = [float(m.group(2)) for m in SCHED_RE.finditer(stdout)]
+    return max(d) - min(d) if d else 0.0
 
 
 @dataclass(frozen=True)
