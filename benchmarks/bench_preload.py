@@ -5,7 +5,8 @@
 Side by side in one run: each round starts three fresh processes, one per capture
 (``plain``: nothing; ``python``: distdiag.shim.hooks.fileio's wrappers; ``preload``: the
 interposer, ``LD_PRELOAD``ed, recording into its ring, its drainer thread turning slots into
-recorder rows), and each times the same operations ``n`` times on tmpfs (/dev/shm), where
+recorder rows in C, ``_binding.convert``; ``preload_py``: the same with the drainer's Python
+loop, as before that existed and where the binding is older than the library), and each times the same operations ``n`` times on tmpfs (/dev/shm), where
 the call itself is as fast as it gets, so what capture adds is plain to see:
 
 * ``stat``: ``os.stat(path)`` (one libc stat)
@@ -19,8 +20,6 @@ is the full price of a row). Best of ``repeats`` (a busy machine disturbs the mi
 least). Then the libc hook alone, from C (``--c``, needs gcc): a compiled loop of
 ``stat`` calls, plain vs preloaded and started (``dd_start``), draining the ring every
 4096 calls as the drainer would: ns added per libc call, with no Python in the loop.
-``--numpy``: the programs import numpy first, as an ML program has (the drainer then makes
-the one-row calls' rows with numpy, several slots at once).
 """
 
 from __future__ import annotations
@@ -34,13 +33,11 @@ import sys
 import tempfile
 import time
 
-MODES = ("plain", "python", "preload")
+MODES = ("plain", "python", "preload", "preload_py")
 OPS = ("stat", "open+close", "open(rb)", "read 256B")
 
 
-def child(mode: str, n: int, d: str, with_numpy: bool) -> None:
-    if with_numpy:
-        import numpy  # noqa: F401 - as an ML program has: the drainer's one-row calls go through numpy
+def child(mode: str, n: int, d: str) -> None:
     from distdiag.shim import preload
     from distdiag.shim.config import ShimConfig
     from distdiag.shim.hooks import fileio
@@ -50,10 +47,13 @@ def child(mode: str, n: int, d: str, with_numpy: bool) -> None:
     rec = Recorder()
     if mode != "plain":
         cfg = ShimConfig()
-        cfg.hooks = {"preload": mode == "preload"}
+        cfg.hooks = {"preload": mode.startswith("preload")}
         cfg.run_dir = os.path.join(d, "run")  # type: ignore[attr-defined]
         fileio.install(rec, cfg)
-        assert fileio.CAPTURE == mode, (fileio.CAPTURE, mode)
+        assert fileio.CAPTURE == mode.partition("_")[0], (fileio.CAPTURE, mode)
+        if mode == "preload_py":
+            assert preload.DRAINER is not None
+            preload.DRAINER.use_c = False
     fd = os.open(small, os.O_RDONLY)
     st, op, cl, pr = os.stat, os.open, os.close, os.pread
     rd = os.O_RDONLY
@@ -144,10 +144,9 @@ def main() -> int:
     ap.add_argument("--child", choices=MODES)
     ap.add_argument("--dir")
     ap.add_argument("--no-c", action="store_true", help="skip the C loop")
-    ap.add_argument("--numpy", action="store_true", help="the programs import numpy first (the drainer uses it)")
     a = ap.parse_args()
     if a.child:
-        child(a.child, a.n, a.dir, a.numpy)
+        child(a.child, a.n, a.dir)
         return 0
     from distdiag.shim import preload
 
@@ -164,10 +163,9 @@ def main() -> int:
         for _ in range(a.repeats):
             for mode in MODES:
                 env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("DISTDIAG_")}
-                if mode == "preload":
+                if mode.startswith("preload"):
                     env["LD_PRELOAD"] = lib
-                p = subprocess.run([sys.executable, __file__, "--child", mode, "--n", str(a.n), "--dir", d,
-                                    *(["--numpy"] if a.numpy else [])],
+                p = subprocess.run([sys.executable, __file__, "--child", mode, "--n", str(a.n), "--dir", d],
                                    capture_output=True, text=True, env=env)  # fmt: skip
                 if p.returncode != 0:
                     print(p.stderr, file=sys.stderr)
@@ -175,16 +173,15 @@ def main() -> int:
                 for op, (t, pc) in json.loads(p.stdout).items():
                     old = best[mode].get(op, (float("inf"), float("inf")))
                     best[mode][op] = (min(old[0], t), min(old[1], pc))
-        print(f"ns per call, best of {a.repeats} x {a.n} (tmpfs){' with numpy imported' if a.numpy else ''}; "
-              "thread CPU / process CPU (process: + the drainer)")
-        print(f"{'op':<12} {'plain':>13} {'python hooks':>20} {'interposer':>20}")
+        print(f"ns per call, best of {a.repeats} x {a.n} (tmpfs); thread CPU / process CPU (process: + the drainer)")
+        print(f"{'op':<12} {'plain':>13} {'python hooks':>20} {'interposer':>20} {'interposer, py drain':>22}")
         for op in OPS:
             pt, pp = best["plain"][op]
             cells = [f"{pt:6.0f} /{pp:6.0f}"]
-            for m in ("python", "preload"):
+            for m in ("python", "preload", "preload_py"):
                 t, pc = best[m][op]
                 cells.append(f"+{t - pt:6.0f} /+{pc - pp:6.0f}")
-            print(f"{op:<12} {cells[0]:>13} {cells[1]:>20} {cells[2]:>20}")
+            print(f"{op:<12} {cells[0]:>13} {cells[1]:>20} {cells[2]:>20} {cells[3]:>22}")
         if not a.no_c:
             c = c_bench(d, lib, max(a.n * 10, 100000), a.repeats)
             if c is not None:

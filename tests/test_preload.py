@@ -353,3 +353,105 @@ def test_fileio_off_records_no_file_rows(tmp_path: Path) -> None:
     assert rec["child"] == ""
     attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
     assert attrs.get("fileio_capture", "off") == "off" and rs == []
+
+
+# ----------------------------------------------------------------------------------
+# the drainer's slot conversion: C (_binding.convert) against the Python loop
+
+
+def _slots(rng: np.random.Generator, n: int, paths: list[bytes], ostids: list[int]) -> bytearray:
+    """``n`` ring slots as dd_drain copies them: random calls of the listed threads on the listed
+    paths, each op in the table, small and big reads/writes, fast and slow calls, opens followed
+    (or not) by the fstat/lseek Python's open() makes."""
+    buf = bytearray(preload.SLOT_SIZE * n)
+    t = 1_000_000
+    last_open: dict[int, bytes] = {}
+    for i in range(n):
+        tid = ostids[int(rng.integers(len(ostids)))]
+        op = int(rng.integers(0, len(preload.OP_NAMES) + 2))  # now and then an op no table knows
+        p = paths[int(rng.integers(len(paths)))]
+        if op in (preload.OP["fstat"], preload.OP["lseek"]) and tid in last_open and rng.random() < 0.7:
+            p = last_open[tid]  # on the file this thread just opened: folded into its open
+        if op in (preload.OP["open"], preload.OP["fopen"]):
+            last_open[tid] = p
+        p = p[: preload.PATH_CAP]  # the interposer truncates a longer path (and flags it)
+        dur = int(rng.choice([300, 5_000, 30_000, 2_000_000]))
+        nb = int(rng.choice([0, 100, 4096, 2 << 20]))
+        err = int(rng.choice([0, 0, 0, 2, 13]))
+        t += int(rng.integers(100, 10_000))
+        preload._HDR.pack_into(buf, i * preload.SLOT_SIZE, i + 1, t, t + dur, nb, op, err, 3, tid, len(p), 0)
+        buf[i * preload.SLOT_SIZE + 64 : i * preload.SLOT_SIZE + 64 + len(p)] = p
+    return buf
+
+
+def _drainer(tmp: Path, use_c: bool) -> Any:
+    from distdiag.shim.recorder import Recorder
+
+    class Lib:  # the binding's convert, without the interposer (no ring: slots are made here)
+        convert = getattr(binding, "convert", None)
+
+    rec = Recorder()
+    skip = str(tmp / "skipped")
+
+    def tag(p: str) -> tuple[int, ...]:
+        return () if p.startswith(skip) or p.startswith("/proc") else (rec.intern(p), rec.intern("tmpfs:/x"))
+
+    d = preload.Drainer(Lib(), rec, None, tag, 1.0)
+    d.use_c = use_c
+    return d
+
+
+binding = pytest.importorskip("distdiag.shim.preload._binding")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_c_conversion_makes_the_rows_the_python_loop_makes(tmp_path: Path, seed: int) -> None:
+    """The same slots through ``_binding.convert`` and through ``Drainer._convert_py``: the same rows
+    in the same order, and the same state left for the next batch (pending opens, sums, path and
+    thread tables). Checked to fail with C's fold of an fstat into its open off, its sums never
+    flushed by a close, and a slot's errno dropped."""
+    if getattr(binding, "convert", None) is None:
+        pytest.fail("the binding was built without convert: rebuild (pip install -e .)")
+    rng = np.random.default_rng(seed)
+    paths = [f"{tmp_path}/f{i}".encode() for i in range(12)] + [f"{tmp_path}/skipped/g{i}".encode() for i in range(3)]
+    paths += [b"/proc/self/stat", ("/".join([str(tmp_path)] + ["d" * 40] * 5)).encode()]
+    ostids = [101, 102, 103, 999]
+    got = {}
+    for use_c in (True, False):
+        d = _drainer(tmp_path, use_c)
+        pend: dict[int, list[Any]] = {}
+        rows = []
+        shim = (999,)  # a shim thread's calls are never the program's
+        for batch in range(4):
+            buf = _slots(np.random.default_rng(seed * 10 + batch), 700, paths, ostids)
+            if use_c:
+                from distdiag.shim.recorder import ROW_SIZE
+
+                d.rows = bytearray((2 * 700 + len(d.acc) + 1) * ROW_SIZE)
+                r = d.lib.convert(buf, 700, d.rows, d, pend, shim)
+                rows.append(bytes(d.rows[: r * ROW_SIZE]))
+            else:
+                out: list[bytes] = []
+
+                def put(row: Any) -> None:
+                    from distdiag.shim.recorder import ROW_SIZE, pack_row
+
+                    b = bytearray(ROW_SIZE)
+                    t0, t1, k, nid, cid, nb, aux, tid, val = row
+                    pack_row(b, 0, t0, t1, k, nid, cid, -1, -1, nb, aux, 0, tid, val)
+                    out.append(bytes(b))
+
+                d._convert_py(buf, 700, pend, set(shim), put)
+                rows.append(b"".join(out))
+        got[use_c] = (rows, pend, dict(d.acc), dict(d.paths), dict(d.tids), d.rec.strings.strings)
+    c, py = got[True], got[False]
+    from distdiag.schema import EVENT_DTYPE
+
+    for b, (rc, rp) in enumerate(zip(c[0], py[0])):
+        ec, ep = np.frombuffer(rc, EVENT_DTYPE), np.frombuffer(rp, EVENT_DTYPE)
+        assert len(ec) == len(ep) and len(ep) > 100, (b, len(ec), len(ep))
+        for f in EVENT_DTYPE.names:
+            assert (ec[f] == ep[f]).all(), (b, f, np.flatnonzero(ec[f] != ep[f])[:5])
+        kinds = collections.Counter(ep["kind"].tolist())
+        assert len(kinds) >= 5, kinds  # every sort of row was made
+    assert c[1:] == py[1:]

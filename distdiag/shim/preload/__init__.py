@@ -217,7 +217,6 @@ class Drainer:
         self.thread: threading.Thread | None = None
         self.tb: Any = None
         self.out = bytearray(SLOT_SIZE * DRAIN_BATCH)
-        self.zeros = bytes(len(self.out))
         self.paths: dict[bytes, tuple[int, ...]] = {}
         self.tids: dict[int, int] = {}
         self.lost_done = 0
@@ -240,15 +239,21 @@ class Drainer:
             OP["opendir"]: (k_list, 0), OP["readdir"]: (k_list, 0), OP["getdents64"]: (k_list, 0),
         }  # fmt: skip
         self.op_ids = [rec.intern(f"libc:{n}") if n else 0 for n in OP_NAMES]
-        #: numpy views of the slots and per-op tables, made at the first numpy drain
-        self.slot_dt: Any = None
-        self.fast_kind: Any = None
-        self.fast_op: Any = None
-        self.op_arr: Any = None
         self.open_ops = frozenset({OP["open"], OP["fopen"]})
         #: calls on a descriptor right after its open, by the same thread, on the same path:
         #: the open's (Python's open() is open + fstat + fstat, numpy's fromfile an fstat)
         self.fold_ops = frozenset({OP["fstat"], OP["lseek"]})
+        #: ``self.ops``, ``open_ops`` and ``fold_ops`` as ``_binding.convert`` reads them: per op
+        #: its kind, its mode (255: not recorded) and flags (1: an open, 2: folded into an open)
+        table = bytearray(3 * len(OP_NAMES))
+        for i in range(len(OP_NAMES)):
+            kind, mode = self.ops.get(i, (0, 255))
+            table[3 * i : 3 * i + 3] = bytes((kind, mode, (1 if i in self.open_ops else 0) | (2 if i in self.fold_ops else 0)))
+        self.ops_table = bytes(table)
+        #: the rows ``convert`` writes (grown to what a batch can make)
+        self.rows = bytearray()
+        #: False: the Python loop even where the binding converts (the tests' reference)
+        self.use_c = True
 
     # -- thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -322,7 +327,6 @@ class Drainer:
         tb: Any = None
         #: per thread, its last open, held until its next call (see ``fold``)
         pend: dict[int, list[Any]] = {}
-        opens, fold = self.open_ops, self.fold_ops
 
         def put(row: Any) -> None:
             nonlocal tb
@@ -335,86 +339,31 @@ class Drainer:
             pack_row(tb.buf, m * ROW_SIZE, t0_, t1_, k_, nid, cid, -1, -1, nbytes, aux_, 0, tid_, val)
             tb.n = m + 1
 
-        unpack = _HDR.unpack_from
-        paths, tids, ops, acc, op_ids = self.paths, self.tids, self.ops, self.acc, self.op_ids
-        big_b, big_ns, close_min = self.big_bytes, self.big_ns, self.close_min_ns
         # the shim's own threads (flusher, clock, sampler: "distdiag-*", muted in the recorder
         # too, some before the interposer started) are not the program's I/O
-        np = sys.modules.get("numpy")  # the program's (or the writer's): never imported here
-        np_ok = np is not None
-        shim = {t.native_id for t in threading.enumerate() if t.name.startswith("distdiag-") and t.native_id is not None}
+        shim = tuple(t.native_id for t in threading.enumerate() if t.name.startswith("distdiag-") and t.native_id is not None)
+        convert = getattr(lib, "convert", None) if self.use_c else None
         while True:
-            if np_ok:
-                out[:] = self.zeros  # the numpy path hashes whole path fields: no stale bytes
             n = lib.drain(out, DRAIN_BATCH)
             if n <= 0:
                 break
-            if np is not None:
-                slow: Any = self._drain_fast(np, n, shim)
+            if convert is not None:
+                # the slots made into rows in C (~0.1 us a slot, against ~1.5 us in the loop below)
+                need = (2 * n + len(self.acc) + 1) * ROW_SIZE
+                if len(self.rows) < need:
+                    self.rows = bytearray(need)
+                r = convert(out, n, self.rows, self, pend, shim)
+                if r:
+                    if tb is None:
+                        tb = self._buffer()
+                    self._put_bytes(memoryview(self.rows)[: r * ROW_SIZE], r, ROW_SIZE)
             else:
-                slow = range(n)
-            for i in slow:
-                o = i * SLOT_SIZE
-                _, t0, t1, nb, op, err, _fd, ostid, plen, _fl = unpack(out, o)
-                how = ops.get(op)
-                if how is None or ostid in shim:
-                    continue
-                p = bytes(out[o + 64 : o + 64 + plen])
-                tag = paths.get(p)
-                if tag is None:
-                    tag = self.tag(os.fsdecode(p))
-                    if len(paths) < self.max_paths:
-                        paths[p] = tag
-                if not tag:
-                    continue
-                tid = tids.get(ostid)
-                if tid is None:
-                    if len(tids) >= MAX_THREADS:  # a program of many short threads: bounded
-                        tids.clear()
-                    tid = tids[ostid] = next(rec._tids)
-                kind, mode = how
-                name_id, aux = tag[0], tag[1]
-                po = pend.get(tid)
-                if po is not None:
-                    if op in fold and po[3] == name_id:
-                        # the fstat/lseek Python's open() makes on the new descriptor: part
-                        # of the open, as the Python hook's one open row covers them
-                        po[1] = t1
-                        continue
-                    del pend[tid]
-                    put(po)
-                if op in opens:
-                    pend[tid] = [t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)]
-                    continue
-                if mode == 1:
-                    d = t1 - t0
-                    if nb >= big_b or d >= big_ns:
-                        put((t0, t1, kind, name_id, op_ids[op], nb, aux, tid, 1.0))
-                        continue
-                    key = (kind, name_id, tid)
-                    a = acc.get(key)
-                    if a is None:
-                        acc[key] = [t0, d, nb, 1, aux, op_ids[op]]
-                        continue
-                    a[1] += d
-                    a[2] += nb
-                    a[3] += 1
-                    if a[2] < big_b and a[1] < big_ns:
-                        continue
-                    del acc[key]
-                    put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, tid, float(a[3])))
-                elif mode == 0:
-                    put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
-                else:
-                    if mode == 3 and acc:
-                        for row in self._take_sums(name_id):
-                            put(row)
-                    if t1 - t0 >= close_min:
-                        put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
+                self._convert_py(out, n, pend, set(shim), put)
             if n < DRAIN_BATCH:
                 break
         for po in pend.values():  # an open whose fstat comes after this drain: a row of its own
             put(po)
+        acc = self.acc
         if final and acc:
             for (kind, name_id, tid), a in list(acc.items()):
                 put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], tid, float(a[3])))
@@ -424,85 +373,84 @@ class Drainer:
             rec.lost_events += lost - self.lost_done
             self.lost_done = lost
 
-    def _drain_fast(self, np: Any, n: int, shim: set[int]) -> Any:
-        """The slots of one-row calls (stat, lstat, access, opendir, readdir, mkdir, ...: most
-        of a metadata storm) of the batch in ``self.out`` made into rows at once, with numpy;
-        returns the indices of the others, for the loop (opens, closes, reads, writes)."""
-        from distdiag.schema import EVENT_DTYPE
-        from distdiag.shim.recorder import ROW_SIZE
+    def _tag_of(self, p: bytes) -> tuple[int, ...]:
+        """``(name_id, aux)`` of the path bytes ``p`` (``()``: not recorded), cached in ``paths``."""
+        tag = self.paths.get(p)
+        if tag is None:
+            tag = self.tag(os.fsdecode(p))
+            if len(self.paths) < self.max_paths:
+                self.paths[p] = tag
+        return tag  # type: ignore[no-any-return]
 
-        if self.slot_dt is None:
-            self.slot_dt = np.dtype({"names": ["t0", "t1", "op", "err", "tid", "path"],
-                                     "formats": ["<i8", "<i8", "<i4", "<i4", "<i4", f"S{PATH_CAP}"],
-                                     "offsets": [8, 16, 32, 36, 44, 64], "itemsize": SLOT_SIZE})  # fmt: skip
-            kinds = np.zeros(len(OP_NAMES), np.int64)
-            one = np.zeros(len(OP_NAMES), bool)
-            for op_, (kind, mode) in self.ops.items():
-                if mode == 0 and op_ not in self.open_ops:
-                    kinds[op_], one[op_] = kind, True
-            self.fast_kind, self.fast_op = kinds, one
-            self.op_arr = np.asarray(self.op_ids, np.int64)
-        a = np.frombuffer(self.out, self.slot_dt, count=n)
-        op = a["op"]
-        ok = (op >= 0) & (op < len(OP_NAMES))
-        opc = np.where(ok, op, 0)
-        fast = ok & self.fast_op[opc]
-        if shim:
-            fast &= ~np.isin(a["tid"], np.fromiter(shim, np.int64, len(shim)))
-        idx = np.flatnonzero(fast)
-        if len(idx):
-            f = a[idx]
-            # the distinct paths by a hash of their 256 bytes (zeros after the NUL: the batch
-            # buffer is cleared before each dd_drain), checked against each group's first:
-            # sorting 256-byte strings costs ~1 us a slot, this ~0.1 us
-            words = np.ascontiguousarray(f["path"]).view(np.uint64).reshape(len(f), PATH_CAP // 8)
-            h = words[:, 0].copy()
-            for k in range(1, PATH_CAP // 8):
-                h *= np.uint64(0x100000001B3)
-                h ^= words[:, k]
-            _, first, pinv = np.unique(h, return_index=True, return_inverse=True)
-            pinv = pinv.ravel()
-            same = (words == words[first[pinv]]).all(axis=1)
-            if not same.all():  # a hash collision: those slots go through the loop
-                fast[idx[~same]] = False
-                f, pinv = f[same], pinv[same]
-            upaths = [bytes(words[i]) for i in first]
-            name = np.empty(len(upaths), np.int64)
-            aux = np.empty(len(upaths), np.int64)
-            for j, raw in enumerate(upaths):  # the distinct paths: few
-                p = raw.partition(b"\0")[0]
-                tag = self.paths.get(p)
-                if tag is None:
-                    tag = self.tag(os.fsdecode(p))
-                    if len(self.paths) < self.max_paths:
-                        self.paths[p] = tag
-                name[j], aux[j] = (tag[0], tag[1]) if tag else (-1, 0)
-            utid, tinv = np.unique(f["tid"], return_inverse=True)
-            tids = np.empty(len(utid), np.int64)
-            for j, t in enumerate(utid.tolist()):
-                tid = self.tids.get(t)
-                if tid is None:
-                    if len(self.tids) >= MAX_THREADS:
-                        self.tids.clear()
-                    tid = self.tids[t] = next(self.rec._tids)
-                tids[j] = tid
-            nid = name[pinv]
-            keep = nid >= 0
-            ev = np.zeros(int(keep.sum()), EVENT_DTYPE)
-            if len(ev):
-                fo = f["op"][keep]
-                ev["t0_ns"] = f["t0"][keep]
-                ev["t1_ns"] = f["t1"][keep]
-                ev["kind"] = self.fast_kind[fo]
-                ev["name_id"] = nid[keep]
-                ev["comm_id"] = self.op_arr[fo]
-                ev["seq"] = -1
-                ev["peer"] = -1
-                ev["aux"] = aux[pinv][keep]
-                ev["tid"] = tids[tinv.ravel()][keep]
-                ev["value"] = f["err"][keep]
-                self._put_bytes(ev.tobytes(), len(ev), ROW_SIZE)
-        return np.flatnonzero(~fast & ok & (op != 0)).tolist()
+    def _tid_of(self, ostid: int) -> int:
+        """The recorder thread id given to OS thread ``ostid``."""
+        tids = self.tids
+        tid = tids.get(ostid)
+        if tid is None:
+            if len(tids) >= MAX_THREADS:  # a program of many short threads: bounded
+                tids.clear()
+            tid = tids[ostid] = next(self.rec._tids)
+        return tid
+
+    def _convert_py(self, out: Any, n: int, pend: dict[int, list[Any]], shim: set[int], put: Any) -> None:
+        """The ``n`` slots in ``out`` made into rows through ``put``: what ``_binding.convert`` does
+        in C, kept for a build without it and as the reference the tests compare it with."""
+        unpack = _HDR.unpack_from
+        paths, ops, acc, op_ids = self.paths, self.ops, self.acc, self.op_ids
+        opens, fold = self.open_ops, self.fold_ops
+        big_b, big_ns, close_min = self.big_bytes, self.big_ns, self.close_min_ns
+        for i in range(n):
+            o = i * SLOT_SIZE
+            _, t0, t1, nb, op, err, _fd, ostid, plen, _fl = unpack(out, o)
+            how = ops.get(op)
+            if how is None or ostid in shim:
+                continue
+            p = bytes(out[o + 64 : o + 64 + plen])
+            tag = paths.get(p)
+            if tag is None:
+                tag = self._tag_of(p)
+            if not tag:
+                continue
+            tid = self._tid_of(ostid)
+            kind, mode = how
+            name_id, aux = tag[0], tag[1]
+            po = pend.get(tid)
+            if po is not None:
+                if op in fold and po[3] == name_id:
+                    # the fstat/lseek Python's open() makes on the new descriptor: part
+                    # of the open, as the Python hook's one open row covers them
+                    po[1] = t1
+                    continue
+                del pend[tid]
+                put(po)
+            if op in opens:
+                pend[tid] = [t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)]
+                continue
+            if mode == 1:
+                d = t1 - t0
+                if nb >= big_b or d >= big_ns:
+                    put((t0, t1, kind, name_id, op_ids[op], nb, aux, tid, 1.0))
+                    continue
+                key = (kind, name_id, tid)
+                a = acc.get(key)
+                if a is None:
+                    acc[key] = [t0, d, nb, 1, aux, op_ids[op]]
+                    continue
+                a[1] += d
+                a[2] += nb
+                a[3] += 1
+                if a[2] < big_b and a[1] < big_ns:
+                    continue
+                del acc[key]
+                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, tid, float(a[3])))
+            elif mode == 0:
+                put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
+            else:
+                if mode == 3 and acc:
+                    for row in self._take_sums(name_id):
+                        put(row)
+                if t1 - t0 >= close_min:
+                    put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
 
     def _put_bytes(self, data: bytes, rows: int, row_size: int) -> None:
         """Whole rows, packed as the recorder packs them, into the shared buffer."""

@@ -118,6 +118,290 @@ static PyObject *b_kick(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+
+/* -- convert: the drainer's per-slot work (preload/__init__.py, Drainer._convert_py is the
+ * same in Python and the reference the tests compare with) --------------------------------
+ *
+ * convert(slots, n, rows, st, pend, shim_tids) -> rows written into ``rows``
+ *
+ * slots: n slots as dd_drain copied them; rows: a writable buffer of at least
+ * (2 n + len(st.acc) + 1) event rows (69 bytes each, schema.EVENT_SPEC packed "<");
+ * st: the Drainer (ops_table: per op its kind, mode (255: not recorded) and flags (1: an open,
+ * 2: folded into the thread's pending open), paths, tids, acc, op_ids, big_bytes, big_ns, close_min_ns,
+ * _tag_of, _tid_of, _take_sums); pend: thread id -> its last open, held (a list of 9);
+ * shim_tids: the OS thread ids of the shim's own threads (skipped). */
+#define SLOT_HDR 64
+#define ROW 69
+#define NOPS_MAX 64
+
+struct conv {
+    unsigned char *out;
+    Py_ssize_t cap, n;
+};
+
+static int put_row(struct conv *c, int64_t t0, int64_t t1, int kind, long long nid, long long cid,
+                   int64_t nb, int64_t aux, long long tid, double val) {
+    if (c->n >= c->cap) {
+        PyErr_SetString(PyExc_RuntimeError, "convert: the rows buffer is too small");
+        return -1;
+    }
+    unsigned char *r = c->out + c->n * ROW;
+    int64_t seq = -1;
+    int32_t i32;
+    memcpy(r + 0, &t0, 8);
+    memcpy(r + 8, &t1, 8);
+    r[16] = (unsigned char)kind;
+    i32 = (int32_t)nid; memcpy(r + 17, &i32, 4);
+    i32 = (int32_t)cid; memcpy(r + 21, &i32, 4);
+    memcpy(r + 25, &seq, 8);
+    i32 = -1; memcpy(r + 33, &i32, 4);
+    memcpy(r + 37, &nb, 8);
+    memcpy(r + 45, &aux, 8);
+    i32 = 0; memcpy(r + 53, &i32, 4);
+    i32 = (int32_t)tid; memcpy(r + 57, &i32, 4);
+    memcpy(r + 61, &val, 8);
+    c->n++;
+    return 0;
+}
+
+/* a row from a Python sequence (t0, t1, kind, name_id, comm_id, nbytes, aux, tid, value) */
+static int put_seq(struct conv *c, PyObject *row) {
+    PyObject *f = PySequence_Fast(row, "convert: a row is a sequence");
+    if (!f) return -1;
+    if (PySequence_Fast_GET_SIZE(f) != 9) {
+        Py_DECREF(f);
+        PyErr_SetString(PyExc_ValueError, "convert: a row has 9 fields");
+        return -1;
+    }
+    PyObject **it = PySequence_Fast_ITEMS(f);
+    long long v[8];
+    for (int i = 0; i < 8; i++) {
+        v[i] = PyLong_AsLongLong(it[i]);
+        if (v[i] == -1 && PyErr_Occurred()) { Py_DECREF(f); return -1; }
+    }
+    double val = PyFloat_AsDouble(it[8]);
+    Py_DECREF(f);
+    if (val == -1.0 && PyErr_Occurred()) return -1;
+    return put_row(c, v[0], v[1], (int)v[2], v[3], v[4], v[5], v[6], v[7], val);
+}
+
+static long long as_ll(PyObject *o) { return PyLong_AsLongLong(o); }
+
+static PyObject *attr(PyObject *o, const char *name) { return PyObject_GetAttrString(o, name); }
+
+static PyObject *b_convert(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer sb, rb;
+    Py_ssize_t n;
+    PyObject *st, *pend, *shim;
+    if (!PyArg_ParseTuple(args, "y*nw*OO!O", &sb, &n, &rb, &st, &PyDict_Type, &pend, &shim)) return NULL;
+    PyObject *ops = NULL, *paths = NULL, *tids = NULL, *acc = NULL, *op_ids = NULL, *shimf = NULL;
+    PyObject *tag_of = NULL, *tid_of = NULL, *take_sums = NULL, *res = NULL;
+    struct conv c = {(unsigned char *)rb.buf, rb.len / ROW, 0};
+    long long opid[NOPS_MAX];
+    int nops;
+    long long shim_tid[64];
+    Py_ssize_t nshim = 0;
+    long long big_b, big_ns, close_min;
+    /* the last path and thread seen: most slots repeat them */
+    PyObject *last_p = NULL, *last_tag = NULL;
+    long long last_os = -1, last_tid = -1;
+
+    if (n < 0 || n * (Py_ssize_t)(SLOT_HDR + 256) > sb.len) {
+        PyErr_SetString(PyExc_ValueError, "convert: n is more than the slots buffer holds");
+        goto done;
+    }
+    if (!(ops = attr(st, "ops_table")) || !(paths = attr(st, "paths")) || !(tids = attr(st, "tids")) ||
+        !(acc = attr(st, "acc")) || !(op_ids = attr(st, "op_ids")) || !(tag_of = attr(st, "_tag_of")) ||
+        !(tid_of = attr(st, "_tid_of")) || !(take_sums = attr(st, "_take_sums")))
+        goto done;
+    if (!PyBytes_Check(ops) || !PyDict_Check(paths) || !PyDict_Check(tids) || !PyDict_Check(acc)) {
+        PyErr_SetString(PyExc_TypeError, "convert: ops_table bytes, paths/tids/acc dicts");
+        goto done;
+    }
+    nops = (int)(PyBytes_GET_SIZE(ops) / 3);
+    if (nops > NOPS_MAX) nops = NOPS_MAX;
+    {
+        PyObject *f = PySequence_Fast(op_ids, "op_ids");
+        if (!f) goto done;
+        Py_ssize_t k = PySequence_Fast_GET_SIZE(f);
+        for (int i = 0; i < nops; i++) opid[i] = i < k ? as_ll(PySequence_Fast_GET_ITEM(f, i)) : 0;
+        Py_DECREF(f);
+        if (PyErr_Occurred()) goto done;
+    }
+    if (!(shimf = PySequence_Fast(shim, "shim_tids"))) goto done;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(shimf) && nshim < 64; i++)
+        shim_tid[nshim++] = as_ll(PySequence_Fast_GET_ITEM(shimf, i));
+    {
+        PyObject *o;
+        if (!(o = attr(st, "big_bytes"))) goto done;
+        big_b = as_ll(o); Py_DECREF(o);
+        if (!(o = attr(st, "big_ns"))) goto done;
+        big_ns = as_ll(o); Py_DECREF(o);
+        if (!(o = attr(st, "close_min_ns"))) goto done;
+        close_min = as_ll(o); Py_DECREF(o);
+        if (PyErr_Occurred()) goto done;
+    }
+    if (c.cap < 2 * n + PyDict_GET_SIZE(acc) + 1) {
+        PyErr_SetString(PyExc_ValueError, "convert: the rows buffer is too small");
+        goto done;
+    }
+    const unsigned char *opt = (const unsigned char *)PyBytes_AS_STRING(ops);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *s = (const unsigned char *)sb.buf + i * (SLOT_HDR + 256);
+        int64_t t0, t1, nb;
+        int32_t op, err, ostid;
+        uint16_t plen;
+        memcpy(&t0, s + 8, 8);
+        memcpy(&t1, s + 16, 8);
+        memcpy(&nb, s + 24, 8);
+        memcpy(&op, s + 32, 4);
+        memcpy(&err, s + 36, 4);
+        memcpy(&ostid, s + 44, 4);
+        memcpy(&plen, s + 48, 2);
+        if (op < 0 || op >= nops || opt[3 * op + 1] == 255) continue;
+        int is_shim = 0;
+        for (Py_ssize_t k = 0; k < nshim; k++) if (shim_tid[k] == ostid) { is_shim = 1; break; }
+        if (is_shim) continue;
+        int kind = opt[3 * op], mode = opt[3 * op + 1], flags = opt[3 * op + 2];
+        if (plen > 256) plen = 256;
+        /* the path's tag: (name_id, aux), or () when it is not recorded */
+        PyObject *tag;
+        if (last_p && (Py_ssize_t)plen == PyBytes_GET_SIZE(last_p) &&
+            memcmp(PyBytes_AS_STRING(last_p), s + SLOT_HDR, plen) == 0) {
+            tag = last_tag;
+        } else {
+            PyObject *p = PyBytes_FromStringAndSize((const char *)s + SLOT_HDR, plen);
+            if (!p) goto done;
+            tag = PyDict_GetItemWithError(paths, p);
+            if (tag) Py_INCREF(tag);
+            else if (PyErr_Occurred() || !(tag = PyObject_CallOneArg(tag_of, p))) { Py_DECREF(p); goto done; }
+            Py_XSETREF(last_p, p);
+            Py_XSETREF(last_tag, tag);
+        }
+        if (!PyTuple_Check(tag) || PyTuple_GET_SIZE(tag) < 2) continue;
+        long long name_id = as_ll(PyTuple_GET_ITEM(tag, 0)), aux = as_ll(PyTuple_GET_ITEM(tag, 1));
+        if (PyErr_Occurred()) goto done;
+        long long tid;
+        if (ostid == last_os) {
+            tid = last_tid;
+        } else {
+            PyObject *k = PyLong_FromLong(ostid), *v;
+            if (!k) goto done;
+            v = PyDict_GetItemWithError(tids, k);
+            if (v) Py_INCREF(v);
+            else if (PyErr_Occurred() || !(v = PyObject_CallOneArg(tid_of, k))) { Py_DECREF(k); goto done; }
+            Py_DECREF(k);
+            tid = as_ll(v);
+            Py_DECREF(v);
+            if (tid == -1 && PyErr_Occurred()) goto done;
+            last_os = ostid;
+            last_tid = tid;
+        }
+        PyObject *tk = PyLong_FromLongLong(tid);
+        if (!tk) goto done;
+        PyObject *po = PyDict_GetItemWithError(pend, tk);
+        if (!po && PyErr_Occurred()) { Py_DECREF(tk); goto done; }
+        if (po) {
+            if (!PyList_Check(po) || PyList_GET_SIZE(po) != 9) {
+                Py_DECREF(tk);
+                PyErr_SetString(PyExc_TypeError, "convert: a pending open is a list of 9");
+                goto done;
+            }
+            long long po_nid = as_ll(PyList_GET_ITEM(po, 3));
+            if (po_nid == -1 && PyErr_Occurred()) { Py_DECREF(tk); goto done; }
+            if ((flags & 2) && po_nid == name_id) {
+                /* the fstat/lseek Python's open() makes on the new descriptor: part of the open */
+                PyObject *v = PyLong_FromLongLong(t1);
+                if (!v) { Py_DECREF(tk); goto done; }
+                PyList_SetItem(po, 1, v);
+                Py_DECREF(tk);
+                continue;
+            }
+            Py_INCREF(po);
+            if (PyDict_DelItem(pend, tk) < 0 || put_seq(&c, po) < 0) { Py_DECREF(po); Py_DECREF(tk); goto done; }
+            Py_DECREF(po);
+        }
+        if (flags & 1) {
+            PyObject *l = Py_BuildValue("[LLiLLiLLd]", (long long)t0, (long long)t1, kind, name_id, opid[op], 0,
+                                        aux, tid, (double)err);
+            int bad = !l || PyDict_SetItem(pend, tk, l) < 0;
+            Py_XDECREF(l);
+            Py_DECREF(tk);
+            if (bad) goto done;
+            continue;
+        }
+        Py_DECREF(tk);
+        if (mode == 1) {
+            int64_t d = t1 - t0;
+            if (nb >= big_b || d >= big_ns) {
+                if (put_row(&c, t0, t1, kind, name_id, opid[op], nb, aux, tid, 1.0) < 0) goto done;
+                continue;
+            }
+            PyObject *key = Py_BuildValue("(iLL)", kind, name_id, tid);
+            if (!key) goto done;
+            PyObject *a = PyDict_GetItemWithError(acc, key);
+            if (a && (!PyList_Check(a) || PyList_GET_SIZE(a) != 6)) {
+                Py_DECREF(key);
+                PyErr_SetString(PyExc_TypeError, "convert: a sum is a list of 6");
+                goto done;
+            }
+            if (!a) {
+                if (PyErr_Occurred()) { Py_DECREF(key); goto done; }
+                PyObject *l = Py_BuildValue("[LLLiLL]", (long long)t0, (long long)d, (long long)nb, 1, aux, opid[op]);
+                int bad = !l || PyDict_SetItem(acc, key, l) < 0;
+                Py_XDECREF(l);
+                Py_DECREF(key);
+                if (bad) goto done;
+                continue;
+            }
+            long long a0 = as_ll(PyList_GET_ITEM(a, 0)), a1 = as_ll(PyList_GET_ITEM(a, 1)) + d;
+            long long a2 = as_ll(PyList_GET_ITEM(a, 2)) + nb, a3 = as_ll(PyList_GET_ITEM(a, 3)) + 1;
+            if (PyErr_Occurred()) { Py_DECREF(key); goto done; }
+            if (a2 < big_b && a1 < big_ns) {
+                PyObject *v1 = PyLong_FromLongLong(a1), *v2 = PyLong_FromLongLong(a2), *v3 = PyLong_FromLongLong(a3);
+                if (!v1 || !v2 || !v3) { Py_XDECREF(v1); Py_XDECREF(v2); Py_XDECREF(v3); Py_DECREF(key); goto done; }
+                PyList_SetItem(a, 1, v1);
+                PyList_SetItem(a, 2, v2);
+                PyList_SetItem(a, 3, v3);
+                Py_DECREF(key);
+                continue;
+            }
+            long long a5 = as_ll(PyList_GET_ITEM(a, 5));
+            if (PyDict_DelItem(acc, key) < 0) { Py_DECREF(key); goto done; }
+            Py_DECREF(key);
+            if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, tid, (double)a3) < 0) goto done;
+        } else if (mode == 0) {
+            if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, tid, (double)err) < 0) goto done;
+        } else {
+            if (mode == 3 && PyDict_GET_SIZE(acc)) {
+                PyObject *nk = PyLong_FromLongLong(name_id);
+                if (!nk) goto done;
+                PyObject *rows = PyObject_CallOneArg(take_sums, nk);
+                Py_DECREF(nk);
+                if (!rows) goto done;
+                PyObject *f = PySequence_Fast(rows, "take_sums");
+                Py_DECREF(rows);
+                if (!f) goto done;
+                for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(f); k++)
+                    if (put_seq(&c, PySequence_Fast_GET_ITEM(f, k)) < 0) { Py_DECREF(f); goto done; }
+                Py_DECREF(f);
+            }
+            if (t1 - t0 >= close_min)
+                if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, tid, (double)err) < 0) goto done;
+        }
+    }
+    res = PyLong_FromSsize_t(c.n);
+done:
+    Py_XDECREF(last_p);
+    Py_XDECREF(last_tag);
+    Py_XDECREF(ops); Py_XDECREF(paths); Py_XDECREF(tids); Py_XDECREF(acc); Py_XDECREF(op_ids);
+    Py_XDECREF(shimf); Py_XDECREF(tag_of); Py_XDECREF(tid_of); Py_XDECREF(take_sums);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&rb);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"available", b_available, METH_NOARGS, "The interposer is loaded in this process."},
     {"version", b_version, METH_NOARGS, "(version, slot size) of the loaded interposer."},
@@ -128,6 +412,7 @@ static PyMethodDef methods[] = {
     {"lost", b_lost, METH_NOARGS, "Calls dropped because the ring was full."},
     {"wait", b_wait, METH_VARARGS, "wait(ms): sleep (GIL released) until the ring is half full, kick() or ms."},
     {"kick", b_kick, METH_NOARGS, "Wake a wait()."},
+    {"convert", b_convert, METH_VARARGS, "convert(slots, n, rows, drainer, pend, shim_tids) -> event rows written."},
     {NULL, NULL, 0, NULL},
 };
 
