@@ -452,7 +452,7 @@ class Drainer:
                 if t1 - t0 >= close_min:
                     put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
 
-    def _put_bytes(self, data: bytes, rows: int, row_size: int) -> None:
+    def _put_bytes(self, data: bytes | memoryview, rows: int, row_size: int) -> None:
         """Whole rows, packed as the recorder packs them, into the shared buffer."""
         rec = self.rec
         tb = self._buffer()
