@@ -55,13 +55,15 @@ print(json.dumps({{"first": first, "blas": blas}}))
 """
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
-def test_what_the_program_sets_before_its_numpy_import_holds(tmp_path: Path, writer: str) -> None:
+@pytest.mark.parametrize("writer,capture", [("thread", "python"), ("process", "python"), ("thread", "preload")])
+def test_what_the_program_sets_before_its_numpy_import_holds(tmp_path: Path, writer: str, capture: str) -> None:
+    """With the libc interposer too (``preload``): the shim's own import of h5py, made in the
+    program's thread while the recorder is muted, was recorded from libc as the program's I/O."""
     prog = tmp_path / "blas.py"
     prog.write_text(BLAS)
     # the environment the job was launched with says 3: only the program's own setting may win
     outer = {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "3", "DISTDIAG_FLUSH_INTERVAL_S": "0.2",
-             "DISTDIAG_WRITER": writer}  # fmt: skip
+             "DISTDIAG_WRITER": writer, "DISTDIAG_HOOKS": f"preload={int(capture == 'preload')}"}  # fmt: skip
     plain = _run([PY, str(prog)], tmp_path, **outer)
     wrapped = _run([*WRAP, "--dir", str(tmp_path / "run"), PY, str(prog)], tmp_path, **outer)
     assert plain.returncode == 0 and wrapped.returncode == 0, (plain.stderr, wrapped.stderr)
@@ -71,6 +73,7 @@ def test_what_the_program_sets_before_its_numpy_import_holds(tmp_path: Path, wri
     assert w["blas"] and all(n == 1 for _, n in w["blas"]), w["blas"]
     ev, strings, attrs = _rank_file(tmp_path / "run")
     assert bool(attrs["closed_cleanly"]) and attrs["file_opened_on"] in {"thread": ("numpy", "exit"), "process": ("helper",)}[writer]
+    assert attrs["fileio_capture"] == capture
     opened = [strings[i] for i in ev["name_id"][ev["kind"] == Kind.FILE_OPEN]]
     # the program's own import of numpy is its I/O; h5py's (the shim's file) is not
     assert any("/numpy/" in s for s in opened)

@@ -78,20 +78,24 @@ MUTED_TID = -1
 
 
 class _Muted:
-    __slots__ = ("rec", "saved")
+    __slots__ = ("rec", "saved", "muted")
 
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
         self.saved: Any = None
+        self.muted = False
 
     def __enter__(self) -> None:
         loc = self.rec._local
         self.saved = getattr(loc, "tb", None)
         if self.saved is None or self.saved.tid != MUTED_TID:
             self.rec.mute_thread()
+            self.muted = True
 
     def __exit__(self, *exc: Any) -> None:
         loc = self.rec._local
+        if self.muted:
+            self.rec.libc_mute(False)
         if self.saved is not None:
             loc.tb = self.saved
         else:
@@ -168,6 +172,9 @@ class Recorder:
         #: called (no arguments) after a thread got its first buffer; None normally.
         #: A forked child's shim starts its own file from here (distdiag.shim.wrap)
         self.on_new_buffer: Callable[[], None] | None = None
+        #: called with True / False as a thread is muted / unmuted (mute_thread, muted): the libc
+        #: interposer's per-thread switch while it records (distdiag.shim.preload), else None
+        self.on_libc_mute: Callable[[bool], None] | None = None
         self._local = threading.local()
         self._tids = itertools.count()
         self._buf_lock = threading.Lock()
@@ -243,6 +250,17 @@ class Recorder:
         would otherwise record as the program's. The thread's rows so far stay."""
         tb = ThreadBuffer(FIRST_CHUNK_ROWS, MUTED_TID)  # registered nowhere: never written
         self._local.tb = tb
+        self.libc_mute(True)
+
+    def libc_mute(self, on: bool) -> None:
+        """The calling thread's libc calls (un)muted in the interposer too, when it records
+        (:attr:`on_libc_mute`, set by distdiag.shim.preload); never raises."""
+        cb = self.on_libc_mute
+        if cb is not None:
+            try:
+                cb(on)
+            except Exception:
+                pass
 
     def muted(self) -> Any:
         """A context in which the calling thread's rows go nowhere (see :meth:`mute_thread`);

@@ -496,6 +496,7 @@ def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | No
     except Exception:
         return None
     d = Drainer(lib, rec, cfg, tag, float(getattr(cfg, "flush_interval_s", 1.0)))
+    rec.on_libc_mute = mute  # the recorder's muted threads and spans (h5py's imports) are libc-muted too
     d.start()
     DRAINER = d
     if not _forks_registered:
@@ -540,4 +541,6 @@ def stop() -> None:
         pass
     d.stop()
     d.drain(final=True)
+    if getattr(d.rec, "on_libc_mute", None) is mute:
+        d.rec.on_libc_mute = None
     DRAINER = None
