@@ -158,6 +158,16 @@ DECL(FILE *, fopen64, (const char *, const char *));
 DECL(int, fclose, (FILE *));
 DECL(size_t, fread, (void *, size_t, size_t, FILE *));
 DECL(size_t, fwrite, (const void *, size_t, size_t, FILE *));
+DECL(int, fseek, (FILE *, long, int));
+DECL(int, fseeko, (FILE *, off_t, int));
+DECL(int, fseeko64, (FILE *, off64_t, int));
+DECL(long, ftell, (FILE *));
+DECL(off_t, ftello, (FILE *));
+DECL(off64_t, ftello64, (FILE *));
+DECL(int, fgetpos, (FILE *, fpos_t *));
+DECL(int, fgetpos64, (FILE *, fpos64_t *));
+DECL(int, fsetpos, (FILE *, const fpos_t *));
+DECL(int, fsetpos64, (FILE *, const fpos64_t *));
 DECL(int, dup, (int));
 DECL(int, dup2, (int, int));
 DECL(int, dup3, (int, int, int));
@@ -656,6 +666,31 @@ API size_t fwrite(const void *p, size_t sz, size_t n, FILE *f) {
     rec_fd(OP_FWRITE, t0, t1, fd, 0, (int64_t)(r * sz));
     guard = 0; errno = e; return r;
 }
+
+/* stdio's seeks: their first one on a FILE (and fread's first read) allocates its buffer
+ * and asks the file's size with libc's internal fstat, which no hook sees; on a file system
+ * that asks its server that is a server call (numpy.fromfile: fdopen, ftell, fseek: two
+ * 1 ms fstats a file on the slow FUSE). Recorded as the fd's lseek: a row when slow, part
+ * of the thread's open when it comes right after it (the drainer's fold) */
+#define DEF_FSEEK(ret_t, name, params, args, failed) \
+    API ret_t name params { \
+        RESOLVE(name); \
+        int fd; \
+        if (!active() || !f || !tracked(fd = fileno(f))) return REAL(name) args; \
+        ENTER; ret_t r = REAL(name) args; LEAVE_ERR(failed); \
+        rec_fd(OP_SEEK, t0, t1, fd, err, 0); \
+        guard = 0; errno = e; return r; \
+    }
+DEF_FSEEK(int, fseek, (FILE *f, long o, int w), (f, o, w), r != 0)
+DEF_FSEEK(int, fseeko, (FILE *f, off_t o, int w), (f, o, w), r != 0)
+DEF_FSEEK(int, fseeko64, (FILE *f, off64_t o, int w), (f, o, w), r != 0)
+DEF_FSEEK(long, ftell, (FILE *f), (f), r < 0)
+DEF_FSEEK(off_t, ftello, (FILE *f), (f), r < 0)
+DEF_FSEEK(off64_t, ftello64, (FILE *f), (f), r < 0)
+DEF_FSEEK(int, fgetpos, (FILE *f, fpos_t *pos), (f, pos), r != 0)
+DEF_FSEEK(int, fgetpos64, (FILE *f, fpos64_t *pos), (f, pos), r != 0)
+DEF_FSEEK(int, fsetpos, (FILE *f, const fpos_t *pos), (f, pos), r != 0)
+DEF_FSEEK(int, fsetpos64, (FILE *f, const fpos64_t *pos), (f, pos), r != 0)
 
 /* descriptors that name the same file: numpy.fromfile reads a dup of the file's fd */
 API int dup(int fd) {
