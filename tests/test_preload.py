@@ -309,6 +309,76 @@ def test_errno_is_what_the_program_gets_unwrapped(tmp_path: Path) -> None:
     assert {(r["call"], r["value"]) for r in missing} == {("libc:open", 2.0), ("libc:stat", 2.0), ("libc:access", 2.0)}
 
 
+# -- exec, fork, posix_spawn, threads in one program ----------------------------------------------
+PROCS = """
+import os, subprocess, sys, threading
+d = sys.argv[1]
+
+
+def touch(name, n):
+    for _ in range(n):
+        os.stat(os.path.join(d, name))
+
+
+def child_code(name, n, code):
+    return f"import os\\nfor _ in range({n}): os.stat({os.path.join(d, name)!r})\\nprint({name!r}, flush=True)\\nraise SystemExit({code})"
+
+
+touch("main", 50)
+ts = [threading.Thread(target=touch, args=(f"thread{i}", 40)) for i in range(2)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+pid = os.fork()
+if pid == 0:
+    touch("forked", 30)
+    os._exit(7)
+print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+pid = os.posix_spawn(sys.executable, [sys.executable, "-c", child_code("spawned", 20, 5)], os.environ)
+print("posix_spawn", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.executable, [sys.executable, "-c", child_code("execd", 10, 4)])
+print("exec", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+r = subprocess.run([sys.executable, "-c", child_code("subprocess", 10, 6)], capture_output=True, text=True)
+print("subprocess", r.returncode, r.stdout.strip(), flush=True)
+touch("main", 5)
+sys.exit(3)
+"""
+
+
+def test_exec_fork_posix_spawn_and_threads_behave_and_are_recorded_once(tmp_path: Path) -> None:
+    """Issue 21: a program that forks, ``posix_spawn``s, forks and ``exec``s, runs a subprocess and
+    threads, under the interposer: the same output and exit code as unwrapped; the rank's file
+    holds its own calls and its threads' exactly (nothing twice, nothing of a child's), the
+    forked child's are in its own file, and the exec'd and spawned interpreters (not ranks)
+    record nothing anywhere."""
+    d = tmp_path / "d"
+    d.mkdir()
+    names = ("main", "thread0", "thread1", "forked", "spawned", "execd", "subprocess")
+    for n in names:
+        (d / n).write_text(n)
+    plain = wrap(tmp_path / "plain", PROCS, str(d), wrapped=False)
+    wrapped = wrap(tmp_path, PROCS, str(d))
+    assert plain.returncode == 3 and wrapped.returncode == 3, (plain.stderr, wrapped.stderr)
+    assert wrapped.stdout == plain.stdout and wrapped.stderr == plain.stderr == ""
+    assert plain.stdout.split() == ["fork", "7", "spawned", "posix_spawn", "5", "execd", "exec", "4",
+                                    "subprocess", "6", "subprocess"]  # fmt: skip
+
+    def count(rs: list[dict[str, Any]]) -> dict[str, int]:
+        return dict(collections.Counter(os.path.basename(r["path"]) for r in rs
+                                        if r["call"] == "libc:stat" and r["path"].startswith(str(d))))  # fmt: skip
+
+    run_dir = tmp_path / "run"
+    attrs, own = rows(run_dir / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    assert count(own) == {"main": 55, "thread0": 40, "thread1": 40}
+    forks = sorted(run_dir.glob("rank-00000.fork-*.h5"))
+    assert len(forks) == 1, forks  # the forked child; the exec'd one replaced its image at once
+    assert count(rows(forks[0])[1]) == {"forked": 30}
+
+
 # -- fork ---------------------------------------------------------------------------------------
 FORK = """
 import json, os, sys
