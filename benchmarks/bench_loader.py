@@ -1,0 +1,147 @@
+"""A DataLoader job's step time wrapped against plain (issue 21's cost), side by side in one run.
+
+    python benchmarks/bench_loader.py [--workers 4] [--steps 2000] [--rounds 7] [--stats 1000000]
+
+A single-process training loop fed by a torch DataLoader whose ``--workers`` worker
+processes each read one small file per sample (``os.stat``, open, read, close: what a
+dataset of images or shards does), from a directory on the local disk; the step is a small
+matmul. Three variants, run by turns round after round (the order rotates, so machine load
+drifting hits all alike): ``plain`` (no distdiag), ``python`` (``distdiag-wrap``, the
+Python-level file hooks, the default) and ``preload`` (``distdiag-wrap`` with
+``DISTDIAG_HOOKS=preload=1``: the libc interposer, in the main process and in every
+worker). Each run prints its own loop time (first batch to last, so the interpreter's and
+the workers' start stay out of it); the figure is each variant's median loop over the
+rounds, as a ratio to plain's. Issue 21's target: <= 1.02.
+
+Also per-rank bytes per million calls: a wrapped loop of ``--stats`` ``os.stat`` calls on
+one file with each capture, the rank file's size over the calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+JOB = r"""
+import os, sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Files(Dataset):
+    def __init__(self, root):
+        self.paths = sorted(os.path.join(root, n) for n in os.listdir(root))
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        p = self.paths[i]
+        os.stat(p)
+        with open(p, "rb") as f:
+            return torch.tensor(len(f.read()), dtype=torch.float32)
+
+
+root, workers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(1)
+loader = DataLoader(Files(root), batch_size=4, num_workers=workers, shuffle=False)
+w = torch.randn(128, 128)
+n = 0
+t0 = None
+while n < steps:
+    for batch in loader:
+        if t0 is None:
+            t0 = time.perf_counter()
+        (w @ w).sum().item()
+        n += 1
+        if n == steps:
+            break
+print(f"loop {time.perf_counter() - t0:.4f} s", flush=True)
+"""
+
+STATS = r"""
+import os, sys
+p, n = sys.argv[1], int(sys.argv[2])
+for _ in range(n):
+    os.stat(p)
+"""
+
+VARIANTS = ("plain", "python", "preload")
+
+
+def _env(variant: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_") and k != "LD_PRELOAD"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["DISTDIAG_HOOKS"] = f"preload={int(variant == 'preload')}"
+    return env
+
+
+def _cmd(variant: str, script: Path, run_dir: Path, *args: str) -> list[str]:
+    if variant == "plain":
+        return [sys.executable, str(script), *args]
+    return [sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable, str(script), *args]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--files", type=int, default=0, help="default: 4 x steps (one epoch: the workers start once)")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--stats", type=int, default=1_000_000, help="calls of the bytes-per-call loop (0: skip it)")
+    a = ap.parse_args()
+    a.files = a.files or 4 * a.steps
+    tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
+    try:
+        data = tmp / "data"
+        data.mkdir()
+        for i in range(a.files):
+            (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
+        job = tmp / "job.py"
+        job.write_text(JOB)
+        loops: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for r in range(a.rounds):
+            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+            for v in order if r % 2 == 0 else tuple(reversed(order)):
+                run_dir = tmp / f"run-{v}-{r}"
+                p = subprocess.run(_cmd(v, job, run_dir, str(data), str(a.workers), str(a.steps)), env=_env(v),
+                                   capture_output=True, text=True, timeout=600)  # fmt: skip
+                if p.returncode != 0:
+                    print(p.stderr[-3000:], file=sys.stderr)
+                    return 1
+                loops[v].append(float(p.stdout.split("loop ")[1].split()[0]))
+                shutil.rmtree(run_dir, ignore_errors=True)
+        base = statistics.median(loops["plain"])
+        print(f"DataLoader job, {a.workers} workers, {a.steps} steps of 4 samples (one 4 KiB file each), "
+              f"{a.rounds} rounds by turns; load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
+        print(f"{'variant':<8} {'median loop s':>14} {'ratio':>7}  loops")
+        for v in VARIANTS:
+            m = statistics.median(loops[v])
+            print(f"{v:<8} {m:14.3f} {m / base:7.3f}  {' '.join(f'{x:.3f}' for x in loops[v])}")
+        if a.stats:
+            stats = tmp / "stats.py"
+            stats.write_text(STATS)
+            target = data / "s00000.bin"
+            print(f"rank file bytes per million calls ({a.stats} os.stat calls, one file):")
+            for v in ("python", "preload"):
+                run_dir = tmp / f"stats-{v}"
+                p = subprocess.run(_cmd(v, stats, run_dir, str(target), str(a.stats)), env=_env(v), capture_output=True,
+                                   text=True, timeout=600)  # fmt: skip
+                if p.returncode != 0:
+                    print(p.stderr[-3000:], file=sys.stderr)
+                    return 1
+                size = sum(f.stat().st_size for f in run_dir.glob("rank-*.h5"))
+                print(f"  {v:<8} {size * 1e6 / a.stats / 1e6:8.1f} MB")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
