@@ -15,7 +15,8 @@ setup(
         Extension(
             "distdiag.shim.preload._interpose",
             sources=["distdiag/shim/preload/interpose.c"],
-            extra_compile_args=["-O2", "-fvisibility=hidden", "-std=gnu11", "-Wno-nonnull-compare"],
+            extra_compile_args=["-O2", "-fvisibility=hidden", "-std=gnu11", "-Wno-nonnull-compare",
+                                "-Werror=implicit-function-declaration", "-Werror=int-conversion"],
             extra_link_args=["-ldl", "-lpthread"],
             optional=True,
         ),

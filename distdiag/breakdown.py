@@ -248,6 +248,7 @@ class _Ctx:
     def __init__(self, run: Run, colls: Collectives, n: int) -> None:
         self.colls = colls
         self.start, self.end = run.rank_bounds()  # O(ranks) each call: once for every band
+        self.lead = run.lead_ins()
         self.m_first = _member_first(colls, n)  # rank r's member rows, counted
         self._order: np.ndarray | None = None
         # the split of a member's span at its group's last arrival: min(max(split_at[g], t0), t1)
@@ -336,6 +337,7 @@ class _Band:
     def __init__(self, ctx: _Ctx, band: Band) -> None:
         self.r_lo, self.r_hi = r_lo, r_hi = band.r_lo, band.r_hi
         self.start, self.end = ctx.start, ctx.end
+        self.lead = ctx.lead
         self.band = band
         self.ev = band.events  # a view of run.events, or the rows read from the files (streamed)
         self.ev_first = band.first  # rank r's rows: ev_first[r - r_lo]:ev_first[r - r_lo + 1]
@@ -719,17 +721,20 @@ def _intervals(ctx: _Ctx, b: _Band) -> _Intervals:
         sr = b.m_rank[am]
         s0, s1 = clip(sr, b.m_t0[am], b.m_t1[am])
         iv.spans.append((sr, s0, np.maximum(s0, s1)))
-    ends = _band_startup_ends(b.band, start, end)
+    ends = _band_startup_ends(b.band, start, end, b.lead)
     rr = np.flatnonzero(ends > start[b.r_lo : b.r_hi]) + b.r_lo
     if len(rr):
         iv.startup.append((rr, start[rr].astype(np.int64), ends[rr - b.r_lo]))
     return iv
 
 
-def _band_startup_ends(band: Band, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+def _band_startup_ends(band: Band, start: np.ndarray, end: np.ndarray, lead: np.ndarray | None = None) -> np.ndarray:
     """Per rank of the band (r_lo, r_lo + 1, ...), where its startup ends (int64 ns): the start of its
     first row of STARTUP_END_KINDS (recorded or in flight), within its record; its start when it
     has none (a rank that never meets a peer nor steps has no startup to tell apart from its work).
+    Never before its program's first line: ``lead`` (per rank, :meth:`Run.lead_ins`) after its
+    start, where its process started before its shim (the interpreter's start, recorded by the
+    libc interposer, is start-up whatever the program does after it).
 
     A rank's rows of those kinds are one run of the band's rows of them (rows are sorted by
     (rank, t0)): its first one is the earliest, one gather a rank, no loop over ranks. The rows
@@ -749,7 +754,8 @@ def _band_startup_ends(band: Band, start: np.ndarray, end: np.ndarray) -> np.nda
         if m.any():
             np.minimum.at(first, inf["rank"][m].astype(np.int64) - band.r_lo, inf["t0_ns"][m].astype(np.int64))
     s0 = start[band.r_lo : band.r_hi].astype(np.int64)
-    out = np.where(first == np.iinfo(np.int64).max, s0, first)
+    floor = s0 if lead is None else s0 + lead[band.r_lo : band.r_hi]
+    out = np.where(first == np.iinfo(np.int64).max, floor, np.maximum(first, floor))
     return np.clip(out, s0, np.maximum(s0, end[band.r_lo : band.r_hi].astype(np.int64)))
 
 
@@ -761,9 +767,10 @@ def startup_ends(run: Run) -> np.ndarray:
     if isinstance(got, np.ndarray):
         return got
     start, end = run.rank_bounds()
+    lead = run.lead_ins()
     out = start.astype(np.int64).copy()
     for band in bands(run):  # a few bands
-        out[band.r_lo : band.r_hi] = _band_startup_ends(band, start, end)
+        out[band.r_lo : band.r_hi] = _band_startup_ends(band, start, end, lead)
     run.cache[STARTUP_CACHE] = out
     return out
 

@@ -295,6 +295,10 @@ class RankInfo:
     counted_only: dict[str, tuple[int, float]] = field(default_factory=dict)
     #: why the rank's writer stopped before its end (a full disk, the exit's time bound), or ""
     recording_stopped: str = ""
+    #: from the process's start to the shim's (the interpreter's start and imports, recorded by the
+    #: libc interposer from its load: ``process_start_mono_ns``), 0 when not known; the program's
+    #: first line comes after it, so its startup lasts at least that long
+    lead_in_ns: int = 0
     #: what the rank's rows were read from: "distdiag" (a rank file) or "kineto" (a PyTorch
     #: profiler trace, :mod:`distdiag.kineto`), and the byte bound that read was held to
     source: str = "distdiag"
@@ -412,6 +416,15 @@ class Run:
             start[r] = info.start_ns
             end[r] = info.end_ns
         return start, end
+
+    def lead_ins(self) -> np.ndarray:
+        """Per rank (indexed as :meth:`rank_bounds`), ns from its process's start to its shim's
+        (:attr:`RankInfo.lead_in_ns`; 0 where not known)."""
+        n = max(self.world_size, max(self.ranks, default=-1) + 1)
+        out = np.zeros(n, np.int64)
+        for r, info in self.ranks.items():  # one per rank
+            out[r] = info.lead_in_ns
+        return out
 
     # -- events -------------------------------------------------------------------
     def events_of(self, kinds: Iterable[int]) -> np.ndarray:
@@ -1206,6 +1219,19 @@ def _short(e: BaseException) -> str:
 _SPAN_SLACK_NS = 10 * 10**9
 
 
+#: how long before the shim's start a process may have started (its interpreter, its imports)
+MAX_LEAD_IN_NS = 24 * 3600 * 10**9
+
+
+def _process_start(proc0: int | None, mono0: int | None) -> int | None:
+    """The process's start (``process_start_mono_ns``: the libc interposer's load, before the
+    interpreter's first instruction; rows from then on are the interpreter's own start and
+    imports), when it lies before the shim's start and less than a day before it; else None."""
+    if proc0 is None or mono0 is None or not 0 <= mono0 - proc0 <= MAX_LEAD_IN_NS:
+        return None
+    return proc0
+
+
 def _recorded_span(mono0: int | None, end: int | None, last_flush: int | None) -> tuple[int | None, int | None]:
     """[first, last] instant a rank's rows may hold, from its attributes (None: that end unknown)."""
     lo = None if mono0 is None else mono0 - _SPAN_SLACK_NS
@@ -1325,7 +1351,8 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
             wall0 = _int_attr(attrs, "wall_ns_at_start")
             end = _int_attr(attrs, "end_mono_ns")
             last_flush = _int_attr(attrs, "last_flush_mono_ns")
-            span = _recorded_span(mono0, end, last_flush)
+            proc0 = _process_start(_int_attr(attrs, "process_start_mono_ns"), mono0)
+            span = _recorded_span(mono0 if proc0 is None else proc0, end, last_flush)
             events, scan = _in_span(events, scan, span, fname, warnings, packer)
             cuda_timing = str(_attr(attrs, "cuda_timing", "") or "")[:300]
             n_gpu = 0
@@ -1348,7 +1375,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
             has_ev = len(events) > 0
             ev_t0 = scan.t0_min if has_ev else None
             ev_t1 = max(scan.t1_max, scan.t0_max) if has_ev else None
-            starts = [int(x) for x in (mono0, ev_t0) if x is not None]
+            starts = [int(x) for x in (mono0, ev_t0, proc0) if x is not None]
             start_ns = min(starts) if starts else 0
             ends = [int(x) for x in (end, last_flush, ev_t1) if x is not None]
             if len(inflight):
@@ -1394,6 +1421,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 sample_every=max(0, _int_attr(attrs, "sample_every", 0)),
                 counted_only=counted,
                 recording_stopped=str(_attr(attrs, "recording_stopped", "") or "")[:300],
+                lead_in_ns=0 if proc0 is None or mono0 is None else int(mono0) - proc0,
                 cuda_timing=cuda_timing,
                 role=str(_attr(attrs, "role", "") or "")[:40],
                 gpu_timed_collectives=n_gpu,

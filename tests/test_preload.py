@@ -29,8 +29,10 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,6 +43,7 @@ import pytest
 from distdiag.schema import Kind
 from distdiag.shim import preload
 from slowfs import slow_mount_over
+from truth import measure_saving
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY_MS = 1.0
@@ -221,6 +224,111 @@ def test_walk_storm_python_capture_misses_the_c_calls(slow_tree: Path, tmp_path:
     stats = [r for r in rs if r["kind"] == int(Kind.FILE_STAT)]
     assert len(stats) == DIRS * FILES + DIRS  # os.stat + islink's lstat only: no DirEntry stats
     assert _covered_s(rs) < 0.85 * storm_s, (_covered_s(rs), storm_s)
+
+
+# -- the interpreter's own start: recorded from the first instruction -----------------------------
+SITE_MODULES = 30
+SITE_PROG = "import json, sys\nprint('REC ' + json.dumps({'site': list(sys._dd_site)}))\n"
+
+
+def _site_fill(backing: Path) -> None:
+    """A ``sitecustomize`` on the mount that imports SITE_MODULES modules from it: an import storm the
+    interpreter makes before any program (or shim) runs, as a site-packages on a parallel file
+    system makes one."""
+    site = backing / "site"
+    site.mkdir()
+    for i in range(SITE_MODULES):
+        (site / f"m{i:03d}.py").write_text(f"X = {i}\n")
+    (site / "sitecustomize.py").write_text(
+        "import sys, time\nt0 = time.perf_counter_ns()\n" + "".join(f"import m{i:03d}\n" for i in range(SITE_MODULES))
+        + "sys._dd_site = (t0, time.perf_counter_ns())\n")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def slow_site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """(the slow mount's site dir, the same files on the local disk)."""
+    tmp = tmp_path_factory.mktemp("slowsite")
+    with slow_mount_over(tmp, LATENCY_MS, _site_fill) as mnt:
+        local = tmp / "local"
+        shutil.copytree(tmp / "backing" / "site", local)
+        yield mnt / "site", local
+
+
+def _site_env(site: Path, capture: str) -> dict[str, str]:
+    env = _env(DISTDIAG_HOOKS=f"preload={int(capture == 'preload')}", PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONPATH"] = f"{site}:{REPO}"
+    return env
+
+
+def test_the_interpreters_own_start_is_recorded_from_its_first_instruction(slow_site: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """Issue 21 item 4: with the interposer, recording starts as the library is loaded (the wrapper's
+    re-exec passes the ring in ``DISTDIAG_PRELOAD_EARLY``), so an import storm the interpreter makes
+    before the program (a ``sitecustomize`` importing 30 modules from the slow mount) is in the rank
+    file: its calls cover 90-100% of its duration as it measured itself, the rank's start is the
+    process's, and the report prices the storm at what the process loses to the slow mount (its
+    wall-clock plain, with the site on the mount against on the local disk, 3 runs by turns). The
+    Python-level capture, which starts with the shim, sees none of it; with the site on the local
+    disk nothing is reported. Checked to fail with the early start off (no rows before the shim's
+    start) and with the rank's startup allowed to end before its shim's start (the interpreter's
+    start then counted as the program's compute), and with the shim's own setup calls kept in the
+    first drain (the local twin's config read and run dir were then ``io_bound``, 22% of the run)."""
+    site, local = slow_site
+
+    def plain(faulty: bool, i: int) -> float:
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, "-c", "pass"], env=_site_env(site if faulty else local, "python"),
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        return time.perf_counter() - t
+
+    saving = measure_saving(plain, pairs=3)
+    d = tmp_path / "preload"
+    rec = record(wrap(d, SITE_PROG, env=_site_env(site, "preload")))
+    s0, s1 = rec["site"]
+    attrs, rs = rows(d / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    assert attrs["process_start_mono_ns"] <= s0 < s1 < attrs["mono_ns_at_start"]
+    storm = [r for r in rs if r["path"].startswith(str(site)) and s0 <= r["t0"] <= s1]
+    covered = sum(r["t1"] - r["t0"] for r in storm) / 1e9
+    assert 0.9 * (s1 - s0) / 1e9 <= covered <= (s1 - s0) / 1e9, (covered, (s1 - s0) / 1e9)
+    opened = {os.path.basename(r["path"]) for r in storm if r["kind"] == int(Kind.FILE_OPEN)}
+    assert {f"m{i:03d}.py" for i in range(SITE_MODULES)} <= opened
+    js = json.loads(subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(d / "run"), "--format", "json"],
+                                   capture_output=True, text=True, timeout=120, env=_env()).stdout)  # fmt: skip
+    assert js["run"]["wall_s"] >= (attrs["mono_ns_at_start"] - attrs["process_start_mono_ns"]) / 1e9
+    storms = [f for f in js["findings"] if f["kind"] == "metadata_storm"]
+    assert storms and "fuse" in json.dumps(storms[0]["evidence"]), js["findings"]
+    saving.assert_within(storms[0]["cost_s"], saving.median_s, 0.25, f"metadata_storm {storms[0]['cost_s']:.3f} s")
+    # the healthy twin, the site on the local disk: its start-up is start-up, nothing to report
+    d = tmp_path / "local"
+    record(wrap(d, SITE_PROG, env=_site_env(local, "preload")))
+    js = json.loads(subprocess.run([sys.executable, "-m", "distdiag.cli", "analyze", str(d / "run"), "--format", "json"],
+                                   capture_output=True, text=True, timeout=120, env=_env()).stdout)  # fmt: skip
+    loud = [(f["kind"], f["cost_s"]) for f in js["findings"] if f["cost_s"] > 0.02 * js["run"]["wall_s"]]
+    assert not loud, (loud, js["run"]["wall_s"])
+    # the interpreter's start is the breakdown's start-up (most of it between calls: the modules' own code)
+    a_local, _ = rows(d / "run" / "rank-00000.h5")
+    lead_s = (a_local["mono_ns_at_start"] - a_local["process_start_mono_ns"]) / 1e9
+    (row,) = js["breakdown"]["per_rank"]
+    assert row["startup_s"] >= 0.5 * lead_s, (row, lead_s)
+    # the twin: the Python-level capture starts with the shim, after the storm
+    d = tmp_path / "python"
+    rec = record(wrap(d, SITE_PROG, env=_site_env(site, "python")))
+    attrs, rs = rows(d / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "python" and "process_start_mono_ns" not in attrs
+    assert not [r for r in rs if r["path"].startswith(str(site))]
+
+
+def test_programs_the_rank_execs_do_not_start_early(tmp_path: Path) -> None:
+    """The early start's variable is the rank's alone: gone from the environment the program and
+    its children see, so an exec'd program loads the library inert."""
+    prog = ("import os, subprocess, sys, json\n"
+            "env = subprocess.run(['/usr/bin/env'], capture_output=True, text=True).stdout\n"
+            "print('REC ' + json.dumps({'mine': 'DISTDIAG_PRELOAD_EARLY' in os.environ, 'child': 'DISTDIAG_PRELOAD_EARLY' in env,"
+            " 'preload': 'LD_PRELOAD' in env}))\n")  # fmt: skip
+    rec = record(wrap(tmp_path, prog))
+    assert rec == {"mine": False, "child": False, "preload": True}
 
 
 # -- C readers ----------------------------------------------------------------------------------

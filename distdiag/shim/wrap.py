@@ -877,7 +877,7 @@ class _ForkStream:
         self.path = Path(run_dir) / fork_file_name(rank, self.pid)
         t = now_ns()
         self.attrs = {
-            **attrs,
+            **{k: v for k, v in attrs.items() if k != "process_start_mono_ns"},  # the rank's, not this child's
             "pid": self.pid,
             "forked_from_pid": os.getppid(),
             "wall_ns_at_start": time.time_ns(),
@@ -1330,6 +1330,14 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
         config=json.dumps(cfg.as_dict()),
         launcher=info.launcher,
     )
+    try:
+        from distdiag.shim import preload
+
+        loaded = preload.loaded_ns()  # the interposer's load: the process's start, before the interpreter's
+        if loaded is not None and 0 < loaded <= t_start_ns:
+            attrs["process_start_mono_ns"] = loaded
+    except Exception:
+        log.debug("distdiag: the process's start not known", exc_info=True)
     name = rank_file_name(info.rank)
     try:
         writer, run_dir = _open_rank_file(run_dir, name, rec, cfg, attrs)
@@ -1374,6 +1382,12 @@ def setup(opts: Options, target: Target, t_start_ns: int, wall_start_ns: int) ->
             importlib.import_module(modname)
         except Exception:
             log.debug("distdiag: %s not importable", modname, exc_info=True)
+    try:
+        from distdiag.shim import preload
+
+        preload.SHIM_START_NS = t_start_ns  # an interposer that recorded from its load keeps what came before
+    except Exception:
+        pass
     try:
         installed = hooks.install_all(rec, cfg, cfg.hooks)
         writer.set_attr("hooks", json.dumps(installed))
@@ -1582,13 +1596,14 @@ def _preload(opts: Options, here: bool) -> None:
         quiet = logging.getLogger("distdiag.shim.config")
         was, quiet.disabled = quiet.disabled, True  # setup() loads it again and says what is wrong
         try:
-            hooks = load_config(opts.config).hooks
+            cfg = load_config(opts.config)
         finally:
             quiet.disabled = was
+        slots = int(getattr(cfg, "preload_ring_slots", 16384))
         if here:
-            preload.reexec(hooks)  # returns when nothing was re-executed
+            preload.reexec(cfg.hooks, slots)  # returns when nothing was re-executed
         else:
-            preload.arm_env(hooks)
+            preload.arm_env(cfg.hooks, slots)
             return
         preload.clean_environ()
     except Exception:

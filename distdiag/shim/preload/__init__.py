@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: the marker of the re-executed start (removed from the environment at once)
 TRIED_VAR = "DISTDIAG_PRELOAD_TRIED"
+#: the ring's slots, for the library to start recording as it is loaded (interpose.c's
+#: ``dd_early``, which removes the variable from the process's environment at once)
+EARLY_VAR = "DISTDIAG_PRELOAD_EARLY"
 
 #: the slot header of interpose.c's struct slot (64 bytes), then PATH_CAP path bytes
 _HDR = struct.Struct("<Qqqqiiii HH12x")
@@ -120,9 +123,11 @@ def wanted(hooks: dict[str, bool]) -> bool:
     return bool(hooks.get("fileio", True)) and bool(hooks.get("preload", PRELOAD_DEFAULT))
 
 
-def arm_env(hooks: dict[str, bool]) -> bool:
+def arm_env(hooks: dict[str, bool], slots: int = 16384) -> bool:
     """Put the library in LD_PRELOAD (and the marker) for the exec that follows; False when
-    it is not wanted, not built, already tried, or already loaded."""
+    it is not wanted, not built, already tried, or already loaded. ``slots``: the ring the
+    library starts with as it is loaded (:data:`EARLY_VAR`), so the interpreter's own start
+    and imports are recorded from its first instruction."""
     if TRIED_VAR in os.environ or not wanted(hooks) or loaded() is not None:
         return False
     path = library_path()
@@ -131,12 +136,14 @@ def arm_env(hooks: dict[str, bool]) -> bool:
     own = os.environ.get("LD_PRELOAD", "")
     os.environ["LD_PRELOAD"] = f"{own}:{path}" if own else path
     os.environ[TRIED_VAR] = "1"
+    os.environ[EARLY_VAR] = str(max(1024, int(slots)))
     return True
 
 
 def disarm_env() -> None:
     """Undo :func:`arm_env` (the exec failed)."""
     os.environ.pop(TRIED_VAR, None)
+    os.environ.pop(EARLY_VAR, None)
     clean_environ()
     own = os.environ.get("LD_PRELOAD")
     if own is None:
@@ -145,10 +152,10 @@ def disarm_env() -> None:
         os.putenv("LD_PRELOAD", own)
 
 
-def reexec(hooks: dict[str, bool]) -> None:
+def reexec(hooks: dict[str, bool], slots: int = 16384) -> None:
     """Re-execute this interpreter, as it was started, with the interposer preloaded.
     Returns only when that is not wanted or not possible (then nothing changed)."""
-    if not arm_env(hooks):
+    if not arm_env(hooks, slots):
         return
     argv = list(getattr(sys, "orig_argv", []) or [])
     if not argv or not sys.executable:
@@ -169,6 +176,8 @@ def clean_environ() -> None:
     edited, not the process's (that would be putenv/unsetenv)."""
     if TRIED_VAR in os.environ:
         del os.environ[TRIED_VAR]  # from both: a child must not take it as its own retry
+    if EARLY_VAR in os.environ:
+        del os.environ[EARLY_VAR]  # the library took it (and removed it) as it was loaded
     try:
         data = os.environ._data  # type: ignore[attr-defined]
         key = os.environ.encodekey("LD_PRELOAD")  # type: ignore[attr-defined]
@@ -255,6 +264,8 @@ class Drainer:
         self.rows = bytearray()
         #: False: the Python loop even where the binding converts (the tests' reference)
         self.use_c = True
+        #: (lo, hi): rows that start in [lo, hi) are dropped (the shim's own setup: see start())
+        self.drop_ns: tuple[int, int] | None = None
 
     # -- thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -329,8 +340,12 @@ class Drainer:
         #: per thread, its last open, held until its next call (see ``fold``)
         pend: dict[int, list[Any]] = {}
 
+        drop = self.drop_ns
+
         def put(row: Any) -> None:
             nonlocal tb
+            if drop is not None and drop[0] <= row[0] < drop[1]:
+                return
             if tb is None:
                 tb = self._buffer()
             m = tb.n
@@ -354,6 +369,8 @@ class Drainer:
                 if len(self.rows) < need:
                     self.rows = bytearray(need)
                 r = convert(out, n, self.rows, self, pend, shim)
+                if r and drop is not None:
+                    r = _drop_rows(self.rows, r, drop)
                 if r:
                     if tb is None:
                         tb = self._buffer()
@@ -476,8 +493,31 @@ class Drainer:
         return tuple(rows)
 
 
+def _drop_rows(rows: bytearray, n: int, drop: tuple[int, int]) -> int:
+    """The first ``n`` event rows of ``rows`` without those whose t0 lies in ``drop``, compacted
+    in place; returns how many are left. A loop: only the first drain of an early start."""
+    from distdiag.shim.recorder import ROW_SIZE
+
+    t0_of = struct.Struct("<q").unpack_from
+    k = 0
+    for i in range(n):
+        if not drop[0] <= t0_of(rows, i * ROW_SIZE)[0] < drop[1]:
+            if k != i:
+                rows[k * ROW_SIZE : (k + 1) * ROW_SIZE] = rows[i * ROW_SIZE : (i + 1) * ROW_SIZE]
+            k += 1
+    return k
+
+
 DRAINER: Drainer | None = None
 _forks_registered = False
+#: the shim's start (perf_counter_ns), set by distdiag.shim.wrap before it installs the hooks
+SHIM_START_NS: int | None = None
+
+
+def now_ns() -> int:
+    import time
+
+    return time.perf_counter_ns()
 
 
 def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | None:
@@ -498,6 +538,14 @@ def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | No
         return None
     d = Drainer(lib, rec, cfg, tag, float(getattr(cfg, "flush_interval_s", 1.0)))
     rec.on_libc_mute = mute  # the recorder's muted threads and spans (h5py's imports) are libc-muted too
+    if SHIM_START_NS is not None:
+        # started as the library was loaded (EARLY_VAR): what it recorded before the shim's start is
+        # the interpreter's start and imports, kept; from the shim's start to now it is the shim's
+        # own setup (its config, run dir, imports), which the Python-level capture does not see
+        # either: dropped, in this first drain
+        d.drop_ns = (SHIM_START_NS, now_ns())
+        d.drain()
+        d.drop_ns = None
     d.start()
     DRAINER = d
     if not _forks_registered:
@@ -510,6 +558,17 @@ def _after_fork_in_child() -> None:
     d = DRAINER
     if d is not None:
         d.after_fork_in_child()
+
+
+def loaded_ns() -> int | None:
+    """``perf_counter_ns`` when the interposer was loaded into this process (its start: before
+    the interpreter's first instruction), or None without it."""
+    lib = loaded()
+    try:
+        t = lib.loaded_ns() if lib is not None else None
+    except Exception:
+        return None
+    return int(t) if t else None
 
 
 def drain_now(final: bool = True) -> None:

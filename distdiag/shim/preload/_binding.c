@@ -18,6 +18,7 @@ static long (*p_drain)(void *, long);
 static unsigned long (*p_lost)(void);
 static void (*p_wait)(long);
 static void (*p_kick)(void);
+static long long (*p_loaded_ns)(void); /* optional: a library older than it has none */
 static int resolved = -1;
 
 static int resolve(void) {
@@ -31,6 +32,7 @@ static int resolve(void) {
     *(void **)&p_lost = dlsym(RTLD_DEFAULT, "dd_lost");
     *(void **)&p_wait = dlsym(RTLD_DEFAULT, "dd_wait");
     *(void **)&p_kick = dlsym(RTLD_DEFAULT, "dd_kick");
+    *(void **)&p_loaded_ns = dlsym(RTLD_DEFAULT, "dd_loaded_ns");
     resolved = p_version && p_slot_size && p_start && p_stop && p_mute && p_drain && p_lost && p_wait && p_kick;
     return resolved;
 }
@@ -110,6 +112,12 @@ static PyObject *b_wait(PyObject *self, PyObject *args) {
     p_wait(ms);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *b_loaded_ns(PyObject *self, PyObject *args) {
+    (void)self; (void)args; NEED();
+    if (!p_loaded_ns) Py_RETURN_NONE;
+    return PyLong_FromLongLong(p_loaded_ns());
 }
 
 static PyObject *b_kick(PyObject *self, PyObject *args) {
@@ -412,6 +420,7 @@ static PyMethodDef methods[] = {
     {"lost", b_lost, METH_NOARGS, "Calls dropped because the ring was full."},
     {"wait", b_wait, METH_VARARGS, "wait(ms): sleep (GIL released) until the ring is half full, kick() or ms."},
     {"kick", b_kick, METH_NOARGS, "Wake a wait()."},
+    {"loaded_ns", b_loaded_ns, METH_NOARGS, "perf_counter_ns when the interposer was loaded (the process's start), or None."},
     {"convert", b_convert, METH_VARARGS, "convert(slots, n, rows, drainer, pend, shim_tids) -> event rows written."},
     {NULL, NULL, 0, NULL},
 };

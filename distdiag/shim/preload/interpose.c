@@ -41,6 +41,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -321,7 +322,15 @@ API int dd_slot_size(void) { return (int)sizeof(struct slot); }
 
 /* Start recording: a ring of 2^k >= nslots slots; paths under skip_prefix never recorded. */
 API int dd_start(long nslots, const char *skip_prefix) {
-    if (dd_on) return 0;
+    if (dd_on) { /* started early (dd_early): the shim's start only names what to skip */
+        skiplen = 0;
+        if (skip_prefix) {
+            size_t n = strlen(skip_prefix);
+            while (n > 1 && skip_prefix[n - 1] == '/') n--;
+            if (n < PATH_CAP) { memcpy(skip, skip_prefix, n); skip[n] = '\0'; skiplen = n; }
+        }
+        return (int)cap;
+    }
     if (!ring) {
         uint64_t c = 1024;
         while (c < (uint64_t)nslots && c < (1u << 24)) c <<= 1;
@@ -347,6 +356,25 @@ API int dd_start(long nslots, const char *skip_prefix) {
 }
 
 API void dd_stop(void) { dd_on = 0; wake(); }
+
+/* The process's start as this library saw it: CLOCK_MONOTONIC when the dynamic loader ran
+ * its constructor, before the interpreter's first instruction (the clock of
+ * time.perf_counter_ns). With DISTDIAG_PRELOAD_EARLY=<slots> in the environment (the
+ * wrapper's re-exec sets it) recording starts right there, so the interpreter's own start
+ * and every import are seen (issue 21: startup from the first instruction we can see); the
+ * variable is removed at once, so the programs this one execs do not start early. */
+static int64_t t_loaded;
+
+__attribute__((constructor)) static void dd_early(void) {
+    t_loaded = now_ns();
+    const char *v = getenv("DISTDIAG_PRELOAD_EARLY");
+    if (!v) return;
+    long n = atol(v);
+    unsetenv("DISTDIAG_PRELOAD_EARLY");
+    if (n > 0) dd_start(n, NULL);
+}
+
+API long long dd_loaded_ns(void) { return (long long)t_loaded; }
 
 API void dd_mute(int on) { muted = on; }
 
