@@ -34,7 +34,11 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
      ``[second-to-last arrival, last arrival]`` of each serial collective, on
      the late rank; see :mod:`distdiag.detectors.serial_section`);
    * *symptoms*: ``straggler``: a rank arrived last; its charge at a
-     collective is the window ``[second-to-last arrival, last arrival]``.
+     collective is the window ``[second-to-last arrival, last arrival]``;
+     ``startup``: its binding rank's start-up, charged with the part of its
+     price its slow module files make (``module_file_excess_s``): a
+     ``metadata_storm`` among those files (an import storm) explains that part,
+     never the setup (dataset, model, init) the price also holds.
 
    A finding of a lower tier loses the seconds of its windows that a
    higher-tier finding's claims cover on the same rank: what the rank did
@@ -98,7 +102,7 @@ CLAIMED_KINDS: dict[str, tuple[int, ...]] = {
 }
 MECHANISMS = tuple(CLAIMED_KINDS)
 #: tier of each kind: lower explains higher (absent kinds are never adjusted nor explain)
-TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2}
+TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2, "startup": 2}
 
 
 #: the order in which the replay removes the causes it prices (issue 20): a subsystem that held a
@@ -464,6 +468,8 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
     """
     if f.kind == "serial_section":
         return _serial(f, run, stretch=True)
+    if f.kind == "startup":
+        return _startup(f, run)
     if f.kind != "straggler" or len(colls) == 0 or not f.ranks:
         return None
     from distdiag.detectors.serial_section import holds_others
@@ -484,6 +490,26 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
         other = other_host_last_ns(run, colls, g)[g]
         charge = t1 - np.where(other > np.iinfo(np.int64).min, other, colls.g_second_ns[g])
     return colls.g_last_rank[g].astype(np.int64), t1 - gap, t1, charge
+
+
+def _startup(f: Finding, run: Any) -> Windows | None:
+    """A startup finding's window: its binding rank's start-up, charged with the part of the price
+    that its module files' excess over the healthy latency makes (its ``module_file_excess_s``):
+    what a metadata storm among those files explains. The setup the price also holds (dataset,
+    model, init) is no file system's, and stays."""
+    from distdiag.breakdown import startup_ends
+
+    if not f.ranks:
+        return None
+    r = int(f.ranks[0])
+    per = (f.evidence.get("per_rank") or {}).get(r) or {}
+    excess_s = float(per.get("module_file_excess_s", f.evidence.get("slow_module_files_s", 0.0)))
+    start, _ = run.rank_bounds()
+    ends = startup_ends(run)
+    if r >= len(start) or excess_s <= 0:
+        return None
+    one = np.array([r], np.int64)
+    return one, start[one].astype(np.int64), ends[one].astype(np.int64), np.array([int(min(excess_s, f.cost_s) * 1e9)])
 
 
 def _serial(f: Finding, run: Any, stretch: bool) -> Any:
