@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 LATENCY_MS = 1.0
 DIRS, FILES = 6, 20
 #: small HDF5 files beside the tree (``<mount>/h5``), read through h5py
-H5_FILES = 24
+H5_FILES = 48
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -129,6 +129,7 @@ if how == "h5py":
     import h5py
 if how == "glob":
     import pathlib
+c0 = time.thread_time_ns()
 t0 = time.perf_counter_ns()
 n = 0
 if how == "walk":
@@ -152,7 +153,7 @@ else:  # HDF5's C library under h5py
         with h5py.File(os.path.join(h5, name), "r") as f:
             n += f["x"][:].nbytes
 t1 = time.perf_counter_ns()
-print("REC " + json.dumps({"t0": t0, "t1": t1, "nbytes": n}))
+print("REC " + json.dumps({"t0": t0, "t1": t1, "nbytes": n, "cpu_ns": time.thread_time_ns() - c0}))
 """
 
 
@@ -200,14 +201,19 @@ def test_walk_storm_on_slow_mount_is_covered_by_the_interposer(slow_tree: Path, 
 def test_c_reader_storms_on_slow_mount_are_covered(slow_tree: Path, tmp_path: Path, how: str) -> None:
     """The storm made by ``pathlib.Path.glob`` + stat + ``read_bytes``, by ``np.fromfile`` per file, and by
     h5py reading small files: the recorded file calls cover 90-100% of its duration as the program
-    measured it (issue 21), each call once, every byte the program read seen."""
+    measured it (issue 21), each call once, every byte the program read seen. What the calls leave
+    is the program's own work between them: h5py's objects take 5-6% of its storm on an idle
+    machine, and beside a loaded core that grew past 10% once in ten runs (89.6% covered), so
+    the program's own CPU time in the storm (its thread's, measured by it) is allowed besides."""
     rec, attrs, rs = _storm(tmp_path / how, slow_tree, how)
     assert attrs["fileio_capture"] == "preload"
     want = H5_FILES * 64 * 8 if how == "h5py" else DIRS * FILES * 512
     assert rec["nbytes"] == want
     storm_s = (rec["t1"] - rec["t0"]) / 1e9
     covered = _covered_s(rs)
-    assert 0.9 * storm_s <= covered <= 1.0 * storm_s, (covered, storm_s, collections.Counter(r["call"] for r in rs))
+    cpu_s = rec["cpu_ns"] / 1e9
+    print(f"{how}: storm {storm_s:.3f} s, recorded calls {covered:.3f} s ({covered / storm_s:.1%}), own CPU {cpu_s:.3f} s")
+    assert 0.9 * storm_s - cpu_s <= covered <= 1.0 * storm_s, (covered, storm_s, cpu_s, collections.Counter(r["call"] for r in rs))
     assert len({(r["path"], r["call"], r["t0"]) for r in rs}) == len(rs)
     read = sum(r["nbytes"] for r in rs if r["kind"] == int(Kind.FILE_READ))
     assert read >= want, (read, want)  # HDF5 reads its headers too

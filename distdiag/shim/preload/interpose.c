@@ -698,15 +698,19 @@ API size_t fwrite(const void *p, size_t sz, size_t n, FILE *f) {
 /* stdio's seeks: their first one on a FILE (and fread's first read) allocates its buffer
  * and asks the file's size with libc's internal fstat, which no hook sees; on a file system
  * that asks its server that is a server call (numpy.fromfile: fdopen, ftell, fseek: two
- * 1 ms fstats a file on the slow FUSE). Recorded as the fd's lseek: a row when slow, part
- * of the thread's open when it comes right after it (the drainer's fold) */
+ * 1 ms fstats a file on the slow FUSE). Recorded as the fd's lseek (a row when slow, part
+ * of the thread's open when it comes right after it: the drainer's fold), and only when it
+ * took SLOW_SEEK_NS or more: most ftell/fseek calls are answered from the FILE's buffer in
+ * ~20 ns, and a parser calling ftell per record must not fill the ring with slots the drainer
+ * would drop (it keeps an lseek only from fileio.CLOSE_MIN_NS, the same 20 us) */
+#define SLOW_SEEK_NS 20000
 #define DEF_FSEEK(ret_t, name, params, args, failed) \
     API ret_t name params { \
         RESOLVE(name); \
         int fd; \
         if (!active() || !f || !tracked(fd = fileno(f))) return REAL(name) args; \
         ENTER; ret_t r = REAL(name) args; LEAVE_ERR(failed); \
-        rec_fd(OP_SEEK, t0, t1, fd, err, 0); \
+        if (t1 - t0 >= SLOW_SEEK_NS) rec_fd(OP_SEEK, t0, t1, fd, err, 0); \
         guard = 0; errno = e; return r; \
     }
 DEF_FSEEK(int, fseek, (FILE *f, long o, int w), (f, o, w), r != 0)
