@@ -129,7 +129,15 @@ if how == "h5py":
     import h5py
 if how == "glob":
     import pathlib
-c0 = time.thread_time_ns()
+def run_delay_ns():  # time this thread was ready to run but waited for a core (0 where unknown)
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+c0, d0 = time.thread_time_ns(), run_delay_ns()
 t0 = time.perf_counter_ns()
 n = 0
 if how == "walk":
@@ -153,7 +161,8 @@ else:  # HDF5's C library under h5py
         with h5py.File(os.path.join(h5, name), "r") as f:
             n += f["x"][:].nbytes
 t1 = time.perf_counter_ns()
-print("REC " + json.dumps({"t0": t0, "t1": t1, "nbytes": n, "cpu_ns": time.thread_time_ns() - c0}))
+print("REC " + json.dumps({"t0": t0, "t1": t1, "nbytes": n, "cpu_ns": time.thread_time_ns() - c0,
+                          "delay_ns": run_delay_ns() - d0}))
 """
 
 
@@ -204,16 +213,18 @@ def test_c_reader_storms_on_slow_mount_are_covered(slow_tree: Path, tmp_path: Pa
     measured it (issue 21), each call once, every byte the program read seen. What the calls leave
     is the program's own work between them: h5py's objects take 5-6% of its storm on an idle
     machine, and beside a loaded core that grew past 10% once in ten runs (89.6% covered), so
-    the program's own CPU time in the storm (its thread's, measured by it) is allowed besides."""
+    the program's own CPU time in the storm and the time its thread waited for a core (its
+    ``run_delay``), both measured by it, are allowed besides: neither is a file call."""
     rec, attrs, rs = _storm(tmp_path / how, slow_tree, how)
     assert attrs["fileio_capture"] == "preload"
     want = H5_FILES * 64 * 8 if how == "h5py" else DIRS * FILES * 512
     assert rec["nbytes"] == want
     storm_s = (rec["t1"] - rec["t0"]) / 1e9
     covered = _covered_s(rs)
-    cpu_s = rec["cpu_ns"] / 1e9
-    print(f"{how}: storm {storm_s:.3f} s, recorded calls {covered:.3f} s ({covered / storm_s:.1%}), own CPU {cpu_s:.3f} s")
-    assert 0.9 * storm_s - cpu_s <= covered <= 1.0 * storm_s, (covered, storm_s, cpu_s, collections.Counter(r["call"] for r in rs))
+    cpu_s, delay_s = rec["cpu_ns"] / 1e9, rec["delay_ns"] / 1e9
+    print(f"{how}: storm {storm_s:.3f} s, recorded calls {covered:.3f} s ({covered / storm_s:.1%}), "
+          f"own CPU {cpu_s:.3f} s, waited for a core {delay_s:.3f} s")  # fmt: skip
+    assert 0.9 * storm_s - cpu_s - delay_s <= covered <= 1.0 * storm_s, (covered, storm_s, cpu_s, delay_s)
     assert len({(r["path"], r["call"], r["t0"]) for r in rs}) == len(rs)
     read = sum(r["nbytes"] for r in rs if r["kind"] == int(Kind.FILE_READ))
     assert read >= want, (read, want)  # HDF5 reads its headers too
