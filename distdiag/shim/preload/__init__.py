@@ -49,6 +49,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -514,11 +515,6 @@ _forks_registered = False
 SHIM_START_NS: int | None = None
 
 
-def now_ns() -> int:
-    import time
-
-    return time.perf_counter_ns()
-
 
 def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | None:
     """Start the interposer's recording in this process and its drainer; None when the
@@ -543,7 +539,7 @@ def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | No
         # the interpreter's start and imports, kept; from the shim's start to now it is the shim's
         # own setup (its config, run dir, imports), which the Python-level capture does not see
         # either: dropped, in this first drain
-        d.drop_ns = (SHIM_START_NS, now_ns())
+        d.drop_ns = (SHIM_START_NS, time.perf_counter_ns())
         d.drain()
         d.drop_ns = None
     d.start()

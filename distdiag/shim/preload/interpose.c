@@ -320,15 +320,20 @@ API int dd_version(void) { return 1; }
 
 API int dd_slot_size(void) { return (int)sizeof(struct slot); }
 
+/* Paths under `prefix` (trailing slashes ignored) are never recorded; NULL: none. */
+static void set_skip(const char *prefix) {
+    skiplen = 0;
+    if (prefix) {
+        size_t n = strlen(prefix);
+        while (n > 1 && prefix[n - 1] == '/') n--;
+        if (n < PATH_CAP) { memcpy(skip, prefix, n); skip[n] = '\0'; skiplen = n; }
+    }
+}
+
 /* Start recording: a ring of 2^k >= nslots slots; paths under skip_prefix never recorded. */
 API int dd_start(long nslots, const char *skip_prefix) {
     if (dd_on) { /* started early (dd_early): the shim's start only names what to skip */
-        skiplen = 0;
-        if (skip_prefix) {
-            size_t n = strlen(skip_prefix);
-            while (n > 1 && skip_prefix[n - 1] == '/') n--;
-            if (n < PATH_CAP) { memcpy(skip, skip_prefix, n); skip[n] = '\0'; skiplen = n; }
-        }
+        set_skip(skip_prefix);
         return (int)cap;
     }
     if (!ring) {
@@ -344,12 +349,7 @@ API int dd_start(long nslots, const char *skip_prefix) {
         cap = c; mask = c - 1;
         pthread_atfork(NULL, NULL, at_fork_child);
     }
-    skiplen = 0;
-    if (skip_prefix) {
-        size_t n = strlen(skip_prefix);
-        while (n > 1 && skip_prefix[n - 1] == '/') n--;
-        if (n < PATH_CAP) { memcpy(skip, skip_prefix, n); skip[n] = '\0'; skiplen = n; }
-    }
+    set_skip(skip_prefix);
     if (getcwd(cwd, PATH_CAP)) cwdlen = strlen(cwd); else cwdlen = 0;
     dd_on = 1;
     return (int)cap;
