@@ -342,13 +342,20 @@ def test_the_interpreters_own_start_is_recorded_from_its_first_instruction(slow_
 
 def test_programs_the_rank_execs_do_not_start_early(tmp_path: Path) -> None:
     """The early start's variable is the rank's alone: gone from the environment the program and
-    its children see, so an exec'd program loads the library inert."""
+    its children see, so an exec'd program loads the library inert. Checked to fail with the
+    library's constructor leaving it in the environment."""
     prog = ("import os, subprocess, sys, json\n"
             "env = subprocess.run(['/usr/bin/env'], capture_output=True, text=True).stdout\n"
             "print('REC ' + json.dumps({'mine': 'DISTDIAG_PRELOAD_EARLY' in os.environ, 'child': 'DISTDIAG_PRELOAD_EARLY' in env,"
             " 'preload': 'LD_PRELOAD' in env}))\n")  # fmt: skip
     rec = record(wrap(tmp_path, prog))
     assert rec == {"mine": False, "child": False, "preload": True}
+    # the library itself removes it as it is loaded, whatever the program is: a non-Python one here
+    lib = preload.library_path()
+    assert lib is not None
+    env = dict(_env(), LD_PRELOAD=lib, **{preload.EARLY_VAR: "1024"})
+    out = subprocess.run(["/usr/bin/env"], capture_output=True, text=True, env=env, timeout=60).stdout
+    assert "LD_PRELOAD=" in out and preload.EARLY_VAR not in out
 
 
 # -- C readers ----------------------------------------------------------------------------------
