@@ -17,11 +17,12 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
    then the code path, then the symptom), and each costs what it adds to
    those before it. Each second is then counted once by construction, and
    rule 1 below applies only to a pair of which one was not replayed (a
-   change the replay cannot see, a Slurm finding, a hang). A ``straggler`` named (in part)
-   from point-to-point arrivals whose own replayed saving is under its threshold is dropped:
-   those arrivals were chance. (Not yet for the others: a straggler at the ``Reduce`` calls of
-   a run that only reduces saves nothing by replay, the non-roots never wait, and is still
-   reported at the detector's price.)
+   change the replay cannot see, a Slurm finding, a hang). A finding whose own replayed
+   saving is under its threshold is dropped: the detector's price was the noise the replay
+   does not reproduce (a healthy run's jitter at point-to-point arrivals, a start-up whose
+   counterfactual moves by a few tens of ms). One exception: a ``straggler`` named at
+   collectives only stays (a straggler at the ``Reduce`` calls of a run that only reduces
+   saves nothing by replay, the non-roots never wait).
 
 1. **Symptoms vs causes.** Findings come in three tiers:
 
@@ -187,9 +188,10 @@ def _price_by_replay(findings: list[Finding], model: Any, cfg: Any, wall_s: floa
     def keep(f: Finding, added: float) -> bool:
         own = float(f.evidence["replay"]["saving_s"])
         f.evidence["detector_cost_s"] = float(f.cost_s)
-        if float(f.evidence.get("p2p_wait_s") or 0.0) > 0 and own < _threshold(f, cfg) * wall_s:
-            # a straggler named from point-to-point arrivals, which removed saves less than its
-            # threshold: the arrivals were chance (a healthy run's jitter), not a cause
+        collective_straggler = f.kind == "straggler" and not float(f.evidence.get("p2p_wait_s") or 0.0) > 0
+        if own < _threshold(f, cfg) * wall_s and not collective_straggler:
+            # removed, it saves less than its threshold: what the detector priced was noise the
+            # replay does not reproduce (point-to-point arrivals by chance, a healthy start-up)
             log.info("%s ranks %s: the replay saves %.3f s without it; dropped", f.kind, f.ranks, own)
             return False
         # what it adds to the causes before it, never more than what fixing it alone saves: two
