@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.rows import calls_of
 from distdiag.schema import FILE_KINDS, Kind
 
 #: a forked process's file (distdiag.shim.rankfile.fork_file_name)
@@ -97,8 +98,9 @@ def _add(acc: ChildIO, ev: np.ndarray, strings: np.ndarray, files: list[tuple[np
     dur = (f["t1_ns"] - f["t0_ns"]).astype(np.float64) / 1e9
     nb = np.maximum(f["nbytes"], 0).astype(np.int64)
     meta = np.isin(f["kind"], META_KINDS)
-    acc.calls += len(f)
-    acc.metadata_calls += int(meta.sum())
+    n_of = calls_of(f)  # 1, or the calls an overflow sum stands for
+    acc.calls += int(n_of.sum())
+    acc.metadata_calls += int(n_of[meta].sum())
     acc.io_s += float(dur.sum())
     acc.metadata_s += float(dur[meta].sum())
     acc.bytes_read += int(nb[f["kind"] == Kind.FILE_READ].sum())
@@ -110,7 +112,7 @@ def _add(acc: ChildIO, ev: np.ndarray, strings: np.ndarray, files: list[tuple[np
 
     for col in ("aux", "name_id"):
         ids, inv = np.unique(f[col].astype(np.int64), return_inverse=True)
-        calls = np.bincount(inv, minlength=len(ids))
+        calls = np.bincount(inv, weights=n_of, minlength=len(ids))
         secs = np.bincount(inv, weights=dur, minlength=len(ids))
         byts = np.bincount(inv, weights=nb.astype(np.float64), minlength=len(ids))
         if col == "name_id":  # one a distinct path (a worker reads each sample once): kept as arrays

@@ -16,6 +16,8 @@ sort of the selected rows only.
     count_of(run, kinds)   how many rows (no copy; 0 for an absent kind)
     events_of(run, kinds)  the rows themselves (run.events.take(rows_of(...)))
     unique_sorted(values)  np.unique(values, return_index=True), one pass when ascending
+    calls_of(rows)         how many calls each file row stands for (1, or an overflow sum's)
+    weighted_quantile(x, w, q), weighted_median(x, w): each x counted w times (numpy's when all w are 1)
 
 Where it lives, and why it is only built on the final table: the index is
 cached in ``run.cache[KEY]`` on first use. :meth:`distdiag.run.Run.replace`
@@ -257,3 +259,28 @@ def unique_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def events_of(run: Any, kinds: Kinds) -> np.ndarray:
     """The rows of ``kinds`` (a copy, in table order): ``run.events[np.isin(kind, kinds)]``."""
     return run.events.take(rows_of(run, kinds))
+
+
+def calls_of(rows: np.ndarray) -> np.ndarray:
+    """How many calls each file row stands for: ``seq`` where the libc interposer summed
+    calls a full ring had no slot for into one row per (call, directory, thread)
+    (``distdiag.shim.preload``, name ``<dir>/*``), else 1 (every other file row has seq -1)."""
+    return np.maximum(rows["seq"], 1).astype(np.int64)
+
+
+def weighted_quantile(x: np.ndarray, w: np.ndarray, q: float) -> float:
+    """The ``q`` quantile of ``x`` with each value counted ``w`` times (the value at which the
+    running weight reaches ``q`` of the total); ``np.quantile`` itself when every weight is 1.
+    NaN for no values."""
+    if len(x) == 0:
+        return float("nan")
+    if (w == 1).all():
+        return float(np.quantile(x, q))
+    o = np.argsort(x, kind="stable")
+    c = np.cumsum(w[o])
+    return float(x[o][min(int(np.searchsorted(c, q * c[-1])), len(o) - 1)])
+
+
+def weighted_median(x: np.ndarray, w: np.ndarray) -> float:
+    """:func:`weighted_quantile` at 0.5 (``np.median`` when every weight is 1)."""
+    return weighted_quantile(x, w, 0.5)

@@ -92,6 +92,52 @@ def test_storm_found_with_cost_window_mount_and_top_dirs(tmp_path: Path) -> None
     assert top.advice and "node-local" in top.advice
 
 
+def _summed(run_dir: Path, out: Path, keep: int, group: int) -> None:
+    """``run_dir``'s rank files with each rank's file calls after its first ``keep`` summed
+    ``group`` at a time as the libc interposer's drainer sums the calls its full ring had no
+    slot for: one row per group, ``seq`` its calls, name ``<dir>/*``, ``t1 - t0`` their
+    summed duration from the first one's start."""
+    import h5py
+
+    from distdiag.run import load_run
+
+    for info in load_run(run_dir).ranks.values():
+        with h5py.File(info.path, "r") as f:
+            ev = f["events"][:]
+            strings = list(f["strings"].asstr()[:])
+            attrs = dict(f.attrs)
+        is_file = np.isin(ev["kind"], [int(Kind.FILE_OPEN)])
+        fi = np.flatnonzero(is_file)[keep:]
+        rows = [tuple(e) for e in ev[~np.isin(np.arange(len(ev)), fi)]]
+        for g in range(0, len(fi), group):
+            part = ev[fi[g : g + group]]
+            name = strings[int(part["name_id"][0])].rpartition("/")[0] + "/*"
+            r = list(part[0].tolist())
+            r[1] = r[0] + int((part["t1_ns"] - part["t0_ns"]).sum())
+            r[3], r[5] = sid(strings, name), len(part)
+            rows.append(tuple(r))
+        rows.sort(key=lambda r: r[0])
+        write_rank(out, info.rank, int(attrs["world_size"]), rows, strings, end_mono_ns=int(attrs["end_mono_ns"]),
+                   closed_cleanly=True)  # fmt: skip
+
+
+def test_a_storm_summed_by_the_interposer_is_priced_as_its_calls(tmp_path: Path) -> None:
+    # issue 21 item 3: the calls a full ring had no slot for come as sums (distdiag.shim.preload):
+    # a storm mostly summed is the same storm, at the same price, with the same calls
+    write_storm_run(tmp_path / "run")
+    _summed(tmp_path / "run", tmp_path / "summed", keep=40, group=60)
+    a, b = (analyze(tmp_path / d, Config()) for d in ("run", "summed"))
+    (fa,) = [f for f in a.findings if f.kind == "metadata_storm"]
+    (fb,) = [f for f in b.findings if f.kind == "metadata_storm"]
+    assert fb.cost_s == pytest.approx(fa.cost_s, rel=0.02)
+    assert fb.ranks == fa.ranks == [0, 1, 2, 3]
+    assert fb.evidence["calls_by_kind"] == fa.evidence["calls_by_kind"] == {"open": 1200}
+    wa, wb = fa.evidence["windows"][0], fb.evidence["windows"][0]
+    assert wb["calls"] == wa["calls"] and wb["t0_ns"] == wa["t0_ns"]
+    assert wb["latency_ms_median"] == pytest.approx(wa["latency_ms_median"], rel=0.3)
+    assert sum(d["calls"] for d in fb.evidence["top_dirs"]) == sum(d["calls"] for d in fa.evidence["top_dirs"])
+
+
 def test_fast_local_disk_is_no_storm(tmp_path: Path) -> None:
     # same number of calls, served in 5 us with no queueing: costs nothing
     write_storm_run(tmp_path / "run", service_ms=0.005, fs="ext4:/")

@@ -17,7 +17,8 @@ import pytest
 
 from distdiag import clocks
 from distdiag.pipeline import analyze
-from distdiag.rows import KEY, build, count_of, events_of, kind_index, rows_of, unique_sorted
+from distdiag.rows import (KEY, build, calls_of, count_of, events_of, kind_index, rows_of, unique_sorted,
+                           weighted_median, weighted_quantile)
 from distdiag.run import Run, load_run
 from distdiag.schema import COMM_KINDS, FILE_KINDS, PHASE_KINDS, Kind
 from distdiag.synth import synth
@@ -153,3 +154,24 @@ def test_unique_sorted_is_np_unique_with_first_positions(values: np.ndarray) -> 
     want_u, want_first = np.unique(values, return_index=True)
     assert np.array_equal(u, want_u) and u.dtype == want_u.dtype
     assert np.array_equal(first, want_first)
+
+
+def test_weighted_quantiles_are_those_of_the_values_repeated() -> None:
+    # an overflow sum of the libc interposer stands for `seq` calls: its latency counts that often
+    rng = np.random.default_rng(3)
+    x = rng.exponential(1.0, 200)
+    w = rng.integers(1, 40, 200)
+    rep = np.repeat(x, w)
+    for q in (0.1, 0.5, 0.9):
+        got = weighted_quantile(x, w, q)
+        # the value whose running weight reaches q: within one step of numpy's on the repeated values
+        lo, hi = np.quantile(rep, q, method="lower"), np.quantile(rep, q, method="higher")
+        assert lo <= got <= hi, (q, got, lo, hi)
+    assert weighted_median(x, np.ones(200, np.int64)) == np.median(x)  # all ones: numpy's own
+    assert np.isnan(weighted_median(np.zeros(0), np.zeros(0, np.int64)))
+
+
+def test_calls_of_counts_a_summed_row_as_its_calls() -> None:
+    ev = np.zeros(4, [("seq", "<i8")])
+    ev["seq"] = [-1, 5, 1, -1]
+    assert calls_of(ev).tolist() == [1, 5, 1, 1]

@@ -49,7 +49,7 @@ from distdiag.detectors.startup import import_paths, shared_fs_rows
 from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.rows import rows_of
+from distdiag.rows import calls_of, rows_of, weighted_median, weighted_quantile
 from distdiag.schema import FILE_KINDS, Kind
 
 _META = np.zeros(256, bool)
@@ -123,6 +123,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     kind = ev["kind"][rows_m]
     aux = ev["aux"][rows_m].astype(np.int64)
     nbytes = ev["nbytes"][rows_m].astype(np.float64)
+    n_of = calls_of(ev[rows_m])  # 1, or the calls an overflow sum stands for
+    lat = dur / n_of
     mounts: list[dict[str, Any]] = []
     ua, ainv = np.unique(aux, return_inverse=True)
     by_secs = ua[np.argsort(-np.bincount(ainv, weights=dur, minlength=len(ua)), kind="stable")]
@@ -133,10 +135,10 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         d_s = float(dur[data].sum()) / 1e9
         mounts.append({
             "mount": run.s(int(a)) if a > 0 else "?",
-            "calls": int(on.sum()), "seconds": round(float(dur[on].sum()) / 1e9, 4),
-            "metadata_calls": int(meta.sum()),
-            "metadata_latency_ms": ({"median": round(float(np.median(dur[meta])) / 1e6, 4),
-                                     "p90": round(float(np.percentile(dur[meta], 90)) / 1e6, 4)}
+            "calls": int(n_of[on].sum()), "seconds": round(float(dur[on].sum()) / 1e9, 4),
+            "metadata_calls": int(n_of[meta].sum()),
+            "metadata_latency_ms": ({"median": round(weighted_median(lat[meta], n_of[meta]) / 1e6, 4),
+                                     "p90": round(weighted_quantile(lat[meta], n_of[meta], 0.9) / 1e6, 4)}
                                     if meta.any() else None),
             "data_bytes": int(nbytes[data].sum()),
             "data_MB_per_s": round(float(nbytes[data].sum()) / d_s / 1e6, 3) if d_s > 0 else None,
@@ -166,7 +168,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             advice=ADVICE,
             evidence={
                 "share_of_wall": round(share, 4),
-                "calls": int(mine.sum()),
+                "calls": int(calls_of(ev[rows[mine]]).sum()),
                 "file_time_s": round(float(dur.sum()) / 1e9, 4),
                 "bursts": int(on.sum()),
                 "between_calls_s": round(cost_s - float(union_length_by_key(r[mine], t0c[mine], t1c[mine], n)[worst]) / 1e9, 4),

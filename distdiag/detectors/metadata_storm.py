@@ -65,7 +65,7 @@ from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.match import collectives_of
 from distdiag.replay import Change
-from distdiag.rows import events_of
+from distdiag.rows import calls_of, events_of, weighted_median
 from distdiag.schema import FILE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,25 @@ def _idle_gaps(rank: np.ndarray, t0: np.ndarray, t1: np.ndarray, colls: Any) -> 
     return ranks[g_r].astype(np.int64), g_a, g_b
 
 
+def _binned(b0: np.ndarray, b1: np.ndarray, n_of: np.ndarray, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Calls and busy ns per bin: each row's in the bin it starts in (``b0``), but an overflow
+    sum's (``n_of`` > 1: calls made one after another for as long as the row lasts) spread
+    evenly over the bins ``[b0, b1]`` it spans, so a storm the interposer summed is as hot,
+    bin by bin, as the calls it stands for."""
+    one = n_of <= 1
+    n_bins = int(max(b0.max(), b1.max())) + 1
+    calls = np.bincount(b0[one], weights=n_of[one].astype(np.float64), minlength=n_bins)
+    busy = np.bincount(b0[one], weights=dur[one], minlength=n_bins)
+    multi = np.flatnonzero(~one)  # a few: one per (call, directory, thread) and drain
+    if len(multi):
+        k = (np.maximum(b1[multi], b0[multi]) - b0[multi] + 1).astype(np.int64)
+        rep = np.repeat(np.arange(len(multi)), k)
+        bins = b0[multi][rep] + (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k))
+        calls += np.bincount(bins, weights=(n_of[multi] / k)[rep], minlength=n_bins)
+        busy += np.bincount(bins, weights=(dur[multi] / k)[rep], minlength=n_bins)
+    return calls, busy
+
+
 def concurrency_at_start(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
     """For each call, how many *other* calls were in flight when it started."""
     s0 = np.sort(t0)
@@ -145,15 +164,18 @@ def _accesses(meta: np.ndarray, dur: np.ndarray, fd_ids: np.ndarray) -> tuple[np
     ``open`` + ``fstat`` + ``close`` of one file is the one Python-level ``open`` row the
     Python hooks make; a Python FILE_CLOSE row joins its open). The median latency is of
     accesses, so it does not depend on which capture recorded the calls. Returns, per call,
-    the index of its access, and each access's summed duration. ``meta`` is in (rank, t0) order."""
+    the index of its access, and each access's latency: its summed duration over the calls
+    its first row stands for (an overflow sum of N opens in a directory, and the sum of their
+    closes after it, are N accesses). ``meta`` is in (rank, t0) order."""
     n = len(meta)
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.float64)
     joins = (meta["kind"] == int(Kind.FILE_CLOSE)) | np.isin(meta["comm_id"], fd_ids)
     same = np.zeros(n, bool)
     same[1:] = (meta["rank"][1:] == meta["rank"][:-1]) & (meta["name_id"][1:] == meta["name_id"][:-1])
-    idx = np.cumsum(~(joins & same)) - 1
-    return idx, np.bincount(idx, weights=dur.astype(np.float64))
+    first = ~(joins & same)
+    idx = np.cumsum(first) - 1
+    return idx, np.bincount(idx, weights=dur.astype(np.float64)) / calls_of(meta[first])
 
 
 def _windows(hot: np.ndarray, gap_bins: int) -> list[tuple[int, int]]:
@@ -167,20 +189,23 @@ def _windows(hot: np.ndarray, gap_bins: int) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist()))
 
 
-def _latency_by_concurrency(dur_ns: np.ndarray, conc: np.ndarray, max_level: int = 8) -> dict[str, float]:
-    """Median latency in ms per concurrency level (0 = ran alone), for the evidence."""
+def _latency_by_concurrency(lat_ns: np.ndarray, w: np.ndarray, conc: np.ndarray, max_level: int = 8) -> dict[str, float]:
+    """Median latency per call in ms (``w``: the calls of each row) per concurrency level
+    (0 = ran alone), for the evidence."""
     lv = np.minimum(conc, max_level)
     out = {}
     for level in np.unique(lv):  # at most max_level + 1
-        out[str(int(level)) + ("+" if level == max_level else "")] = float(np.median(dur_ns[lv == level]) / 1e6)
+        on = lv == level
+        out[str(int(level)) + ("+" if level == max_level else "")] = weighted_median(lat_ns[on], w[on]) / 1e6
     return out
 
 
-def _top_paths(run: Any, name_id: np.ndarray, dur_ns: np.ndarray, top: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The directories and files that took the most blocked time (calls, seconds)."""
+def _top_paths(run: Any, name_id: np.ndarray, dur_ns: np.ndarray, calls: np.ndarray, top: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The directories and files that took the most blocked time (calls, seconds). An
+    overflow sum's name is its directory + ``/*``: that directory's "file"."""
     ids, inv = np.unique(name_id, return_inverse=True)
     per_file_s = np.bincount(inv, weights=dur_ns.astype(np.float64)) / 1e9
-    per_file_n = np.bincount(inv)
+    per_file_n = np.bincount(inv, weights=calls).astype(np.int64)
     paths = pd.Series(np.asarray(run.strings, dtype=object)[ids].astype(str))
     dirs = paths.str.rpartition("/")[0].replace("", "/")
     files = pd.DataFrame({"path": paths, "dir": dirs, "calls": per_file_n, "blocked_s": per_file_s})
@@ -234,11 +259,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         meta = fs_all[np.isin(fs_all["kind"], META_KINDS)]
         t0 = meta["t0_ns"]
         dur = meta["t1_ns"] - t0
+        n_of = calls_of(meta)  # 1, or the calls an overflow sum stands for
+        lat = dur / n_of  # per call
         base = int(t0.min())
         b = (t0 - base) // bin_ns
-        n_bins = int(b.max()) + 1
-        calls = np.bincount(b, minlength=n_bins)
-        busy_ns = np.bincount(b, weights=dur.astype(np.float64), minlength=n_bins)
+        calls, busy_ns = _binned(b, (meta["t1_ns"] - base) // bin_ns, n_of, dur.astype(np.float64))
         hot = (calls / bin_s >= min_rate) & (busy_ns / bin_ns >= min_blocked)
         wins = _windows(hot, gap_bins)
         if not wins:
@@ -247,8 +272,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         fstype, _, mount = fs_name.partition(":")
         conc = concurrency_at_start(t0, meta["t1_ns"])
         acc_start, acc_dur = _accesses(meta, dur, fd_ids)
-        alone = dur[conc == 0]  # the server's own service time, measured on this fs
-        lat_alone_ms = float(np.median(alone) / 1e6) if len(alone) else float("nan")
+        alone = conc == 0  # the server's own service time, measured on this fs
+        lat_alone_ms = weighted_median(lat[alone], n_of[alone]) / 1e6
 
         w_rows = []
         total_cost_ns = 0.0
@@ -257,15 +282,16 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         blocked_ivs: list[tuple[np.ndarray, ...]] = []  # per window: the ranks' blocked stretches
         for lo, hi in wins:  # storm windows: few
             in_w = (b >= lo) & (b <= hi)
-            if int(in_w.sum()) < min_calls:
+            n_calls = int(n_of[in_w].sum())
+            if n_calls < min_calls:
                 continue  # a few slow opens are not a storm
             w0 = int(t0[in_w].min())
             w1 = int(meta["t1_ns"][in_w].max())
-            d_w = dur[in_w]
+            w_w = n_of[in_w]
             c_w = conc[in_w]
-            lat_ms = float(np.median(acc_dur[acc_start[in_w]]) / 1e6)  # per file access
-            crowd = d_w[c_w >= 1]
-            lat_crowd_ms = float(np.median(crowd) / 1e6) if len(crowd) else lat_ms
+            lat_ms = weighted_median(acc_dur[acc_start[in_w]], w_w) / 1e6  # per file access
+            crowd = c_w >= 1
+            lat_crowd_ms = weighted_median(lat[in_w][crowd], w_w[crowd]) / 1e6 if crowd.any() else lat_ms
             ratio = lat_crowd_ms / lat_alone_ms if lat_alone_ms > 0 else float("inf")
             if fstype in LOCAL_FSTYPES:
                 if lat_ms < local_slow_ms:
@@ -288,7 +314,6 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             all_ranks.update(int(x) for x in ranks)
             total_cost_ns += cost_ns
             sel_all |= in_w
-            n_calls = int(in_w.sum())
             w_rows.append(
                 {
                     "t0_ns": w0,
@@ -310,10 +335,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         if not w_rows or total_cost_ns < min_fraction * wall_s * 1e9:
             continue
         sel = meta[sel_all]
-        top_dirs, top_files = _top_paths(run, sel["name_id"], sel["t1_ns"] - sel["t0_ns"], top)
+        w_sel = n_of[sel_all]
+        top_dirs, top_files = _top_paths(run, sel["name_id"], sel["t1_ns"] - sel["t0_ns"], w_sel, top)
         names = np.asarray(run.strings, dtype=object)[np.unique(sel["name_id"])].astype(str)
         import_share = float(pd.Series(names).str.endswith(_IMPORT_SUFFIXES).mean()) if len(names) else 0.0
-        kinds = {Kind(int(k)).name.removeprefix("FILE_").lower(): int((sel["kind"] == k).sum()) for k in np.unique(sel["kind"])}
+        kinds = {Kind(int(k)).name.removeprefix("FILE_").lower(): int(w_sel[sel["kind"] == k].sum()) for k in np.unique(sel["kind"])}
         w_rows.sort(key=lambda w: -w["cost_s"])
         w = w_rows[0]
         lat_txt = (
@@ -323,7 +349,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         )
         what = "imports" if import_share >= 0.5 else "metadata calls"
         summary = (
-            f"metadata storm on {fstype} at {mount}: {int(sel_all.sum())} {what} from {len(all_ranks)} ranks"
+            f"metadata storm on {fstype} at {mount}: {int(w_sel.sum())} {what} from {len(all_ranks)} ranks"
             f" at {w['rate_per_s']:.0f}/s in {len(w_rows)} window(s) (largest {w['start_s']:.1f}-{w['start_s'] + w['dur_s']:.1f} s);"
             f" {lat_txt}; the most-blocked rank lost {total_cost_ns / 1e9:.2f} s"
         )
@@ -350,7 +376,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                     "n_windows": len(w_rows),
                     "calls_by_kind": kinds,
                     "latency_ms_alone": lat_alone_ms,
-                    "latency_ms_by_calls_in_flight": _latency_by_concurrency(sel["t1_ns"] - sel["t0_ns"], conc[sel_all]),
+                    "latency_ms_by_calls_in_flight": _latency_by_concurrency(lat[sel_all], w_sel, conc[sel_all]),
                     "top_dirs": top_dirs,
                     "top_files": top_files,
                     "import_share": import_share,
