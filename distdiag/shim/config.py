@@ -108,7 +108,7 @@ class ShimConfig:
     fileio_count_bytes: bool = True
     #: slots of the libc interposer's ring (320 bytes each, rounded up to a power of two): what
     #: a process may record between two drains (the drainer wakes when it is half full);
-    #: past it calls are counted as lost
+    #: past it calls are summed per (call, directory, thread) into one row each (none is lost)
     preload_ring_slots: int = 16384
     #: hook short name -> enabled; absent names use the HOOKS registry default
     hooks: dict[str, bool] = dataclasses.field(default_factory=dict)

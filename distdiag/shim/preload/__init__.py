@@ -67,6 +67,11 @@ PATH_CAP = 256
 SLOT_SIZE = _HDR.size + PATH_CAP
 #: slots copied out of the ring per dd_drain call
 DRAIN_BATCH = 1024
+#: interpose.c's struct ovf_rec (op, OS tid, calls, summed ns, bytes, first t0, dir length,
+#: pad), then PATH_CAP directory bytes; at most OVF_MAX of them (its table and one per call)
+_OVF = struct.Struct("<iiqqqqII")
+OVF_SIZE = _OVF.size + PATH_CAP
+OVF_MAX = 1024 + 32
 #: OS threads given a recorder tid; past it the map starts over (new ids for old threads)
 MAX_THREADS = 4096
 
@@ -101,7 +106,7 @@ def loaded() -> Any:
     except ImportError:
         return None
     try:
-        if not _binding.available() or _binding.version() != (1, SLOT_SIZE):
+        if not _binding.available() or _binding.version() != (2, SLOT_SIZE):
             return None
     except Exception:
         return None
@@ -109,12 +114,8 @@ def loaded() -> Any:
     return _lib
 
 
-#: whether ``DISTDIAG_HOOKS`` without a ``preload`` entry uses the interposer. Off for now:
-#: its drainer (a thread; ~0.1-0.2 us a slot in C) keeps up with a program's libc calls only
-#: while it gets the CPU; a program making 10^5-10^6 calls a second on a loaded machine
-#: overruns the ring and those calls are counted lost, where the Python-level capture
-#: (recording in the caller) loses none (tests/test_shim_fork_threads.py holds that: 1,049 of
-#: a forked child's 10^6 stats lost beside the suite and a busy core).
+#: whether ``DISTDIAG_HOOKS`` without a ``preload`` entry uses the interposer. Off for now
+#: (README, "From libc: the interposer").
 PRELOAD_DEFAULT = False
 
 
@@ -230,7 +231,7 @@ class Drainer:
         self.out = bytearray(SLOT_SIZE * DRAIN_BATCH)
         self.paths: dict[bytes, tuple[int, ...]] = {}
         self.tids: dict[int, int] = {}
-        self.lost_done = 0
+        self.ovf_out = bytearray(OVF_SIZE * OVF_MAX)
         self.acc: dict[tuple[int, int, int], list[int]] = {}
         self.big_bytes = fileio.BIG_CALL_BYTES
         self.big_ns = fileio.BIG_CALL_NS
@@ -295,7 +296,6 @@ class Drainer:
         self.tb = None
         self.tids = {}
         self.acc = {}
-        self.lost_done = 0
         self.stop_ev = threading.Event()
         try:
             self.start()
@@ -343,7 +343,7 @@ class Drainer:
 
         drop = self.drop_ns
 
-        def put(row: Any) -> None:
+        def put(row: Any, seq: int = -1) -> None:
             nonlocal tb
             if drop is not None and drop[0] <= row[0] < drop[1]:
                 return
@@ -353,7 +353,7 @@ class Drainer:
             if m >= tb.cap:
                 m = rec._rotate(tb)
             t0_, t1_, k_, nid, cid, nbytes, aux_, tid_, val = row
-            pack_row(tb.buf, m * ROW_SIZE, t0_, t1_, k_, nid, cid, -1, -1, nbytes, aux_, 0, tid_, val)
+            pack_row(tb.buf, m * ROW_SIZE, t0_, t1_, k_, nid, cid, seq, -1, nbytes, aux_, 0, tid_, val)
             tb.n = m + 1
 
         # the shim's own threads (flusher, clock, sampler: "distdiag-*", muted in the recorder
@@ -387,10 +387,49 @@ class Drainer:
             for (kind, name_id, tid), a in list(acc.items()):
                 put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], tid, float(a[3])))
             acc.clear()
-        lost = int(lib.lost())
-        if lost > self.lost_done:
-            rec.lost_events += lost - self.lost_done
-            self.lost_done = lost
+        self._take_overflow(set(shim), put)
+
+    def _take_overflow(self, shim: set[int], put: Any) -> None:
+        """The calls the full ring summed (interpose.c's ``overflow``) as one row per (call,
+        directory, thread) since the last drain: ``name`` the directory + ``"/*"``, ``seq``
+        the calls it stands for (:func:`distdiag.rows.calls_of`), ``t1 - t0`` their summed
+        duration (as the small reads' sums), placed as below, ``nbytes`` their bytes,
+        ``value`` the calls for reads and writes (as their sums), 0 for the others (their
+        errno is not kept). Calls of a kind that makes a row only when slow (fstat, lseek,
+        close) make one when they took ``close_min_ns`` each on average. A loop over at most
+        OVF_MAX records a drain, never over calls."""
+        buf = self.ovf_out
+        n = int(self.lib.overflow(buf, OVF_MAX))
+        if n <= 0:
+            return
+        now = time.perf_counter_ns()
+        recs = []
+        for i in range(n):
+            at = i * OVF_SIZE
+            op, ostid, calls, ns, nbytes, first, dlen, _ = _OVF.unpack_from(buf, at)
+            kind, mode = self.ops.get(op, (0, 255))
+            if ostid in shim or mode == 255 or calls <= 0 or (mode >= 2 and ns < self.close_min_ns * calls):
+                continue
+            d = bytes(buf[at + _OVF.size : at + _OVF.size + min(dlen, PATH_CAP - 1)])
+            if d:
+                tag = self._tag_of(d.rstrip(b"/") + b"/*")
+                if not tag:
+                    continue  # a path the file hook does not record
+            else:  # the overflow table was full: the call's own entry, no directory kept
+                tag = (self.rec.intern("*"), 0)
+            recs.append((ostid, first or now - ns, ns, kind, tag, op, nbytes, calls, mode))
+        # One thread's calls ran one after another, interleaved over its directories: its sums
+        # are laid end to end from the first one's start (in the order of their first calls), so
+        # the thread's time in them is counted once and whole, where each at its own first
+        # call would overlap the others
+        recs.sort()
+        cursor: dict[int, int] = {}
+        for ostid, first, ns, kind, tag, op, nbytes, calls, mode in recs:
+            t0 = max(first, cursor.get(ostid, first))
+            cursor[ostid] = t0 + ns
+            row = (t0, t0 + ns, kind, tag[0], self.op_ids[op], nbytes, tag[1], self._tid_of(ostid),
+                   float(calls) if mode == 1 else 0.0)  # fmt: skip
+            put(row, calls)
 
     def _tag_of(self, p: bytes) -> tuple[int, ...]:
         """``(name_id, aux)`` of the path bytes ``p`` (``()``: not recorded), cached in ``paths``."""

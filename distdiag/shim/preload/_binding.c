@@ -15,7 +15,7 @@ static int (*p_start)(long, const char *);
 static void (*p_stop)(void);
 static void (*p_mute)(int);
 static long (*p_drain)(void *, long);
-static unsigned long (*p_lost)(void);
+static long (*p_overflow)(void *, long);
 static void (*p_wait)(long);
 static void (*p_kick)(void);
 static long long (*p_loaded_ns)(void); /* optional: a library older than it has none */
@@ -29,11 +29,11 @@ static int resolve(void) {
     *(void **)&p_stop = dlsym(RTLD_DEFAULT, "dd_stop");
     *(void **)&p_mute = dlsym(RTLD_DEFAULT, "dd_mute");
     *(void **)&p_drain = dlsym(RTLD_DEFAULT, "dd_drain");
-    *(void **)&p_lost = dlsym(RTLD_DEFAULT, "dd_lost");
+    *(void **)&p_overflow = dlsym(RTLD_DEFAULT, "dd_overflow");
     *(void **)&p_wait = dlsym(RTLD_DEFAULT, "dd_wait");
     *(void **)&p_kick = dlsym(RTLD_DEFAULT, "dd_kick");
     *(void **)&p_loaded_ns = dlsym(RTLD_DEFAULT, "dd_loaded_ns");
-    resolved = p_version && p_slot_size && p_start && p_stop && p_mute && p_drain && p_lost && p_wait && p_kick;
+    resolved = p_version && p_slot_size && p_start && p_stop && p_mute && p_drain && p_overflow && p_wait && p_kick;
     return resolved;
 }
 
@@ -98,9 +98,21 @@ static PyObject *b_drain(PyObject *self, PyObject *args) {
     return PyLong_FromLong(n);
 }
 
-static PyObject *b_lost(PyObject *self, PyObject *args) {
-    (void)self; (void)args; NEED();
-    return PyLong_FromUnsignedLong(p_lost());
+static PyObject *b_overflow(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf;
+    long max;
+    if (!PyArg_ParseTuple(args, "w*l", &buf, &max)) return NULL;
+    if (!resolve()) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_RuntimeError, "the interposer is not loaded");
+        return NULL;
+    }
+    long rec = 48 + 256; /* interpose.c's struct ovf_rec */
+    if (max < 0 || max * rec > buf.len) max = (long)(buf.len / rec);
+    long n = p_overflow(buf.buf, max);
+    PyBuffer_Release(&buf);
+    return PyLong_FromLong(n);
 }
 
 static PyObject *b_wait(PyObject *self, PyObject *args) {
@@ -417,7 +429,7 @@ static PyMethodDef methods[] = {
     {"stop", b_stop, METH_NOARGS, "Stop recording."},
     {"mute", b_mute, METH_VARARGS, "mute(on): the calling thread's calls are (not) recorded."},
     {"drain", b_drain, METH_VARARGS, "drain(writable buffer, max slots) -> slots copied."},
-    {"lost", b_lost, METH_NOARGS, "Calls dropped because the ring was full."},
+    {"overflow", b_overflow, METH_VARARGS, "overflow(writable buffer, max records) -> the overflow sums taken."},
     {"wait", b_wait, METH_VARARGS, "wait(ms): sleep (GIL released) until the ring is half full, kick() or ms."},
     {"kick", b_kick, METH_NOARGS, "Wake a wait()."},
     {"loaded_ns", b_loaded_ns, METH_NOARGS, "perf_counter_ns when the interposer was loaded (the process's start), or None."},

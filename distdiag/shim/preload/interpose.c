@@ -16,14 +16,15 @@
  *  - errno: saved right after the real call, restored before returning.
  *  - no allocation in the hot path: the ring and the fd table are mapped once, in dd_start.
  *  - lock-free: a slot is reserved by a compare-and-swap on the head only while the ring has
- *    room (else the call is counted in `lost`), filled, then published by its sequence word;
+ *    room (else the call is summed into the overflow table, below), filled, then published by
+ *    its sequence word;
  *    nothing waits, so a signal handler that makes a file call cannot deadlock; the clock is
  *    the vDSO's clock_gettime and the wake is a raw futex syscall (both async-signal-safe).
  *  - re-entrancy: a per-thread guard; a call made while the thread is already inside a hook
  *    (a signal handler that interrupts one, a libc function that calls another) is passed on
  *    unrecorded. Per-thread `muted` is the shim's own threads (flusher, drainer).
  *  - fork: the child's ring drops what the parent had not drained yet (the parent drains it:
- *    the rows are the parent's) and its lost count starts at 0; pthread_atfork's child handler.
+ *    the rows are the parent's), and so do its overflow sums; pthread_atfork's child handler.
  *  - the shim's own files: paths under the prefix given to dd_start (the run dir), /proc and
  *    /sys are never recorded and their descriptors never tracked.
  * Not seen: calls libc makes internally (fopen's open, readdir's getdents, stdio's reads
@@ -75,7 +76,7 @@ _Static_assert(sizeof(struct slot) == 64 + PATH_CAP, "slot layout");
 static volatile int dd_on;
 static struct slot *ring;
 static uint64_t cap, mask;
-static _Atomic uint64_t head, tail, lost;
+static _Atomic uint64_t head, tail;
 static _Atomic uint32_t wakeword;
 #define MAXFD 65536
 static char (*fdpath)[PATH_CAP];   /* fd -> its absolute path; fdon[fd] says it is tracked */
@@ -233,10 +234,7 @@ static struct slot *reserve(uint64_t *ticket) {
     uint64_t h = atomic_load_explicit(&head, memory_order_relaxed);
     for (;;) {
         uint64_t t = atomic_load_explicit(&tail, memory_order_acquire);
-        if (h - t >= cap) {
-            atomic_fetch_add_explicit(&lost, 1, memory_order_relaxed);
-            return NULL;
-        }
+        if (h - t >= cap) return NULL; /* the caller sums the call into the overflow table */
         if (atomic_compare_exchange_weak_explicit(&head, &h, h + 1, memory_order_acq_rel, memory_order_relaxed))
             break;
     }
@@ -255,12 +253,82 @@ static inline int32_t tid_now(void) {
     return mytid;
 }
 
+/* -- overflow: a call the full ring has no slot for is summed, never lost (issue 21 item 3) --
+ * A program that makes calls faster than the drainer moves them (10^5-10^6 stats a second
+ * while the drainer waits for a core) fills the ring. Each call that finds it full is added
+ * to the entry of its (call, directory, thread): calls, their summed duration and bytes, and
+ * the start of the first since the last drain. The drainer makes each entry one row
+ * (dd_overflow). Lock-free as the ring: an entry is claimed by a compare-and-swap of its key
+ * (a 64-bit hash; a free entry is 0) within OVF_PROBE places of its hash, then its sums are
+ * atomic adds. Entries are never freed while recording (a directory storm repeats); the
+ * calls whose entry finds no room go to their call's own entry past the table (directory ""),
+ * so the counts stay whole. */
+#define OVF_N 1024
+#define OVF_PROBE 8
+#define OVF_OPS 32 /* > the last OP_ */
+struct ovf {
+    _Atomic uint64_t key;
+    _Atomic uint32_t ready; /* op, tid and dir are written */
+    int32_t op, tid;
+    uint32_t dlen;
+    _Atomic int64_t calls, ns, bytes, first;
+    char dir[PATH_CAP];
+};
+static struct ovf *ovf; /* OVF_N + OVF_OPS entries, mapped by dd_start */
+static _Atomic uint32_t ovf_any;
+
+static void overflow(int op, int64_t t0, int64_t t1, const char *p, size_t n, int64_t nbytes) {
+    if (!ovf) return;
+    size_t d = n;
+    while (d > 0 && p[d - 1] != '/') d--;
+    if (d > 1) d--; /* the directory without its trailing slash ("/" stays) */
+    int32_t tid = tid_now();
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < d; i++) h = (h ^ (unsigned char)p[i]) * 1099511628211ULL;
+    h = (h ^ ((uint64_t)(uint32_t)op << 32 | (uint32_t)tid)) * 1099511628211ULL;
+    h |= 1;
+    struct ovf *e = NULL;
+    for (int i = 0; i < OVF_PROBE && !e; i++) {
+        struct ovf *c = &ovf[(h + (uint64_t)i) & (OVF_N - 1)];
+        uint64_t k = atomic_load_explicit(&c->key, memory_order_acquire);
+        if (k == 0 && atomic_compare_exchange_strong(&c->key, &k, h)) {
+            c->op = op; c->tid = tid; c->dlen = (uint32_t)d;
+            memcpy(c->dir, p, d);
+            c->dir[d] = '\0';
+            atomic_store_explicit(&c->ready, 1, memory_order_release);
+            e = c;
+        } else if (k == h) {
+            e = c;
+        }
+    }
+    if (!e) { /* the table is full: the call's own entry, no directory */
+        e = &ovf[OVF_N + (op & (OVF_OPS - 1))];
+        uint64_t k = 0;
+        if (atomic_compare_exchange_strong(&e->key, &k, (uint64_t)op + 1)) {
+            e->op = op; e->tid = tid; e->dlen = 0; e->dir[0] = '\0';
+            atomic_store_explicit(&e->ready, 1, memory_order_release);
+        }
+    }
+    int64_t z = 0;
+    if (atomic_load_explicit(&e->first, memory_order_relaxed) == 0)
+        atomic_compare_exchange_strong(&e->first, &z, t0);
+    atomic_fetch_add_explicit(&e->ns, t1 - t0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->bytes, nbytes, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->calls, 1, memory_order_release); /* last: the drainer takes it first */
+    if (!atomic_load_explicit(&ovf_any, memory_order_relaxed)) atomic_store_explicit(&ovf_any, 1, memory_order_relaxed);
+}
+
 /* A call on a path (dirfd-relative when dirfd != AT_FDCWD). */
 static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path, int err, int64_t nbytes, int fd) {
     uint64_t tk;
     struct slot *s = reserve(&tk);
-    if (!s) return;
     int trunc = 0;
+    if (!s) {
+        char p[PATH_CAP];
+        size_t n = abs_path(p, dirfd, path, &trunc);
+        if (n && !skipped(p, n)) overflow(op, t0, t1, p, n, nbytes);
+        return;
+    }
     size_t n = abs_path(s->path, dirfd, path, &trunc);
     if (n == 0 || skipped(s->path, n)) {
         s->op = 0; /* published empty: the drainer skips it (a reserved slot must be published) */
@@ -277,7 +345,10 @@ static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path
 static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbytes) {
     uint64_t tk;
     struct slot *s = reserve(&tk);
-    if (!s) return;
+    if (!s) {
+        overflow(op, t0, t1, fdpath[fd], strnlen(fdpath[fd], PATH_CAP - 1), nbytes);
+        return;
+    }
     size_t n = put_str(s->path, 0, fdpath[fd]);
     s->path[n] = '\0';
     s->op = op; s->plen = (uint16_t)n;
@@ -310,13 +381,15 @@ static inline void untrack(int fd) { if (fd >= 0 && fd < MAXFD) fdon[fd] = 0; }
 static void at_fork_child(void) {
     /* the parent's undrained slots are the parent's: drop them here */
     atomic_store(&tail, atomic_load(&head));
-    atomic_store(&lost, 0);
+    /* the parent's overflow sums are the parent's, and its threads are not this process's */
+    if (ovf) memset((void *)ovf, 0, (OVF_N + OVF_OPS) * sizeof(struct ovf));
+    atomic_store(&ovf_any, 0);
     guard = 0;
     mytid = 0;
 }
 
 /* -- the API the Python side calls (ctypes) ----------------------------------------------- */
-API int dd_version(void) { return 1; }
+API int dd_version(void) { return 2; } /* 2: dd_overflow, no dd_lost (no call is lost) */
 
 API int dd_slot_size(void) { return (int)sizeof(struct slot); }
 
@@ -345,7 +418,10 @@ API int dd_start(long nslots, const char *skip_prefix) {
         if (f == MAP_FAILED) return -1;
         void *o = mmap(NULL, MAXFD, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (o == MAP_FAILED) return -1;
-        ring = r; fdpath = f; fdon = o;
+        void *v = mmap(NULL, (OVF_N + OVF_OPS) * sizeof(struct ovf), PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (v == MAP_FAILED) return -1;
+        ring = r; fdpath = f; fdon = o; ovf = v;
         cap = c; mask = c - 1;
         pthread_atfork(NULL, NULL, at_fork_child);
     }
@@ -395,7 +471,38 @@ API long dd_drain(void *out, long max) {
     return n;
 }
 
-API unsigned long dd_lost(void) { return atomic_load(&lost); }
+/* One record of dd_overflow (keep in step with __init__.py's _OVF). */
+struct ovf_rec {
+    int32_t op, tid;
+    int64_t calls, ns, bytes, first;
+    uint32_t dlen, pad;
+    char dir[PATH_CAP];
+};
+_Static_assert(sizeof(struct ovf_rec) == 48 + PATH_CAP, "overflow record layout");
+
+/* Take each overflow entry's sums since the last call into out (at most max records), and
+ * zero them; returns how many. One reader (the drainer). A call being added as this runs is
+ * counted once: its count and its seconds may land in two consecutive records. */
+API long dd_overflow(void *out, long max) {
+    if (!ovf || !atomic_exchange(&ovf_any, 0)) return 0;
+    struct ovf_rec *o = out;
+    long n = 0;
+    for (int i = 0; i < OVF_N + OVF_OPS; i++) {
+        struct ovf *e = &ovf[i];
+        if (!atomic_load_explicit(&e->ready, memory_order_acquire)) continue;
+        if (atomic_load_explicit(&e->calls, memory_order_relaxed) == 0) continue;
+        if (n >= max) { atomic_store(&ovf_any, 1); break; } /* the rest at the next call */
+        int64_t c = atomic_exchange_explicit(&e->calls, 0, memory_order_acquire);
+        struct ovf_rec *r = &o[n++];
+        r->op = e->op; r->tid = e->tid; r->calls = c;
+        r->ns = atomic_exchange(&e->ns, 0);
+        r->bytes = atomic_exchange(&e->bytes, 0);
+        r->first = atomic_exchange(&e->first, 0);
+        r->dlen = e->dlen; r->pad = 0;
+        memcpy(r->dir, e->dir, e->dlen + 1u);
+    }
+    return n;
+}
 
 API long dd_pending(void) { return ring ? (long)(atomic_load(&head) - atomic_load(&tail)) : 0; }
 
