@@ -310,6 +310,44 @@ def test_a_storm_the_ring_cannot_hold_is_summed_and_priced_not_lost(slow_tree: P
     assert not [k for k, _ in loud if k in ("metadata_storm", "io_bound", "io_bandwidth")], (loud, js["run"]["wall_s"])
 
 
+FAST_STATS = """
+import json, os, sys, tempfile, time
+n = int(sys.argv[1])
+d = tempfile.mkdtemp(dir=sys.argv[2])
+paths = [os.path.join(d, f"f{i}") for i in range(50)]
+for q in paths:
+    open(q, "w").close()
+t0 = time.perf_counter_ns()
+for i in range(n):
+    os.stat(paths[i % 50])
+t1 = time.perf_counter_ns()
+print("REC " + json.dumps({"t0": t0, "t1": t1, "dir": d}))
+"""
+
+
+def test_fast_stats_above_the_rate_are_summed_with_every_call_counted(tmp_path: Path) -> None:
+    """Issue 21 item 3: a thread's fast metadata calls past ``preload_rows_per_s`` in a window of
+    10 ms are summed per (call, directory, thread). Set here to 10^4 a second (100 a window; the
+    default is 10^5), so 200,000 ``os.stat`` calls on the local disk (2-3 x 10^5 a second here,
+    5 x 10^4 at the least on a loaded machine) make at most 100 rows a window plus the sums,
+    every call counted and their time kept. Checked to fail with the rule off (200,000 rows)."""
+    n = 200_000
+    d = tmp_path / "fast"
+    rec = record(wrap(d, FAST_STATS, str(n), str(tmp_path), env=_env(DISTDIAG_PRELOAD_ROWS_PER_S="10000")))
+    attrs, rs = rows(d / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    stats = [r for r in rs if r["call"] == "libc:stat" and r["path"].startswith(rec["dir"])
+             and rec["t0"] <= r["t0"] <= rec["t1"]]  # fmt: skip
+    assert sum(r["calls"] for r in stats) == n
+    one = [r for r in stats if r["calls"] == 1]
+    summed = [r for r in stats if r["calls"] > 1]
+    windows = (rec["t1"] - rec["t0"]) / preload.HOT_WINDOW_NS + 2
+    print(f"{n} stats in {(rec['t1'] - rec['t0']) / 1e9:.3f} s: {len(one)} rows, {len(summed)} sums")
+    assert summed and all(r["path"] == rec["dir"] + "/*" for r in summed)
+    assert len(one) <= 100 * windows and len(stats) < n / 2, (len(one), len(summed), windows)
+    assert sum(r["t1"] - r["t0"] for r in stats) <= rec["t1"] - rec["t0"]
+
+
 def test_walk_storm_python_capture_misses_the_c_calls(slow_tree: Path, tmp_path: Path) -> None:
     """The twin: the fallback's rows cover clearly less of the same storm (what the interposer is for)."""
     rec, attrs, rs = _storm(tmp_path / "p", slow_tree, DISTDIAG_HOOKS="preload=0")
@@ -736,8 +774,9 @@ binding = pytest.importorskip("distdiag.shim.preload._binding")
 def test_c_conversion_makes_the_rows_the_python_loop_makes(tmp_path: Path, seed: int) -> None:
     """The same slots through ``_binding.convert`` and through ``Drainer._convert_py``: the same rows
     in the same order, and the same state left for the next batch (pending opens, sums, path and
-    thread tables). Checked to fail with C's fold of an fstat into its open off, its sums never
-    flushed by a close, and a slot's errno dropped."""
+    thread tables, the rate windows and the hot stats' sums). Checked to fail with C's fold of an
+    fstat into its open off, its sums never flushed by a close, a slot's errno dropped, and its
+    rate window never restarted."""
     if getattr(binding, "convert", None) is None:
         pytest.fail("the binding was built without convert: rebuild (pip install -e .)")
     rng = np.random.default_rng(seed)
@@ -747,6 +786,8 @@ def test_c_conversion_makes_the_rows_the_python_loop_makes(tmp_path: Path, seed:
     got = {}
     for use_c in (True, False):
         d = _drainer(tmp_path, use_c)
+        # a thread makes ~175 calls in a batch's ~3.5 ms: past 15 stats in a window of 1 ms, summed
+        d.hot_calls, d.hot_window_ns = 15, 1_000_000
         pend: dict[int, list[Any]] = {}
         rows = []
         shim = (999,)  # a shim thread's calls are never the program's
@@ -771,8 +812,10 @@ def test_c_conversion_makes_the_rows_the_python_loop_makes(tmp_path: Path, seed:
 
                 d._convert_py(buf, 700, pend, set(shim), put)
                 rows.append(b"".join(out))
-        got[use_c] = (rows, pend, dict(d.acc), dict(d.paths), dict(d.tids), d.rec.strings.strings)
+        got[use_c] = (rows, pend, dict(d.acc), dict(d.paths), dict(d.tids), d.rec.strings.strings, dict(d.msum),
+                      dict(d.rate))  # fmt: skip
     c, py = got[True], got[False]
+    assert sum(a[2] for a in py[6].values()) > 100, py[6]  # the rate rule summed stats
     from distdiag.schema import EVENT_DTYPE
 
     for b, (rc, rp) in enumerate(zip(c[0], py[0])):

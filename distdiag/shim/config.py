@@ -110,6 +110,10 @@ class ShimConfig:
     #: a process may record between two drains (the drainer wakes when it is half full);
     #: past it calls are summed per (call, directory, thread) into one row each (none is lost)
     preload_ring_slots: int = 16384
+    #: a thread's fast metadata calls (stat, lstat, access...) past this rate are summed per
+    #: (call, directory, thread), one row per drain batch, instead of a row each: each 10 ms
+    #: window keeps its first rate/100 as rows (distdiag.shim.preload, HOT_WINDOW_NS)
+    preload_rows_per_s: int = 100000
     #: hook short name -> enabled; absent names use the HOOKS registry default
     hooks: dict[str, bool] = dataclasses.field(default_factory=dict)
 

@@ -74,6 +74,12 @@ OVF_SIZE = _OVF.size + PATH_CAP
 OVF_MAX = 1024 + 32
 #: OS threads given a recorder tid; past it the map starts over (new ids for old threads)
 MAX_THREADS = 4096
+#: A thread's metadata calls (FILE_STAT: stat, lstat, statx, access, mkdir, unlink...) above
+#: ``preload_rows_per_s`` (ShimConfig, 10^5) in a window of HOT_WINDOW_NS, each under
+#: ``big_ns``, are summed per (call, directory, thread) instead of a row each (issue 21 item 3):
+#: a storm of millions of fast stats keeps its first rows of each window (1,000 of 10 ms) and
+#: one sum per directory and batch. A slow call is always a row.
+HOT_WINDOW_NS = 10_000_000
 
 OP_NAMES = (
     "", "open", "close", "read", "write", "lseek", "fsync", "stat", "fstat", "access",
@@ -233,6 +239,13 @@ class Drainer:
         self.tids: dict[int, int] = {}
         self.ovf_out = bytearray(OVF_SIZE * OVF_MAX)
         self.acc: dict[tuple[int, int, int], list[int]] = {}
+        #: per recorder tid, its window (start ns, metadata calls in it): see HOT_WINDOW_NS
+        self.rate: dict[int, list[int]] = {}
+        #: the hot calls of the batch being converted: (kind, dir name_id, tid, op) ->
+        #: [first start, summed ns, calls, dir aux]; made rows after each batch (_put_sums)
+        self.msum: dict[tuple[int, int, int, int], list[int]] = {}
+        self.hot_window_ns = HOT_WINDOW_NS
+        self.hot_calls = max(1, int(getattr(cfg, "preload_rows_per_s", 100_000)) * HOT_WINDOW_NS // 1_000_000_000)
         self.big_bytes = fileio.BIG_CALL_BYTES
         self.big_ns = fileio.BIG_CALL_NS
         self.close_min_ns = fileio.CLOSE_MIN_NS
@@ -256,11 +269,13 @@ class Drainer:
         #: the open's (Python's open() is open + fstat + fstat, numpy's fromfile an fstat)
         self.fold_ops = frozenset({OP["fstat"], OP["lseek"]})
         #: ``self.ops``, ``open_ops`` and ``fold_ops`` as ``_binding.convert`` reads them: per op
-        #: its kind, its mode (255: not recorded) and flags (1: an open, 2: folded into an open)
+        #: its kind, its mode (255: not recorded) and flags (1: an open, 2: folded into an open,
+        #: 4: summed when hot, see HOT_WINDOW_NS)
         table = bytearray(3 * len(OP_NAMES))
         for i in range(len(OP_NAMES)):
             kind, mode = self.ops.get(i, (0, 255))
-            table[3 * i : 3 * i + 3] = bytes((kind, mode, (1 if i in self.open_ops else 0) | (2 if i in self.fold_ops else 0)))
+            hot = 4 if kind == k_stat and mode == 0 else 0  # summed above HOT_CALLS a window
+            table[3 * i : 3 * i + 3] = bytes((kind, mode, (1 if i in self.open_ops else 0) | (2 if i in self.fold_ops else 0) | hot))
         self.ops_table = bytes(table)
         #: the rows ``convert`` writes (grown to what a batch can make)
         self.rows = bytearray()
@@ -296,6 +311,8 @@ class Drainer:
         self.tb = None
         self.tids = {}
         self.acc = {}
+        self.rate = {}
+        self.msum = {}
         self.stop_ev = threading.Event()
         try:
             self.start()
@@ -378,8 +395,14 @@ class Drainer:
                     self._put_bytes(memoryview(self.rows)[: r * ROW_SIZE], r, ROW_SIZE)
             else:
                 self._convert_py(out, n, pend, set(shim), put)
+            if self.msum:  # the batch's hot metadata calls, one row per (call, directory, thread)
+                self._put_sums([(k[2], a[0], a[1], k[0], k[1], a[3], self.op_ids[k[3]], 0, a[2], 0.0)
+                                for k, a in self.msum.items()], put)  # fmt: skip
+                self.msum.clear()
             if n < DRAIN_BATCH:
                 break
+        if len(self.rate) > MAX_THREADS:
+            self.rate.clear()
         for po in pend.values():  # an open whose fstat comes after this drain: a row of its own
             put(po)
         acc = self.acc
@@ -417,19 +440,23 @@ class Drainer:
                     continue  # a path the file hook does not record
             else:  # the overflow table was full: the call's own entry, no directory kept
                 tag = (self.rec.intern("*"), 0)
-            recs.append((ostid, first or now - ns, ns, kind, tag, op, nbytes, calls, mode))
-        # One thread's calls ran one after another, interleaved over its directories: its sums
-        # are laid end to end from the first one's start (in the order of their first calls), so
-        # the thread's time in them is counted once and whole, where each at its own first
-        # call would overlap the others
+            recs.append((self._tid_of(ostid), first or now - ns, ns, kind, tag[0], tag[1], self.op_ids[op], nbytes,
+                         calls, float(calls) if mode == 1 else 0.0))  # fmt: skip
+        self._put_sums(recs, put)
+
+    @staticmethod
+    def _put_sums(recs: list[tuple[Any, ...]], put: Any) -> None:
+        """Rows of summed calls, each ``(tid, first start, summed ns, kind, name_id, aux, comm_id,
+        nbytes, calls, value)``, with ``seq`` = calls. One thread's calls ran one after another,
+        interleaved over its directories: its sums are laid end to end from the first one's start
+        (in the order of their first calls), so the thread's time in them is counted once and
+        whole, where each at its own first call would overlap the others."""
         recs.sort()
         cursor: dict[int, int] = {}
-        for ostid, first, ns, kind, tag, op, nbytes, calls, mode in recs:
-            t0 = max(first, cursor.get(ostid, first))
-            cursor[ostid] = t0 + ns
-            row = (t0, t0 + ns, kind, tag[0], self.op_ids[op], nbytes, tag[1], self._tid_of(ostid),
-                   float(calls) if mode == 1 else 0.0)  # fmt: skip
-            put(row, calls)
+        for tid, first, ns, kind, name_id, aux, cid, nbytes, calls, value in recs:
+            t0 = max(first, cursor.get(tid, first))
+            cursor[tid] = t0 + ns
+            put((t0, t0 + ns, kind, name_id, cid, nbytes, aux, tid, value), calls)
 
     def _tag_of(self, p: bytes) -> tuple[int, ...]:
         """``(name_id, aux)`` of the path bytes ``p`` (``()``: not recorded), cached in ``paths``."""
@@ -457,6 +484,8 @@ class Drainer:
         paths, ops, acc, op_ids = self.paths, self.ops, self.acc, self.op_ids
         opens, fold = self.open_ops, self.fold_ops
         big_b, big_ns, close_min = self.big_bytes, self.big_ns, self.close_min_ns
+        rate, msum, hot_calls, hot_win = self.rate, self.msum, self.hot_calls, self.hot_window_ns
+        hot_ops = frozenset(i for i in range(len(OP_NAMES)) if self.ops_table[3 * i + 2] & 4)
         for i in range(n):
             o = i * SLOT_SIZE
             _, t0, t1, nb, op, err, _fd, ostid, plen, _fl = unpack(out, o)
@@ -502,6 +531,24 @@ class Drainer:
                 del acc[key]
                 put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, tid, float(a[3])))
             elif mode == 0:
+                if op in hot_ops and t1 - t0 < big_ns:
+                    w = rate.get(tid)
+                    if w is None:
+                        w = rate[tid] = [t0, 0]
+                    elif t0 - w[0] >= hot_win:
+                        w[0], w[1] = t0, 0
+                    w[1] += 1
+                    if w[1] > hot_calls:  # above the rate: summed per (call, directory, thread)
+                        dtag = self._tag_of(p.rpartition(b"/")[0] + b"/*")
+                        if dtag:
+                            k = (kind, dtag[0], tid, op)
+                            a = msum.get(k)
+                            if a is None:
+                                msum[k] = [t0, t1 - t0, 1, dtag[1]]
+                            else:
+                                a[1] += t1 - t0
+                                a[2] += 1
+                            continue
                 put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
             else:
                 if mode == 3 and acc:

@@ -147,8 +147,8 @@ static PyObject *b_kick(PyObject *self, PyObject *args) {
  * slots: n slots as dd_drain copied them; rows: a writable buffer of at least
  * (2 n + len(st.acc) + 1) event rows (69 bytes each, schema.EVENT_SPEC packed "<");
  * st: the Drainer (ops_table: per op its kind, mode (255: not recorded) and flags (1: an open,
- * 2: folded into the thread's pending open), paths, tids, acc, op_ids, big_bytes, big_ns, close_min_ns,
- * _tag_of, _tid_of, _take_sums); pend: thread id -> its last open, held (a list of 9);
+ * 2: folded into the thread's pending open, 4: summed when hot), paths, tids, acc, rate, msum, op_ids,
+ * big_bytes, big_ns, close_min_ns, hot_calls, hot_window_ns, _tag_of, _tid_of, _take_sums); pend: thread id -> its last open, held (a list of 9);
  * shim_tids: the OS thread ids of the shim's own threads (skipped). */
 #define SLOT_HDR 64
 #define ROW 69
@@ -209,6 +209,86 @@ static long long as_ll(PyObject *o) { return PyLong_AsLongLong(o); }
 
 static PyObject *attr(PyObject *o, const char *name) { return PyObject_GetAttrString(o, name); }
 
+/* The rate rule (preload/__init__.py, HOT_WINDOW_NS): a thread's metadata call past hot_calls in its
+ * window of hot_win ns is summed into msum[(kind, directory's name_id, tid, op)] = [first start,
+ * summed ns, calls, directory's aux]. Returns 1 when summed, 0 when it is to be a row, -1 on an
+ * error. */
+static int hot_sum(PyObject *rate, PyObject *msum, PyObject *paths, PyObject *tag_of, long long hot_calls,
+                   long long hot_win, long long tid, int kind, int op, int64_t t0, int64_t d,
+                   const char *path, Py_ssize_t plen) {
+    PyObject *tk = PyLong_FromLongLong(tid);
+    if (!tk) return -1;
+    PyObject *w = PyDict_GetItemWithError(rate, tk);
+    long long cnt;
+    if (!w) {
+        if (PyErr_Occurred()) { Py_DECREF(tk); return -1; }
+        PyObject *l = Py_BuildValue("[Li]", (long long)t0, 1);
+        int bad = !l || PyDict_SetItem(rate, tk, l) < 0;
+        Py_XDECREF(l);
+        Py_DECREF(tk);
+        if (bad) return -1;
+        cnt = 1;
+    } else {
+        Py_DECREF(tk);
+        if (!PyList_Check(w) || PyList_GET_SIZE(w) != 2) {
+            PyErr_SetString(PyExc_TypeError, "convert: a rate is a list of 2");
+            return -1;
+        }
+        long long w0 = as_ll(PyList_GET_ITEM(w, 0));
+        cnt = as_ll(PyList_GET_ITEM(w, 1));
+        if (PyErr_Occurred()) return -1;
+        if (t0 - w0 >= hot_win) {
+            PyObject *v = PyLong_FromLongLong(t0);
+            if (!v) return -1;
+            PyList_SetItem(w, 0, v);
+            cnt = 0;
+        }
+        cnt++;
+        PyObject *v = PyLong_FromLongLong(cnt);
+        if (!v) return -1;
+        PyList_SetItem(w, 1, v);
+    }
+    if (cnt <= hot_calls) return 0;
+    Py_ssize_t k = plen;
+    while (k > 0 && path[k - 1] != '/') k--;
+    Py_ssize_t dl = k > 0 ? k - 1 : 0; /* the directory: the path up to its last '/' */
+    PyObject *dk = PyBytes_FromStringAndSize(NULL, dl + 2);
+    if (!dk) return -1;
+    memcpy(PyBytes_AS_STRING(dk), path, dl);
+    memcpy(PyBytes_AS_STRING(dk) + dl, "/*", 2);
+    PyObject *dtag = PyDict_GetItemWithError(paths, dk);
+    if (dtag) Py_INCREF(dtag);
+    else if (PyErr_Occurred() || !(dtag = PyObject_CallOneArg(tag_of, dk))) { Py_DECREF(dk); return -1; }
+    Py_DECREF(dk);
+    if (!PyTuple_Check(dtag) || PyTuple_GET_SIZE(dtag) < 2) { Py_DECREF(dtag); return 0; }
+    long long dnid = as_ll(PyTuple_GET_ITEM(dtag, 0)), daux = as_ll(PyTuple_GET_ITEM(dtag, 1));
+    Py_DECREF(dtag);
+    if (PyErr_Occurred()) return -1;
+    PyObject *key = Py_BuildValue("(iLLi)", kind, dnid, tid, op);
+    if (!key) return -1;
+    PyObject *a = PyDict_GetItemWithError(msum, key);
+    if (!a) {
+        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
+        PyObject *l = Py_BuildValue("[LLiL]", (long long)t0, (long long)d, 1, daux);
+        int bad = !l || PyDict_SetItem(msum, key, l) < 0;
+        Py_XDECREF(l);
+        Py_DECREF(key);
+        return bad ? -1 : 1;
+    }
+    Py_DECREF(key);
+    if (!PyList_Check(a) || PyList_GET_SIZE(a) != 4) {
+        PyErr_SetString(PyExc_TypeError, "convert: a metadata sum is a list of 4");
+        return -1;
+    }
+    long long a1 = as_ll(PyList_GET_ITEM(a, 1)) + d, a2 = as_ll(PyList_GET_ITEM(a, 2)) + 1;
+    if (PyErr_Occurred()) return -1;
+    PyObject *v1 = PyLong_FromLongLong(a1), *v2 = PyLong_FromLongLong(a2);
+    if (!v1 || !v2) { Py_XDECREF(v1); Py_XDECREF(v2); return -1; }
+    PyList_SetItem(a, 1, v1);
+    PyList_SetItem(a, 2, v2);
+    return 1;
+}
+
 static PyObject *b_convert(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer sb, rb;
@@ -216,7 +296,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     PyObject *st, *pend, *shim;
     if (!PyArg_ParseTuple(args, "y*nw*OO!O", &sb, &n, &rb, &st, &PyDict_Type, &pend, &shim)) return NULL;
     PyObject *ops = NULL, *paths = NULL, *tids = NULL, *acc = NULL, *op_ids = NULL, *shimf = NULL;
-    PyObject *tag_of = NULL, *tid_of = NULL, *take_sums = NULL, *res = NULL;
+    PyObject *tag_of = NULL, *tid_of = NULL, *take_sums = NULL, *res = NULL, *rate = NULL, *msum = NULL;
+    long long hot_calls = 0, hot_win = 0;
     struct conv c = {(unsigned char *)rb.buf, rb.len / ROW, 0};
     long long opid[NOPS_MAX];
     int nops;
@@ -233,10 +314,12 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     }
     if (!(ops = attr(st, "ops_table")) || !(paths = attr(st, "paths")) || !(tids = attr(st, "tids")) ||
         !(acc = attr(st, "acc")) || !(op_ids = attr(st, "op_ids")) || !(tag_of = attr(st, "_tag_of")) ||
-        !(tid_of = attr(st, "_tid_of")) || !(take_sums = attr(st, "_take_sums")))
+        !(tid_of = attr(st, "_tid_of")) || !(take_sums = attr(st, "_take_sums")) || !(rate = attr(st, "rate")) ||
+        !(msum = attr(st, "msum")))
         goto done;
-    if (!PyBytes_Check(ops) || !PyDict_Check(paths) || !PyDict_Check(tids) || !PyDict_Check(acc)) {
-        PyErr_SetString(PyExc_TypeError, "convert: ops_table bytes, paths/tids/acc dicts");
+    if (!PyBytes_Check(ops) || !PyDict_Check(paths) || !PyDict_Check(tids) || !PyDict_Check(acc) ||
+        !PyDict_Check(rate) || !PyDict_Check(msum)) {
+        PyErr_SetString(PyExc_TypeError, "convert: ops_table bytes, paths/tids/acc/rate/msum dicts");
         goto done;
     }
     nops = (int)(PyBytes_GET_SIZE(ops) / 3);
@@ -260,6 +343,10 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         big_ns = as_ll(o); Py_DECREF(o);
         if (!(o = attr(st, "close_min_ns"))) goto done;
         close_min = as_ll(o); Py_DECREF(o);
+        if (!(o = attr(st, "hot_calls"))) goto done;
+        hot_calls = as_ll(o); Py_DECREF(o);
+        if (!(o = attr(st, "hot_window_ns"))) goto done;
+        hot_win = as_ll(o); Py_DECREF(o);
         if (PyErr_Occurred()) goto done;
     }
     if (c.cap < 2 * n + PyDict_GET_SIZE(acc) + 1) {
@@ -392,6 +479,12 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             Py_DECREF(key);
             if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, tid, (double)a3) < 0) goto done;
         } else if (mode == 0) {
+            if ((flags & 4) && t1 - t0 < big_ns) {
+                int h = hot_sum(rate, msum, paths, tag_of, hot_calls, hot_win, tid, kind, op, t0, t1 - t0,
+                                (const char *)s + SLOT_HDR, plen);
+                if (h < 0) goto done;
+                if (h) continue;
+            }
             if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, tid, (double)err) < 0) goto done;
         } else {
             if (mode == 3 && PyDict_GET_SIZE(acc)) {
@@ -417,6 +510,7 @@ done:
     Py_XDECREF(last_tag);
     Py_XDECREF(ops); Py_XDECREF(paths); Py_XDECREF(tids); Py_XDECREF(acc); Py_XDECREF(op_ids);
     Py_XDECREF(shimf); Py_XDECREF(tag_of); Py_XDECREF(tid_of); Py_XDECREF(take_sums);
+    Py_XDECREF(rate); Py_XDECREF(msum);
     PyBuffer_Release(&sb);
     PyBuffer_Release(&rb);
     return res;
