@@ -11,6 +11,11 @@ matrix products per step before its backward. Each rank writes
 ``loop_s`` is the job's loop wall-clock between two synchronizations: what a
 test compares with the same job run without its fault (tests/truth.py).
 
+``--files DIR --workers K``: each sample is also read from a file of DIR (``os.stat``, then
+open and read ``sample-NNNNN.bin``: rank r reads samples ``r * steps * batch`` on), in K
+DataLoader worker processes (persistent; 0: in the training process), as a dataset of
+images or shards does.
+
 ``--direct DIR`` (no wrapper): the job installs distdiag's torch hooks itself
 into a Recorder and writes ``DIR/rank-NNNNN.h5`` at the end with
 ``write_rank_file``: the hooks tested on their own, before the wrapper exists.
@@ -35,6 +40,8 @@ ap.add_argument("--user-hook", action="store_true")
 ap.add_argument("--bucket-mb", type=float, default=0.0, help="DDP bucket_cap_mb (0: torch's default)")
 ap.add_argument("--timed", action="store_true", help="barriers around the loop: loop_s is the job's wall-clock")
 ap.add_argument("--extras", action="store_true", help="also run async collectives, p2p, object collectives, a new group")
+ap.add_argument("--files", default="", help="read each sample's file from this dir (see above)")
+ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
 ap.add_argument("--out", default="")
 ap.add_argument("--direct", default="")
 args = ap.parse_args()
@@ -69,6 +76,11 @@ class SleepyData(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        if args.files:
+            p = os.path.join(args.files, f"sample-{rank * len(self.x) + i:05d}.bin")
+            os.stat(p)
+            with open(p, "rb") as f:
+                f.read()
         if self.sleep_s:
             t = time.perf_counter()
             time.sleep(self.sleep_s)
@@ -92,7 +104,8 @@ if args.user_hook:
 
 opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 data = SleepyData(args.steps * args.batch, args.width, args.sleep_ms / 1000.0)
-loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=0)
+loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=args.workers,
+                                     persistent_workers=args.workers > 0)
 extra = torch.randn(args.width, args.width)
 losses = []
 if args.timed:
