@@ -81,8 +81,8 @@ static PyObject *b_mute(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *b_drain(PyObject *self, PyObject *args) {
-    (void)self;
+/* fn(buffer, max) on a writable buffer of records of `size` bytes (0: the slot size): how many it took */
+static PyObject *take(PyObject *args, long (**fn)(void *, long), long size) {
     Py_buffer buf;
     long max;
     if (!PyArg_ParseTuple(args, "w*l", &buf, &max)) return NULL;
@@ -91,28 +91,21 @@ static PyObject *b_drain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "the interposer is not loaded");
         return NULL;
     }
-    long slot = p_slot_size();
-    if (max < 0 || max * slot > buf.len) max = (long)(buf.len / slot);
-    long n = p_drain(buf.buf, max);
+    if (size <= 0) size = p_slot_size();
+    if (max < 0 || max * size > buf.len) max = (long)(buf.len / size);
+    long n = (*fn)(buf.buf, max);
     PyBuffer_Release(&buf);
     return PyLong_FromLong(n);
 }
 
+static PyObject *b_drain(PyObject *self, PyObject *args) {
+    (void)self;
+    return take(args, &p_drain, 0);
+}
+
 static PyObject *b_overflow(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer buf;
-    long max;
-    if (!PyArg_ParseTuple(args, "w*l", &buf, &max)) return NULL;
-    if (!resolve()) {
-        PyBuffer_Release(&buf);
-        PyErr_SetString(PyExc_RuntimeError, "the interposer is not loaded");
-        return NULL;
-    }
-    long rec = 48 + 256; /* interpose.c's struct ovf_rec */
-    if (max < 0 || max * rec > buf.len) max = (long)(buf.len / rec);
-    long n = p_overflow(buf.buf, max);
-    PyBuffer_Release(&buf);
-    return PyLong_FromLong(n);
+    return take(args, &p_overflow, 48 + 256); /* interpose.c's struct ovf_rec */
 }
 
 static PyObject *b_wait(PyObject *self, PyObject *args) {
