@@ -202,83 +202,159 @@ static long long as_ll(PyObject *o) { return PyLong_AsLongLong(o); }
 
 static PyObject *attr(PyObject *o, const char *name) { return PyObject_GetAttrString(o, name); }
 
-/* The rate rule (preload/__init__.py, HOT_WINDOW_NS): a thread's metadata call past hot_calls in its
- * window of hot_win ns is summed into msum[(kind, directory's name_id, tid, op)] = [first start,
- * summed ns, calls, directory's aux]. Returns 1 when summed, 0 when it is to be a row, -1 on an
- * error. */
-static int hot_sum(PyObject *rate, PyObject *msum, PyObject *paths, PyObject *tag_of, long long hot_calls,
-                   long long hot_win, long long tid, int kind, int op, int64_t t0, int64_t d,
-                   const char *path, Py_ssize_t plen) {
-    PyObject *tk = PyLong_FromLongLong(tid);
-    if (!tk) return -1;
-    PyObject *w = PyDict_GetItemWithError(rate, tk);
-    long long cnt;
-    if (!w) {
-        if (PyErr_Occurred()) { Py_DECREF(tk); return -1; }
-        PyObject *l = Py_BuildValue("[Li]", (long long)t0, 1);
-        int bad = !l || PyDict_SetItem(rate, tk, l) < 0;
-        Py_XDECREF(l);
-        Py_DECREF(tk);
-        if (bad) return -1;
-        cnt = 1;
-    } else {
+/* The rate rule (preload/__init__.py, HOT_WINDOW_NS): a thread's metadata call past hot_calls in
+ * its window of hot_win ns is summed into msum[(kind, directory's name_id, tid, op)] = [first
+ * start, summed ns, calls, directory's aux]; rate[tid] = [window start, calls in it]. Hot calls
+ * come in runs (one thread, one directory), so one batch keeps the last thread's window and the
+ * last sum in C (struct hot) and writes them back to the dicts' lists when another comes, and
+ * at the batch's end (hot_flush): the dicts end each batch as the Python loop leaves them. */
+struct hot {
+    PyObject *rate, *msum, *paths, *tag_of;
+    long long calls, win;
+    /* the last thread's window */
+    long long tid;
+    PyObject *w; /* its list in rate (a reference held), NULL: none */
+    long long w0, cnt;
+    /* the last sum: its key, its list in msum (a reference held) and what to add to it */
+    int kind, op;
+    long long stid, dnid, daux;
+    PyObject *a;
+    long long add_d, add_n;
+    /* the last directory looked up, and its tag */
+    char dir[256 + 2];
+    Py_ssize_t dl;
+    int dok; /* dir holds a looked-up directory; dnid_l/daux_l its tag, has_tag: it has one */
+    int has_tag;
+    long long dnid_l, daux_l;
+};
+
+static int set_ll(PyObject *list, Py_ssize_t i, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (!o) return -1;
+    PyList_SetItem(list, i, o);
+    return 0;
+}
+
+static int hot_flush(struct hot *h) {
+    int bad = 0;
+    if (h->w) {
+        bad |= set_ll(h->w, 0, h->w0) < 0 || set_ll(h->w, 1, h->cnt) < 0;
+        Py_CLEAR(h->w);
+    }
+    if (h->a) {
+        if (h->add_n) {
+            long long d = as_ll(PyList_GET_ITEM(h->a, 1)) + h->add_d, n = as_ll(PyList_GET_ITEM(h->a, 2)) + h->add_n;
+            bad |= PyErr_Occurred() != NULL || set_ll(h->a, 1, d) < 0 || set_ll(h->a, 2, n) < 0;
+        }
+        Py_CLEAR(h->a);
+    }
+    h->add_d = h->add_n = 0;
+    return bad ? -1 : 0;
+}
+
+/* 1 when the call was summed, 0 when it is to be a row, -1 on an error. */
+static int hot_sum(struct hot *h, long long tid, int kind, int op, int64_t t0, int64_t d, const char *path,
+                   Py_ssize_t plen) {
+    if (!h->w || tid != h->tid) {
+        if (h->w) {
+            if (set_ll(h->w, 0, h->w0) < 0 || set_ll(h->w, 1, h->cnt) < 0) return -1;
+            Py_CLEAR(h->w);
+        }
+        PyObject *tk = PyLong_FromLongLong(tid);
+        if (!tk) return -1;
+        PyObject *w = PyDict_GetItemWithError(h->rate, tk);
+        if (!w) {
+            if (PyErr_Occurred() || !(w = Py_BuildValue("[Li]", (long long)t0, 0)) || PyDict_SetItem(h->rate, tk, w) < 0) {
+                Py_XDECREF(w);
+                Py_DECREF(tk);
+                return -1;
+            }
+        } else {
+            Py_INCREF(w);
+        }
         Py_DECREF(tk);
         if (!PyList_Check(w) || PyList_GET_SIZE(w) != 2) {
+            Py_DECREF(w);
             PyErr_SetString(PyExc_TypeError, "convert: a rate is a list of 2");
             return -1;
         }
-        long long w0 = as_ll(PyList_GET_ITEM(w, 0));
-        cnt = as_ll(PyList_GET_ITEM(w, 1));
+        h->w0 = as_ll(PyList_GET_ITEM(w, 0));
+        h->cnt = as_ll(PyList_GET_ITEM(w, 1));
+        h->w = w;
+        h->tid = tid;
         if (PyErr_Occurred()) return -1;
-        if (t0 - w0 >= hot_win) {
-            PyObject *v = PyLong_FromLongLong(t0);
-            if (!v) return -1;
-            PyList_SetItem(w, 0, v);
-            cnt = 0;
-        }
-        cnt++;
-        PyObject *v = PyLong_FromLongLong(cnt);
-        if (!v) return -1;
-        PyList_SetItem(w, 1, v);
     }
-    if (cnt <= hot_calls) return 0;
+    if (t0 - h->w0 >= h->win) { /* its window is over: a new one starts here */
+        h->w0 = t0;
+        h->cnt = 0;
+    }
+    if (++h->cnt <= h->calls) return 0;
+    /* the directory: the path up to its last slash, and its tag (the path "<dir>/" + "*") */
     Py_ssize_t k = plen;
     while (k > 0 && path[k - 1] != '/') k--;
-    Py_ssize_t dl = k > 0 ? k - 1 : 0; /* the directory: the path up to its last '/' */
-    PyObject *dk = PyBytes_FromStringAndSize(NULL, dl + 2);
-    if (!dk) return -1;
-    memcpy(PyBytes_AS_STRING(dk), path, dl);
-    memcpy(PyBytes_AS_STRING(dk) + dl, "/*", 2);
-    PyObject *dtag = PyDict_GetItemWithError(paths, dk);
-    if (dtag) Py_INCREF(dtag);
-    else if (PyErr_Occurred() || !(dtag = PyObject_CallOneArg(tag_of, dk))) { Py_DECREF(dk); return -1; }
-    Py_DECREF(dk);
-    if (!PyTuple_Check(dtag) || PyTuple_GET_SIZE(dtag) < 2) { Py_DECREF(dtag); return 0; }
-    long long dnid = as_ll(PyTuple_GET_ITEM(dtag, 0)), daux = as_ll(PyTuple_GET_ITEM(dtag, 1));
-    Py_DECREF(dtag);
-    if (PyErr_Occurred()) return -1;
-    PyObject *key = Py_BuildValue("(iLLi)", kind, dnid, tid, op);
+    Py_ssize_t dl = k > 0 ? k - 1 : 0;
+    if (!h->dok || dl != h->dl || memcmp(path, h->dir, (size_t)dl) != 0) {
+        memcpy(h->dir, path, (size_t)dl);
+        memcpy(h->dir + dl, "/*", 2);
+        h->dl = dl;
+        h->dok = 0;
+        PyObject *dk = PyBytes_FromStringAndSize(h->dir, dl + 2);
+        if (!dk) return -1;
+        PyObject *dtag = PyDict_GetItemWithError(h->paths, dk);
+        if (dtag) Py_INCREF(dtag);
+        else if (PyErr_Occurred() || !(dtag = PyObject_CallOneArg(h->tag_of, dk))) { Py_DECREF(dk); return -1; }
+        Py_DECREF(dk);
+        h->has_tag = PyTuple_Check(dtag) && PyTuple_GET_SIZE(dtag) >= 2;
+        if (h->has_tag) {
+            h->dnid_l = as_ll(PyTuple_GET_ITEM(dtag, 0));
+            h->daux_l = as_ll(PyTuple_GET_ITEM(dtag, 1));
+        }
+        Py_DECREF(dtag);
+        if (PyErr_Occurred()) return -1;
+        h->dok = 1;
+    }
+    if (!h->has_tag) return 0;
+    if (h->a && kind == h->kind && op == h->op && tid == h->stid && h->dnid_l == h->dnid) {
+        h->add_d += d;
+        h->add_n += 1;
+        return 1;
+    }
+    if (h->a) {
+        if (h->add_n) {
+            long long sd = as_ll(PyList_GET_ITEM(h->a, 1)) + h->add_d, sn = as_ll(PyList_GET_ITEM(h->a, 2)) + h->add_n;
+            if (PyErr_Occurred() || set_ll(h->a, 1, sd) < 0 || set_ll(h->a, 2, sn) < 0) return -1;
+        }
+        Py_CLEAR(h->a);
+        h->add_d = h->add_n = 0;
+    }
+    PyObject *key = Py_BuildValue("(iLLi)", kind, h->dnid_l, tid, op);
     if (!key) return -1;
-    PyObject *a = PyDict_GetItemWithError(msum, key);
+    PyObject *a = PyDict_GetItemWithError(h->msum, key);
     if (!a) {
-        if (PyErr_Occurred()) { Py_DECREF(key); return -1; }
-        PyObject *l = Py_BuildValue("[LLiL]", (long long)t0, (long long)d, 1, daux);
-        int bad = !l || PyDict_SetItem(msum, key, l) < 0;
-        Py_XDECREF(l);
-        Py_DECREF(key);
-        return bad ? -1 : 1;
+        if (PyErr_Occurred() || !(a = Py_BuildValue("[LLiL]", (long long)t0, (long long)d, 1, h->daux_l)) ||
+            PyDict_SetItem(h->msum, key, a) < 0) {
+            Py_XDECREF(a);
+            Py_DECREF(key);
+            return -1;
+        }
+    } else {
+        Py_INCREF(a);
+        if (!PyList_Check(a) || PyList_GET_SIZE(a) != 4) {
+            Py_DECREF(a);
+            Py_DECREF(key);
+            PyErr_SetString(PyExc_TypeError, "convert: a metadata sum is a list of 4");
+            return -1;
+        }
+        h->add_d = d;
+        h->add_n = 1;
     }
     Py_DECREF(key);
-    if (!PyList_Check(a) || PyList_GET_SIZE(a) != 4) {
-        PyErr_SetString(PyExc_TypeError, "convert: a metadata sum is a list of 4");
-        return -1;
-    }
-    long long a1 = as_ll(PyList_GET_ITEM(a, 1)) + d, a2 = as_ll(PyList_GET_ITEM(a, 2)) + 1;
-    if (PyErr_Occurred()) return -1;
-    PyObject *v1 = PyLong_FromLongLong(a1), *v2 = PyLong_FromLongLong(a2);
-    if (!v1 || !v2) { Py_XDECREF(v1); Py_XDECREF(v2); return -1; }
-    PyList_SetItem(a, 1, v1);
-    PyList_SetItem(a, 2, v2);
+    h->a = a;
+    h->kind = kind;
+    h->op = op;
+    h->stid = tid;
+    h->dnid = h->dnid_l;
+    h->daux = h->daux_l;
     return 1;
 }
 
@@ -291,6 +367,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     PyObject *ops = NULL, *paths = NULL, *tids = NULL, *acc = NULL, *op_ids = NULL, *shimf = NULL;
     PyObject *tag_of = NULL, *tid_of = NULL, *take_sums = NULL, *res = NULL, *rate = NULL, *msum = NULL;
     long long hot_calls = 0, hot_win = 0;
+    struct hot hs;
+    memset(&hs, 0, sizeof hs);
     struct conv c = {(unsigned char *)rb.buf, rb.len / ROW, 0};
     long long opid[NOPS_MAX];
     int nops;
@@ -340,6 +418,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         hot_calls = as_ll(o); Py_DECREF(o);
         if (!(o = attr(st, "hot_window_ns"))) goto done;
         hot_win = as_ll(o); Py_DECREF(o);
+        hs.rate = rate; hs.msum = msum; hs.paths = paths; hs.tag_of = tag_of;
+        hs.calls = hot_calls; hs.win = hot_win;
         if (PyErr_Occurred()) goto done;
     }
     if (c.cap < 2 * n + PyDict_GET_SIZE(acc) + 1) {
@@ -473,8 +553,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, tid, (double)a3) < 0) goto done;
         } else if (mode == 0) {
             if ((flags & 4) && t1 - t0 < big_ns) {
-                int h = hot_sum(rate, msum, paths, tag_of, hot_calls, hot_win, tid, kind, op, t0, t1 - t0,
-                                (const char *)s + SLOT_HDR, plen);
+                int h = hot_sum(&hs, tid, kind, op, t0, t1 - t0, (const char *)s + SLOT_HDR, plen);
                 if (h < 0) goto done;
                 if (h) continue;
             }
@@ -497,8 +576,11 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
                 if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, tid, (double)err) < 0) goto done;
         }
     }
+    if (hot_flush(&hs) < 0) goto done;
     res = PyLong_FromSsize_t(c.n);
 done:
+    Py_XDECREF(hs.w);
+    Py_XDECREF(hs.a);
     Py_XDECREF(last_p);
     Py_XDECREF(last_tag);
     Py_XDECREF(ops); Py_XDECREF(paths); Py_XDECREF(tids); Py_XDECREF(acc); Py_XDECREF(op_ids);
