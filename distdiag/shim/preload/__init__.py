@@ -274,7 +274,7 @@ class Drainer:
         table = bytearray(3 * len(OP_NAMES))
         for i in range(len(OP_NAMES)):
             kind, mode = self.ops.get(i, (0, 255))
-            hot = 4 if kind == k_stat and mode == 0 else 0  # summed above HOT_CALLS a window
+            hot = 4 if kind == k_stat and mode == 0 else 0  # summed above the rate (HOT_WINDOW_NS)
             table[3 * i : 3 * i + 3] = bytes((kind, mode, (1 if i in self.open_ops else 0) | (2 if i in self.fold_ops else 0) | hot))
         self.ops_table = bytes(table)
         #: the rows ``convert`` writes (grown to what a batch can make)
