@@ -217,7 +217,7 @@ struct hot {
     long long w0, cnt;
     /* the last sum: its key, its list in msum (a reference held) and what to add to it */
     int kind, op;
-    long long stid, dnid, daux;
+    long long stid, dnid;
     PyObject *a;
     long long add_d, add_n;
     /* the last directory looked up, and its tag */
@@ -235,16 +235,23 @@ static int set_ll(PyObject *list, Py_ssize_t i, long long v) {
     return 0;
 }
 
-static int hot_flush(struct hot *h) {
+/* The last thread's window back into its list in rate. */
+static int flush_w(struct hot *h) {
     int bad = 0;
     if (h->w) {
-        bad |= set_ll(h->w, 0, h->w0) < 0 || set_ll(h->w, 1, h->cnt) < 0;
+        bad = set_ll(h->w, 0, h->w0) < 0 || set_ll(h->w, 1, h->cnt) < 0;
         Py_CLEAR(h->w);
     }
+    return bad ? -1 : 0;
+}
+
+/* What the last sum gathered back into its list in msum. */
+static int flush_a(struct hot *h) {
+    int bad = 0;
     if (h->a) {
         if (h->add_n) {
             long long d = as_ll(PyList_GET_ITEM(h->a, 1)) + h->add_d, n = as_ll(PyList_GET_ITEM(h->a, 2)) + h->add_n;
-            bad |= PyErr_Occurred() != NULL || set_ll(h->a, 1, d) < 0 || set_ll(h->a, 2, n) < 0;
+            bad = PyErr_Occurred() != NULL || set_ll(h->a, 1, d) < 0 || set_ll(h->a, 2, n) < 0;
         }
         Py_CLEAR(h->a);
     }
@@ -252,14 +259,17 @@ static int hot_flush(struct hot *h) {
     return bad ? -1 : 0;
 }
 
+static int hot_flush(struct hot *h) {
+    int bad = flush_w(h) < 0;
+    bad |= flush_a(h) < 0;
+    return bad ? -1 : 0;
+}
+
 /* 1 when the call was summed, 0 when it is to be a row, -1 on an error. */
 static int hot_sum(struct hot *h, long long tid, int kind, int op, int64_t t0, int64_t d, const char *path,
                    Py_ssize_t plen) {
     if (!h->w || tid != h->tid) {
-        if (h->w) {
-            if (set_ll(h->w, 0, h->w0) < 0 || set_ll(h->w, 1, h->cnt) < 0) return -1;
-            Py_CLEAR(h->w);
-        }
+        if (flush_w(h) < 0) return -1;
         PyObject *tk = PyLong_FromLongLong(tid);
         if (!tk) return -1;
         PyObject *w = PyDict_GetItemWithError(h->rate, tk);
@@ -319,14 +329,7 @@ static int hot_sum(struct hot *h, long long tid, int kind, int op, int64_t t0, i
         h->add_n += 1;
         return 1;
     }
-    if (h->a) {
-        if (h->add_n) {
-            long long sd = as_ll(PyList_GET_ITEM(h->a, 1)) + h->add_d, sn = as_ll(PyList_GET_ITEM(h->a, 2)) + h->add_n;
-            if (PyErr_Occurred() || set_ll(h->a, 1, sd) < 0 || set_ll(h->a, 2, sn) < 0) return -1;
-        }
-        Py_CLEAR(h->a);
-        h->add_d = h->add_n = 0;
-    }
+    if (flush_a(h) < 0) return -1;
     PyObject *key = Py_BuildValue("(iLLi)", kind, h->dnid_l, tid, op);
     if (!key) return -1;
     PyObject *a = PyDict_GetItemWithError(h->msum, key);
@@ -354,7 +357,6 @@ static int hot_sum(struct hot *h, long long tid, int kind, int op, int64_t t0, i
     h->op = op;
     h->stid = tid;
     h->dnid = h->dnid_l;
-    h->daux = h->daux_l;
     return 1;
 }
 
@@ -366,7 +368,6 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nw*OO!O", &sb, &n, &rb, &st, &PyDict_Type, &pend, &shim)) return NULL;
     PyObject *ops = NULL, *paths = NULL, *tids = NULL, *acc = NULL, *op_ids = NULL, *shimf = NULL;
     PyObject *tag_of = NULL, *tid_of = NULL, *take_sums = NULL, *res = NULL, *rate = NULL, *msum = NULL;
-    long long hot_calls = 0, hot_win = 0;
     struct hot hs;
     memset(&hs, 0, sizeof hs);
     struct conv c = {(unsigned char *)rb.buf, rb.len / ROW, 0};
@@ -415,11 +416,10 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         if (!(o = attr(st, "close_min_ns"))) goto done;
         close_min = as_ll(o); Py_DECREF(o);
         if (!(o = attr(st, "hot_calls"))) goto done;
-        hot_calls = as_ll(o); Py_DECREF(o);
+        hs.calls = as_ll(o); Py_DECREF(o);
         if (!(o = attr(st, "hot_window_ns"))) goto done;
-        hot_win = as_ll(o); Py_DECREF(o);
+        hs.win = as_ll(o); Py_DECREF(o);
         hs.rate = rate; hs.msum = msum; hs.paths = paths; hs.tag_of = tag_of;
-        hs.calls = hot_calls; hs.win = hot_win;
         if (PyErr_Occurred()) goto done;
     }
     if (c.cap < 2 * n + PyDict_GET_SIZE(acc) + 1) {
