@@ -328,8 +328,8 @@ print("REC " + json.dumps({"t0": t0, "t1": t1, "dir": d}))
 def test_fast_stats_above_the_rate_are_summed_with_every_call_counted(tmp_path: Path) -> None:
     """Issue 21 item 3: a thread's fast metadata calls past ``preload_rows_per_s`` in a window of
     10 ms are summed per (call, directory, thread). Set here to 10^4 a second (100 a window; the
-    default is 10^5), so 200,000 ``os.stat`` calls on the local disk (2-3 x 10^5 a second here,
-    5 x 10^4 at the least on a loaded machine) make at most 100 rows a window plus the sums,
+    default is 10^5), so 200,000 ``os.stat`` calls on the local disk (2-3 x 10^5 a second measured
+    here, beside the suite too) make at most 100 rows a window plus the sums,
     every call counted and their time kept. Checked to fail with the rule off (200,000 rows)."""
     n = 200_000
     d = tmp_path / "fast"
