@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import pytest
 
@@ -150,3 +150,17 @@ def wait_for_writers(run_dir: Path, timeout_s: float = 60.0) -> None:
     them finished."""
     for f in sorted(run_dir.glob("rank-*.h5")):
         wait_until_closed(f, timeout_s)
+
+
+def stat_calls(ev: Any, strings: Sequence[str], path: str) -> int:
+    """How many stat calls on ``path`` the rank file's rows stand for: its own rows, and the
+    sums the libc interposer's rate rule made of a hot loop's calls (named ``<dir>/*``, ``seq``
+    the calls they stand for: ``distdiag.rows.calls_of``)."""
+    import numpy as np
+
+    from distdiag.rows import calls_of
+    from distdiag.schema import Kind
+
+    names = {path, os.path.dirname(path) + "/*"}
+    ok = np.array([strings[i] in names for i in ev["name_id"]], bool) if len(ev) else np.zeros(0, bool)
+    return int(calls_of(ev[(ev["kind"] == Kind.FILE_STAT) & ok]).sum())

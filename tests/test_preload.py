@@ -56,7 +56,7 @@ def _env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("DISTDIAG_", "SLURM_", "PMI_", "OMPI_"))}
     e.pop("LD_PRELOAD", None)
     e["PYTHONPATH"] = str(REPO)
-    e["DISTDIAG_HOOKS"] = "preload=1"  # the interposer is opt-in (preload.PRELOAD_DEFAULT)
+    e["DISTDIAG_HOOKS"] = "preload=1"  # the default (preload.PRELOAD_DEFAULT), said outright
     e.update(extra)
     return e
 
@@ -696,13 +696,74 @@ def test_a_programs_own_ld_preload_is_kept(tmp_path: Path) -> None:
     assert attrs["fileio_capture"] == "preload"
 
 
-def test_the_default_is_the_python_capture(tmp_path: Path) -> None:
+def test_the_default_is_the_interposer_and_preload_0_the_python_capture(tmp_path: Path) -> None:
     e = _env()
     del e["DISTDIAG_HOOKS"]
-    rec = record(wrap(tmp_path, ENV, env=e))
+    rec = record(wrap(tmp_path / "default", ENV, env=e))
+    assert rec["env"] is None and rec["child"] == preload.library_path()
+    attrs, _ = rows(tmp_path / "default" / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    rec = record(wrap(tmp_path / "off", ENV, env=_env(DISTDIAG_HOOKS="preload=0")))
     assert rec["env"] is None and rec["child"] == ""
-    attrs, _ = rows(tmp_path / "run" / "rank-00000.h5")
+    attrs, _ = rows(tmp_path / "off" / "run" / "rank-00000.h5")
     assert attrs["fileio_capture"] == "python"
+
+
+SITES = """
+import os, pathlib, sys, time
+d = sys.argv[1]
+a, b = os.path.join(d, "a.bin"), os.path.join(d, "b.bin")
+with open(a, "wb") as f:  # SITE write
+    f.write(os.urandom(100_000))
+with open(pathlib.Path(a), "rb") as f:  # SITE read
+    f.read()
+fd = os.open(b, os.O_CREAT | os.O_WRONLY)  # SITE os.open
+os.write(fd, b"x" * 300_000)
+os.close(fd)
+list(os.scandir(d))  # SITE scandir
+os.stat(a)  # no event: no site
+try:
+    open(b, "rb", opener=lambda p, fl: (_ for _ in ()).throw(OSError("no")))  # an event, never a libc call
+except OSError:
+    pass
+time.sleep(0.01)
+os.stat(b)  # no site: the failed open's is not taken this late
+os.remove(b)  # SITE remove
+for _ in range(3):
+    pathlib.Path(a).read_bytes()  # SITE lib1
+pathlib.Path(a).read_bytes()  # SITE lib2
+"""
+
+
+def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_path: Path) -> None:
+    """An open, its descriptor's reads and writes, a directory listing and a remove carry the
+    program's line (an audit hook names it to the interposer); a stat, which raises no event,
+    carries none, and an open that never reached libc leaves its site to no later call. An open
+    made in a library (pathlib) is the line that called it, each time (the hook's cache keeps
+    only the sites of the program's own frames). Checked to fail with the hook off, with no
+    time bound on a site, and with the cache keeping library frames' sites."""
+    d = tmp_path / "data"
+    d.mkdir()
+    p = wrap(tmp_path, SITES, str(d))
+    assert p.returncode == 0, p.stderr
+    lines = {ln.split("# SITE ")[1]: f"{tmp_path / 'prog.py'}:{i + 1}"
+             for i, ln in enumerate(SITES.splitlines()) if "# SITE " in ln}  # fmt: skip
+    with h5py.File(tmp_path / "run" / "rank-00000.h5", "r") as f:
+        ev = f["events"][:]
+        st = [s.decode() for s in f["strings"][:]]
+    got: dict[tuple[str, str], set[str]] = {}
+    for e in ev:
+        name = st[int(e["name_id"])]
+        if name.startswith(str(d)):
+            got.setdefault((st[int(e["comm_id"])], os.path.basename(name)), set()).add(st[int(e["site_id"])])
+    a, b = "a.bin", "b.bin"
+    assert got[("libc:open", a)] == {lines["write"], lines["read"], lines["lib1"], lines["lib2"]}, got
+    assert got[("libc:write", a)] == {lines["write"]}, got
+    assert got[("libc:read", a)] == {lines["read"], lines["lib1"], lines["lib2"]}, got
+    assert got[("libc:open", b)] == {lines["os.open"]} and got[("libc:write", b)] == {lines["os.open"]}, got
+    assert got[("libc:opendir", "data")] == {lines["scandir"]}, got
+    assert got[("libc:unlink", b)] == {lines["remove"]}, got
+    assert got[("libc:stat", a)] == {""} and got[("libc:stat", b)] == {""}, got
 
 
 def test_preload_off_is_the_python_capture(tmp_path: Path) -> None:
@@ -745,7 +806,8 @@ def _slots(rng: np.random.Generator, n: int, paths: list[bytes], ostids: list[in
         nb = int(rng.choice([0, 100, 4096, 2 << 20]))
         err = int(rng.choice([0, 0, 0, 2, 13]))
         t += int(rng.integers(100, 10_000))
-        preload._HDR.pack_into(buf, i * preload.SLOT_SIZE, i + 1, t, t + dur, nb, op, err, 3, tid, len(p), 0)
+        site = int(rng.choice([0, 0, 7, 9]))  # the call site dd_site left (an open's, on its fd's calls)
+        preload._HDR.pack_into(buf, i * preload.SLOT_SIZE, i + 1, t, t + dur, nb, op, err, 3, tid, len(p), 0, site)
         buf[i * preload.SLOT_SIZE + 64 : i * preload.SLOT_SIZE + 64 + len(p)] = p
     return buf
 
@@ -806,8 +868,8 @@ def test_c_conversion_makes_the_rows_the_python_loop_makes(tmp_path: Path, seed:
                     from distdiag.shim.recorder import ROW_SIZE, pack_row
 
                     b = bytearray(ROW_SIZE)
-                    t0, t1, k, nid, cid, nb, aux, tid, val = row
-                    pack_row(b, 0, t0, t1, k, nid, cid, -1, -1, nb, aux, 0, tid, val)
+                    t0, t1, k, nid, cid, nb, aux, site, tid, val = row
+                    pack_row(b, 0, t0, t1, k, nid, cid, -1, -1, nb, aux, site, tid, val)
                     out.append(bytes(b))
 
                 d._convert_py(buf, 700, pend, set(shim), put)

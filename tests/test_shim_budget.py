@@ -21,6 +21,7 @@ from helpers import run_wrapped_mpi, single_process_env
 
 from distdiag.match import MatchState
 from distdiag.pipeline import analyze
+from distdiag.rows import calls_of
 from distdiag.schema import Kind
 
 PY = sys.executable
@@ -57,8 +58,10 @@ def _record(tmp: Path, name: str, **env: str) -> Path:
 
 
 def _stats(f: h5py.File) -> int:
-    """FILE_STAT calls the file holds: rows written plus rows counted only."""
-    kept = int((f["events"]["kind"] == Kind.FILE_STAT).sum())
+    """FILE_STAT calls the file holds: those its rows stand for (the interposer sums a hot loop's
+    fast stats: ``calls_of``) plus those counted only."""
+    ev = f["events"][:]
+    kept = int(calls_of(ev[ev["kind"] == Kind.FILE_STAT]).sum())
     if "counters" not in f:
         return kept
     c = f["counters"][:]
@@ -75,7 +78,10 @@ def test_a_rank_past_its_budget_keeps_a_sample_counts_the_rest_and_the_report_sa
         assert n_full >= 170_000  # every call recorded (plus the interpreter's own few)
         # nothing lost: every call is a row or in a counter, as many as the twin recorded
         assert _stats(fs) == n_full
-        assert int(fs.attrs["rows_counted_only"]) == int(fs["counters"]["count"].sum()) > 150_000
+        # most rows were counted only (a row each with the Python-level capture, 1.7 x 10^5; the
+        # interposer keeps ~10^5 rows a second and sums the rest)
+        rows_full = int((ff["events"]["kind"] == Kind.FILE_STAT).sum())
+        assert int(fs["counters"]["count"].sum()) >= int(fs.attrs["rows_counted_only"]) > 0.7 * rows_full
         assert int(fs.attrs["budget_bytes"]) == BUDGET and int(fs.attrs["sample_every"]) == 64
         ev = fs["events"][:]
         strings = [s.decode() for s in fs["strings"][:]]
@@ -135,9 +141,9 @@ c = MPI.COMM_WORLD
 x = np.zeros(4)
 d = sys.argv[1]
 for i in range(3000):
-    if c.Get_rank() == 0:  # rank 0 alone passes its budget: 50 stats an iteration
+    if c.Get_rank() == 0:  # rank 0 alone passes its budget: 50 opens an iteration, a row each
         for _ in range(50):
-            os.stat(d)
+            os.close(os.open(d, os.O_RDONLY))
     c.Allreduce(MPI.IN_PLACE, x)
 print("done")
 """
@@ -147,8 +153,9 @@ def test_past_the_budget_a_rank_keeps_every_collective_so_the_others_still_match
     """Only rank 0 passes its budget. Had it sampled its collectives, rank 1's would look
     unmatched (a false collective_mismatch, in-flight groups): communication rows are
     always kept, and the analysis finds every group complete and no mismatch."""
-    # 600 kB: rank 1's 3,000 all-reduces fit (one 282 kB chunk), rank 0's 150,000 stats do not
-    env = single_process_env(DISTDIAG_MAX_FILE_BYTES="600000", DISTDIAG_FLUSH_INTERVAL_S="0.05")
+    # 1 MB: rank 1's 3,000 all-reduces and its start's ~1,200 file rows fit (670 kB), rank 0's
+    # 150,000 opens do not
+    env = single_process_env(DISTDIAG_MAX_FILE_BYTES="1000000", DISTDIAG_FLUSH_INTERVAL_S="0.05")
     run_dir = run_wrapped_mpi(tmp_path, COLL_JOB, args=[str(tmp_path)], n=2, env=env)
     for r in (0, 1):
         with h5py.File(run_dir / f"rank-{r:05d}.h5") as f:
@@ -158,7 +165,7 @@ def test_past_the_budget_a_rank_keeps_every_collective_so_the_others_still_match
             assert ("budget_reached_mono_ns" in f.attrs) is (r == 0)
             if r == 0:
                 c = f["counters"][:]
-                assert int(c["count"][c["kind"] == Kind.FILE_STAT].sum()) > 100_000
+                assert int(c["count"][c["kind"] == Kind.FILE_OPEN].sum()) > 100_000
                 assert int(c["count"][c["kind"] == Kind.COLL].sum()) == 0
     rep = analyze(run_dir)
     assert len([w for w in rep.run.warnings if "recording budget" in w]) == 1, rep.run.warnings

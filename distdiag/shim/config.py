@@ -4,9 +4,9 @@ then an optional ``--config FILE`` [shim] table, then ``DISTDIAG_*`` variables.
 Environment: every field has a variable named ``DISTDIAG_`` + the field name in
 upper case (``DISTDIAG_FLUSH_INTERVAL_S=0.2``, ``DISTDIAG_PROBE_LINKS=1``).
 Hooks are switched with ``DISTDIAG_HOOKS="mpi4py=1,fileio=0"`` (short module
-names as in ``distdiag.shim.hooks.HOOKS``); ``preload=1`` there records file calls with
-the libc interposer instead of the Python-level wrappers (a re-exec with LD_PRELOAD; off by
-default for now, see distdiag.shim.preload.PRELOAD_DEFAULT). Variables the config does not know
+names as in ``distdiag.shim.hooks.HOOKS``); file calls are recorded by the libc
+interposer (a re-exec with LD_PRELOAD; distdiag.shim.preload.PRELOAD_DEFAULT), ``preload=0``
+there records them with the Python-level wrappers instead. Variables the config does not know
 (``DISTDIAG_DIR``, ``DISTDIAG_HOST``) are left to their owners.
 
 To add a setting: add a typed field with its default here and (optionally) a

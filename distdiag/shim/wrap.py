@@ -1586,7 +1586,7 @@ def _exit_code_of(e: SystemExit) -> int:
 def _preload(opts: Options, here: bool) -> None:
     """The libc interposer (distdiag.shim.preload): ``here`` (the program runs in this
     interpreter), re-execute it once with the library in LD_PRELOAD when it is wanted
-    (``DISTDIAG_HOOKS`` preload=1, fileio not 0) and not loaded, built, not tried; before a
+    (``DISTDIAG_HOOKS`` preload not 0, fileio not 0) and not loaded, built, not tried; before a
     named interpreter's exec, put it in LD_PRELOAD for that one. Then ``os.environ`` is
     made what it would be unwrapped. Never raises."""
     try:

@@ -370,6 +370,8 @@ COUNTERS_MAX = 1 << 16
 _ALWAYS_KEPT = np.zeros(256, bool)
 _ALWAYS_KEPT[[int(k) for k in (Kind.SHIM, Kind.LOST, Kind.COLL, Kind.COLL_ASYNC, Kind.SEND, Kind.RECV,
                                Kind.SEND_ASYNC, Kind.RECV_ASYNC, Kind.WAIT, Kind.COMM_CREATE, Kind.PROBE)]] = True  # fmt: skip
+_FILE_ROW = np.zeros(256, bool)
+_FILE_ROW[sorted(FILE_KINDS)] = True
 #: the share of a budget kept for what a file takes once the budget is reached: the sampled
 #: rows (budget / 8), the string table's growth (budget / 8), the counters and HDF5's chunk slack
 #: (the last eighth). Thinning starts where the rest would be passed, so the file ends near its
@@ -417,7 +419,8 @@ class _Budget:
     From the flush that would pass that on, the file keeps one row in ``sample_every`` by arrival, except the rows it always
     keeps (:data:`_ALWAYS_KEPT`: milestones, loss counts and every communication row, which
     the analysis matches across ranks). Every row not written is added to ``/counters``, its
-    (kind, name) count, duration and bytes. The sampled rows may take a further
+    (kind, name) count (of calls: a file row the interposer summed counts its ``seq`` calls),
+    duration and bytes. The sampled rows may take a further
     ``budget / 8``; past that only counters grow (at most :data:`COUNTERS_MAX` rows).
     Attributes say so: ``budget_bytes``, ``budget_reached_mono_ns``, ``sample_every``,
     ``rows_counted_only``. From then on the string table takes only the names of the
@@ -467,7 +470,10 @@ class _Budget:
         """Add ``rows`` (recorder ids) to the counters."""
         self.counted += len(rows)
         new = np.zeros(len(rows), COUNTER_DTYPE)
-        new["kind"], new["name_id"], new["count"] = rows["kind"], rows["name_id"], 1
+        # a file row the libc interposer summed stands for ``seq`` calls (distdiag.rows.calls_of)
+        summed = _FILE_ROW[rows["kind"]] & (rows["seq"] > 1)
+        new["kind"], new["name_id"] = rows["kind"], rows["name_id"]
+        new["count"] = np.where(summed, rows["seq"], 1)
         new["dur_ns"] = np.maximum(rows["t1_ns"] - rows["t0_ns"], 0)
         new["nbytes"] = np.maximum(rows["nbytes"], 0)
         self.counters = _merge_counters(self.counters, new)

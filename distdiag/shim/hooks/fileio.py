@@ -253,6 +253,31 @@ def _site_from(f: Any, sites: dict[int, tuple[Any, int, Any, int]] | None) -> in
         return 0
 
 
+def _audit_site(path: Any) -> tuple[int, bytes, bool] | None:
+    """The call site of a call the program is about to make on ``path`` (asked by the libc
+    interposer's audit hook, in the calling thread, at CPython's "open", "os.scandir" ...
+    event), the path's bytes as libc will see them, and whether the calling frame is the
+    program's own (its site is then fixed by the frame's instruction: the hook keeps it); None:
+    no site (not recording, or a path that is no str, bytes or pathlib path: another object's
+    ``__fspath__`` is not called twice)."""
+    if _rec is None:
+        return None
+    t = type(path)
+    if t is str:
+        b = os.fsencode(path)
+    elif t is bytes:
+        b = path
+    else:
+        pl = sys.modules.get("pathlib")
+        if pl is None or not isinstance(path, pl.PurePath):
+            return None
+        b = os.fsencode(str(path))
+    if len(b) >= 256:
+        return None
+    f = _getframe(1)
+    return _site_from(f, None), b, _libkind.get(id(f.f_code)) == 0
+
+
 #: directory (absolute, lexical) -> aux string id of its "fstype:mountpoint", -1 for a
 #: pseudo file system; valid for the mount table whose per-directory cache is _dirs_of
 _dirs: dict[str, int] = {}
@@ -861,7 +886,7 @@ def _start_preload(rec: Any, cfg: Any, run_dir: str | None) -> bool:
     try:
         from distdiag.shim import preload
 
-        if not preload.wanted(hooks_cfg) or preload.start(rec, cfg, run_dir, _tag) is None:
+        if not preload.wanted(hooks_cfg) or preload.start(rec, cfg, run_dir, _tag, _audit_site) is None:
             return False
     except Exception:
         log.debug("distdiag: the libc interposer did not start", exc_info=True)
@@ -885,8 +910,8 @@ def _set_capture_attr() -> None:
 def install(rec: Any, cfg: Any = None) -> None:
     """Start recording file I/O into ``rec``. Idempotent; never imports h5py/numpy itself.
 
-    With the libc interposer loaded (distdiag-wrap preloads it when ``DISTDIAG_HOOKS``
-    says ``preload=1``) the calls are recorded by libc and none of the wrappers below is
+    With the libc interposer loaded (distdiag-wrap preloads it unless ``DISTDIAG_HOOKS``
+    says ``preload=0``) the calls are recorded by libc and none of the wrappers below is
     installed; this module then only tags paths (mount, run dir) for the interposer's rows."""
     global _rec, _tls, _add, _intern, _count_bytes, _h5_cb, _np_cb, CAPTURE
     from distdiag.shim import hooks

@@ -18,10 +18,14 @@ and the file hook records at the Python level, as before). How it comes into a r
   keep precedence). A child started with an explicit ``env=`` built from ``os.environ``
   does not load it.
 * **Which capture.** When the library is loaded and ``DISTDIAG_HOOKS`` says
-  ``preload=1`` (off by default for now: :data:`PRELOAD_DEFAULT`), the file hook installs *none* of its Python-level wrappers (os.stat,
+  ``preload=1`` (the default: :data:`PRELOAD_DEFAULT`), the file hook installs *none* of its Python-level wrappers (os.stat,
   open, listdir, h5py, ...) and this drainer is the only source of file rows: each call
   is recorded once, by libc, whatever called it (Python, numpy, HDF5, torch's C++).
-  The price: those rows carry no call site (``site_id`` 0). ``comm_id`` holds the libc
+  Call sites: libc does not know the Python line; an audit hook names it for the calls
+  CPython raises an event before (``open``: builtins.open, io.open, os.open, the imports'
+  opens; ``os.listdir``/``os.scandir``/``os.mkdir``/``os.remove``/``os.rmdir``/``os.rename``),
+  and the descriptor an open makes carries its site to its reads, writes and close. Other
+  rows (``os.stat``, calls made from C) carry none (``site_id`` 0). ``comm_id`` holds the libc
   call (``"libc:lstat"``, ``"libc:open"``...). The rank file's ``fileio_capture``
   attribute says which capture was in force: ``preload``, ``python`` or ``off``.
 
@@ -62,7 +66,7 @@ TRIED_VAR = "DISTDIAG_PRELOAD_TRIED"
 EARLY_VAR = "DISTDIAG_PRELOAD_EARLY"
 
 #: the slot header of interpose.c's struct slot (64 bytes), then PATH_CAP path bytes
-_HDR = struct.Struct("<Qqqqiiii HH12x")
+_HDR = struct.Struct("<Qqqqiiii HHi8x")
 PATH_CAP = 256
 SLOT_SIZE = _HDR.size + PATH_CAP
 #: slots copied out of the ring per dd_drain call
@@ -120,14 +124,14 @@ def loaded() -> Any:
     return _lib
 
 
-#: whether ``DISTDIAG_HOOKS`` without a ``preload`` entry uses the interposer. Off for now
-#: (README, "From libc: the interposer").
-PRELOAD_DEFAULT = False
+#: whether ``DISTDIAG_HOOKS`` without a ``preload`` entry uses the interposer (README, "From
+#: libc: the interposer"); ``preload=0`` chooses the Python-level capture.
+PRELOAD_DEFAULT = True
 
 
 def wanted(hooks: dict[str, bool]) -> bool:
     """The interposer is to be used: the file hook on and ``preload`` switched on
-    (``DISTDIAG_HOOKS="preload=1"``; :data:`PRELOAD_DEFAULT` without the entry)."""
+    (``DISTDIAG_HOOKS="preload=1"``, and :data:`PRELOAD_DEFAULT` without the entry)."""
     return bool(hooks.get("fileio", True)) and bool(hooks.get("preload", PRELOAD_DEFAULT))
 
 
@@ -369,8 +373,8 @@ class Drainer:
             m = tb.n
             if m >= tb.cap:
                 m = rec._rotate(tb)
-            t0_, t1_, k_, nid, cid, nbytes, aux_, tid_, val = row
-            pack_row(tb.buf, m * ROW_SIZE, t0_, t1_, k_, nid, cid, seq, -1, nbytes, aux_, 0, tid_, val)
+            t0_, t1_, k_, nid, cid, nbytes, aux_, site, tid_, val = row
+            pack_row(tb.buf, m * ROW_SIZE, t0_, t1_, k_, nid, cid, seq, -1, nbytes, aux_, site, tid_, val)
             tb.n = m + 1
 
         # the shim's own threads (flusher, clock, sampler: "distdiag-*", muted in the recorder
@@ -408,7 +412,7 @@ class Drainer:
         acc = self.acc
         if final and acc:
             for (kind, name_id, tid), a in list(acc.items()):
-                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], tid, float(a[3])))
+                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], a[6], tid, float(a[3])))
             acc.clear()
         self._take_overflow(set(shim), put)
 
@@ -456,7 +460,7 @@ class Drainer:
         for tid, first, ns, kind, name_id, aux, cid, nbytes, calls, value in recs:
             t0 = max(first, cursor.get(tid, first))
             cursor[tid] = t0 + ns
-            put((t0, t0 + ns, kind, name_id, cid, nbytes, aux, tid, value), calls)
+            put((t0, t0 + ns, kind, name_id, cid, nbytes, aux, 0, tid, value), calls)
 
     def _tag_of(self, p: bytes) -> tuple[int, ...]:
         """``(name_id, aux)`` of the path bytes ``p`` (``()``: not recorded), cached in ``paths``."""
@@ -488,7 +492,7 @@ class Drainer:
         hot_ops = frozenset(i for i in range(len(OP_NAMES)) if self.ops_table[3 * i + 2] & 4)
         for i in range(n):
             o = i * SLOT_SIZE
-            _, t0, t1, nb, op, err, _fd, ostid, plen, _fl = unpack(out, o)
+            _, t0, t1, nb, op, err, _fd, ostid, plen, _fl, site = unpack(out, o)
             how = ops.get(op)
             if how is None or ostid in shim:
                 continue
@@ -511,17 +515,17 @@ class Drainer:
                 del pend[tid]
                 put(po)
             if op in opens:
-                pend[tid] = [t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)]
+                pend[tid] = [t0, t1, kind, name_id, op_ids[op], 0, aux, site, tid, float(err)]
                 continue
             if mode == 1:
                 d = t1 - t0
                 if nb >= big_b or d >= big_ns:
-                    put((t0, t1, kind, name_id, op_ids[op], nb, aux, tid, 1.0))
+                    put((t0, t1, kind, name_id, op_ids[op], nb, aux, site, tid, 1.0))
                     continue
                 key = (kind, name_id, tid)
                 a = acc.get(key)
                 if a is None:
-                    acc[key] = [t0, d, nb, 1, aux, op_ids[op]]
+                    acc[key] = [t0, d, nb, 1, aux, op_ids[op], site]
                     continue
                 a[1] += d
                 a[2] += nb
@@ -529,7 +533,7 @@ class Drainer:
                 if a[2] < big_b and a[1] < big_ns:
                     continue
                 del acc[key]
-                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, tid, float(a[3])))
+                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, a[6], tid, float(a[3])))
             elif mode == 0:
                 if op in hot_ops and t1 - t0 < big_ns:
                     w = rate.get(tid)
@@ -549,13 +553,13 @@ class Drainer:
                                 a[1] += t1 - t0
                                 a[2] += 1
                             continue
-                put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
+                put((t0, t1, kind, name_id, op_ids[op], 0, aux, site, tid, float(err)))
             else:
                 if mode == 3 and acc:
                     for row in self._take_sums(name_id):
                         put(row)
                 if t1 - t0 >= close_min:
-                    put((t0, t1, kind, name_id, op_ids[op], 0, aux, tid, float(err)))
+                    put((t0, t1, kind, name_id, op_ids[op], 0, aux, site, tid, float(err)))
 
     def _put_bytes(self, data: bytes | memoryview, rows: int, row_size: int) -> None:
         """Whole rows, packed as the recorder packs them, into the shared buffer."""
@@ -576,7 +580,7 @@ class Drainer:
         for key in [k for k in self.acc if k[1] == name_id]:
             a = self.acc.pop(key)
             kind, _, tid = key
-            rows.append((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], tid, float(a[3])))
+            rows.append((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], a[6], tid, float(a[3])))
         return tuple(rows)
 
 
@@ -602,9 +606,14 @@ SHIM_START_NS: int | None = None
 
 
 
-def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | None:
+def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any, site_of: Any = None) -> Drainer | None:
     """Start the interposer's recording in this process and its drainer; None when the
-    interposer is not loaded (or not wanted, or cannot start): the caller falls back."""
+    interposer is not loaded (or not wanted, or cannot start): the caller falls back.
+
+    ``site_of(path) -> (site id, path bytes) | None``: the call site of a call the program is
+    about to make on ``path``, asked by the binding's audit hook (``_binding.c``, "call sites")
+    at the events CPython raises before an open, a directory listing, mkdir, remove, rmdir and
+    rename; the libc call on that path, and its descriptor's calls, carry the site."""
     global DRAINER, _forks_registered
     if DRAINER is not None:
         return DRAINER
@@ -630,6 +639,11 @@ def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | No
         d.drop_ns = None
     d.start()
     DRAINER = d
+    if site_of is not None and hasattr(lib, "set_site_of"):
+        try:
+            lib.set_site_of(site_of)
+        except Exception:
+            log.debug("distdiag: no call sites for the libc rows", exc_info=True)
     if not _forks_registered:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _forks_registered = True
@@ -679,6 +693,8 @@ def stop() -> None:
         return
     try:
         d.lib.stop()
+        if hasattr(d.lib, "set_site_of"):
+            d.lib.set_site_of(None)
     except Exception:
         pass
     d.stop()

@@ -19,6 +19,7 @@ static long (*p_overflow)(void *, long);
 static void (*p_wait)(long);
 static void (*p_kick)(void);
 static long long (*p_loaded_ns)(void); /* optional: a library older than it has none */
+static void (*p_site)(int32_t, const char *, size_t); /* optional, as p_loaded_ns */
 static int resolved = -1;
 
 static int resolve(void) {
@@ -33,6 +34,7 @@ static int resolve(void) {
     *(void **)&p_wait = dlsym(RTLD_DEFAULT, "dd_wait");
     *(void **)&p_kick = dlsym(RTLD_DEFAULT, "dd_kick");
     *(void **)&p_loaded_ns = dlsym(RTLD_DEFAULT, "dd_loaded_ns");
+    *(void **)&p_site = dlsym(RTLD_DEFAULT, "dd_site");
     resolved = p_version && p_slot_size && p_start && p_stop && p_mute && p_drain && p_overflow && p_wait && p_kick;
     return resolved;
 }
@@ -132,6 +134,133 @@ static PyObject *b_kick(PyObject *self, PyObject *args) {
 }
 
 
+/* -- call sites: an audit hook ------------------------------------------------------------
+ *
+ * libc does not know which Python line made a call. CPython raises an audit event just before
+ * the calls that name a path ("open" for builtins.open, io.open, os.open and the imports'
+ * open_code; "os.listdir", "os.scandir", "os.mkdir", "os.remove", "os.rmdir", "os.rename"),
+ * in the calling thread, with the GIL held. This hook passes the call site of the event's
+ * path to the interposer (dd_site): the thread's next libc call on that path string carries
+ * it, and so do the reads, writes and close of the descriptor it opens. The site is the
+ * Python side's site_of(path) -> (site id, path bytes, cacheable) or None (fileio._audit_site);
+ * when the calling frame is the program's own (cacheable), the answer is kept by the frame's
+ * (code, instruction), so a program opening files in a loop pays one lookup here, no Python
+ * call. A hook cannot be removed (PySys_AddAuditHook): set_site_of(None) makes it inert. It
+ * never fails the program's call: its own errors are cleared. */
+static PyObject *site_of;
+static int hook_added;
+
+#define SITE_CACHE 4096 /* direct-mapped; an entry holds its code object, so its address is never reused */
+struct site_ent {
+    PyObject *code;
+    int lasti;
+    int32_t site;
+};
+static struct site_ent site_cache[SITE_CACHE];
+
+static void site_cache_clear(void) {
+    for (int i = 0; i < SITE_CACHE; i++) Py_CLEAR(site_cache[i].code);
+}
+
+static inline struct site_ent *site_slot(PyObject *code, int lasti) {
+    size_t h = ((size_t)(uintptr_t)code >> 4) ^ ((size_t)(unsigned)lasti * 2654435761u);
+    return &site_cache[h & (SITE_CACHE - 1)];
+}
+
+/* The path's bytes without a Python call: an ASCII str's own (the same in any file-system
+ * encoding), or a bytes object's; NULL: ask the Python side. */
+static const char *path_bytes(PyObject *path, Py_ssize_t *n) {
+    if (PyUnicode_CheckExact(path) && PyUnicode_IS_ASCII(path)) {
+        *n = PyUnicode_GET_LENGTH(path);
+        return (const char *)PyUnicode_DATA(path);
+    }
+    if (PyBytes_CheckExact(path)) {
+        *n = PyBytes_GET_SIZE(path);
+        return PyBytes_AS_STRING(path);
+    }
+    return NULL;
+}
+
+static int audit_hook(const char *event, PyObject *args, void *ud) {
+    (void)ud;
+    if (!site_of || !p_site) return 0;
+    if (event[0] == 'o') {
+        if (event[1] == 'p') {
+            if (strcmp(event, "open") != 0) return 0;
+        } else if (event[1] == 's' && event[2] == '.') {
+            const char *e = event + 3;
+            if (strcmp(e, "listdir") && strcmp(e, "scandir") && strcmp(e, "mkdir") && strcmp(e, "remove") &&
+                strcmp(e, "rmdir") && strcmp(e, "rename"))
+                return 0;
+        } else {
+            return 0;
+        }
+    } else {
+        return 0;
+    }
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) return 0;
+    PyObject *path = PyTuple_GET_ITEM(args, 0);
+    if (path == Py_None || PyLong_Check(path)) return 0; /* a descriptor: no path to match */
+    PyFrameObject *f = PyEval_GetFrame(); /* borrowed: the frame that made the call */
+    if (!f) return 0;
+    PyObject *code = (PyObject *)PyFrame_GetCode(f);
+    int lasti = PyFrame_GetLasti(f);
+    Py_ssize_t n = 0;
+    const char *b = path_bytes(path, &n);
+    struct site_ent *e = site_slot(code, lasti);
+    if (b && e->code == code && e->lasti == lasti) {
+        Py_DECREF(code);
+        if (n < 256) p_site(e->site, b, (size_t)n);
+        return 0;
+    }
+    PyObject *exc_type, *exc_val, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
+    Py_INCREF(site_of); /* set_site_of may drop it while the callback runs */
+    PyObject *cb = site_of;
+    PyObject *r = PyObject_CallOneArg(cb, path);
+    Py_DECREF(cb);
+    if (!r) {
+        PyErr_Clear();
+    } else {
+        if (PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 3 && PyBytes_Check(PyTuple_GET_ITEM(r, 1))) {
+            long site = PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
+            PyObject *pb = PyTuple_GET_ITEM(r, 1);
+            int cacheable = PyObject_IsTrue(PyTuple_GET_ITEM(r, 2));
+            if ((site == -1 || cacheable < 0) && PyErr_Occurred()) {
+                PyErr_Clear();
+            } else {
+                p_site((int32_t)site, PyBytes_AS_STRING(pb), (size_t)PyBytes_GET_SIZE(pb));
+                if (cacheable > 0 && site_of == cb) { /* still the same recorder's ids */
+                    Py_INCREF(code);
+                    Py_XSETREF(e->code, code);
+                    e->lasti = lasti;
+                    e->site = (int32_t)site;
+                }
+            }
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(code);
+    PyErr_Restore(exc_type, exc_val, exc_tb);
+    return 0;
+}
+
+static PyObject *b_set_site_of(PyObject *self, PyObject *fn) {
+    (void)self;
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_site_of: a callable or None");
+        return NULL;
+    }
+    if (fn != Py_None && !(resolve() && p_site)) Py_RETURN_FALSE; /* an interposer without dd_site */
+    if (fn != Py_None && !hook_added) {
+        if (PySys_AddAuditHook(audit_hook, NULL) < 0) return NULL;
+        hook_added = 1;
+    }
+    site_cache_clear(); /* its ids were the last recorder's */
+    Py_XSETREF(site_of, fn == Py_None ? NULL : Py_NewRef(fn));
+    return PyBool_FromLong(site_of != NULL);
+}
+
 /* -- convert: the drainer's per-slot work (preload/__init__.py, Drainer._convert_py is the
  * same in Python and the reference the tests compare with) --------------------------------
  *
@@ -153,7 +282,7 @@ struct conv {
 };
 
 static int put_row(struct conv *c, int64_t t0, int64_t t1, int kind, long long nid, long long cid,
-                   int64_t nb, int64_t aux, long long tid, double val) {
+                   int64_t nb, int64_t aux, long long site, long long tid, double val) {
     if (c->n >= c->cap) {
         PyErr_SetString(PyExc_RuntimeError, "convert: the rows buffer is too small");
         return -1;
@@ -170,32 +299,32 @@ static int put_row(struct conv *c, int64_t t0, int64_t t1, int kind, long long n
     i32 = -1; memcpy(r + 33, &i32, 4);
     memcpy(r + 37, &nb, 8);
     memcpy(r + 45, &aux, 8);
-    i32 = 0; memcpy(r + 53, &i32, 4);
+    i32 = (int32_t)site; memcpy(r + 53, &i32, 4);
     i32 = (int32_t)tid; memcpy(r + 57, &i32, 4);
     memcpy(r + 61, &val, 8);
     c->n++;
     return 0;
 }
 
-/* a row from a Python sequence (t0, t1, kind, name_id, comm_id, nbytes, aux, tid, value) */
+/* a row from a Python sequence (t0, t1, kind, name_id, comm_id, nbytes, aux, site_id, tid, value) */
 static int put_seq(struct conv *c, PyObject *row) {
     PyObject *f = PySequence_Fast(row, "convert: a row is a sequence");
     if (!f) return -1;
-    if (PySequence_Fast_GET_SIZE(f) != 9) {
+    if (PySequence_Fast_GET_SIZE(f) != 10) {
         Py_DECREF(f);
-        PyErr_SetString(PyExc_ValueError, "convert: a row has 9 fields");
+        PyErr_SetString(PyExc_ValueError, "convert: a row has 10 fields");
         return -1;
     }
     PyObject **it = PySequence_Fast_ITEMS(f);
-    long long v[8];
-    for (int i = 0; i < 8; i++) {
+    long long v[9];
+    for (int i = 0; i < 9; i++) {
         v[i] = PyLong_AsLongLong(it[i]);
         if (v[i] == -1 && PyErr_Occurred()) { Py_DECREF(f); return -1; }
     }
-    double val = PyFloat_AsDouble(it[8]);
+    double val = PyFloat_AsDouble(it[9]);
     Py_DECREF(f);
     if (val == -1.0 && PyErr_Occurred()) return -1;
-    return put_row(c, v[0], v[1], (int)v[2], v[3], v[4], v[5], v[6], v[7], val);
+    return put_row(c, v[0], v[1], (int)v[2], v[3], v[4], v[5], v[6], v[7], v[8], val);
 }
 
 static long long as_ll(PyObject *o) { return PyLong_AsLongLong(o); }
@@ -430,7 +559,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *s = (const unsigned char *)sb.buf + i * (SLOT_HDR + 256);
         int64_t t0, t1, nb;
-        int32_t op, err, ostid;
+        int32_t op, err, ostid, site;
         uint16_t plen;
         memcpy(&t0, s + 8, 8);
         memcpy(&t1, s + 16, 8);
@@ -439,6 +568,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         memcpy(&err, s + 36, 4);
         memcpy(&ostid, s + 44, 4);
         memcpy(&plen, s + 48, 2);
+        memcpy(&site, s + 52, 4);
         if (op < 0 || op >= nops || opt[3 * op + 1] == 255) continue;
         int is_shim = 0;
         for (Py_ssize_t k = 0; k < nshim; k++) if (shim_tid[k] == ostid) { is_shim = 1; break; }
@@ -483,9 +613,9 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         PyObject *po = PyDict_GetItemWithError(pend, tk);
         if (!po && PyErr_Occurred()) { Py_DECREF(tk); goto done; }
         if (po) {
-            if (!PyList_Check(po) || PyList_GET_SIZE(po) != 9) {
+            if (!PyList_Check(po) || PyList_GET_SIZE(po) != 10) {
                 Py_DECREF(tk);
-                PyErr_SetString(PyExc_TypeError, "convert: a pending open is a list of 9");
+                PyErr_SetString(PyExc_TypeError, "convert: a pending open is a list of 10");
                 goto done;
             }
             long long po_nid = as_ll(PyList_GET_ITEM(po, 3));
@@ -503,8 +633,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             Py_DECREF(po);
         }
         if (flags & 1) {
-            PyObject *l = Py_BuildValue("[LLiLLiLLd]", (long long)t0, (long long)t1, kind, name_id, opid[op], 0,
-                                        aux, tid, (double)err);
+            PyObject *l = Py_BuildValue("[LLiLLiLiLd]", (long long)t0, (long long)t1, kind, name_id, opid[op], 0,
+                                        aux, (int)site, tid, (double)err);
             int bad = !l || PyDict_SetItem(pend, tk, l) < 0;
             Py_XDECREF(l);
             Py_DECREF(tk);
@@ -515,20 +645,20 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         if (mode == 1) {
             int64_t d = t1 - t0;
             if (nb >= big_b || d >= big_ns) {
-                if (put_row(&c, t0, t1, kind, name_id, opid[op], nb, aux, tid, 1.0) < 0) goto done;
+                if (put_row(&c, t0, t1, kind, name_id, opid[op], nb, aux, site, tid, 1.0) < 0) goto done;
                 continue;
             }
             PyObject *key = Py_BuildValue("(iLL)", kind, name_id, tid);
             if (!key) goto done;
             PyObject *a = PyDict_GetItemWithError(acc, key);
-            if (a && (!PyList_Check(a) || PyList_GET_SIZE(a) != 6)) {
+            if (a && (!PyList_Check(a) || PyList_GET_SIZE(a) != 7)) {
                 Py_DECREF(key);
-                PyErr_SetString(PyExc_TypeError, "convert: a sum is a list of 6");
+                PyErr_SetString(PyExc_TypeError, "convert: a sum is a list of 7");
                 goto done;
             }
             if (!a) {
                 if (PyErr_Occurred()) { Py_DECREF(key); goto done; }
-                PyObject *l = Py_BuildValue("[LLLiLL]", (long long)t0, (long long)d, (long long)nb, 1, aux, opid[op]);
+                PyObject *l = Py_BuildValue("[LLLiLLi]", (long long)t0, (long long)d, (long long)nb, 1, aux, opid[op], (int)site);
                 int bad = !l || PyDict_SetItem(acc, key, l) < 0;
                 Py_XDECREF(l);
                 Py_DECREF(key);
@@ -547,17 +677,17 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
                 Py_DECREF(key);
                 continue;
             }
-            long long a5 = as_ll(PyList_GET_ITEM(a, 5));
-            if (PyDict_DelItem(acc, key) < 0) { Py_DECREF(key); goto done; }
+            long long a5 = as_ll(PyList_GET_ITEM(a, 5)), a6 = as_ll(PyList_GET_ITEM(a, 6));
+            if (PyErr_Occurred() || PyDict_DelItem(acc, key) < 0) { Py_DECREF(key); goto done; }
             Py_DECREF(key);
-            if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, tid, (double)a3) < 0) goto done;
+            if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, a6, tid, (double)a3) < 0) goto done;
         } else if (mode == 0) {
             if ((flags & 4) && t1 - t0 < big_ns) {
                 int h = hot_sum(&hs, tid, kind, op, t0, t1 - t0, (const char *)s + SLOT_HDR, plen);
                 if (h < 0) goto done;
                 if (h) continue;
             }
-            if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, tid, (double)err) < 0) goto done;
+            if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err) < 0) goto done;
         } else {
             if (mode == 3 && PyDict_GET_SIZE(acc)) {
                 PyObject *nk = PyLong_FromLongLong(name_id);
@@ -573,7 +703,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
                 Py_DECREF(f);
             }
             if (t1 - t0 >= close_min)
-                if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, tid, (double)err) < 0) goto done;
+                if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err) < 0) goto done;
         }
     }
     if (hot_flush(&hs) < 0) goto done;
@@ -602,6 +732,7 @@ static PyMethodDef methods[] = {
     {"wait", b_wait, METH_VARARGS, "wait(ms): sleep (GIL released) until the ring is half full, kick() or ms."},
     {"kick", b_kick, METH_NOARGS, "Wake a wait()."},
     {"loaded_ns", b_loaded_ns, METH_NOARGS, "perf_counter_ns when the interposer was loaded (the process's start), or None."},
+    {"set_site_of", b_set_site_of, METH_O, "set_site_of(fn | None): the audit hook asks fn(path) -> (site id, path bytes) | None for the call sites of the calls it names; -> on."},
     {"convert", b_convert, METH_VARARGS, "convert(slots, n, rows, drainer, pend, shim_tids) -> event rows written."},
     {NULL, NULL, 0, NULL},
 };

@@ -67,7 +67,8 @@ struct slot {
     int64_t t0, t1, nbytes;
     int32_t op, err, fd, tid;
     uint16_t plen, flags; /* flags & 1: path truncated */
-    uint32_t pad[3];
+    int32_t site;         /* the Python call site's string id (dd_site), 0: none */
+    uint32_t pad[2];
     char path[PATH_CAP];
 };
 _Static_assert(sizeof(struct slot) == 64 + PATH_CAP, "slot layout");
@@ -81,12 +82,34 @@ static _Atomic uint32_t wakeword;
 #define MAXFD 65536
 static char (*fdpath)[PATH_CAP];   /* fd -> its absolute path; fdon[fd] says it is tracked */
 static uint8_t *fdon;
+static int32_t *fdsite;            /* fd -> the call site of its open (dd_site), 0: none */
 static char skip[PATH_CAP];
 static size_t skiplen;
 static char cwd[PATH_CAP];
 static size_t cwdlen;
 static TLS int guard;
 static TLS int muted;
+/* The call site the Python side named for this thread's next call on site_path (dd_site: an
+ * audit hook's "open", "os.scandir"... event, raised just before the call reaches libc), taken
+ * by the thread's next recorded call on a path if it is that very path string and comes within
+ * SITE_NS (a call that never reached libc, e.g. an opener that raised, leaves none for a later
+ * one); site_last: what the last recorded call took. */
+#define SITE_NS 2000000
+static TLS int32_t site_next;
+static TLS int64_t site_t;
+static TLS char site_path[PATH_CAP];
+static TLS size_t site_plen;
+static TLS int32_t site_last;
+
+/* The site dd_site left for `path` (taken: the next call has none), else 0. One load and a
+ * branch when none is left (every call but the few the Python side names). */
+static inline int32_t site_take(const char *path, int64_t t0) {
+    if (!site_next) return 0;
+    int32_t s = 0;
+    if (t0 - site_t < SITE_NS && path && strncmp(path, site_path, site_plen + 1) == 0) s = site_next;
+    site_next = 0;
+    return s;
+}
 
 /* -- the real functions ---------------------------------------------------------------- */
 #define REAL(name) real_##name
@@ -321,6 +344,7 @@ static void overflow(int op, int64_t t0, int64_t t1, const char *p, size_t n, in
 /* A call on a path (dirfd-relative when dirfd != AT_FDCWD). */
 static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path, int err, int64_t nbytes, int fd) {
     uint64_t tk;
+    int32_t site = site_last = site_take(path, t0);
     struct slot *s = reserve(&tk);
     int trunc = 0;
     if (!s) {
@@ -338,7 +362,7 @@ static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path
         s->plen = (uint16_t)n;
     }
     s->t0 = t0; s->t1 = t1; s->nbytes = nbytes; s->err = err; s->fd = fd;
-    s->tid = tid_now(); s->flags = (uint16_t)trunc;
+    s->tid = tid_now(); s->flags = (uint16_t)trunc; s->site = site;
     publish(s, tk);
 }
 
@@ -353,7 +377,7 @@ static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbyt
     s->path[n] = '\0';
     s->op = op; s->plen = (uint16_t)n;
     s->t0 = t0; s->t1 = t1; s->nbytes = nbytes; s->err = err; s->fd = fd;
-    s->tid = tid_now(); s->flags = 0;
+    s->tid = tid_now(); s->flags = 0; s->site = fdsite[fd];
     publish(s, tk);
 }
 
@@ -364,12 +388,14 @@ static void track(int fd, int dirfd, const char *path) {
     int trunc = 0;
     size_t n = abs_path(fdpath[fd], dirfd, path, &trunc);
     fdon[fd] = (n > 0 && !skipped(fdpath[fd], n));
+    fdsite[fd] = site_last; /* the site its open took (rec_path runs first) */
 }
 
 static void track_dup(int from, int to) {
     if (to < 0 || to >= MAXFD) return;
     if (tracked(from)) {
         memcpy(fdpath[to], fdpath[from], PATH_CAP);
+        fdsite[to] = fdsite[from];
         fdon[to] = 1;
     } else {
         fdon[to] = 0;
@@ -386,12 +412,21 @@ static void at_fork_child(void) {
     atomic_store(&ovf_any, 0);
     guard = 0;
     mytid = 0;
+    site_next = 0;
 }
 
 /* -- the API the Python side calls (ctypes) ----------------------------------------------- */
 API int dd_version(void) { return 2; } /* 2: dd_overflow, no dd_lost (no call is lost) */
 
 API int dd_slot_size(void) { return (int)sizeof(struct slot); }
+
+/* The calling thread's next call on `path` (n bytes, as the program passed it) is from the
+ * Python call site `site` (a string id of the recorder's); 0 forgets it. */
+API void dd_site(int32_t site, const char *path, size_t n) {
+    if (n >= PATH_CAP) site = 0;
+    if (site) { memcpy(site_path, path, n); site_path[n] = '\0'; site_plen = n; site_t = now_ns(); }
+    site_next = site;
+}
 
 /* Paths under `prefix` (trailing slashes ignored) are never recorded; NULL: none. */
 static void set_skip(const char *prefix) {
@@ -418,10 +453,13 @@ API int dd_start(long nslots, const char *skip_prefix) {
         if (f == MAP_FAILED) return -1;
         void *o = mmap(NULL, MAXFD, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (o == MAP_FAILED) return -1;
+        void *fs = mmap(NULL, (size_t)MAXFD * sizeof(int32_t), PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (fs == MAP_FAILED) return -1;
         void *v = mmap(NULL, (OVF_N + OVF_OPS) * sizeof(struct ovf), PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (v == MAP_FAILED) return -1;
-        ring = r; fdpath = f; fdon = o; ovf = v;
+        ring = r; fdpath = f; fdon = o; fdsite = fs; ovf = v;
         cap = c; mask = c - 1;
         pthread_atfork(NULL, NULL, at_fork_child);
     }
@@ -522,8 +560,8 @@ API void dd_kick(void) { wake(); }
 static int open_common(int op, int dirfd, const char *path, int r, int64_t t0) {
     int e = errno;
     int64_t t1 = now_ns();
-    if (r >= 0) track(r, dirfd, path);
     rec_path(op, t0, t1, dirfd, path, r < 0 ? e : 0, 0, r);
+    if (r >= 0) track(r, dirfd, path);
     guard = 0;
     errno = e;
     return r;
@@ -703,8 +741,8 @@ API DIR *opendir(const char *path) {
     RESOLVE(opendir);
     if (!active()) return REAL(opendir)(path);
     ENTER; DIR *d = REAL(opendir)(path); LEAVE_ERR(d == NULL);
-    if (d) track(dirfd(d), AT_FDCWD, path);
     rec_path(OP_LISTDIR, t0, t1, AT_FDCWD, path, err, 0, d ? dirfd(d) : -1);
+    if (d) track(dirfd(d), AT_FDCWD, path);
     guard = 0; errno = e; return d;
 }
 
@@ -764,8 +802,8 @@ DEF_MMAP(mmap64)
         RESOLVE(name); \
         if (!active()) return REAL(name)(path, mode); \
         ENTER; FILE *f = REAL(name)(path, mode); LEAVE_ERR(f == NULL); \
-        if (f) track(fileno(f), AT_FDCWD, path); \
         rec_path(OP_FOPEN, t0, t1, AT_FDCWD, path, err, 0, f ? fileno(f) : -1); \
+        if (f) track(fileno(f), AT_FDCWD, path); \
         guard = 0; errno = e; return f; \
     }
 DEF_FOPEN(fopen)
