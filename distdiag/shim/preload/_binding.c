@@ -204,7 +204,11 @@ static int audit_hook(const char *event, PyObject *args, void *ud) {
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed: the frame that made the call */
     if (!f) return 0;
     PyObject *code = (PyObject *)PyFrame_GetCode(f);
+#if PY_VERSION_HEX >= 0x030B0000
     int lasti = PyFrame_GetLasti(f);
+#else
+    int lasti = PyFrame_GetLineNumber(f); /* no PyFrame_GetLasti before 3.11: the line, as good a key */
+#endif
     Py_ssize_t n = 0;
     const char *b = path_bytes(path, &n);
     struct site_ent *e = site_slot(code, lasti);
