@@ -167,6 +167,31 @@ def test_busy_but_fast_server_is_no_storm(tmp_path: Path) -> None:
     assert [f for f in rep.findings if f.kind == "metadata_storm"] == []
 
 
+@pytest.mark.parametrize("suffix,storm", [(".bin", False), (".pyc", True)])
+def test_one_rank_reading_alone_from_a_slow_server_is_no_storm_unless_it_imports(tmp_path: Path, suffix: str,
+                                                                               storm: bool) -> None:  # fmt: skip
+    """Rank 0 opens 600 files one after another at 1.7 ms each (over slow_latency_ms), never two at
+    once; rank 1 waits for it in a barrier. A storm is concurrency: this is one rank held by a slow
+    file system (io_bound's), seen as a storm before in a loaded test machine's slow bins. The same
+    calls on Python modules are an import storm (at scale every rank imports them at once). (That
+    the real job's verdict is io_bound is tests/test_io_bound.py's.)"""
+    run_dir = tmp_path / "run"
+    strings: list[list[str]] = [[""], [""]]
+    rows: list[list[tuple[Any, ...]]] = [[], []]
+    t = 0
+    for i in range(600):
+        rows[0].append(file_row(strings[0], Kind.FILE_OPEN, t, t + 1_700_000, f"/nfs/data/s{i:05d}{suffix}", "nfs:/nfs"))
+        t += 1_700_000 + 30_000
+    end_ms = t / MS
+    rows[0].append(coll(end_ms, end_ms + 0.1, 0, strings[0]))
+    rows[1].append(coll(1.0, end_ms + 0.1, 0, strings[1]))
+    for r in range(2):
+        write_rank(run_dir, r, 2, rows[r], strings[r], end_mono_ns=int((end_ms + 1) * MS), closed_cleanly=True)
+    rep = analyze(run_dir, Config())
+    kinds = [(f.kind, f.ranks, round(f.cost_s, 2)) for f in rep.findings]
+    assert bool([f for f in rep.findings if f.kind == "metadata_storm"]) == storm, kinds
+
+
 @pytest.mark.parametrize("tail_factor,expect", [(0.9, True), (1.1, False)])
 def test_storm_at_the_min_fraction_threshold(tmp_path: Path, tail_factor: float, expect: bool) -> None:
     """Reported when it costs just over min_fraction of the wall-clock, not just under."""

@@ -23,7 +23,12 @@ How (vectorized over events; loops only over file systems and windows):
    median latency of calls that had company over that of calls that ran
    alone must be at least ``min_latency_ratio``, or the median latency in the
    window at least ``slow_latency_ms`` (a metadata call that slow is a server
-   problem whatever the concurrency). That median is of file accesses
+   problem whatever the concurrency). A window in which no call ever had
+   company (one process at its own pace, or ranks taking turns) is no storm,
+   unless its calls are imports (the import storm, one process's as well: at
+   scale every rank imports the same files at once); a slow file system held
+   by one rank's serial reads is ``io_bound``'s. With no company the latency
+   ratio is 1: a loaded machine's slow bin is no sign of concurrency. That median is of file accesses
    (:func:`_accesses`): the libc interposer records an open as open + fstat +
    close, the Python hooks as one open row; both give the same latency. Fast
    local disks fail both: a storm of
@@ -178,6 +183,13 @@ def _accesses(meta: np.ndarray, dur: np.ndarray, fd_ids: np.ndarray) -> tuple[np
     return idx, np.bincount(idx, weights=dur.astype(np.float64)) / calls_of(meta[first])
 
 
+def _imports(run: Any, name_id: np.ndarray) -> bool:
+    """Most of these calls' distinct files are Python modules: an import storm (one process's, too:
+    at scale every rank imports the same files at once)."""
+    names = np.asarray(run.strings, dtype=object)[np.unique(name_id)].astype(str)
+    return bool(len(names)) and float(pd.Series(names).str.endswith(_IMPORT_SUFFIXES).mean()) >= 0.5
+
+
 def _windows(hot: np.ndarray, gap_bins: int) -> list[tuple[int, int]]:
     """Runs of hot bins ``[first, last]``, merging runs whose gap is <= gap_bins."""
     idx = np.flatnonzero(hot)
@@ -292,7 +304,11 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             lat_ms = weighted_median(acc_dur[acc_start[in_w]], w_w) / 1e6  # per file access
             crowd = c_w >= 1
             lat_crowd_ms = weighted_median(lat[in_w][crowd], w_w[crowd]) / 1e6 if crowd.any() else lat_ms
-            ratio = lat_crowd_ms / lat_alone_ms if lat_alone_ms > 0 else float("inf")
+            # with no call in company the latency cannot have grown with concurrency (a window of a
+            # loaded machine is slower than the run's median, alone as well)
+            ratio = lat_crowd_ms / lat_alone_ms if lat_alone_ms > 0 and crowd.any() else 1.0
+            if not crowd.any() and not _imports(run, meta["name_id"][in_w]):
+                continue  # one process's calls at its own pace, never two at once: io_bound's, no storm
             if fstype in LOCAL_FSTYPES:
                 if lat_ms < local_slow_ms:
                     continue  # local disk: CPU contention, not a saturated server
