@@ -411,10 +411,7 @@ def _finish_wrapper(wrapper: Callable[..., Any], name: str, orig: Callable[..., 
 
 _IN_PLACE: Any = None  # MPI.IN_PLACE, set when the module is hooked
 _Status: Any = None  # MPI.Status, likewise
-try:  # the caller's frame without an audit event (the call-site audit hook prices each one)
-    from distdiag.shim.preload._binding import caller as _getframe  # type: ignore[attr-defined]
-except ImportError:
-    _getframe = sys._getframe
+_getframe = sys._getframe
 
 
 def _params(orig: Callable[..., Any]) -> list[inspect.Parameter] | None:

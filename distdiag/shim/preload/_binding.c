@@ -725,26 +725,7 @@ done:
     return res;
 }
 
-/* caller(depth): sys._getframe(depth) of the Python function calling it, without the
- * "sys._getframe" audit event (the call-site hook above makes every audit event cost ~35 ns,
- * and the MPI and torch wrappers take their caller's frame on every call). */
-static PyObject *b_caller(PyObject *self, PyObject *arg) {
-    (void)self;
-    long depth = PyLong_AsLong(arg);
-    if (depth == -1 && PyErr_Occurred()) return NULL;
-    PyFrameObject *f = PyEval_GetFrame();
-    Py_XINCREF(f);
-    while (f && depth-- > 0) {
-        PyFrameObject *b = PyFrame_GetBack(f);
-        Py_DECREF(f);
-        f = b;
-    }
-    if (!f) PyErr_SetString(PyExc_ValueError, "call stack is not deep enough");
-    return (PyObject *)f;
-}
-
 static PyMethodDef methods[] = {
-    {"caller", b_caller, METH_O, "caller(depth): sys._getframe(depth) of its caller, without an audit event."},
     {"available", b_available, METH_NOARGS, "The interposer is loaded in this process."},
     {"version", b_version, METH_NOARGS, "(version, slot size) of the loaded interposer."},
     {"start", b_start, METH_VARARGS, "start(nslots, skip_prefix: bytes | None) -> ring slots (< 0: failed)."},
