@@ -253,31 +253,6 @@ def _site_from(f: Any, sites: dict[int, tuple[Any, int, Any, int]] | None) -> in
         return 0
 
 
-def _audit_site(path: Any) -> tuple[int, bytes, bool] | None:
-    """The call site of a call the program is about to make on ``path`` (asked by the libc
-    interposer's audit hook, in the calling thread, at CPython's "open", "os.scandir" ...
-    event), the path's bytes as libc will see them, and whether the calling frame is the
-    program's own (its site is then fixed by the frame's instruction: the hook keeps it); None:
-    no site (not recording, or a path that is no str, bytes or pathlib path: another object's
-    ``__fspath__`` is not called twice)."""
-    if _rec is None:
-        return None
-    t = type(path)
-    if t is str:
-        b = os.fsencode(path)
-    elif t is bytes:
-        b = path
-    else:
-        pl = sys.modules.get("pathlib")
-        if pl is None or not isinstance(path, pl.PurePath):
-            return None
-        b = os.fsencode(str(path))
-    if len(b) >= 256:
-        return None
-    f = _getframe(1)
-    return _site_from(f, None), b, _libkind.get(id(f.f_code)) == 0
-
-
 #: directory (absolute, lexical) -> aux string id of its "fstype:mountpoint", -1 for a
 #: pseudo file system; valid for the mount table whose per-directory cache is _dirs_of
 _dirs: dict[str, int] = {}
@@ -735,6 +710,73 @@ def _wrap_sync(orig: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _wrap_site(orig: Callable[..., Any], is_open: bool) -> Callable[..., Any]:
+    """With the libc interposer recording: ``orig`` as it is, after naming its call site to the
+    interposer (``_binding.site``): the libc call on that path made next by this thread, and the
+    calls on the descriptor it opens, carry it. The first argument is the path (open's file);
+    a path given by keyword, a descriptor or another object's ``__fspath__`` gets no site (it is
+    not called twice). The caller's site cached as :func:`_wrap_path_call` caches it."""
+    sites: dict[int, tuple[Any, int, Any, int]] = {}  # the caller's f_lasti -> see _site_from
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if args and _rec is not None:
+            path = args[0]
+            c = path.__class__
+            if c is not str and c is not bytes:
+                pl = sys.modules.get("pathlib")
+                path = str(path) if pl is not None and isinstance(path, pl.PurePath) else None
+            if path is not None:
+                try:
+                    f = _getframe(1)
+                    s = sites.get(f.f_lasti)
+                    if s is not None and s[0] is f.f_code:
+                        if s[2] is None:
+                            site = s[1]
+                        else:
+                            b: Any = f.f_back
+                            hit = b is not None and b.f_code is s[2] and b.f_lasti == s[3]
+                            site = s[1] if hit else _site_from(f, sites)
+                    else:
+                        site = _site_from(f, sites)
+                    _site_put(site, path)  # type: ignore[misc]
+                except Exception:
+                    pass
+        if is_open:
+            if (kwargs or len(args) > 2 or _warn_encoding) and _open_may_warn(args[1:], kwargs):
+                return _as_caller(_getframe(1), orig, args, kwargs)
+        elif args and args[0].__class__ is not str and _path_may_warn(args[0]):
+            return _as_caller(_getframe(1), orig, args, kwargs)
+        return orig(*args, **kwargs)
+
+    return wrapper
+
+
+_site_put: Callable[[int, Any], None] | None = None
+
+
+def _install_site_wrappers() -> None:
+    """The libc interposer records the file calls; these wrappers only name their call sites
+    (:func:`_wrap_site`): the calls that name a path, not the hot ones (stat, reads)."""
+    global _site_put
+    try:
+        from distdiag.shim.preload import _binding  # type: ignore[attr-defined]
+
+        _site_put = _binding.site
+    except (ImportError, AttributeError):
+        return
+    opened = _wrap_site(io.open, True)
+    _patch(builtins, "open", opened)
+    _patch(io, "open", opened)
+    open_code = _wrap_site(_io.open_code, False)
+    _patch(_io, "open_code", open_code)
+    _patch(io, "open_code", open_code)
+    for name in ("open", "listdir", "scandir", "mkdir", "remove", "unlink", "rmdir", "rename", "replace"):
+        if hasattr(os, name):
+            _patch(os, name, _wrap_site(getattr(os, name), False))
+    _patch(posix, "listdir", _wrap_site(posix.listdir, False))  # the import system's own
+
+
 def _add_safe(t0: int, t1: int, kind: int, info: tuple[int, int, int], err: float, nbytes: int = 0) -> None:
     try:
         _add(t0, t1, kind, info[0], 0, -1, -1, nbytes, info[1], info[2], err)  # type: ignore[misc]
@@ -886,7 +928,7 @@ def _start_preload(rec: Any, cfg: Any, run_dir: str | None) -> bool:
     try:
         from distdiag.shim import preload
 
-        if not preload.wanted(hooks_cfg) or preload.start(rec, cfg, run_dir, _tag, _audit_site) is None:
+        if not preload.wanted(hooks_cfg) or preload.start(rec, cfg, run_dir, _tag) is None:
             return False
     except Exception:
         log.debug("distdiag: the libc interposer did not start", exc_info=True)
@@ -933,6 +975,7 @@ def install(rec: Any, cfg: Any = None) -> None:
         if rd:
             skip_dir(rd)
         if _start_preload(rec, cfg, rd):
+            _install_site_wrappers()
             return
 
         opened = _wrap_open(io.open, count=True)

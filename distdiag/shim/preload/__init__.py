@@ -21,11 +21,12 @@ and the file hook records at the Python level, as before). How it comes into a r
   ``preload=1`` (the default: :data:`PRELOAD_DEFAULT`), the file hook installs *none* of its Python-level wrappers (os.stat,
   open, listdir, h5py, ...) and this drainer is the only source of file rows: each call
   is recorded once, by libc, whatever called it (Python, numpy, HDF5, torch's C++).
-  Call sites: libc does not know the Python line; an audit hook names it for the calls
-  CPython raises an event before (``open``: builtins.open, io.open, os.open, the imports'
-  opens; ``os.listdir``/``os.scandir``/``os.mkdir``/``os.remove``/``os.rmdir``/``os.rename``),
-  and the descriptor an open makes carries its site to its reads, writes and close. Other
-  rows (``os.stat``, calls made from C) carry none (``site_id`` 0). ``comm_id`` holds the libc
+  Call sites: libc does not know the Python line. The file hook's thin wrappers of the
+  calls that name a path (open, the imports' open_code, os.open, os.listdir, os.scandir,
+  os.mkdir, os.remove/unlink, os.rmdir, os.rename/replace) name it (``_binding.site``) just
+  before the call, and the descriptor an open makes carries its site to its reads, writes
+  and close. Other rows (``os.stat``, calls made from C) carry none (``site_id`` 0); those
+  hot calls get no Python wrapper. ``comm_id`` holds the libc
   call (``"libc:lstat"``, ``"libc:open"``...). The rank file's ``fileio_capture``
   attribute says which capture was in force: ``preload``, ``python`` or ``off``.
 
@@ -606,14 +607,9 @@ SHIM_START_NS: int | None = None
 
 
 
-def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any, site_of: Any = None) -> Drainer | None:
+def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any) -> Drainer | None:
     """Start the interposer's recording in this process and its drainer; None when the
-    interposer is not loaded (or not wanted, or cannot start): the caller falls back.
-
-    ``site_of(path) -> (site id, path bytes) | None``: the call site of a call the program is
-    about to make on ``path``, asked by the binding's audit hook (``_binding.c``, "call sites")
-    at the events CPython raises before an open, a directory listing, mkdir, remove, rmdir and
-    rename; the libc call on that path, and its descriptor's calls, carry the site."""
+    interposer is not loaded (or not wanted, or cannot start): the caller falls back."""
     global DRAINER, _forks_registered
     if DRAINER is not None:
         return DRAINER
@@ -639,11 +635,6 @@ def start(rec: Any, cfg: Any, skip_prefix: str | None, tag: Any, site_of: Any = 
         d.drop_ns = None
     d.start()
     DRAINER = d
-    if site_of is not None and hasattr(lib, "set_site_of"):
-        try:
-            lib.set_site_of(site_of)
-        except Exception:
-            log.debug("distdiag: no call sites for the libc rows", exc_info=True)
     if not _forks_registered:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _forks_registered = True
@@ -693,8 +684,6 @@ def stop() -> None:
         return
     try:
         d.lib.stop()
-        if hasattr(d.lib, "set_site_of"):
-            d.lib.set_site_of(None)
     except Exception:
         pass
     d.stop()

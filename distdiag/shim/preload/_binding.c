@@ -134,135 +134,35 @@ static PyObject *b_kick(PyObject *self, PyObject *args) {
 }
 
 
-/* -- call sites: an audit hook ------------------------------------------------------------
+/* -- call sites ------------------------------------------------------------------------------
  *
- * libc does not know which Python line made a call. CPython raises an audit event just before
- * the calls that name a path ("open" for builtins.open, io.open, os.open and the imports'
- * open_code; "os.listdir", "os.scandir", "os.mkdir", "os.remove", "os.rmdir", "os.rename"),
- * in the calling thread, with the GIL held. This hook passes the call site of the event's
- * path to the interposer (dd_site): the thread's next libc call on that path string carries
- * it, and so do the reads, writes and close of the descriptor it opens. The site is the
- * Python side's site_of(path) -> (site id, path bytes, cacheable) or None (fileio._audit_site);
- * when the calling frame is the program's own (cacheable), the answer is kept by the frame's
- * (code, instruction), so a program opening files in a loop pays one lookup here, no Python
- * call. A hook cannot be removed (PySys_AddAuditHook): set_site_of(None) makes it inert. It
- * never fails the program's call: its own errors are cleared. */
-static PyObject *site_of;
-static int hook_added;
-
-#define SITE_CACHE 4096 /* direct-mapped; an entry holds its code object, so its address is never reused */
-struct site_ent {
-    PyObject *code;
-    int lasti;
-    int32_t site;
-};
-static struct site_ent site_cache[SITE_CACHE];
-
-static void site_cache_clear(void) {
-    for (int i = 0; i < SITE_CACHE; i++) Py_CLEAR(site_cache[i].code);
-}
-
-static inline struct site_ent *site_slot(PyObject *code, int lasti) {
-    size_t h = ((size_t)(uintptr_t)code >> 4) ^ ((size_t)(unsigned)lasti * 2654435761u);
-    return &site_cache[h & (SITE_CACHE - 1)];
-}
-
-/* The path's bytes without a Python call: an ASCII str's own (the same in any file-system
- * encoding), or a bytes object's; NULL: ask the Python side. */
-static const char *path_bytes(PyObject *path, Py_ssize_t *n) {
-    if (PyUnicode_CheckExact(path) && PyUnicode_IS_ASCII(path)) {
-        *n = PyUnicode_GET_LENGTH(path);
-        return (const char *)PyUnicode_DATA(path);
-    }
-    if (PyBytes_CheckExact(path)) {
-        *n = PyBytes_GET_SIZE(path);
-        return PyBytes_AS_STRING(path);
-    }
-    return NULL;
-}
-
-static int audit_hook(const char *event, PyObject *args, void *ud) {
-    (void)ud;
-    if (!site_of || !p_site) return 0;
-    if (event[0] == 'o') {
-        if (event[1] == 'p') {
-            if (strcmp(event, "open") != 0) return 0;
-        } else if (event[1] == 's' && event[2] == '.') {
-            const char *e = event + 3;
-            if (strcmp(e, "listdir") && strcmp(e, "scandir") && strcmp(e, "mkdir") && strcmp(e, "remove") &&
-                strcmp(e, "rmdir") && strcmp(e, "rename"))
-                return 0;
-        } else {
-            return 0;
-        }
-    } else {
-        return 0;
-    }
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) return 0;
-    PyObject *path = PyTuple_GET_ITEM(args, 0);
-    if (path == Py_None || PyLong_Check(path)) return 0; /* a descriptor: no path to match */
-    PyFrameObject *f = PyEval_GetFrame(); /* borrowed: the frame that made the call */
-    if (!f) return 0;
-    PyObject *code = (PyObject *)PyFrame_GetCode(f);
-#if PY_VERSION_HEX >= 0x030B0000
-    int lasti = PyFrame_GetLasti(f);
-#else
-    int lasti = PyFrame_GetLineNumber(f); /* no PyFrame_GetLasti before 3.11: the line, as good a key */
-#endif
-    Py_ssize_t n = 0;
-    const char *b = path_bytes(path, &n);
-    struct site_ent *e = site_slot(code, lasti);
-    if (b && e->code == code && e->lasti == lasti) {
-        Py_DECREF(code);
-        if (n < 256) p_site(e->site, b, (size_t)n);
-        return 0;
-    }
-    PyObject *exc_type, *exc_val, *exc_tb;
-    PyErr_Fetch(&exc_type, &exc_val, &exc_tb);
-    Py_INCREF(site_of); /* set_site_of may drop it while the callback runs */
-    PyObject *cb = site_of;
-    PyObject *r = PyObject_CallOneArg(cb, path);
-    Py_DECREF(cb);
-    if (!r) {
-        PyErr_Clear();
-    } else {
-        if (PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 3 && PyBytes_Check(PyTuple_GET_ITEM(r, 1))) {
-            long site = PyLong_AsLong(PyTuple_GET_ITEM(r, 0));
-            PyObject *pb = PyTuple_GET_ITEM(r, 1);
-            int cacheable = PyObject_IsTrue(PyTuple_GET_ITEM(r, 2));
-            if ((site == -1 || cacheable < 0) && PyErr_Occurred()) {
-                PyErr_Clear();
-            } else {
-                p_site((int32_t)site, PyBytes_AS_STRING(pb), (size_t)PyBytes_GET_SIZE(pb));
-                if (cacheable > 0 && site_of == cb) { /* still the same recorder's ids */
-                    Py_INCREF(code);
-                    Py_XSETREF(e->code, code);
-                    e->lasti = lasti;
-                    e->site = (int32_t)site;
-                }
-            }
-        }
-        Py_DECREF(r);
-    }
-    Py_DECREF(code);
-    PyErr_Restore(exc_type, exc_val, exc_tb);
-    return 0;
-}
-
-static PyObject *b_set_site_of(PyObject *self, PyObject *fn) {
+ * site(site_id, path): the calling thread's next libc call on `path` (str or bytes, as the
+ * program passed it) comes from the Python call site `site_id` (interpose.c, dd_site). The file
+ * hook's thin wrappers of open, os.open, os.scandir... call it just before the call they wrap
+ * (fileio._wrap_site). A no-op with an interposer that has no dd_site. */
+static PyObject *b_site(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (fn != Py_None && !PyCallable_Check(fn)) {
-        PyErr_SetString(PyExc_TypeError, "set_site_of: a callable or None");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "site(site_id, path)");
         return NULL;
     }
-    if (fn != Py_None && !(resolve() && p_site)) Py_RETURN_FALSE; /* an interposer without dd_site */
-    if (fn != Py_None && !hook_added) {
-        if (PySys_AddAuditHook(audit_hook, NULL) < 0) return NULL;
-        hook_added = 1;
+    long site = PyLong_AsLong(args[0]);
+    if (site == -1 && PyErr_Occurred()) return NULL;
+    if (!resolve() || !p_site) Py_RETURN_NONE;
+    PyObject *path = args[1];
+    if (PyUnicode_CheckExact(path) && PyUnicode_IS_ASCII(path)) { /* the same bytes in any file-system encoding */
+        p_site((int32_t)site, (const char *)PyUnicode_DATA(path), (size_t)PyUnicode_GET_LENGTH(path));
+    } else if (PyBytes_Check(path)) {
+        p_site((int32_t)site, PyBytes_AS_STRING(path), (size_t)PyBytes_GET_SIZE(path));
+    } else if (PyUnicode_Check(path)) {
+        PyObject *b = PyUnicode_EncodeFSDefault(path);
+        if (!b) return NULL;
+        p_site((int32_t)site, PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b));
+        Py_DECREF(b);
+    } else {
+        p_site(0, "", 0);
     }
-    site_cache_clear(); /* its ids were the last recorder's */
-    Py_XSETREF(site_of, fn == Py_None ? NULL : Py_NewRef(fn));
-    return PyBool_FromLong(site_of != NULL);
+    Py_RETURN_NONE;
 }
 
 /* -- convert: the drainer's per-slot work (preload/__init__.py, Drainer._convert_py is the
@@ -736,7 +636,7 @@ static PyMethodDef methods[] = {
     {"wait", b_wait, METH_VARARGS, "wait(ms): sleep (GIL released) until the ring is half full, kick() or ms."},
     {"kick", b_kick, METH_NOARGS, "Wake a wait()."},
     {"loaded_ns", b_loaded_ns, METH_NOARGS, "perf_counter_ns when the interposer was loaded (the process's start), or None."},
-    {"set_site_of", b_set_site_of, METH_O, "set_site_of(fn | None): the audit hook asks fn(path) -> (site id, path bytes) | None for the call sites of the calls it names; -> on."},
+    {"site", (PyCFunction)(void (*)(void))b_site, METH_FASTCALL, "site(site_id, path): the calling thread's next libc call on path is from that call site."},
     {"convert", b_convert, METH_VARARGS, "convert(slots, n, rows, drainer, pend, shim_tids) -> event rows written."},
     {NULL, NULL, 0, NULL},
 };
