@@ -739,11 +739,10 @@ pathlib.Path(a).read_bytes()  # SITE lib2
 
 def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_path: Path) -> None:
     """An open, its descriptor's reads and writes, a directory listing and a remove carry the
-    program's line (an audit hook names it to the interposer); a stat, which raises no event,
-    carries none, and an open that never reached libc leaves its site to no later call. An open
-    made in a library (pathlib) is the line that called it, each time (the hook's cache keeps
-    only the sites of the program's own frames). Checked to fail with the hook off, with no
-    time bound on a site, and with the cache keeping library frames' sites."""
+    program's line (the file hook's wrappers of those few calls name it to the interposer); a
+    stat, which gets no wrapper, carries none, and an open that never reached libc leaves its site
+    to no later call. An open made in a library (pathlib) is the line that called it, each time.
+    Checked to fail with the wrappers off and with no time bound on a site."""
     d = tmp_path / "data"
     d.mkdir()
     p = wrap(tmp_path, SITES, str(d))
