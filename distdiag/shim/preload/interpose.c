@@ -89,7 +89,7 @@ static char cwd[PATH_CAP];
 static size_t cwdlen;
 static TLS int guard;
 static TLS int muted;
-/* The call site the Python side named for this thread's next call on site_path (dd_site: an
+/* The call site the Python side named for this thread's next call on site_path (dd_site: the
  * file hook's wrapper of open, os.scandir..., just before the call reaches libc), taken
  * by the thread's next recorded call on a path if it is that very path string and comes within
  * SITE_NS (a call that never reached libc, e.g. an opener that raised, leaves none for a later
