@@ -253,6 +253,20 @@ def _site_from(f: Any, sites: dict[int, tuple[Any, int, Any, int]] | None) -> in
         return 0
 
 
+def _cached_site(f: Any, sites: dict[int, tuple[Any, int, Any, int]]) -> int:
+    """:func:`_site_from` for a wrapper called from frame ``f``, through the wrapper's own cache
+    ``sites`` (see there): one int-keyed lookup when the caller is the program's frame, or one
+    library function called from the same program line as before."""
+    s = sites.get(f.f_lasti)
+    if s is not None and s[0] is f.f_code:
+        if s[2] is None:
+            return s[1]  # type: ignore[no-any-return]
+        b = f.f_back
+        if b is not None and b.f_code is s[2] and b.f_lasti == s[3]:
+            return s[1]  # type: ignore[no-any-return]
+    return _site_from(f, sites)
+
+
 #: directory (absolute, lexical) -> aux string id of its "fstype:mountpoint", -1 for a
 #: pseudo file system; valid for the mount table whose per-directory cache is _dirs_of
 _dirs: dict[str, int] = {}
@@ -590,17 +604,7 @@ def _wrap_path_call(orig: Callable[..., Any], kind: int) -> Callable[..., Any]:
             if tag is not None:
                 if tag:
                     try:
-                        f = _getframe(1)
-                        s = sites.get(f.f_lasti)
-                        if s is not None and s[0] is f.f_code:
-                            if s[2] is None:
-                                site = s[1]
-                            else:
-                                b: Any = f.f_back
-                                hit = b is not None and b.f_code is s[2] and b.f_lasti == s[3]
-                                site = s[1] if hit else _site_from(f, sites)
-                        else:
-                            site = _site_from(f, sites)
+                        site = _cached_site(_getframe(1), sites)
                         try:
                             tb = _tls.tb
                         except AttributeError:
@@ -728,18 +732,7 @@ def _wrap_site(orig: Callable[..., Any], is_open: bool) -> Callable[..., Any]:
                 path = str(path) if pl is not None and isinstance(path, pl.PurePath) else None
             if path is not None:
                 try:
-                    f = _getframe(1)
-                    s = sites.get(f.f_lasti)
-                    if s is not None and s[0] is f.f_code:
-                        if s[2] is None:
-                            site = s[1]
-                        else:
-                            b: Any = f.f_back
-                            hit = b is not None and b.f_code is s[2] and b.f_lasti == s[3]
-                            site = s[1] if hit else _site_from(f, sites)
-                    else:
-                        site = _site_from(f, sites)
-                    _site_put(site, path)  # type: ignore[misc]
+                    _site_put(_cached_site(_getframe(1), sites), path)  # type: ignore[misc]
                 except Exception:
                     pass
         if is_open:
