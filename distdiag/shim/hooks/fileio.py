@@ -946,8 +946,9 @@ def install(rec: Any, cfg: Any = None) -> None:
     """Start recording file I/O into ``rec``. Idempotent; never imports h5py/numpy itself.
 
     With the libc interposer loaded (distdiag-wrap preloads it unless ``DISTDIAG_HOOKS``
-    says ``preload=0``) the calls are recorded by libc and none of the wrappers below is
-    installed; this module then only tags paths (mount, run dir) for the interposer's rows."""
+    says ``preload=0``) the calls are recorded by libc and none of the recording wrappers
+    below is installed; this module then tags paths (mount, run dir) for the interposer's rows
+    and names the call sites of the few path calls (:func:`_install_site_wrappers`)."""
     global _rec, _tls, _add, _intern, _count_bytes, _h5_cb, _np_cb, CAPTURE
     from distdiag.shim import hooks
 
