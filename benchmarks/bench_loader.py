@@ -15,6 +15,11 @@ rounds, as a ratio to plain's. Issue 21's target: <= 1.02.
 
 Also per-rank bytes per million calls: a wrapped loop of ``--stats`` ``os.stat`` calls on
 one file with each capture, the rank file's size over the calls.
+
+And ``--samples N``: what one worker's sample costs, without the DataLoader's processes (whose
+scheduling on a small machine is noisier than the difference): one process runs the Dataset's
+``__getitem__`` N times (stat, open, read, close, a tensor), and prints the process's CPU per
+sample (the drainer's work on the rows included), best of 5; plain and each capture by turns.
 """
 
 from __future__ import annotations
@@ -65,6 +70,31 @@ while n < steps:
 print(f"loop {time.perf_counter() - t0:.4f} s", flush=True)
 """
 
+SAMPLES = r"""
+import os, sys, time
+import torch
+root, n = sys.argv[1], int(sys.argv[2])
+paths = sorted(os.path.join(root, p) for p in os.listdir(root))
+def item(p):
+    os.stat(p)
+    with open(p, "rb") as f:
+        return torch.tensor(len(f.read()), dtype=torch.float32)
+for p in paths[:200]:
+    item(p)
+best = float("inf")
+for _ in range(5):
+    t = time.process_time_ns()
+    for i in range(n):
+        item(paths[i % len(paths)])
+    try:
+        from distdiag.shim import preload
+        preload.drain_now(final=False)  # the rows of these calls, made now if not yet
+    except ImportError:
+        pass
+    best = min(best, (time.process_time_ns() - t) / n)
+print(f"sample {best:.0f}")
+"""
+
 STATS = r"""
 import os, sys
 p, n = sys.argv[1], int(sys.argv[2])
@@ -95,7 +125,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--stats", type=int, default=1_000_000, help="calls of the bytes-per-call loop (0: skip it)")
+    ap.add_argument("--samples", type=int, default=0, help="only the per-sample CPU of one process's loop")
     a = ap.parse_args()
+    if a.samples:
+        return _per_sample(a)
     a.files = a.files or 4 * a.steps
     tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
     try:
@@ -138,6 +171,37 @@ def main() -> int:
                     return 1
                 size = sum(f.stat().st_size for f in run_dir.glob("rank-*.h5"))
                 print(f"  {v:<8} {size * 1e6 / a.stats / 1e6:8.1f} MB")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _per_sample(a: argparse.Namespace) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
+    try:
+        data = tmp / "data"
+        data.mkdir()
+        for i in range(2000):
+            (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
+        job = tmp / "samples.py"
+        job.write_text(SAMPLES)
+        got: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for r in range(a.rounds):
+            for v in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
+                run_dir = tmp / f"run-{v}-{r}"
+                p = subprocess.run(_cmd(v, job, run_dir, str(data), str(a.samples)), env=_env(v), capture_output=True,
+                                   text=True, timeout=600)  # fmt: skip
+                if p.returncode != 0:
+                    print(p.stderr[-3000:], file=sys.stderr)
+                    return 1
+                got[v].append(float(p.stdout.split("sample ")[1].split()[0]))
+                shutil.rmtree(run_dir, ignore_errors=True)
+        base = statistics.median(got["plain"])
+        print(f"one process's Dataset loop, {a.samples} samples (stat, open, read 4 KiB, close, a tensor), "
+              f"process CPU per sample, best of 5, {a.rounds} rounds by turns")  # fmt: skip
+        for v in VARIANTS:
+            m = statistics.median(got[v])
+            print(f"{v:<8} {m:8.0f} ns  +{m - base:6.0f} ns  {m / base:6.3f}  {' '.join(f'{x:.0f}' for x in got[v])}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
