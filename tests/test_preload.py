@@ -808,7 +808,9 @@ def _slots(rng: np.random.Generator, n: int, paths: list[bytes], ostids: list[in
         err = int(rng.choice([0, 0, 0, 2, 13]))
         t += int(rng.integers(100, 10_000))
         site = int(rng.choice([0, 0, 7, 9]))  # the call site dd_site left (an open's, on its fd's calls)
-        preload._HDR.pack_into(buf, i * preload.SLOT_SIZE, i + 1, t, t + dur, nb, op, err, 3, tid, len(p), 0, site)
+        # the end of the fstat/lseek calls the interposer folded into the thread's last open
+        fold = int(rng.choice([0, 0, 0, t - int(rng.integers(1, 5_000)), t - 3_000_000]))
+        preload._HDR.pack_into(buf, i * preload.SLOT_SIZE, i + 1, t, t + dur, nb, op, err, 3, tid, len(p), 0, site, fold)
         buf[i * preload.SLOT_SIZE + 64 : i * preload.SLOT_SIZE + 64 + len(p)] = p
     return buf
 

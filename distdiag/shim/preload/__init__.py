@@ -42,8 +42,10 @@ readv, fread / write, pwrite, writev, fwrite: calls under BIG_CALL_BYTES and
 BIG_CALL_NS summed per file and thread into one row, ``value`` = the calls summed;
 fsync/fdatasync as a FILE_WRITE row with no bytes; an mmap of a file as a FILE_READ row
 with no bytes). An open's row also spans the fstat/lseek calls the same thread makes
-next on the new descriptor (Python's ``open()`` is open + fstat + fstat): one row, as
-the Python hook's. ``value`` of the other rows is the call's errno (0: it succeeded).
+next on the new descriptor (Python's ``open()`` is open + fstat + fstat + lseek): one row, as
+the Python hook's. The interposer folds those itself (no slot; the thread's next slot carries
+their end, ``fold_t1``, and the converter moves the thread's pending open's end there); the
+converter still folds any it publishes (after a drain, an open of the same file). ``value`` of the other rows is the call's errno (0: it succeeded).
 ``tid`` is a recorder thread id given to each OS thread the calls came from.
 """
 
@@ -67,7 +69,7 @@ TRIED_VAR = "DISTDIAG_PRELOAD_TRIED"
 EARLY_VAR = "DISTDIAG_PRELOAD_EARLY"
 
 #: the slot header of interpose.c's struct slot (64 bytes), then PATH_CAP path bytes
-_HDR = struct.Struct("<Qqqqiiii HHi8x")
+_HDR = struct.Struct("<Qqqqiiii HHiq")
 PATH_CAP = 256
 SLOT_SIZE = _HDR.size + PATH_CAP
 #: slots copied out of the ring per dd_drain call
@@ -493,10 +495,14 @@ class Drainer:
         hot_ops = frozenset(i for i in range(len(OP_NAMES)) if self.ops_table[3 * i + 2] & 4)
         for i in range(n):
             o = i * SLOT_SIZE
-            _, t0, t1, nb, op, err, _fd, ostid, plen, _fl, site = unpack(out, o)
+            _, t0, t1, nb, op, err, _fd, ostid, plen, _fl, site, folded = unpack(out, o)
             how = ops.get(op)
             if how is None or ostid in shim:
                 continue
+            if folded > 0:  # fstat/lseek calls the interposer folded into the thread's open (fold_fd)
+                po = pend.get(self._tid_of(ostid))
+                if po is not None and folded > po[1]:
+                    po[1] = folded
             p = bytes(out[o + 64 : o + 64 + plen])
             tag = paths.get(p)
             if tag is None:

@@ -393,6 +393,44 @@ static int hot_sum(struct hot *h, long long tid, int kind, int op, int64_t t0, i
     return 1;
 }
 
+/* The recorder thread id of OS thread ostid (the drainer's tids, else its _tid_of), cached in
+ * *last_os / *last_tid; -1 on an error. */
+static long long tid_for(PyObject *tids, PyObject *tid_of, long long ostid, long long *last_os, long long *last_tid) {
+    if (ostid == *last_os) return *last_tid;
+    PyObject *k = PyLong_FromLongLong(ostid), *v;
+    if (!k) return -1;
+    v = PyDict_GetItemWithError(tids, k);
+    if (v) Py_INCREF(v);
+    else if (PyErr_Occurred() || !(v = PyObject_CallOneArg(tid_of, k))) { Py_DECREF(k); return -1; }
+    Py_DECREF(k);
+    long long tid = as_ll(v);
+    Py_DECREF(v);
+    if (tid == -1 && PyErr_Occurred()) return -1;
+    *last_os = ostid;
+    *last_tid = tid;
+    return tid;
+}
+
+/* The fstat/lseek calls the interposer folded into the thread's open (slot.fold_t1): its
+ * pending open, if this batch holds it, ends at fold. 0, or -1 on an error. */
+static int fold_into(PyObject *pend, PyObject *tids, PyObject *tid_of, long long ostid, long long fold,
+                     long long *last_os, long long *last_tid) {
+    long long tid = tid_for(tids, tid_of, ostid, last_os, last_tid);
+    if (tid == -1 && PyErr_Occurred()) return -1;
+    PyObject *tk = PyLong_FromLongLong(tid);
+    if (!tk) return -1;
+    PyObject *po = PyDict_GetItemWithError(pend, tk);
+    Py_DECREF(tk);
+    if (!po) return PyErr_Occurred() ? -1 : 0;
+    if (!PyList_Check(po) || PyList_GET_SIZE(po) != 10) {
+        PyErr_SetString(PyExc_TypeError, "convert: a pending open is a list of 10");
+        return -1;
+    }
+    long long t1 = as_ll(PyList_GET_ITEM(po, 1));
+    if (t1 == -1 && PyErr_Occurred()) return -1;
+    return fold > t1 ? set_ll(po, 1, fold) : 0;
+}
+
 static PyObject *b_convert(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer sb, rb;
@@ -473,10 +511,13 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         memcpy(&ostid, s + 44, 4);
         memcpy(&plen, s + 48, 2);
         memcpy(&site, s + 52, 4);
+        int64_t fold;
+        memcpy(&fold, s + 56, 8);
         if (op < 0 || op >= nops || opt[3 * op + 1] == 255) continue;
         int is_shim = 0;
         for (Py_ssize_t k = 0; k < nshim; k++) if (shim_tid[k] == ostid) { is_shim = 1; break; }
         if (is_shim) continue;
+        if (fold > 0 && fold_into(pend, tids, tid_of, ostid, fold, &last_os, &last_tid) < 0) goto done;
         int kind = opt[3 * op], mode = opt[3 * op + 1], flags = opt[3 * op + 2];
         if (plen > 256) plen = 256;
         /* the path's tag: (name_id, aux), or () when it is not recorded */
@@ -496,22 +537,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         if (!PyTuple_Check(tag) || PyTuple_GET_SIZE(tag) < 2) continue;
         long long name_id = as_ll(PyTuple_GET_ITEM(tag, 0)), aux = as_ll(PyTuple_GET_ITEM(tag, 1));
         if (PyErr_Occurred()) goto done;
-        long long tid;
-        if (ostid == last_os) {
-            tid = last_tid;
-        } else {
-            PyObject *k = PyLong_FromLong(ostid), *v;
-            if (!k) goto done;
-            v = PyDict_GetItemWithError(tids, k);
-            if (v) Py_INCREF(v);
-            else if (PyErr_Occurred() || !(v = PyObject_CallOneArg(tid_of, k))) { Py_DECREF(k); goto done; }
-            Py_DECREF(k);
-            tid = as_ll(v);
-            Py_DECREF(v);
-            if (tid == -1 && PyErr_Occurred()) goto done;
-            last_os = ostid;
-            last_tid = tid;
-        }
+        long long tid = tid_for(tids, tid_of, ostid, &last_os, &last_tid);
+        if (tid == -1 && PyErr_Occurred()) goto done;
         PyObject *tk = PyLong_FromLongLong(tid);
         if (!tk) goto done;
         PyObject *po = PyDict_GetItemWithError(pend, tk);

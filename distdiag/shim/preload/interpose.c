@@ -68,7 +68,7 @@ struct slot {
     int32_t op, err, fd, tid;
     uint16_t plen, flags; /* flags & 1: path truncated */
     int32_t site;         /* the Python call site's string id (dd_site), 0: none */
-    uint32_t pad[2];
+    int64_t fold_t1;      /* > 0: the thread's open before this slot lasted until then (fold_fd) */
     char path[PATH_CAP];
 };
 _Static_assert(sizeof(struct slot) == 64 + PATH_CAP, "slot layout");
@@ -100,6 +100,21 @@ static TLS int64_t site_t;
 static TLS char site_path[PATH_CAP];
 static TLS size_t site_plen;
 static TLS int32_t site_last;
+/* The fstat/lseek calls a thread makes on the descriptor it just opened (Python's open() makes
+ * two fstats and an lseek) are part of the open: the drainer folds them into the open's row
+ * (its end moves to theirs). They are folded here instead, with no slot: fold_fd is the thread's
+ * last recorded call's descriptor when that call was an open, and such a call only moves
+ * fold_t1, which the thread's next slot carries (the drainer then moves its pending open's end). */
+static TLS int fold_fd = -1;
+static TLS int64_t fold_t1;
+
+/* What every slot of this thread takes: the folded calls' end, if any; the fold chain ends. */
+static inline int64_t fold_take(void) {
+    int64_t f = fold_t1;
+    fold_t1 = 0;
+    fold_fd = -1;
+    return f;
+}
 
 /* The site dd_site left for `path` (taken: the next call has none), else 0. One load and a
  * branch when none is left (every call but the few the Python side names). */
@@ -345,6 +360,7 @@ static void overflow(int op, int64_t t0, int64_t t1, const char *p, size_t n, in
 static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path, int err, int64_t nbytes, int fd) {
     uint64_t tk;
     int32_t site = site_last = site_take(path, t0);
+    int64_t fold = fold_take();
     struct slot *s = reserve(&tk);
     int trunc = 0;
     if (!s) {
@@ -362,12 +378,13 @@ static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path
         s->plen = (uint16_t)n;
     }
     s->t0 = t0; s->t1 = t1; s->nbytes = nbytes; s->err = err; s->fd = fd;
-    s->tid = tid_now(); s->flags = (uint16_t)trunc; s->site = site;
+    s->tid = tid_now(); s->flags = (uint16_t)trunc; s->site = site; s->fold_t1 = fold;
     publish(s, tk);
 }
 
 static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbytes) {
     uint64_t tk;
+    int64_t fold = fold_take();
     struct slot *s = reserve(&tk);
     if (!s) {
         overflow(op, t0, t1, fdpath[fd], strnlen(fdpath[fd], PATH_CAP - 1), nbytes);
@@ -377,7 +394,7 @@ static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbyt
     s->path[n] = '\0';
     s->op = op; s->plen = (uint16_t)n;
     s->t0 = t0; s->t1 = t1; s->nbytes = nbytes; s->err = err; s->fd = fd;
-    s->tid = tid_now(); s->flags = 0; s->site = fdsite[fd];
+    s->tid = tid_now(); s->flags = 0; s->site = fdsite[fd]; s->fold_t1 = fold;
     publish(s, tk);
 }
 
@@ -413,6 +430,8 @@ static void at_fork_child(void) {
     guard = 0;
     mytid = 0;
     site_next = 0;
+    fold_fd = -1;
+    fold_t1 = 0;
 }
 
 /* -- the API the Python side calls (ctypes) ----------------------------------------------- */
@@ -561,7 +580,10 @@ static int open_common(int op, int dirfd, const char *path, int r, int64_t t0) {
     int e = errno;
     int64_t t1 = now_ns();
     rec_path(op, t0, t1, dirfd, path, r < 0 ? e : 0, 0, r);
-    if (r >= 0) track(r, dirfd, path);
+    if (r >= 0) {
+        track(r, dirfd, path);
+        if (tracked(r)) fold_fd = r;
+    }
     guard = 0;
     errno = e;
     return r;
@@ -670,14 +692,32 @@ DEF_FDIO(ssize_t, getdents64, OP_GETDENTS, (int fd, void *b, size_t n), (fd, b, 
         rec_fd(op, t0, t1, fd, err, 0); \
         guard = 0; errno = e; return r; \
     }
-DEF_FDOP(off_t, lseek, OP_SEEK, (int fd, off_t o, int w), (fd, o, w), r < 0)
-DEF_FDOP(off64_t, lseek64, OP_SEEK, (int fd, off64_t o, int w), (fd, o, w), r < 0)
+/* fstat/lseek: folded into the thread's open of that descriptor when it comes right after
+ * it (see fold_fd), else a slot */
+static inline void rec_fold(int op, int64_t t0, int64_t t1, int fd, int err) {
+    if (fd == fold_fd) {
+        if (t1 > fold_t1) fold_t1 = t1;
+    } else {
+        rec_fd(op, t0, t1, fd, err, 0);
+    }
+}
+#define DEF_FOLDOP(ret_t, name, op, params, args) \
+    API ret_t name params { \
+        RESOLVE(name); \
+        if (!REAL(name)) { errno = ENOSYS; return -1; } \
+        if (!active() || !tracked(fd)) return REAL(name) args; \
+        ENTER; ret_t r = REAL(name) args; LEAVE_ERR(r < 0); \
+        rec_fold(op, t0, t1, fd, err); \
+        guard = 0; errno = e; return r; \
+    }
+DEF_FOLDOP(off_t, lseek, OP_SEEK, (int fd, off_t o, int w), (fd, o, w))
+DEF_FOLDOP(off64_t, lseek64, OP_SEEK, (int fd, off64_t o, int w), (fd, o, w))
 DEF_FDOP(int, fsync, OP_SYNC, (int fd), (fd), r < 0)
 DEF_FDOP(int, fdatasync, OP_SYNC, (int fd), (fd), r < 0)
-DEF_FDOP(int, fstat, OP_FSTAT, (int fd, struct stat *st), (fd, st), r < 0)
-DEF_FDOP(int, fstat64, OP_FSTAT, (int fd, struct stat64 *st), (fd, st), r < 0)
-DEF_FDOP(int, __fxstat, OP_FSTAT, (int v, int fd, struct stat *st), (v, fd, st), r < 0)
-DEF_FDOP(int, __fxstat64, OP_FSTAT, (int v, int fd, struct stat64 *st), (v, fd, st), r < 0)
+DEF_FOLDOP(int, fstat, OP_FSTAT, (int fd, struct stat *st), (fd, st))
+DEF_FOLDOP(int, fstat64, OP_FSTAT, (int fd, struct stat64 *st), (fd, st))
+DEF_FOLDOP(int, __fxstat, OP_FSTAT, (int v, int fd, struct stat *st), (v, fd, st))
+DEF_FOLDOP(int, __fxstat64, OP_FSTAT, (int v, int fd, struct stat64 *st), (v, fd, st))
 
 /* calls on a path */
 #define DEF_PATH(name, op, params, args) \
@@ -803,7 +843,7 @@ DEF_MMAP(mmap64)
         if (!active()) return REAL(name)(path, mode); \
         ENTER; FILE *f = REAL(name)(path, mode); LEAVE_ERR(f == NULL); \
         rec_path(OP_FOPEN, t0, t1, AT_FDCWD, path, err, 0, f ? fileno(f) : -1); \
-        if (f) track(fileno(f), AT_FDCWD, path); \
+        if (f) { track(fileno(f), AT_FDCWD, path); if (tracked(fileno(f))) fold_fd = fileno(f); } \
         guard = 0; errno = e; return f; \
     }
 DEF_FOPEN(fopen)
@@ -855,7 +895,7 @@ API size_t fwrite(const void *p, size_t sz, size_t n, FILE *f) {
         int fd; \
         if (!active() || !f || !tracked(fd = fileno(f))) return REAL(name) args; \
         ENTER; ret_t r = REAL(name) args; LEAVE_ERR(failed); \
-        if (t1 - t0 >= SLOW_SEEK_NS) rec_fd(OP_SEEK, t0, t1, fd, err, 0); \
+        if (t1 - t0 >= SLOW_SEEK_NS) rec_fold(OP_SEEK, t0, t1, fd, err); \
         guard = 0; errno = e; return r; \
     }
 DEF_FSEEK(int, fseek, (FILE *f, long o, int w), (f, o, w), r != 0)
