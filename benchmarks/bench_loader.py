@@ -138,18 +138,9 @@ def main() -> int:
             (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
         job = tmp / "job.py"
         job.write_text(JOB)
-        loops: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for r in range(a.rounds):
-            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
-            for v in order if r % 2 == 0 else tuple(reversed(order)):
-                run_dir = tmp / f"run-{v}-{r}"
-                p = subprocess.run(_cmd(v, job, run_dir, str(data), str(a.workers), str(a.steps)), env=_env(v),
-                                   capture_output=True, text=True, timeout=600)  # fmt: skip
-                if p.returncode != 0:
-                    print(p.stderr[-3000:], file=sys.stderr)
-                    return 1
-                loops[v].append(float(p.stdout.split("loop ")[1].split()[0]))
-                shutil.rmtree(run_dir, ignore_errors=True)
+        loops = _by_turns(tmp, job, a.rounds, "loop ", str(data), str(a.workers), str(a.steps))
+        if loops is None:
+            return 1
         base = statistics.median(loops["plain"])
         print(f"DataLoader job, {a.workers} workers, {a.steps} steps of 4 samples (one 4 KiB file each), "
               f"{a.rounds} rounds by turns; load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
@@ -176,6 +167,23 @@ def main() -> int:
     return 0
 
 
+def _by_turns(tmp: Path, job: Path, rounds: int, key: str, *args: str) -> dict[str, list[float]] | None:
+    """Each variant's figure (the number after ``key`` in its output) per round, the variants by
+    turns (the order rotates and reverses round by round); None when a run failed."""
+    got: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(rounds):
+        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+        for v in order if r % 2 == 0 else tuple(reversed(order)):
+            run_dir = tmp / f"run-{v}-{r}"
+            p = subprocess.run(_cmd(v, job, run_dir, *args), env=_env(v), capture_output=True, text=True, timeout=600)
+            if p.returncode != 0:
+                print(p.stderr[-3000:], file=sys.stderr)
+                return None
+            got[v].append(float(p.stdout.split(key)[1].split()[0]))
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return got
+
+
 def _per_sample(a: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
     try:
@@ -185,17 +193,9 @@ def _per_sample(a: argparse.Namespace) -> int:
             (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
         job = tmp / "samples.py"
         job.write_text(SAMPLES)
-        got: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for r in range(a.rounds):
-            for v in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-                run_dir = tmp / f"run-{v}-{r}"
-                p = subprocess.run(_cmd(v, job, run_dir, str(data), str(a.samples)), env=_env(v), capture_output=True,
-                                   text=True, timeout=600)  # fmt: skip
-                if p.returncode != 0:
-                    print(p.stderr[-3000:], file=sys.stderr)
-                    return 1
-                got[v].append(float(p.stdout.split("sample ")[1].split()[0]))
-                shutil.rmtree(run_dir, ignore_errors=True)
+        got = _by_turns(tmp, job, a.rounds, "sample ", str(data), str(a.samples))
+        if got is None:
+            return 1
         base = statistics.median(got["plain"])
         print(f"one process's Dataset loop, {a.samples} samples (stat, open, read 4 KiB, close, a tensor), "
               f"process CPU per sample, best of 5, {a.rounds} rounds by turns")  # fmt: skip
