@@ -728,8 +728,8 @@ try:
     open(b, "rb", opener=lambda p, fl: (_ for _ in ()).throw(OSError("no")))  # an event, never a libc call
 except OSError:
     pass
-time.sleep(0.01)
-os.stat(b)  # no site: the failed open's is not taken this late
+time.sleep(0.2)
+os.stat(b)  # no site: the failed open's is not taken this late (50 ms)
 os.remove(b)  # SITE remove
 for _ in range(3):
     pathlib.Path(a).read_bytes()  # SITE lib1
@@ -741,7 +741,8 @@ def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_pat
     """An open, its descriptor's reads and writes, a directory listing and a remove carry the
     program's line (the file hook's wrappers of those few calls name it to the interposer); a
     stat, which gets no wrapper, carries none, and an open that never reached libc leaves its site
-    to no later call. An open made in a library (pathlib) is the line that called it, each time.
+    to no later call (after 50 ms). An open made in a library (pathlib) is the line that called
+    it, each time.
     Checked to fail with the wrappers off and with no time bound on a site."""
     d = tmp_path / "data"
     d.mkdir()

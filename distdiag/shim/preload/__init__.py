@@ -18,7 +18,7 @@ and the file hook records at the Python level, as before). How it comes into a r
   keep precedence). A child started with an explicit ``env=`` built from ``os.environ``
   does not load it.
 * **Which capture.** When the library is loaded and ``DISTDIAG_HOOKS`` says
-  ``preload=1`` (the default: :data:`PRELOAD_DEFAULT`), the file hook installs *none* of its Python-level wrappers (os.stat,
+  ``preload=1`` (the default: :data:`PRELOAD_DEFAULT`), the file hook installs *none* of its recording wrappers (os.stat,
   open, listdir, h5py, ...) and this drainer is the only source of file rows: each call
   is recorded once, by libc, whatever called it (Python, numpy, HDF5, torch's C++).
   Call sites: libc does not know the Python line. The file hook's thin wrappers of the
@@ -45,7 +45,7 @@ with no bytes). An open's row also spans the fstat/lseek calls the same thread m
 next on the new descriptor (Python's ``open()`` is open + fstat + fstat + lseek): one row, as
 the Python hook's. The interposer folds those itself (no slot; the thread's next slot carries
 their end, ``fold_t1``, and the converter moves the thread's pending open's end there); the
-converter still folds any it publishes (after a drain, an open of the same file). ``value`` of the other rows is the call's errno (0: it succeeded).
+converter still folds those it is given (on another descriptor of the same file). ``value`` of the other rows is the call's errno (0: it succeeded).
 ``tid`` is a recorder thread id given to each OS thread the calls came from.
 """
 

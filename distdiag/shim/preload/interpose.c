@@ -94,7 +94,8 @@ static TLS int muted;
  * by the thread's next recorded call on a path if it is that very path string and comes within
  * SITE_NS (a call that never reached libc, e.g. an opener that raised, leaves none for a later
  * one); site_last: what the last recorded call took. */
-#define SITE_NS 2000000
+#define SITE_NS 50000000 /* 50 ms of wall-clock: a loaded core preempts for a timeslice or more
+                            * between the wrapper and the call (2 ms lost sites there) */
 static TLS int32_t site_next;
 static TLS int64_t site_t;
 static TLS char site_path[PATH_CAP];
