@@ -183,11 +183,11 @@ def _accesses(meta: np.ndarray, dur: np.ndarray, fd_ids: np.ndarray) -> tuple[np
     return idx, np.bincount(idx, weights=dur.astype(np.float64)) / calls_of(meta[first])
 
 
-def _imports(run: Any, name_id: np.ndarray) -> bool:
-    """Most of these calls' distinct files are Python modules: an import storm (one process's, too:
-    at scale every rank imports the same files at once)."""
+def _import_share(run: Any, name_id: np.ndarray) -> float:
+    """The share of these calls' distinct files that are Python modules; from 0.5 the calls are an
+    import storm (one process's, too: at scale every rank imports the same files at once)."""
     names = np.asarray(run.strings, dtype=object)[np.unique(name_id)].astype(str)
-    return bool(len(names)) and float(pd.Series(names).str.endswith(_IMPORT_SUFFIXES).mean()) >= 0.5
+    return float(pd.Series(names).str.endswith(_IMPORT_SUFFIXES).mean()) if len(names) else 0.0
 
 
 def _windows(hot: np.ndarray, gap_bins: int) -> list[tuple[int, int]]:
@@ -307,7 +307,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             # with no call in company the latency cannot have grown with concurrency (a window of a
             # loaded machine is slower than the run's median, alone as well)
             ratio = lat_crowd_ms / lat_alone_ms if lat_alone_ms > 0 and crowd.any() else 1.0
-            if not crowd.any() and not _imports(run, meta["name_id"][in_w]):
+            if not crowd.any() and _import_share(run, meta["name_id"][in_w]) < 0.5:
                 continue  # one process's calls at its own pace, never two at once: io_bound's, no storm
             if fstype in LOCAL_FSTYPES:
                 if lat_ms < local_slow_ms:
@@ -353,8 +353,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         sel = meta[sel_all]
         w_sel = n_of[sel_all]
         top_dirs, top_files = _top_paths(run, sel["name_id"], sel["t1_ns"] - sel["t0_ns"], w_sel, top)
-        names = np.asarray(run.strings, dtype=object)[np.unique(sel["name_id"])].astype(str)
-        import_share = float(pd.Series(names).str.endswith(_IMPORT_SUFFIXES).mean()) if len(names) else 0.0
+        import_share = _import_share(run, sel["name_id"])
         kinds = {Kind(int(k)).name.removeprefix("FILE_").lower(): int(w_sel[sel["kind"] == k].sum()) for k in np.unique(sel["kind"])}
         w_rows.sort(key=lambda w: -w["cost_s"])
         w = w_rows[0]
