@@ -2,7 +2,8 @@
 
 ``distdiag/shim/preload/interpose.c`` is the LD_PRELOAD interposer for libc file calls
 (see distdiag/shim/preload/__init__.py), ``_binding.c`` the module the shim calls it
-through. The interposer is built as a setuptools extension for the
+through; ``distdiag/shim/_hot.c`` the mpi4py hook's wrappers of blocking calls and the
+recorder's per-thread buffer. The interposer is built as a setuptools extension for the
 compiler and flags setuptools knows, but it is no Python module (no PyInit; it is loaded
 by the dynamic loader, never imported). ``optional=True``: a machine without a compiler,
 or where it does not build, still installs, and the file hook records at the Python level.
@@ -25,6 +26,15 @@ setup(
             "distdiag.shim.preload._binding",
             sources=["distdiag/shim/preload/_binding.c"],
             extra_link_args=["-ldl"],
+            optional=True,
+        ),
+        # the recorder's thread buffer and the mpi4py hook's blocking-call wrappers in C
+        # (distdiag/shim/_hot.c); without it the same objects are pure Python
+        Extension(
+            "distdiag.shim._hot",
+            sources=["distdiag/shim/_hot.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Werror=implicit-function-declaration",
+                                "-Werror=int-conversion", "-Werror=incompatible-pointer-types"],
             optional=True,
         ),
     ],

@@ -1,6 +1,6 @@
 """Interception cost of the mpi4py hook: ns added per call, side by side in one run.
 
-    mpiexec -n 2 python benchmarks/bench_intercept.py [--rounds 15] [--scale 1.0]
+    mpiexec -n 2 python benchmarks/bench_intercept.py [--rounds 15] [--scale 1.0] [--python-wrappers]
     python benchmarks/bench_intercept.py --compare /tmp/old-worktree [--blocks 4] [--rounds 5] [--scale 0.5]
 
 (Without mpiexec it re-launches itself under ``mpiexec -n 2``.)
@@ -54,6 +54,8 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the calls per block")
     ap.add_argument("--compare", metavar="TREE", help="also measure the source tree TREE, in alternating blocks")
     ap.add_argument("--blocks", type=int, default=4, help="with --compare: mpiexec runs per tree")
+    ap.add_argument("--python-wrappers", action="store_true",
+                    help="the hook's Python wrappers for every call, not the C ones (distdiag/shim/_hot.c)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # rank 0 prints one JSON line (--compare's child)
     a = ap.parse_args()
     if a.compare:
@@ -66,6 +68,8 @@ def main() -> int:
     from distdiag.shim.hooks import mpi4py as hook
     from distdiag.shim.recorder import Recorder
 
+    if a.python_wrappers:
+        hook._USE_C = False
     rec = Recorder()
     hook.install(rec, None)
     from mpi4py import MPI
@@ -121,6 +125,7 @@ def main() -> int:
         hook.uninstall()
         return 0
     print(f"# mpi4py hook interception cost: mpiexec -n 2, {a.rounds} rounds, per-call ns")
+    print(f"# blocking calls' wrappers: {type(type(wrapped_self).Barrier).__name__} ({'C, distdiag/shim/_hot.c' if getattr(hook, '_HOT', None) is not None and hook._USE_C else 'Python'})")
     print(f"# rows recorded on rank 0: {sum(tb.n for tb in rec.buffers)} in the open chunk, lost_events={rec.lost_events}")
     print(f"# load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs inflate every figure)")
     print("# wall: perf_counter per call; cpu: this thread's CPU time per call (less sensitive to being descheduled)")
@@ -155,11 +160,16 @@ def _breakdown(hook: Any, rec: Any, plain: Any, wrapped: Any, n: int, rounds: in
     empty = cpu_per_call(lambda: None)
     base = cpu_per_call(plain.Barrier)
     full = cpu_per_call(wrapped.Barrier)
-    hook._rec = None  # the wrapper passes straight through: what the Python layer alone costs
+    hot = getattr(hook, "_HOT", None)  # None: no C wrappers (or a tree from before them)
+    hook._rec = None  # the wrapper passes straight through: what its call and check alone cost
+    if hot is not None:
+        hot.uninstall()  # the C wrappers' recorder
     try:
         through = cpu_per_call(wrapped.Barrier)
     finally:
         hook._rec = rec
+        if hot is not None:
+            hot.install(rec, hook._oops)
     enter_leave = cpu_per_call(lambda: (rec.enter(1, 2, 3, 4, -1, 0, 0, 0), rec.leave())) - empty
     site = cpu_per_call(lambda: rec.site(1)) - empty
     return {"empty": empty, "added": full - base, "pass_through": through - base, "enter_leave": enter_leave, "site": site}
@@ -191,7 +201,7 @@ def _compare(a: argparse.Namespace) -> int:
         for label in (("new", "old") if blk % 2 == 0 else ("old", "new")):
             env = dict(os.environ, PYTHONPATH=trees[label], DISTDIAG_BENCH_CHILD="1")
             cmd = [mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__), "--json",
-                   "--rounds", str(a.rounds), "--scale", str(a.scale)]  # fmt: skip
+                   "--rounds", str(a.rounds), "--scale", str(a.scale)] + (["--python-wrappers"] if a.python_wrappers else [])  # fmt: skip
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=trees[label])
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("BENCH_JSON ")), None)
             if p.returncode != 0 or line is None:

@@ -10,6 +10,7 @@ the straggler case is its own run.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -70,8 +71,8 @@ class RankOut:
         return {(self.s(c), int(q)): self.s(n) for c, q, n in zip(r["comm_id"], r["seq"], r["name_id"])}
 
 
-def _job(tmp: Path, *args: str) -> list[RankOut]:
-    _run([_mpiexec(), "-n", str(NP), sys.executable, str(JOBS / "mpi_hook_job.py"), str(tmp), *args])
+def _job(tmp: Path, *args: str, env: dict[str, str] | None = None) -> list[RankOut]:
+    _run([_mpiexec(), "-n", str(NP), sys.executable, str(JOBS / "mpi_hook_job.py"), str(tmp), *args], env=env)
     return [RankOut(tmp, r) for r in range(NP)]
 
 
@@ -88,6 +89,12 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> list[RankOut]:
 @pytest.fixture(scope="module")
 def generic(tmp_path_factory: pytest.TempPathFactory) -> list[RankOut]:
     return _job(tmp_path_factory.mktemp("generic"), "--generic")
+
+
+@pytest.fixture(scope="module")
+def pywrapped(tmp_path_factory: pytest.TempPathFactory) -> list[RankOut]:
+    """The hook without distdiag/shim/_hot.c: what a machine without a compiler runs."""
+    return _job(tmp_path_factory.mktemp("pywrapped"), env=dict(os.environ, DISTDIAG_HOT="0"))
 
 
 # -- matching keys ------------------------------------------------------------------------
@@ -375,16 +382,88 @@ def test_install_after_import_swaps_the_module_attributes_and_uninstall_puts_the
     assert n1 == n0 + 1 and n2 == n1
 
 
+_GUEST = """
+import json, logging, time, threading
+from distdiag.shim.recorder import Recorder, HOT
+from distdiag.shim.hooks import mpi4py as hook
+logging.basicConfig(level=logging.DEBUG, format="LOG %(message)s")
+rec = Recorder()
+hook.install(rec, None)
+from mpi4py import MPI
+c = MPI.COMM_SELF
+out = {"wrapper": type(type(c).__dict__["Barrier"]).__name__}
+rows = lambda: sum(tb.n for tb in rec.buffers)
+a = time.perf_counter_ns(); b = HOT.now_ns(); d = time.perf_counter_ns()
+out["clock"] = a <= b <= d  # the rows' clock is the other hooks' (time.perf_counter_ns)
+# the call's own error passes through as it is, and its row is still written
+n0 = rows()
+try:
+    c.Bcast(bytearray(4), root=5)
+except MPI.Exception as e:
+    out["error"] = [type(e).__module__, e.Get_error_class()]
+for comm, key in ((c, "type_error"), (hook._saved["COMM_SELF"], "plain_type_error")):
+    try:
+        comm.Barrier(1)
+    except TypeError as e:
+        out[key] = str(e)
+out["rows_after_errors"] = rows() - n0
+# distdiag's own failure (a communicator state it cannot read) costs the call nothing, records nothing
+saved, c._dd = c._dd, object()
+n0 = rows()
+c.Barrier(); c.Barrier()
+out["broken_state"] = rows() - n0
+c._dd = saved
+# a thread's rows: its own buffer, its own tid
+t = threading.Thread(target=lambda: [c.Barrier() for _ in range(3)]); t.start(); t.join()
+out["threads"] = sorted({tb.tid for tb in rec.buffers if tb.n})
+print(json.dumps(out))
+"""
+
+
+def test_c_wrapper_passes_errors_through_and_survives_its_own_failures() -> None:
+    from distdiag.shim.recorder import HOT
+
+    if HOT is None:
+        pytest.skip("distdiag.shim._hot is not built here")
+    p = _run([sys.executable, "-c", _GUEST])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["wrapper"] == "Call" and out["clock"]
+    assert out["error"] == ["mpi4py.MPI", 7]  # MPI_ERR_ROOT, mpi4py's own class, as without us
+    assert out["type_error"] == out["plain_type_error"]  # mpi4py's own message: the C wrapper has no signature
+    assert out["rows_after_errors"] == 2  # both calls recorded, as the generic Python wrappers do
+    assert out["broken_state"] == 0
+    assert "bookkeeping failed in Barrier" in p.stderr and p.stderr.count("bookkeeping failed in Barrier") == 1
+    assert len(out["threads"]) == 2
+
+
+def _row_facts(r: RankOut) -> list[tuple[Any, ...]]:
+    """A rank's rows without their times, strings resolved, sorted."""
+    assert r.ev is not None
+    return sorted(
+        (int(e["kind"]), r.s(e["name_id"]), r.s(e["comm_id"]), int(e["seq"]), int(e["peer"]), int(e["nbytes"]), r.s(e["aux"]) if e["kind"] != Kind.COMM_CREATE else int(e["aux"]), r.s(e["site_id"]), int(e["tid"]))
+        for e in r.ev
+    )
+
+
 def test_generic_fallback_wrappers_record_the_same_rows(wrapped: list[RankOut], generic: list[RankOut]) -> None:
     """The (*args, **kw) wrappers used when mpi4py's signatures differ: same rows as the generated ones."""
-
-    def rows(r: RankOut) -> list[tuple[Any, ...]]:
-        assert r.ev is not None
-        return sorted(
-            (int(e["kind"]), r.s(e["name_id"]), r.s(e["comm_id"]), int(e["seq"]), int(e["peer"]), int(e["nbytes"]), r.s(e["aux"]) if e["kind"] != Kind.COMM_CREATE else int(e["aux"]), r.s(e["site_id"]))
-            for e in r.ev
-        )
-
     for w, g in zip(wrapped, generic):
         assert w.results == g.results
-        assert rows(w) == rows(g)
+        assert _row_facts(w) == _row_facts(g)
+
+
+def test_c_wrappers_record_the_rows_the_python_wrappers_record(wrapped: list[RankOut], pywrapped: list[RankOut]) -> None:
+    """Blocking collectives and sends go through distdiag/shim/_hot.c where it is built: the
+    same rows, results and call sites as without it (DISTDIAG_HOT=0: the template's Python
+    wrappers and a pure-Python thread buffer), and times in order."""
+    from distdiag.shim.recorder import HOT
+
+    if HOT is None:
+        pytest.skip("distdiag.shim._hot is not built here: every wrapper is the Python one")
+    assert [w.meta["barrier_wrapper"] for w in wrapped] == ["Call"] * NP  # the C path really ran
+    assert [p.meta["barrier_wrapper"] for p in pywrapped] == ["function"] * NP
+    for w, p in zip(wrapped, pywrapped):
+        assert w.results == p.results
+        assert _row_facts(w) == _row_facts(p)
+        assert w.ev is not None
+        assert (w.ev["t1_ns"] >= w.ev["t0_ns"]).all() and (w.ev["t0_ns"] > 0).all()

@@ -35,13 +35,16 @@ rank dies inside the call); after it set ``tb.cur = None``, then ``n =
 tb.n``, ``if n >= tb.cap: n = rec._rotate(tb)``, ``pack_row(tb.buf, n *
 ROW_SIZE, t0, t1, ...)`` and last ``tb.n = n + 1`` (the publish).
 :meth:`enter`/:meth:`leave` do the same in two calls and stay for the
-other hooks.
+other hooks. The C wrappers (``distdiag/shim/_hot.c``) follow the same
+protocol on the same buffer, but mark their open call in C fields
+(``ccur``) instead of ``cur``: no tuple per call.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import os
 import struct
 import sys
 import threading
@@ -111,8 +114,8 @@ class _Alive:
     __slots__ = ("__weakref__",)
 
 
-class ThreadBuffer:
-    """One thread's current chunk and the call it is inside of (if any)."""
+class _PyThreadBufferBase:
+    """ThreadBuffer's state where the C module (distdiag.shim._hot.TBBase) is not built."""
 
     __slots__ = ("buf", "n", "cap", "tid", "cur", "spans", "alive")
 
@@ -128,6 +131,41 @@ class ThreadBuffer:
         #: weak reference to the owning thread's _Alive marker; None: no thread owns
         #: the buffer (see Recorder.shared_buffer), it is never pruned
         self.alive = alive
+
+    #: the call a C wrapper is inside of: never, without the C module
+    ccur: tuple[Any, ...] | None = None
+
+
+def _load_hot() -> Any:
+    """distdiag.shim._hot (the C hot path), or None where it is not built, writes other rows,
+    or ``DISTDIAG_HOT=0`` asks for the pure-Python twins (what a machine without a compiler runs)."""
+    if os.environ.get("DISTDIAG_HOT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from distdiag.shim import _hot  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    probe = (-2, 2**62, 255, -(2**31), 2**31 - 1, -1, 7, 2**40, 3, 12, 5, 0.0)
+    if _hot.ROW_SIZE != ROW_SIZE or _hot.pack(*probe) != _ROW.pack(*probe):
+        return None
+    return _hot
+
+
+#: the C hot path (distdiag/shim/_hot.c), or None: the same objects in pure Python
+HOT: Any = _load_hot()
+
+
+class ThreadBuffer(HOT.TBBase if HOT is not None else _PyThreadBufferBase):  # type: ignore[misc]
+    """One thread's current chunk and the call it is inside of (if any).
+
+    Fields (C or Python, the same): ``buf`` the chunk, ``n`` its rows written, ``cap``
+    its rows, ``tid``, ``cur`` the blocking call a Python hook is inside of (a row tuple
+    with t1 = -1, or None), ``ccur`` the one a C wrapper (distdiag/shim/_hot.c) is inside
+    of (read-only: built from its fields when asked), ``spans`` the open spans (``distdiag.phase``) outermost
+    first, ``alive`` a weak reference to the owning thread's _Alive marker (None: no
+    thread owns the buffer, see Recorder.shared_buffer; it is never pruned)."""
+
+    __slots__ = ()
 
     @property
     def dead(self) -> bool:
@@ -487,7 +525,7 @@ class Recorder:
 
     def inflight_tuples(self) -> list[tuple[Any, ...]]:
         """The calls and spans threads are inside of now, as row tuples (t1 = -1)."""
-        rows = [tb.cur for tb in list(self.buffers) if tb.cur is not None]
+        rows = [c for tb in list(self.buffers) for c in (tb.cur, tb.ccur) if c is not None]
         return rows + [r for tb in list(self.buffers) for r in list(tb.spans)]
 
     def inflight_rows(self) -> Any:

@@ -66,7 +66,7 @@ def main() -> int:
     def tname(o: object) -> str:
         return f"{type(o).__module__}.{type(o).__name__}"
 
-    meta: dict[str, object] = {"world_type": tname(comm)}
+    meta: dict[str, object] = {"world_type": tname(comm), "barrier_wrapper": type(type(comm).__dict__.get("Barrier")).__name__}
 
     # a rank that is late to a collective; an aligning barrier first, so the
     # ranks' uneven start-up on a loaded machine does not blur the lateness

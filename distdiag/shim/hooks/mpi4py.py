@@ -66,8 +66,12 @@ Pickling, ``copy`` and ``type(comm)`` as without us: see the "pickling" section.
 
 Wrappers are generated from one template with the wrapped method's own
 signature (see :func:`_make`), falling back to ``(*args, **kw)`` ones from
-the same template if a signature is not what we expect. Cost:
-``benchmarks/bench_intercept.py``. Bookkeeping never raises into the
+the same template if a signature is not what we expect. Blocking collectives
+and blocking sends are C wrappers (``distdiag/shim/_hot.c``, :func:`_make_c`)
+where that module is built: the template's work in C, with the payload's
+peer/bytes/datatype from a generated Python ``prep`` for calls that carry one;
+the same rows (tests/test_mpi_hook.py compares them with ``DISTDIAG_HOT=0``).
+Cost: ``benchmarks/bench_intercept.py``. Bookkeeping never raises into the
 program; results and exceptions of the MPI calls pass through.
 
 Not recorded: persistent (``*_init``) and partitioned requests,
@@ -91,6 +95,7 @@ from typing import Any, Callable
 
 from distdiag.schema import Kind
 from distdiag.shim import hooks as _hooks
+from distdiag.shim.recorder import HOT as _HOT
 from distdiag.shim.recorder import ROW_SIZE as _ROW_SIZE
 from distdiag.shim.recorder import now_ns
 from distdiag.shim.recorder import pack_row as _pack
@@ -158,18 +163,26 @@ def _nid(name: str) -> int:
 _warned: set[str] = set()
 
 
-def _oops(where: str) -> None:
-    """Bookkeeping failed: log once per place, never raise into the program."""
+def _oops(where: str, exc: BaseException | None = None) -> None:
+    """Bookkeeping failed: log once per place, never raise into the program.
+
+    ``exc``: the failure, from the C wrappers (distdiag/shim/_hot.c); else the one being handled."""
     if where not in _warned:
         _warned.add(where)
-        log.debug("distdiag: mpi4py hook bookkeeping failed in %s", where, exc_info=True)
+        log.debug("distdiag: mpi4py hook bookkeeping failed in %s", where, exc_info=exc or True)
 
 
 # -- per-communicator state ------------------------------------------------------
-class _CommState:
+class _PyCommStateBase:
+    """_CommState's hot fields where the C module (distdiag.shim._hot.CSBase) is not built."""
+
+    __slots__ = ("kid", "rec", "seq")
+
+
+class _CommState(_HOT.CSBase if _HOT is not None else _PyCommStateBase):  # type: ignore[misc]
     """What we know about one communicator on this rank."""
 
-    __slots__ = ("key", "kid", "rec", "seq", "ncreate", "nsub")
+    __slots__ = ("key", "ncreate", "nsub")
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -184,7 +197,7 @@ class _CommState:
     def bind(self, rec: Any) -> int:
         self.kid = rec.intern(self.key)
         self.rec = rec
-        return self.kid
+        return self.kid  # type: ignore[no-any-return]
 
 
 def _kid(st: _CommState, rec: Any) -> int:
@@ -409,6 +422,10 @@ def _finish_wrapper(wrapper: Callable[..., Any], name: str, orig: Callable[..., 
     return wrapper
 
 
+#: blocking collectives and sends get the C wrappers (distdiag/shim/_hot.c) where it is built;
+#: False: the template's Python wrappers for every call (the tests compare the two's rows)
+_USE_C = True
+
 _IN_PLACE: Any = None  # MPI.IN_PLACE, set when the module is hooked
 _Status: Any = None  # MPI.Status, likewise
 _getframe = sys._getframe
@@ -577,6 +594,8 @@ def _make(name: str, orig: Callable[..., Any], kind: int, spec: _CollSpec, *, ge
     lines = _payload_src(spec, at, peer_default)
     if lines is None:
         return None
+    if kind in (COLL, SEND) and _USE_C and _HOT is not None:
+        return _make_c(name, orig, kind, seq, lines, ps)
     if seq:
         lines = _SEQ.split("\n") + lines
     if spec[0] is None and not seq:  # recv/irecv(buf=None): the size is known on return / at completion
@@ -601,13 +620,7 @@ def _make(name: str, orig: Callable[..., Any], kind: int, spec: _CollSpec, *, ge
         opened, call = _OPEN_ROW, (_CALL_RECV.format(nb_after=nb_after) if kind == RECV else _CALL_BLOCKING)
     body = _TEMPLATE.format(prepare=_indent(lines), open=opened, call=call)
     body = body.replace("KIND", str(kind)).replace("SEQ", "seq" if seq else "-1")
-    if ps is None:
-        sig = call_args = "self, *args, **kw"
-        defaults: dict[str, Any] = {}
-    else:
-        defaults = {f"_d{i}": p.default for i, p in enumerate(ps) if p.default is not inspect.Parameter.empty}
-        sig = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}=_d{i}" for i, p in enumerate(ps))
-        call_args = ", ".join(p.name for p in ps)
+    sig, call_args, defaults = _signature(ps)
     free = ["orig", "cell", "NAME", "sites", *defaults]
     src = f"def _factory({', '.join(free)}):\n    def {name}({sig}):\n" + body.replace("CALL", call_args) + f"\n    return {name}\n"
     ns: dict[str, Any] = {}
@@ -616,6 +629,37 @@ def _make(name: str, orig: Callable[..., Any], kind: int, spec: _CollSpec, *, ge
     _site_caches.append(sites)
     fn = ns["_factory"](orig, _name_cell(name), name, sites, *defaults.values())
     return _finish_wrapper(fn, name, orig)
+
+
+def _signature(ps: list[inspect.Parameter] | None) -> tuple[str, str, dict[str, Any]]:
+    """(parameter list, call arguments, default values by name) of a generated function."""
+    if ps is None:
+        return "self, *args, **kw", "self, *args, **kw", {}
+    defaults = {f"_d{i}": p.default for i, p in enumerate(ps) if p.default is not inspect.Parameter.empty}
+    sig = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}=_d{i}" for i, p in enumerate(ps))
+    return sig, ", ".join(p.name for p in ps), defaults
+
+
+#: a call without payload: no ``prep`` function (the C wrapper writes these values itself)
+_NO_PAYLOAD = ["peer = -1", "nb = 0", "aux = 0"]
+
+
+def _make_c(name: str, orig: Callable[..., Any], kind: int, seq: bool, lines: list[str],
+            ps: list[inspect.Parameter] | None) -> Callable[..., Any]:  # fmt: skip
+    """The C wrapper (distdiag/shim/_hot.c) of a blocking collective or send.
+
+    It does what the template's blocking wrapper does, in C; the payload's ``peer, nb,
+    aux`` come from ``prep``, compiled from the template's own lines with the method's
+    signature (None for a call without payload)."""
+    prep = None
+    if lines != _NO_PAYLOAD:
+        sig, _, defaults = _signature(ps)
+        src = (f"def _factory({', '.join(defaults)}):\n    def {name}({sig}):\n" + _indent(lines, 8)
+               + f"\n        return peer, nb, aux\n    return {name}\n")  # fmt: skip
+        ns: dict[str, Any] = {}
+        exec(compile(src, f"<distdiag mpi4py payload {name}>", "exec"), globals(), ns)
+        prep = ns["_factory"](*defaults.values())
+    return _finish_wrapper(_HOT.Call(orig, name, kind, seq, prep), name, orig)
 
 
 def _wrap_coll(name: str, orig: Callable[..., Any], spec: _CollSpec, blocking: bool) -> Callable[..., Any]:
@@ -1314,6 +1358,8 @@ def install(rec: Any, cfg: Any = None) -> None:
     for sites in _site_caches:  # site ids belong to a recorder
         sites.clear()
     _rec = rec
+    if _HOT is not None:
+        _HOT.install(rec, _oops)  # the C wrappers' recorder (their cached ids expire)
     _hooks.when_imported("numpy", _on_numpy)
     _hooks.when_imported(_MODULE, _on_import)
 
@@ -1327,6 +1373,8 @@ def uninstall() -> None:
     global _rec, _mpi, _world_group, _reduce_registered
     with _lock:
         _rec = None
+        if _HOT is not None:
+            _HOT.uninstall()
         try:
             for mod, cb0 in ((_MODULE, _on_import), ("numpy", _on_numpy)):
                 waiting = _hooks._waiting.get(mod)
