@@ -734,20 +734,28 @@ os.remove(b)  # SITE remove
 for _ in range(3):
     pathlib.Path(a).read_bytes()  # SITE lib1
 pathlib.Path(a).read_bytes()  # SITE lib2
+print("OPEN", type(open).__name__)
 """
 
 
-def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hot", ["1", "0"], ids=["c_site_wrappers", "python_site_wrappers"])
+def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_path: Path, hot: str) -> None:
     """An open, its descriptor's reads and writes, a directory listing and a remove carry the
     program's line (the file hook's wrappers of those few calls name it to the interposer); a
     stat, which gets no wrapper, carries none, and an open that never reached libc leaves its site
     to no later call (after 50 ms). An open made in a library (pathlib) is the line that called
-    it, each time.
+    it, each time. The same with the wrappers in C (distdiag/shim/_hot.c, where built: the str
+    paths here) and in Python (DISTDIAG_HOT=0; and pathlib's, keyword or opener calls always).
     Checked to fail with the wrappers off and with no time bound on a site."""
+    from distdiag.shim.recorder import HOT
+
+    if hot == "1" and HOT is None:
+        pytest.skip("distdiag.shim._hot is not built here")
     d = tmp_path / "data"
     d.mkdir()
-    p = wrap(tmp_path, SITES, str(d))
+    p = wrap(tmp_path, SITES, str(d), env=_env(DISTDIAG_HOT=hot))
     assert p.returncode == 0, p.stderr
+    assert f"OPEN {'SiteCall' if hot == '1' else 'function'}" in p.stdout
     lines = {ln.split("# SITE ")[1]: f"{tmp_path / 'prog.py'}:{i + 1}"
              for i, ln in enumerate(SITES.splitlines()) if "# SITE " in ln}  # fmt: skip
     with h5py.File(tmp_path / "run" / "rank-00000.h5", "r") as f:

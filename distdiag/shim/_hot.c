@@ -67,6 +67,15 @@ static void pack(char *p, int64_t t0, int64_t t1, int kind, int32_t nid, int32_t
     PUT(p, 61, value, double);
 }
 
+/* a frame's f_lasti, as Python code reads it (the bytecode offset) */
+static int frame_lasti(PyFrameObject *f) {
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else
+    return f->f_lasti * 2;
+#endif
+}
+
 static int fits32(long long v) { return v >= INT32_MIN && v <= INT32_MAX; }
 
 /* -- TBBase ------------------------------------------------------------------------------ */
@@ -284,11 +293,7 @@ static int site_of_caller(Call *w, long long *out) {
         return 0;
     }
     PyCodeObject *code = PyFrame_GetCode(f); /* new reference */
-#if PY_VERSION_HEX >= 0x030B0000
-    int lasti = PyFrame_GetLasti(f);
-#else
-    int lasti = f->f_lasti * 2; /* the f_lasti attribute's byte offset */
-#endif
+    int lasti = frame_lasti(f);
     size_t h = (((uintptr_t)code >> 4) ^ (size_t)lasti * 2654435761u) % NSITES;
     struct site *s = &w->sites[h];
     if (s->gen == g_gen && s->code == (PyObject *)code && s->lasti == lasti) {
@@ -540,6 +545,172 @@ static PyTypeObject CallType = {
     .tp_getset = call_getset,
 };
 
+/* -- SiteCall: a path call that names its call site to the libc interposer ----------------------
+ *
+ * fileio._wrap_site's fast path in C: for ``open(path[, mode])``, ``os.open(path, ...)``,
+ * ``os.scandir(path)``... with ``path`` a str or bytes, the caller's file:line (the wrapper's
+ * ``sites`` cache, as fileio._cached_site reads it; a miss asks fileio._site_from, which fills
+ * it), then ``put(site, path)`` (the interposer's dd_site, through _binding.site), then the
+ * original. Any other call (another path type, keyword arguments or a buffering argument to
+ * open, warnings that must point at the program's line) goes to the Python wrapper ``py``,
+ * which does all of it as before. */
+static int g_sites_on; /* fileio recording with the interposer: sites are named */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *orig, *py, *sites, *site_from, *put, *dict;
+    vectorcallfunc vectorcall;
+    int is_open, warn_encoding;
+} SiteCall;
+
+static int cached_site(SiteCall *w, PyFrameObject *f, long *out) {
+    PyCodeObject *code = PyFrame_GetCode(f);
+    PyObject *key = PyLong_FromLong(frame_lasti(f));
+    if (key == NULL) {
+        Py_DECREF(code);
+        return -1;
+    }
+    PyObject *s = PyDict_GetItemWithError(w->sites, key); /* borrowed */
+    Py_DECREF(key);
+    int hit = 0;
+    if (s != NULL && PyTuple_Check(s) && PyTuple_GET_SIZE(s) == 4 && PyTuple_GET_ITEM(s, 0) == (PyObject *)code) {
+        PyObject *via = PyTuple_GET_ITEM(s, 2);
+        if (via == Py_None) {
+            hit = 1;
+        } else {
+            PyFrameObject *b = PyFrame_GetBack(f); /* new reference */
+            if (b != NULL) {
+                PyCodeObject *bc = PyFrame_GetCode(b);
+                long want = PyLong_AsLong(PyTuple_GET_ITEM(s, 3));
+                hit = (PyObject *)bc == via && want == frame_lasti(b);
+                Py_DECREF(bc);
+                Py_DECREF(b);
+            }
+        }
+        if (hit) *out = PyLong_AsLong(PyTuple_GET_ITEM(s, 1));
+    }
+    Py_DECREF(code);
+    if (PyErr_Occurred()) return -1;
+    if (hit) return 0;
+    PyObject *r = PyObject_CallFunctionObjArgs(w->site_from, (PyObject *)f, w->sites, NULL);
+    if (r == NULL) return -1;
+    *out = PyLong_AsLong(r);
+    Py_DECREF(r);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *sitecall_vectorcall(SiteCall *w, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *path = nargs ? args[0] : NULL;
+    int plain = path != NULL && (PyUnicode_CheckExact(path) || PyBytes_CheckExact(path));
+    int fast = plain && (!w->is_open || (kwnames == NULL && nargs <= 2 && !w->warn_encoding));
+    if (!fast) return PyObject_Vectorcall(w->py, args, nargsf, kwnames);
+    if (g_sites_on) {
+        PyFrameObject *f = PyEval_GetFrame(); /* borrowed: the caller's */
+        long site;
+        if (f != NULL && cached_site(w, f, &site) == 0) {
+            PyObject *sv = PyLong_FromLong(site);
+            if (sv != NULL) {
+                PyObject *pargs[2] = {sv, path};
+                PyObject *r = PyObject_Vectorcall(w->put, pargs, 2, NULL);
+                Py_XDECREF(r);
+                Py_DECREF(sv);
+            }
+        }
+        PyErr_Clear(); /* naming the site is distdiag's business: never the program's error */
+    }
+    return PyObject_Vectorcall(w->orig, args, nargsf, kwnames);
+}
+
+static int sitecall_traverse(SiteCall *self, visitproc visit, void *arg) {
+    Py_VISIT(self->orig);
+    Py_VISIT(self->py);
+    Py_VISIT(self->sites);
+    Py_VISIT(self->site_from);
+    Py_VISIT(self->put);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int sitecall_clear(SiteCall *self) {
+    Py_CLEAR(self->orig);
+    Py_CLEAR(self->py);
+    Py_CLEAR(self->sites);
+    Py_CLEAR(self->site_from);
+    Py_CLEAR(self->put);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void sitecall_dealloc(SiteCall *self) {
+    PyObject_GC_UnTrack(self);
+    sitecall_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *sitecall_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *names[] = {"orig", "py", "sites", "site_from", "put", "is_open", "warn_encoding", NULL};
+    PyObject *orig, *py, *sites, *site_from, *put;
+    int is_open, warn_encoding;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO!OOpp", names, &orig, &py, &PyDict_Type, &sites, &site_from, &put,
+                                     &is_open, &warn_encoding))
+        return NULL;
+    if (!PyCallable_Check(orig) || !PyCallable_Check(py) || !PyCallable_Check(site_from) || !PyCallable_Check(put)) {
+        PyErr_SetString(PyExc_TypeError, "orig, py, site_from and put must be callable");
+        return NULL;
+    }
+    SiteCall *self = (SiteCall *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->orig = Py_NewRef(orig);
+    self->py = Py_NewRef(py);
+    self->sites = Py_NewRef(sites);
+    self->site_from = Py_NewRef(site_from);
+    self->put = Py_NewRef(put);
+    self->is_open = is_open;
+    self->warn_encoding = warn_encoding;
+    self->vectorcall = (vectorcallfunc)sitecall_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyObject *sitecall_reduce(PyObject *self, PyObject *noargs) {
+    /* pickled by name, as the builtin it stands for (pickle finds it in its __module__) */
+    return PyObject_GetAttrString(self, "__qualname__");
+}
+
+static PyMethodDef sitecall_methods[] = {
+    {"__reduce__", sitecall_reduce, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyGetSetDef sitecall_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject SiteCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "distdiag.shim._hot.SiteCall",
+    .tp_basicsize = sizeof(SiteCall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "SiteCall(orig, py, sites, site_from, put, is_open, warn_encoding): a path call naming its site.",
+    .tp_new = sitecall_new,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(SiteCall, vectorcall),
+    .tp_dictoffset = offsetof(SiteCall, dict),
+    .tp_traverse = (traverseproc)sitecall_traverse,
+    .tp_clear = (inquiry)sitecall_clear,
+    .tp_dealloc = (destructor)sitecall_dealloc,
+    .tp_methods = sitecall_methods,
+    .tp_getset = sitecall_getset,
+};
+
+static PyObject *m_file_sites(PyObject *mod, PyObject *on) {
+    int v = PyObject_IsTrue(on);
+    if (v < 0) return NULL;
+    g_sites_on = v;
+    Py_RETURN_NONE;
+}
+
 /* -- module functions ---------------------------------------------------------------------- */
 static PyObject *m_install(PyObject *mod, PyObject *args) {
     PyObject *rec, *oops_fn;
@@ -595,13 +766,16 @@ static PyMethodDef methods[] = {
     {"uninstall", m_uninstall, METH_NOARGS, "the wrappers pass every call straight through"},
     {"now_ns", m_now_ns, METH_NOARGS, "the wrappers' clock (time.perf_counter_ns's)"},
     {"pack", m_pack, METH_VARARGS, "the bytes of one row as the wrappers write it"},
+    {"file_sites", m_file_sites, METH_O, "file_sites(on): SiteCall objects name call sites (or only call through)"},
     {NULL},
 };
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_hot", "The shim's hot path in C (see _hot.c).", -1, methods};
 
 PyMODINIT_FUNC PyInit__hot(void) {
-    if (PyType_Ready(&TBType) < 0 || PyType_Ready(&CSType) < 0 || PyType_Ready(&CallType) < 0) return NULL;
+    if (PyType_Ready(&TBType) < 0 || PyType_Ready(&CSType) < 0 || PyType_Ready(&CallType) < 0 ||
+        PyType_Ready(&SiteCallType) < 0)
+        return NULL;
     s_dd = PyUnicode_InternFromString("_dd");
     s_tb = PyUnicode_InternFromString("tb");
     s_intern = PyUnicode_InternFromString("intern");
@@ -611,7 +785,8 @@ PyMODINIT_FUNC PyInit__hot(void) {
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "ROW_SIZE", ROW) < 0 || PyModule_AddObjectRef(m, "TBBase", (PyObject *)&TBType) < 0 ||
         PyModule_AddObjectRef(m, "CSBase", (PyObject *)&CSType) < 0 ||
-        PyModule_AddObjectRef(m, "Call", (PyObject *)&CallType) < 0) {
+        PyModule_AddObjectRef(m, "Call", (PyObject *)&CallType) < 0 ||
+        PyModule_AddObjectRef(m, "SiteCall", (PyObject *)&SiteCallType) < 0) {
         Py_DECREF(m);
         return NULL;
     }
