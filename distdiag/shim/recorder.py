@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from distdiag.schema import EVENT_SPEC, Kind
 
@@ -155,7 +155,13 @@ def _load_hot() -> Any:
 HOT: Any = _load_hot()
 
 
-class ThreadBuffer(HOT.TBBase if HOT is not None else _PyThreadBufferBase):  # type: ignore[misc]
+if TYPE_CHECKING:  # the checker sees the Python base's fields (the C base has the same)
+    _ThreadBufferBase = _PyThreadBufferBase
+else:
+    _ThreadBufferBase = HOT.TBBase if HOT is not None else _PyThreadBufferBase
+
+
+class ThreadBuffer(_ThreadBufferBase):
     """One thread's current chunk and the call it is inside of (if any).
 
     Fields (C or Python, the same): ``buf`` the chunk, ``n`` its rows written, ``cap``

@@ -90,7 +90,7 @@ import pkgutil
 import sys
 import threading
 import zlib
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 
 from distdiag.schema import Kind
@@ -179,7 +179,13 @@ class _PyCommStateBase:
     __slots__ = ("kid", "rec", "seq")
 
 
-class _CommState(_HOT.CSBase if _HOT is not None else _PyCommStateBase):  # type: ignore[misc]
+if TYPE_CHECKING:  # the checker sees the Python base's slots (the C base has the same fields)
+    _CommStateBase = _PyCommStateBase
+else:
+    _CommStateBase = _HOT.CSBase if _HOT is not None else _PyCommStateBase
+
+
+class _CommState(_CommStateBase):
     """What we know about one communicator on this rank."""
 
     __slots__ = ("key", "ncreate", "nsub")
