@@ -81,18 +81,19 @@ def item(p):
         return torch.tensor(len(f.read()), dtype=torch.float32)
 for p in paths[:200]:
     item(p)
-best = float("inf")
+best = best_thread = float("inf")
 for _ in range(5):
-    t = time.process_time_ns()
+    t, tt = time.process_time_ns(), time.thread_time_ns()
     for i in range(n):
         item(paths[i % len(paths)])
+    best_thread = min(best_thread, (time.thread_time_ns() - tt) / n)  # the program's thread alone
     try:
         from distdiag.shim import preload
         preload.drain_now(final=False)  # the rows of these calls, made now if not yet
     except ImportError:
         pass
     best = min(best, (time.process_time_ns() - t) / n)
-print(f"sample {best:.0f}")
+print(f"sample {best:.0f} thread {best_thread:.0f}")
 """
 
 STATS = r"""
@@ -167,9 +168,11 @@ def main() -> int:
     return 0
 
 
-def _by_turns(tmp: Path, job: Path, rounds: int, key: str, *args: str) -> dict[str, list[float]] | None:
+def _by_turns(tmp: Path, job: Path, rounds: int, key: str, *args: str, extra_key: str = "",
+              extra: dict[str, list[float]] | None = None) -> dict[str, list[float]] | None:  # fmt: skip
     """Each variant's figure (the number after ``key`` in its output) per round, the variants by
-    turns (the order rotates and reverses round by round); None when a run failed."""
+    turns (the order rotates and reverses round by round); None when a run failed. ``extra``:
+    filled the same way with the number after ``extra_key``."""
     got: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
         order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
@@ -180,6 +183,8 @@ def _by_turns(tmp: Path, job: Path, rounds: int, key: str, *args: str) -> dict[s
                 print(p.stderr[-3000:], file=sys.stderr)
                 return None
             got[v].append(float(p.stdout.split(key)[1].split()[0]))
+            if extra is not None:
+                extra[v].append(float(p.stdout.split(extra_key)[1].split()[0]))
             shutil.rmtree(run_dir, ignore_errors=True)
     return got
 
@@ -193,15 +198,19 @@ def _per_sample(a: argparse.Namespace) -> int:
             (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
         job = tmp / "samples.py"
         job.write_text(SAMPLES)
-        got = _by_turns(tmp, job, a.rounds, "sample ", str(data), str(a.samples))
+        thread: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        got = _by_turns(tmp, job, a.rounds, "sample ", str(data), str(a.samples), extra_key="thread ", extra=thread)
         if got is None:
             return 1
-        base = statistics.median(got["plain"])
         print(f"one process's Dataset loop, {a.samples} samples (stat, open, read 4 KiB, close, a tensor), "
-              f"process CPU per sample, best of 5, {a.rounds} rounds by turns")  # fmt: skip
-        for v in VARIANTS:
-            m = statistics.median(got[v])
-            print(f"{v:<8} {m:8.0f} ns  +{m - base:6.0f} ns  {m / base:6.3f}  {' '.join(f'{x:.0f}' for x in got[v])}")
+              f"CPU per sample, best of 5, {a.rounds} rounds by turns; process (with the drainer's work) "
+              "and the program's thread alone")  # fmt: skip
+        for label, figs in (("process", got), ("thread", thread)):
+            base = statistics.median(figs["plain"])
+            for v in VARIANTS:
+                m = statistics.median(figs[v])
+                print(f"{label:<8} {v:<8} {m:8.0f} ns  +{m - base:6.0f} ns  {m / base:6.3f}  "
+                      f"{' '.join(f'{x:.0f}' for x in figs[v])}")  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
