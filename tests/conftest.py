@@ -206,3 +206,28 @@ def slurm() -> SlurmCluster:
             pytest.fail(f"Slurm required (DISTDIAG_SLURM_REQUIRED=1) but {why}", pytrace=False)
         pytest.skip(f"no test Slurm: {why}")
     return SlurmCluster(dir=d, conf=d / "etc" / "slurm.conf")
+
+
+# -- the corpus of real runs (tests/corpus.py): DISTDIAG_CORPUS_DIR=DIR copies each test's run dirs --------
+_CORPUS_MAX_BYTES = 64 << 20  # a run dir larger than this is left out (a scale test's)
+
+
+@pytest.fixture(autouse=True)
+def _corpus_copy(request: pytest.FixtureRequest) -> Any:
+    """With ``DISTDIAG_CORPUS_DIR`` set: after each test, every directory under its ``tmp_path``
+    that holds rank files is copied to ``$DISTDIAG_CORPUS_DIR/<test>/<dir>`` (for
+    ``tests/corpus.py record --from``). Off (and free) otherwise."""
+    dest_root = os.environ.get("DISTDIAG_CORPUS_DIR")
+    if not dest_root or "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp: Path = request.getfixturevalue("tmp_path")  # now: torn down after this fixture
+    yield
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request.node.nodeid)[-150:]
+    for d in sorted({p.parent for p in tmp.rglob("rank-*.h5")}):
+        try:
+            if sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) > _CORPUS_MAX_BYTES:
+                continue
+            shutil.copytree(d, Path(dest_root) / name / d.relative_to(tmp), symlinks=True, dirs_exist_ok=True)
+        except OSError:
+            pass  # a run dir the test left half-made or unreadable: not corpus material
