@@ -93,14 +93,13 @@ static TLS int muted;
  * file hook's wrapper of open, os.scandir..., just before the call reaches libc), taken
  * by the thread's next recorded call on a path if it is that very path string and comes within
  * SITE_NS (a call that never reached libc, e.g. an opener that raised, leaves none for a later
- * one); site_last: what the last recorded call took. */
+ * one). rec_path returns the site its call took, which track gives the descriptor opened. */
 #define SITE_NS 50000000 /* 50 ms of wall-clock: a loaded core preempts for a timeslice or more
                             * between the wrapper and the call (2 ms lost sites there) */
 static TLS int32_t site_next;
 static TLS int64_t site_t;
 static TLS char site_path[PATH_CAP];
 static TLS size_t site_plen;
-static TLS int32_t site_last;
 /* The fstat/lseek calls a thread makes on the descriptor it just opened (Python's open() makes
  * two fstats and an lseek) are part of the open: the drainer folds them into the open's row
  * (its end moves to theirs). They are folded here instead, with no slot: fold_fd is the thread's
@@ -357,10 +356,10 @@ static void overflow(int op, int64_t t0, int64_t t1, const char *p, size_t n, in
     if (!atomic_load_explicit(&ovf_any, memory_order_relaxed)) atomic_store_explicit(&ovf_any, 1, memory_order_relaxed);
 }
 
-/* A call on a path (dirfd-relative when dirfd != AT_FDCWD). */
-static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path, int err, int64_t nbytes, int fd) {
+/* A call on a path (dirfd-relative when dirfd != AT_FDCWD); returns the call site it took. */
+static int32_t rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path, int err, int64_t nbytes, int fd) {
     uint64_t tk;
-    int32_t site = site_last = site_take(path, t0);
+    int32_t site = site_take(path, t0);
     int64_t fold = fold_take();
     struct slot *s = reserve(&tk);
     int trunc = 0;
@@ -368,7 +367,7 @@ static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path
         char p[PATH_CAP];
         size_t n = abs_path(p, dirfd, path, &trunc);
         if (n && !skipped(p, n)) overflow(op, t0, t1, p, n, nbytes);
-        return;
+        return site;
     }
     size_t n = abs_path(s->path, dirfd, path, &trunc);
     if (n == 0 || skipped(s->path, n)) {
@@ -381,6 +380,7 @@ static void rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *path
     s->t0 = t0; s->t1 = t1; s->nbytes = nbytes; s->err = err; s->fd = fd;
     s->tid = tid_now(); s->flags = (uint16_t)trunc; s->site = site; s->fold_t1 = fold;
     publish(s, tk);
+    return site;
 }
 
 static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbytes) {
@@ -401,12 +401,14 @@ static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbyt
 
 static inline int tracked(int fd) { return fd >= 0 && fd < MAXFD && fdon[fd]; }
 
-static void track(int fd, int dirfd, const char *path) {
+/* fd was opened on path, by a call that took call site `site` (rec_path's): its reads,
+ * writes and close carry that site */
+static void track(int fd, int dirfd, const char *path, int32_t site) {
     if (fd < 0 || fd >= MAXFD) return;
     int trunc = 0;
     size_t n = abs_path(fdpath[fd], dirfd, path, &trunc);
     fdon[fd] = (n > 0 && !skipped(fdpath[fd], n));
-    fdsite[fd] = site_last; /* the site its open took (rec_path runs first) */
+    fdsite[fd] = site;
 }
 
 static void track_dup(int from, int to) {
@@ -580,9 +582,9 @@ API void dd_kick(void) { wake(); }
 static int open_common(int op, int dirfd, const char *path, int r, int64_t t0) {
     int e = errno;
     int64_t t1 = now_ns();
-    rec_path(op, t0, t1, dirfd, path, r < 0 ? e : 0, 0, r);
+    int32_t site = rec_path(op, t0, t1, dirfd, path, r < 0 ? e : 0, 0, r);
     if (r >= 0) {
-        track(r, dirfd, path);
+        track(r, dirfd, path, site);
         if (tracked(r)) fold_fd = r;
     }
     guard = 0;
@@ -782,8 +784,8 @@ API DIR *opendir(const char *path) {
     RESOLVE(opendir);
     if (!active()) return REAL(opendir)(path);
     ENTER; DIR *d = REAL(opendir)(path); LEAVE_ERR(d == NULL);
-    rec_path(OP_LISTDIR, t0, t1, AT_FDCWD, path, err, 0, d ? dirfd(d) : -1);
-    if (d) track(dirfd(d), AT_FDCWD, path);
+    int32_t site = rec_path(OP_LISTDIR, t0, t1, AT_FDCWD, path, err, 0, d ? dirfd(d) : -1);
+    if (d) track(dirfd(d), AT_FDCWD, path, site);
     guard = 0; errno = e; return d;
 }
 
@@ -843,8 +845,8 @@ DEF_MMAP(mmap64)
         RESOLVE(name); \
         if (!active()) return REAL(name)(path, mode); \
         ENTER; FILE *f = REAL(name)(path, mode); LEAVE_ERR(f == NULL); \
-        rec_path(OP_FOPEN, t0, t1, AT_FDCWD, path, err, 0, f ? fileno(f) : -1); \
-        if (f) { track(fileno(f), AT_FDCWD, path); if (tracked(fileno(f))) fold_fd = fileno(f); } \
+        int32_t site = rec_path(OP_FOPEN, t0, t1, AT_FDCWD, path, err, 0, f ? fileno(f) : -1); \
+        if (f) { track(fileno(f), AT_FDCWD, path, site); if (tracked(fileno(f))) fold_fd = fileno(f); } \
         guard = 0; errno = e; return f; \
     }
 DEF_FOPEN(fopen)
