@@ -242,3 +242,39 @@ def test_the_program_s_own_h5py_calls_wait_one_piece_not_a_whole_flush(tmp_path:
             assert len(f["events"]) == n
     assert flush_s > 0.15, flush_s  # the slow disk did make the flush long
     assert max(waits) < flush_s / 4, (max(waits), flush_s)
+
+
+def test_strings_hdf5_refuses_are_kept_escaped_and_cost_no_file(tmp_path: Path) -> None:
+    """A file name that is not UTF-8 (os.fsdecode gives its bytes as lone surrogates) or a string
+    with a NUL: h5py refuses both, which cost the rank its whole file (the writer's flush and
+    the analyzer's read of a spill log alike). They are written as escapes; the ids stay."""
+    strings = ["", "/data/ok.bin", "/data/sur_\udcff.bin", "torn\x00tail", "x\ud800y", "é"]
+    p = tmp_path / "s.h5"
+    write_rank_file(p, {"rank": 0, "world_size": 1}, _events(3), strings)
+    with h5py.File(p, "r") as f:
+        got = list(f["strings"].asstr()[:])
+    assert got == ["", "/data/ok.bin", "/data/sur_\\xff.bin", "torn\\x00tail", "x\\ud800y", "é"]
+
+
+@pytest.mark.parametrize("hooks", ["preload=1", "preload=0"])
+def test_a_program_touching_a_file_name_that_is_not_utf8_keeps_its_rank_file(tmp_path: Path, hooks: str) -> None:
+    prog = tmp_path / "p.py"
+    prog.write_text(textwrap.dedent("""\
+        import os, sys
+        p = os.path.join(os.fsencode(sys.argv[1]), b"sur_\\xff.bin")
+        with open(p, "wb") as f:
+            f.write(b"x")
+        os.stat(p)
+        os.remove(p)
+        """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTDIAG_")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parent.parent), DISTDIAG_HOOKS=hooks)
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "distdiag.wrap", "--dir", str(run_dir), sys.executable, str(prog), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert p.returncode == 0 and "cannot write" not in p.stderr, p.stderr
+    assert sorted(x.name for x in run_dir.iterdir() if x.name.startswith("rank-")) == ["rank-00000.h5"]  # no spill log left
+    with h5py.File(run_dir / "rank-00000.h5", "r") as f:
+        assert bool(f.attrs["closed_cleanly"])
+        names = [s for s in f["strings"].asstr()[:] if "sur_" in s]
+    assert names and all(s == str(tmp_path / "sur_\\xff.bin") for s in names), names

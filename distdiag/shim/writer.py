@@ -231,6 +231,30 @@ class _PastDeadline(Exception):
         self.written, self.total = written, total
 
 
+def _h5_strings(strings: list[str]) -> list[str]:
+    """``strings`` as an HDF5 string dataset can hold them: valid UTF-8 without NUL. A path
+    that is not UTF-8 (``os.fsdecode`` gives its bytes as lone surrogates) keeps them as
+    ``\\xNN`` escapes, a NUL is ``\\x00``; the ids do not move. One string HDF5 refuses
+    would cost the rank its whole file (seen: a program that wrote ``b"/tmp/sur_\\xff.bin"``)."""
+    if all(s.isascii() and "\x00" not in s for s in strings):
+        return strings
+    return [_h5_string(s) for s in strings]
+
+
+def _h5_string(s: str) -> str:
+    if "\x00" in s:
+        s = s.replace("\x00", "\\x00")
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        pass
+    try:  # a file name's undecodable bytes: as they were
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # another lone surrogate: its code point
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _append(ds: Any, rows: Any, deadline: Callable[[], float | None] | None = None) -> None:
     n = len(rows)
     if n == 0:
@@ -335,7 +359,7 @@ def write_rank_file(
     with h5py.File(path, "w", locking=LOCKING) as f:
         _create_layout(f)
         _append(f["events"], events)
-        _append(f["strings"], list(strings))
+        _append(f["strings"], _h5_strings(list(strings)))
         if sync is not None:
             _append(f["clock_sync"], np.asarray(sync, dtype=SYNC_DTYPE))
         if inflight is not None:
@@ -719,7 +743,7 @@ class Writer:
             n_str = len(strings)  # append-only list: read the length once
             new = strings[self._strings_done : n_str]
         if new:
-            _append(ds["strings"], new)
+            _append(ds["strings"], _h5_strings(new))
             self._strings_done += len(new)
         try:
             _append(ds["events"], events, self._get_deadline)
