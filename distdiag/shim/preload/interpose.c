@@ -383,20 +383,26 @@ static int32_t rec_path(int op, int64_t t0, int64_t t1, int dirfd, const char *p
     return site;
 }
 
-static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbytes) {
+/* A call on descriptor fd, named `path` with call site `site`: fdpath[fd] and fdsite[fd], or
+ * what a close took of them before the descriptor was freed (struct closing). */
+static void rec_fd_as(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbytes, const char *path, int32_t site) {
     uint64_t tk;
     int64_t fold = fold_take();
     struct slot *s = reserve(&tk);
     if (!s) {
-        overflow(op, t0, t1, fdpath[fd], strnlen(fdpath[fd], PATH_CAP - 1), nbytes);
+        overflow(op, t0, t1, path, strnlen(path, PATH_CAP - 1), nbytes);
         return;
     }
-    size_t n = put_str(s->path, 0, fdpath[fd]);
+    size_t n = put_str(s->path, 0, path);
     s->path[n] = '\0';
     s->op = op; s->plen = (uint16_t)n;
     s->t0 = t0; s->t1 = t1; s->nbytes = nbytes; s->err = err; s->fd = fd;
-    s->tid = tid_now(); s->flags = 0; s->site = fdsite[fd]; s->fold_t1 = fold;
+    s->tid = tid_now(); s->flags = 0; s->site = site; s->fold_t1 = fold;
     publish(s, tk);
+}
+
+static void rec_fd(int op, int64_t t0, int64_t t1, int fd, int err, int64_t nbytes) {
+    rec_fd_as(op, t0, t1, fd, err, nbytes, fdpath[fd], fdsite[fd]);
 }
 
 static inline int tracked(int fd) { return fd >= 0 && fd < MAXFD && fdon[fd]; }
@@ -423,6 +429,23 @@ static void track_dup(int from, int to) {
 }
 
 static inline void untrack(int fd) { if (fd >= 0 && fd < MAXFD) fdon[fd] = 0; }
+
+/* What a close records of its descriptor, taken (and the descriptor forgotten) before the real
+ * close: once the kernel frees fd, another thread's open may take that number and track() rewrite
+ * fdpath[fd] while this thread reads it. Seen: a close row named "/root/.p" + the other thread's
+ * "est-of-root/.../clock-ref.json" + NUL + the old path's tail, and the rank's string table then
+ * could not be written; and untrack() after the close forgot the other thread's new descriptor. */
+struct closing {
+    char path[PATH_CAP];
+    int32_t site;
+};
+
+static void closing_take(struct closing *c, int fd) {
+    size_t n = put_str(c->path, 0, fdpath[fd]);
+    c->path[n] = '\0';
+    c->site = fdsite[fd];
+    untrack(fd);
+}
 
 static void at_fork_child(void) {
     /* the parent's undrained slots are the parent's: drop them here */
@@ -652,12 +675,12 @@ API int close(int fd) {
         if (dd_on && fd >= 0 && fd < MAXFD) fdon[fd] = 0;
         return REAL(close)(fd);
     }
+    struct closing c;
+    closing_take(&c, fd);
     ENTER;
-    /* the slot's path is copied before the descriptor is forgotten */
     int r = REAL(close)(fd);
     LEAVE_ERR(r < 0);
-    rec_fd(OP_CLOSE, t0, t1, fd, err, 0);
-    untrack(fd);
+    rec_fd_as(OP_CLOSE, t0, t1, fd, err, 0, c.path, c.site);
     guard = 0;
     errno = e;
     return r;
@@ -821,9 +844,10 @@ API int closedir(DIR *d) {
     }
     int fd = dirfd(d);
     if (!tracked(fd)) return REAL(closedir)(d);
+    struct closing c;
+    closing_take(&c, fd);
     ENTER; int r = REAL(closedir)(d); LEAVE_ERR(r < 0);
-    rec_fd(OP_CLOSEDIR, t0, t1, fd, err, 0);
-    untrack(fd);
+    rec_fd_as(OP_CLOSEDIR, t0, t1, fd, err, 0, c.path, c.site);
     guard = 0; errno = e; return r;
 }
 
@@ -859,9 +883,10 @@ API int fclose(FILE *f) {
         if (dd_on) untrack(fd);
         return REAL(fclose)(f);
     }
+    struct closing c;
+    closing_take(&c, fd);
     ENTER; int r = REAL(fclose)(f); LEAVE_ERR(r != 0);
-    rec_fd(OP_FCLOSE, t0, t1, fd, err, 0);
-    untrack(fd);
+    rec_fd_as(OP_FCLOSE, t0, t1, fd, err, 0, c.path, c.site);
     guard = 0; errno = e; return r;
 }
 
