@@ -84,7 +84,10 @@ def test_a_rank_held_by_its_file_system_is_io_bound(io_ab: IoAB, mount: Path) ->
 def test_healthy_twin_reads_the_same_files_locally_and_is_silent(io_ab: IoAB) -> None:
     for rep in io_ab.healthy:
         wall = float(rep.run.wall_s)
-        assert not [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall]
+        # 2% plus the healthy runs' measured spread, as the other twins: a rank descheduled on
+        # a loaded machine is late for real in that run (seen: a 19 ms straggler, 2.1% of 0.9 s)
+        bound = 0.02 * wall + io_ab.saving.noise_s
+        assert not [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > bound], (bound, str(io_ab.saving))
         assert not [f for f in rep.findings if f.kind == "io_bound"]
         cov = {c["category"]: c for c in rep.coverage}
         assert "io_s" not in cov, cov
