@@ -139,9 +139,10 @@ def main() -> int:
             (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
         job = tmp / "job.py"
         job.write_text(JOB)
-        loops = _by_turns(tmp, job, a.rounds, "loop ", str(data), str(a.workers), str(a.steps))
-        if loops is None:
+        by_key = _by_turns(tmp, job, a.rounds, ("loop ",), str(data), str(a.workers), str(a.steps))
+        if by_key is None:
             return 1
+        loops = by_key["loop "]
         base = statistics.median(loops["plain"])
         print(f"DataLoader job, {a.workers} workers, {a.steps} steps of 4 samples (one 4 KiB file each), "
               f"{a.rounds} rounds by turns; load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
@@ -168,12 +169,10 @@ def main() -> int:
     return 0
 
 
-def _by_turns(tmp: Path, job: Path, rounds: int, key: str, *args: str, extra_key: str = "",
-              extra: dict[str, list[float]] | None = None) -> dict[str, list[float]] | None:  # fmt: skip
-    """Each variant's figure (the number after ``key`` in its output) per round, the variants by
-    turns (the order rotates and reverses round by round); None when a run failed. ``extra``:
-    filled the same way with the number after ``extra_key``."""
-    got: dict[str, list[float]] = {v: [] for v in VARIANTS}
+def _by_turns(tmp: Path, job: Path, rounds: int, keys: tuple[str, ...], *args: str) -> dict[str, dict[str, list[float]]] | None:
+    """Per key, each variant's figure (the number after the key in its output) per round, the
+    variants by turns (the order rotates and reverses round by round); None when a run failed."""
+    got: dict[str, dict[str, list[float]]] = {k: {v: [] for v in VARIANTS} for k in keys}
     for r in range(rounds):
         order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
         for v in order if r % 2 == 0 else tuple(reversed(order)):
@@ -182,9 +181,8 @@ def _by_turns(tmp: Path, job: Path, rounds: int, key: str, *args: str, extra_key
             if p.returncode != 0:
                 print(p.stderr[-3000:], file=sys.stderr)
                 return None
-            got[v].append(float(p.stdout.split(key)[1].split()[0]))
-            if extra is not None:
-                extra[v].append(float(p.stdout.split(extra_key)[1].split()[0]))
+            for k in keys:
+                got[k][v].append(float(p.stdout.split(k)[1].split()[0]))
             shutil.rmtree(run_dir, ignore_errors=True)
     return got
 
@@ -198,14 +196,13 @@ def _per_sample(a: argparse.Namespace) -> int:
             (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
         job = tmp / "samples.py"
         job.write_text(SAMPLES)
-        thread: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        got = _by_turns(tmp, job, a.rounds, "sample ", str(data), str(a.samples), extra_key="thread ", extra=thread)
+        got = _by_turns(tmp, job, a.rounds, ("sample ", "thread "), str(data), str(a.samples))
         if got is None:
             return 1
         print(f"one process's Dataset loop, {a.samples} samples (stat, open, read 4 KiB, close, a tensor), "
               f"CPU per sample, best of 5, {a.rounds} rounds by turns; process (with the drainer's work) "
               "and the program's thread alone")  # fmt: skip
-        for label, figs in (("process", got), ("thread", thread)):
+        for label, figs in (("process", got["sample "]), ("thread", got["thread "])):
             base = statistics.median(figs["plain"])
             for v in VARIANTS:
                 m = statistics.median(figs[v])

@@ -712,7 +712,7 @@ def test_the_default_is_the_interposer_and_preload_0_the_python_capture(tmp_path
 
 
 SITES = """
-import os, pathlib, sys, time
+import os, pathlib, shutil, sys, time
 d = sys.argv[1]
 a, b = os.path.join(d, "a.bin"), os.path.join(d, "b.bin")
 with open(a, "wb") as f:  # SITE write
@@ -734,6 +734,12 @@ os.remove(b)  # SITE remove
 for _ in range(3):
     pathlib.Path(a).read_bytes()  # SITE lib1
 pathlib.Path(a).read_bytes()  # SITE lib2
+e, c = os.path.join(d, "e.bin"), os.path.join(d, "c.bin")
+with open(e, "wb") as f:  # SITE e
+    f.write(b"e")
+for _ in range(3):
+    shutil.copyfile(e, c)  # SITE lib3
+shutil.copyfile(e, c)  # SITE lib4
 print("OPEN", type(open).__name__)
 """
 
@@ -744,7 +750,10 @@ def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_pat
     program's line (the file hook's wrappers of those few calls name it to the interposer); a
     stat, which gets no wrapper, carries none, and an open that never reached libc leaves its site
     to no later call (after 50 ms). An open made in a library (pathlib) is the line that called
-    it, each time. The same with the wrappers in C (distdiag/shim/_hot.c, where built: the str
+    it, each time; so is one a library makes with a str path (shutil.copyfile's opens, from two
+    lines: the wrapper's cache of "called through one library function" tells them apart,
+    checked to fail with that cache's check of the program's frame left out in C). The same
+    with the wrappers in C (distdiag/shim/_hot.c, where built: the str
     paths here) and in Python (DISTDIAG_HOT=0; and pathlib's, keyword or opener calls always).
     Checked to fail with the wrappers off and with no time bound on a site."""
     from distdiag.shim.recorder import HOT
@@ -773,6 +782,8 @@ def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_pat
     assert got[("libc:open", b)] == {lines["os.open"]} and got[("libc:write", b)] == {lines["os.open"]}, got
     assert got[("libc:opendir", "data")] == {lines["scandir"]}, got
     assert got[("libc:unlink", b)] == {lines["remove"]}, got
+    assert got[("libc:open", "c.bin")] == {lines["lib3"], lines["lib4"]}, got
+    assert got[("libc:open", "e.bin")] == {lines["e"], lines["lib3"], lines["lib4"]}, got
     assert got[("libc:stat", a)] == {""} and got[("libc:stat", b)] == {""}, got
 
 

@@ -4,13 +4,13 @@
  * pure Python (distdiag.shim.recorder.ThreadBuffer's base, the mpi4py hook's _CommState
  * base and its generated wrappers), and record the same rows.
  *
- * Three types:
+ * Four types:
  *
  * - TBBase: the state of one thread's buffer (recorder.ThreadBuffer subclasses it):
  *   the chunk (a bytearray of 69-byte rows), the rows written, the capacity, the tid,
- *   the call the thread is inside of (``cur``) and its open spans. Python reads and sets
- *   every field as before; a wrapper below marks its call in flight in C fields, and
- *   ``cur`` builds the row tuple from them when the flusher asks (rarely).
+ *   the call a Python hook is inside of (``cur``) and its open spans. Python reads and
+ *   sets every field as before; a Call below marks its call in flight in C fields, and
+ *   ``ccur`` builds the row tuple from them when the flusher asks (rarely).
  * - CSBase: a communicator's state (the mpi4py hook's _CommState subclasses it): its
  *   key's string id, the recorder that id belongs to, the next collective's number.
  * - Call: the wrapper of one blocking collective or blocking send of mpi4py, a method
@@ -21,6 +21,8 @@
  *   in-flight rows and errors are those of the Python wrappers (tests/test_mpi_hook.py
  *   compares them); distdiag's own failures are reported to ``oops`` and never raise
  *   into the program; the call's result or exception passes through untouched.
+ * - SiteCall: the file hook's wrapper of a path call (open, os.open, os.scandir...) that
+ *   names the caller's line to the libc interposer; see its section below.
  *
  * Why: the Python wrapper spends ~800 ns of bytecode per call around a ~80 ns
  * COMM_SELF.Barrier (benchmarks/bench_intercept.py); the work itself is a few clock
@@ -511,19 +513,8 @@ static PyObject *call_get(PyObject *self, PyObject *obj, PyObject *type) {
     return PyMethod_New(self, obj);
 }
 
-static PyObject *call_get_prep(Call *self, void *closure) {
-    if (self->prep == NULL) Py_RETURN_NONE;
-    return Py_NewRef(self->prep);
-}
-
-static PyMemberDef call_members[] = {
-    {"kind", T_INT, offsetof(Call, kind), READONLY, "the row's kind"},
-    {NULL},
-};
-
 static PyGetSetDef call_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
-    {"prep", (getter)call_get_prep, NULL, "the payload's (peer, nbytes, aux) from the arguments, or None", NULL},
     {NULL},
 };
 
@@ -541,7 +532,6 @@ static PyTypeObject CallType = {
     .tp_traverse = (traverseproc)call_traverse,
     .tp_clear = (inquiry)call_clear,
     .tp_dealloc = (destructor)call_dealloc,
-    .tp_members = call_members,
     .tp_getset = call_getset,
 };
 
@@ -553,7 +543,8 @@ static PyTypeObject CallType = {
  * it), then ``put(site, path)`` (the interposer's dd_site, through _binding.site), then the
  * original. Any other call (another path type, keyword arguments or a buffering argument to
  * open, warnings that must point at the program's line) goes to the Python wrapper ``py``,
- * which does all of it as before. */
+ * which does all of it as before. cached_site is fileio._cached_site on the same dict: a change
+ * to one is a change to both (tests/test_preload.py's site test runs each). */
 static int g_sites_on; /* fileio recording with the interposer: sites are named */
 
 typedef struct {

@@ -7,7 +7,8 @@ Hooks are switched with ``DISTDIAG_HOOKS="mpi4py=1,fileio=0"`` (short module
 names as in ``distdiag.shim.hooks.HOOKS``); file calls are recorded by the libc
 interposer (a re-exec with LD_PRELOAD; distdiag.shim.preload.PRELOAD_DEFAULT), ``preload=0``
 there records them with the Python-level wrappers instead. Variables the config does not know
-(``DISTDIAG_DIR``, ``DISTDIAG_HOST``) are left to their owners.
+(``DISTDIAG_DIR``, ``DISTDIAG_HOST``; ``DISTDIAG_HOT=0``, read when distdiag.shim.recorder is
+imported, before any config: the pure-Python twins of the C hot path) are left to their owners.
 
 To add a setting: add a typed field with its default here and (optionally) a
 line in configs/default.toml. The loader converts by the field's type

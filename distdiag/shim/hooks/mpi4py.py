@@ -177,6 +177,9 @@ class _PyCommStateBase:
     """_CommState's hot fields where the C module (distdiag.shim._hot.CSBase) is not built."""
 
     __slots__ = ("kid", "rec", "seq")
+    kid: int
+    rec: Any
+    seq: int
 
 
 if TYPE_CHECKING:  # the checker sees the Python base's slots (the C base has the same fields)
@@ -203,7 +206,7 @@ class _CommState(_CommStateBase):
     def bind(self, rec: Any) -> int:
         self.kid = rec.intern(self.key)
         self.rec = rec
-        return self.kid  # type: ignore[no-any-return]
+        return self.kid
 
 
 def _kid(st: _CommState, rec: Any) -> int:
@@ -601,7 +604,8 @@ def _make(name: str, orig: Callable[..., Any], kind: int, spec: _CollSpec, *, ge
     if lines is None:
         return None
     if kind in (COLL, SEND) and _USE_C and _HOT is not None:
-        return _make_c(name, orig, kind, seq, lines, ps)
+        payload = spec[0] is not None or spec[2] is not None  # a buffer or a root to read
+        return _make_c(name, orig, kind, seq, lines if payload else None, ps)
     if seq:
         lines = _SEQ.split("\n") + lines
     if spec[0] is None and not seq:  # recv/irecv(buf=None): the size is known on return / at completion
@@ -646,19 +650,16 @@ def _signature(ps: list[inspect.Parameter] | None) -> tuple[str, str, dict[str, 
     return sig, ", ".join(p.name for p in ps), defaults
 
 
-#: a call without payload: no ``prep`` function (the C wrapper writes these values itself)
-_NO_PAYLOAD = ["peer = -1", "nb = 0", "aux = 0"]
-
-
-def _make_c(name: str, orig: Callable[..., Any], kind: int, seq: bool, lines: list[str],
+def _make_c(name: str, orig: Callable[..., Any], kind: int, seq: bool, lines: list[str] | None,
             ps: list[inspect.Parameter] | None) -> Callable[..., Any]:  # fmt: skip
     """The C wrapper (distdiag/shim/_hot.c) of a blocking collective or send.
 
     It does what the template's blocking wrapper does, in C; the payload's ``peer, nb,
-    aux`` come from ``prep``, compiled from the template's own lines with the method's
-    signature (None for a call without payload)."""
+    aux`` come from ``prep``, compiled from the template's own ``lines`` with the method's
+    signature. ``lines`` None: a call without payload (Barrier), no ``prep``: the C wrapper
+    writes peer -1, 0 bytes and no datatype itself."""
     prep = None
-    if lines != _NO_PAYLOAD:
+    if lines is not None:
         sig, _, defaults = _signature(ps)
         src = (f"def _factory({', '.join(defaults)}):\n    def {name}({sig}):\n" + _indent(lines, 8)
                + f"\n        return peer, nb, aux\n    return {name}\n")  # fmt: skip
