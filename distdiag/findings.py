@@ -29,6 +29,10 @@ class Finding:
     #: the counterfactual that removes this cause (a :class:`distdiag.replay.Change`), for the
     #: replay to price (``evidence.replay``); None where the detector cannot state one. Not in the JSON.
     change: Any = field(default=None, repr=False, compare=False)
+    #: the rank-time this cause holds, ``(rank, t0_ns, t1_ns)`` int64 intervals: what the ranking
+    #: takes out of the findings it explains and what the replay removes when ``change`` is None.
+    #: None: the rows of its kinds on its ranks (``distdiag.ranking.CLAIMED_KINDS``). Not in the JSON.
+    claims: tuple[Any, Any, Any] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -531,7 +531,10 @@ def _serial(f: Finding, run: Any, stretch: bool) -> Any:
 
 
 def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The rank-time a cause finding claims: (rank, t0_ns, t1_ns) intervals."""
+    """The rank-time a cause finding claims: (rank, t0_ns, t1_ns) intervals (its own, when the
+    detector stated them: :attr:`Finding.claims`)."""
+    if c.claims is not None:
+        return c.claims
     if c.kind == "serial_section":
         return _serial(c, run, stretch=False)  # type: ignore[no-any-return]
     if c.kind == "io_bound":  # its bursts: the file calls and the program's own gaps between them

@@ -217,9 +217,11 @@ def test_a_few_slow_opens_are_no_storm(tmp_path: Path) -> None:
 
 
 # -- io_bandwidth --------------------------------------------------------------------
-def write_ckpt_run(run_dir: Path, *, others_wait: bool, mib: int = 512, write_s: float = 2.0, ranks: int = 4) -> dict[str, Any]:
+def write_ckpt_run(run_dir: Path, *, others_wait: bool, mib: int = 512, write_s: float = 2.0, ranks: int = 4,
+                   read_first_ms: float = 0.0) -> dict[str, Any]:  # fmt: skip
     """Rank 1 writes a checkpoint in 8 MiB calls from t=100 ms; the others either wait in the
-    next all-reduce meanwhile or keep computing and meet it after."""
+    next all-reduce meanwhile or keep computing and meet it after. ``read_first_ms``: rank 1
+    first reads a 4 KiB file that long (from 20 ms), while the others already wait (from 5 ms)."""
     t_start = 100 * MS
     n_calls = mib // 8
     per = int(write_s * 1e9 / n_calls)
@@ -229,12 +231,15 @@ def write_ckpt_run(run_dir: Path, *, others_wait: bool, mib: int = 512, write_s:
         strings = [""]
         rows = []
         if r == 1:
+            if read_first_ms:
+                rows.append(file_row(strings, Kind.FILE_READ, 20 * MS, 20 * MS + int(read_first_ms * MS), "/home/u/run.yaml",
+                                     "nfs:/home", 4096))  # fmt: skip
             rows.append(file_row(strings, Kind.FILE_OPEN, t_start - 50_000, t_start, "/scratch/ckpt/step100.pt", "lustre:/scratch"))
             rows += [file_row(strings, Kind.FILE_WRITE, t_start + i * per, t_start + (i + 1) * per, "/scratch/ckpt/step100.pt",
                               "lustre:/scratch", 8 << 20) for i in range(n_calls)]  # fmt: skip
             rows.append(coll(t_end / MS, t_end / MS + 1, 0, strings))
         elif others_wait:
-            rows.append(coll(t_start / MS + 5, t_end / MS + 1, 0, strings))  # waited for rank 1
+            rows.append(coll(5 if read_first_ms else t_start / MS + 5, t_end / MS + 1, 0, strings))  # waited for rank 1
         else:
             rows.append(coll(t_end / MS + 0.5, t_end / MS + 1, 0, strings))  # computed meanwhile
         rows.append(coll(total / MS - 1, total / MS, 1, strings))
@@ -255,6 +260,20 @@ def test_checkpoint_that_others_wait_for_is_named(tmp_path: Path) -> None:
     assert pr["written_bytes"] == 512 << 20
     assert pr["mb_per_s"] == pytest.approx((512 << 20) / 2.0 / 1e6, rel=0.01)
     assert "wrote 512 MiB" in f.summary
+
+
+def test_checkpoint_price_is_the_checkpoint_not_the_ranks_other_file_calls(tmp_path: Path) -> None:
+    """The counterfactual removes the large transfer, not every file call of the rank that made it:
+    rank 1's 60 ms read of a small file, which the others also waited for, is no part of its
+    checkpoint (it was: the replay priced the checkpoint at the write plus that read)."""
+    truth = write_ckpt_run(tmp_path / "run", others_wait=True, read_first_ms=60)
+    rep = analyze(tmp_path / "run")
+    f = next(f for f in rep.findings if f.kind == "io_bandwidth")
+    episode_s = (truth["write_ns"] + 50_000) / 1e9  # its open, its writes
+    assert f.evidence["replay"]["saving_s"] == pytest.approx(episode_s, abs=1e-6)
+    assert f.cost_s == pytest.approx(episode_s, abs=1e-6)
+    r, t0, t1 = f.claims
+    assert r.tolist() == [1] and (t1 - t0).tolist() == [truth["write_ns"] + 50_000]
 
 
 def test_checkpoint_overlapped_by_compute_costs_nothing(tmp_path: Path) -> None:
