@@ -764,7 +764,7 @@ def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_pat
     d.mkdir()
     p = wrap(tmp_path, SITES, str(d), env=_env(DISTDIAG_HOT=hot))
     assert p.returncode == 0, p.stderr
-    assert f"OPEN {'SiteCall' if hot == '1' else 'function'}" in p.stdout
+    assert f"OPEN {'SiteCall' if hot == '1' else 'AsBuiltin'}" in p.stdout
     lines = {ln.split("# SITE ")[1]: f"{tmp_path / 'prog.py'}:{i + 1}"
              for i, ln in enumerate(SITES.splitlines()) if "# SITE " in ln}  # fmt: skip
     with h5py.File(tmp_path / "run" / "rank-00000.h5", "r") as f:

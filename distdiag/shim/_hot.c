@@ -668,6 +668,10 @@ static PyObject *sitecall_reduce(PyObject *self, PyObject *noargs) {
     return PyObject_GetAttrString(self, "__qualname__");
 }
 
+static PyObject *sitecall_repr(SiteCall *self) {
+    return PyObject_Repr(self->orig); /* the builtin's: "<built-in function open>" */
+}
+
 static PyMethodDef sitecall_methods[] = {
     {"__reduce__", sitecall_reduce, METH_NOARGS, NULL},
     {NULL},
@@ -691,6 +695,7 @@ static PyTypeObject SiteCallType = {
     .tp_traverse = (traverseproc)sitecall_traverse,
     .tp_clear = (inquiry)sitecall_clear,
     .tp_dealloc = (destructor)sitecall_dealloc,
+    .tp_repr = (reprfunc)sitecall_repr,
     .tp_methods = sitecall_methods,
     .tp_getset = sitecall_getset,
 };

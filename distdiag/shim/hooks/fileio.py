@@ -78,6 +78,7 @@ import sys
 import sysconfig
 import threading
 import time
+from types import FunctionType
 from typing import Any, Callable
 
 import _io
@@ -890,10 +891,45 @@ def _hook_numpy(np: Any) -> None:
 
 # -- install / uninstall ---------------------------------------------------------------
 def _patch(owner: Any, name: str, new: Any) -> None:
+    """Install ``new`` as ``owner.name``; where the original is a builtin (``os.stat``, ``open``)
+    and ``new`` a Python function, as :func:`_as_builtin` of it."""
     key = (owner, name)
     if key not in _orig:
         _orig[key] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    if new.__class__ is FunctionType and not hasattr(type(_orig[key]), "__get__"):
+        new = _as_builtin(new)
     setattr(owner, name, new)
+
+
+_builtin_like: dict[int, tuple[Any, Any]] = {}  # id(function) -> (function, what stands for the builtin)
+
+
+def _as_builtin(fn: Any) -> Any:
+    """``fn``, a Python function standing for a builtin, as an object that behaves as a builtin
+    where a function would not. Held in a class, a builtin is no method: ``class A: stat = os.stat``
+    then ``A().stat(p)`` passes no ``self`` (a function there would get the instance as its path:
+    "stat() takes exactly 1 positional argument (2 given)"). It pickles and copies by name, and its
+    repr is the builtin's. One object per function (``builtins.open is io.open`` stays true).
+
+    Its class's ``__call__`` is ``fn`` itself as a staticmethod: no frame of ours comes between the
+    caller and ``fn`` (whose ``_getframe(1)`` must be the caller's); ~30 ns a call over the function."""
+    got = _builtin_like.get(id(fn))
+    if got is not None and got[0] is fn:
+        return got[1]
+    base = fn
+    while getattr(base, "__wrapped__", None) is not None:
+        base = base.__wrapped__
+    cls = type("AsBuiltin", (), {
+        "__slots__": ("__dict__", "__weakref__"),
+        "__call__": staticmethod(fn),
+        "__reduce__": lambda self: self.__qualname__,  # by name, as pickle saves a builtin
+        "__repr__": lambda self: repr(base),
+        "__module__": __name__,
+    })  # fmt: skip
+    obj = functools.update_wrapper(cls(), fn)
+    obj.__wrapped__ = base  # the builtin, as a wrapper made by functools.wraps links it
+    _builtin_like[id(fn)] = (fn, obj)
+    return obj
 
 
 def _pickle_names() -> None:
@@ -1052,6 +1088,7 @@ def uninstall() -> None:
             except Exception:
                 log.debug("distdiag: cannot restore %r.%s", owner, name, exc_info=True)
         _orig.clear()
+        _builtin_like.clear()
         for modname, cb in (("h5py", _h5_cb), ("numpy", _np_cb)):
             waiting = hooks._waiting.get(modname)
             if waiting and cb in waiting:
