@@ -474,8 +474,7 @@ def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
         return _startup(f, run)
     if f.kind != "straggler" or len(colls) == 0 or not f.ranks:
         return None
-    from distdiag.detectors.serial_section import holds_others
-    from distdiag.detectors.straggler import other_host_last_ns, own_lateness_ns, startup_groups
+    from distdiag.lateness import holds_others, other_host_last_ns, own_lateness_ns, startup_groups
     from distdiag.match import member_gaps_ns
 
     ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & holds_others(run, colls)

@@ -17,7 +17,7 @@ what the job would save without that cause, with every later rendezvous
 absorbing or passing on the change as it does in the run.
 
 What a member waits for (the collective's semantics, as the straggler detector
-judges them, :data:`distdiag.detectors.straggler.ONE_TO_MANY`):
+judges them, :data:`distdiag.lateness.ONE_TO_MANY`):
 
 * most collectives (all-reduce, barrier, all-gather, ...): every member;
 * one-to-many (bcast, scatter): a non-root its own arrival and the root's;
@@ -227,7 +227,7 @@ class Model:
 
 def model(run: Any, colls: Collectives) -> Model:
     """The replay model of ``run`` (aligned) from its matched collectives."""
-    from distdiag.detectors.straggler import MANY_TO_ONE, ONE_TO_MANY, root_world_ranks
+    from distdiag.lateness import MANY_TO_ONE, ONE_TO_MANY, root_world_ranks
     from distdiag.match import MatchState
 
     start, end = run.rank_bounds()

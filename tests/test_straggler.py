@@ -225,9 +225,9 @@ def test_a_slow_node_of_many_ranks_is_charged_from_the_last_other_host(
     # another host lies 20 member rows back, past the fold's row-by-row steps
     # (16), so the remaining groups are taken whole; with no steps at all every
     # group is. The charge is the simulation's either way.
-    from distdiag.detectors import straggler
+    from distdiag import lateness
 
-    monkeypatch.setattr(straggler, "_STEPS", steps)
+    monkeypatch.setattr(lateness, "_STEPS", steps)
     t = make_run(tmp_path / "r", world_size=40, iters=60, slow_rank=list(range(20, 40)), slow_ms=2.0,
                  hosts=["node0"] * 20 + ["node1"] * 20)  # fmt: skip
     fs, _ = _stragglers(tmp_path / "r")
@@ -243,7 +243,7 @@ def test_startup_groups_from_the_early_rows_are_those_of_every_row(tmp_path: Pat
     # real synthetic runs; the block that bounds each rank's first arrival made small enough that
     # the early-rows path runs (a block without every rank falls back to the pass over every row)
     from distdiag import clocks
-    from distdiag.detectors import straggler
+    from distdiag import lateness as straggler  # where the straggler detector's startup rule lives
     from distdiag.match import collectives_of
     from distdiag.run import load_run
     from distdiag.synth import synth

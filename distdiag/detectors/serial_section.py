@@ -89,7 +89,8 @@ import numpy as np
 from distdiag.bands import Band, bands
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.detectors.straggler import nobody_waits, one_to_many_root_late, root_world_ranks, secs, tally
+from distdiag.evidence import secs, tally
+from distdiag.lateness import holds_others, one_to_many_root_late, root_world_ranks
 from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
 from distdiag.replay import Change
 from distdiag.run import _ranges
@@ -114,16 +115,6 @@ ADVICE = (
     "Take the work off the critical path or share it: run it on every rank (each on 1/N), overlap it with the "
     "next steps (a background thread or process, async checkpoint/eval), or do it less often."
 )
-
-
-def holds_others(run: Any, colls: Collectives) -> np.ndarray:
-    """Per group: True where the last arriver really made the others wait.
-
-    False for one-to-many collectives whose last arriver is not the root and
-    many-to-one collectives whose last arriver is the root: the straggler
-    detector's rule (:func:`distdiag.detectors.straggler.nobody_waits`).
-    """
-    return np.asarray(~nobody_waits(run, colls))
 
 
 def _others_median(colls: Collectives, gap: np.ndarray, want: np.ndarray) -> np.ndarray:
