@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+#: a symptom's windows: per collective (or stretch) it charges, ``(rank, stretch_t0_ns, stretch_t1_ns,
+#: charge_ns)``, int64 arrays: a cause's claims inside a stretch explain up to its charge
+Windows = tuple[Any, Any, Any, Any]
 
 
 @dataclass
@@ -33,6 +37,10 @@ class Finding:
     #: takes out of the findings it explains and what the replay removes when ``change`` is None.
     #: None: the rows of its kinds on its ranks (``distdiag.ranking.CLAIMED_KINDS``). Not in the JSON.
     claims: tuple[Any, Any, Any] | None = field(default=None, repr=False, compare=False)
+    #: as a symptom (a late rank, a serial stretch, a start-up), what it charges: ``windows(run,
+    #: colls)`` gives its :data:`Windows` (or None), asked only when some cause may explain it (the
+    #: detector made it; the ranking needs no detector's rules). None: it explains nothing away.
+    windows: Callable[[Any, Any], Windows | None] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.match import Collectives, group_blocks, member_gaps_ns
+from distdiag.match import Collectives, MatchState, group_blocks, member_gaps_ns
 
 
 #: Rooted collectives that do not synchronize everyone. One-to-many (the
@@ -282,3 +282,31 @@ def other_host_last_ns_from(colls: Any, host_of_rank: np.ndarray, h_last: np.nda
         blk = np.maximum.reduceat(t_other, colls.g_start[g_lo:g_hi] - a)
         out[g_lo:g_hi][sub] = blk[sub]
     return out
+
+
+def charged_windows(f: Any, run: Any, colls: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """A straggler finding's windows as a symptom (:attr:`distdiag.findings.Finding.windows`): per
+    collective it charges, the late rank, its stretch of own work before it, the charge.
+
+    The stretch runs from the rank's previous collective to its arrival: a
+    cause anywhere in it made the rank late (a loader wait at the start of the
+    iteration delays the arrival as much as one at the end), but explains at
+    most the charge (``last - second-to-last arrival``; a node's: from the last
+    arrival on another host).
+    """
+    if len(colls) == 0 or not f.ranks:
+        return None
+    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & holds_others(run, colls)
+    ok &= ~startup_groups(colls)  # launch skew: the straggler detector leaves each rank's first collective out
+    g = np.flatnonzero(ok & np.isin(colls.g_last_rank, np.asarray(f.ranks)))
+    if len(g) == 0:
+        return None
+    last_row = colls.g_start[1:][g] - 1
+    gap = member_gaps_ns(run, colls)[last_row]
+    t1 = colls.g_last_ns[g].astype(np.int64)
+    charge = own_lateness_ns(run, colls)[g]  # what the straggler detector charged
+    if f.evidence.get("level") == "host":
+        # a slow node: charged from the last arrival on any other host
+        other = other_host_last_ns(run, colls, g)[g]
+        charge = t1 - np.where(other > np.iinfo(np.int64).min, other, colls.g_second_ns[g])
+    return colls.g_last_rank[g].astype(np.int64), t1 - gap, t1, charge

@@ -84,9 +84,9 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.findings import Finding
+from distdiag.findings import Finding, Windows
 from distdiag.intervals import covered_within, union_banded
-from distdiag.match import Collectives, MatchState
+from distdiag.match import Collectives
 from distdiag.rows import rows_of
 from distdiag.schema import Kind
 
@@ -456,92 +456,16 @@ def _deduplicate(findings: list[Finding], run: Any, colls: Collectives, cfg: Any
     return [f for f in findings if id(f) not in dropped]
 
 
-#: (rank, stretch_t0_ns, stretch_t1_ns, charge_ns) per charged collective of a symptom
-Windows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
 def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
-    """Per collective a symptom finding charges: the late rank, its stretch of own work before it, the charge.
-
-    The stretch runs from the rank's previous collective to its arrival: a
-    cause anywhere in it made the rank late (a loader wait at the start of the
-    iteration delays the arrival as much as one at the end), but explains at
-    most the charge (``last - second-to-last arrival``).
-    """
-    if f.kind == "serial_section":
-        return _serial(f, run, stretch=True)
-    if f.kind == "startup":
-        return _startup(f, run)
-    if f.kind != "straggler" or len(colls) == 0 or not f.ranks:
-        return None
-    from distdiag.lateness import holds_others, other_host_last_ns, own_lateness_ns, startup_groups
-    from distdiag.match import member_gaps_ns
-
-    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & holds_others(run, colls)
-    ok &= ~startup_groups(colls)  # launch skew: the straggler detector leaves each rank's first collective out
-    g = np.flatnonzero(ok & np.isin(colls.g_last_rank, np.asarray(f.ranks)))
-    if len(g) == 0:
-        return None
-    last_row = colls.g_start[1:][g] - 1
-    gap = member_gaps_ns(run, colls)[last_row]
-    t1 = colls.g_last_ns[g].astype(np.int64)
-    charge = own_lateness_ns(run, colls)[g]  # what the straggler detector charged
-    if f.evidence.get("level") == "host":
-        # a slow node: charged from the last arrival on any other host (straggler._fold_hosts)
-        other = other_host_last_ns(run, colls, g)[g]
-        charge = t1 - np.where(other > np.iinfo(np.int64).min, other, colls.g_second_ns[g])
-    return colls.g_last_rank[g].astype(np.int64), t1 - gap, t1, charge
-
-
-def _startup(f: Finding, run: Any) -> Windows | None:
-    """A startup finding's window: its binding rank's start-up, charged with the part of the price
-    that its module files' excess over the healthy latency makes (its ``module_file_excess_s``):
-    what a metadata storm among those files explains. The setup the price also holds (dataset,
-    model, init) is no file system's, and stays."""
-    from distdiag.breakdown import startup_ends
-
-    if not f.ranks:
-        return None
-    r = int(f.ranks[0])
-    per = (f.evidence.get("per_rank") or {}).get(r) or {}
-    excess_s = float(per.get("module_file_excess_s", f.evidence.get("slow_module_files_s", 0.0)))
-    start, _ = run.rank_bounds()
-    ends = startup_ends(run)
-    if r >= len(start) or excess_s <= 0:
-        return None
-    one = np.array([r], np.int64)
-    return one, start[one].astype(np.int64), ends[one].astype(np.int64), np.array([int(min(excess_s, f.cost_s) * 1e9)])
-
-
-def _serial(f: Finding, run: Any, stretch: bool) -> Any:
-    """A serial_section finding's windows (``stretch``: as a symptom) or claims (its charged windows)."""
-    from distdiag.detectors.serial_section import CACHE_KEY
-
-    wins = run.cache.get(CACHE_KEY) or {}
-    lead = f.evidence.get("lead_rank")
-    keys = [int(lead)] if lead is not None else list(f.ranks)
-    parts = [wins[k] for k in keys if k in wins]
-    if not parts:
-        return None
-    rank, g0, idle_last, last = (np.concatenate(x) for x in zip(*parts))
-    if stretch:
-        return rank, g0, last, last - idle_last
-    return rank, idle_last, last
+    """What a symptom finding charges (:attr:`Finding.windows`, made by its detector), or None."""
+    return f.windows(run, colls) if f.windows is not None else None
 
 
 def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The rank-time a cause finding claims: (rank, t0_ns, t1_ns) intervals (its own, when the
     detector stated them: :attr:`Finding.claims`)."""
     if c.claims is not None:
-        return c.claims
-    if c.kind == "serial_section":
-        return _serial(c, run, stretch=False)  # type: ignore[no-any-return]
-    if c.kind == "io_bound":  # its bursts: the file calls and the program's own gaps between them
-        from distdiag.detectors.io_bound import CACHE_KEY as IO_BURSTS
-
-        got = run.cache.get(IO_BURSTS)
-        if got is not None and len(got[0]):
-            return got[0].astype(np.int64), got[1].astype(np.int64), got[2].astype(np.int64)
+        return c.claims if len(c.claims[0]) else None
     kinds = CLAIMED_KINDS.get(c.kind)
     if kinds is None:
         return None

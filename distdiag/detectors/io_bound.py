@@ -33,7 +33,7 @@ keeps only the rest here, reported while it is still ``min_share`` of the run
 (:func:`distdiag.ranking.rank_findings`).
 
 The bursts of the rank named are what the finding claims in the ranking (a straggler
-whose lateness they cover is their symptom): ``run.cache[CACHE_KEY]``.
+whose lateness they cover is their symptom): :attr:`Finding.claims`.
 
 Settings (``[analyze.io_bound]``): ``min_share`` (0.1), ``top`` (5), ``gap_ms`` (2).
 """
@@ -54,9 +54,6 @@ from distdiag.schema import FILE_KINDS, Kind
 
 _META = np.zeros(256, bool)
 _META[[int(Kind.FILE_OPEN), int(Kind.FILE_CLOSE), int(Kind.FILE_STAT), int(Kind.FILE_LISTDIR)]] = True
-
-#: ``run.cache`` key of the named rank's bursts: (rank, t0_ns, t1_ns) arrays
-CACHE_KEY = "io_bound.bursts"
 
 ADVICE = (
     "read fewer, larger files (pack small files into shards: WebDataset, HDF5, TFRecord), stage the data "
@@ -115,7 +112,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if cost_s < min_share * wall_s:
         return []
     on = br == worst
-    run.cache[CACHE_KEY] = (br[on], b0[on], b1[on])
+    claims = (br[on].astype(np.int64), b0[on].astype(np.int64), b1[on].astype(np.int64))
     # evidence: the most-held rank's calls per mount
     mine = keep & (r == worst)
     rows_m = rows[mine]
@@ -166,6 +163,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
             hosts=run.hosts_of([worst]),
             paths=paths,
             advice=ADVICE,
+            claims=claims,
             evidence={
                 "share_of_wall": round(share, 4),
                 "calls": int(calls_of(ev[rows[mine]]).sum()),

@@ -81,6 +81,7 @@ the windows' ranks before).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Iterator
 
@@ -88,7 +89,7 @@ import numpy as np
 
 from distdiag.bands import Band, bands
 from distdiag.detectors import register
-from distdiag.findings import Finding
+from distdiag.findings import Finding, Windows
 from distdiag.evidence import secs, tally
 from distdiag.lateness import holds_others, one_to_many_root_late, root_world_ranks
 from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
@@ -97,11 +98,6 @@ from distdiag.run import _ranges
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
-
-#: run.cache key: lead rank -> (late_rank, gap_t0_ns, idle_last_ns, last_ns) arrays, one
-#: entry per serial collective: the late rank's stretch of own work [gap_t0, last] and
-#: the charged window [last idle arrival, last arrival] inside it (for distdiag.ranking).
-CACHE_KEY = "serial_section.windows"
 
 #: Recorded calls that count as "the late rank did something" in its gap.
 _ACTIVITY_KINDS = np.array(
@@ -383,6 +379,9 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     s_lead = np.clip(_lead(colls, idle_m, in_serial)[serial], 0, n_rank - 1).astype(np.int64)
     others = _others_median(colls, gap, want=in_serial)  # for the evidence: the serial groups' only
     per_lead_ns = np.bincount(s_lead, weights=charge[serial], minlength=n_rank)
+    # lead rank -> (late_rank, gap_t0_ns, idle_last_ns, last_ns), one entry per serial collective: the
+    # late rank's stretch of own work [gap_t0, last] and the charged window [last idle arrival, last
+    # arrival] inside it (the finding's windows as a symptom, and its claims as a cause)
     windows: dict[int, tuple[np.ndarray, ...]] = {}
     findings = []
     t_run0 = run.start_ns
@@ -444,6 +443,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                               "the collectives removed", drop_rank=drop[0], drop_t0=drop[1], drop_t1=drop[2]),  # fmt: skip
                 ranks=ranks,
                 hosts=run.hosts_of(ranks),
+                claims=(windows[k][0], windows[k][2], windows[k][3]),
+                windows=functools.partial(_stretches, windows[k]),
                 evidence={
                     "lead_rank": k,
                     "serial_fraction": round(s, 4),
@@ -465,8 +466,14 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 advice=ADVICE,
             )
         )
-    run.cache[CACHE_KEY] = windows
     return findings
+
+
+def _stretches(w: tuple[np.ndarray, ...], run: Any, colls: Collectives) -> Windows:
+    """A section's windows as a symptom: per serial collective, the late rank's stretch of own work
+    and the charge (its lone window's length)."""
+    rank, g0, idle_last, last = w
+    return rank, g0, last, last - idle_last
 
 
 def _prev_sites(run: Any, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray, limit: int) -> dict[str, int]:

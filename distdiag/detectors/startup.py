@@ -58,6 +58,7 @@ Settings (``[analyze.startup]``): ``min_fraction``, ``healthy_call_ms`` (1.0),
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -66,7 +67,7 @@ import numpy as np
 from distdiag.breakdown import startup_ends
 from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
-from distdiag.findings import Finding
+from distdiag.findings import Finding, Windows
 from distdiag.replay import Change
 from distdiag.rows import rows_of
 from distdiag.schema import FILE_KINDS, Kind
@@ -237,32 +238,50 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         f"{float(imports_s[int(np.argmax(e))]):.3g} s of imports before its first step)"
         + (f" and {slow_files_s:.3g} s to slow module files" if slow_files_s >= 0.005 else "")
     )
-    return [
-        Finding(
-            kind="startup",
-            cost_s=cost_s,
-            summary=summary,
-            ranks=[last],
-            hosts=run.hosts_of([last]),
-            advice=ADVICE,
-            evidence={
-                "share_of_wall": round(share, 4),
-                "first_step_s": round((e_job - t_first) / 1e9, 4),
-                "imports_s": {"min": round(float(imports_s.min()), 4), "max": round(float(imports_s.max()), 4)},
-                "setup_s": {"min": round(float(setup_s.min()), 4), "max": round(float(setup_s.max()), 4)},
-                "slow_module_files_s": round(slow_files_s, 4),
-                "healthy_call_ms": healthy_ns / 1e6,
-                "counterfactual": (
-                    "each rank's imports and communicator creation (MPI_Init) as recorded (module file "
-                    "calls on shared file systems at most healthy_call_ms each), then straight to its first "
-                    "step: the setup (init_process_group's wait, dataset, model) taking no time; an upper "
-                    "bound for the setup"
-                ),
-                "per_rank": per_rank,
-            },
-            # for the replay: each rank's setup (its imports' end, less their excess, to its first step) removed
-            change=Change("each rank straight from its imports to its first step (the setup taking no time)",
-                          drop_rank=present, drop_t0=np.maximum(s0, (m[present] - excess[present]).astype(np.int64)),
-                          drop_t1=e.astype(np.int64)),  # fmt: skip
-        )
-    ]
+    f = Finding(
+        kind="startup",
+        cost_s=cost_s,
+        summary=summary,
+        ranks=[last],
+        hosts=run.hosts_of([last]),
+        advice=ADVICE,
+        evidence={
+            "share_of_wall": round(share, 4),
+            "first_step_s": round((e_job - t_first) / 1e9, 4),
+            "imports_s": {"min": round(float(imports_s.min()), 4), "max": round(float(imports_s.max()), 4)},
+            "setup_s": {"min": round(float(setup_s.min()), 4), "max": round(float(setup_s.max()), 4)},
+            "slow_module_files_s": round(slow_files_s, 4),
+            "healthy_call_ms": healthy_ns / 1e6,
+            "counterfactual": (
+                "each rank's imports and communicator creation (MPI_Init) as recorded (module file "
+                "calls on shared file systems at most healthy_call_ms each), then straight to its first "
+                "step: the setup (init_process_group's wait, dataset, model) taking no time; an upper "
+                "bound for the setup"
+            ),
+            "per_rank": per_rank,
+        },
+        # for the replay: each rank's setup (its imports' end, less their excess, to its first step) removed
+        change=Change("each rank straight from its imports to its first step (the setup taking no time)",
+                      drop_rank=present, drop_t0=np.maximum(s0, (m[present] - excess[present]).astype(np.int64)),
+                      drop_t1=e.astype(np.int64)),  # fmt: skip
+    )
+    f.windows = functools.partial(_startup_window, f)  # as a symptom (distdiag.ranking)
+    return [f]
+
+
+def _startup_window(f: Finding, run: Any, colls: Any) -> Windows | None:
+    """The finding's window as a symptom: its binding rank's start-up, charged with the part of the
+    price that its module files' excess over the healthy latency makes (its ``module_file_excess_s``):
+    what a metadata storm among those files explains. The setup the price also holds (dataset,
+    model, init) is no file system's, and stays."""
+    if not f.ranks:
+        return None
+    r = int(f.ranks[0])
+    per = (f.evidence.get("per_rank") or {}).get(r) or {}
+    excess_s = float(per.get("module_file_excess_s", f.evidence.get("slow_module_files_s", 0.0)))
+    start, _ = run.rank_bounds()
+    ends = startup_ends(run)
+    if r >= len(start) or excess_s <= 0:
+        return None
+    one = np.array([r], np.int64)
+    return one, start[one].astype(np.int64), ends[one].astype(np.int64), np.array([int(min(excess_s, f.cost_s) * 1e9)])

@@ -72,6 +72,7 @@ the stage (``--stages --baseline <worktree of 3599750> --repeat 2``, load
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, NamedTuple
 
@@ -81,7 +82,7 @@ from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.intervals import band_of
 from distdiag.evidence import secs, tally
-from distdiag.lateness import host_indices, nobody_waits, other_host_last_ns_from, own_lateness_ns, startup_groups
+from distdiag.lateness import charged_windows, host_indices, nobody_waits, other_host_last_ns_from, own_lateness_ns, startup_groups
 from distdiag.match import MatchState, collectives_of, group_blocks
 from distdiag.run import _ranges
 from distdiag.replay import Change
@@ -203,7 +204,10 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         if p_mine.any():
             f.evidence["p2p_late_calls"] = int(p_mine.sum())
             f.evidence["p2p_wait_s"] = float(p2p_ns[f.ranks[0]]) / 1e9
-    return _fold_hosts(run, colls, ok, cost_ns, findings, min_fraction, peer_ratio, wall_s, top_sites)
+    out = _fold_hosts(run, colls, ok, cost_ns, findings, min_fraction, peer_ratio, wall_s, top_sites)
+    for f in out:  # as a symptom: what a cause in the late rank's stretches explains (distdiag.ranking)
+        f.windows = functools.partial(charged_windows, f)
+    return out
 
 
 def _members_per_rank(colls: Any, groups: np.ndarray, n: int) -> np.ndarray:
