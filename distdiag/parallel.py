@@ -35,7 +35,7 @@ exactly (the same functions on the same inputs, reduced in the serial order):
    block's files again for: the Slurm view's per-rank firsts (a Slurm job:
    :func:`distdiag.slurm.rank_firsts_part`) and input_bound's / h2d_copy's
    critical path (rows of those kinds:
-   :func:`distdiag.detectors.input_bound.critical_path_part`), which rank 0
+   :func:`distdiag.critical_path.critical_path_part`), which rank 0
    puts together before its detectors, then the breakdown
    (:func:`distdiag.breakdown.breakdown_part`), computed while rank 0 runs
    the detectors (rank 0 computes its own block after them). Each block
@@ -375,7 +375,7 @@ class _Remote:
         """The match is made: each of ranks 1..K-1 gets its block of the breakdown's bands, with the
         run and only its ranks' members of the match (:func:`_members_of`); rank 0 keeps block 0."""
         from distdiag.bands import part_edges
-        from distdiag.detectors.input_bound import PRICED_KEY, PRICED_KINDS, costs_of_parts, critical_path_part
+        from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, costs_of_parts, critical_path_part
         from distdiag.slurm import needs_rank_firsts, put_rank_firsts, rank_firsts_part
 
         self.t["matched"] = time.perf_counter()
@@ -478,9 +478,9 @@ def _members_of(colls: Any, r_lo: int, r_hi: int) -> Any:
 
 def _needs_costs(run: Any, cfg: Any) -> bool:
     """Whether ``input_bound`` or ``h2d_copy`` will price their rows (a pass over every band):
-    enabled, a wall-clock, and rows of their kinds (as :func:`distdiag.detectors.input_bound.priced`
+    enabled, a wall-clock, and rows of their kinds (as :func:`distdiag.critical_path.priced`
     asks). A wrong yes costs the analysis ranks a pass, never the report."""
-    from distdiag.detectors.input_bound import PRICED_KINDS
+    from distdiag.critical_path import PRICED_KINDS
     from distdiag.rows import count_of
 
     names = set(cfg.detectors) if cfg is not None and cfg.detectors else {"input_bound", "h2d_copy"}
@@ -532,7 +532,7 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
 def _serve(comm: Any, held: _Held | None) -> None:
     """Analysis rank k > 0 after reading: run rank 0's commands until the breakdown or the end."""
     from distdiag.breakdown import breakdown_part
-    from distdiag.detectors.input_bound import PRICED_KINDS, critical_path_part
+    from distdiag.critical_path import PRICED_KINDS, critical_path_part
     from distdiag.slurm import rank_firsts_part
 
     sigs = strings = None

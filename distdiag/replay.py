@@ -1122,11 +1122,11 @@ def claims_change(f: Any, run: Any) -> Change | None:
 
 def unhidden(run: Any, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rank-time intervals less what the rank's compute covered (its compute phases, and on a
-    GPU-timed run its GPU's busy spans: :func:`distdiag.detectors.input_bound.compute_rows`): a
+    GPU-timed run its GPU's busy spans: :func:`distdiag.critical_path.compute_rows`): a
     loader wait the GPU spends running queued kernels costs nothing, and taking it out of the
     replay would price it. Band by band of the ranks named (a streamed run reads only theirs)."""
     from distdiag.bands import bands
-    from distdiag.detectors.input_bound import compute_rows
+    from distdiag.critical_path import compute_rows
 
     if len(rank) == 0:
         return rank, t0, t1

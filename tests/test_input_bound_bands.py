@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from distdiag import bands as bd
+from distdiag import critical_path as cp
 from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS
 from distdiag.clocks import align
-from distdiag.detectors import input_bound as ib
-from distdiag.detectors.input_bound import (
+from distdiag.critical_path import (
     COMPUTE_KINDS,
     PRICED_KEY,
     _collective_waits,
@@ -182,7 +182,7 @@ def test_band_size_changes_no_number(tmp_path: Path, steps: str, kind: int, monk
         assert len(list(bd.bands(run, band))) > 1
         _assert_same(critical_path_cost(run, kind, band_events=band), one)
     for cells in (1, 3 * 24):  # tables of one rank, of three: the bands' ranks in chunks
-        monkeypatch.setattr(ib, "_TABLE_CELLS", cells)
+        monkeypatch.setattr(cp, "_TABLE_CELLS", cells)
         _assert_same(critical_path_cost(run, kind, band_events=1 << 40), one)
         _assert_same(critical_path_cost(run, kind, band_events=250), one)
     monkeypatch.undo()
@@ -241,7 +241,7 @@ def test_collective_waits_by_blocks_of_members(tmp_path: Path, monkeypatch: pyte
     tmin, tmax = bd.time_bounds(run)
     one = _collective_waits(run, tmin, tmax - tmin + 1)
     assert len(one[0]) > 100
-    monkeypatch.setattr("distdiag.detectors.input_bound._MEMBER_BLOCK", 7)
+    monkeypatch.setattr("distdiag.critical_path._MEMBER_BLOCK", 7)
     got = _collective_waits(run, tmin, tmax - tmin + 1)
     np.testing.assert_array_equal(got[0], one[0])
     np.testing.assert_array_equal(got[1], one[1])
@@ -251,7 +251,7 @@ def test_collective_waits_by_blocks_of_members(tmp_path: Path, monkeypatch: pyte
 def test_blocks_of_bands_put_together_are_the_one_pass(tmp_path: Path, streamed: bool) -> None:
     # --parallel: each analysis rank prices its block of bands (critical_path_part) with only
     # its ranks' members of the match (parallel._members_of), rank 0 puts them together
-    from distdiag.detectors.input_bound import PRICED_KINDS, costs_of_parts, critical_path_part
+    from distdiag.critical_path import PRICED_KINDS, costs_of_parts, critical_path_part
     from distdiag.parallel import _members_of
 
     _irregular_run(tmp_path / "r", "auto")

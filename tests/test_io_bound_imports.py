@@ -101,7 +101,7 @@ def test_import_paths_are_modules_and_the_directories_that_hold_them() -> None:
 
     import numpy as np
 
-    from distdiag.detectors.startup import import_paths
+    from distdiag.import_files import import_paths
 
     names = ["", "/a/pkg/__init__.py", "/a/pkg", "/a", "/a/data.bin", "/b", "/a/pkg/__pycache__/m.cpython-311.pyc",
              "/", "/data/x.so.txt"]  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 
 from distdiag import match
 from distdiag.clocks import align
-from distdiag.detectors.collective_mismatch import mismatches
+from distdiag.mismatch import mismatches
 from distdiag.match import Collectives, GroupColumn, match_collectives
 from distdiag.run import load_run
 from distdiag.schema import Kind

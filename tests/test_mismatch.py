@@ -240,7 +240,7 @@ def test_member_datatypes_found_again_from_the_rows_equal_the_matchs(
 
     import numpy as np
 
-    from distdiag.detectors.collective_mismatch import member_aux
+    from distdiag.mismatch import member_aux
     from distdiag.match import collectives_of
     from distdiag.run import load_run
 

@@ -1,6 +1,6 @@
 """h2d_copy: host-to-device copies that hold up the iteration.
 
-Priced like the input wait (see :mod:`distdiag.detectors.input_bound`): per
+Priced like the input wait (see :mod:`distdiag.critical_path`): per
 iteration, on the critical path across ranks, only the copy time that no
 compute phase of the rank overlaps. A ``non_blocking`` copy from pinned memory
 records only its enqueue, so a copy that really overlaps costs (correctly)
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.detectors import register
-from distdiag.detectors.input_bound import priced
+from distdiag.critical_path import priced
 from distdiag.findings import Finding
 from distdiag.rows import rows_of
 from distdiag.schema import Kind

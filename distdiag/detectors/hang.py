@@ -277,7 +277,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     if deadlock:
         # Ranks stuck inside a mismatched collective (a rank passed another size,
         # op or root) explain the rest: that is collective_mismatch's finding.
-        from distdiag.detectors.collective_mismatch import mismatches
+        from distdiag.mismatch import mismatches
 
         bad = mismatches(run, colls)[0]
         in_bad = np.unique(colls.m_rank[in_flight & bad[colls.m_group]])

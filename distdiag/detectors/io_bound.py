@@ -20,7 +20,7 @@ the data calls' bytes and throughput, and the busiest paths.
 Imports: a rank's imports after its startup (a lazy ``import``, the program's own
 ``import`` statements inside its first ``distdiag.phase``) are file calls too, on module
 paths and the directories the import system searches
-(:func:`distdiag.detectors.startup.import_paths`). On a node-local file system they are not
+(:func:`distdiag.import_files.import_paths`). On a node-local file system they are not
 counted: their calls are fast and the bursts they make are the modules' own code running
 between them, slower the more loaded the machine (the demo job's ``import mpi4py`` inside
 a phase, 520 calls, made 0.06 s of bursts with one core busy beside it, and over 0.4 s on a
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.breakdown import startup_ends
-from distdiag.detectors.startup import import_paths, shared_fs_rows
+from distdiag.import_files import import_paths, shared_fs_rows
 from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding

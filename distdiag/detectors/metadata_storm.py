@@ -68,6 +68,7 @@ import pandas as pd
 from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.import_files import LOCAL_FSTYPES
 from distdiag.match import collectives_of
 from distdiag.replay import Change
 from distdiag.rows import calls_of, events_of, weighted_median
@@ -78,10 +79,9 @@ log = logging.getLogger(__name__)
 META_KINDS = np.array([Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR], np.uint8)
 _FILE_KINDS = np.array(sorted(FILE_KINDS), np.uint8)
 _IMPORT_SUFFIXES = (".py", ".pyc", ".so", ".pth")
-#: node-local file systems: no metadata server to saturate. Their calls slow
-#: down with concurrency mostly because the ranks compete for CPUs (an
-#: oversubscribed node), so only a much slower median counts as a storm there.
-LOCAL_FSTYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "squashfs", "vfat"})
+# node-local file systems (distdiag.import_files.LOCAL_FSTYPES): no metadata server to saturate.
+# Their calls slow down with concurrency mostly because the ranks compete for CPUs (an
+# oversubscribed node), so only a much slower median counts as a storm there.
 
 ADVICE = (
     "Take the load off the metadata server: stage the files to node-local storage (/tmp, NVMe) once per node; "

@@ -10,7 +10,7 @@ gets there (they meet at the first collective), at ``E = max_r e_r``.
 
 Counterfactual (the price): each rank runs its **imports** as recorded, except that
 its file calls among them on a shared file system (NFS, Lustre, FUSE...: not
-:data:`LOCAL_FSTYPES`) take at most ``healthy_call_ms`` (1 ms) each (a node-local disk's
+:data:`distdiag.import_files.LOCAL_FSTYPES`) take at most ``healthy_call_ms`` (1 ms) each (a node-local disk's
 slow calls are the loaded machine's: under a load of 3-6 on 2 cores, 0.1-0.16 s of
 torch's import calls took over 1 ms each); its communicator creations (``MPI_Init``,
 which mpi4py runs inside ``import mpi4py.MPI`` and which waits for every rank to
@@ -59,7 +59,6 @@ Settings (``[analyze.startup]``): ``min_fraction``, ``healthy_call_ms`` (1.0),
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import numpy as np
@@ -68,6 +67,7 @@ from distdiag.breakdown import startup_ends
 from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding, Windows
+from distdiag.import_files import is_module_path, shared_fs_rows
 from distdiag.replay import Change
 from distdiag.rows import rows_of
 from distdiag.schema import FILE_KINDS, Kind
@@ -78,49 +78,12 @@ FLOOR_KEY = "startup.floor_s"
 #: ``run.cache`` key: the price computed, reported or not
 COST_KEY = "startup.cost_s"
 
-#: file systems on the node itself: their calls' latency is the machine's, not a slow server's
-LOCAL_FSTYPES = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "tmpfs", "ramfs", "overlay", "f2fs",
-                           "squashfs", "vfat", "devtmpfs"})  # fmt: skip
-
-#: a file call on a path like these is part of an import
-MODULE_SUFFIXES = (".py", ".pyc", ".so", ".pth", ".pyd")
 
 ADVICE = (
     "cache what the setup builds (save the prepared dataset once and load it; build it lazily in the "
     "DataLoader workers), run more steps per launch so startup is amortized, and keep the Python "
     "environment on node-local storage if its imports are slow"
 )
-
-
-def _is_module(path: str) -> bool:
-    return path.endswith(MODULE_SUFFIXES) or "__pycache__" in path
-
-
-def shared_fs_rows(run: Any, rows: np.ndarray) -> np.ndarray:
-    """Which of these file rows are on a file system that is not the node's own (``aux``:
-    ``"fstype:mountpoint"``; NFS, Lustre, GPFS, FUSE...): one test a distinct mount."""
-    aux = run.events["aux"][rows].astype(np.int64)
-    uniq, inv = np.unique(aux, return_inverse=True)
-    shared = np.fromiter((u > 0 and run.s(int(u)).split(":", 1)[0] not in LOCAL_FSTYPES for u in uniq), bool, len(uniq))
-    return shared[inv]  # type: ignore[no-any-return]
-
-
-def import_paths(run: Any, nid: np.ndarray) -> np.ndarray:
-    """Which of these path ids (``name_id`` of file rows) an import touches: a module path, or a
-    directory holding one of the run's module paths at any depth (the import system stats and
-    lists each ``sys.path`` entry and package directory it searches). One test a distinct path:
-    ``["/a/pkg/__init__.py", "/a/pkg", "/a", "/a/data.bin"]`` -> True, True, True, False."""
-    uniq, inv = np.unique(nid, return_inverse=True)
-    paths = [run.s(int(u)) for u in uniq]  # distinct paths
-    is_mod = np.fromiter((_is_module(p) for p in paths), bool, len(paths))
-    dirs: set[str] = set()
-    for p in (p for p, m in zip(paths, is_mod) if m):  # distinct module paths
-        d = os.path.dirname(p)
-        while d and d not in dirs:
-            dirs.add(d)
-            d = os.path.dirname(d) if d != os.path.dirname(d) else ""
-    is_imp = is_mod | np.fromiter((p.rstrip("/") in dirs for p in paths), bool, len(paths))
-    return is_imp[inv]  # type: ignore[no-any-return]
 
 
 def module_rows(run: Any) -> np.ndarray:
@@ -130,7 +93,7 @@ def module_rows(run: Any) -> np.ndarray:
         return rows
     nid = run.events["name_id"][rows]
     uniq, inv = np.unique(nid, return_inverse=True)
-    is_mod = np.fromiter((_is_module(run.s(int(u))) for u in uniq), bool, len(uniq))  # distinct paths
+    is_mod = np.fromiter((is_module_path(run.s(int(u))) for u in uniq), bool, len(uniq))  # distinct paths
     return rows[is_mod[inv]]
 
 
