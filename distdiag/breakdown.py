@@ -119,32 +119,7 @@ skips the running maximum when its ends are, and sums per key with
 pieces. benchmarks/bench_breakdown.py and ``benchmarks/bench_scale.py
 --stages`` measure it.
 
-Measured (issue 10: the breakdown stage of ``benchmarks/bench_scale.py
---grid '' --stages RxM --baseline <worktree of 1f4f854> --repeat 2``, CPU s
-of the 2 alternating children per tree, 2 shared cores at load 4-7; the JSON
-report byte-identical on every synth fault, a DDP and a mixed run, and 1024 x
-10k)::
-
-    run                      CPU s before -> after      transient over the live set
-    1024 x 10k (10.3 M ev)   1.10-1.19 -> 0.40-0.46     0.4-0.5 -> 0.1 B/event
-      again, at 388e99a      1.67-1.73 -> 0.31-0.40     0.5 -> 0.1 B/event (busier machine)
-    64 x 100k (6.4 M ev)     0.69-0.80 -> 0.24-0.27     0.2 -> 0.2 B/event
-
-(2.7-2.9x; the lead's 16.1 s at 1,024 x 100k would be ~5.5 s.) Where it
-went, 1024 x 10k: the members' gathers from the match's table and their rank
-order (~45%) -> their rows' block copies (~25% of what is left); unions'
-sorts, gathers and bincounts -> mostly none (a sortedness check each); a
-kind column and a mask per kind per band -> the kind index. The DDP run of
-bench_breakdown (16 x 20k, steps and async buckets) went 0.83-0.85 -> 0.65-0.76 s
-(the per-step cut of each part is now its largest cost).
-
-Reading the rows through distdiag.bands only (issue 10; ``--stages RxM
---baseline <worktree of daba0eb> --repeat 2``, best CPU of 2 per tree, load
-3-6): breakdown 0.33 -> 0.33 s at 1,024 x 10k, 0.18 -> 0.19 s at 64 x 100k,
-transient 0.1-0.2 B/event both; bench_breakdown's DDP run 0.441 -> 0.446 s.
-Streamed (256 x 10k, ``stream_events = 0``): 0.40 s against 0.08 s in memory,
-three quarters of it the bands' reads from the rank files
-(``run._Stream.read_band``), ~0.03 s each band's own kind index.
+What the breakdown costs, measured step by step: ``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations

@@ -21,140 +21,17 @@ with what is there.
 Timestamps stay in each rank's own clock until :func:`distdiag.clocks.align`
 maps them onto rank 0's timeline (``run.aligned`` says which).
 
-Memory (measured with benchmarks/bench_scale.py and a per-stage probe, issue 10):
-the table is 73 bytes an event and the analysis holds it to the end. Loading
-packs each rank's rows into it as the file is read (:class:`_Packer`: no
-per-rank arrays + concatenated copy), ``pipeline.analyze`` maps the clocks in
-place (``align(inplace=True)``) and matches collectives once (~53 bytes per
-collective row, kept: the detectors share it). The rest of the peak is
-transient: distdiag.breakdown (~140 B/event at 2.6 M events) and
-serial_section (~45 B/event). At ~200-280 B/event one machine held ~10^8
-events in 24 GB. Since then (the figures below) the peak is ~110-120
-B/event: 16,384 x 10,000 (164 M events) completes in 18 GB, 1,024 x 100,000
-takes 11.2 GB; streaming (below, "Then streaming") brought them to 5.8 and 3.6 GB.
+Loading packs each rank's rows into one table as its file is read (:class:`_Packer`,
+by cache-sized blocks, each scanned for the rank's time bounds, order and string ids:
+:class:`_Scan`); the table is its own anonymous mapping, populated rank by rank.
+Streaming (``load_run(..., streamed_kinds=STREAMED_KINDS)``) keeps the compute phases and
+the collective rows out of the table: every row is still read and scanned, the collective
+rows are kept apart for the match (``COLL_ROW_DTYPE``, dropped by :func:`stream_out` once
+matched), and the stages that need the phases read them band of ranks by band of ranks
+from the files (:func:`distdiag.bands.bands`, :class:`_Stream`: the same remap, sort,
+clock map and repairs, so a band's rows are byte for byte the table's).
 
-Measured since (1024 x 10k, 10.27 M events, best of 4 alternating runs per
-tree of bench_scale's per-stage child, CPU s and peak RSS over the RSS
-before each stage): breakdown and serial_section by bands brought the peak
-to 1388 MB (135 B/event), set by align's +58 B/event (the collective match,
-~113 bytes per collective row at once, and the causality check's member
-arrays) and straggler's +26. Now align +33 (28.5 of it the match it keeps),
-straggler +13, serial_section +16 -> +5, peak 1271 MB (124 B/event), set by
-breakdown's +12 over a live set of ~108 B/event. CPU: reading 4.5-5.7 ->
-2.9-3.6 s (a rank file ~5 -> ~3.3 ms: h5py's per-call overhead, not the
-rows, dominates at 10k events a rank), assembling 0.79-1.0 -> 0.63 s, the
-whole analysis 13.4-16.3 -> 11.0-12.2 s. See benchmarks/bench_scale.py.
-
-Then loading by cache-sized blocks: each rank's events are read whole into a
-reused scratch (memory type = file type, so HDF5 copies bytes), then copied
-into the table with their rank and scanned (:class:`_Scan`) by blocks of
-16,384 rows while in cache. The scan gives the rank's time bounds and tells
-``_assemble`` which ranks need a sort by t0 and which need their string ids
-remapped or range-checked; those were two strided passes over the whole
-table. The small tables are filled in place (no concatenation of 1,024
-structured parts). ``bench_scale.py --stages RxM --baseline <worktree of
-1f4f854> --repeat N``, best of N alternating children per tree, CPU s, at
-load 1-7, three runs at 1024 x 10k and two at 64 x 100k::
-
-    size           read + pack                          assemble                           transient
-    1024 x 10k     3.21->3.43, 4.02->3.35, 3.44->3.64   0.66->0.06, 0.77->0.06, 0.63->0.05   74.8 -> 74.8 B/event
-    64 x 100k      0.66->0.61, 0.52->0.56               0.40->0.02, 0.33->0.02               77.4 -> 77.3 B/event
-
-Reading did not get cheaper (the read alone, user + sys, three alternating
-processes at 1024 x 10k: 2.71-3.08 s before, 2.63-3.52 after): the scan
-(~10 ns a row) costs what the three reductions a rank did, and the rest is
-what is left to cut. At 10k events a rank it is a cost a
-file, ~2 ms with a hot page cache: h5py's calls for 19 attributes (~0.8 ms,
-three h5py objects and their weak references each), five datasets, the
-open and close; the rows are ~0.3 ms (HDF5 read ~4 ns, copy ~9, scan ~10
-a row). At 100k a rank the kernel's first touch of the table's pages adds
-15-75 ns an event of system time on this VM (huge pages or not, depending on
-how fragmented memory is): a cost of the table's size, for the narrower
-table below.
-
-Then the table's first touch (issue 10): the table is its own anonymous
-mapping (:func:`new_table`, 4 kB pages) and each rank's range is faulted in
-by one ``madvise(MADV_POPULATE_WRITE)`` before its rows are copied. With
-numpy's allocation (huge-page advice) the faults cost 9-119 ns an event of
-system time, depending on whether free 2 MB pages exist or memory must be
-compacted first (the page cache fills this machine); populated 4 kB pages
-cost a steady 19-26 (``resource.getrusage`` over 6.4 M rows filled by
-blocks, nine alternating processes). So this trades the best case for a
-bounded one. Read alone (user + sys, seven alternating processes a tree,
-64 x 100k): 0.73-0.93 s, mean 0.81, against 0.67-1.16 s, mean 0.92, before;
-1024 x 10k, three pairs: 3.32-3.85 against 4.06-4.31 s. ``bench_scale
---stages --baseline <worktree of 3599750>`` (best of N children, which
-favours the lucky huge-page runs): 64 x 100k read + pack 1.02 -> 0.77 s
-(memory fragmented), then 0.57 -> 0.92 and 0.64 -> 0.96 (2 MB pages free);
-1024 x 10k 3.27 -> 3.36; align, straggler and breakdown no slower on the
-4 kB table (align 1.89 -> 1.60 at 1024 x 10k, 1.13 -> 0.87 at 64 x 100k).
-Huge-page advice + populate: mean 0.94 s, 0.68-1.47, left out.
-Then the files opened without a chunk cache (:func:`_open_h5`): the events
-read alone 24-70 -> 14-19 ns an event; the whole read in alternating
-processes (64 x 100k, four pairs) 0.80 -> 0.75 s mean. Both changes
-against 3599750, read alone, alternating processes at load 2-4: 64 x 100k
-0.94 -> 0.91 s mean (four triples; with the same tree on 2 MB pages 0.92),
-1024 x 10k 4.50 -> 4.13 s mean (four pairs, sys 0.62-1.29 -> 0.54-0.74).
-``bench_scale --stages --repeat 3`` at the end: 64 x 100k best 0.68 -> 0.85
-(this tree a steady 0.85-0.86, the baseline 0.68-1.17), 1024 x 10k best of
-2 3.26 -> 3.58 (3.58/4.66 against 3.26/4.53 at a rising load): within the
-noise of this shared machine, a narrower spread rather than a lower best.
-Where an event's ~120 ns go at 100k a rank (64 x 100k, cProfile and
-in-cache loops): page population ~22, HDF5's read into the scratch ~11,
-the copy with the rank ~13 (9 for the 69 bytes, 4 for the rank), the scan
-~15, the rest per file (~2.3-2.9 ms at 1,000 rows a rank: 19 attributes
-~0.7-0.9 ms at ~40 us each, the strings ~0.2, open ~0.25, four small
-tables ~0.06 each, close). Tried and left out: reading straight into
-the table with a compound memory type of the table's offsets and itemsize
-73 (HDF5 then converts through its type-conversion buffer: 77 ns an event
-against ~24 for read + copy); reading raw chunks (``read_direct_chunk``,
-4,096 rows each, so the copy and scan read L2) is within the noise (61-74
-against 67-77 ns an event); a 2-D view for name_id + comm_id in the scan
-(8.4 ns a row against 2.7); a thread populating 32 MB ahead of the reader
-(ctypes ``madvise``, which lets go of the GIL): wall 0.90 against 0.96 s
-at 64 x 100k but sys 0.38 against 0.32 s. The capacity bound (file sizes
-/ 69 bytes, ~28% above the rows) costs address space only, before and now:
-pages never written are never resident, and populating goes rank by rank.
-
-Then streaming (issue 10, built): ``load_run(..., streamed_kinds=STREAMED_KINDS)``
-keeps the compute phases (PHASE, FORWARD, BACKWARD, OPTIMIZER) and the
-collectives out of the table: every row is still read and scanned (time bounds, order, string ids),
-but only the others are packed. The stages that need the phases (breakdown,
-input_bound / h2d_copy's critical path, serial_section's activity, hang,
-the Slurm view) read them band of ranks by band of ranks through
-:func:`distdiag.bands.bands`, which reads each band's rows again from the
-files (:class:`_Stream`: only the events table, the same remap, t0 sort,
-clock map and causality repairs as the table's rows, so the rows are
-byte-for-byte the table's; a file whose row count changed is an error).
-``rows_of`` refuses the streamed kinds, so a stage that would see none fails
-loudly. ``pipeline.analyze(stream=True)`` and the CLI's text / JSON reports
-stream when the files hold more than ``Config.stream_events`` rows (20 M by
-default). The collective rows (with a seq) never enter the table either:
-the loader keeps them apart for the match, 37 bytes a row
-(``COLL_ROW_DTYPE``: t0, t1, kind, comm, seq, rank and ``sig``, an id into a
-small run-wide table of their op, bytes, root, site and datatype, which SPMD
-ranks repeat; :func:`_sig_table`, :func:`_assemble_collectives`), align maps
-and repairs them with the table, the match reads them expanded block by
-block (``distdiag.match._Expanded``), and :func:`stream_out` drops them once
-matched: the match keeps what the cross-rank stages read (~25 B a member,
-:class:`distdiag.match.GroupColumn`), the per-rank stages read the rows from
-the files with the phases. Measured at 1,024 x 100,000 (``bench_scale.py
---grid 1024x100000 --max-events 2e8 --baseline <worktree of 7e740fe>
---repeat 2``, alternating, load 1): peak RSS 11,244 -> 3,575 MB (3.15x less;
-the targets: 4 GB), wall 31.3-32.4 -> 40.4-41.9 s (60 s), the JSON
-byte-identical. Where it goes (``--stages``): reading 10 -> 19 s (every row
-is still scanned, the collective rows are copied apart and their sig found,
-the rest dropped), the breakdown's band pass ~15 s (the 7.3 GB of files read
-again); the peak is align's (the kept collective rows 1.9 GB, the match it
-builds 1.23 GB, the sort's 0.43 GB); after the match the analysis holds
-1.3-2.2 GB. 16,384 x 10,000: peak 18 -> 5.8 GB, 145 s wall. Steps on the
-way (same measure): phases only streamed, 5.9 GB; collective rows dropped
-once matched but held while matching, 5.3 GB.
-
-What comes next: each stage that reads the phases passes over the files
-once (the breakdown always; input_bound only when input waits exist; the
-Slurm view only for Slurm jobs; serial_section and hang only for the ranks
-they name): one shared pass would save the rest of that time.
+How the loader's memory and time were measured and cut, step by step (issue 10): ``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations
