@@ -803,6 +803,37 @@ def test_fileio_off_records_no_file_rows(tmp_path: Path) -> None:
     assert attrs.get("fileio_capture", "off") == "off" and rs == []
 
 
+OTHER_FD = """\
+import os, sys, time
+p = sys.argv[1]
+fd1 = os.open(p, os.O_RDONLY)
+fd2 = os.open(p, os.O_RDONLY)  # the thread's last open: its own fstat/lseek calls are part of it
+time.sleep(0.3)
+os.fstat(fd1)  # another descriptor of the same file: no part of fd2's open
+os.lseek(fd1, 0, os.SEEK_SET)
+with open(p, "rb") as f:  # Python's open(): open, fstat, lseek... on its new descriptor: one row
+    f.read()
+os.close(fd2)
+os.close(fd1)
+"""
+
+
+def test_an_fstat_of_another_descriptor_is_not_part_of_the_last_open(tmp_path: Path) -> None:
+    """Only the fstat/lseek calls on an open's own descriptor are the open's (the interposer folds
+    them); the converter folded any on the same file, so an fstat of an older descriptor 0.3 s
+    after an open made that open last 0.3 s (a slow open: a metadata storm's evidence). Checked
+    to fail with that fold back in C; the Python converter makes C's rows (the test below)."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x" * 4096)
+    p = wrap(tmp_path, OTHER_FD, str(data))
+    assert p.returncode == 0, p.stderr
+    attrs, rs = rows(tmp_path / "run" / "rank-00000.h5")
+    assert attrs["fileio_capture"] == "preload"
+    opens = [r for r in rs if r["kind"] == int(Kind.FILE_OPEN) and r["path"] == str(data)]
+    assert len(opens) == 3, opens
+    assert all(r["t1"] - r["t0"] < 100_000_000 for r in opens), [(r["t1"] - r["t0"]) / 1e6 for r in opens]
+
+
 # ----------------------------------------------------------------------------------
 # the drainer's slot conversion: C (_binding.convert) against the Python loop
 
@@ -819,7 +850,7 @@ def _slots(rng: np.random.Generator, n: int, paths: list[bytes], ostids: list[in
         op = int(rng.integers(0, len(preload.OP_NAMES) + 2))  # now and then an op no table knows
         p = paths[int(rng.integers(len(paths)))]
         if op in (preload.OP["fstat"], preload.OP["lseek"]) and tid in last_open and rng.random() < 0.7:
-            p = last_open[tid]  # on the file this thread just opened: folded into its open
+            p = last_open[tid]  # on the file this thread just opened (another descriptor: its own call)
         if op in (preload.OP["open"], preload.OP["fopen"]):
             last_open[tid] = p
         p = p[: preload.PATH_CAP]  # the interposer truncates a longer path (and flags it)

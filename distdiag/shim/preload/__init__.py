@@ -44,8 +44,9 @@ fsync/fdatasync as a FILE_WRITE row with no bytes; an mmap of a file as a FILE_R
 with no bytes). An open's row also spans the fstat/lseek calls the same thread makes
 next on the new descriptor (Python's ``open()`` is open + fstat + fstat + lseek): one row, as
 the Python hook's. The interposer folds those itself (no slot; the thread's next slot carries
-their end, ``fold_t1``, and the converter moves the thread's pending open's end there); the
-converter still folds those it is given (on another descriptor of the same file). ``value`` of the other rows is the call's errno (0: it succeeded).
+their end, ``fold_t1``, and the converter moves the thread's pending open's end there); one on
+another descriptor, even of the same file, is a call of its own (the converter folded those too,
+by path: an fstat of an older descriptor 0.2 s after an open made that open last 0.2 s). ``value`` of the other rows is the call's errno (0: it succeeded).
 ``tid`` is a recorder thread id given to each OS thread the calls came from.
 """
 
@@ -272,17 +273,13 @@ class Drainer:
         }  # fmt: skip
         self.op_ids = [rec.intern(f"libc:{n}") if n else 0 for n in OP_NAMES]
         self.open_ops = frozenset({OP["open"], OP["fopen"]})
-        #: calls on a descriptor right after its open, by the same thread, on the same path:
-        #: the open's (Python's open() is open + fstat + fstat, numpy's fromfile an fstat)
-        self.fold_ops = frozenset({OP["fstat"], OP["lseek"]})
-        #: ``self.ops``, ``open_ops`` and ``fold_ops`` as ``_binding.convert`` reads them: per op
-        #: its kind, its mode (255: not recorded) and flags (1: an open, 2: folded into an open,
-        #: 4: summed when hot, see HOT_WINDOW_NS)
+        #: ``self.ops`` and ``open_ops`` as ``_binding.convert`` reads them: per op its kind, its
+        #: mode (255: not recorded) and flags (1: an open, 4: summed when hot, see HOT_WINDOW_NS)
         table = bytearray(3 * len(OP_NAMES))
         for i in range(len(OP_NAMES)):
             kind, mode = self.ops.get(i, (0, 255))
             hot = 4 if kind == k_stat and mode == 0 else 0  # summed above the rate (HOT_WINDOW_NS)
-            table[3 * i : 3 * i + 3] = bytes((kind, mode, (1 if i in self.open_ops else 0) | (2 if i in self.fold_ops else 0) | hot))
+            table[3 * i : 3 * i + 3] = bytes((kind, mode, (1 if i in self.open_ops else 0) | hot))
         self.ops_table = bytes(table)
         #: the rows ``convert`` writes (grown to what a batch can make)
         self.rows = bytearray()
@@ -489,7 +486,7 @@ class Drainer:
         in C, kept for a build without it and as the reference the tests compare it with."""
         unpack = _HDR.unpack_from
         paths, ops, acc, op_ids = self.paths, self.ops, self.acc, self.op_ids
-        opens, fold = self.open_ops, self.fold_ops
+        opens = self.open_ops
         big_b, big_ns, close_min = self.big_bytes, self.big_ns, self.close_min_ns
         rate, msum, hot_calls, hot_win = self.rate, self.msum, self.hot_calls, self.hot_window_ns
         hot_ops = frozenset(i for i in range(len(OP_NAMES)) if self.ops_table[3 * i + 2] & 4)
@@ -513,12 +510,7 @@ class Drainer:
             kind, mode = how
             name_id, aux = tag[0], tag[1]
             po = pend.get(tid)
-            if po is not None:
-                if op in fold and po[3] == name_id:
-                    # the fstat/lseek Python's open() makes on the new descriptor: part
-                    # of the open, as the Python hook's one open row covers them
-                    po[1] = t1
-                    continue
+            if po is not None:  # (its fstat/lseek calls: folded by the interposer, fold_t1 above)
                 del pend[tid]
                 put(po)
             if op in opens:

@@ -549,16 +549,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_TypeError, "convert: a pending open is a list of 10");
                 goto done;
             }
-            long long po_nid = as_ll(PyList_GET_ITEM(po, 3));
-            if (po_nid == -1 && PyErr_Occurred()) { Py_DECREF(tk); goto done; }
-            if ((flags & 2) && po_nid == name_id) {
-                /* the fstat/lseek Python's open() makes on the new descriptor: part of the open */
-                PyObject *v = PyLong_FromLongLong(t1);
-                if (!v) { Py_DECREF(tk); goto done; }
-                PyList_SetItem(po, 1, v);
-                Py_DECREF(tk);
-                continue;
-            }
+            /* (an fstat/lseek on the open's own descriptor never comes here: the interposer folded
+             * it, fold_t1 above; one on another descriptor of the same file is a call of its own) */
             Py_INCREF(po);
             if (PyDict_DelItem(pend, tk) < 0 || put_seq(&c, po) < 0) { Py_DECREF(po); Py_DECREF(tk); goto done; }
             Py_DECREF(po);
