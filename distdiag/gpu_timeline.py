@@ -335,13 +335,13 @@ def _peaks(run: Any, ranks: np.ndarray) -> dict[int, tuple[str, float]]:
     ``gpu_names`` and ``configs/gpus.toml``; ranks without a known device are left out."""
     try:
         from distdiag.config import Config
-        from distdiag.detectors.gpu_underutilized import _gpu_names, _gpus_file, _load_table, peak_for
+        from distdiag.gpu_peaks import gpu_names, gpus_file, load_table, peak_for
 
         cfg = run.cache.get("config") or Config()
-        path = _gpus_file(cfg)
-        table = _load_table(str(path)) if path is not None and path.is_file() else []
+        path = gpus_file(cfg)
+        table = load_table(str(path)) if path is not None and path.is_file() else []
         precision = str(cfg.value("gpu_underutilized", "precision", "bf16"))
-        names = _gpu_names(run, ranks)
+        names = gpu_names(run, ranks)
     except Exception:
         return {}
     out = {}

@@ -31,76 +31,18 @@ gets too little work: raise the batch size (or fuse kernels).
 
 from __future__ import annotations
 
-import json
 import logging
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from distdiag.detectors import register
 from distdiag.findings import Finding
+from distdiag.gpu_peaks import gpu_names, gpus_file, load_table, peak_for
 from distdiag.rows import events_of
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
-
-
-def _gpus_file(cfg: Any) -> Path | None:
-    p = cfg.value("gpu_underutilized", "gpus_file", "")
-    if p:
-        return Path(p)
-    here = Path(__file__).resolve().parent.parent  # distdiag/
-    for c in (here.parent / "configs" / "gpus.toml", here / "configs" / "gpus.toml"):
-        if c.is_file():
-            return c
-    return None
-
-
-@lru_cache(maxsize=8)
-def _load_table(path: str) -> list[dict[str, Any]]:
-    import tomllib
-
-    with open(path, "rb") as f:
-        return list(tomllib.load(f).get("gpu", []))
-
-
-def peak_for(name: str, table: list[dict[str, Any]], precision: str) -> tuple[str, float, float] | None:
-    """(table entry name, peak TFLOP/s at ``precision``, memory GB/s) for an NVML device name."""
-    low = name.lower()
-    for g in table:
-        if all(str(m).lower() in low for m in g.get("match", [])):
-            tf = float(g.get(f"tflops_{precision}", 0) or 0)
-            if tf <= 0:
-                continue
-            return str(g.get("name", name)), tf, float(g.get("mem_gb_per_s", 0) or 0)
-    return None
-
-
-def _gpu_names(run: Any, ranks: np.ndarray) -> dict[int, dict[str, str]]:
-    """The ``gpu_names`` attribute of each rank file (JSON {nvml index: name})."""
-    out: dict[int, dict[str, str]] = {}
-    for r in ranks:  # only ranks that have GPU samples
-        info = run.ranks.get(int(r))
-        if info is None:
-            continue
-        raw = (getattr(info, "attrs", None) or {}).get("gpu_names")
-        if raw is None:
-            try:
-                from distdiag.run import open_rank_file
-
-                with open_rank_file(info.path) as f:  # a regular file of the run dir's own, never a link
-                    raw = f.attrs.get("gpu_names")
-            except Exception:
-                raw = None
-        if raw is None:
-            continue
-        try:
-            out[int(r)] = {str(k): str(v) for k, v in json.loads(raw if isinstance(raw, str) else raw.decode()).items()}
-        except Exception:
-            continue
-    return out
 
 
 @register("gpu_underutilized")
@@ -127,8 +69,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     precision = str(cfg.value("gpu_underutilized", "precision", "bf16"))
     peak_override = float(cfg.value("gpu_underutilized", "peak_tflops", 0.0))
     min_fraction = float(cfg.value("gpu_underutilized", "min_fraction", cfg.min_fraction))
-    path = _gpus_file(cfg)
-    table = _load_table(str(path)) if path is not None and path.is_file() else []
+    path = gpus_file(cfg)
+    table = load_table(str(path)) if path is not None and path.is_file() else []
 
     # per rank: step window and flops (vectorized over steps with bincount)
     steps = steps[np.lexsort((steps["t0_ns"], steps["rank"]))]
@@ -139,7 +81,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     idx = np.searchsorted(ranks, steps["rank"])
     flops = np.bincount(idx, weights=steps["value"], minlength=len(ranks)) - steps["value"][first]
     dur_s = (t_last - t_first) / 1e9
-    names = _gpu_names(run, np.union1d(np.unique(gpu["rank"]), np.array(sorted(own_busy), np.int64)))
+    names = gpu_names(run, np.union1d(np.unique(gpu["rank"]), np.array(sorted(own_busy), np.int64)))
 
     # per rank: mean SM and memory utilization of its GPU samples inside its step window
     g_idx = np.searchsorted(ranks, gpu["rank"])
