@@ -191,6 +191,9 @@ class RankInfo:
     #: the rank file's ``fileio_capture`` attribute: what recorded its file calls ("preload":
     #: the libc interposer, "python": the Python-level wrappers, "off"; "" in older files)
     fileio_capture: str = ""
+    #: the span its event rows were held to when read (:func:`_recorded_span`), where that dropped
+    #: some (else None, None): a band pass reading them again drops the same rows
+    row_span: tuple[int | None, int | None] = (None, None)
 
     @property
     def dur_s(self) -> float:
@@ -1230,7 +1233,9 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
             last_flush = _int_attr(attrs, "last_flush_mono_ns")
             proc0 = _process_start(_int_attr(attrs, "process_start_mono_ns"), mono0)
             span = _recorded_span(mono0 if proc0 is None else proc0, end, last_flush)
+            n_read = len(events)
             events, scan = _in_span(events, scan, span, fname, warnings, packer)
+            dropped_span = span if len(events) < n_read else (None, None)  # for a band's re-read
             cuda_timing = str(_attr(attrs, "cuda_timing", "") or "")[:300]
             n_gpu = 0
             if cuda_timing.startswith("on"):  # GPU-timed: collectives on the GPU's timeline
@@ -1302,6 +1307,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 cuda_timing=cuda_timing,
                 role=str(_attr(attrs, "role", "") or "")[:40],
                 gpu_timed_collectives=n_gpu,
+                row_span=dropped_span,
                 fileio_capture=str(_attr(attrs, "fileio_capture", "") or "")[:20],
             )
             return _RankData(info, events, strings, sync, inflight, gpu, scan)
@@ -2171,6 +2177,10 @@ def _read_events(info: RankInfo) -> np.ndarray | None:
             )
     except _H5_ERRORS:
         return None
+    # without the rows _read_rank dropped as outside the rank's recorded span (a file with one
+    # implausible timestamp was "changed while analyzed" on every streamed run)
+    if info.row_span != (None, None):
+        ev, _ = _in_span(ev, _Scan.of(ev), info.row_span, info.path.name, [], None)
     if info.gpu_timed_collectives:  # as _read_rank gave them: the GPU's times
         _gpu_times(ev)
     return ev
