@@ -19,6 +19,8 @@ MODULE_SUFFIXES = (".py", ".pyc", ".so", ".pth", ".pyd")
 
 
 def is_module_path(path: str) -> bool:
+    """A module file's path: Python source, bytecode, an extension, a ``.pth`` or anything in a
+    ``__pycache__``."""
     return path.endswith(MODULE_SUFFIXES) or "__pycache__" in path
 
 

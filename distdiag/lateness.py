@@ -26,8 +26,6 @@ from distdiag.match import Collectives, MatchState, group_blocks, member_gaps_ns
 #: others; a late root delays nobody.
 ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Iscatter", "Iscatterv", "scatter",
                          "broadcast"})  # fmt: skip
-
-
 MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
 
 
