@@ -30,7 +30,8 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
      ``metadata_storm``, ``io_bandwidth``, ``slow_link``: a subsystem that
      held a rank; each claims the rank-time of its own recorded calls
      (``CLAIMED_KINDS``: loader waits, copies, file calls, point-to-point) on
-     the ranks it names;
+     the ranks it names, or what its detector states (``Finding.claims``:
+     ``io_bandwidth``'s large transfers, ``io_bound``'s bursts);
    * *code paths*: ``serial_section`` claims its charged windows (the
      ``[second-to-last arrival, last arrival]`` of each serial collective, on
      the late rank; see :mod:`distdiag.detectors.serial_section`);
@@ -92,16 +93,16 @@ from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
 
-#: finding kind -> the event kinds whose rank-time the finding claims
+#: finding kind -> the event kinds whose rank-time the finding claims, for the mechanisms whose
+#: detectors state no claims of their own (``io_bandwidth``'s episodes and ``io_bound``'s bursts
+#: are :attr:`Finding.claims`)
 CLAIMED_KINDS: dict[str, tuple[int, ...]] = {
     "input_bound": (Kind.INPUT_WAIT,),
     "h2d_copy": (Kind.H2D,),
     "metadata_storm": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR),
-    "io_bandwidth": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_READ, Kind.FILE_WRITE),
     "slow_link": (Kind.SEND, Kind.RECV, Kind.WAIT),
-    "io_bound": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR, Kind.FILE_READ, Kind.FILE_WRITE),
 }
-MECHANISMS = tuple(CLAIMED_KINDS)
+MECHANISMS = ("input_bound", "h2d_copy", "metadata_storm", "io_bandwidth", "slow_link", "io_bound")
 #: tier of each kind: lower explains higher (absent kinds are never adjusted nor explain)
 TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2, "startup": 2}
 
@@ -417,7 +418,7 @@ def _deduplicate(findings: list[Finding], run: Any, colls: Collectives, cfg: Any
         return list(findings)
     dropped: set[int] = set()
     for f in sorted(symptoms, key=lambda f: TIER[f.kind]):  # few findings
-        win = _windows(f, run, colls)
+        win = f.windows(run, colls) if f.windows is not None else None  # made by its detector
         if win is None:
             continue
         before = float(f.cost_s)
@@ -454,11 +455,6 @@ def _deduplicate(findings: list[Finding], run: Any, colls: Collectives, cfg: Any
             log.info("%s ranks %s: %.3f s of %.3f s explained by %s; dropped", f.kind, f.ranks, total, before, taken)
             dropped.add(id(f))
     return [f for f in findings if id(f) not in dropped]
-
-
-def _windows(f: Finding, run: Any, colls: Collectives) -> Windows | None:
-    """What a symptom finding charges (:attr:`Finding.windows`, made by its detector), or None."""
-    return f.windows(run, colls) if f.windows is not None else None
 
 
 def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

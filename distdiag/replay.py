@@ -1105,9 +1105,9 @@ NOT_REPLAYED = ("it changes only non-blocking collectives or point-to-point call
 def claims_change(f: Any, run: Any) -> Change | None:
     """A mechanism finding's counterfactual from its claims (:func:`distdiag.ranking._claims`: the
     rank-time of its rows, e.g. an input-bound rank's loader waits): that time removed."""
-    from distdiag.ranking import CLAIMED_KINDS, _claims
+    from distdiag.ranking import MECHANISMS, _claims
 
-    if f.kind not in CLAIMED_KINDS or f.kind in ("slow_link", "metadata_storm"):
+    if f.kind not in MECHANISMS or f.kind in ("slow_link", "metadata_storm"):
         return None  # those state their own (transfers; the storm's windows with the unseen gaps)
     got = _claims(f, run)
     if got is None:
@@ -1117,7 +1117,8 @@ def claims_change(f: Any, run: Any) -> Change | None:
         r, t0, t1 = unhidden(run, r, t0, t1)
         return Change(f"the {f.kind} rows of the finding's ranks that compute did not hide removed", drop_rank=r,
                       drop_t0=t0, drop_t1=t1)  # fmt: skip
-    return Change(f"the {f.kind} rows of the finding's ranks removed", drop_rank=r, drop_t0=t0, drop_t1=t1)
+    what = f"the {f.kind} rows of the finding's ranks" if f.claims is None else f"the rank-time the {f.kind} finding claims"
+    return Change(f"{what} removed", drop_rank=r, drop_t0=t0, drop_t1=t1)
 
 
 def unhidden(run: Any, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
