@@ -98,7 +98,7 @@ def _add(acc: ChildIO, ev: np.ndarray, strings: np.ndarray, files: list[tuple[np
     dur = (f["t1_ns"] - f["t0_ns"]).astype(np.float64) / 1e9
     nb = np.maximum(f["nbytes"], 0).astype(np.int64)
     meta = np.isin(f["kind"], META_KINDS)
-    n_of = calls_of(f)  # 1, or the calls an overflow sum stands for
+    n_of = calls_of(f)  # 1, or the calls a sum stands for
     acc.calls += int(n_of.sum())
     acc.metadata_calls += int(n_of[meta].sum())
     acc.io_s += float(dur.sum())

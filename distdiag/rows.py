@@ -16,7 +16,7 @@ sort of the selected rows only.
     count_of(run, kinds)   how many rows (no copy; 0 for an absent kind)
     events_of(run, kinds)  the rows themselves (run.events.take(rows_of(...)))
     unique_sorted(values)  np.unique(values, return_index=True), one pass when ascending
-    calls_of(rows)         how many calls each file row stands for (1, or an overflow sum's)
+    calls_of(rows)         how many calls each file row stands for (1, or a sum's)
     weighted_quantile(x, w, q), weighted_median(x, w): each x counted w times (numpy's when all w are 1)
 
 Where it lives, and why it is only built on the final table: the index is
@@ -262,9 +262,11 @@ def events_of(run: Any, kinds: Kinds) -> np.ndarray:
 
 
 def calls_of(rows: np.ndarray) -> np.ndarray:
-    """How many calls each file row stands for: ``seq`` where the libc interposer summed
-    calls a full ring had no slot for into one row per (call, directory, thread)
-    (``distdiag.shim.preload``, name ``<dir>/*``), else 1 (every other file row has seq -1)."""
+    """How many calls each file row stands for: ``seq`` where the row sums several (small
+    reads/writes summed per file and thread; calls the libc interposer's full ring or rate
+    rule summed per (call, directory, thread), name ``<dir>/*``: ``distdiag.shim.preload``),
+    else 1 (every other file row has seq -1). Files written before read/write sums carried
+    their calls in ``seq`` count such a sum as 1 call."""
     return np.maximum(rows["seq"], 1).astype(np.int64)
 
 

@@ -93,9 +93,10 @@ PHASE_KINDS = frozenset({Kind.PHASE, Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Ki
 #:   comm_id  communicator / process-group key (a string id: the same key on
 #:            every rank that shares the communicator), 0 when none
 #:   seq      per-communicator sequence number of collectives (0, 1, 2, ...),
-#:            or -1 when not a collective; on a file row, the calls it stands for
-#:            when the libc interposer summed those its full ring had no slot for
-#:            (distdiag.rows.calls_of), else -1
+#:            or -1 when not a collective; on a file row that sums several calls
+#:            (small reads/writes summed per file and thread, whose ``value`` counts
+#:            them too; calls the interposer's full ring or its rate rule summed per
+#:            directory), the calls it stands for (distdiag.rows.calls_of), else -1
 #:   peer     root of a rooted collective, peer of point-to-point, -1 otherwise
 #:   nbytes   payload bytes this rank contributed (send side), or samples for STEP
 #:   aux      kind-specific integer (datatype id for collectives, tokens for

@@ -120,7 +120,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     kind = ev["kind"][rows_m]
     aux = ev["aux"][rows_m].astype(np.int64)
     nbytes = ev["nbytes"][rows_m].astype(np.float64)
-    n_of = calls_of(ev[rows_m])  # 1, or the calls an overflow sum stands for
+    n_of = calls_of(ev[rows_m])  # 1, or the calls a sum stands for
     lat = dur / n_of
     mounts: list[dict[str, Any]] = []
     ua, ainv = np.unique(aux, return_inverse=True)

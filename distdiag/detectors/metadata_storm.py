@@ -271,7 +271,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         meta = fs_all[np.isin(fs_all["kind"], META_KINDS)]
         t0 = meta["t0_ns"]
         dur = meta["t1_ns"] - t0
-        n_of = calls_of(meta)  # 1, or the calls an overflow sum stands for
+        n_of = calls_of(meta)  # 1, or the calls a sum stands for
         lat = dur / n_of  # per call
         base = int(t0.min())
         b = (t0 - base) // bin_ns

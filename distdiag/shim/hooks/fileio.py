@@ -26,7 +26,8 @@ add metadata calls), ``aux`` = string id of ``"fstype:mountpoint"``
 standard library and distdiag (for ``os.path.exists`` the user's line, for an
 import the ``import`` statement), ``value`` = errno of a call that failed (a
 failed stat is a metadata operation too: most of an import storm is misses),
-0 otherwise. ``seq``/``peer``/``comm_id`` are unused.
+0 otherwise. ``seq`` is -1, or on a row that sums several reads or writes the calls it
+stands for (:func:`distdiag.rows.calls_of`); ``peer``/``comm_id`` are unused.
 
 Bytes and close. A pure-Python proxy around the file object would change its
 type and cost on every call; attributes set on the C file object cannot be
@@ -361,10 +362,13 @@ class _Acc:
             return
         try:
             if self.r_calls:
-                add(self.r_t0, self.r_t0 + self.r_ns, _FILE_READ, self.name_id, 0, -1, -1, self.r_n, self.aux, self.site, float(self.r_calls))
+                # seq: the calls a sum stands for (distdiag.rows.calls_of), -1 for one
+                rc = self.r_calls
+                add(self.r_t0, self.r_t0 + self.r_ns, _FILE_READ, self.name_id, 0, rc if rc > 1 else -1, -1, self.r_n, self.aux, self.site, float(rc))
                 self.r_n = self.r_ns = self.r_calls = 0
             if self.w_calls:
-                add(self.w_t0, self.w_t0 + self.w_ns, _FILE_WRITE, self.name_id, 0, -1, -1, self.w_n, self.aux, self.site, float(self.w_calls))
+                wc = self.w_calls
+                add(self.w_t0, self.w_t0 + self.w_ns, _FILE_WRITE, self.name_id, 0, wc if wc > 1 else -1, -1, self.w_n, self.aux, self.site, float(wc))
                 self.w_n = self.w_ns = self.w_calls = 0
         except Exception:
             pass

@@ -412,7 +412,7 @@ class Drainer:
         acc = self.acc
         if final and acc:
             for (kind, name_id, tid), a in list(acc.items()):
-                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], a[6], tid, float(a[3])))
+                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], a[6], tid, float(a[3])), sum_seq(a[3]))
             acc.clear()
         self._take_overflow(set(shim), put)
 
@@ -532,7 +532,7 @@ class Drainer:
                 if a[2] < big_b and a[1] < big_ns:
                     continue
                 del acc[key]
-                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, a[6], tid, float(a[3])))
+                put((a[0], a[0] + a[1], kind, name_id, a[5], a[2], aux, a[6], tid, float(a[3])), sum_seq(a[3]))
             elif mode == 0:
                 if op in hot_ops and t1 - t0 < big_ns:
                     w = rate.get(tid)
@@ -556,7 +556,7 @@ class Drainer:
             else:
                 if mode == 3 and acc:
                     for row in self._take_sums(name_id):
-                        put(row)
+                        put(row, sum_seq(int(row[9])))
                 if t1 - t0 >= close_min:
                     put((t0, t1, kind, name_id, op_ids[op], 0, aux, site, tid, float(err)))
 
@@ -581,6 +581,12 @@ class Drainer:
             kind, _, tid = key
             rows.append((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], a[6], tid, float(a[3])))
         return tuple(rows)
+
+
+def sum_seq(calls: int) -> int:
+    """``seq`` of a row that sums ``calls`` reads or writes (``value`` holds them too): the calls
+    it stands for (:func:`distdiag.rows.calls_of`), -1 for one call, as every single call's row."""
+    return calls if calls > 1 else -1
 
 
 def _drop_rows(rows: bytearray, n: int, drop: tuple[int, int]) -> int:

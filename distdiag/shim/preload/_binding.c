@@ -186,13 +186,12 @@ struct conv {
 };
 
 static int put_row(struct conv *c, int64_t t0, int64_t t1, int kind, long long nid, long long cid,
-                   int64_t nb, int64_t aux, long long site, long long tid, double val) {
+                   int64_t nb, int64_t aux, long long site, long long tid, double val, int64_t seq) {
     if (c->n >= c->cap) {
         PyErr_SetString(PyExc_RuntimeError, "convert: the rows buffer is too small");
         return -1;
     }
     unsigned char *r = c->out + c->n * ROW;
-    int64_t seq = -1;
     int32_t i32;
     memcpy(r + 0, &t0, 8);
     memcpy(r + 8, &t1, 8);
@@ -210,8 +209,13 @@ static int put_row(struct conv *c, int64_t t0, int64_t t1, int kind, long long n
     return 0;
 }
 
-/* a row from a Python sequence (t0, t1, kind, name_id, comm_id, nbytes, aux, site_id, tid, value) */
-static int put_seq(struct conv *c, PyObject *row) {
+/* ``seq`` of a row that sums `calls` calls: the calls it stands for (distdiag.rows.calls_of), -1
+ * for one call */
+static int64_t sum_seq(long long calls) { return calls > 1 ? (int64_t)calls : -1; }
+
+/* a row from a Python sequence (t0, t1, kind, name_id, comm_id, nbytes, aux, site_id, tid, value);
+ * summed: a read/write sum, whose value is its calls (seq) */
+static int put_seq(struct conv *c, PyObject *row, int summed) {
     PyObject *f = PySequence_Fast(row, "convert: a row is a sequence");
     if (!f) return -1;
     if (PySequence_Fast_GET_SIZE(f) != 10) {
@@ -228,7 +232,7 @@ static int put_seq(struct conv *c, PyObject *row) {
     double val = PyFloat_AsDouble(it[9]);
     Py_DECREF(f);
     if (val == -1.0 && PyErr_Occurred()) return -1;
-    return put_row(c, v[0], v[1], (int)v[2], v[3], v[4], v[5], v[6], v[7], v[8], val);
+    return put_row(c, v[0], v[1], (int)v[2], v[3], v[4], v[5], v[6], v[7], v[8], val, summed ? sum_seq((long long)val) : -1);
 }
 
 static long long as_ll(PyObject *o) { return PyLong_AsLongLong(o); }
@@ -552,7 +556,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             /* (an fstat/lseek on the open's own descriptor never comes here: the interposer folded
              * it, fold_t1 above; one on another descriptor of the same file is a call of its own) */
             Py_INCREF(po);
-            if (PyDict_DelItem(pend, tk) < 0 || put_seq(&c, po) < 0) { Py_DECREF(po); Py_DECREF(tk); goto done; }
+            if (PyDict_DelItem(pend, tk) < 0 || put_seq(&c, po, 0) < 0) { Py_DECREF(po); Py_DECREF(tk); goto done; }
             Py_DECREF(po);
         }
         if (flags & 1) {
@@ -568,7 +572,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         if (mode == 1) {
             int64_t d = t1 - t0;
             if (nb >= big_b || d >= big_ns) {
-                if (put_row(&c, t0, t1, kind, name_id, opid[op], nb, aux, site, tid, 1.0) < 0) goto done;
+                if (put_row(&c, t0, t1, kind, name_id, opid[op], nb, aux, site, tid, 1.0, -1) < 0) goto done;
                 continue;
             }
             PyObject *key = Py_BuildValue("(iLL)", kind, name_id, tid);
@@ -603,14 +607,14 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             long long a5 = as_ll(PyList_GET_ITEM(a, 5)), a6 = as_ll(PyList_GET_ITEM(a, 6));
             if (PyErr_Occurred() || PyDict_DelItem(acc, key) < 0) { Py_DECREF(key); goto done; }
             Py_DECREF(key);
-            if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, a6, tid, (double)a3) < 0) goto done;
+            if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, a6, tid, (double)a3, sum_seq(a3)) < 0) goto done;
         } else if (mode == 0) {
             if ((flags & 4) && t1 - t0 < big_ns) {
                 int h = hot_sum(&hs, tid, kind, op, t0, t1 - t0, (const char *)s + SLOT_HDR, plen);
                 if (h < 0) goto done;
                 if (h) continue;
             }
-            if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err) < 0) goto done;
+            if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err, -1) < 0) goto done;
         } else {
             if (mode == 3 && PyDict_GET_SIZE(acc)) {
                 PyObject *nk = PyLong_FromLongLong(name_id);
@@ -622,11 +626,11 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
                 Py_DECREF(rows);
                 if (!f) goto done;
                 for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(f); k++)
-                    if (put_seq(&c, PySequence_Fast_GET_ITEM(f, k)) < 0) { Py_DECREF(f); goto done; }
+                    if (put_seq(&c, PySequence_Fast_GET_ITEM(f, k), 1) < 0) { Py_DECREF(f); goto done; }
                 Py_DECREF(f);
             }
             if (t1 - t0 >= close_min)
-                if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err) < 0) goto done;
+                if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err, -1) < 0) goto done;
         }
     }
     if (hot_flush(&hs) < 0) goto done;
