@@ -174,7 +174,7 @@ static PyObject *b_site(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * (2 n + len(st.acc) + 1) event rows (69 bytes each, schema.EVENT_SPEC packed "<");
  * st: the Drainer (ops_table: per op its kind, mode (255: not recorded) and flags (1: an open,
  * 2: folded into the thread's pending open, 4: summed when hot), paths, tids, acc, rate, msum, op_ids,
- * big_bytes, big_ns, close_min_ns, hot_calls, hot_window_ns, _tag_of, _tid_of, _take_sums); pend: thread id -> its last open, held (a list of 9);
+ * big_bytes, big_ns, close_min_ns, hot_calls, hot_window_ns, _tag_of, _tid_of); pend: thread id -> its last open, held (a list of 9);
  * shim_tids: the OS thread ids of the shim's own threads (skipped). */
 #define SLOT_HDR 64
 #define ROW 69
@@ -213,9 +213,8 @@ static int put_row(struct conv *c, int64_t t0, int64_t t1, int kind, long long n
  * for one call */
 static int64_t sum_seq(long long calls) { return calls > 1 ? (int64_t)calls : -1; }
 
-/* a row from a Python sequence (t0, t1, kind, name_id, comm_id, nbytes, aux, site_id, tid, value);
- * summed: a read/write sum, whose value is its calls (seq) */
-static int put_seq(struct conv *c, PyObject *row, int summed) {
+/* a row from a Python sequence (t0, t1, kind, name_id, comm_id, nbytes, aux, site_id, tid, value) */
+static int put_seq(struct conv *c, PyObject *row) {
     PyObject *f = PySequence_Fast(row, "convert: a row is a sequence");
     if (!f) return -1;
     if (PySequence_Fast_GET_SIZE(f) != 10) {
@@ -232,7 +231,7 @@ static int put_seq(struct conv *c, PyObject *row, int summed) {
     double val = PyFloat_AsDouble(it[9]);
     Py_DECREF(f);
     if (val == -1.0 && PyErr_Occurred()) return -1;
-    return put_row(c, v[0], v[1], (int)v[2], v[3], v[4], v[5], v[6], v[7], v[8], val, summed ? sum_seq((long long)val) : -1);
+    return put_row(c, v[0], v[1], (int)v[2], v[3], v[4], v[5], v[6], v[7], v[8], val, -1);
 }
 
 static long long as_ll(PyObject *o) { return PyLong_AsLongLong(o); }
@@ -435,6 +434,51 @@ static int fold_into(PyObject *pend, PyObject *tids, PyObject *tid_of, long long
     return fold > t1 ? set_ll(po, 1, fold) : 0;
 }
 
+/* A close flushes its file's sums (Drainer._take_sums, without a Python call a close): each
+ * acc entry (kind, name_id, tid) -> [t0, ns, bytes, calls, aux, comm_id, site] of that file,
+ * in the dict's order, a row, and out of acc. 0, or -1 on an error. */
+static int take_sums_c(struct conv *c, PyObject *acc, long long name_id) {
+    PyObject *hit[8], **keys = hit;
+    Py_ssize_t nk = 0, cap = 8, pos = 0;
+    PyObject *key, *a;
+    int bad = 0;
+    while (PyDict_Next(acc, &pos, &key, &a)) {
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 3) continue;
+        long long nid = as_ll(PyTuple_GET_ITEM(key, 1));
+        if (nid == -1 && PyErr_Occurred()) { bad = 1; break; }
+        if (nid != name_id) continue;
+        if (!PyList_Check(a) || PyList_GET_SIZE(a) != 7) {
+            PyErr_SetString(PyExc_TypeError, "convert: a sum is a list of 7");
+            bad = 1;
+            break;
+        }
+        long long v[7];
+        for (int i = 0; i < 7; i++) v[i] = as_ll(PyList_GET_ITEM(a, i));
+        long long kind = as_ll(PyTuple_GET_ITEM(key, 0)), tid = as_ll(PyTuple_GET_ITEM(key, 2));
+        if (PyErr_Occurred() || put_row(c, v[0], v[0] + v[1], (int)kind, name_id, v[5], v[2], v[4], v[6], tid,
+                                        (double)v[3], sum_seq(v[3])) < 0) {
+            bad = 1;
+            break;
+        }
+        if (nk == cap) { /* more than 8 sums of one file (threads): a bigger list */
+            PyObject **more = PyMem_Malloc(sizeof(PyObject *) * (size_t)cap * 2);
+            if (!more) { PyErr_NoMemory(); bad = 1; break; }
+            memcpy(more, keys, sizeof(PyObject *) * (size_t)nk);
+            if (keys != hit) PyMem_Free(keys);
+            keys = more;
+            cap *= 2;
+        }
+        Py_INCREF(key);
+        keys[nk++] = key;
+    }
+    for (Py_ssize_t i = 0; i < nk; i++) { /* after the walk: a dict is not changed while walked */
+        if (!bad && PyDict_DelItem(acc, keys[i]) < 0) bad = 1;
+        Py_DECREF(keys[i]);
+    }
+    if (keys != hit) PyMem_Free(keys);
+    return bad ? -1 : 0;
+}
+
 static PyObject *b_convert(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer sb, rb;
@@ -442,7 +486,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     PyObject *st, *pend, *shim;
     if (!PyArg_ParseTuple(args, "y*nw*OO!O", &sb, &n, &rb, &st, &PyDict_Type, &pend, &shim)) return NULL;
     PyObject *ops = NULL, *paths = NULL, *tids = NULL, *acc = NULL, *op_ids = NULL, *shimf = NULL;
-    PyObject *tag_of = NULL, *tid_of = NULL, *take_sums = NULL, *res = NULL, *rate = NULL, *msum = NULL;
+    PyObject *tag_of = NULL, *tid_of = NULL, *res = NULL, *rate = NULL, *msum = NULL;
     struct hot hs;
     memset(&hs, 0, sizeof hs);
     struct conv c = {(unsigned char *)rb.buf, rb.len / ROW, 0};
@@ -461,7 +505,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     }
     if (!(ops = attr(st, "ops_table")) || !(paths = attr(st, "paths")) || !(tids = attr(st, "tids")) ||
         !(acc = attr(st, "acc")) || !(op_ids = attr(st, "op_ids")) || !(tag_of = attr(st, "_tag_of")) ||
-        !(tid_of = attr(st, "_tid_of")) || !(take_sums = attr(st, "_take_sums")) || !(rate = attr(st, "rate")) ||
+        !(tid_of = attr(st, "_tid_of")) || !(rate = attr(st, "rate")) ||
         !(msum = attr(st, "msum")))
         goto done;
     if (!PyBytes_Check(ops) || !PyDict_Check(paths) || !PyDict_Check(tids) || !PyDict_Check(acc) ||
@@ -556,7 +600,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             /* (an fstat/lseek on the open's own descriptor never comes here: the interposer folded
              * it, fold_t1 above; one on another descriptor of the same file is a call of its own) */
             Py_INCREF(po);
-            if (PyDict_DelItem(pend, tk) < 0 || put_seq(&c, po, 0) < 0) { Py_DECREF(po); Py_DECREF(tk); goto done; }
+            if (PyDict_DelItem(pend, tk) < 0 || put_seq(&c, po) < 0) { Py_DECREF(po); Py_DECREF(tk); goto done; }
             Py_DECREF(po);
         }
         if (flags & 1) {
@@ -616,19 +660,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             }
             if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err, -1) < 0) goto done;
         } else {
-            if (mode == 3 && PyDict_GET_SIZE(acc)) {
-                PyObject *nk = PyLong_FromLongLong(name_id);
-                if (!nk) goto done;
-                PyObject *rows = PyObject_CallOneArg(take_sums, nk);
-                Py_DECREF(nk);
-                if (!rows) goto done;
-                PyObject *f = PySequence_Fast(rows, "take_sums");
-                Py_DECREF(rows);
-                if (!f) goto done;
-                for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(f); k++)
-                    if (put_seq(&c, PySequence_Fast_GET_ITEM(f, k), 1) < 0) { Py_DECREF(f); goto done; }
-                Py_DECREF(f);
-            }
+            if (mode == 3 && PyDict_GET_SIZE(acc) && take_sums_c(&c, acc, name_id) < 0) goto done;
             if (t1 - t0 >= close_min)
                 if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err, -1) < 0) goto done;
         }
@@ -641,7 +673,7 @@ done:
     Py_XDECREF(last_p);
     Py_XDECREF(last_tag);
     Py_XDECREF(ops); Py_XDECREF(paths); Py_XDECREF(tids); Py_XDECREF(acc); Py_XDECREF(op_ids);
-    Py_XDECREF(shimf); Py_XDECREF(tag_of); Py_XDECREF(tid_of); Py_XDECREF(take_sums);
+    Py_XDECREF(shimf); Py_XDECREF(tag_of); Py_XDECREF(tid_of);
     Py_XDECREF(rate); Py_XDECREF(msum);
     PyBuffer_Release(&sb);
     PyBuffer_Release(&rb);
