@@ -90,6 +90,7 @@ from distdiag.intervals import covered_within, union_banded
 from distdiag.match import Collectives
 from distdiag.rows import rows_of
 from distdiag.schema import Kind
+from distdiag.startup_floor import floor_of
 
 log = logging.getLogger(__name__)
 
@@ -315,10 +316,10 @@ def coverage(findings: list[Finding], breakdown: Any, run: Any, cfg: Any) -> lis
 
     A category is measured on its most-held rank (a single rank reading files for half the
     run holds the job though the others' share is small). What the ``startup``
-    counterfactual keeps (its floor, ``run.cache[startup.FLOOR_KEY]``: the imports, their
+    counterfactual keeps (its floor, :func:`distdiag.startup_floor.floor_of`: the imports, their
     file calls in ``io_s``, ``MPI_Init`` in ``other_s``) explains its categories when it
     holds all but ``min_share`` of them (the startup category: when what the counterfactual
-    removes, ``startup.COST_KEY``, is under ``min_share``): a short MPI job's 0.4 s in
+    removes, its ``cost_s``, is under ``min_share``): a short MPI job's 0.4 s in
     MPI_Init is no finding.
     Entries: ``{"category", "share", "rank", "seconds", "explained_by": [...], "binds": str|None}``."""
     share_min = float(cfg.value("coverage", "min_share", 0.1))
@@ -327,10 +328,9 @@ def coverage(findings: list[Finding], breakdown: Any, run: Any, cfg: Any) -> lis
     wall = breakdown["wall_s"].to_numpy(np.float64)
     safe = np.where(wall > 0, wall, 1.0)
     kinds = {f.kind for f in findings}
-    from distdiag.detectors.startup import COST_KEY, FLOOR_KEY
-
-    floor = run.cache.get(FLOOR_KEY)
-    startup_cost = run.cache.get(COST_KEY)
+    fl = floor_of(run, cfg)
+    floor = fl.kept if fl is not None else None
+    startup_cost = fl.cost_s if fl is not None else None
     out = []
     for col, explainers in EXPLAINS.items():  # eight categories
         if col not in breakdown:

@@ -64,19 +64,10 @@ from typing import Any
 import numpy as np
 
 from distdiag.breakdown import startup_ends
-from distdiag.intervals import union_length_by_key
 from distdiag.detectors import register
 from distdiag.findings import Finding, Windows
-from distdiag.import_files import is_module_path, shared_fs_rows
 from distdiag.replay import Change
-from distdiag.rows import rows_of
-from distdiag.schema import FILE_KINDS, Kind
-
-#: ``run.cache`` key: rank -> {breakdown column: seconds of it the counterfactual keeps}
-FLOOR_KEY = "startup.floor_s"
-
-#: ``run.cache`` key: the price computed, reported or not
-COST_KEY = "startup.cost_s"
+from distdiag.startup_floor import floor_of
 
 
 ADVICE = (
@@ -86,101 +77,18 @@ ADVICE = (
 )
 
 
-def module_rows(run: Any) -> np.ndarray:
-    """The run's file rows on module paths (imports), ascending (one test a distinct path)."""
-    rows = rows_of(run, tuple(int(k) for k in FILE_KINDS))
-    if len(rows) == 0:
-        return rows
-    nid = run.events["name_id"][rows]
-    uniq, inv = np.unique(nid, return_inverse=True)
-    is_mod = np.fromiter((is_module_path(run.s(int(u))) for u in uniq), bool, len(uniq))  # distinct paths
-    return rows[is_mod[inv]]
-
-
-def import_time_ns(r: np.ndarray, t0: np.ndarray, t1: np.ndarray, start: np.ndarray, n: int, gap_ns: float,
-                   site: np.ndarray | None = None) -> np.ndarray:
-    """Per rank, its import time: the union of its module file calls ``[t0, t1)`` and the gaps
-    between them shorter than ``gap_ns`` or between two calls from the same call site ``site``
-    (one ``import`` statement, or one call that imports lazily), and from its ``start`` to the
-    first one (the interpreter and the shim before the program's first import: never setup).
-
-    Rows sorted by (rank, t0) (sorted here when not). Each row adds what sticks out past the
-    furthest end before it in its rank (``reach``, the rank's start for its first row), plus
-    the gap before it when that is under ``gap_ns``. Worked example (ms), start 0, gap 500:
-    [10, 20) [100, 130) [900, 910) -> 10 + 10 + 80 + 30 + 0 + 10 = 140; with sites 5, 7, 7:
-    the 770 ms between the last two count too: 910."""
-    if len(r) == 0:
-        return np.zeros(n)
-    if site is None:
-        site = np.zeros(len(r), np.int64)
-    if not bool(np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (t0[1:] >= t0[:-1])))):
-        o = np.lexsort((t0, r))
-        r, t0, t1, site = r[o], t0[o], t1[o], site[o]
-    lo = int(min(int(t0.min()), int(start[r].min())))
-    span = int(t1.max()) - lo + 1
-    key = r * span  # each rank in its own band: one running max over all rows never crosses ranks
-    reach = np.empty(len(r), np.int64)
-    reach[1:] = np.maximum.accumulate(key[:-1] + (t1[:-1] - lo))
-    first = np.r_[True, r[1:] != r[:-1]]
-    reach[first] = key[first] + (start[r[first]] - lo)
-    reach = np.maximum(reach, key + (start[r] - lo)) - key + lo  # back to times; never before the start
-    gap = t0 - reach
-    same = np.r_[False, (site[1:] == site[:-1]) & (site[1:] > 0)] | first  # a rank's lead-in always counts
-    got = np.maximum(0, t1 - np.maximum(t0, reach)) + np.where((gap > 0) & ((gap < gap_ns) | same), gap, 0)
-    return np.bincount(r, weights=got.astype(np.float64), minlength=n)
-
-
 @register("startup")
 def detect(run: Any, cfg: Any) -> list[Finding]:
     wall_s = float(run.wall_s)
     if wall_s <= 0 or not run.ranks:
         return []
     min_fraction = float(cfg.value("startup", "min_fraction", getattr(cfg, "min_fraction", 0.02)))
-    healthy_ns = float(cfg.value("startup", "healthy_call_ms", 1.0)) * 1e6
-    gap_ns = float(cfg.value("startup", "import_gap_s", 1.0)) * 1e9
-    mods = module_rows(run)
-    if len(mods) == 0:
+    fl = floor_of(run, cfg)
+    if fl is None:
         return []
-    start, _ = run.rank_bounds()
-    ends = startup_ends(run)
-    present = np.array(sorted(run.ranks), np.int64)
-    s0, e = start[present].astype(np.int64), ends[present]
-    if not (e > s0).any():
-        return []
-    ev = run.events
-    # the floor: the imports and the communicator creations (MPI_Init: mpi4py's import of MPI,
-    # which waits for every rank to start), both kept by the counterfactual
-    init = rows_of(run, (int(Kind.COMM_CREATE),))
-    is_file = np.r_[np.ones(len(mods), bool), np.zeros(len(init), bool)]
-    if len(init):
-        mods = np.concatenate([mods, init])
-        o = np.argsort(mods, kind="stable")  # back to table order: (rank, t0)
-        mods, is_file = mods[o], is_file[o]
-    r = ev["rank"][mods].astype(np.int64)
-    t0 = ev["t0_ns"][mods].astype(np.int64)
-    t1 = np.maximum(ev["t1_ns"][mods].astype(np.int64), t0)
-    inside = (t0 < ends[r]) & (t1 > start[r])
-    mods, is_file = mods[inside], is_file[inside]
-    r, t0, t1 = r[inside], t0[inside], np.minimum(t1[inside], ends[r[inside]])
-    n = len(start)
-    site = ev["site_id"][mods].astype(np.int64)
-    imp = import_time_ns(r, t0, t1, start.astype(np.int64), n, gap_ns, site)
-    m = start.astype(np.int64) + imp.astype(np.int64)  # where the rank's startup would end
-    excess = np.zeros(n)
-    # only on shared file systems: a local disk's slow call is the loaded machine's (a deschedule)
-    slow = is_file & shared_fs_rows(run, mods)
-    np.add.at(excess, r, np.where(slow, np.maximum(0.0, (t1 - t0) - healthy_ns), 0.0))
-    file_s = np.bincount(r, weights=np.where(is_file, t1 - t0, 0), minlength=n) / 1e9
-    calls = np.bincount(r[is_file], minlength=n)
-    # the floor the counterfactual keeps, per breakdown column, for the report's coverage
-    # (distdiag.ranking.coverage): the imports, their file calls, the communicator creation
-    init_s = union_length_by_key(r[~is_file], t0[~is_file], t1[~is_file], n) / 1e9
-    run.cache[FLOOR_KEY] = {int(q): {"startup_s": float(imp[q]) / 1e9, "io_s": float(file_s[q]),
-                                     "other_s": float(init_s[q])} for q in present}  # fmt: skip
+    present, s0, e, imp, m, excess, file_s, calls = fl.present, fl.s0, fl.e, fl.imp, fl.m, fl.excess, fl.file_s, fl.calls
+    healthy_ns, cost_s = fl.healthy_ns, fl.cost_s
     e_job = int(e.max())
-    e_cf = float((m[present] - excess[present]).max())
-    cost_s = max(0.0, (e_job - e_cf) / 1e9)
-    run.cache[COST_KEY] = cost_s  # the coverage's test of the startup category, reported or not
     if cost_s < min_fraction * wall_s:
         return []
     last = int(present[int(np.argmax(e))])
