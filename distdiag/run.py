@@ -659,10 +659,27 @@ class _Attrs:
         self._h5 = f.attrs
         self._fid = f.id
         self._vals: dict[str, Any] = {}
+        self._names: frozenset[bytes] | None = None
+
+    def _has(self, name: str) -> bool:
+        """Whether the file has attribute ``name`` (its names listed once: ~7 us, where asking
+        for an absent one costs ~40); True when they cannot be listed."""
+        if self._names is None:
+            import h5py
+
+            got: list[bytes] = []
+            try:
+                h5py.h5a.iterate(self._fid, lambda n, *_: got.append(bytes(n)))
+                self._names = frozenset(got)
+            except _H5_ERRORS:
+                self._names = frozenset({b"*"})  # unknown: every name asked of HDF5
+        return b"*" in self._names or name.encode() in self._names
 
     def get(self, name: str, default: Any = None) -> Any:
         if name in self._vals:
             return self._vals[name]
+        if not self._has(name):
+            return default
         try:
             v = self._fast(name)
         except _H5_ERRORS:
@@ -738,58 +755,62 @@ class RefusedTable(Exception):
     (a compression bomb); the message says which and where."""
 
 
-def _outside(f: Any, name: str) -> str | None:
-    """Why the top-level object ``name`` of ``f`` is not wholly inside the file (or would
-    inflate to far more than it), or None.
+def _inspect(f: Any, name: str) -> tuple[Any, str | None]:
+    """The top-level object ``name`` of ``f``: ``(its id, or None where there is no such link;
+    why it is not wholly inside the file (or would inflate to far more than it), or None)``.
 
     A run dir is untrusted input: HDF5 follows an external link to any file
     the analyst can open, reads a dataset's external storage (raw bytes of any
     file, e.g. ``~/.ssh/id_rsa``, which would then show up in the report as
     strings) and assembles virtual datasets from other files. Only a hard link
     to a dataset with its own storage is read. The link is looked at before
-    it is followed: resolving an external link already opens the target."""
+    it is followed: resolving an external link already opens the target. The id
+    is the one the caller reads through (one lookup and one open a table)."""
     import h5py
 
     try:
         link = f.id.links.get_info(name.encode())
     except _H5_ERRORS:
-        return None  # absent: the caller's business
+        return None, None  # absent: the caller's business
     if link.type != h5py.h5l.TYPE_HARD:
         kind = "an external link" if link.type == h5py.h5l.TYPE_EXTERNAL else "a soft or user-defined link"
-        return f"/{name} is {kind}, not a table of its own"
+        return None, f"/{name} is {kind}, not a table of its own"
     oid = h5py.h5o.open(f.id, name.encode())
     if isinstance(oid, h5py.h5d.DatasetID):
         dcpl = oid.get_create_plist()
         if dcpl.get_external_count() > 0:
-            return f"/{name} keeps its data in external file(s) ({os.fsdecode(dcpl.get_external(0)[0])[:80]}...)"
+            return oid, f"/{name} keeps its data in external file(s) ({os.fsdecode(dcpl.get_external(0)[0])[:80]}...)"
         layout = dcpl.get_layout()
         if layout == h5py.h5d.VIRTUAL:
-            return f"/{name} is a virtual dataset (its data lives in other files)"
+            return oid, f"/{name} is a virtual dataset (its data lives in other files)"
         if layout == h5py.h5d.CHUNKED and dcpl.get_nfilters():
             # HDF5 inflates a filtered chunk whole to read any row of it: a chunk that
             # claims more than the file could hold uncompressed is a compression bomb
             chunk_bytes = int(np.prod(dcpl.get_chunk(), dtype=np.float64)) * max(1, oid.get_type().get_size())
             size = _file_size(f)
             if size is not None and chunk_bytes > _CHUNK_BYTES_PER_FILE_BYTE * size + (1 << 20):
-                return (f"/{name} has compressed chunks of {chunk_bytes / 1e6:.0f} MB each, more than "
-                        f"{_CHUNK_BYTES_PER_FILE_BYTE}x the file's size (a compression bomb?)")  # fmt: skip
-    return None
+                return oid, (f"/{name} has compressed chunks of {chunk_bytes / 1e6:.0f} MB each, more than "
+                             f"{_CHUNK_BYTES_PER_FILE_BYTE}x the file's size (a compression bomb?)")  # fmt: skip
+    return oid, None
 
 
 #: The largest chunk a filtered table may declare, in bytes per byte of file (plus 1 MB).
 _CHUNK_BYTES_PER_FILE_BYTE = 16
 
 
-def _open_obj(f: Any, name: str) -> Any:
-    """``f[name]`` for a dataset, without h5py's path handling (~40 us of the ~100 a lookup costs).
+def _open_obj(f: Any, name: str, oid: Any = None) -> Any:
+    """``f[name]`` for a dataset, without h5py's path handling (~40 us of the ~100 a lookup costs);
+    ``oid``: its id as :func:`_inspect` gave it, already checked.
 
-    Raises :class:`RefusedTable` for a table whose bytes live outside the file (:func:`_outside`)."""
+    Raises :class:`RefusedTable` for a table whose bytes live outside the file (:func:`_inspect`)."""
     import h5py
 
-    why = _outside(f, name)
-    if why is not None:
-        raise RefusedTable(why)
-    oid = h5py.h5o.open(f.id, name.encode())
+    if oid is None:
+        oid, why = _inspect(f, name)
+        if why is not None:
+            raise RefusedTable(why)
+        if oid is None:
+            oid = h5py.h5o.open(f.id, name.encode())  # absent: h5py's error, as f[name] raises it
     if isinstance(oid, h5py.h5d.DatasetID):
         return h5py.Dataset(oid)
     return f[name]  # a group or a named type where a table should be: as h5py gives it
@@ -975,13 +996,13 @@ def _read_table(
     (``RUN_EVENT_DTYPE``), to be taken by the packer before its next read."""
     import h5py
 
-    why = _outside(f, name)
+    oid, why = _inspect(f, name)
     if why is not None:
         warnings.append(f"{fname}: {why}; ignored (a rank file's tables are read from the file itself only)")
         return np.zeros(0, dtype)
-    if name not in f:
+    if oid is None:  # no such table
         return np.zeros(0, dtype)
-    ds = _open_obj(f, name)
+    ds = _open_obj(f, name, oid)
     shape = getattr(ds, "shape", None)
     mtype: Any = None
     ds_dtype: np.dtype | None
