@@ -414,12 +414,38 @@ static long long tid_for(PyObject *tids, PyObject *tid_of, long long ostid, long
     return tid;
 }
 
+/* The last open, held in C while its thread's next slot may come (most often the next slot
+ * at all: open, then its reads), instead of a list in ``pend``: it goes into ``pend`` (the
+ * Python loop's state) when another thread's open comes and at the batch's end. It is always
+ * the batch's latest open, so ``pend`` keeps the Python loop's order. */
+struct held {
+    int on;
+    long long t0, t1, kind, nid, cid, aux, site, tid;
+    double err;
+};
+
+static int held_to_pend(struct held *h, PyObject *pend) {
+    if (!h->on) return 0;
+    h->on = 0;
+    PyObject *tk = PyLong_FromLongLong(h->tid);
+    PyObject *l = tk ? Py_BuildValue("[LLiLLiLiLd]", h->t0, h->t1, (int)h->kind, h->nid, h->cid, 0, h->aux,
+                                     (int)h->site, h->tid, h->err) : NULL;
+    int bad = !l || PyDict_SetItem(pend, tk, l) < 0;
+    Py_XDECREF(l);
+    Py_XDECREF(tk);
+    return bad ? -1 : 0;
+}
+
 /* The fstat/lseek calls the interposer folded into the thread's open (slot.fold_t1): its
  * pending open, if this batch holds it, ends at fold. 0, or -1 on an error. */
-static int fold_into(PyObject *pend, PyObject *tids, PyObject *tid_of, long long ostid, long long fold,
+static int fold_into(PyObject *pend, struct held *h, PyObject *tids, PyObject *tid_of, long long ostid, long long fold,
                      long long *last_os, long long *last_tid) {
     long long tid = tid_for(tids, tid_of, ostid, last_os, last_tid);
     if (tid == -1 && PyErr_Occurred()) return -1;
+    if (h->on && h->tid == tid) {
+        if (fold > h->t1) h->t1 = fold;
+        return 0;
+    }
     PyObject *tk = PyLong_FromLongLong(tid);
     if (!tk) return -1;
     PyObject *po = PyDict_GetItemWithError(pend, tk);
@@ -489,6 +515,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     PyObject *tag_of = NULL, *tid_of = NULL, *res = NULL, *rate = NULL, *msum = NULL;
     struct hot hs;
     memset(&hs, 0, sizeof hs);
+    struct held held;
+    memset(&held, 0, sizeof held);
     struct conv c = {(unsigned char *)rb.buf, rb.len / ROW, 0};
     long long opid[NOPS_MAX];
     int nops;
@@ -565,7 +593,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         int is_shim = 0;
         for (Py_ssize_t k = 0; k < nshim; k++) if (shim_tid[k] == ostid) { is_shim = 1; break; }
         if (is_shim) continue;
-        if (fold > 0 && fold_into(pend, tids, tid_of, ostid, fold, &last_os, &last_tid) < 0) goto done;
+        if (fold > 0 && fold_into(pend, &held, tids, tid_of, ostid, fold, &last_os, &last_tid) < 0) goto done;
         int kind = opt[3 * op], mode = opt[3 * op + 1], flags = opt[3 * op + 2];
         if (plen > 256) plen = 256;
         /* the path's tag: (name_id, aux), or () when it is not recorded */
@@ -587,6 +615,15 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         if (PyErr_Occurred()) goto done;
         long long tid = tid_for(tids, tid_of, ostid, &last_os, &last_tid);
         if (tid == -1 && PyErr_Occurred()) goto done;
+        if (held.on && held.tid == tid) { /* the thread's held open: its row, before this slot's */
+            held.on = 0;
+            if (put_row(&c, held.t0, held.t1, (int)held.kind, held.nid, held.cid, 0, held.aux, held.site, held.tid,
+                        held.err, -1) < 0)
+                goto done;
+            if (flags & 1) goto hold;
+            goto after_pend;
+        }
+        if ((flags & 1) && held_to_pend(&held, pend) < 0) goto done; /* another thread's, into pend */
         PyObject *tk = PyLong_FromLongLong(tid);
         if (!tk) goto done;
         PyObject *po = PyDict_GetItemWithError(pend, tk);
@@ -603,16 +640,15 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             if (PyDict_DelItem(pend, tk) < 0 || put_seq(&c, po) < 0) { Py_DECREF(po); Py_DECREF(tk); goto done; }
             Py_DECREF(po);
         }
+        Py_DECREF(tk);
         if (flags & 1) {
-            PyObject *l = Py_BuildValue("[LLiLLiLiLd]", (long long)t0, (long long)t1, kind, name_id, opid[op], 0,
-                                        aux, (int)site, tid, (double)err);
-            int bad = !l || PyDict_SetItem(pend, tk, l) < 0;
-            Py_XDECREF(l);
-            Py_DECREF(tk);
-            if (bad) goto done;
+        hold:
+            held.on = 1;
+            held.t0 = t0; held.t1 = t1; held.kind = kind; held.nid = name_id; held.cid = opid[op];
+            held.aux = aux; held.site = site; held.tid = tid; held.err = (double)err;
             continue;
         }
-        Py_DECREF(tk);
+    after_pend:
         if (mode == 1) {
             int64_t d = t1 - t0;
             if (nb >= big_b || d >= big_ns) {
@@ -666,6 +702,7 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
         }
     }
     if (hot_flush(&hs) < 0) goto done;
+    if (held_to_pend(&held, pend) < 0) goto done;
     res = PyLong_FromSsize_t(c.n);
 done:
     Py_XDECREF(hs.w);
