@@ -436,6 +436,51 @@ static int held_to_pend(struct held *h, PyObject *pend) {
     return bad ? -1 : 0;
 }
 
+/* The last small read/write sum touched, held in C while the same (kind, file, thread) goes on
+ * (a thread's reads of one file come in runs), instead of three new ints in its list in ``acc``
+ * a call: ``list`` is its list in ``acc`` (a reference held), or NULL for a sum begun while
+ * held. It goes back into ``acc`` (in place, or as a new list at the end: it is the latest
+ * begun, so ``acc`` keeps the Python loop's order) when another sum is touched, before a
+ * close flushes sums, and at the batch's end. */
+struct sum {
+    int on;
+    long long kind, nid, tid;
+    PyObject *list;
+    long long t0, d, nb, calls, aux, cid, site;
+};
+
+static int sum_to_acc(struct sum *h, PyObject *acc) {
+    if (!h->on) return 0;
+    h->on = 0;
+    int bad;
+    if (h->list) {
+        bad = set_ll(h->list, 1, h->d) < 0 || set_ll(h->list, 2, h->nb) < 0 || set_ll(h->list, 3, h->calls) < 0;
+        Py_CLEAR(h->list);
+        return bad ? -1 : 0;
+    }
+    PyObject *key = Py_BuildValue("(iLL)", (int)h->kind, h->nid, h->tid);
+    PyObject *l = key ? Py_BuildValue("[LLLiLLi]", h->t0, h->d, h->nb, (int)h->calls, h->aux, h->cid, (int)h->site) : NULL;
+    bad = !l || PyDict_SetItem(acc, key, l) < 0;
+    Py_XDECREF(l);
+    Py_XDECREF(key);
+    return bad ? -1 : 0;
+}
+
+/* The held sum passed a limit: out of ``acc`` (if it was there) and a row, named with the
+ * slot's ``aux`` as the Python loop names it. */
+static int sum_emit(struct sum *h, struct conv *c, PyObject *acc, long long aux) {
+    h->on = 0;
+    if (h->list) {
+        Py_CLEAR(h->list);
+        PyObject *key = Py_BuildValue("(iLL)", (int)h->kind, h->nid, h->tid);
+        int bad = !key || PyDict_DelItem(acc, key) < 0;
+        Py_XDECREF(key);
+        if (bad) return -1;
+    }
+    return put_row(c, h->t0, h->t0 + h->d, (int)h->kind, h->nid, h->cid, h->nb, aux, h->site, h->tid,
+                   (double)h->calls, sum_seq(h->calls));
+}
+
 /* The fstat/lseek calls the interposer folded into the thread's open (slot.fold_t1): its
  * pending open, if this batch holds it, ends at fold. 0, or -1 on an error. */
 static int fold_into(PyObject *pend, struct held *h, PyObject *tids, PyObject *tid_of, long long ostid, long long fold,
@@ -517,6 +562,8 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
     memset(&hs, 0, sizeof hs);
     struct held held;
     memset(&held, 0, sizeof held);
+    struct sum sum;
+    memset(&sum, 0, sizeof sum);
     struct conv c = {(unsigned char *)rb.buf, rb.len / ROW, 0};
     long long opid[NOPS_MAX];
     int nops;
@@ -655,6 +702,15 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
                 if (put_row(&c, t0, t1, kind, name_id, opid[op], nb, aux, site, tid, 1.0, -1) < 0) goto done;
                 continue;
             }
+            if (sum.on && sum.kind == kind && sum.nid == name_id && sum.tid == tid) { /* the held sum */
+                sum.d += d;
+                sum.nb += nb;
+                sum.calls += 1;
+                if (sum.nb < big_b && sum.d < big_ns) continue;
+                if (sum_emit(&sum, &c, acc, aux) < 0) goto done;
+                continue;
+            }
+            if (sum_to_acc(&sum, acc) < 0) goto done;
             PyObject *key = Py_BuildValue("(iLL)", kind, name_id, tid);
             if (!key) goto done;
             PyObject *a = PyDict_GetItemWithError(acc, key);
@@ -663,31 +719,29 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_TypeError, "convert: a sum is a list of 7");
                 goto done;
             }
-            if (!a) {
-                if (PyErr_Occurred()) { Py_DECREF(key); goto done; }
-                PyObject *l = Py_BuildValue("[LLLiLLi]", (long long)t0, (long long)d, (long long)nb, 1, aux, opid[op], (int)site);
-                int bad = !l || PyDict_SetItem(acc, key, l) < 0;
-                Py_XDECREF(l);
+            if (!a && PyErr_Occurred()) { Py_DECREF(key); goto done; }
+            sum.kind = kind; sum.nid = name_id; sum.tid = tid;
+            if (!a) { /* a new sum, held */
+                sum.list = NULL;
+                sum.t0 = t0; sum.d = d; sum.nb = nb; sum.calls = 1; sum.aux = aux; sum.cid = opid[op]; sum.site = site;
                 Py_DECREF(key);
-                if (bad) goto done;
+                sum.on = 1;
                 continue;
             }
-            long long a0 = as_ll(PyList_GET_ITEM(a, 0)), a1 = as_ll(PyList_GET_ITEM(a, 1)) + d;
-            long long a2 = as_ll(PyList_GET_ITEM(a, 2)) + nb, a3 = as_ll(PyList_GET_ITEM(a, 3)) + 1;
-            if (PyErr_Occurred()) { Py_DECREF(key); goto done; }
-            if (a2 < big_b && a1 < big_ns) {
-                PyObject *v1 = PyLong_FromLongLong(a1), *v2 = PyLong_FromLongLong(a2), *v3 = PyLong_FromLongLong(a3);
-                if (!v1 || !v2 || !v3) { Py_XDECREF(v1); Py_XDECREF(v2); Py_XDECREF(v3); Py_DECREF(key); goto done; }
-                PyList_SetItem(a, 1, v1);
-                PyList_SetItem(a, 2, v2);
-                PyList_SetItem(a, 3, v3);
-                Py_DECREF(key);
-                continue;
-            }
-            long long a5 = as_ll(PyList_GET_ITEM(a, 5)), a6 = as_ll(PyList_GET_ITEM(a, 6));
-            if (PyErr_Occurred() || PyDict_DelItem(acc, key) < 0) { Py_DECREF(key); goto done; }
+            Py_INCREF(a); /* held: its values in C until it goes back (sum_to_acc) or out (sum_emit) */
+            sum.list = a;
+            sum.t0 = as_ll(PyList_GET_ITEM(a, 0));
+            sum.d = as_ll(PyList_GET_ITEM(a, 1)) + d;
+            sum.nb = as_ll(PyList_GET_ITEM(a, 2)) + nb;
+            sum.calls = as_ll(PyList_GET_ITEM(a, 3)) + 1;
+            sum.aux = as_ll(PyList_GET_ITEM(a, 4));
+            sum.cid = as_ll(PyList_GET_ITEM(a, 5));
+            sum.site = as_ll(PyList_GET_ITEM(a, 6));
             Py_DECREF(key);
-            if (put_row(&c, a0, a0 + a1, kind, name_id, a5, a2, aux, a6, tid, (double)a3, sum_seq(a3)) < 0) goto done;
+            sum.on = 1;
+            if (PyErr_Occurred()) goto done;
+            if (sum.nb < big_b && sum.d < big_ns) continue;
+            if (sum_emit(&sum, &c, acc, aux) < 0) goto done;
         } else if (mode == 0) {
             if ((flags & 4) && t1 - t0 < big_ns) {
                 int h = hot_sum(&hs, tid, kind, op, t0, t1 - t0, (const char *)s + SLOT_HDR, plen);
@@ -696,15 +750,17 @@ static PyObject *b_convert(PyObject *self, PyObject *args) {
             }
             if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err, -1) < 0) goto done;
         } else {
+            if (mode == 3 && sum_to_acc(&sum, acc) < 0) goto done;
             if (mode == 3 && PyDict_GET_SIZE(acc) && take_sums_c(&c, acc, name_id) < 0) goto done;
             if (t1 - t0 >= close_min)
                 if (put_row(&c, t0, t1, kind, name_id, opid[op], 0, aux, site, tid, (double)err, -1) < 0) goto done;
         }
     }
     if (hot_flush(&hs) < 0) goto done;
-    if (held_to_pend(&held, pend) < 0) goto done;
+    if (held_to_pend(&held, pend) < 0 || sum_to_acc(&sum, acc) < 0) goto done;
     res = PyLong_FromSsize_t(c.n);
 done:
+    Py_XDECREF(sum.list);
     Py_XDECREF(hs.w);
     Py_XDECREF(hs.a);
     Py_XDECREF(last_p);
