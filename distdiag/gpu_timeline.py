@@ -109,14 +109,21 @@ def _spans(run: Any) -> np.ndarray:
     return events_of(run, Kind.GPU_SPAN)  # type: ignore[no-any-return]
 
 
-def gpu_breakdown(run: Any) -> dict[str, Any] | None:
+def gpu_breakdown(run: Any, cfg: Any = None) -> dict[str, Any] | None:
     """Per rank and per step GPU time by category (see the module docstring), or None
-    when the run has no GPU spans of phases. Cached on ``run.cache["gpu_breakdown"]``."""
-    got = run.cache.get("gpu_breakdown", False)
-    if got is not False:
-        return got  # type: ignore[no-any-return]
-    out = _gpu_breakdown(run)
-    run.cache["gpu_breakdown"] = out
+    when the run has no GPU spans of phases. ``cfg``: the analysis's :class:`~distdiag.config.Config`
+    (the peaks table and precision of ``[analyze.gpu_underutilized]``; None: the defaults).
+    Cached on ``run.cache["gpu_breakdown"]`` per those two settings."""
+    from distdiag.config import Config
+    from distdiag.gpu_peaks import gpus_file
+
+    cfg = cfg if cfg is not None else Config()
+    key = (str(gpus_file(cfg)), str(cfg.value("gpu_underutilized", "precision", "bf16")))
+    got = run.cache.get("gpu_breakdown")
+    if got is not None and got[0] == key:
+        return got[1]  # type: ignore[no-any-return]
+    out = _gpu_breakdown(run, cfg)
+    run.cache["gpu_breakdown"] = (key, out)
     return out
 
 
@@ -124,7 +131,7 @@ def gpu_breakdown(run: Any) -> dict[str, Any] | None:
 BLOCK_BOUNDARIES = 1 << 20
 
 
-def _gpu_breakdown(run: Any) -> dict[str, Any] | None:
+def _gpu_breakdown(run: Any, cfg: Any) -> dict[str, Any] | None:
     from distdiag.breakdown import step_marks
     from distdiag.rows import events_of
 
@@ -182,7 +189,7 @@ def _gpu_breakdown(run: Any) -> dict[str, Any] | None:
     rank_tot /= 1e9
     step_tot /= 1e9
     window_s = window_ns / 1e9
-    peak = _peaks(run, ranks_all)
+    peak = _peaks(run, ranks_all, cfg)
     flops = _flops(run, ranks_all, mrank, mt, n_marks)
     out_ranks = []
     for i, r in enumerate(ranks_all.tolist()):  # one per rank with GPU spans
@@ -330,14 +337,13 @@ def _flops(run: Any, ranks: np.ndarray, mrank: np.ndarray, mt: np.ndarray, n_mar
     return np.bincount(ri[ok], weights=st["value"][ok], minlength=len(ranks)).astype(np.float64)
 
 
-def _peaks(run: Any, ranks: np.ndarray) -> dict[int, tuple[str, float]]:
+def _peaks(run: Any, ranks: np.ndarray, cfg: Any) -> dict[int, tuple[str, float]]:
     """rank -> (table entry, peak TFLOP/s at the configured precision) from the rank file's
-    ``gpu_names`` and ``configs/gpus.toml``; ranks without a known device are left out."""
+    ``gpu_names`` and the peaks table (``configs/gpus.toml``, or ``[analyze.gpu_underutilized]
+    gpus_file``); ranks without a known device are left out."""
     try:
-        from distdiag.config import Config
         from distdiag.gpu_peaks import gpu_names, gpus_file, load_table, peak_for
 
-        cfg = run.cache.get("config") or Config()
         path = gpus_file(cfg)
         table = load_table(str(path)) if path is not None and path.is_file() else []
         precision = str(cfg.value("gpu_underutilized", "precision", "bf16"))
@@ -353,17 +359,17 @@ def _peaks(run: Any, ranks: np.ndarray) -> dict[int, tuple[str, float]]:
     return out
 
 
-def gpu_json(run: Any) -> dict[str, Any] | None:
+def gpu_json(run: Any, cfg: Any = None) -> dict[str, Any] | None:
     """``breakdown.gpu`` of the JSON report (DESIGN.md), or None without GPU spans."""
-    b = gpu_breakdown(run)
+    b = gpu_breakdown(run, cfg)
     if b is None:
         return None
     return {k: v for k, v in b.items() if not k.startswith("_")}
 
 
-def gpu_text(run: Any) -> list[str]:
+def gpu_text(run: Any, cfg: Any = None) -> list[str]:
     """The text report's lines for the GPU breakdown (none without GPU spans)."""
-    b = gpu_breakdown(run)
+    b = gpu_breakdown(run, cfg)
     if b is None:
         return []
     sh = b["share"]

@@ -83,7 +83,7 @@ class Report:
             "breakdown": {"per_rank": per_rank, "per_step": per_step_json(step_breakdown(run, self.collectives)),
                           "coverage": _jsonable(self.coverage),
                           # only for a run timed on the GPU (CUDA events, distdiag/gpu_timeline.py)
-                          **({"gpu": _jsonable(g)} if (g := gpu_json(run)) is not None else {})},
+                          **({"gpu": _jsonable(g)} if (g := gpu_json(run, self.config)) is not None else {})},
         }
 
 

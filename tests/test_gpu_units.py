@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO / "tests" / "fake_cuda"))
 
 import fake_cuda  # noqa: E402  (a FAKE torch.cuda)
 
+from distdiag.config import Config  # noqa: E402
 from distdiag.schema import EVENT_DTYPE, GPU_DTYPE, Kind  # noqa: E402
 from distdiag.shim.hooks import cuda_events  # noqa: E402
 from distdiag.shim.recorder import Recorder, as_events  # noqa: E402
@@ -232,6 +233,40 @@ def test_gpu_breakdown_partitions_each_step_by_priority(tmp_path: Path) -> None:
     assert (c["t0_ns"] % (100 * MS)).tolist() == [50 * MS, 50 * MS]
 
 
+def test_the_gpu_view_takes_the_peak_at_the_configured_precision(tmp_path: Path) -> None:
+    """The report's GPU view (throughput against the device's peak) reads the analysis's own
+    ``[analyze.gpu_underutilized]`` settings, as the detector does: it read a config nobody set,
+    so ``precision = "fp32"`` (or another ``gpus_file``) changed the finding and not the view
+    beside it. A FAKE device name: no GPU here, the view reads the rank file's ``gpu_names``."""
+    from distdiag.pipeline import analyze_run
+    from distdiag.render import render
+    from distdiag.run import load_run
+    from distdiag.shim.writer import write_rank_file
+
+    strings = ["", "optimizer_step", "Model"]
+    rows = [_row(0, 0, Kind.SHIM)]
+    for s in range(4):  # steps of 100 ms: 60 ms of forward kernels, 1e12 FLOP each
+        b = 100 * s
+        rows.append((int(b * MS), int(b * MS), Kind.STEP, 1, 0, -1, -1, 0, 0, 0, 0, 1e12))
+        if s < 3:
+            rows += [_row(b + 1, b + 2, Kind.FORWARD, 2), _row(b + 10, b + 70, Kind.GPU_SPAN, 2, nbytes=(b + 1) * MS, aux=Kind.FORWARD)]
+    ev = _ev(rows)
+    ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
+    attrs: dict[str, Any] = {"rank": 0, "world_size": 1, "cuda_timing": "on: test", "gpu_names": '{"0": "FAKE NVIDIA H200"}'}
+    write_rank_file(tmp_path / "rank-00000.h5", attrs, ev, strings)
+    got = {}
+    for precision in ("bf16", "fp32"):
+        cfg = Config()
+        cfg.sections.setdefault("gpu_underutilized", {})["precision"] = precision
+        rep = analyze_run(load_run(tmp_path), cfg)
+        (d,) = rep.to_json()["breakdown"]["gpu"]["per_rank"]
+        got[precision] = (d["device"], d["peak_tflops"], d["mfu"])
+        assert f"of the {d['device']}'s peak" in render(rep, "text")
+    # configs/gpus.toml: H200 SXM, 989 TFLOP/s bf16, 67 fp32; 1e12 FLOP a 100 ms step: 10 TFLOP/s
+    assert got == {"bf16": ("H200 SXM", 989, pytest.approx(10 / 989, rel=1e-3)),
+                   "fp32": ("H200 SXM", 67, pytest.approx(10 / 67, rel=1e-3))}
+
+
 def test_an_old_rank_file_still_loads(tmp_path: Path) -> None:
     """Written before GPU spans and the NVML columns of issue 22: the old 10-column /gpu table."""
     import h5py
@@ -355,9 +390,9 @@ def test_gpu_breakdown_by_blocks_of_ranks_is_the_whole_sweep(tmp_path: Path, mon
         from distdiag.shim.writer import write_rank_file
 
         write_rank_file(tmp_path / f"rank-{r:05d}.h5", {"rank": r, "world_size": 3, "cuda_timing": "on: test"}, ev, strings)
-    whole = gpu_timeline._gpu_breakdown(load_run(tmp_path))
+    whole = gpu_timeline._gpu_breakdown(load_run(tmp_path), Config())
     monkeypatch.setattr(gpu_timeline, "BLOCK_BOUNDARIES", 1)
-    apart = gpu_timeline._gpu_breakdown(load_run(tmp_path))
+    apart = gpu_timeline._gpu_breakdown(load_run(tmp_path), Config())
     assert whole is not None and whole == apart
     k = [d["kernels_s"] for d in whole["per_rank"]]
     assert k == pytest.approx([0.135, 0.12, 0.105])  # 45, 40, 35 ms a step, 3 steps

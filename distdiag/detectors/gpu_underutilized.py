@@ -51,7 +51,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     wall_s = run.wall_s
     from distdiag.gpu_timeline import gpu_breakdown
 
-    gb = gpu_breakdown(run)  # the GPU's own busy time, when the run was timed on the GPU
+    gb = gpu_breakdown(run, cfg)  # the GPU's own busy time, when the run was timed on the GPU
     own_busy = gb["_kernels_s"] if gb is not None else {}
     own_window = gb["_window_s"] if gb is not None else {}
     if (len(gpu) == 0 and not own_busy) or wall_s <= 0:

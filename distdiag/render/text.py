@@ -135,7 +135,7 @@ class TextRenderer:
         lines += self._breakdown(report)
         from distdiag.gpu_timeline import gpu_text  # GPU-timed runs only (CUDA events)
 
-        gpu = gpu_text(run)
+        gpu = gpu_text(run, getattr(report, "config", None))
         if gpu:
             lines += [""] + gpu
         kids = _children_lines(getattr(report, "children", None) or {})
