@@ -49,7 +49,8 @@ class Floor:
     cost_s: float
 
 
-def _none(run: Any, key: tuple[str, float, float]) -> None:
+def _none(run: Any, key: tuple[str, float, float]) -> Floor | None:
+    """No floor to tell, remembered for the run."""
     run.cache[key] = None
     return None
 
