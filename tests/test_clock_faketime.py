@@ -163,7 +163,12 @@ def test_skewed_clocks_are_recovered_and_the_straggler_keeps_its_cost(tmp_path: 
         x = np.concatenate([ev["t0_ns"], ev["t1_ns"]])
         err_ns = np.abs(m.map(x) - truth.to_ref(r, x))
         # the stated bound holds at every event (it grows before the first good exchange)
-        assert (err_ns <= m.bound_at(x) + 1 * US).all(), (r, err_ns.max(), m.to_json())
+        over = err_ns - m.bound_at(x)
+        w = int(np.argmax(over)) if len(over) else 0
+        kinds = np.concatenate([ev["kind"], ev["kind"]])
+        assert (over <= 1 * US).all(), (  # where it failed once (3.6 ms, bound 44 us): which row, how far from the knots
+            r, int(err_ns[w]), int(m.bound_at(x[w : w + 1])[0]), int(kinds[w]), int(x[w] - m.x0_ns), m.knots_x.tolist(),
+            int((over > 1 * US).sum()), m.to_json())  # fmt: skip
         # the job's collectives (what the straggler analysis reads) are within 100 us
         coll = np.concatenate([ev["kind"], ev["kind"]]) == int(Kind.COLL)
         assert err_ns[coll].max() <= 100 * US, (r, err_ns[coll].max(), m.to_json())
