@@ -70,7 +70,7 @@ def compute_rows(band: Band) -> np.ndarray:
 def _iteration(st: np.ndarray, first_step: np.ndarray, t: np.ndarray, r: np.ndarray, n_iter: int) -> np.ndarray:
     """The iteration of times ``t`` (shifted by rank ``r``): how many of rank r's step marks
     (``st[first_step[r]:first_step[r + 1]]``, shifted alike, ascending) come before each."""
-    return np.clip(np.searchsorted(st, t, side="left") - first_step[r], 0, n_iter - 1)
+    return np.asarray(np.clip(np.searchsorted(st, t, side="left") - first_step[r], 0, n_iter - 1))
 
 
 def _cell_sums(r: np.ndarray, i: np.ndarray, v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

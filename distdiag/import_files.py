@@ -30,7 +30,7 @@ def shared_fs_rows(run: Any, rows: np.ndarray) -> np.ndarray:
     aux = run.events["aux"][rows].astype(np.int64)
     uniq, inv = np.unique(aux, return_inverse=True)
     shared = np.fromiter((u > 0 and run.s(int(u)).split(":", 1)[0] not in LOCAL_FSTYPES for u in uniq), bool, len(uniq))
-    return shared[inv]  # type: ignore[no-any-return]
+    return shared[inv]
 
 
 def import_paths(run: Any, nid: np.ndarray) -> np.ndarray:

@@ -223,7 +223,7 @@ def covered_within(seg_s: np.ndarray, seg_e: np.ndarray, t0: np.ndarray, t1: np.
     """Per query interval ``[t0[i], t1[i])`` (``t1 >= t0``), the length of it that a segment set
     covers (the length of their intersection), int64. Worked example: segments [0, 5) [10, 20),
     query [3, 12): 2 + 2 = 4."""
-    return covered_before(seg_s, seg_e, t1) - covered_before(seg_s, seg_e, t0)
+    return np.asarray(covered_before(seg_s, seg_e, t1) - covered_before(seg_s, seg_e, t0))
 
 
 def _nondecreasing(x: np.ndarray) -> bool:

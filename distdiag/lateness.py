@@ -99,7 +99,7 @@ def root_world_ranks(run: Any, colls: Any) -> np.ndarray:
             out = root.copy()
             out[groups] = np.where(found >= 0, found, root[groups])
     run.cache["root_world_ranks"] = (colls, out)
-    return out
+    return np.asarray(out)
 
 
 def holds_others(run: Any, colls: Collectives) -> np.ndarray:
@@ -131,7 +131,7 @@ def own_lateness_ns(run: Any, colls: Any) -> np.ndarray:
     """
     gap = (colls.g_last_ns - colls.g_second_ns).astype(np.int64)
     if len(gap) == 0:
-        return gap
+        return np.asarray(gap)
     own = member_gaps_ns(run, colls, async_exits=True)
     last_row = colls.g_start[1:] - 1
     second_row = np.maximum(last_row - 1, colls.g_start[:-1])

@@ -258,7 +258,7 @@ def unique_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def events_of(run: Any, kinds: Kinds) -> np.ndarray:
     """The rows of ``kinds`` (a copy, in table order): ``run.events[np.isin(kind, kinds)]``."""
-    return run.events.take(rows_of(run, kinds))
+    return np.asarray(run.events.take(rows_of(run, kinds)))
 
 
 def calls_of(rows: np.ndarray) -> np.ndarray:
@@ -267,7 +267,7 @@ def calls_of(rows: np.ndarray) -> np.ndarray:
     rule summed per (call, directory, thread), name ``<dir>/*``: ``distdiag.shim.preload``),
     else 1 (every other file row has seq -1). Files written before read/write sums carried
     their calls in ``seq`` count such a sum as 1 call."""
-    return np.maximum(rows["seq"], 1).astype(np.int64)
+    return np.asarray(np.maximum(rows["seq"], 1).astype(np.int64))
 
 
 def weighted_quantile(x: np.ndarray, w: np.ndarray, q: float) -> float:

@@ -121,7 +121,7 @@ def module_rows(run: Any) -> np.ndarray:
     nid = run.events["name_id"][rows]
     uniq, inv = np.unique(nid, return_inverse=True)
     is_mod = np.fromiter((is_module_path(run.s(int(u))) for u in uniq), bool, len(uniq))  # distinct paths
-    return rows[is_mod[inv]]
+    return np.asarray(rows[is_mod[inv]])
 
 
 def import_time_ns(r: np.ndarray, t0: np.ndarray, t1: np.ndarray, start: np.ndarray, n: int, gap_ns: float,
