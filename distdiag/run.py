@@ -659,21 +659,24 @@ class _Attrs:
         self._h5 = f.attrs
         self._fid = f.id
         self._vals: dict[str, Any] = {}
+        #: the file's attribute names, listed on first use; None when they could not be listed
         self._names: frozenset[bytes] | None = None
+        self._listed = False
 
     def _has(self, name: str) -> bool:
         """Whether the file has attribute ``name`` (its names listed once: ~7 us, where asking
         for an absent one costs ~40); True when they cannot be listed."""
-        if self._names is None:
+        if not self._listed:
             import h5py
 
+            self._listed = True
             got: list[bytes] = []
             try:
                 h5py.h5a.iterate(self._fid, lambda n, *_: got.append(bytes(n)))
                 self._names = frozenset(got)
             except _H5_ERRORS:
-                self._names = frozenset({b"*"})  # unknown: every name asked of HDF5
-        return b"*" in self._names or name.encode() in self._names
+                self._names = None  # unknown: every name is asked of HDF5
+        return self._names is None or name.encode() in self._names
 
     def get(self, name: str, default: Any = None) -> Any:
         if name in self._vals:

@@ -340,6 +340,13 @@ def _record(kind: int, path: Any, t0: int, t1: int, err: float = 0.0) -> None:
 
 
 # -- byte counting on binary file objects ------------------------------------------
+def sum_seq(calls: int) -> int:
+    """``seq`` of a row that sums ``calls`` reads or writes (``value`` holds them too): the calls
+    it stands for (:func:`distdiag.rows.calls_of`), -1 for one call, as every single call's row.
+    The libc interposer's drainer (distdiag.shim.preload, and ``_binding.c``) writes its sums so."""
+    return calls if calls > 1 else -1
+
+
 class _Acc:
     """Sums of the small read/write calls on one binary file object.
 
@@ -362,13 +369,12 @@ class _Acc:
             return
         try:
             if self.r_calls:
-                # seq: the calls a sum stands for (distdiag.rows.calls_of), -1 for one
                 rc = self.r_calls
-                add(self.r_t0, self.r_t0 + self.r_ns, _FILE_READ, self.name_id, 0, rc if rc > 1 else -1, -1, self.r_n, self.aux, self.site, float(rc))
+                add(self.r_t0, self.r_t0 + self.r_ns, _FILE_READ, self.name_id, 0, sum_seq(rc), -1, self.r_n, self.aux, self.site, float(rc))
                 self.r_n = self.r_ns = self.r_calls = 0
             if self.w_calls:
                 wc = self.w_calls
-                add(self.w_t0, self.w_t0 + self.w_ns, _FILE_WRITE, self.name_id, 0, wc if wc > 1 else -1, -1, self.w_n, self.aux, self.site, float(wc))
+                add(self.w_t0, self.w_t0 + self.w_ns, _FILE_WRITE, self.name_id, 0, sum_seq(wc), -1, self.w_n, self.aux, self.site, float(wc))
                 self.w_n = self.w_ns = self.w_calls = 0
         except Exception:
             pass

@@ -355,6 +355,7 @@ class Drainer:
             self.lock.release()
 
     def _drain_locked(self, final: bool) -> None:
+        from distdiag.shim.hooks.fileio import sum_seq
         from distdiag.shim.recorder import ROW_SIZE, pack_row
 
         lib, rec, out = self.lib, self.rec, self.out
@@ -484,6 +485,8 @@ class Drainer:
     def _convert_py(self, out: Any, n: int, pend: dict[int, list[Any]], shim: set[int], put: Any) -> None:
         """The ``n`` slots in ``out`` made into rows through ``put``: what ``_binding.convert`` does
         in C, kept for a build without it and as the reference the tests compare it with."""
+        from distdiag.shim.hooks.fileio import sum_seq
+
         unpack = _HDR.unpack_from
         paths, ops, acc, op_ids = self.paths, self.ops, self.acc, self.op_ids
         opens = self.open_ops
@@ -581,12 +584,6 @@ class Drainer:
             kind, _, tid = key
             rows.append((a[0], a[0] + a[1], kind, name_id, a[5], a[2], a[4], a[6], tid, float(a[3])))
         return tuple(rows)
-
-
-def sum_seq(calls: int) -> int:
-    """``seq`` of a row that sums ``calls`` reads or writes (``value`` holds them too): the calls
-    it stands for (:func:`distdiag.rows.calls_of`), -1 for one call, as every single call's row."""
-    return calls if calls > 1 else -1
 
 
 def _drop_rows(rows: bytearray, n: int, drop: tuple[int, int]) -> int:
