@@ -9,7 +9,47 @@ by the dynamic loader, never imported). ``optional=True``: a machine without a c
 or where it does not build, still installs, and the file hook records at the Python level.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 from setuptools import Extension, setup
+
+
+def _torch_kernel() -> list[Extension]:
+    """``distdiag/shim/hooks/_ddpk.cpp``, the C++ kernel that records DDP's buckets on CPU
+    (distdiag/shim/hooks/torch_dist.py), built against the torch of the interpreter that
+    installs distdiag, or nothing where that interpreter has no torch (the shim then uses
+    the Python kernel). torch is asked through ``python -I``: pip's build isolation hides
+    the installed packages behind PYTHONPATH, which isolated mode ignores. The module
+    carries the torch version it was built for and is used only with that one.
+    DISTDIAG_BUILD_DDP_KERNEL=0 skips it."""
+    if os.environ.get("DISTDIAG_BUILD_DDP_KERNEL", "1") == "0":
+        return []
+    code = ("import json, torch, torch.utils.cpp_extension as c; print(json.dumps(dict(version=torch.__version__, "
+            "include=c.include_paths(), lib=c.library_paths(), abi=int(torch._C._GLIBCXX_USE_CXX11_ABI))))")
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=600, check=True)
+        t = json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception:
+        return []
+    return [
+        Extension(
+            "distdiag.shim.hooks._ddpk",
+            sources=["distdiag/shim/hooks/_ddpk.cpp"],
+            language="c++",
+            include_dirs=t["include"],
+            library_dirs=t["lib"],
+            runtime_library_dirs=t["lib"],
+            libraries=["c10", "torch_cpu"],
+            define_macros=[("DDPK_TORCH_VERSION", json.dumps(t["version"])),
+                           ("_GLIBCXX_USE_CXX11_ABI", str(t["abi"]))],
+            extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden"],
+            optional=True,
+        )
+    ]
+
 
 setup(
     ext_modules=[
@@ -37,5 +77,6 @@ setup(
                                 "-Werror=int-conversion", "-Werror=incompatible-pointer-types"],
             optional=True,
         ),
+        *_torch_kernel(),
     ],
 )

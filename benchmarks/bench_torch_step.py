@@ -71,6 +71,7 @@ VARIANTS = {
     "cpp_hook": "torch's own C++ allreduce comm hook (what any comm hook costs: the unscaled copy + a div pass)",
     "py_hook": "a Python comm hook doing what the builtin does (div_, allreduce, then)",
     "buckets": "distdiag torch_dist only: bucket capture (a CPU DDP: the allreduce kernel, no comm hook)",
+    "buckets_py": "the same with the Python allreduce kernel (ddp_kernel_impl=python: where the C++ one is not built)",
     "buckets_hook": "distdiag torch_dist only, bucket capture forced through distdiag's comm hook",
     "full": "distdiag torch_dist + phases (as under distdiag-wrap)",
     "no_buckets": "distdiag torch_dist + phases, DDP_BUCKETS=0 (no comm hook)",
@@ -99,6 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-torch-"))
     cfg = ShimConfig()
     cfg_nb = ShimConfig(ddp_buckets=False)
+    cfg_py = ShimConfig(ddp_kernel_impl="python")
     rec = Recorder(cfg.chunk_rows, cfg.max_pending_chunks)
     writer: Any = None
     if not args.no_writer and args.writer == "process":  # the default under distdiag-wrap: a helper writes
@@ -126,8 +128,8 @@ def worker(args: argparse.Namespace) -> None:
         return pg.allreduce([buf]).get_future().then(first)
 
     def on(v: str) -> None:
-        if v in ("buckets", "buckets_hook", "full", "no_buckets"):
-            torch_dist.install(rec, cfg_nb if v == "no_buckets" else cfg)
+        if v in ("buckets", "buckets_py", "buckets_hook", "full", "no_buckets"):
+            torch_dist.install(rec, cfg_nb if v == "no_buckets" else cfg_py if v == "buckets_py" else cfg)
         if v in ("full", "no_buckets"):
             phases.install(rec, cfg)
 
@@ -267,11 +269,13 @@ def micro_buckets(rec: Any, layers: int = 16, width: int = 128, steps: int = 200
 
     cap = width * width * 4 / 2**20 * 0.9
     models = {}
-    for v in ("builtin", "cpp_hook", "py_hook", "buckets", "buckets_hook"):
+    cfgs = {"buckets": SimpleNamespace(ddp_kernel_impl="c++"), "buckets_py": SimpleNamespace(ddp_kernel_impl="python")}
+    for v in ("builtin", "cpp_hook", "py_hook", "buckets", "buckets_py", "buckets_hook"):
         if v.startswith("buckets"):
-            torch_dist.install(rec)
+            torch_dist.install(rec, cfgs.get(v))
         with mock.patch.object(torch_dist, "_ensure_kernel", lambda: False) if v == "buckets_hook" else contextlib.nullcontext():
-            m = DDP(model(), bucket_cap_mb=cap)
+            # a group of its own: distdiag's kernel records one DDP per group
+            m = DDP(model(), bucket_cap_mb=cap, process_group=dist.new_group([0]) if v.startswith("buckets") else None)
         torch_dist.uninstall()
         if v == "cpp_hook":
             m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
@@ -279,14 +283,16 @@ def micro_buckets(rec: Any, layers: int = 16, width: int = 128, steps: int = 200
             m.register_comm_hook(dist.group.WORLD, py_hook)
         models[v] = m
     x = torch.randn(4, width)
+    offsets: dict[int, Any] = {}
 
     def run(v: str) -> float:
         m = models[v]
         if v.startswith("buckets"):
-            torch_dist.install(rec)
+            torch_dist.install(rec, cfgs.get(v))
         c0 = time.process_time_ns()
         for _ in range(steps):
             m(x).sum().backward()
+        rec.drain(offsets)  # what the writer takes: the C++ kernel's rows are copied here
         c = (time.process_time_ns() - c0) / steps
         torch_dist.uninstall()
         return c

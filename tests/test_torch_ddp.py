@@ -268,17 +268,23 @@ def test_user_comm_hook_still_runs_inside_the_recording(straggler: tuple[Path, d
 
 
 # -- how a DDP is attached: the allreduce kernel on CPU, our comm hook otherwise ----------------------
-def test_cpu_ddp_recorded_by_the_allreduce_kernel_and_the_hook_cases() -> None:
-    """One process, world size 1 (tests/jobs/torch_ddp_modes.py says what each case is)."""
+@pytest.mark.parametrize("impl", ["c++", "python"])
+def test_cpu_ddp_recorded_by_the_allreduce_kernel_and_the_hook_cases(impl: str) -> None:
+    """One process, world size 1 (tests/jobs/torch_ddp_modes.py says what each case is), with
+    either kernel: the C++ one (what an install with torch present builds and uses) and the
+    Python one (where it is not built) record the same rows."""
     job = REPO / "tests" / "jobs" / "torch_ddp_modes.py"
-    p = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    env = dict(os.environ, DDP_KERNEL_IMPL=impl)
+    p = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["impl"] == impl  # the C++ kernel is built by `pip install -e .` where torch is installed
     assert out["kernel_installed"] and not out["kernel_after_uninstall"]
     assert out["same_grads"] == [True] * 3
     assert out["user_hook_calls"] == 2  # the user's hook runs once registered on the kernel-recorded DDP
     rows = out["rows"]
     assert all(r[5] for r in rows)  # t1 >= t0
+    assert {r[6] for r in rows} == {str(job)}  # every row points at the program's line (its backward call)
     by = lambda name, comm: [(r[2], r[3], r[4]) for r in rows if r[0] == name and r[1].endswith(comm)]  # noqa: E731
     f32 = 2 * (32 * 32 + 32) * 4
     # the kernel-recorded DDP: 3 steps by the kernel, then 2 through our hook around the user's; seq goes on
@@ -289,6 +295,57 @@ def test_cpu_ddp_recorded_by_the_allreduce_kernel_and_the_hook_cases() -> None:
     assert by("ddp_bucket_allreduce", ":pg1") == [(i, f32 // 2, "torch.float16") for i in range(2)]
     # a Python-level all_reduce is its own row; the user hook's and ProcessGroup.allreduce outside backward are none
     assert [(r[1], r[2], r[3]) for r in rows if r[0] == "all_reduce"] == [("default", 0, 16)]
+
+
+CPP_KERNEL_JOB = """
+import gc, json, os, sys, tempfile, time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from distdiag.shim.hooks import torch_dist, _ddpk
+from distdiag.shim.recorder import Recorder, as_events
+rec = Recorder()
+torch_dist.install(rec)
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/s", rank=0, world_size=1)
+def step(m):
+    m.zero_grad(); m(torch.randn(4, 32)).sum().backward()
+offsets = {}
+def rows():
+    ev = [as_events(b, a, z) for b, a, z in rec.drain(offsets)]
+    s = rec.strings.strings
+    return [(s[r["comm_id"]], int(r["seq"])) for e in ev for r in e if s[r["name_id"]] == "ddp_bucket_allreduce"]
+a = DDP(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), bucket_cap_mb=0.001)
+assert torch_dist._ck is not None
+step(a); step(a)
+time.sleep(0.2)
+first = rows()
+del a; gc.collect()  # its group's watch ends with it: the next DDP on the group is its own
+b = DDP(torch.nn.Linear(32, 32))
+step(b)
+time.sleep(0.2)
+second = rows()
+_ddpk.set_limit(1)  # the C++ list holds one completed row: the others are lost, and counted
+lost0 = rec.lost_events
+step(b); step(b); step(b)
+time.sleep(0.2)
+third = rows()
+print(json.dumps({"first": first, "second": second, "third": third, "lost": rec.lost_events - lost0}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_the_cpp_kernel_follows_each_ddp_and_counts_the_rows_it_could_not_hold(tmp_path: Path) -> None:
+    """The C++ kernel (built by ``pip install`` where torch is installed): a DDP that is gone stops
+    being recorded (the next one on its group starts its own rows), and rows past its bounded list
+    are counted in the recorder's lost events (the file's LOST row), never dropped silently."""
+    job = tmp_path / "job.py"
+    job.write_text(CPP_KERNEL_JOB)
+    p = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    first = sorted(map(tuple, out["first"]))
+    assert len(first) >= 3 and first == [("ddp0:default", i) for i in range(len(first))]  # 2 steps of 1-2 buckets
+    assert out["second"] == [["ddp1:default", 0]]
+    assert out["third"] == [["ddp1:default", 1]] and out["lost"] == 2
 
 
 KERNEL_OFF_JOB = """

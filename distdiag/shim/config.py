@@ -104,6 +104,10 @@ class ShimConfig:
     #: instead of a comm hook (cheaper: DDP keeps its built-in path; see
     #: hooks/torch_dist.py); false: always the comm hook
     ddp_kernel: bool = True
+    #: which kernel: "auto" (the C++ one, distdiag/shim/hooks/_ddpk.cpp, where it was built
+    #: against the torch that runs, else the Python one), "c++" (the same), "python" (always the
+    #: Python one: ~50-70 us more a bucket, the dispatcher boxes each call into Python)
+    ddp_kernel_impl: str = "auto"
     #: count bytes of binary files opened with open() (the fileio hook gives them
     #: a counting raw layer under the real buffered object); false: opens only
     fileio_count_bytes: bool = True

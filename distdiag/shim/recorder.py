@@ -219,6 +219,10 @@ class Recorder:
         #: called with True / False as a thread is muted / unmuted (mute_thread, muted): the libc
         #: interposer's per-thread switch while it records (distdiag.shim.preload), else None
         self.on_libc_mute: Callable[[bool], None] | None = None
+        #: called with the recorder at the start of every drain: sources that hold rows outside
+        #: the thread buffers (the C++ DDP kernel's completed buckets, distdiag.shim.hooks.torch_dist)
+        #: put them into a buffer of theirs here
+        self.feeders: list[Callable[[Recorder], None]] = []
         self._local = threading.local()
         self._tids = itertools.count()
         self._buf_lock = threading.Lock()
@@ -474,7 +478,11 @@ class Recorder:
            before its count (``buf = tb.buf; n = tb.n``): if the thread rotates in
            between, ``n`` belongs to the new chunk, is at most ``cap``, and every row
            of the old chunk below ``cap`` is complete, so rows ``[offset, n)`` of
-           ``buf`` are always whole rows."""
+           ``buf`` are always whole rows.
+
+        The :attr:`feeders` run first, so what they hold is in this drain."""
+        for feed in self.feeders:
+            feed(self)
         out: list[tuple[bytearray, int, int]] = []
         while True:
             try:

@@ -18,12 +18,15 @@ import os
 import sys
 import tempfile
 import time
+import types
 
 from distdiag.shim.hooks import torch_dist
 from distdiag.shim.recorder import Recorder, as_events
 
 rec = Recorder()
-torch_dist.install(rec)
+# DDP_KERNEL_IMPL: the shim's ddp_kernel_impl ("auto": the C++ kernel where it is built)
+cfg = types.SimpleNamespace(ddp_kernel_impl=os.environ.get("DDP_KERNEL_IMPL", "auto"))
+torch_dist.install(rec, cfg)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -51,17 +54,17 @@ def step(m: torch.nn.Module, i: int) -> None:
 
 a = DDP(model())
 b = DDP(model())  # same group
-out: dict[str, object] = {"kernel_installed": kernel_registered()}
+out: dict[str, object] = {"kernel_installed": kernel_registered(), "impl": "c++" if torch_dist._ck else "python"}
 same: list[bool] = []
 torch_dist.uninstall()
 twin = DDP(model())  # built and stepped without distdiag: the reference gradients
-torch_dist.install(rec)
+torch_dist.install(rec, cfg)
 for i in range(3):
     step(a, i)
     step(b, i)
     torch_dist.uninstall()
     step(twin, i)
-    torch_dist.install(rec)
+    torch_dist.install(rec, cfg)
     same.append(all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), twin.parameters())))  # type: ignore[arg-type]
 out["same_grads"] = same
 t = torch.ones(4)
@@ -85,11 +88,12 @@ for i in range(2):
     step(c, i)
 time.sleep(0.2)  # callbacks on gloo's threads
 out["user_hook_calls"] = calls[0]
-parts = [as_events(buf, 0, n) for buf, n in list(rec.full)] + [as_events(tb.buf, 0, tb.n) for tb in rec.buffers]
+parts = [as_events(buf, a, z) for buf, a, z in rec.drain({})]  # the writer's drain: also the C++ kernel's rows
 ev = np.concatenate(parts)
 ev = ev[np.argsort(ev["t0_ns"], kind="stable")]
 s = rec.strings.strings
-out["rows"] = [[s[r["name_id"]], s[r["comm_id"]], int(r["seq"]), int(r["nbytes"]), s[r["aux"]], bool(r["t1_ns"] >= r["t0_ns"])]
+out["rows"] = [[s[r["name_id"]], s[r["comm_id"]], int(r["seq"]), int(r["nbytes"]), s[r["aux"]], bool(r["t1_ns"] >= r["t0_ns"]),
+                s[r["site_id"]].rsplit(":", 1)[0]]
                for r in ev if s[r["name_id"]] in ("ddp_bucket_allreduce", "all_reduce")]  # fmt: skip
 torch_dist.uninstall()
 out["kernel_after_uninstall"] = kernel_registered()

@@ -24,7 +24,10 @@ What is recorded, and how:
     (results bit-identical by construction) and launches each bucket through
     the dispatcher op ``c10d::allreduce_``, where our kernel at the
     AutogradCPU key runs first, launches the real one and records the row
-    (:func:`_ensure_kernel` says why and what it costs). One such DDP per
+    (:func:`_ensure_kernel` says why and what it costs). The kernel is C++
+    (``_ddpk.cpp``: no Python on a bucket's path but one call per backward
+    pass for the program's line) where ``pip install`` built it against the
+    torch that runs, else Python (``ddp_kernel_impl``). One such DDP per
     process group; a second on the same group takes the comm hook.
   - *Otherwise* (CUDA, or a second DDP on a group): our comm hook, which
     replicates the Reducer's built-in default (pre-divide by the group size,
@@ -45,8 +48,9 @@ What is recorded, and how:
   1/world scaling is a second pass over the bucket (~0.2-0.4 ms of CPU per
   4 MB here; torch's own C++ allreduce hook pays it too), and a Python hook
   adds GIL hand-offs and a ``then`` callback per bucket (~25-50 us); recording
-  inside the hook adds ~9 us. That floor is why CPU DDPs use the kernel (~12 us
-  per call plus a completion callback, no extra pass). Ruled out, measured:
+  inside the hook adds ~9 us. That floor is why CPU DDPs use the kernel (no
+  extra pass; the C++ kernel adds a few us a bucket, the Python one ~50-70 us:
+  ``benchmarks/NOTES.md``). Ruled out, measured:
   sampling steps (the Reducer takes one hook for its lifetime, so unsampled
   steps would still pay the hook floor and save only the ~9 us, while the
   analyzer would lose per-step rows); a ``ProcessGroup`` subclass (the Reducer
@@ -400,10 +404,15 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             gpu = _gpu_begin(timer, data) if timer is not None and data is not None and seq >= 0 else None
             t0 = now_ns()
             tls.busy = True
+            ck = _ck
+            if ck is not None:
+                ck.set_busy(True)
             try:
                 work = orig(*args, **kwargs)
             finally:
                 tls.busy = False
+                if ck is not None:
+                    ck.set_busy(False)
             try:
                 _track(rec, name, work, (t0, kind_async, nid, comm, seq, peer, nbytes, aux, site), gpu)
             except Exception:
@@ -414,10 +423,15 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             return _timed_call(rec, timer, orig, args, kwargs, data, kind_sync, nid, comm, seq, peer, nbytes, aux, site)
         rec.enter(kind_sync, nid, comm, seq, peer, nbytes, aux, site)
         tls.busy = True
+        ck = _ck
+        if ck is not None:
+            ck.set_busy(True)
         try:
             return orig(*args, **kwargs)
         finally:
             tls.busy = False
+            if ck is not None:
+                ck.set_busy(False)
             rec.leave()
 
     wrapper.__distdiag_original__ = orig  # type: ignore[attr-defined]
@@ -530,7 +544,7 @@ class _DDPState:
     """Per-DDP bookkeeping; also the ``state`` our comm hook receives."""
 
     __slots__ = ("pg", "comm_id", "name_id", "div", "as_view", "inner", "inner_state", "seq", "user_hooked", "kernel",
-                 "__weakref__")  # fmt: skip
+                 "handle", "__weakref__")  # fmt: skip
 
     def __init__(self, pg: Any, comm_id: int, name_id: int, div: int, as_view: bool) -> None:
         self.pg = pg
@@ -543,6 +557,7 @@ class _DDPState:
         self.seq = 0
         self.user_hooked = False
         self.kernel = False  # recorded by the allreduce kernel, no comm hook (see _attach_ddp)
+        self.handle = -1  # the C++ kernel's handle on this DDP's group (it counts seq then), else -1
 
 
 def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None = None,
@@ -566,10 +581,14 @@ def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None
     tls = _tls
     was_busy = tls.busy
     tls.busy = True  # not a bucket of a kernel-recorded DDP on the same group
+    ck = _ck
+    ck_was = ck.set_busy(True) if ck is not None else False
     try:
         fut = st.pg.allreduce([buf]).get_future()
     finally:
         tls.busy = was_busy
+        if ck is not None:
+            ck.set_busy(ck_was)
     if row is None:
         return fut.then(_first_value)
     return fut.then(functools.partial(_first_value_and_record, _REC, row, gpu))
@@ -658,10 +677,14 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
     tls = _tls
     was_busy = tls.busy
     tls.busy = True  # collectives the user's hook makes are the bucket's, not rows of their own
+    ck = _ck
+    ck_was = ck.set_busy(True) if ck is not None else False
     try:
         fut = inner(st.inner_state, bucket)
     finally:
         tls.busy = was_busy
+        if ck is not None:
+            ck.set_busy(ck_was)
     try:
         fut.add_done_callback(functools.partial(_record_done_gpu, rec, row, gpu))
     except Exception:
@@ -691,9 +714,11 @@ def _attach_ddp(ddp: Any) -> None:
     with _cb_lock:  # made now, on the program's thread, not by the first bucket's callback
         _callback_buffer(rec)
     use_kernel = getattr(_CFG, "ddp_kernel", True)  # DISTDIAG_DDP_KERNEL=0: the comm hook, as on GPUs
-    if use_kernel and getattr(ddp, "device_type", None) == "cpu" and _kernel_ddp(pg) is None and _ensure_kernel():
+    if (use_kernel and getattr(ddp, "device_type", None) == "cpu" and _kernel_ddp(pg) is None and _ensure_kernel()
+            and (_ck is None or _ck_watch(st, ddp))):  # fmt: skip
         st.kernel = True
-        _kernel_pgs[id(pg)] = weakref.ref(st)
+        # the DDP gone, the C++ kernel stops recording its group (a handle names this DDP's watch only)
+        _kernel_pgs[id(pg)] = weakref.ref(st, functools.partial(_ck_unwatch, st.handle)) if st.handle >= 0 else weakref.ref(st)
     else:
         _original("_register_comm_hook")(reducer, st, _bucket_hook)
     _ddp_states[ddp] = st
@@ -712,6 +737,8 @@ def _kernel_ddp(group: Any) -> _DDPState | None:
 
 
 _kernel_lib: Any = None
+#: the C++ kernel's module while it is the kernel (then _kernel_lib is it too), else None
+_ck: Any = None
 _kernel_refs: tuple[Any, ...] = ()  # (op, keyset below autograd, ProcessGroup.unbox, Work.unbox, graph task id)
 
 
@@ -726,14 +753,28 @@ def _ensure_kernel() -> bool:
     construction) and calls ``c10d::allreduce_`` through the dispatcher, where
     a kernel at the Autograd key runs first: it launches the real one
     (``redispatch`` below autograd) and, for a DDP bucket, records the row.
-    The kernel costs ~12-14 us of CPU on *every* CPU allreduce of the process
-    (``bench_torch_step.py --micro``), small against a CPU all-reduce. On GPUs
+    The Python kernel costs ~12-14 us of CPU on *every* CPU allreduce of the
+    process (``bench_torch_step.py --micro``), and a bucket ~50-70 us in all
+    (the dispatcher boxes the call into Python; the callback takes a Python
+    thread state on gloo's thread), so the C++ kernel (``_ddpk``, the same
+    rule in C++; its rows wait in C++ until the recorder's drain takes them,
+    :func:`_feed`) is the one used wherever it was built. On GPUs
     the scaling pass is a cheap kernel and NCCL all-reduces are launched far
     more often (tensor parallelism), so CUDA DDPs keep the comm hook.
     """
-    global _kernel_lib, _kernel_refs
+    global _kernel_lib, _kernel_refs, _ck
     if _kernel_lib is not None:
         return True
+    if getattr(_CFG, "ddp_kernel_impl", "auto") != "python":
+        ck = _load_ck()
+        if ck is not None:
+            try:
+                ck.install(_ck_site, int(Kind.COLL_ASYNC))
+            except Exception:
+                log.debug("distdiag: the C++ allreduce kernel did not install; the Python one does", exc_info=True)
+            else:
+                _kernel_lib = _ck = ck
+                return True
     try:
         import torch
 
@@ -749,10 +790,122 @@ def _ensure_kernel() -> bool:
     return True
 
 
+def _load_ck() -> Any:
+    """distdiag.shim.hooks._ddpk (the C++ kernel), or None where it is not built, or was built
+    against another torch than the one running (its C++ types would not be this torch's)."""
+    try:
+        import torch
+
+        from distdiag.shim.hooks import _ddpk  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    if getattr(_ddpk, "TORCH_VERSION", None) != torch.__version__ or getattr(_ddpk, "ROW_SIZE", 0) != ROW_SIZE:
+        return None
+    return _ddpk
+
+
+def _ck_site() -> int:
+    """The C++ kernel's call for a bucket's source line, once per backward pass (GIL held).
+
+    Called from C on the thread running the backward: the frame below is the
+    program's (or torch's) Python frame that started it."""
+    rec = _REC
+    if rec is None or not _TORCH_DIR:
+        return 0
+    try:
+        return _user_site(rec)
+    except Exception:
+        return 0
+
+
+def _ck_watch(st: _DDPState, ddp: Any) -> bool:
+    """Have the C++ kernel record ``st``'s buckets (it counts their seq from ``st.seq`` on);
+    False if it cannot (then the DDP takes the comm hook).
+
+    The kernel takes no GIL for a bucket's dtype: it is handed the string ids of the
+    dtypes a bucket of this DDP can have (its parameters', and its mixed-precision
+    ones) now; a bucket of another dtype would carry aux 0."""
+    try:
+        import torch
+
+        rec = _REC
+        assert rec is not None
+        dtypes = _bucket_dtypes(torch, ddp)
+        ids = [_dtype_id(rec, torch.empty(0, dtype=d)) for d in dtypes]
+        handle = int(torch.ops.distdiag.watch(st.pg.boxed(), st.comm_id, st.name_id, st.seq,
+                                            [torch.empty(0, dtype=d) for d in dtypes], ids))  # fmt: skip
+    except Exception:
+        log.debug("distdiag: the C++ kernel cannot watch this group", exc_info=True)
+        return False
+    st.handle = handle
+    return handle >= 0
+
+
+def _bucket_dtypes(torch: Any, ddp: Any) -> list[Any]:
+    """The floating-point dtypes ``ddp``'s buckets can have, in first-seen order: its
+    parameters', its mixed-precision ones, and the half precisions torch's compression
+    hooks all-reduce in."""
+    seen: dict[Any, None] = {}
+    for p in ddp.parameters():
+        if p.requires_grad and p.dtype.is_floating_point:
+            seen[p.dtype] = None
+    mp = getattr(ddp, "mixed_precision", None)
+    for name in ("param_dtype", "reduce_dtype"):
+        d = getattr(mp, name, None)
+        if isinstance(d, torch.dtype) and d.is_floating_point:
+            seen[d] = None
+    for d in (torch.float16, torch.bfloat16):
+        seen[d] = None
+    return list(seen)
+
+
+def _ck_unwatch(handle: int, _ref: Any = None) -> int:
+    """Stop the C++ kernel's recording of the watch ``handle``; its next seq, or -1. Never raises."""
+    ck = _ck
+    if ck is None or handle < 0:
+        return -1
+    try:
+        import torch
+
+        return int(torch.ops.distdiag.unwatch(handle))
+    except Exception:
+        return -1
+
+
+def _feed(rec: Recorder) -> None:
+    """The recorder's drain takes the C++ kernel's completed rows first: into the shared
+    callback buffer, under its lock (one writer at a time, as every callback writes). Rows the
+    kernel could not hold come back as lost rows. Never raises."""
+    ck = _ck
+    if ck is None or rec is not _REC:
+        return
+    try:
+        with _cb_lock:
+            tb = _callback_buffer(rec)
+            while True:
+                n = tb.n
+                if n >= tb.cap:
+                    n = rec._rotate(tb)
+                k, lost = ck.take(tb.buf, n * ROW_SIZE, tb.cap - n, tb.tid)
+                if lost:
+                    rec.lost_events += lost
+                if not k:
+                    break
+                tb.n = n + k  # publish after the rows are complete
+    except Exception:
+        log.debug("distdiag: could not take the C++ kernel's rows", exc_info=True)
+
+
 def _drop_kernel() -> None:
-    global _kernel_lib
+    global _kernel_lib, _ck
     lib, _kernel_lib = _kernel_lib, None
-    if lib is not None:
+    if lib is not None and lib is _ck:
+        _ck = None
+        try:
+            lib.uninstall()
+        except Exception:
+            log.debug("distdiag: could not remove the C++ allreduce kernel", exc_info=True)
+    elif lib is not None:
         try:
             lib._destroy()
         except Exception:
@@ -798,6 +951,11 @@ def _kernel_to_hook(st: _DDPState, reducer: Any, register: Callable[..., Any]) -
     """A kernel-recorded DDP gets a Python comm hook from the user: time it with ours around it."""
     if _kernel_ddp(st.pg) is st:
         del _kernel_pgs[id(st.pg)]
+    if st.handle >= 0:
+        seq = _ck_unwatch(st.handle)
+        st.handle = -1
+        if seq >= 0:
+            st.seq = seq  # the hook's rows go on from the kernel's
     st.kernel = False
     register(reducer, st, _bucket_hook)
 
@@ -894,10 +1052,14 @@ def _make_join_shadow(orig: Callable[..., Any]) -> Callable[..., Any]:
         tls = _tls
         was = tls.ddp_join
         tls.ddp_join = True
+        ck = _ck
+        ck_was = ck.set_join(True) if ck is not None else False
         try:
             return orig(self, *args, **kwargs)
         finally:
             tls.ddp_join = was
+            if ck is not None:
+                ck.set_join(ck_was)
 
     _match_all_reduce_for_bwd_pass.__distdiag_original__ = orig  # type: ignore[attr-defined]
     return _match_all_reduce_for_bwd_pass
@@ -968,6 +1130,8 @@ def install(rec: Recorder, cfg: Any = None) -> None:
         return
     _REC, _CFG = rec, cfg
     _installed = True
+    if _feed not in rec.feeders:
+        rec.feeders.append(_feed)
     # A forked child (DataLoader workers) must not fill a recorder nobody flushes.
     os.register_at_fork(after_in_child=_forget_recorder)
     _hooks.when_imported("torch.distributed", _on_torch_distributed)
@@ -976,9 +1140,14 @@ def install(rec: Recorder, cfg: Any = None) -> None:
 def uninstall() -> None:
     """Restore every original attribute exactly. DDPs built meanwhile keep a pass-through hook."""
     global _REC, _installed, _ddp_count
+    rec = _REC
+    if rec is not None:
+        _feed(rec)  # the C++ kernel's rows so far go to the recorder before it is let go
     _REC = None
     _installed = False
     _drop_kernel()
+    if rec is not None and _feed in rec.feeders:
+        rec.feeders.remove(_feed)
     while _patched:
         owner, attr, orig = _patched.pop()
         try:
