@@ -36,7 +36,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <new>
 #include <vector>
@@ -80,7 +79,9 @@ uint64_t dropped = 0;
 int64_t dtype_ids[kDtypes];
 uint8_t kind_coll_async = 0;
 PyObject* site_fn = nullptr;  // () -> int: the program's line below the backward call
-std::unique_ptr<torch::Library> lib;
+// The registration of the kernel while installed. A plain pointer, never freed at exit: no
+// static destructor of ours runs against torch's dispatcher while the process ends.
+torch::Library* lib = nullptr;
 
 thread_local int busy = 0;      // inside a recorded Python call (torch_dist._tls.busy)
 thread_local int in_join = 0;   // inside DDP's join hook (torch_dist._tls.ddp_join)
@@ -97,7 +98,12 @@ int32_t program_site(int64_t task) {
   // One frame walk per backward pass (per join-hook call): the same line for every bucket.
   if (task >= 0 && task == site_task) return site;
   int32_t s = 0;
-  if (site_fn != nullptr && Py_IsInitialized() && !_Py_IsFinalizing()) {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing();
+#else
+  const bool finalizing = _Py_IsFinalizing();
+#endif
+  if (site_fn != nullptr && Py_IsInitialized() && !finalizing) {
     PyGILState_STATE g = PyGILState_Ensure();
     PyObject* r = PyObject_CallNoArgs(site_fn);
     if (r != nullptr) {
@@ -237,7 +243,7 @@ void after_fork_in_child() {
   dropped = 0;
   busy = in_join = 0;
   site_task = -2;
-  lib.release();  // the child's dispatcher entry stays; the parent's Library object is not the child's to free
+  lib = nullptr;  // the child's dispatcher entry stays (the kernel records nothing here)
 }
 
 // -- the module --------------------------------------------------------------------
@@ -252,22 +258,25 @@ PyObject* py_install(PyObject*, PyObject* args) {
   Py_INCREF(fn);
   Py_XSETREF(site_fn, fn);
   kind_coll_async = uint8_t(kind);
-  if (!lib) {
+  if (lib == nullptr) {
+    torch::Library* l = nullptr;
     try {
-      lib = std::make_unique<torch::Library>(torch::Library::IMPL, "c10d",
-                                             std::make_optional(c10::DispatchKey::AutogradCPU), __FILE__, __LINE__);
-      lib->impl("allreduce_", torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      l = new torch::Library(torch::Library::IMPL, "c10d", std::make_optional(c10::DispatchKey::AutogradCPU),
+                             __FILE__, __LINE__);
+      l->impl("allreduce_", torch::CppFunction::makeFromBoxedFunction<&kernel>());
     } catch (const std::exception& e) {
-      lib.reset();
+      delete l;
       PyErr_SetString(PyExc_RuntimeError, e.what());
       return nullptr;
     }
+    lib = l;
   }
   Py_RETURN_NONE;
 }
 
 PyObject* py_uninstall(PyObject*, PyObject*) {
-  lib.reset();  // the Library's destructor takes the kernel off the dispatcher
+  delete lib;  // the Library's destructor takes the kernel off the dispatcher
+  lib = nullptr;
   Py_CLEAR(site_fn);
   Py_RETURN_NONE;
 }
