@@ -268,13 +268,15 @@ def test_user_comm_hook_still_runs_inside_the_recording(straggler: tuple[Path, d
 
 
 # -- how a DDP is attached: the allreduce kernel on CPU, our comm hook otherwise ----------------------
-@pytest.mark.parametrize("impl", ["c++", "python"])
-def test_cpu_ddp_recorded_by_the_allreduce_kernel_and_the_hook_cases(impl: str) -> None:
+@pytest.mark.parametrize(("impl", "built_for"), [("c++", ""), ("python", ""), ("python", "1.0.0")],
+                         ids=["c++", "python", "c++-built-for-another-torch"])  # fmt: skip
+def test_cpu_ddp_recorded_by_the_allreduce_kernel_and_the_hook_cases(impl: str, built_for: str) -> None:
     """One process, world size 1 (tests/jobs/torch_ddp_modes.py says what each case is), with
     either kernel: the C++ one (what an install with torch present builds and uses) and the
-    Python one (where it is not built) record the same rows."""
+    Python one (where it is not built, or was built for another torch than the one running)
+    record the same rows."""
     job = REPO / "tests" / "jobs" / "torch_ddp_modes.py"
-    env = dict(os.environ, DDP_KERNEL_IMPL=impl)
+    env = dict(os.environ, DDP_KERNEL_IMPL="auto" if built_for else impl, DDP_KERNEL_BUILT_FOR=built_for)
     p = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])

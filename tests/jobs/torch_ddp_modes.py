@@ -26,6 +26,10 @@ from distdiag.shim.recorder import Recorder, as_events
 rec = Recorder()
 # DDP_KERNEL_IMPL: the shim's ddp_kernel_impl ("auto": the C++ kernel where it is built)
 cfg = types.SimpleNamespace(ddp_kernel_impl=os.environ.get("DDP_KERNEL_IMPL", "auto"))
+if os.environ.get("DDP_KERNEL_BUILT_FOR"):  # as if the C++ kernel had been built against another torch
+    from distdiag.shim.hooks import _ddpk  # type: ignore[attr-defined]
+
+    _ddpk.TORCH_VERSION = os.environ["DDP_KERNEL_BUILT_FOR"]
 torch_dist.install(rec, cfg)
 
 import numpy as np  # noqa: E402
