@@ -79,7 +79,13 @@ class Change:
     per group, every member's transfer after the arrivals it waits for is this
     much shorter, down to 0 (a slow link's collectives at the median pair's
     bandwidth; ``p2p_rows``/``p2p_cut_ns``: the same for the replayed point-to-point
-    calls). ``drop_rank``/``drop_t0``/``drop_t1``: rank-time intervals (ns) taken
+    calls). ``transfer_ref_ns``: per group, the transfer the cut was read from
+    (the median member's); given, each member's transfer is cut in that
+    proportion instead (``cut / ref`` of it, at most all of it): a slow link
+    spreads the members' exits as much as it lengthens them (a ring's last
+    member ends 10-15% after its median one on a throttled node), and the
+    members after the median would otherwise keep that spread, each step
+    passing it on to the next one's arrivals. ``drop_rank``/``drop_t0``/``drop_t1``: rank-time intervals (ns) taken
     out of the segments they fall in, or out of the rank's tail after its last
     rendezvous (a serial section's lone windows, a storm's blocked time, a loader's waits).
     Time is dropped as rank-time, never as a length cut from a segment, so that two causes
@@ -88,6 +94,7 @@ class Change:
     what: str
     median_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_cut_ns: np.ndarray | None = None
+    transfer_ref_ns: np.ndarray | None = None
     drop_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     drop_t0: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     drop_t1: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -100,13 +107,17 @@ class Change:
     def plus(self, other: Change) -> Change:
         """Both changes at once (the cumulative ranking: the first cause removed, then the next).
         Dropped rank-time counts once where both drop it (the replay takes the union)."""
-        cut = self.transfer_cut_ns
-        if other.transfer_cut_ns is not None:  # two causes of one slow transfer: the larger cut
-            cut = other.transfer_cut_ns if cut is None else np.maximum(cut, other.transfer_cut_ns)
+        cut, ref = self.transfer_cut_ns, self.transfer_ref_ns
+        if other.transfer_cut_ns is not None:  # two causes of one slow transfer: the larger share
+            if cut is None:
+                cut, ref = other.transfer_cut_ns, other.transfer_ref_ns
+            else:
+                cut, ref = _larger_cut(cut, ref, other.transfer_cut_ns, other.transfer_ref_ns)
         return Change(
             what=f"{self.what}; {other.what}",
             median_ranks=np.union1d(self.median_ranks, other.median_ranks).astype(np.int64),
             transfer_cut_ns=cut,
+            transfer_ref_ns=ref,
             drop_rank=np.concatenate([self.drop_rank, other.drop_rank]).astype(np.int64),
             drop_t0=np.concatenate([self.drop_t0, other.drop_t0]).astype(np.int64),
             drop_t1=np.concatenate([self.drop_t1, other.drop_t1]).astype(np.int64),
@@ -133,6 +144,16 @@ class Change:
                 return True
         cut = self.transfer_cut_ns
         return cut is not None and bool((cut[m.order] > 0).any())
+
+
+def _larger_cut(a: np.ndarray, a_ref: np.ndarray | None, b: np.ndarray,
+                b_ref: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """Per group, the larger of two transfer cuts, as (cut, ref): a proportional cut (with its
+    ref) counts as its share of the ref, a plain one as a share of the same ref."""
+    if a_ref is None and b_ref is None:
+        return np.maximum(a, b), None
+    ref = np.maximum(a_ref if a_ref is not None else 0, b_ref if b_ref is not None else 0).astype(np.int64)
+    return np.maximum(a, b), np.where(ref > 0, ref, 0).astype(np.int64)
 
 
 @dataclass
@@ -786,7 +807,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     started = np.zeros(n, bool)  # past its first rendezvous (the launch skew before it is startup's)
     slow = np.zeros(n, bool)
     cuts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    cap = None
+    cap = cap_ref = None
     tail_cut = np.zeros(n, np.int64)
     if change is not None:
         slow[change.median_ranks[(change.median_ranks >= 0) & (change.median_ranks < n)]] = True
@@ -797,6 +818,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
             for idx in np.split(o, bounds):  # one entry per changed step: a Python step per step, as the loop
                 cuts[int(c_s[idx[0]])] = (c_p[idx], c_ns[idx])
         cap = change.transfer_cut_ns
+        cap_ref = change.transfer_ref_ns
     any_slow = bool(slow.any())
     gs, m_rank, m_t0, m_t1 = c.g_start, c.m_rank, c.m_t0_ns, c.m_t1_ns
     scheme, root = m.scheme, m.root
@@ -908,7 +930,11 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 ref_new = np.where(at_root, arr_new.max(), arr_new)
         transfer = t1 - ref_rec
         if cap is not None and cap[g] > 0:
-            transfer = np.maximum(transfer - cap[g], np.minimum(transfer, 0))
+            if cap_ref is not None and cap_ref[g] > 0:  # each member's transfer by the same share
+                keep = 1.0 - min(float(cap[g]) / float(cap_ref[g]), 1.0)
+                transfer = np.where(transfer > 0, (transfer * keep).astype(np.int64), transfer)
+            else:
+                transfer = np.maximum(transfer - cap[g], np.minimum(transfer, 0))
         if kind == 2:
             done_rec[a0 : a0 + len(r)] = t1
             done_new[a0 : a0 + len(r)] = ref_new + transfer

@@ -189,6 +189,36 @@ def test_two_changes_together(tmp_path: Path) -> None:
     assert m.saving_s(Change("B no transfer", transfer_cut_ns=one * 10)) == pytest.approx(0.001, abs=1e-9)
 
 
+def test_a_proportional_transfer_cut_takes_the_members_spread_with_it(tmp_path: Path) -> None:
+    """3 ranks, all-reduce A (every arrival at 1 ms; exits 9, 11, 13: transfers 8, 10, 12, the
+    median member's 10), 1 ms of work each, all-reduce B (arrivals 10, 12, 14; exits 15), 1 ms
+    more. A's transfer 5 ms shorter, by seconds: 3, 5, 7 -> exits 4, 6, 8, B's arrivals 5, 7, 9,
+    exits 10, ends 11: 5 ms saved, the 4 ms spread kept. By the same share (5 of the median's 10:
+    each member keeps half): 4, 5, 6 -> exits 5, 6, 7, arrivals 6, 7, 8, exits 9, ends 10: 6 ms
+    (a slow ring's last members lose their excess too, replay.Change.transfer_ref_ns)."""
+    s: list[str] = [""]
+    for r, a_exit in enumerate((9.0, 11.0, 13.0)):
+        write_rank(tmp_path, r, 3, [phase(0.0, 1.0, s), coll(1.0, a_exit, 0, s), phase(a_exit, a_exit + 1, s),
+                                    coll(a_exit + 1, 15.0, 1, s), phase(15.0, 16.0, s)], s)  # fmt: skip
+    run = load_run(tmp_path)  # the files' one true clock: align would read A's spread as clock offsets
+    m = replay.model(run, collectives_of(run))
+    np.testing.assert_array_equal(ms(m.end_ns), [16, 16, 16])
+    np.testing.assert_array_equal(m.replay(None), m.end_ns)
+    a = group_of_seq(m, 0)
+    cut, ref = np.zeros(len(m.colls), np.int64), np.zeros(len(m.colls), np.int64)
+    cut[a], ref[a] = 5 * MS, 10 * MS
+    by_seconds = Change("A 5 ms faster", transfer_cut_ns=cut)
+    by_share = Change("A at half its transfer", transfer_cut_ns=cut, transfer_ref_ns=ref)
+    np.testing.assert_array_equal(ms(m.replay(by_seconds)), [11, 11, 11])
+    np.testing.assert_array_equal(ms(m.replay(by_share)), [10, 10, 10])
+    assert m.saving_s(by_share) == pytest.approx(0.006, abs=1e-9)
+    # a cut past the ref takes all of it, never more; two causes of one transfer: the larger
+    # (exits 1, arrivals 2, exits 3, ends 4: 12 ms)
+    assert m.saving_s(Change("A no transfer", transfer_cut_ns=cut * 3, transfer_ref_ns=ref)) == pytest.approx(0.012, abs=1e-9)
+    both = by_seconds.plus(by_share)
+    assert both.transfer_ref_ns is not None and m.saving_s(both) == pytest.approx(0.006, abs=1e-9)
+
+
 def group_of_seq(m: replay.Model, seq: int) -> int:
     c = m.colls
     ids = [g for g in m.order.tolist() if int(c.g_seq[g]) == seq]

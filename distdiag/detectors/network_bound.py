@@ -191,6 +191,8 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 "localize": "distdiag-wrap --probe-links",
             },
             advice=ADVICE,
-            change=Change(what, transfer_cut_ns=np.where(chosen, cut, 0).astype(np.int64)),
+            # each member's transfer by the same share (a slow fabric spreads the exits too)
+            change=Change(what, transfer_cut_ns=np.where(chosen, cut, 0).astype(np.int64),
+                          transfer_ref_ns=np.where(chosen, w1 - w0 + ideal_g, 0).astype(np.int64)),
         )
     ]

@@ -188,7 +188,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
                 summary=summary,
                 ranks=ranks,
                 hosts=[names[x] for x in (su or list(sp[0]))] if units.kind == "host" else [],
-                change=_change(colls, ct.group[sel], save, what, p2p, psel, p_save),
+                change=_change(colls, ct.group[sel], save, ct.transfer_s[sel], what, p2p, psel, p_save),
                 links=link_names,
                 evidence={
                     "source": m.source,
@@ -217,16 +217,19 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     return findings
 
 
-def _change(colls: Collectives, groups: np.ndarray, save_s: np.ndarray, what: str, p2p: dict[str, np.ndarray],
-            psel: np.ndarray, p_save_s: np.ndarray) -> Change:  # fmt: skip
-    """The counterfactual: each collective over the link transfers ``save_s`` sooner, and each
-    point-to-point transfer over it ``p_save_s`` sooner (its receive's and its send's: a send
-    that waits for its receiver ends with the transfer too), at the median pair's bandwidth, as
-    priced above."""
+def _change(colls: Collectives, groups: np.ndarray, save_s: np.ndarray, transfer_s: np.ndarray, what: str,
+            p2p: dict[str, np.ndarray], psel: np.ndarray, p_save_s: np.ndarray) -> Change:  # fmt: skip
+    """The counterfactual: each collective over the link transfers ``save_s`` sooner than its
+    median member's ``transfer_s``, each member by the same share of its own transfer (the
+    members a slow ring ends last lose as much of theirs), and each point-to-point transfer
+    over it ``p_save_s`` sooner (its receive's and its send's: a send that waits for its
+    receiver ends with the transfer too), at the median pair's bandwidth, as priced above."""
     cut = np.zeros(len(colls), np.int64)
     cut[groups] = (save_s * 1e9).astype(np.int64)
+    ref = np.zeros(len(colls), np.int64)
+    ref[groups] = (transfer_s * 1e9).astype(np.int64)
     p_ns = (p_save_s * 1e9).astype(np.int64)
     rows = np.concatenate([p2p["recv_row"][psel], p2p["send_row"][psel]]).astype(np.int64)
     return Change(f"the collectives{' and point-to-point calls' if psel.any() else ''} over the link(s) of {what} "
-                  "at the median pair's bandwidth", transfer_cut_ns=cut, p2p_rows=rows,
+                  "at the median pair's bandwidth", transfer_cut_ns=cut, transfer_ref_ns=ref, p2p_rows=rows,
                   p2p_cut_ns=np.concatenate([p_ns, p_ns]), p2p_t_ns=np.concatenate([p2p["t0_ns"][psel]] * 2))  # fmt: skip
