@@ -931,8 +931,8 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
         transfer = t1 - ref_rec
         if cap is not None and cap[g] > 0:
             if cap_ref is not None and cap_ref[g] > 0:  # each member's transfer by the same share
-                keep = 1.0 - min(float(cap[g]) / float(cap_ref[g]), 1.0)
-                transfer = np.where(transfer > 0, (transfer * keep).astype(np.int64), transfer)
+                share = min(float(cap[g]) / float(cap_ref[g]), 1.0)  # rint: the ref's own member loses cap exactly
+                transfer = np.where(transfer > 0, transfer - np.rint(transfer * share).astype(np.int64), transfer)
             else:
                 transfer = np.maximum(transfer - cap[g], np.minimum(transfer, 0))
         if kind == 2:
