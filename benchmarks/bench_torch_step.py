@@ -7,7 +7,8 @@ The launcher starts itself under ``torchrun --standalone``. Every rank builds
 one identical DDP model per variant (``VARIANTS``): ``builtin`` (no comm hook,
 no distdiag), ``cpp_hook`` (torch's C++ allreduce hook: what having any comm
 hook costs), ``py_hook`` (a minimal Python hook doing what the built-in does),
-``buckets`` (distdiag's bucket capture: for a CPU DDP the allreduce kernel),
+``buckets`` (distdiag's bucket capture: for a CPU DDP the allreduce kernel, C++ where
+built), ``buckets_py`` (the same with the Python kernel),
 ``buckets_hook`` (the same through distdiag's comm hook, as for CUDA DDPs),
 ``full`` (+ the phases hook),
 ``no_buckets`` (``DISTDIAG_DDP_BUCKETS=0``), ``builtin_again`` (a second

@@ -320,6 +320,17 @@ step(a); step(a)
 time.sleep(0.2)
 first = rows()
 del a; gc.collect()  # its group's watch ends with it: the next DDP on the group is its own
+class Reduce(torch.autograd.Function):  # an all-reduce inside a backward pass that is no DDP's bucket
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+    @staticmethod
+    def backward(ctx, g):
+        dist.group.WORLD.allreduce([g]).wait()  # the C++ path: no Python wrapper marks it
+        return g
+Reduce.apply(torch.randn(4, 32, requires_grad=True)).sum().backward()
+time.sleep(0.2)
+orphan = rows()
 b = DDP(torch.nn.Linear(32, 32))
 step(b)
 time.sleep(0.2)
@@ -329,7 +340,7 @@ lost0 = rec.lost_events
 step(b); step(b); step(b)
 time.sleep(0.2)
 third = rows()
-print(json.dumps({"first": first, "second": second, "third": third, "lost": rec.lost_events - lost0}))
+print(json.dumps({"first": first, "orphan": orphan, "second": second, "third": third, "lost": rec.lost_events - lost0}))
 sys.stdout.flush()
 os._exit(0)
 """
@@ -346,6 +357,7 @@ def test_the_cpp_kernel_follows_each_ddp_and_counts_the_rows_it_could_not_hold(t
     out = json.loads(p.stdout.strip().splitlines()[-1])
     first = sorted(map(tuple, out["first"]))
     assert len(first) >= 3 and first == [("ddp0:default", i) for i in range(len(first))]  # 2 steps of 1-2 buckets
+    assert out["orphan"] == []  # the gone DDP's group, all-reduced in a backward pass: no bucket of it
     assert out["second"] == [["ddp1:default", 0]]
     assert out["third"] == [["ddp1:default", 1]] and out["lost"] == 2
 

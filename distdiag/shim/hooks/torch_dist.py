@@ -149,6 +149,24 @@ class _TLS(threading.local):
 
 
 _tls = _TLS()
+
+
+def _busy(on: bool) -> tuple[bool, bool]:
+    """Set this thread's "inside a recorded call" flag where both kernels read it (``_tls`` for
+    the Python one, a C++ thread-local for ``_ddpk``, which cannot read Python's); the old
+    values, for :func:`_unbusy`."""
+    tls = _tls
+    was = tls.busy
+    tls.busy = on
+    ck = _ck
+    return was, (ck.set_busy(on) if ck is not None else False)
+
+
+def _unbusy(was: tuple[bool, bool]) -> None:
+    _tls.busy = was[0]
+    ck = _ck
+    if ck is not None:
+        ck.set_busy(was[1])
 _REC: Recorder | None = None
 _CFG: Any = None
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original): undone in reverse order
@@ -403,16 +421,11 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             timer = _cuda_events._TIMER
             gpu = _gpu_begin(timer, data) if timer is not None and data is not None and seq >= 0 else None
             t0 = now_ns()
-            tls.busy = True
-            ck = _ck
-            if ck is not None:
-                ck.set_busy(True)
+            was = _busy(True)
             try:
                 work = orig(*args, **kwargs)
             finally:
-                tls.busy = False
-                if ck is not None:
-                    ck.set_busy(False)
+                _unbusy(was)
             try:
                 _track(rec, name, work, (t0, kind_async, nid, comm, seq, peer, nbytes, aux, site), gpu)
             except Exception:
@@ -422,16 +435,11 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         if timer is not None and data is not None:  # CUDA tensors: GPU-side times too (cuda_events)
             return _timed_call(rec, timer, orig, args, kwargs, data, kind_sync, nid, comm, seq, peer, nbytes, aux, site)
         rec.enter(kind_sync, nid, comm, seq, peer, nbytes, aux, site)
-        tls.busy = True
-        ck = _ck
-        if ck is not None:
-            ck.set_busy(True)
+        was = _busy(True)
         try:
             return orig(*args, **kwargs)
         finally:
-            tls.busy = False
-            if ck is not None:
-                ck.set_busy(False)
+            _unbusy(was)
             rec.leave()
 
     wrapper.__distdiag_original__ = orig  # type: ignore[attr-defined]
@@ -452,12 +460,11 @@ def _timed_call(rec: Recorder, timer: Any, orig: Callable[..., Any], args: Any, 
         except Exception:
             tok = None
     t0 = rec.enter(kind, nid, comm, seq, peer, nbytes, aux, site)
-    tls = _tls
-    tls.busy = True
+    was = _busy(True)
     try:
         return orig(*args, **kwargs)
     finally:
-        tls.busy = False
+        _unbusy(was)
         rec.leave()
         if tok is not None:
             timer.end(tok, kind, nid, t0, comm, seq)
@@ -578,17 +585,11 @@ def _default_bucket_hook(st: _DDPState, bucket: Any, row: tuple[Any, ...] | None
         buf.div_(st.div)
     else:
         buf.mul_(1.0 / st.div)
-    tls = _tls
-    was_busy = tls.busy
-    tls.busy = True  # not a bucket of a kernel-recorded DDP on the same group
-    ck = _ck
-    ck_was = ck.set_busy(True) if ck is not None else False
+    was = _busy(True)  # not a bucket of a kernel-recorded DDP on the same group
     try:
         fut = st.pg.allreduce([buf]).get_future()
     finally:
-        tls.busy = was_busy
-        if ck is not None:
-            ck.set_busy(ck_was)
+        _unbusy(was)
     if row is None:
         return fut.then(_first_value)
     return fut.then(functools.partial(_first_value_and_record, _REC, row, gpu))
@@ -674,17 +675,11 @@ def _bucket_hook(st: _DDPState, bucket: Any) -> Any:
         row = (t0, Kind.COLL_ASYNC, st.name_id, st.comm_id, seq, -1, 0, 0, 0)
     if inner is None:
         return _default_bucket_hook(st, bucket, row, gpu)
-    tls = _tls
-    was_busy = tls.busy
-    tls.busy = True  # collectives the user's hook makes are the bucket's, not rows of their own
-    ck = _ck
-    ck_was = ck.set_busy(True) if ck is not None else False
+    was = _busy(True)  # collectives the user's hook makes are the bucket's, not rows of their own
     try:
         fut = inner(st.inner_state, bucket)
     finally:
-        tls.busy = was_busy
-        if ck is not None:
-            ck.set_busy(ck_was)
+        _unbusy(was)
     try:
         fut.add_done_callback(functools.partial(_record_done_gpu, rec, row, gpu))
     except Exception:
