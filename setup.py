@@ -75,6 +75,7 @@ setup(
             sources=["distdiag/shim/_hot.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Werror=implicit-function-declaration",
                                 "-Werror=int-conversion", "-Werror=incompatible-pointer-types"],
+            extra_link_args=["-ldl"],  # dlsym: the interposer's dd_site (glibc < 2.34 keeps it in libdl)
             optional=True,
         ),
         *_torch_kernel(),

@@ -740,6 +740,12 @@ with open(e, "wb") as f:  # SITE e
 for _ in range(3):
     shutil.copyfile(e, c)  # SITE lib3
 shutil.copyfile(e, c)  # SITE lib4
+g = os.path.join(d, "g.bin")
+with open(g, "wb") as f:  # SITE g
+    f.write(b"g")
+for _ in range(3):  # one line, again and again: the C wrapper's last-site cache
+    with open(g, "rb") as f:  # SITE loop
+        f.read()
 print("OPEN", type(open).__name__)
 """
 
@@ -755,7 +761,8 @@ def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_pat
     checked to fail with that cache's check of the program's frame left out in C). The same
     with the wrappers in C (distdiag/shim/_hot.c, where built: the str
     paths here) and in Python (DISTDIAG_HOT=0; and pathlib's, keyword or opener calls always).
-    Checked to fail with the wrappers off and with no time bound on a site."""
+    Checked to fail with the wrappers off and with no time bound on a site, and (in C) with the
+    last-site cache answering 0 or the interposer's dd_site called with site 0."""
     from distdiag.shim.recorder import HOT
 
     if hot == "1" and HOT is None:
@@ -785,6 +792,7 @@ def test_libc_rows_carry_the_call_site_of_the_python_call_that_made_them(tmp_pat
     assert got[("libc:open", "c.bin")] == {lines["lib3"], lines["lib4"]}, got
     assert got[("libc:open", "e.bin")] == {lines["e"], lines["lib3"], lines["lib4"]}, got
     assert got[("libc:stat", a)] == {""} and got[("libc:stat", b)] == {""}, got
+    assert got[("libc:open", "g.bin")] == {lines["g"], lines["loop"]}, got
 
 
 def test_preload_off_is_the_python_capture(tmp_path: Path) -> None:
