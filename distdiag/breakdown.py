@@ -132,9 +132,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from distdiag.bands import Band, bands, part_edges
+from distdiag.bands import Band, bands
 from distdiag.intervals import band_of, union_length_in_band
 from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.passes import Pass, run_local, sweep
 from distdiag.rows import kind_index
 from distdiag.run import Run
 from distdiag.schema import COMM_KINDS, FILE_KINDS, P2P_KINDS, PHASE_KINDS, Kind
@@ -736,18 +737,58 @@ def _band_startup_ends(band: Band, start: np.ndarray, end: np.ndarray, lead: np.
 
 def startup_ends(run: Run) -> np.ndarray:
     """Per rank (index = rank, every rank of the bands), where its startup ends on the aligned
-    timeline (ns): see :func:`_band_startup_ends`. One pass over the bands' rows of those kinds;
-    cached on ``run.cache`` (the startup detector and the breakdown's coverage read it)."""
+    timeline (ns): see :func:`_band_startup_ends`. One pass over the bands' rows of those kinds
+    (:class:`StartupEndsPass`; the pipeline's sweep makes it with the other passes); cached on
+    ``run.cache`` (the startup detector and the breakdown's coverage read it)."""
     got = run.cache.get(STARTUP_CACHE)
     if isinstance(got, np.ndarray):
         return got
-    start, end = run.rank_bounds()
-    lead = run.lead_ins()
-    out = start.astype(np.int64).copy()
-    for band in bands(run):  # a few bands
-        out[band.r_lo : band.r_hi] = _band_startup_ends(band, start, end, lead)
+    out: np.ndarray = run_local(run, [StartupEndsPass()])[0]
     run.cache[STARTUP_CACHE] = out
     return out
+
+
+class _EndsAcc:
+    """:class:`StartupEndsPass`'s accumulator: every rank's end (its start where no band set it)."""
+
+    def __init__(self, run: Run, part: tuple[int, int] | None) -> None:
+        self.start, self.end = run.rank_bounds()
+        self.lead = run.lead_ins()
+        self.part = part
+        self.out = self.start.astype(np.int64).copy()
+        self.r_first, self.r_last = -1, -1  # the ranks of the bands added: [r_first, r_last)
+
+
+class StartupEndsPass(Pass[_EndsAcc, _EndsAcc | tuple[int, int, np.ndarray] | None, np.ndarray]):
+    """:func:`startup_ends` as a per-rank pass (:mod:`distdiag.passes`): a block's part is its
+    ranks' ends ``(r_lo, r_hi, ends)`` (None when it holds no band); every band's, the whole array."""
+
+    name = "the startup ends"
+
+    def begin(self, run: Any, part: tuple[int, int] | None) -> _EndsAcc:
+        return _EndsAcc(run, part)
+
+    def add(self, acc: _EndsAcc, band: Band) -> None:
+        acc.r_first = band.r_lo if acc.r_first < 0 else acc.r_first
+        acc.r_last = band.r_hi
+        acc.out[band.r_lo : band.r_hi] = _band_startup_ends(band, acc.start, acc.end, acc.lead)
+
+    def part(self, acc: _EndsAcc) -> _EndsAcc | tuple[int, int, np.ndarray] | None:
+        if acc.part is None:
+            return acc
+        if acc.r_first < 0:
+            return None
+        return acc.r_first, acc.r_last, acc.out[acc.r_first : acc.r_last].copy()
+
+    def reduce(self, run: Any, parts: list[_EndsAcc | tuple[int, int, np.ndarray] | None]) -> np.ndarray:
+        if len(parts) == 1 and isinstance(parts[0], _EndsAcc):
+            return parts[0].out
+        start, _ = run.rank_bounds()
+        out = start.astype(np.int64).copy()
+        for p in parts:  # one per block
+            if isinstance(p, tuple):
+                out[p[0] : p[1]] = p[2]
+        return out
 
 
 class _Tally:
@@ -869,46 +910,29 @@ def _put(t: _Tally, lo: int, hi: int, got: _Slices) -> None:
 def breakdown_part(run: Run, colls: Collectives, part: tuple[int, int]) -> BreakdownPart | None:
     """Block ``part = (j, n)`` of the breakdown's bands (see :class:`BreakdownPart`); None when the
     block holds no band (more blocks than bands)."""
-    edges = part_edges(run, part)
-    if not edges:
-        return None
-    r_lo, r_hi = edges[0][0], edges[-1][1]
-    tally, steps = _tallies(run, colls, True, part)
-    assert tally is not None
-    if steps.n:
-        k_lo, k_hi = int(steps.first[r_lo]), int(steps.first[r_hi])
-        return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), k_lo, k_hi, _slices(steps.tally, k_lo, k_hi),
-                             steps.w0[k_lo:k_hi].copy())  # fmt: skip
-    return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), 0, 0, None, None)
+    got = sweep(run, [BreakdownPass(colls)], part)[0]
+    assert got is None or isinstance(got, BreakdownPart)
+    return got
 
 
-def _tallies(run: Run, colls: Collectives, ranks: bool, part: tuple[int, int] | None = None) -> tuple[_Tally | None, _Steps]:
-    """The per-rank tally (when ``ranks``) and the per-step one, over the bands of ``part``
-    (all of them when None); see :func:`_compute`."""
-    start, _ = run.rank_bounds()
-    n = len(start)  # == distdiag.bands.n_ranks(run): every rank of 0..n is in one band
-    tally = _Tally(n) if ranks else None
-    steps = _Steps(run, n)
-    parts: list[BreakdownPart] | None = run.cache.get(PARTS) if part is None else None
+#: ``run.cache`` key of :class:`BreakdownPass`'s result when the pipeline's sweep made it
+#: (:func:`distdiag.pipeline.analyze_run`, with the other per-rank passes)
+TALLIES = "breakdown.tallies"
+
+
+def _tallies(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, _Steps]:
+    """The per-rank tally (when ``ranks``) and the per-step one: from the pipeline's sweep
+    (``run.cache[TALLIES]``), from the parts the analysis ranks computed (``run.cache[PARTS]``,
+    distdiag.parallel), else one sweep over every band."""
+    done = run.cache.get(TALLIES)
+    if done is not None and (done[0] is not None or not ranks):
+        return done  # type: ignore[no-any-return]
+    bp = BreakdownPass(colls, ranks)
+    parts: list[BreakdownPart] | None = run.cache.get(PARTS)
     if parts is not None:  # computed by the analysis ranks (distdiag.parallel)
-        for p in parts:  # one per analysis rank
-            if tally is not None:
-                _put(tally, p.r_lo, p.r_hi, p.ranks)
-            if steps.n and p.steps is not None and p.w0 is not None:
-                _put(steps.tally, p.k_lo, p.k_hi, p.steps)
-                steps.w0[p.k_lo : p.k_hi] = p.w0
-        return tally, steps
-    if tally is None and steps.n == 0:
-        return None, steps
-    ctx = _Ctx(run, colls, n)
-    for band in bands(run, part=part):  # a few bands, each vectorized
-        b = _Band(ctx, band)
-        iv = _intervals(ctx, b)
-        if tally is not None:
-            tally.add(b.r_lo, b.r_hi, iv)
-        steps.add(b, iv)
-        del iv, b, band
-    return tally, steps
+        return bp.reduce(run, list(parts))
+    got: tuple[_Tally | None, _Steps] = run_local(run, [bp])[0]
+    return got
 
 
 def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, pd.DataFrame]:
@@ -1076,6 +1100,78 @@ class _Steps:
         data: dict[str, Any] = {"rank": self.s_rank, "step": self.k_of, "t_s": (self.w0 - run.start_ns) / 1e9}
         data.update(_columns(self.tally, (self.s_t - self.w0).astype(np.float64), np.arange(self.n)))
         return pd.DataFrame(data, columns=cols)
+
+
+class _BdAcc:
+    """:class:`BreakdownPass`'s accumulator: the tallies of the bands of block ``part`` (None: every band)."""
+
+    def __init__(self, run: Run, colls: Collectives, ranks: bool, part: tuple[int, int] | None) -> None:
+        start, _ = run.rank_bounds()
+        n = len(start)  # == distdiag.bands.n_ranks(run): every rank of 0..n is in one band
+        self.run, self.part = run, part
+        self.r_first, self.r_last = -1, -1  # the ranks of the bands added: [r_first, r_last)
+        self.tally = _Tally(n) if ranks else None
+        self.steps = _Steps(run, n)
+        # nothing to tally (no per-rank table asked, no step marks): no context, no band read
+        self.ctx = None if self.tally is None and self.steps.n == 0 else _Ctx(run, colls, n)
+
+
+class BreakdownPass(Pass[_BdAcc, _BdAcc | BreakdownPart | None, tuple[_Tally | None, _Steps]]):
+    """The breakdown's tallies as a per-rank pass (:mod:`distdiag.passes`): each band's
+    categorized intervals, tallied per rank (when ``ranks``) and per step. The part of every
+    band is its accumulator, whole; a block's is a :class:`BreakdownPart` (only its ranks' and
+    steps' rows, None when the block holds no band); the result is ``(per-rank tally or None,
+    per-step tally)``."""
+
+    name = "the breakdown"
+
+    def __init__(self, colls: Collectives, ranks: bool = True) -> None:
+        self.colls, self.ranks = colls, ranks
+
+    def begin(self, run: Any, part: tuple[int, int] | None) -> _BdAcc:
+        return _BdAcc(run, self.colls, self.ranks, part)
+
+    def add(self, acc: _BdAcc, band: Band) -> None:
+        acc.r_first = band.r_lo if acc.r_first < 0 else acc.r_first
+        acc.r_last = band.r_hi
+        if acc.ctx is None:
+            return
+        b = _Band(acc.ctx, band)
+        iv = _intervals(acc.ctx, b)
+        if acc.tally is not None:
+            acc.tally.add(b.r_lo, b.r_hi, iv)
+        acc.steps.add(b, iv)
+
+    def part(self, acc: _BdAcc) -> _BdAcc | BreakdownPart | None:
+        if acc.part is None:
+            return acc
+        if acc.r_first < 0:  # more blocks than bands: this one holds none
+            return None
+        r_lo, r_hi = acc.r_first, acc.r_last
+        tally, steps = acc.tally, acc.steps
+        assert tally is not None  # a block is tallied per rank (--parallel's breakdown)
+        if steps.n:
+            k_lo, k_hi = int(steps.first[r_lo]), int(steps.first[r_hi])
+            return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), k_lo, k_hi, _slices(steps.tally, k_lo, k_hi),
+                                 steps.w0[k_lo:k_hi].copy())  # fmt: skip
+        return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), 0, 0, None, None)
+
+    def reduce(self, run: Any, parts: list[_BdAcc | BreakdownPart | None]) -> tuple[_Tally | None, _Steps]:
+        if len(parts) == 1 and isinstance(parts[0], _BdAcc):  # every band's, whole
+            return parts[0].tally, parts[0].steps
+        start, _ = run.rank_bounds()
+        n = len(start)
+        tally = _Tally(n) if self.ranks else None
+        steps = _Steps(run, n)
+        for p in parts:  # one per analysis rank
+            if not isinstance(p, BreakdownPart):
+                continue  # a block with no band
+            if tally is not None:
+                _put(tally, p.r_lo, p.r_hi, p.ranks)
+            if steps.n and p.steps is not None and p.w0 is not None:
+                _put(steps.tally, p.k_lo, p.k_hi, p.steps)
+                steps.w0[p.k_lo : p.k_hi] = p.w0
+        return tally, steps
 
 
 #: the per-step columns aggregated over ranks

@@ -38,10 +38,11 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.bands import Band, bands, event_ranks, time_bounds
+from distdiag.bands import Band, event_ranks, time_bounds
 from distdiag.breakdown import WINDOW_KINDS, step_marks  # the window and step marks the breakdown uses
 from distdiag.intervals import covered_within, union_banded, union_sorted
 from distdiag.match import MatchState, collectives_of
+from distdiag.passes import Pass, run_local, sweep
 from distdiag.rows import count_of
 from distdiag.schema import Kind
 
@@ -250,7 +251,8 @@ def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | Non
     the compute phases' union and the collective waits are the same for every kind, and a
     streamed run reads its phases from the rank files once for all (a pass each was 0.3 s of
     1.1 at 64 x 100k, the read of the phases again)."""
-    return costs_of_parts(run, kinds, [critical_path_part(run, kinds, None, band_events)])
+    got: dict[int, dict[str, Any]] = run_local(run, [CostsPass(kinds)], band_events)[0]
+    return got
 
 
 @dataclass
@@ -269,33 +271,49 @@ class CostPart:
     any_valid: np.ndarray
 
 
-def critical_path_part(run: Any, kinds: tuple[int, ...], part: tuple[int, int] | None,
-                       band_events: int | None = None) -> CostPart | None:  # fmt: skip
-    """The pass of :func:`critical_path_costs` over the bands of ``part`` (see :class:`CostPart`);
-    None when no kind has rows."""
-    ranks = event_ranks(run)
-    R = len(ranks)
-    todo = [int(k) for k in kinds if count_of(run, k) > 0]
-    if not todo:
-        return None
-    tmin, tmax = time_bounds(run)
-    span = tmax - tmin + 1
-    marks = step_marks(run)  # STEP rows are resident
-    # iteration i of a rank: the window after its i-th step mark; n_iter: the most marks a rank has, + 1
-    n_iter = int(np.bincount(marks[0]).max()) + 1 if len(marks[0]) else 1
-    w_s, w_e = _collective_waits(run, tmin, span)
+class _CostAcc:
+    """:class:`CostsPass`'s accumulator: the run-wide facts of the pass, and the block's sums."""
 
-    # per kind: each rank's a and b summed; per iteration the max over ranks of a + b and of b
-    # (valid windows only)
-    acc: dict[int, tuple[np.ndarray, ...]] = {
-        k: (np.zeros(R), np.zeros(R), np.full(n_iter, -np.inf), np.full(n_iter, -np.inf)) for k in todo
-    }
-    any_valid = np.zeros(n_iter, bool)
-    chunk = max(1, _TABLE_CELLS // n_iter)  # ranks per table
-    r_first, r_last = -1, -1  # the block's ranks: [r_first, r_last)
-    for band in bands(run, band_events, part=part):  # bands of ranks: a few numpy calls each
-        r_first = band.r_lo if r_first < 0 else r_first
-        r_last = band.r_hi
+    def __init__(self, run: Any, todo: list[int]) -> None:
+        self.ranks = event_ranks(run)
+        self.todo = todo
+        self.tmin, tmax = time_bounds(run)
+        self.span = tmax - self.tmin + 1
+        self.marks = step_marks(run)  # STEP rows are resident
+        # iteration i of a rank: the window after its i-th step mark; n_iter: the most marks a rank has, + 1
+        self.n_iter = n_iter = int(np.bincount(self.marks[0]).max()) + 1 if len(self.marks[0]) else 1
+        self.w_s, self.w_e = _collective_waits(run, self.tmin, self.span)
+        # per kind: each rank's a and b summed; per iteration the max over ranks of a + b and of b
+        # (valid windows only)
+        R = len(self.ranks)
+        self.acc: dict[int, tuple[np.ndarray, ...]] = {
+            k: (np.zeros(R), np.zeros(R), np.full(n_iter, -np.inf), np.full(n_iter, -np.inf)) for k in todo
+        }
+        self.any_valid = np.zeros(n_iter, bool)
+        self.chunk = max(1, _TABLE_CELLS // n_iter)  # ranks per table
+        self.r_first, self.r_last = -1, -1  # the block's ranks: [r_first, r_last)
+
+
+class CostsPass(Pass[_CostAcc | None, CostPart | None, dict[int, dict[str, Any]]]):
+    """:func:`critical_path_costs` of ``kinds`` as a per-rank pass (:mod:`distdiag.passes`); its
+    part is a :class:`CostPart` (None when no kind has rows), its result
+    :func:`costs_of_parts`'s."""
+
+    name = "the critical path of input waits and copies"
+
+    def __init__(self, kinds: tuple[int, ...]) -> None:
+        self.kinds = kinds
+
+    def begin(self, run: Any, part: tuple[int, int] | None) -> _CostAcc | None:
+        todo = [int(k) for k in self.kinds if count_of(run, k) > 0]
+        return _CostAcc(run, todo) if todo else None
+
+    def add(self, acc: _CostAcc | None, band: Band) -> None:
+        if acc is None:
+            return
+        acc.r_first = band.r_lo if acc.r_first < 0 else acc.r_first
+        acc.r_last = band.r_hi
+        todo, chunk = acc.todo, acc.chunk
         rows: dict[Any, np.ndarray] = {"window": band.rows(WINDOW_KINDS)}
         rows.update({k: band.rows(k) for k in todo})
         if any(len(rows[k]) for k in todo):
@@ -307,9 +325,24 @@ def critical_path_part(run: Any, kinds: tuple[int, ...], part: tuple[int, int] |
                 sub = {k: v[np.searchsorted(v, e0) : np.searchsorted(v, e1)] for k, v in rows.items()}
             else:
                 sub = rows
-            _fold(band, r_lo, r_hi, sub, todo, ranks, acc, any_valid, w_s, w_e, marks, tmin, span, n_iter)
-    p_lo, p_hi = (0, 0) if r_first < 0 else (int(x) for x in np.searchsorted(ranks, [r_first, r_last]))
-    return CostPart(p_lo, p_hi, acc, any_valid)
+            _fold(band, r_lo, r_hi, sub, todo, acc.ranks, acc.acc, acc.any_valid, acc.w_s, acc.w_e, acc.marks,
+                  acc.tmin, acc.span, acc.n_iter)  # fmt: skip
+
+    def part(self, acc: _CostAcc | None) -> CostPart | None:
+        if acc is None:
+            return None
+        p_lo, p_hi = (0, 0) if acc.r_first < 0 else (int(x) for x in np.searchsorted(acc.ranks, [acc.r_first, acc.r_last]))
+        return CostPart(p_lo, p_hi, acc.acc, acc.any_valid)
+
+    def reduce(self, run: Any, parts: list[CostPart | None]) -> dict[int, dict[str, Any]]:
+        return costs_of_parts(run, self.kinds, parts)
+
+
+def critical_path_part(run: Any, kinds: tuple[int, ...], part: tuple[int, int] | None,
+                       band_events: int | None = None) -> CostPart | None:  # fmt: skip
+    """:class:`CostsPass` over the bands of ``part`` (see :class:`CostPart`); None when no kind has rows."""
+    got: CostPart | None = sweep(run, [CostsPass(kinds)], part, band_events)[0]
+    return got
 
 
 def costs_of_parts(run: Any, kinds: tuple[int, ...], parts: list[CostPart | None]) -> dict[int, dict[str, Any]]:
@@ -373,6 +406,16 @@ class Priced:
 PRICED_KEY = "critical_path.costs"
 #: the kinds :func:`priced` prices in one pass (``input_bound``'s and ``h2d_copy``'s)
 PRICED_KINDS = (int(Kind.INPUT_WAIT), int(Kind.H2D))
+
+
+def needs_costs(run: Any, cfg: Any) -> bool:
+    """Whether ``input_bound`` or ``h2d_copy`` will price their rows (a pass over every band):
+    enabled, a wall-clock, and rows of their kinds (as :func:`priced` asks). A wrong yes costs a
+    pass, never the report."""
+    names = set(cfg.detectors) if cfg is not None and cfg.detectors else {"input_bound", "h2d_copy"}
+    if not names & {"input_bound", "h2d_copy"} or run.wall_s <= 0:
+        return False
+    return any(count_of(run, k) > 0 for k in PRICED_KINDS)
 
 
 def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:

@@ -17,16 +17,20 @@ import numpy as np
 import pandas as pd
 
 from distdiag import clocks, replay
-from distdiag.breakdown import COLUMNS, INFO_COLUMNS, breakdown, per_step_json, step_breakdown
+from distdiag.breakdown import (COLUMNS, INFO_COLUMNS, STARTUP_CACHE, TALLIES, BreakdownPass, StartupEndsPass, breakdown,
+                                per_step_json, step_breakdown)
 from distdiag.children import ChildIO, children_io
+from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, CostsPass, needs_costs
 from distdiag.gpu_timeline import gpu_json
 from distdiag.config import Config, load_config
 from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
+from distdiag.passes import Pass, run_local
 from distdiag.ranking import coverage, rank_findings
 from distdiag.ranks import rank_ranges
 from distdiag.run import Run, load_run, stream_out, streamed_kinds_for
+from distdiag.slurm import RANK_FIRSTS, FirstsPass, needs_rank_firsts
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
 log = logging.getLogger(__name__)
@@ -181,6 +185,27 @@ def _clock_bounds(findings: list[Finding], run: Run) -> None:
             )
 
 
+def _sweep(run: Run, colls: Collectives, cfg: Config) -> None:
+    """The per-rank passes the analysis reads, in one sweep over the bands (:mod:`distdiag.passes`;
+    a streamed run reads each band from the rank files once for all): the Slurm view's per-rank
+    firsts (where it reads them), the critical path of input waits and copies (where
+    ``input_bound`` or ``h2d_copy`` price rows), the breakdown and each rank's end of start-up,
+    each cached on the run where its stage looks. A sweep that fails leaves each stage to make its own pass, as before."""
+    todo: dict[str, Pass[Any, Any, Any]] = {}
+    try:
+        if needs_rank_firsts(run):
+            todo[RANK_FIRSTS] = FirstsPass()
+        if needs_costs(run, cfg):
+            todo[PRICED_KEY] = CostsPass(PRICED_KINDS)
+        todo[TALLIES] = BreakdownPass(colls)
+        todo[STARTUP_CACHE] = StartupEndsPass()
+        got = run_local(run, list(todo.values()))
+    except Exception:  # each stage's own pass says what is wrong, or makes it
+        log.debug("sweep", exc_info=True)
+        return
+    run.cache.update(zip(todo, got))
+
+
 def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, split: Any = None) -> Report:
     """Align, match, detect and rank on an already loaded run.
 
@@ -202,6 +227,8 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     run = stream_out(run)
     if split is not None:
         split.matched(run, colls)
+    if split is None or not getattr(split, "workers", 0):  # else the analysis ranks make the parts
+        _sweep(run, colls, cfg)
     # Slurm accounting (cached on the run: queue_wait and launch_overhead read it too).
     slurm_view = slurm_accounting_of(run)
     dets = load_all()

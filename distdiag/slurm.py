@@ -44,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.bands import bands, n_ranks
+from distdiag.bands import Band, n_ranks
 from distdiag.errors import SlurmError
+from distdiag.passes import Pass, sweep
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS, P2P_KINDS, PHASE_KINDS, Kind
 
@@ -506,30 +507,23 @@ def needs_rank_firsts(run: Any) -> bool:
     return slurm_job_id(run) is not None or load_stored(Path(run.path)) is not None
 
 
-def put_rank_firsts(run: Any, parts: list[_RankFirsts]) -> None:
-    """The firsts of blocks of bands that cover every rank once (:func:`rank_firsts_part`), as
-    one, cached on ``run``: a rank's values come from its block alone (the others hold
-    ``_NONE`` / False for it), so the minima and the or over blocks are its own."""
-    run.cache[RANK_FIRSTS] = _RankFirsts(
-        np.minimum.reduce([p.useful_ns for p in parts]),
-        np.minimum.reduce([p.coll_ns for p in parts]),
-        np.minimum.reduce([p.rendezvous_ns for p in parts]),
-        np.logical_or.reduce([p.lone for p in parts]),
-    )
+class FirstsPass(Pass[_RankFirsts, _RankFirsts, _RankFirsts]):
+    """:func:`_rank_firsts` as a per-rank pass (:mod:`distdiag.passes`): a block's part holds
+    every rank's entry, those outside its bands ``_NONE`` / False, so the minima and the or
+    over the parts of blocks that cover every rank once are each rank's own."""
 
+    name = "the Slurm view's per-rank firsts"
 
-def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> _RankFirsts:
-    """The pass of :func:`_rank_firsts` over the bands of ``part`` (all when None), not cached:
-    every rank's entry, those outside the part's bands ``_NONE`` / False."""
-    n = n_ranks(run)
-    useful = np.full(n, _NONE, np.int64)
-    coll = np.full(n, _NONE, np.int64)
-    rdv = np.full(n, _NONE, np.int64)
-    lone = np.zeros(n, bool)
-    for band in bands(run, part=part):  # a few dozen bands, each O(1) numpy calls over its rows
+    def begin(self, run: Any, part: tuple[int, int] | None) -> _RankFirsts:
+        n = n_ranks(run)
+        return _RankFirsts(np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64),
+                           np.zeros(n, bool))  # fmt: skip
+
+    def add(self, acc: _RankFirsts, band: Band) -> None:
+        """Each of the band's ranks' minima: O(1) numpy calls over the band's rows."""
         rows = band.rows(RENDEZVOUS_KINDS)
         if len(rows) == 0:
-            continue
+            return
         seg = np.searchsorted(rows, band.first)  # rank r_lo + i: rows[seg[i]:seg[i + 1]]
         cnt = np.diff(seg)
         have = np.flatnonzero(cnt)  # the band's ranks with such rows (offsets from r_lo)
@@ -537,14 +531,38 @@ def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> _RankFirsts:
         t0 = band.events["t0_ns"][rows]
         kind = band.events["kind"][rows]
         r = have + band.r_lo
-        rdv[r] = np.minimum.reduceat(t0, at)
-        useful[r] = np.minimum.reduceat(np.where(_USEFUL_TABLE[kind], t0, _NONE), at)
-        coll[r] = np.minimum.reduceat(np.where(_COMM_TABLE[kind], t0, _NONE), at)
+        acc.rendezvous_ns[r] = np.minimum.reduceat(t0, at)
+        acc.useful_ns[r] = np.minimum.reduceat(np.where(_USEFUL_TABLE[kind], t0, _NONE), at)
+        acc.coll_ns[r] = np.minimum.reduceat(np.where(_COMM_TABLE[kind], t0, _NONE), at)
         # each rank's first row at its minimum (rows ascend, so the earliest in table order)
-        hits = np.flatnonzero(t0 == np.repeat(rdv[r], cnt[have]))
+        hits = np.flatnonzero(t0 == np.repeat(acc.rendezvous_ns[r], cnt[have]))
         head = hits[np.searchsorted(hits, at)]  # every segment holds its minimum: a hit in it
-        lone[r] = ~_SYNC_TABLE[kind[head]]
-    return _RankFirsts(useful, coll, rdv, lone)
+        acc.lone[r] = ~_SYNC_TABLE[kind[head]]
+
+    def part(self, acc: _RankFirsts) -> _RankFirsts:
+        return acc
+
+    def reduce(self, run: Any, parts: list[_RankFirsts]) -> _RankFirsts:
+        if len(parts) == 1:
+            return parts[0]
+        return _RankFirsts(
+            np.minimum.reduce([p.useful_ns for p in parts]),
+            np.minimum.reduce([p.coll_ns for p in parts]),
+            np.minimum.reduce([p.rendezvous_ns for p in parts]),
+            np.logical_or.reduce([p.lone for p in parts]),
+        )
+
+
+def put_rank_firsts(run: Any, parts: list[_RankFirsts]) -> None:
+    """The firsts of blocks of bands that cover every rank once (:func:`rank_firsts_part`), as
+    one, cached on ``run``."""
+    run.cache[RANK_FIRSTS] = FirstsPass().reduce(run, parts)
+
+
+def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> _RankFirsts:
+    """:class:`FirstsPass` over the bands of ``part`` (all when None), not cached."""
+    got: _RankFirsts = sweep(run, [FirstsPass()], part)[0]
+    return got
 
 
 def _as_wall_s(first_ns: np.ndarray, wall_map_ns: int) -> dict[int, float]:
