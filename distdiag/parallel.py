@@ -32,15 +32,18 @@ exactly (the same functions on the same inputs, reduced in the serial order):
    made, rank 0 sends each analysis rank the run and its ranks' members of the
    match (:func:`_members_of`); the bands are cut in K blocks
    (:func:`distdiag.bands.part_edges`) and every analysis rank reads its
-   block's files again for: the Slurm view's per-rank firsts (a Slurm job:
-   :func:`distdiag.slurm.rank_firsts_part`) and input_bound's / h2d_copy's
-   critical path (rows of those kinds:
-   :func:`distdiag.critical_path.critical_path_part`), which rank 0
-   puts together before its detectors, then the breakdown
-   (:func:`distdiag.breakdown.breakdown_part`), computed while rank 0 runs
-   the detectors (rank 0 computes its own block after them). Each block
-   writes only its own ranks' numbers, so the blocks put together are the
-   one pass exactly.
+   block's files again, once, for every per-rank pass (:mod:`distdiag.passes`,
+   one sweep: :func:`_sweep_block`): the Slurm view's per-rank firsts (a Slurm
+   job: :class:`distdiag.slurm.FirstsPass`) and input_bound's / h2d_copy's
+   critical path (rows of those kinds: :class:`distdiag.critical_path.CostsPass`),
+   each rank's end of start-up (:class:`distdiag.breakdown.StartupEndsPass`) and
+   the breakdown (:class:`distdiag.breakdown.BreakdownPass`), sent to rank 0 in
+   one message. Rank 0 sweeps its own block the same way, takes the others'
+   parts and puts each pass together (its ``reduce``) before its detectors; the
+   breakdown's parts wait in place until after them. Each block writes only its
+   own ranks' numbers, so the blocks put together are the one pass exactly.
+   (Before the sweep, each of these was a pass of its own over the block's
+   files, and rank 0 read every rank's files again for the start-up ends.)
 
 Not split (measured in the closing notes of issue 10): the clock fit, the
 causality check, the detectors and the ranking run on rank 0 over the matched
@@ -101,8 +104,6 @@ _TAG_EVENTS = 17
 _TAG_PART = 19
 _TAG_JOB = 20
 _TAG_MATCH = 21
-_TAG_FIRSTS = 22
-_TAG_COSTS = 23
 
 
 def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
@@ -329,9 +330,9 @@ class _Remote:
         self.comm, self.held, self.sigs, self.strings, self.cfg = comm, held, sigs, strings, cfg
         self.workers = 0
         self.ended = False  # the others left the command loop ("end", or "breakdown" and its jobs)
-        self.collected = False  # their breakdown parts are taken
-        #: the blocks the others send before their breakdown part, not taken yet (tags)
-        self.owed: list[int] = []
+        self.collected = False  # their parts are taken
+        #: the blocks' breakdown parts, taken with the others before the detectors, put in place after
+        self.breakdown_parts: list[Any] = []
         #: the others got no block (making their jobs failed): rank 0 computes the whole breakdown
         self.whole = False
         self.colls: Any = None
@@ -375,8 +376,9 @@ class _Remote:
         """The match is made: each of ranks 1..K-1 gets its block of the breakdown's bands, with the
         run and only its ranks' members of the match (:func:`_members_of`); rank 0 keeps block 0."""
         from distdiag.bands import part_edges
-        from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, costs_of_parts, critical_path_part
-        from distdiag.slurm import needs_rank_firsts, put_rank_firsts, rank_firsts_part
+        from distdiag.breakdown import STARTUP_CACHE, StartupEndsPass
+        from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, costs_of_parts, needs_costs
+        from distdiag.slurm import needs_rank_firsts, put_rank_firsts
 
         self.t["matched"] = time.perf_counter()
         self.colls = colls
@@ -386,7 +388,7 @@ class _Remote:
             lite = dataclasses.replace(run, cache=cache, warnings=[], coll_remote=None)
             self.workers = n - 1
             firsts = needs_rank_firsts(run)  # the Slurm view's per-rank pass, before the detectors
-            costs = _needs_costs(run, self.cfg)  # input_bound's and h2d_copy's pass, before the detectors
+            costs = needs_costs(run, self.cfg)  # input_bound's and h2d_copy's pass, before the detectors
             self._cmd("breakdown")
             jobs = []
             try:
@@ -402,41 +404,37 @@ class _Remote:
             for dst, job in enumerate(jobs, start=1):  # per analysis rank
                 _send_big(self.comm, job, dst, _TAG_JOB)
             self.ended = True
-            self.owed = [t for t, on in ((_TAG_FIRSTS, firsts), (_TAG_COSTS, costs)) if on]
             self.t["sent"] = time.perf_counter()
-            if firsts:  # rank 0's block, then the others' (each sends them before its breakdown part)
-                got = [_or_failed(rank_firsts_part, run, (0, n))] + self._take(_TAG_FIRSTS)
-                if not any(isinstance(g, str) for g in got):  # else the Slurm view makes them on rank 0
-                    put_rank_firsts(run, got)
+            # rank 0's block of every pass in one sweep, then the others' (one message each)
+            own = _sweep_block(run, colls, firsts, costs, (0, n))
+            self.t["own_part"] = time.perf_counter()
+            got = [own] + [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, n)]
+            self.collected = True
+            self.t["parts"] = time.perf_counter()
+            self.breakdown_parts = [g["breakdown"] for g in got]
+            if firsts:  # else the Slurm view makes them on rank 0 (also where a block failed)
+                if not any(isinstance(g["firsts"], str) for g in got):
+                    put_rank_firsts(run, [g["firsts"] for g in got])
                 self.t["firsts"] = time.perf_counter()
             if costs:  # the same for the critical-path costs of input waits and copies
-                got = [_or_failed(critical_path_part, run, PRICED_KINDS, (0, n))] + self._take(_TAG_COSTS)
-                if not any(isinstance(g, str) for g in got):  # else the detectors make them on rank 0
-                    run.cache[PRICED_KEY] = costs_of_parts(run, PRICED_KINDS, got)
+                if not any(isinstance(g["costs"], str) for g in got):
+                    run.cache[PRICED_KEY] = costs_of_parts(run, PRICED_KINDS, [g["costs"] for g in got])
                 self.t["costs"] = time.perf_counter()
+            if not any(isinstance(g["ends"], str) for g in got):  # each rank's end of start-up
+                run.cache[STARTUP_CACHE] = StartupEndsPass().reduce(run, [g["ends"] for g in got])
         else:
             self._cmd("end")
         self.ended = True
 
-    def _take(self, tag: int) -> list[Any]:
-        """The others' blocks sent with ``tag`` (in rank order), no longer owed."""
-        self.owed.remove(tag)
-        return [self.comm.recv(source=src, tag=tag) for src in range(1, self.workers + 1)]
-
     def done(self, run: Any) -> None:
-        """Before the breakdown: rank 0's own block of bands, then the others' parts."""
-        from distdiag.breakdown import PARTS, breakdown_part
+        """Before the breakdown: the blocks' breakdown parts, put where the breakdown takes them."""
+        from distdiag.breakdown import PARTS
 
         self.t["detected"] = time.perf_counter()
-        if not self.workers or self.collected:
+        parts, self.breakdown_parts = self.breakdown_parts, []
+        if not parts or self.whole or any(isinstance(p, str) for p in parts):  # else rank 0 computes every band
             return
-        own = _or_failed(breakdown_part, run, self.colls, (0, self.workers + 1))
-        self.t["own_part"] = time.perf_counter()
-        parts = [own] + [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, self.workers + 1)]
-        self.t["parts"] = time.perf_counter()
-        self.collected = True
-        if not self.whole and not any(isinstance(p, str) for p in parts):  # else rank 0 computes every band
-            run.cache[PARTS] = [p for p in parts if p is not None]
+        run.cache[PARTS] = [p for p in parts if p is not None]
 
     def abort(self) -> None:
         """Rank 0 failed: the others stop waiting for commands, or their parts are taken and dropped."""
@@ -444,9 +442,7 @@ class _Remote:
             self._cmd("end")
             self.ended = True
         elif self.workers and not self.collected:
-            for tag in list(self.owed):  # blocks sent before the breakdown parts, in that order
-                self._take(tag)
-            for src in range(1, self.workers + 1):  # per analysis rank
+            for src in range(1, self.workers + 1):  # per analysis rank: its parts, dropped
                 self.comm.recv(source=src, tag=_TAG_PART)
             self.collected = True
 
@@ -476,35 +472,12 @@ def _members_of(colls: Any, r_lo: int, r_hi: int) -> Any:
     )  # fmt: skip
 
 
-def _needs_costs(run: Any, cfg: Any) -> bool:
-    """Whether ``input_bound`` or ``h2d_copy`` will price their rows (a pass over every band):
-    enabled, a wall-clock, and rows of their kinds (as :func:`distdiag.critical_path.priced`
-    asks). A wrong yes costs the analysis ranks a pass, never the report."""
-    from distdiag.critical_path import PRICED_KINDS
-    from distdiag.rows import count_of
-
-    names = set(cfg.detectors) if cfg is not None and cfg.detectors else {"input_bound", "h2d_copy"}
-    if not names & {"input_bound", "h2d_copy"} or run.wall_s <= 0:
-        return False
-    return any(count_of(run, k) > 0 for k in PRICED_KINDS)
-
-
-def _or_failed(fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, or :data:`_FAILED` when it raises (said in the log): a part rank 0 then
-    computes itself, so a failure here costs time, never the report or a hang."""
-    try:
-        return fn(*args)
-    except Exception as e:
-        log.warning("analysis rank part %s failed (%s: %s)", getattr(fn, "__name__", fn), type(e).__name__, e)
-        return _FAILED
-
-
 def _spans(t0: float, t: dict[str, float], t_end: float) -> dict[str, float]:
     """Seconds between rank 0's steps (:attr:`_Remote.t`), named by the step they end."""
     out, prev = {}, t0
-    steps = (("align_match_s", "matched"), ("send_jobs_s", "sent"), ("slurm_firsts_s", "firsts"),
-             ("input_costs_s", "costs"), ("detectors_s", "detected"), ("own_part_s", "own_part"),
-             ("wait_parts_s", "parts"))  # fmt: skip
+    steps = (("align_match_s", "matched"), ("send_jobs_s", "sent"), ("own_part_s", "own_part"),
+             ("wait_parts_s", "parts"), ("slurm_firsts_s", "firsts"), ("input_costs_s", "costs"),
+             ("detectors_s", "detected"))  # fmt: skip
     for name, key in steps:
         if key in t:
             out[name], prev = t[key] - prev, t[key]
@@ -529,12 +502,36 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
         return f"analysis rank {comm.Get_rank()}: {name} of its collective rows failed ({type(e).__name__}: {e})"
 
 
+def _sweep_block(run: Any, colls: Any, firsts: bool, costs: bool, part: tuple[int, int]) -> dict[str, Any]:
+    """The per-rank passes' parts of block ``part`` of the bands, in one sweep
+    (:func:`distdiag.passes.sweep`): ``firsts`` (the Slurm view's), ``costs`` (input waits' and
+    copies' critical path; None without a match) when asked, ``breakdown`` (None without a
+    match, or when the block holds no band) and ``ends`` (each rank's end of start-up). A sweep
+    that fails makes each :data:`_FAILED` (said in the log): rank 0 then computes them itself."""
+    from distdiag import passes
+    from distdiag.breakdown import BreakdownPass, StartupEndsPass
+    from distdiag.critical_path import PRICED_KINDS, CostsPass
+    from distdiag.slurm import FirstsPass
+
+    todo: dict[str, Any] = {}
+    if firsts:
+        todo["firsts"] = FirstsPass()
+    if costs and colls is not None:
+        todo["costs"] = CostsPass(PRICED_KINDS)
+    if colls is not None:
+        todo["breakdown"] = BreakdownPass(colls)
+    todo["ends"] = StartupEndsPass()
+    got: dict[str, Any] = {"firsts": None, "costs": None, "breakdown": None, "ends": None}
+    try:
+        got.update(zip(todo, passes.sweep(run, list(todo.values()), part)))
+    except Exception as e:
+        log.warning("analysis rank sweep of %s failed (%s: %s)", ", ".join(todo), type(e).__name__, e)
+        got.update(dict.fromkeys(todo, _FAILED))
+    return got
+
+
 def _serve(comm: Any, held: _Held | None) -> None:
     """Analysis rank k > 0 after reading: run rank 0's commands until the breakdown or the end."""
-    from distdiag.breakdown import breakdown_part
-    from distdiag.critical_path import PRICED_KINDS, critical_path_part
-    from distdiag.slurm import rank_firsts_part
-
     sigs = strings = None
     while True:
         name, arg = comm.bcast(None, root=0)
@@ -551,14 +548,8 @@ def _serve(comm: Any, held: _Held | None) -> None:
             run, colls, firsts, costs = _recv_big(comm, 0, _TAG_JOB)
             k, n = comm.Get_rank(), comm.Get_size()
             run.cache["collectives"] = colls  # this rank's members: what its bands read
-            # rank 0 waits for these two before its detectors: first
-            if firsts:  # the Slurm view's per-rank firsts of this rank's bands
-                comm.send(_or_failed(rank_firsts_part, run, (k, n)), dest=0, tag=_TAG_FIRSTS)
-            if costs:  # input waits' and copies' critical-path costs of this rank's bands (none: no band)
-                got = None if colls is None else _or_failed(critical_path_part, run, PRICED_KINDS, (k, n))
-                comm.send(got, dest=0, tag=_TAG_COSTS)
-            part = None if colls is None else _or_failed(breakdown_part, run, colls, (k, n))
-            comm.send(part, dest=0, tag=_TAG_PART)
+            # every per-rank pass of this rank's bands, in one sweep: rank 0 waits for them before its detectors
+            comm.send(_sweep_block(run, colls, firsts, costs, (k, n)), dest=0, tag=_TAG_PART)
             return
         else:  # "end"
             return

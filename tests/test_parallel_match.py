@@ -239,9 +239,9 @@ def test_more_analysis_ranks_than_rank_files(tmp_path: Path) -> None:
 _FAULT_CHILD = """
 import sys
 from mpi4py import MPI
-import distdiag.breakdown
 import distdiag.match
 import distdiag.parallel
+import distdiag.passes
 from distdiag.config import Config
 from distdiag.render import render
 from distdiag.run import DistdiagError
@@ -250,8 +250,8 @@ def boom(*a, **k):
     raise RuntimeError("injected")
 if mode == "jobs" and rank == 0:  # rank 0 cannot make the others' jobs
     distdiag.parallel._members_of = boom
-if mode == "part" and rank == 1:  # an analysis rank's breakdown block fails
-    distdiag.breakdown.breakdown_part = boom
+if mode == "part" and rank == 1:  # an analysis rank's sweep of its block of bands fails
+    distdiag.passes.sweep = boom
 if mode == "match" and rank == 1:  # an analysis rank's share of the match fails
     distdiag.match.match_part = boom
 try:
