@@ -9,12 +9,17 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.bands import bands
 from distdiag.match import Collectives, GroupColumn, MatchState
+from distdiag.passes import RowsPass, run_local
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS
 
 _COMM_ARR = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
+
+
+def _sequenced(ev: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Which of the collective rows ``rows`` carry a sequence number (the matched ones)."""
+    return ev["seq"][rows] >= 0  # type: ignore[no-any-return]
 MISMATCH_STATES = (MatchState.OP_MISMATCH, MatchState.SIZE_MISMATCH, MatchState.ROOT_MISMATCH)
 
 
@@ -41,10 +46,7 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
     if set(getattr(run, "streamed_kinds", ())) & {int(k) for k in _COMM_ARR}:
         # a streamed run's collective rows are on disk once matched: band by band, in table
         # order, each band's fields taken before the next is read (no band is kept)
-        for b in bands(run):  # a few dozen bands
-            sel = b.rows(_COMM_ARR)
-            sel = sel[b.events["seq"][sel] >= 0]
-            picks.append([b.events[f][sel] for f in fields])
+        picks.append(run_local(run, [RowsPass(_COMM_ARR, fields, _sequenced)])[0])
     else:
         sel = rows_of(run, _COMM_ARR)
         sel = sel[ev["seq"][sel] >= 0]

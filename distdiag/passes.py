@@ -20,13 +20,17 @@ block k of K on analysis rank k and reduces the K parts on rank 0. Nothing a pas
 may depend on where the bands fall or on how the blocks are cut: the tests run each pass
 with one band and many, one block and several, and compare.
 
-The passes: :class:`distdiag.breakdown.BreakdownPass`, :class:`distdiag.critical_path.CostsPass`
-and :class:`distdiag.slurm.FirstsPass`.
+The passes: :class:`distdiag.breakdown.BreakdownPass` and ``StartupEndsPass``,
+:class:`distdiag.critical_path.CostsPass`, :class:`distdiag.slurm.FirstsPass`, and
+:class:`RowsPass` (a few columns of some kinds' rows, gathered: the collective rows' ``aux``
+that :mod:`distdiag.mismatch` reads, the stalls ``io_bandwidth`` overlaps).
 """
 
 from __future__ import annotations
 
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
+
+import numpy as np
 
 from distdiag.bands import Band, bands
 
@@ -68,3 +72,41 @@ def run_local(run: Any, passes: Sequence[Pass[Any, Any, Any]], band_events: int 
     """Each pass's result over every band, in one sweep: the local executor."""
     parts = sweep(run, passes, None, band_events)
     return [p.reduce(run, [got]) for p, got in zip(passes, parts)]
+
+
+class _Gathered:
+    """:class:`RowsPass`'s accumulator: the columns taken from each band so far."""
+
+    def __init__(self, dtype: np.dtype, fields: tuple[str, ...]) -> None:
+        self.empty = [np.zeros(0, dtype[f]) for f in fields]
+        self.pieces: list[list[np.ndarray]] = []
+
+
+class RowsPass(Pass[_Gathered, list[np.ndarray], list[np.ndarray]]):
+    """The columns ``fields`` of the rows of ``kinds`` that ``keep(events, rows)`` (a bool per
+    row; None: all) selects, in table order: a gather, for the stages that need a few columns
+    of some kinds whatever the mode (a streamed run holds its collective rows on disk once
+    matched). Only those columns outlive a band. Its part and its result: one array a field."""
+
+    name = "a gather of rows"
+
+    def __init__(self, kinds: Any, fields: tuple[str, ...],
+                 keep: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:  # fmt: skip
+        self.kinds, self.fields, self.keep = kinds, fields, keep
+
+    def begin(self, run: Any, part: tuple[int, int] | None) -> _Gathered:
+        return _Gathered(run.events.dtype, self.fields)
+
+    def add(self, acc: _Gathered, band: Band) -> None:
+        sel = band.rows(self.kinds)
+        if self.keep is not None:
+            sel = sel[self.keep(band.events, sel)]
+        acc.pieces.append([band.events[f][sel] for f in self.fields])
+
+    def part(self, acc: _Gathered) -> list[np.ndarray]:
+        return self.reduce(None, [list(p) for p in acc.pieces]) if acc.pieces else acc.empty
+
+    def reduce(self, run: Any, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+        if len(parts) == 1:
+            return parts[0]
+        return [np.concatenate([p[i] for p in parts]) for i in range(len(self.fields))]

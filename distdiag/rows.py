@@ -222,12 +222,13 @@ def kind_index(run: Any) -> KindIndex:
 
 def _resident(run: Any, kinds: Kinds) -> None:
     """Raise when ``kinds`` names a kind the run streams (not in ``run.events``): a stage that
-    asks for those rows here would silently see none; it must read them through distdiag.bands."""
+    asks for those rows here would silently see none; it must read them through a pass
+    (distdiag.passes: a sweep over the bands)."""
     streamed = getattr(run, "streamed_kinds", ())
     if streamed and np.isin(_kind_ids(kinds), np.asarray(streamed, np.int64)).any():
         raise RuntimeError(
             f"rows of kinds {sorted(set(_kind_ids(kinds).tolist()) & set(streamed))} are streamed on this run: "
-            "read them through distdiag.bands.bands(run), not run.events"
+            "read them through a pass over the bands (distdiag.passes), not run.events"
         )
 
 

@@ -15,7 +15,7 @@ from distdiag.clocks import align
 from distdiag.critical_path import PRICED_KINDS, CostsPass
 from distdiag.match import collectives_of
 from distdiag.parallel import _members_of
-from distdiag.passes import run_local, sweep
+from distdiag.passes import RowsPass, run_local, sweep
 from distdiag.bands import part_edges
 from distdiag.run import STREAMED_KINDS, load_run, stream_out
 from distdiag.slurm import FirstsPass
@@ -80,3 +80,25 @@ def test_one_sweep_of_every_pass_in_any_blocks_is_each_pass_alone(tmp_path: Path
             parts.append(sweep(own, mine, (j, n)))
         got = [p.reduce(run, [pp[i] for pp in parts]) for i, p in enumerate(passes)]
         _same(_flat(got), want, f"{n} blocks")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_gather_of_rows_is_the_table_s_rows_in_table_order(tmp_path: Path, n: int, monkeypatch: Any) -> None:
+    # RowsPass (mismatch's aux, io_bandwidth's stalls on a streamed run): the columns of the
+    # kinds' rows that ``keep`` selects, band by band and block by block, are the whole table's
+    from distdiag.rows import events_of
+    from distdiag.schema import Kind
+
+    _irregular_run(tmp_path / "r", "auto")
+    monkeypatch.setattr("distdiag.bands.BAND_EVENTS", 60)
+    run = align(load_run(tmp_path / "r"), inplace=True)
+    kinds = np.array([Kind.COLL, Kind.INPUT_WAIT], np.uint8)
+    fields = ("rank", "t0_ns", "aux")
+    ev = events_of(run, kinds)
+    keep = ev["t0_ns"] % 3 != 0
+    want = [ev[f][keep] for f in fields]
+    rp = RowsPass(kinds, fields, lambda e, rows: e["t0_ns"][rows] % 3 != 0)
+    got = rp.reduce(run, [sweep(run, [rp], (j, n))[0] for j in range(n)])
+    assert len(want[0]) > 100 and len(np.unique(want[0])) > 5
+    for f, w, g in zip(fields, want, got):
+        np.testing.assert_array_equal(g, w, err_msg=f)

@@ -38,7 +38,7 @@ rows closer than this merge into one episode), ``min_fraction`` ([analyze],
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -46,7 +46,8 @@ import pandas as pd
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.intervals import covered_within, union_by_key, union_length
-from distdiag.bands import bands, n_ranks
+from distdiag.bands import n_ranks
+from distdiag.passes import RowsPass, run_local
 from distdiag.rows import events_of
 from distdiag.schema import Kind
 
@@ -73,19 +74,17 @@ def _stall_rows(run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     (:mod:`distdiag.bands`), same rows. Only the three columns the overlap reads are kept
     (24 B a row, not a 73-byte event row: a streamed run's collective rows are its bulk)."""
     streamed = set(getattr(run, "streamed_kinds", ()))
-    if not streamed & {int(k) for k in _STALL}:
-        parts: Iterable[np.ndarray] = [events_of(run, _STALL)]
-    else:  # a few dozen bands, one at a time: only its three columns outlive a band
-        parts = (b.events[b.rows(_STALL)] for b in bands(run))
-    cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for st in parts:  # one, or a few dozen bands
-        ok = st["t1_ns"] >= st["t0_ns"]
-        cols.append((st["rank"][ok].astype(np.int64), st["t0_ns"][ok], st["t1_ns"][ok]))
-        del st, ok
-    if not cols:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return (np.concatenate([c[0] for c in cols]), np.concatenate([c[1] for c in cols]),
-            np.concatenate([c[2] for c in cols]))  # fmt: skip
+    if streamed & {int(k) for k in _STALL}:  # a few dozen bands, one at a time: only three columns outlive a band
+        rank, t0, t1 = run_local(run, [RowsPass(_STALL, ("rank", "t0_ns", "t1_ns"), _ended)])[0]
+        return rank.astype(np.int64), t0, t1
+    st = events_of(run, _STALL)
+    ok = st["t1_ns"] >= st["t0_ns"]
+    return st["rank"][ok].astype(np.int64), st["t0_ns"][ok], st["t1_ns"][ok]
+
+
+def _ended(ev: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Which of the rows ``rows`` ended (t1 >= t0)."""
+    return ev["t1_ns"][rows] >= ev["t0_ns"][rows]  # type: ignore[no-any-return]
 
 
 @register("io_bandwidth")
