@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
-from distdiag.errors import DistdiagError
+from distdiag.errors import EXIT_USAGE, DistdiagError
+from distdiag.output import emit
 from distdiag.render import RENDERERS
 from distdiag.render.fmt import escape_controls
-
-EXIT_USAGE = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,21 +56,6 @@ def _window(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _perfetto(report: object, ns: argparse.Namespace) -> int:
-    from distdiag.render.perfetto import DEFAULT_MAX_EVENTS, export_perfetto
-
-    cap = DEFAULT_MAX_EVENTS if ns.max_events is None else (ns.max_events or None)
-    try:
-        st = export_perfetto(report, ns.perfetto, window_s=ns.window, max_events=cap)
-    except OSError as e:
-        print(f"distdiag: cannot write '{ns.perfetto}': {e.strerror or e}", file=sys.stderr)
-        return EXIT_USAGE
-    left = f", {st.n_dropped} left out (--max-events/--window)" if st.n_dropped else ""
-    print(f"distdiag: wrote {st.n_events} trace events to {ns.perfetto}{left} (open it in https://ui.perfetto.dev)",
-          file=sys.stderr)
-    return 0
-
-
 def _analyze(ns: argparse.Namespace) -> int:
     from distdiag.config import load_config
     from distdiag.run import load_run, streamed_kinds_for
@@ -89,30 +72,6 @@ def _analyze(ns: argparse.Namespace) -> int:
     from distdiag.pipeline import analyze_run
 
     return emit(analyze_run(run, cfg, inplace=True), ns)
-
-
-def emit(report: object, ns: argparse.Namespace) -> int:
-    """Write the report as ``ns`` asks (--perfetto, --format, -o): the serial and the
-    --parallel paths share it. Returns the exit code."""
-    from distdiag.render import render
-
-    if getattr(ns, "perfetto", None):
-        rc = _perfetto(report, ns)
-        if rc:
-            return rc
-    # colour only on a terminal: never into a file (-o)
-    options = {"color": False} if ns.output and ns.format == "text" else {}
-    out = render(report, ns.format, **options)  # type: ignore[arg-type]
-    if ns.output:
-        try:
-            Path(ns.output).write_text(out)
-        except OSError as e:
-            print(f"distdiag: cannot write '{ns.output}': {e.strerror or e}", file=sys.stderr)
-            return EXIT_USAGE
-    else:
-        sys.stdout.write(out)
-        sys.stdout.flush()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

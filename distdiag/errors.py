@@ -16,6 +16,9 @@ it never imports the analyzer.
 
 from __future__ import annotations
 
+#: the exit code of an expected mistake (a wrong path, a bad config, an unwritable output): one line, no traceback
+EXIT_USAGE = 2
+
 
 class DistdiagError(Exception):
     """A problem the user must fix; the message is one line meant for them (no traceback)."""

@@ -808,6 +808,6 @@ def main_from_args(ns: Any) -> int:
         raise
     if report is None:
         return 0
-    from distdiag.cli import emit
+    from distdiag.output import emit
 
     return emit(report, ns)

@@ -193,7 +193,7 @@ def test_a_wrong_path_is_one_line_and_exit_2_on_every_rank(tmp_path: Path) -> No
 
 
 def test_parallel_writes_the_same_perfetto_trace_and_output_file(tmp_path: Path) -> None:
-    # --parallel goes through the same output step as the serial path (cli.emit)
+    # --parallel goes through the same output step as the serial path (distdiag.output.emit)
     d = tmp_path / "run"
     synth(d, ranks=6, events=300, fault="straggler", ranks_per_host=2, seed=7)
     outs = {}
