@@ -487,7 +487,7 @@ def _spans(t0: float, t: dict[str, float], t_end: float) -> dict[str, float]:
 
 def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
     """One command on this analysis rank's held rows; an error as one line (None: done)."""
-    from distdiag.clocks import _map_inplace, _repair_table
+    from distdiag.clockmodel import _map_inplace, _repair_table
 
     try:
         if held is not None and name == "setup":

@@ -2282,7 +2282,7 @@ class _Stream:
 
     def _times(self, run: Run, raw: dict[int, int]) -> dict[int, int]:
         """Raw per-rank instants mapped as align mapped the table's (clock model, then repairs)."""
-        from distdiag.clocks import _apply_repairs, _map_by_rank
+        from distdiag.clockmodel import _apply_repairs, _map_by_rank
 
         model = run.cache.get("clock_model") if run.aligned else None
         if model is None or not raw:
@@ -2307,7 +2307,7 @@ class _Stream:
     def t0_min(self, models: dict[int, Any]) -> int | None:
         """The smallest t0_ns of every row, mapped with the per-rank clocks ``models`` (before
         any repair), or None without rows: what ``run.events["t0_ns"].min()`` gives in memory."""
-        from distdiag.clocks import _map_by_rank
+        from distdiag.clockmodel import _map_by_rank
 
         have = sorted(r for r, st in self.ranks.items() if st.n_all)
         if not have:
@@ -2318,7 +2318,7 @@ class _Stream:
 
     def read_band(self, run: Run, r_lo: int, r_hi: int) -> np.ndarray:
         """Every row (every kind) of the ranks in ``[r_lo, r_hi)``, as the in-memory table holds them."""
-        from distdiag.clocks import _apply_repairs, _map_inplace
+        from distdiag.clockmodel import _apply_repairs, _map_inplace
 
         ranks = [r for r in range(r_lo, r_hi) if r in self.ranks and self.ranks[r].n_all]
         total = sum(self.ranks[r].n_all for r in ranks)

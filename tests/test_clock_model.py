@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from distdiag import clocks
+from distdiag import clockmodel, clocks
 from distdiag.config import Config
 from distdiag.pipeline import analyze_run
 from distdiag.run import load_run
@@ -340,7 +340,7 @@ def test_mapping_in_place_by_blocks_equals_mapping_by_rank(monkeypatch: pytest.M
         for r in (0, 1, 3, 4)  # rank 2 has no model: left as it is
     }
     for rows in (1, 7, 64, 1 << 14):
-        monkeypatch.setattr(clocks, "_MAP_ROWS", rows)
+        monkeypatch.setattr(clockmodel, "_MAP_ROWS", rows)  # where _map_inplace reads it
         ranks = np.sort(rng.integers(0, 5, 3000)).astype(np.int32)
         ranks[1000:1300] = rng.permutation(ranks[1000:1300])  # an unsorted stretch
         ranks[2000:2400] = rng.integers(0, 5, 400)  # many runs in a block
