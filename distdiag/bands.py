@@ -65,7 +65,8 @@ class Band:
             return _rows_in(kind_index(self._run), kinds, self.e_lo, self.e_lo + len(self.events))
         if self._kidx is None:
             self._kidx = build(self.events)
-        return self._kidx.rows(kinds)
+        got: np.ndarray = self._kidx.rows(kinds)
+        return got
 
     def rank_of(self, rows: np.ndarray) -> np.ndarray:
         """The rank (int64) of each of the band's rows ``rows`` (offsets into :attr:`events`)."""
@@ -123,12 +124,9 @@ def rank_rows(run: Any) -> np.ndarray:
     if got is not None:
         return got  # type: ignore[no-any-return]
     n = n_ranks(run)
-    if getattr(run, "streamed_kinds", ()):
-        got = run.stream.rank_rows(n)
-    else:
-        got = first_rows(run.events["rank"], n)
-    run.cache["bands.rank_rows"] = got
-    return got
+    out: np.ndarray = run.stream.rank_rows(n) if getattr(run, "streamed_kinds", ()) else first_rows(run.events["rank"], n)
+    run.cache["bands.rank_rows"] = out
+    return out
 
 
 def band_edges(bounds: np.ndarray, band_events: int) -> list[tuple[int, int]]:
@@ -189,15 +187,16 @@ def time_bounds(run: Any) -> tuple[int, int]:
     got = run.cache.get("bands.time_bounds")
     if got is not None:
         return got  # type: ignore[no-any-return]
+    out: tuple[int, int]
     if getattr(run, "streamed_kinds", ()):
-        got = run.stream.time_bounds(run)
+        out = run.stream.time_bounds(run)
     elif len(run.events):
         ev = run.events
-        got = (int(min(ev["t0_ns"].min(), ev["t1_ns"].min())), int(max(ev["t0_ns"].max(), ev["t1_ns"].max())))
+        out = (int(min(ev["t0_ns"].min(), ev["t1_ns"].min())), int(max(ev["t0_ns"].max(), ev["t1_ns"].max())))
     else:
-        got = (0, 0)
-    run.cache["bands.time_bounds"] = got
-    return got
+        out = (0, 0)
+    run.cache["bands.time_bounds"] = out
+    return out
 
 
 def event_ranks(run: Any) -> np.ndarray:

@@ -87,13 +87,14 @@ class RankClock:
             hi = x > kx[-1]
             y[hi] = ky[-1] + self.slope * (x[hi] - kx[-1])
         np.rint(y, out=y)
-        off = y.astype(np.int64)
+        off: np.ndarray = y.astype(np.int64)
         off += self.y0_ns
         return off
 
     def map(self, t_ns: np.ndarray) -> np.ndarray:
         t = np.asarray(t_ns, dtype=np.int64)
-        return t + self.offset_ns(t)
+        out: np.ndarray = t + self.offset_ns(t)
+        return out
 
     def bound_at(self, t_ns: np.ndarray) -> np.ndarray:
         """The uncertainty (ns) at local times ``t_ns``: grows away from the knots when drift is unknown."""
@@ -102,7 +103,8 @@ class RankClock:
             return np.full(t.shape, self.bound_ns)
         x = (t - self.x0_ns).astype(np.float64)
         dist = np.maximum(self.knots_x[0] - x, 0) + np.maximum(x - self.knots_x[-1], 0)
-        return self.bound_ns + self.bound_growth * dist
+        out: np.ndarray = self.bound_ns + self.bound_growth * dist
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {

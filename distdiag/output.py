@@ -37,7 +37,7 @@ def emit(report: object, ns: argparse.Namespace) -> int:
             return rc
     # colour only on a terminal: never into a file (-o)
     options = {"color": False} if ns.output and ns.format == "text" else {}
-    out = render(report, ns.format, **options)  # type: ignore[arg-type]
+    out = render(report, ns.format, **options)
     if ns.output:
         try:
             Path(ns.output).write_text(out)
