@@ -763,8 +763,6 @@ class StartupEndsPass(Pass[_EndsAcc, _EndsAcc | tuple[int, int, np.ndarray] | No
     """:func:`startup_ends` as a per-rank pass (:mod:`distdiag.passes`): a block's part is its
     ranks' ends ``(r_lo, r_hi, ends)`` (None when it holds no band); every band's, the whole array."""
 
-    name = "the startup ends"
-
     def begin(self, run: Any, part: tuple[int, int] | None) -> _EndsAcc:
         return _EndsAcc(run, part)
 
@@ -877,10 +875,10 @@ class BreakdownPart:
     ``[k_lo, k_hi)`` of those ranks' steps, with their step-0 starts (``w0``).
 
     ``distdiag analyze --parallel`` has the analysis ranks compute the blocks of a streamed
-    run (each reads its ranks' files again) while rank 0 runs the detectors; rank 0 puts
-    the parts in place (:func:`breakdown` with ``run.cache[PARTS]``). Each band writes
-    only its own ranks' and steps' rows, so the parts fill disjoint slices and the tables
-    are those of one pass, exactly (the breakdown does not depend on the band size)."""
+    run (each reads its ranks' files again); rank 0 puts the parts in place
+    (:meth:`BreakdownPass.reduce`). Each band writes only its own ranks' and steps' rows, so
+    the parts fill disjoint slices and the tables are those of one pass, exactly (the
+    breakdown does not depend on the band size)."""
 
     r_lo: int
     r_hi: int
@@ -889,10 +887,6 @@ class BreakdownPart:
     k_hi: int
     steps: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
     w0: np.ndarray | None
-
-
-#: ``run.cache`` key of the list of :class:`BreakdownPart` s that :func:`breakdown` puts together
-PARTS = "breakdown.parts"
 
 
 _Slices = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -915,23 +909,18 @@ def breakdown_part(run: Run, colls: Collectives, part: tuple[int, int]) -> Break
     return got
 
 
-#: ``run.cache`` key of :class:`BreakdownPass`'s result when the pipeline's sweep made it
-#: (:func:`distdiag.pipeline.analyze_run`, with the other per-rank passes)
+#: ``run.cache`` key of :class:`BreakdownPass`'s result when a sweep made it with the other
+#: per-rank passes (the pipeline's, or ``--parallel``'s blocks put together on rank 0)
 TALLIES = "breakdown.tallies"
 
 
 def _tallies(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, _Steps]:
-    """The per-rank tally (when ``ranks``) and the per-step one: from the pipeline's sweep
-    (``run.cache[TALLIES]``), from the parts the analysis ranks computed (``run.cache[PARTS]``,
-    distdiag.parallel), else one sweep over every band."""
+    """The per-rank tally (when ``ranks``) and the per-step one: the sweep's
+    (``run.cache[TALLIES]``), else one sweep over every band."""
     done = run.cache.get(TALLIES)
     if done is not None and (done[0] is not None or not ranks):
         return done  # type: ignore[no-any-return]
-    bp = BreakdownPass(colls, ranks)
-    parts: list[BreakdownPart] | None = run.cache.get(PARTS)
-    if parts is not None:  # computed by the analysis ranks (distdiag.parallel)
-        return bp.reduce(run, list(parts))
-    got: tuple[_Tally | None, _Steps] = run_local(run, [bp])[0]
+    got: tuple[_Tally | None, _Steps] = run_local(run, [BreakdownPass(colls, ranks)])[0]
     return got
 
 
@@ -1122,8 +1111,6 @@ class BreakdownPass(Pass[_BdAcc, _BdAcc | BreakdownPart | None, tuple[_Tally | N
     band is its accumulator, whole; a block's is a :class:`BreakdownPart` (only its ranks' and
     steps' rows, None when the block holds no band); the result is ``(per-rank tally or None,
     per-step tally)``."""
-
-    name = "the breakdown"
 
     def __init__(self, colls: Collectives, ranks: bool = True) -> None:
         self.colls, self.ranks = colls, ranks

@@ -299,8 +299,6 @@ class CostsPass(Pass[_CostAcc | None, CostPart | None, dict[int, dict[str, Any]]
     part is a :class:`CostPart` (None when no kind has rows), its result
     :func:`costs_of_parts`'s."""
 
-    name = "the critical path of input waits and copies"
-
     def __init__(self, kinds: tuple[int, ...]) -> None:
         self.kinds = kinds
 

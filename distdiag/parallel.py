@@ -331,11 +331,9 @@ class _Remote:
         self.workers = 0
         self.ended = False  # the others left the command loop ("end", or "breakdown" and its jobs)
         self.collected = False  # their parts are taken
-        #: the blocks' breakdown parts, taken with the others before the detectors, put in place after
-        self.breakdown_parts: list[Any] = []
-        #: the others got no block (making their jobs failed): rank 0 computes the whole breakdown
-        self.whole = False
         self.colls: Any = None
+        #: the blocks of the breakdown's bands the analysis ranks swept: [r_lo, r_hi, k_lo, k_hi] each
+        self.blocks: list[list[int]] = []
         #: when rank 0 passed each step (time.perf_counter): the stage figures of cache["parallel"]
         self.t: dict[str, float] = {}
         #: rank 0's seconds in each step of the last match (:func:`_match_share`)
@@ -376,9 +374,10 @@ class _Remote:
         """The match is made: each of ranks 1..K-1 gets its block of the breakdown's bands, with the
         run and only its ranks' members of the match (:func:`_members_of`); rank 0 keeps block 0."""
         from distdiag.bands import part_edges
-        from distdiag.breakdown import STARTUP_CACHE, StartupEndsPass
-        from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, costs_of_parts, needs_costs
-        from distdiag.slurm import needs_rank_firsts, put_rank_firsts
+        from distdiag.breakdown import TALLIES, BreakdownPart
+        from distdiag.critical_path import needs_costs
+        from distdiag.passes import analysis_passes
+        from distdiag.slurm import needs_rank_firsts
 
         self.t["matched"] = time.perf_counter()
         self.colls = colls
@@ -400,7 +399,6 @@ class _Remote:
                 log.debug("making the analysis ranks' jobs failed", exc_info=True)
                 jobs = [(lite, None, False, False)] * (n - 1)
                 firsts = costs = False
-                self.whole = True
             for dst, job in enumerate(jobs, start=1):  # per analysis rank
                 _send_big(self.comm, job, dst, _TAG_JOB)
             self.ended = True
@@ -411,30 +409,24 @@ class _Remote:
             got = [own] + [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, n)]
             self.collected = True
             self.t["parts"] = time.perf_counter()
-            self.breakdown_parts = [g["breakdown"] for g in got]
-            if firsts:  # else the Slurm view makes them on rank 0 (also where a block failed)
-                if not any(isinstance(g["firsts"], str) for g in got):
-                    put_rank_firsts(run, [g["firsts"] for g in got])
+            self.blocks = [[b.r_lo, b.r_hi, b.k_lo, b.k_hi] for b in (g.get(TALLIES) for g in got)
+                           if isinstance(b, BreakdownPart)]  # fmt: skip
+            # each pass reduced where every block made its part (else its stage makes it on rank 0)
+            for key, ps in analysis_passes(colls, firsts, costs).items():  # a handful
+                parts = [g.get(key, _FAILED) for g in got]
+                if not any(isinstance(x, str) for x in parts):
+                    run.cache[key] = ps.reduce(run, parts)
+            if firsts:
                 self.t["firsts"] = time.perf_counter()
-            if costs:  # the same for the critical-path costs of input waits and copies
-                if not any(isinstance(g["costs"], str) for g in got):
-                    run.cache[PRICED_KEY] = costs_of_parts(run, PRICED_KINDS, [g["costs"] for g in got])
+            if costs:
                 self.t["costs"] = time.perf_counter()
-            if not any(isinstance(g["ends"], str) for g in got):  # each rank's end of start-up
-                run.cache[STARTUP_CACHE] = StartupEndsPass().reduce(run, [g["ends"] for g in got])
         else:
             self._cmd("end")
         self.ended = True
 
     def done(self, run: Any) -> None:
-        """Before the breakdown: the blocks' breakdown parts, put where the breakdown takes them."""
-        from distdiag.breakdown import PARTS
-
+        """The detectors are done (a step of the stage timings)."""
         self.t["detected"] = time.perf_counter()
-        parts, self.breakdown_parts = self.breakdown_parts, []
-        if not parts or self.whole or any(isinstance(p, str) for p in parts):  # else rank 0 computes every band
-            return
-        run.cache[PARTS] = [p for p in parts if p is not None]
 
     def abort(self) -> None:
         """Rank 0 failed: the others stop waiting for commands, or their parts are taken and dropped."""
@@ -503,31 +495,17 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
 
 
 def _sweep_block(run: Any, colls: Any, firsts: bool, costs: bool, part: tuple[int, int]) -> dict[str, Any]:
-    """The per-rank passes' parts of block ``part`` of the bands, in one sweep
-    (:func:`distdiag.passes.sweep`): ``firsts`` (the Slurm view's), ``costs`` (input waits' and
-    copies' critical path; None without a match) when asked, ``breakdown`` (None without a
-    match, or when the block holds no band) and ``ends`` (each rank's end of start-up). A sweep
-    that fails makes each :data:`_FAILED` (said in the log): rank 0 then computes them itself."""
+    """Block ``part`` of the bands' part of each pass of :func:`distdiag.passes.analysis_passes`,
+    in one sweep (:func:`distdiag.passes.sweep`), by its ``run.cache`` key. A sweep that fails
+    makes each :data:`_FAILED` (said in the log): rank 0 then leaves those to its stages."""
     from distdiag import passes
-    from distdiag.breakdown import BreakdownPass, StartupEndsPass
-    from distdiag.critical_path import PRICED_KINDS, CostsPass
-    from distdiag.slurm import FirstsPass
 
-    todo: dict[str, Any] = {}
-    if firsts:
-        todo["firsts"] = FirstsPass()
-    if costs and colls is not None:
-        todo["costs"] = CostsPass(PRICED_KINDS)
-    if colls is not None:
-        todo["breakdown"] = BreakdownPass(colls)
-    todo["ends"] = StartupEndsPass()
-    got: dict[str, Any] = {"firsts": None, "costs": None, "breakdown": None, "ends": None}
+    todo = passes.analysis_passes(colls, firsts, costs)
     try:
-        got.update(zip(todo, passes.sweep(run, list(todo.values()), part)))
+        return dict(zip(todo, passes.sweep(run, list(todo.values()), part)))
     except Exception as e:
         log.warning("analysis rank sweep of %s failed (%s: %s)", ", ".join(todo), type(e).__name__, e)
-        got.update(dict.fromkeys(todo, _FAILED))
-    return got
+        return dict.fromkeys(todo, _FAILED)
 
 
 def _serve(comm: Any, held: _Held | None) -> None:
@@ -768,9 +746,10 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         "gather_s": t_gather - t_read,
         "assemble_s": t_assemble - t_gather,
         "analyze_s": t_end - t_assemble,
-        # within analyze: align + match (and the breakdown job sent), the detectors, the wait
-        # for the others' breakdown parts, the breakdown and report
+        # within analyze: align + match, the jobs sent, rank 0's block of the passes, the wait
+        # for the others', the detectors, the breakdown and report
         **_spans(t_assemble, split.t, t_end),
+        "breakdown_blocks": split.blocks,
         "match_steps": dict(split.match_steps) if remote else None,
         "total_s": t_end - t_start,
     }

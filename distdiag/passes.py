@@ -38,11 +38,9 @@ A = TypeVar("A")
 P = TypeVar("P")
 R = TypeVar("R")
 
+
 class Pass(Generic[A, P, R]):
     """A per-rank pass (see the module docstring); subclasses define the four steps."""
-
-    #: what it computes, for logs and errors
-    name = "pass"
 
     def begin(self, run: Any, part: tuple[int, int] | None) -> A:
         raise NotImplementedError
@@ -68,6 +66,28 @@ def sweep(run: Any, passes: Sequence[Pass[Any, Any, Any]], part: tuple[int, int]
     return [p.part(acc) for p, acc in zip(passes, accs)]
 
 
+def analysis_passes(colls: Any, firsts: bool, costs: bool) -> dict[str, Pass[Any, Any, Any]]:
+    """The per-rank passes an analysis sweeps, keyed by the ``run.cache`` key under which the stage
+    that reads each looks for its result: the Slurm view's per-rank firsts (``firsts``), the
+    critical path of input waits and copies (``costs``), the breakdown and each rank's end of
+    start-up. Without a match (``colls`` None: an analysis rank whose job could not be made)
+    only the passes that need none. The one list the pipeline (:func:`run_local`) and
+    ``--parallel``'s blocks (:func:`sweep`) both run."""
+    from distdiag.breakdown import STARTUP_CACHE, TALLIES, BreakdownPass, StartupEndsPass
+    from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, CostsPass
+    from distdiag.slurm import RANK_FIRSTS, FirstsPass
+
+    todo: dict[str, Pass[Any, Any, Any]] = {}
+    if firsts:
+        todo[RANK_FIRSTS] = FirstsPass()
+    if costs and colls is not None:
+        todo[PRICED_KEY] = CostsPass(PRICED_KINDS)
+    if colls is not None:
+        todo[TALLIES] = BreakdownPass(colls)
+    todo[STARTUP_CACHE] = StartupEndsPass()
+    return todo
+
+
 def run_local(run: Any, passes: Sequence[Pass[Any, Any, Any]], band_events: int | None = None) -> list[Any]:
     """Each pass's result over every band, in one sweep: the local executor."""
     parts = sweep(run, passes, None, band_events)
@@ -88,8 +108,6 @@ class RowsPass(Pass[_Gathered, list[np.ndarray], list[np.ndarray]]):
     of some kinds whatever the mode (a streamed run holds its collective rows on disk once
     matched). Only those columns outlive a band. Its part and its result: one array a field."""
 
-    name = "a gather of rows"
-
     def __init__(self, kinds: Any, fields: tuple[str, ...],
                  keep: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:  # fmt: skip
         self.kinds, self.fields, self.keep = kinds, fields, keep
@@ -104,7 +122,7 @@ class RowsPass(Pass[_Gathered, list[np.ndarray], list[np.ndarray]]):
         acc.pieces.append([band.events[f][sel] for f in self.fields])
 
     def part(self, acc: _Gathered) -> list[np.ndarray]:
-        return self.reduce(None, [list(p) for p in acc.pieces]) if acc.pieces else acc.empty
+        return self.reduce(None, acc.pieces) if acc.pieces else acc.empty
 
     def reduce(self, run: Any, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
         if len(parts) == 1:

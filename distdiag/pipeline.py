@@ -17,20 +17,19 @@ import numpy as np
 import pandas as pd
 
 from distdiag import clocks, replay
-from distdiag.breakdown import (COLUMNS, INFO_COLUMNS, STARTUP_CACHE, TALLIES, BreakdownPass, StartupEndsPass, breakdown,
-                                per_step_json, step_breakdown)
+from distdiag.breakdown import COLUMNS, INFO_COLUMNS, breakdown, per_step_json, step_breakdown
 from distdiag.children import ChildIO, children_io
-from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, CostsPass, needs_costs
+from distdiag.critical_path import needs_costs
 from distdiag.gpu_timeline import gpu_json
 from distdiag.config import Config, load_config
 from distdiag.detectors import load_all
 from distdiag.findings import Finding
 from distdiag.match import Collectives, MatchState, collectives_of
-from distdiag.passes import Pass, run_local
+from distdiag.passes import analysis_passes, run_local
 from distdiag.ranking import coverage, rank_findings
 from distdiag.ranks import rank_ranges
 from distdiag.run import Run, load_run, stream_out, streamed_kinds_for
-from distdiag.slurm import RANK_FIRSTS, FirstsPass, needs_rank_firsts
+from distdiag.slurm import needs_rank_firsts
 from distdiag.slurm import accounting_of as slurm_accounting_of
 
 log = logging.getLogger(__name__)
@@ -190,15 +189,10 @@ def _sweep(run: Run, colls: Collectives, cfg: Config) -> None:
     a streamed run reads each band from the rank files once for all): the Slurm view's per-rank
     firsts (where it reads them), the critical path of input waits and copies (where
     ``input_bound`` or ``h2d_copy`` price rows), the breakdown and each rank's end of start-up,
-    each cached on the run where its stage looks. A sweep that fails leaves each stage to make its own pass, as before."""
-    todo: dict[str, Pass[Any, Any, Any]] = {}
+    each cached on the run where its stage looks. A sweep that fails leaves each stage to make
+    its own pass, as before."""
     try:
-        if needs_rank_firsts(run):
-            todo[RANK_FIRSTS] = FirstsPass()
-        if needs_costs(run, cfg):
-            todo[PRICED_KEY] = CostsPass(PRICED_KINDS)
-        todo[TALLIES] = BreakdownPass(colls)
-        todo[STARTUP_CACHE] = StartupEndsPass()
+        todo = analysis_passes(colls, needs_rank_firsts(run), needs_costs(run, cfg))
         got = run_local(run, list(todo.values()))
     except Exception:  # each stage's own pass says what is wrong, or makes it
         log.debug("sweep", exc_info=True)
@@ -214,9 +208,9 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     :func:`distdiag.clocks.align`); use it when nothing else holds ``run``.
 
     ``split`` (``distdiag analyze --parallel``, :mod:`distdiag.parallel`): its
-    ``matched(run, colls)`` is called once the collectives are matched (other
-    analysis ranks may start per-rank work then), its ``done(run)`` before the
-    breakdown (which then takes their parts from ``run.cache``).
+    ``matched(run, colls)`` is called once the collectives are matched (the analysis ranks
+    sweep the per-rank passes over their blocks of bands, and rank 0 caches each pass's
+    result where the serial sweep would), its ``done(run)`` after the detectors (timing).
     """
     cfg = cfg or Config()
     run = clocks.align(run, inplace=inplace)

@@ -494,7 +494,7 @@ def _rank_firsts(run: Any) -> _RankFirsts:
     return got
 
 
-#: ``run.cache`` key of the per-rank firsts (``--parallel`` puts them there: :func:`put_rank_firsts`)
+#: ``run.cache`` key of the per-rank firsts (a sweep puts them there: :func:`distdiag.passes.analysis_passes`)
 RANK_FIRSTS = "slurm.rank_firsts"
 
 
@@ -511,8 +511,6 @@ class FirstsPass(Pass[_RankFirsts, _RankFirsts, _RankFirsts]):
     """:func:`_rank_firsts` as a per-rank pass (:mod:`distdiag.passes`): a block's part holds
     every rank's entry, those outside its bands ``_NONE`` / False, so the minima and the or
     over the parts of blocks that cover every rank once are each rank's own."""
-
-    name = "the Slurm view's per-rank firsts"
 
     def begin(self, run: Any, part: tuple[int, int] | None) -> _RankFirsts:
         n = n_ranks(run)
@@ -551,12 +549,6 @@ class FirstsPass(Pass[_RankFirsts, _RankFirsts, _RankFirsts]):
             np.minimum.reduce([p.rendezvous_ns for p in parts]),
             np.logical_or.reduce([p.lone for p in parts]),
         )
-
-
-def put_rank_firsts(run: Any, parts: list[_RankFirsts]) -> None:
-    """The firsts of blocks of bands that cover every rank once (:func:`rank_firsts_part`), as
-    one, cached on ``run``."""
-    run.cache[RANK_FIRSTS] = FirstsPass().reduce(run, parts)
 
 
 def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> _RankFirsts:

@@ -133,14 +133,12 @@ _PARTS_CHILD = """
 import json, sys
 import distdiag.bands
 distdiag.bands.BAND_EVENTS = int(sys.argv[3])  # many bands: each analysis rank gets some
-from distdiag.breakdown import PARTS
 from distdiag.config import Config
 from distdiag.parallel import analyze_parallel
 from distdiag.render import render
 rep = analyze_parallel(sys.argv[1], Config(stream_events=0))
 if rep is not None:
-    parts = rep.run.cache.get(PARTS) or []
-    facts = {"parts": [[p.r_lo, p.r_hi, p.k_lo, p.k_hi] for p in parts],
+    facts = {"parts": rep.run.cache["parallel"]["breakdown_blocks"],
              "input_costs_split": "input_costs_s" in rep.run.cache["parallel"]}
     open(sys.argv[2], "w").write(json.dumps(facts) + "\\n" + render(rep, "json"))
 """

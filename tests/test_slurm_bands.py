@@ -130,8 +130,8 @@ def test_rank_facts_with_the_phases_streamed(run_dir: Path, monkeypatch: pytest.
 def test_rank_firsts_of_blocks_of_bands_put_together_are_the_whole_pass(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                          streamed: bool) -> None:  # fmt: skip
     # --parallel: each analysis rank computes the firsts of its block of bands
-    # (rank_firsts_part), rank 0 puts them together (put_rank_firsts)
-    from distdiag.slurm import RANK_FIRSTS, _rank_firsts, needs_rank_firsts, put_rank_firsts, rank_firsts_part
+    # (rank_firsts_part), rank 0 puts them together (FirstsPass.reduce)
+    from distdiag.slurm import RANK_FIRSTS, FirstsPass, _rank_firsts, needs_rank_firsts, rank_firsts_part
 
     kinds = STREAMED_KINDS if streamed else ()
     whole = _rank_firsts(load_run(run_dir, streamed_kinds=kinds))
@@ -140,7 +140,7 @@ def test_rank_firsts_of_blocks_of_bands_put_together_are_the_whole_pass(run_dir:
     assert needs_rank_firsts(run)  # a Slurm job (SLURM_JOB_ID in the ranks' env) with start times
     for n in (1, 2, 3, 5, 40):  # 40: more blocks than bands (empty blocks)
         run.cache.pop(RANK_FIRSTS, None)
-        put_rank_firsts(run, [rank_firsts_part(run, (j, n)) for j in range(n)])
+        run.cache[RANK_FIRSTS] = FirstsPass().reduce(run, [rank_firsts_part(run, (j, n)) for j in range(n)])
         got = run.cache[RANK_FIRSTS]
         for f in ("useful_ns", "coll_ns", "rendezvous_ns", "lone"):
             a, b = getattr(whole, f), getattr(got, f)

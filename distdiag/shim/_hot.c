@@ -545,8 +545,9 @@ static PyTypeObject CallType = {
  * directly where the interposer is loaded and the path is an ASCII str or bytes: the same bytes,
  * without the boxed call), then the original. The caller's site when it is the program's own
  * line is also kept in the wrapper (the last one answered): a loop that opens from one line finds
- * it with two compares. Measured: ~140 -> ~70 ns an open (benchmarks/bench_preload.py). Any other call (another path type, keyword arguments or a buffering argument to
- * open, warnings that must point at the program's line) goes to the Python wrapper ``py``,
+ * it with two compares. Measured: ~140 -> ~70 ns an open (benchmarks/bench_preload.py). Any
+ * other call (another path type, keyword arguments or a buffering argument to open, warnings
+ * that must point at the program's line) goes to the Python wrapper ``py``,
  * which does all of it as before. cached_site is fileio._cached_site on the same dict: a change
  * to one is a change to both (tests/test_preload.py's site test runs each). */
 static int g_sites_on; /* fileio recording with the interposer: sites are named */

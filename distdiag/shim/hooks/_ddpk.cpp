@@ -39,7 +39,6 @@
 #include <cstring>
 #include <mutex>
 #include <new>
-#include <optional>
 #include <vector>
 
 namespace {

@@ -167,6 +167,8 @@ def _unbusy(was: tuple[bool, bool]) -> None:
     ck = _ck
     if ck is not None:
         ck.set_busy(was[1])
+
+
 _REC: Recorder | None = None
 _CFG: Any = None
 _patched: list[tuple[Any, str, Any]] = []  # (owner, attribute, original): undone in reverse order
