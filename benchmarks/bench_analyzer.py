@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from factories import make_run  # noqa: E402
 
+from distdiag.analysis import Analysis  # noqa: E402
 from distdiag.breakdown import breakdown  # noqa: E402
 from distdiag.clocks import align  # noqa: E402
 from distdiag.config import Config  # noqa: E402
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("match_collectives", time.perf_counter() - t))
         run.cache["collectives"] = colls
         t = time.perf_counter()
-        found = load_all()["straggler"](run, cfg)
+        found = load_all()["straggler"](Analysis(run, colls, cfg))
         rows.append(("straggler detector", time.perf_counter() - t))
         t = time.perf_counter()
         breakdown(run, colls)

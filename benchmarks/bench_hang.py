@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ev["nbytes"][odd] += 8
     run = run.replace(events=ev[keep], inflight=np.concatenate([run.inflight, inf]))
     print(f"{ns.ranks} ranks, {len(run.events):,} events, hang at world #{last_seq} (rank {hung} missing)")
+    from distdiag.analysis import Analysis
+
     dets = load_all()
     cfg = Config()
     cfg.sections["hang"] = {"min_stuck_s": 0.0}  # the synthetic hang lasts only until the ranks' last event
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             run.cache.clear()
             collectives_of(run)  # matching is shared by all three: not timed
             t = time.perf_counter()
-            got = dets[name](run, cfg)
+            got = dets[name](Analysis(run, collectives_of(run), cfg))
             best = min(best, time.perf_counter() - t)
         summary = got[0].summary[:90] if got else "(nothing)"
         print(f"  {name:20s} {best * 1e3:8.1f} ms   {summary}")

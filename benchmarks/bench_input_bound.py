@@ -132,6 +132,7 @@ def _child(run_dir: str, stream: bool, det: str) -> int:
     """In the measured process: load + align, then the detector ``det`` (or "both")'s CPU s and
     transient RSS."""
     from distdiag.clocks import align
+    from distdiag.analysis import Analysis
     from distdiag.config import load_config
     from distdiag.detectors import load_all
     from distdiag.run import load_run
@@ -157,7 +158,7 @@ def _child(run_dir: str, stream: bool, det: str) -> int:
     from bench_scale import measured  # RSS in MB
 
     got, c, r0, _, hwm = measured(
-        lambda: [f.cost_s for name in DETECTORS[:2] if det in (name, "both") for f in dets[name](run, cfg)]
+        lambda: [f.cost_s for name in DETECTORS[:2] if det in (name, "both") for f in dets[name](Analysis.of(run, cfg))]
     )
     out[det] = {"cpu_s": c, "transient_b_per_event": (hwm - r0) * 2**20 / n, "cost_s": got}
     print(json.dumps(out))

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         n_member = len(colls.m_rank)
         print(f"run: {ns.ranks} ranks x {ns.iters} iterations: {len(run.events):,} events, "
               f"{len(colls):,} collectives, {n_member:,} member rows")  # fmt: skip
+        from distdiag.analysis import Analysis
+
         dets = load_all()
         cfg = Config()
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 ts.append(time.perf_counter() - t)
             return min(ts)
 
-        strag = dets["straggler"](run, cfg)
+        strag = dets["straggler"](Analysis(run, colls, cfg))
         # a cause claiming the slow rank's file reads (the claims rank_findings intersects)
         CLAIMED_KINDS.setdefault("bench_cause", (Kind.FILE_READ,))
         from distdiag import ranking
@@ -72,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             rank_findings(fs, run, colls, cfg)
 
         rows = [
-            ("straggler", best(lambda: dets["straggler"](run, cfg))),
-            ("serial_section", best(lambda: dets["serial_section"](run, cfg))),
+            ("straggler", best(lambda: dets["straggler"](Analysis(run, colls, cfg)))),
+            ("serial_section", best(lambda: dets["serial_section"](Analysis(run, colls, cfg)))),
             ("rank_findings", best(ranked)),
         ]
         ref = rows[0][1]

@@ -407,11 +407,12 @@ PRICED_KINDS = (int(Kind.INPUT_WAIT), int(Kind.H2D))
 
 
 def needs_costs(run: Any, cfg: Any) -> bool:
-    """Whether ``input_bound`` or ``h2d_copy`` will price their rows (a pass over every band):
-    enabled, a wall-clock, and rows of their kinds (as :func:`priced` asks). A wrong yes costs a
-    pass, never the report."""
-    names = set(cfg.detectors) if cfg is not None and cfg.detectors else {"input_bound", "h2d_copy"}
-    if not names & {"input_bound", "h2d_copy"} or run.wall_s <= 0:
+    """Whether a detector will price rows by :func:`priced` (a pass over every band): one that
+    requires ``costs`` is enabled, there is a wall-clock, and rows of the priced kinds (as
+    :func:`priced` asks). A wrong yes costs a pass, never the report."""
+    from distdiag.detectors import required
+
+    if "costs" not in required(cfg.detectors if cfg is not None else None) or run.wall_s <= 0:
         return False
     return any(count_of(run, k) > 0 for k in PRICED_KINDS)
 

@@ -18,6 +18,7 @@ import pandas as pd
 
 from distdiag import clocks, replay
 from distdiag.breakdown import COLUMNS, INFO_COLUMNS, breakdown, per_step_json, step_breakdown
+from distdiag.analysis import Analysis
 from distdiag.children import ChildIO, children_io
 from distdiag.critical_path import needs_costs
 from distdiag.gpu_timeline import gpu_json
@@ -230,13 +231,14 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     unknown = [n for n in names if n not in dets]
     if unknown:
         run.warnings.append(f"config names unknown detectors {unknown} (known: {sorted(dets)}); skipped")
+    inputs = Analysis(run, colls, cfg)  # what every detector reads
     findings: list[Finding] = []
     for name in names:  # one per detector
         fn = dets.get(name)
         if fn is None:
             continue
         try:
-            got = fn(run, cfg)
+            got = fn(inputs)
         except Exception as e:  # one broken detector must not cost the whole report
             log.debug("detector %s failed", name, exc_info=True)
             run.warnings.append(f"detector '{name}' failed ({type(e).__name__}: {e}); its findings are missing")

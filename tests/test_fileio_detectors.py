@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from distdiag.analysis import Analysis
 from distdiag.config import Config
 from distdiag.detectors import io_bandwidth, metadata_storm
 from distdiag.pipeline import analyze
@@ -204,7 +205,7 @@ def test_storm_at_the_min_fraction_threshold(tmp_path: Path, tail_factor: float,
     cfg = Config(sections={"metadata_storm": {"min_fraction": frac}})
     run = run_of(tmp_path / "run")
     assert (truth["blocked_ns"].max() / run.wall_s / 1e9 > frac) == expect
-    got = metadata_storm.detect(run, cfg)
+    got = metadata_storm.detect(Analysis.of(run, cfg))
     assert bool(got) == expect
 
 
@@ -212,8 +213,8 @@ def test_a_few_slow_opens_are_no_storm(tmp_path: Path) -> None:
     """4 ranks x 20 opens queue on the slow server (latency grows) but 80 calls are no storm."""
     write_storm_run(tmp_path / "run", calls=20, tail_ms=10)
     run = run_of(tmp_path / "run")
-    assert metadata_storm.detect(run, Config()) == []
-    assert metadata_storm.detect(run, Config(sections={"metadata_storm": {"min_calls": 50}}))
+    assert metadata_storm.detect(Analysis.of(run, Config())) == []
+    assert metadata_storm.detect(Analysis.of(run, Config(sections={"metadata_storm": {"min_calls": 50}})))
 
 
 # -- io_bandwidth --------------------------------------------------------------------
@@ -250,7 +251,7 @@ def write_ckpt_run(run_dir: Path, *, others_wait: bool, mib: int = 512, write_s:
 def test_checkpoint_that_others_wait_for_is_named(tmp_path: Path) -> None:
     truth = write_ckpt_run(tmp_path / "run", others_wait=True)
     run = run_of(tmp_path / "run")
-    got = io_bandwidth.detect(run, Config())
+    got = io_bandwidth.detect(Analysis.of(run, Config()))
     assert len(got) == 1
     f = got[0]
     assert f.ranks == [1] and f.paths == ["/scratch/ckpt/step100.pt"]
@@ -278,14 +279,14 @@ def test_checkpoint_price_is_the_checkpoint_not_the_ranks_other_file_calls(tmp_p
 
 def test_checkpoint_overlapped_by_compute_costs_nothing(tmp_path: Path) -> None:
     write_ckpt_run(tmp_path / "run", others_wait=False)
-    assert io_bandwidth.detect(run_of(tmp_path / "run"), Config()) == []
+    assert io_bandwidth.detect(Analysis.of(run_of(tmp_path / "run"), Config())) == []
 
 
 @pytest.mark.parametrize("mib,expect", [(64, True), (56, False)])
 def test_checkpoint_size_threshold(tmp_path: Path, mib: int, expect: bool) -> None:
     """min_bytes (64 MiB) decides what counts as a large transfer."""
     write_ckpt_run(tmp_path / "run", others_wait=True, mib=mib)
-    assert bool(io_bandwidth.detect(run_of(tmp_path / "run"), Config())) == expect
+    assert bool(io_bandwidth.detect(Analysis.of(run_of(tmp_path / "run"), Config()))) == expect
 
 
 def test_all_ranks_writing_shards_at_once_binds_the_job(tmp_path: Path) -> None:
@@ -296,7 +297,7 @@ def test_all_ranks_writing_shards_at_once_binds_the_job(tmp_path: Path) -> None:
                          "lustre:/scratch", 8 << 20) for i in range(20)]  # fmt: skip
         rows.append(coll(1101, 1102, 0, strings))
         write_rank(run_dir, r, 4, rows, strings, end_mono_ns=1200 * MS, closed_cleanly=True)
-    got = io_bandwidth.detect(run_of(run_dir), Config())
+    got = io_bandwidth.detect(Analysis.of(run_of(run_dir), Config()))
     assert len(got) == 1 and got[0].ranks == [0, 1, 2, 3]
     assert got[0].cost_s == pytest.approx(1.0, rel=0.02)
     assert got[0].evidence["job_mb_per_s"] == pytest.approx(4 * 160 * 2**20 / 1.0 / 1e6, rel=0.02)

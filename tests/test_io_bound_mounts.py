@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.config import Config
 from distdiag.detectors.io_bound import detect
 from distdiag.run import load_run
@@ -32,7 +33,7 @@ def test_the_busiest_mount_is_named_past_the_first_top_ids(tmp_path: Path) -> No
     write_rank_file(tmp_path / "rank-00000.h5", {"rank": 0, "world_size": 1, "mono_ns_at_start": 0,
                                                   "end_mono_ns": t + 10 * MS}, ev, strings)  # fmt: skip
     run = load_run(tmp_path)
-    (f,) = detect(run, Config())
+    (f,) = detect(Analysis.of(run, Config()))
     by = [m["mount"] for m in f.evidence["by_mount"]]
     assert by[0] == "ext4:/m6" and len(by) == 5, by
     assert "most on ext4:/m6" in f.summary, f.summary

@@ -97,10 +97,10 @@ def test_a_failing_detector_costs_its_findings_not_the_report(tmp_path: Path) ->
 
     load_all()
 
-    def broken(run: object, cfg: object) -> list[Finding]:
+    def broken(a: object) -> list[Finding]:
         raise ZeroDivisionError("boom")
 
-    def nan_cost(run: object, cfg: object) -> list[Finding]:
+    def nan_cost(a: object) -> list[Finding]:
         return [Finding(kind="straggler", cost_s=float("nan"), summary="?")]
 
     make_run(tmp_path / "r", iters=30, slow_rank=1, slow_ms=2.0)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from distdiag.analysis import Analysis
 from distdiag.config import Config
 from distdiag.findings import Finding
 from distdiag.pipeline import analyze
@@ -76,8 +77,8 @@ def test_a_replayed_cause_costs_what_the_replay_saves_not_its_detectors_price(
 
     real = load_all()["serial_section"]
 
-    def overstated(run: object, cfg: object) -> list[Finding]:
-        got = real(run, cfg)
+    def overstated(a: Analysis) -> list[Finding]:
+        got = real(a)
         for f in got:
             f.cost_s *= 1.5
         return got
@@ -107,8 +108,8 @@ def test_a_cause_the_replay_prices_under_its_threshold_is_dropped(
     low = Config(sections={"serial_section": {"min_fraction": 0.001, "min_window_ms": 0.05}})
     seen: list[Finding] = []
 
-    def overstated(run: object, cfg: object) -> list[Finding]:
-        got = real(run, low)
+    def overstated(a: Analysis) -> list[Finding]:
+        got = real(Analysis(a.run, a.colls, low))
         for f in got:
             f.cost_s *= 4
         seen.extend(got)

@@ -1,25 +1,39 @@
 """The detector registry: one grep for ``@register`` finds every detector.
 
-A detector is ``detect(run: Run, cfg: Config) -> list[Finding]``: it reads the
-aligned run (and the matched collectives on it), returns data, never prints.
+A detector is ``detect(a: Analysis) -> list[Finding]`` (:class:`distdiag.analysis.Analysis`):
+it reads the aligned run, the matched collectives and the passes' results it declares in
+``requires`` (names of :data:`distdiag.analysis.PRODUCTS`), returns data, never prints, and
+never imports another detector.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
+from distdiag.analysis import PRODUCTS
 from distdiag.findings import Finding
 
-Detector = Callable[[Any, Any], "list[Finding]"]
+if TYPE_CHECKING:
+    from distdiag.analysis import Analysis
+
+Detector = Callable[["Analysis"], "list[Finding]"]
 
 #: name -> detector, in the order they run. Filled by @register at import of
 #: the modules listed in _MODULES.
 DETECTORS: dict[str, Detector] = {}
+#: name -> the products (:data:`distdiag.analysis.PRODUCTS`) its detector reads
+REQUIRES: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str) -> Callable[[Detector], Detector]:
+def register(name: str, requires: tuple[str, ...] = ()) -> Callable[[Detector], Detector]:
+    """Register ``detect`` under ``name``; ``requires``: the products it reads besides the run."""
+    unknown = [r for r in requires if r not in PRODUCTS]
+    if unknown:
+        raise ValueError(f"detector {name!r} requires unknown products {unknown} (known: {sorted(PRODUCTS)})")
+
     def deco(fn: Detector) -> Detector:
         DETECTORS[name] = fn
+        REQUIRES[name] = tuple(requires)
         return fn
 
     return deco
@@ -37,3 +51,9 @@ def load_all() -> dict[str, Detector]:
     for m in _MODULES:
         importlib.import_module(f"distdiag.detectors.{m}")
     return DETECTORS
+
+
+def required(names: list[str] | tuple[str, ...] | None = None) -> set[str]:
+    """The products the detectors ``names`` (None or empty: every registered one) read."""
+    dets = load_all()
+    return {p for n in (names or dets) for p in REQUIRES.get(n, ())}

@@ -44,9 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.match import Collectives, GroupColumn, MatchState, collectives_of
+from distdiag.match import Collectives, GroupColumn, MatchState
 from distdiag.mismatch import mismatches
 from distdiag.ranks import rank_list
 
@@ -137,9 +138,10 @@ def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColum
     return {"state": state, "odd": [int(r) for r in odd], "text": text, "values": values}
 
 
-@register("collective_mismatch")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    colls = collectives_of(run)
+@register("collective_mismatch", requires=("collectives",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    colls = an.colls
     if len(colls) == 0:
         return []
     bad, dtype_bad, _, aux = mismatches(run, colls)

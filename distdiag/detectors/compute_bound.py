@@ -36,14 +36,13 @@ Settings (``[analyze.compute_bound]``): ``peak_flops_per_s`` (0), ``min_share`` 
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 
-from distdiag.breakdown import step_breakdown, step_marks
+from distdiag.breakdown import step_marks
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.match import collectives_of
 from distdiag.rows import kind_index
 from distdiag.schema import Kind
 
@@ -53,8 +52,9 @@ ADVICE = (
 )
 
 
-@register("compute_bound")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+@register("compute_bound", requires=("collectives", "breakdown"))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     peak = float(cfg.value("compute_bound", "peak_flops_per_s", 0.0))
     min_share = float(cfg.value("compute_bound", "min_share", 0.1))
     max_of_peak = float(cfg.value("compute_bound", "max_of_peak", 0.5))
@@ -68,7 +68,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     s_rank, _ = step_marks(run)
     if len(s_rank) == 0:
         return []
-    steps = step_breakdown(run, collectives_of(run))
+    steps = an.step_breakdown()
     n = int(max(int(run.world_size), int(s_rank.max()) + 1))
     # the STEP rows that end steps, in step_marks' order: their flops belong to the step they end
     ev = run.events

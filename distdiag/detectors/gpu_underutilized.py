@@ -32,10 +32,10 @@ gets too little work: raise the batch size (or fuse kernels).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.gpu_peaks import gpu_names, gpus_file, load_table, peak_for
@@ -45,13 +45,12 @@ from distdiag.schema import Kind
 log = logging.getLogger(__name__)
 
 
-@register("gpu_underutilized")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+@register("gpu_underutilized", requires=("gpu",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     gpu = run.gpu
     wall_s = run.wall_s
-    from distdiag.gpu_timeline import gpu_breakdown
-
-    gb = gpu_breakdown(run, cfg)  # the GPU's own busy time, when the run was timed on the GPU
+    gb = an.gpu_breakdown()  # the GPU's own busy time, when the run was timed on the GPU
     own_busy = gb["_kernels_s"] if gb is not None else {}
     own_window = gb["_window_s"] if gb is not None else {}
     if (len(gpu) == 0 and not own_busy) or wall_s <= 0:

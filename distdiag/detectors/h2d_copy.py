@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
-from distdiag.critical_path import priced
 from distdiag.findings import Finding
 from distdiag.rows import rows_of
 from distdiag.schema import Kind
@@ -62,9 +62,10 @@ def _gpu_copy_totals(run: Any) -> tuple[int, int, int]:
     return int(len(sp)), int(dur.sum()), int(ev["nbytes"][sp].sum())
 
 
-@register("h2d_copy")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    p = priced(run, Kind.H2D, float(cfg.value("h2d_copy", "min_fraction", 0.02)))
+@register("h2d_copy", requires=("costs",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    p = an.priced(Kind.H2D, float(cfg.value("h2d_copy", "min_fraction", 0.02)))
     if p is None:
         return []
     cost_s, n_it, named = p.cost_s, p.n_it, p.named

@@ -47,9 +47,10 @@ from typing import Any
 import numpy as np
 
 from distdiag.bands import bands
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.match import Collectives, collectives_of
+from distdiag.match import Collectives
 from distdiag.ranks import rank_list
 from distdiag.schema import COMM_KINDS, FILE_KINDS, Kind
 
@@ -243,9 +244,10 @@ def _doing(run: Any, rank: int, end_ns: int, ev: np.ndarray) -> dict[str, Any]:
     return out
 
 
-@register("hang")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    colls = collectives_of(run)
+@register("hang", requires=("collectives",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    colls = an.colls
     min_stuck_s = float(cfg.value("hang", "min_stuck_s", 0.5))
     stuck = stuck_groups(run, colls, int(min_stuck_s * 1e9))
     if not stuck:

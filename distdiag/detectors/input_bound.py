@@ -10,11 +10,10 @@ same pass).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 
-from distdiag.critical_path import priced
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.schema import Kind
@@ -22,9 +21,10 @@ from distdiag.schema import Kind
 log = logging.getLogger(__name__)
 
 
-@register("input_bound")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    p = priced(run, Kind.INPUT_WAIT, float(cfg.value("input_bound", "min_fraction", 0.02)))
+@register("input_bound", requires=("costs",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    p = an.priced(Kind.INPUT_WAIT, float(cfg.value("input_bound", "min_fraction", 0.02)))
     if p is None:
         return []
     cost_s, n_it, named = p.cost_s, p.n_it, p.named

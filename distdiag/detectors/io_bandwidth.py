@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.intervals import covered_within, union_by_key, union_length
@@ -88,7 +89,8 @@ def _ended(ev: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 @register("io_bandwidth")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     sec = "io_bandwidth"
     min_bytes = int(cfg.value(sec, "min_bytes", 64 << 20))
     gap_ns = int(float(cfg.value(sec, "gap_s", 0.05)) * 1e9)
@@ -163,7 +165,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     ]
     files = large.reset_index().sort_values("nbytes", ascending=False)
     files = files[files["rank"].isin(blamed)].head(top)
-    top_files = [{"rank": int(f.rank), "path": run.s(int(f.name)), "bytes": int(f.nbytes)} for f in files.itertuples()]
+    top_files: list[dict[str, Any]] = [{"rank": int(f.rank), "path": run.s(int(f.name)), "bytes": int(f.nbytes)} for f in files.itertuples()]
     fs_ids = np.unique(dsel["aux"][np.isin(d_rank, blamed)])
     fss = [run.s(int(i)) for i in fs_ids if i > 0]
     r0 = int(blamed[np.argmax(rank_cost[blamed])])

@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from distdiag.breakdown import startup_ends
 from distdiag.import_files import import_paths, shared_fs_rows
 from distdiag.intervals import union_length_by_key
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.rows import calls_of, rows_of, weighted_median, weighted_quantile
@@ -80,8 +80,9 @@ def bursts(r: np.ndarray, t0: np.ndarray, t1: np.ndarray, gap_ns: float) -> tupl
     return r[at], t0[at], b1
 
 
-@register("io_bound")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+@register("io_bound", requires=("startup_ends",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     min_share = float(cfg.value("io_bound", "min_share", 0.1))
     top = int(cfg.value("io_bound", "top", 5))
     wall_s = float(run.wall_s)
@@ -98,7 +99,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     t0 = ev["t0_ns"][rows].astype(np.int64)
     t1 = np.maximum(ev["t1_ns"][rows].astype(np.int64), t0)
     _, end = run.rank_bounds()
-    after = startup_ends(run)
+    after = an.startup_ends()
     n = len(end)
     t0c = np.maximum(t0, after[r])
     t1c = np.minimum(np.maximum(t1, t0c), end[r])

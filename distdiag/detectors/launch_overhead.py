@@ -40,18 +40,19 @@ turnaround, default the [analyze] one, 0.02).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.slurm import RESOLUTION_S, accounting_of
+from distdiag.slurm import RESOLUTION_S
 
 log = logging.getLogger(__name__)
 
 
-@register("launch_overhead")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    view = accounting_of(run)
+@register("launch_overhead", requires=("slurm",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    view = an.slurm()
     a = view.acct
     turnaround_s = view.turnaround_s
     first = view.rank_first_work_s

@@ -66,10 +66,10 @@ import numpy as np
 import pandas as pd
 
 from distdiag.intervals import union_length_by_key
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.import_files import LOCAL_FSTYPES
-from distdiag.match import collectives_of
 from distdiag.replay import Change
 from distdiag.rows import calls_of, events_of, weighted_median
 from distdiag.schema import FILE_KINDS, Kind
@@ -238,8 +238,9 @@ def _top_paths(run: Any, name_id: np.ndarray, dur_ns: np.ndarray, calls: np.ndar
     return top_dirs, top_files
 
 
-@register("metadata_storm")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+@register("metadata_storm", requires=("collectives",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     sec = "metadata_storm"
     bin_s = float(cfg.value(sec, "bin_s", 0.1))
     min_rate = float(cfg.value(sec, "min_rate_per_s", 20.0))
@@ -261,7 +262,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         return []
     is_meta = np.isin(fev["kind"], META_KINDS)
     fd_ids = np.array([i for i in (run.sid(f"libc:{c}") for c in _FD_CALLS) if i >= 0], np.int64)
-    colls = collectives_of(run)  # the ranks' rendezvous: where a storm's unseen stretch ends
+    colls = an.colls  # the ranks' rendezvous: where a storm's unseen stretch ends
     bin_ns = int(bin_s * 1e9)
     n_ranks_all = int(max(run.world_size, int(fev["rank"].max()) + 1))
 
@@ -287,7 +288,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
         alone = conc == 0  # the server's own service time, measured on this fs
         lat_alone_ms = weighted_median(lat[alone], n_of[alone]) / 1e6
 
-        w_rows = []
+        w_rows: list[dict[str, Any]] = []
         total_cost_ns = 0.0
         all_ranks: set[int] = set()
         sel_all = np.zeros(len(meta), bool)

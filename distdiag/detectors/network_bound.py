@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.intervals import union_length_by_key
 from distdiag.links import collective_transfers, network_bound, probe_matrix, union_s
-from distdiag.match import collectives_of
 from distdiag.replay import Change
 
 ADVICE = (
@@ -89,14 +89,15 @@ def fabric_bw(run: Any, cfg: Any) -> tuple[float, str]:
     return float(np.median(bw)), f"the link probe (the median of {len(bw)} pairs)"
 
 
-@register("network_bound")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+@register("network_bound", requires=("collectives",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     min_share = float(cfg.value("network_bound", "min_share", 0.1))
     top = int(cfg.value("network_bound", "top", 5))
     wall_s = float(run.wall_s)
     if wall_s <= 0:
         return []
-    colls = collectives_of(run)
+    colls = an.colls
     if len(colls) == 0:
         return []
     # Cheap bound first (one pass, no sort): the union of (last exit - last arrival) over

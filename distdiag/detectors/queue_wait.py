@@ -23,18 +23,19 @@ default the [analyze] one, 0.02).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
-from distdiag.slurm import RESOLUTION_S, accounting_of
+from distdiag.slurm import RESOLUTION_S
 
 log = logging.getLogger(__name__)
 
 
-@register("queue_wait")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    view = accounting_of(run)
+@register("queue_wait", requires=("slurm",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    view = an.slurm()
     a = view.acct
     turnaround_s = view.turnaround_s
     if a is None or not a.submit_s or not a.start_s or not turnaround_s:

@@ -88,11 +88,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from distdiag.bands import Band, bands
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding, Windows
 from distdiag.evidence import secs, tally
 from distdiag.lateness import holds_others, one_to_many_root_late, root_world_ranks
-from distdiag.match import Collectives, MatchState, collectives_of, group_blocks, member_gaps_ns
+from distdiag.match import Collectives, MatchState, group_blocks, member_gaps_ns
 from distdiag.replay import Change
 from distdiag.run import _ranges
 from distdiag.schema import Kind
@@ -282,9 +283,10 @@ def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray)
     return out
 
 
-@register("serial_section")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    colls = collectives_of(run)
+@register("serial_section", requires=("collectives",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    colls = an.colls
     wall_s = run.wall_s
     if len(colls) == 0 or wall_s <= 0:
         return []

@@ -42,10 +42,10 @@ only); so the two findings never count the same seconds.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.links import (
@@ -57,7 +57,7 @@ from distdiag.links import (
     p2p_transfers,
     union_s,
 )
-from distdiag.match import Collectives, collectives_of
+from distdiag.match import Collectives
 from distdiag.replay import Change
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,9 @@ def find_slow(m: LinkMatrix, max_ratio: float) -> tuple[list[int], list[tuple[in
     return slow_units, slow_pairs, ref
 
 
-@register("slow_link")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+@register("slow_link", requires=("collectives",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     max_ratio = float(cfg.value("slow_link", "max_ratio", 0.5))
     min_fraction = float(cfg.value("slow_link", "min_fraction", 0.02))
     wall_s = run.wall_s
@@ -110,7 +111,7 @@ def detect(run: Any, cfg: Any) -> list[Finding]:
     slow_units, slow_pairs, ref = find_slow(m, max_ratio)
     if not slow_units and not slow_pairs:
         return []
-    colls = collectives_of(run)
+    colls = an.colls
     ct = collective_transfers(run, colls)
     p2p = p2p_transfers(run)
     units = m.units

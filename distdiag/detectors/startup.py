@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.breakdown import startup_ends
 from distdiag.detectors import register
 from distdiag.findings import Finding, Windows
@@ -77,8 +78,9 @@ ADVICE = (
 )
 
 
-@register("startup")
-def detect(run: Any, cfg: Any) -> list[Finding]:
+@register("startup", requires=("startup_ends",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
     wall_s = float(run.wall_s)
     if wall_s <= 0 or not run.ranks:
         return []

@@ -78,21 +78,23 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.findings import Finding
 from distdiag.intervals import band_of
 from distdiag.evidence import secs, tally
 from distdiag.lateness import charged_windows, host_indices, nobody_waits, other_host_last_ns_from, own_lateness_ns, startup_groups
-from distdiag.match import MatchState, collectives_of, group_blocks
+from distdiag.match import MatchState, group_blocks
 from distdiag.run import _ranges
 from distdiag.replay import Change
 
 log = logging.getLogger(__name__)
 
 
-@register("straggler")
-def detect(run: Any, cfg: Any) -> list[Finding]:
-    colls = collectives_of(run)
+@register("straggler", requires=("collectives",))
+def detect(an: Analysis) -> list[Finding]:
+    run, cfg = an.run, an.cfg
+    colls = an.colls
     if len(colls) == 0:
         return []
     min_fraction = float(cfg.value("straggler", "min_fraction", 0.02))

@@ -1,0 +1,62 @@
+"""What a detector is given (distdiag.analysis): the detectors' declared ``requires`` decide
+which per-rank passes the pipeline sweeps, and a detector reads its inputs from the Analysis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distdiag.analysis import PRODUCTS, Analysis
+from distdiag.clocks import align
+from distdiag.config import Config
+from distdiag.critical_path import PRICED_KINDS, needs_costs
+from distdiag.detectors import DETECTORS, REQUIRES, load_all, register, required
+from distdiag.findings import Finding
+from distdiag.passes import analysis_passes
+from distdiag.pipeline import analyze
+from distdiag.run import load_run
+from test_torch_detectors import make_torch_run
+
+
+def test_every_detector_declares_known_products() -> None:
+    dets = load_all()
+    assert set(REQUIRES) >= set(dets)
+    for name in dets:
+        assert set(REQUIRES[name]) <= set(PRODUCTS), name
+    # the detectors that price input waits and copies are the ones that require their pass
+    assert {n for n in dets if "costs" in REQUIRES[n]} == {"input_bound", "h2d_copy"}
+    with pytest.raises(ValueError, match="unknown products"):
+        register("bad_test_only", requires=("breakdwon",))
+
+
+def test_the_costs_pass_is_swept_only_for_a_detector_that_requires_it(tmp_path: Path) -> None:
+    make_torch_run(tmp_path, world=3, iters=11, input_ms=20.0, compute_ms=30.0)
+    run = align(load_run(tmp_path))
+    load_all()
+    assert needs_costs(run, Config())  # every detector: input_bound among them
+    assert needs_costs(run, Config(detectors=["input_bound"]))
+    assert not needs_costs(run, Config(detectors=["straggler", "startup"]))
+    assert "costs" not in required(["straggler", "startup"])
+
+    seen: list[Analysis] = []
+
+    def reader(an: Analysis) -> list[Finding]:  # a detector that prices input waits
+        seen.append(an)
+        p = an.priced(PRICED_KINDS[0], 0.0)
+        return [Finding(kind="input_bound", cost_s=p.cost_s, summary="test")] if p is not None else []
+
+    register("costs_test_only", requires=("costs",))(reader)
+    try:
+        assert needs_costs(run, Config(detectors=["costs_test_only"]))
+        todo = analysis_passes(object(), False, needs_costs(run, Config(detectors=["costs_test_only"])))
+        assert any(type(p).__name__ == "CostsPass" for p in todo.values())
+        rep = analyze(tmp_path, Config(detectors=["costs_test_only"]))
+    finally:
+        del DETECTORS["costs_test_only"], REQUIRES["costs_test_only"]
+    (an,) = seen
+    assert an.run is rep.run and an.colls is rep.collectives  # the pipeline's own, not a copy
+    (f,) = rep.findings
+    # the same price input_bound gives from the same pass
+    (ib,) = [g for g in analyze(tmp_path, Config(detectors=["input_bound"])).findings]
+    assert f.cost_s == pytest.approx(ib.cost_s)
