@@ -40,7 +40,7 @@ per bound without ``np.where``: :func:`distdiag.mismatch.mismatches` ~25 -> ~7-9
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from distdiag.findings import Finding
 from distdiag.match import Collectives, GroupColumn, MatchState
 from distdiag.mismatch import mismatches
 from distdiag.ranks import rank_list
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ def _by_value(values: np.ndarray, ranks: np.ndarray, fmt: Any) -> str:
     return "; ".join(parts)
 
 
-def _describe(run: Any, colls: Collectives, g: int, aux: np.ndarray | GroupColumn, dtype_bad: bool) -> dict[str, Any]:
+def _describe(run: Run, colls: Collectives, g: int, aux: np.ndarray | GroupColumn, dtype_bad: bool) -> dict[str, Any]:
     """State, odd ranks out and a sentence for one mismatched group."""
     sl = colls.members(g)
     ranks = colls.m_rank[sl].astype(np.int64)

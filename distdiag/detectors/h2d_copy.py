@@ -17,7 +17,7 @@ held the iteration up on its critical path).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,13 +27,16 @@ from distdiag.findings import Finding
 from distdiag.rows import rows_of
 from distdiag.schema import Kind
 
+if TYPE_CHECKING:
+    from distdiag.run import Run
+
 #: Below this achieved rate (GB/s) the copies probably come from pageable memory.
 PAGEABLE_GBPS = 8.0
 #: copy rows per block while they are totalled
 _BLOCK = 1 << 20
 
 
-def _copy_totals(run: Any) -> tuple[int, int, int]:
+def _copy_totals(run: Run) -> tuple[int, int, int]:
     """(copies, ns copying, bytes) over the H2D rows: the columns of a block of rows at a
     time (integer sums, exact in any grouping), not a copy of the 73-byte rows: a DDP job
     copies every step, so these rows can be an eighth of the table."""
@@ -47,7 +50,7 @@ def _copy_totals(run: Any) -> tuple[int, int, int]:
     return len(rows), dur_ns, nbytes
 
 
-def _gpu_copy_totals(run: Any) -> tuple[int, int, int]:
+def _gpu_copy_totals(run: Run) -> tuple[int, int, int]:
     """(copies with a GPU span, ns on the GPU, their bytes): the GPU_SPAN rows of H2D copies,
     whose ``nbytes`` the load set to their copy's bytes (:func:`distdiag.gpu_timeline.substitute_collective_times`);
     (0, 0, 0) on a run not timed on the GPU."""

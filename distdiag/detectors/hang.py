@@ -42,7 +42,7 @@ other.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from distdiag.findings import Finding
 from distdiag.match import Collectives
 from distdiag.ranks import rank_list
 from distdiag.schema import COMM_KINDS, FILE_KINDS, Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ def _secs(s: float) -> str:
     return f"{s:.1f} s" if s >= 1 else f"{s * 1e3:.0f} ms"
 
 
-def _members_of(run: Any, colls: Collectives, comm: int) -> np.ndarray:
+def _members_of(run: Run, colls: Collectives, comm: int) -> np.ndarray:
     """Every rank of the communicator: the ranks that used its key, plus, for the
     world communicator, the ranks of the launch whose file is missing."""
     m = colls.comm_members.get(int(comm), np.zeros(0, np.int32)).astype(np.int64)
@@ -85,7 +88,7 @@ def _members_of(run: Any, colls: Collectives, comm: int) -> np.ndarray:
     return m
 
 
-def stuck_groups(run: Any, colls: Collectives, min_stuck_ns: int = 0) -> list[tuple[int, np.ndarray, np.ndarray]]:
+def stuck_groups(run: Run, colls: Collectives, min_stuck_ns: int = 0) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """Per communicator, the last group some member died inside while others never entered it.
 
     A member counts as "never entered" only when its own record goes on at
@@ -128,7 +131,7 @@ def stuck_groups(run: Any, colls: Collectives, min_stuck_ns: int = 0) -> list[tu
     return out
 
 
-def _last_per_comm(run: Any, colls: Collectives) -> dict[str, dict[str, list[int]]]:
+def _last_per_comm(run: Run, colls: Collectives) -> dict[str, dict[str, list[int]]]:
     """Per communicator: "<op> #<seq> (left|inside)" -> ranks whose last collective it was."""
     if len(colls) == 0:
         return {}
@@ -150,7 +153,7 @@ def _last_per_comm(run: Any, colls: Collectives) -> dict[str, dict[str, list[int
     return out
 
 
-def _describe(run: Any, ranks: np.ndarray, end_ns: dict[int, int]) -> list[dict[str, Any]]:
+def _describe(run: Run, ranks: np.ndarray, end_ns: dict[int, int]) -> list[dict[str, Any]]:
     """:func:`_doing` for each of ``ranks`` (ascending, at most MAX_DESCRIBED), in that order.
 
     A rank's last rows can be of any kind, the compute phases included, which a
@@ -169,7 +172,7 @@ def _describe(run: Any, ranks: np.ndarray, end_ns: dict[int, int]) -> list[dict[
     return [got[r] for r in want]  # every rank of 0..n_ranks is in a band
 
 
-def _doing(run: Any, rank: int, end_ns: int, ev: np.ndarray) -> dict[str, Any]:
+def _doing(run: Run, rank: int, end_ns: int, ev: np.ndarray) -> dict[str, Any]:
     """What ``rank`` was doing at the end of its record, in words and data (``ev``: its rows, every kind, in order)."""
     if rank not in run.ranks:
         return {"rank": rank, "what": "left no usable file (never started, or its file is lost)", "for_s": None}
@@ -208,7 +211,7 @@ def _doing(run: Any, rank: int, end_ns: int, ev: np.ndarray) -> dict[str, Any]:
         prog = ev["kind"] != Kind.SHIM
         i = int(np.argmax(np.where(prog, t_end, np.iinfo(np.int64).min))) if prog.any() else int(np.argmax(t_end))
         row = ev[i]
-        last = {
+        last: dict[str, Any] = {
             "kind": _kind_name(int(row["kind"])),
             "name": run.s(int(row["name_id"])),
             "site": run.s(int(row["site_id"])),

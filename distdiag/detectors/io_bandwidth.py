@@ -38,7 +38,7 @@ rows closer than this merge into one episode), ``min_fraction`` ([analyze],
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -51,6 +51,9 @@ from distdiag.bands import n_ranks
 from distdiag.passes import RowsPass, run_local
 from distdiag.rows import events_of
 from distdiag.schema import Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ _OPEN_CLOSE = np.array([Kind.FILE_OPEN, Kind.FILE_CLOSE], np.uint8)
 _STALL = np.array([Kind.COLL, Kind.WAIT, Kind.RECV], np.uint8)
 
 
-def _stall_rows(run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _stall_rows(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rank as int64, t0, t1) of the rows of the stall kinds (blocking collectives, waits,
     receives) that ended (t1 >= t0), in table order: from the run's kind index, or, for the
     kinds a streamed run keeps on disk (its collective rows once matched), band by band

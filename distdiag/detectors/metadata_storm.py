@@ -60,7 +60,7 @@ rules out one long call that is not a storm), ``min_calls`` (100), ``min_blocked
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -73,6 +73,9 @@ from distdiag.import_files import LOCAL_FSTYPES
 from distdiag.replay import Change
 from distdiag.rows import calls_of, events_of, weighted_median
 from distdiag.schema import FILE_KINDS, Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +158,8 @@ def concurrency_at_start(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
     s1 = np.sort(t1)
     started = np.searchsorted(s0, t0, side="right")  # includes itself and ties
     ended = np.searchsorted(s1, t0, side="right")
-    return np.maximum(0, started - ended - 1)
+    out: np.ndarray = np.maximum(0, started - ended - 1)
+    return out
 
 
 #: calls of the libc interposer (distdiag.shim.preload: ``comm_id`` "libc:<call>") on a
@@ -183,7 +187,7 @@ def _accesses(meta: np.ndarray, dur: np.ndarray, fd_ids: np.ndarray) -> tuple[np
     return idx, np.bincount(idx, weights=dur.astype(np.float64)) / calls_of(meta[first])
 
 
-def _import_share(run: Any, name_id: np.ndarray) -> float:
+def _import_share(run: Run, name_id: np.ndarray) -> float:
     """The share of these calls' distinct files that are Python modules; from 0.5 the calls are an
     import storm (one process's, too: at scale every rank imports the same files at once)."""
     names = np.asarray(run.strings, dtype=object)[np.unique(name_id)].astype(str)
@@ -212,7 +216,7 @@ def _latency_by_concurrency(lat_ns: np.ndarray, w: np.ndarray, conc: np.ndarray,
     return out
 
 
-def _top_paths(run: Any, name_id: np.ndarray, dur_ns: np.ndarray, calls: np.ndarray, top: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _top_paths(run: Run, name_id: np.ndarray, dur_ns: np.ndarray, calls: np.ndarray, top: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The directories and files that took the most blocked time (calls, seconds). An
     overflow sum's name is its directory + ``/*``: that directory's "file"."""
     ids, inv = np.unique(name_id, return_inverse=True)

@@ -35,7 +35,7 @@ Settings (``[analyze.network_bound]``): ``min_share`` (0.1), ``top`` (5), ``fabr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,10 @@ from distdiag.findings import Finding
 from distdiag.intervals import union_length_by_key
 from distdiag.links import collective_transfers, network_bound, probe_matrix, union_s
 from distdiag.replay import Change
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
+    from distdiag.config import Config
 
 ADVICE = (
     "measure the links to see whether one is slow: rerun with `distdiag-wrap --probe-links` "
@@ -60,7 +64,8 @@ _NO_TIME_NS = 1 << 60
 
 def _size_class(nbytes: np.ndarray) -> np.ndarray:
     """Power-of-4 size classes (1 KiB, 4 KiB, ...), for the evidence."""
-    return np.floor(np.log2(np.maximum(nbytes, 1)) / 2).astype(np.int64) * 2
+    out: np.ndarray = np.floor(np.log2(np.maximum(nbytes, 1)) / 2).astype(np.int64) * 2
+    return out
 
 
 def _human(b: float) -> str:
@@ -70,7 +75,7 @@ def _human(b: float) -> str:
     return f"{b:.0f} B"
 
 
-def fabric_bw(run: Any, cfg: Any) -> tuple[float, str]:
+def fabric_bw(run: Run, cfg: Config) -> tuple[float, str]:
     """(bytes/s the fabric delivers, where that comes from), or (0.0, "") when unknown:
     ``fabric_MB_per_s`` in the config, else the median pair the link probe measured."""
     conf = float(cfg.value("network_bound", "fabric_MB_per_s", 0.0) or 0.0)

@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
@@ -97,6 +97,9 @@ from distdiag.match import Collectives, MatchState, group_blocks, member_gaps_ns
 from distdiag.replay import Change
 from distdiag.run import _ranges
 from distdiag.schema import Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +231,7 @@ def _lead(colls: Collectives, idle_m: np.ndarray, want: np.ndarray) -> np.ndarra
     return out
 
 
-def _by_band(run: Any, rank: np.ndarray) -> Iterator[tuple[Band, np.ndarray]]:
+def _by_band(run: Run, rank: np.ndarray) -> Iterator[tuple[Band, np.ndarray]]:
     """Per band of :func:`distdiag.bands.bands` holding ranks of ``rank`` (one query per entry):
     the band and the indices of its queries. Only the bands holding a queried rank
     are made (a streamed run reads no other file)."""
@@ -240,7 +243,7 @@ def _by_band(run: Any, rank: np.ndarray) -> Iterator[tuple[Band, np.ndarray]]:
             yield band, order[i:j]
 
 
-def _activity_ns(run: Any, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray) -> np.ndarray:
+def _activity_ns(run: Run, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray) -> np.ndarray:
     """Per window [a, b] of rank ``rank``: ns of recorded activity calls starting inside it (capped at b - a).
 
     Band by band (:mod:`distdiag.bands`: the compute phases among the activity
@@ -471,14 +474,14 @@ def detect(an: Analysis) -> list[Finding]:
     return findings
 
 
-def _stretches(w: tuple[np.ndarray, ...], run: Any, colls: Collectives) -> Windows:
+def _stretches(w: tuple[np.ndarray, ...], run: Run, colls: Collectives) -> Windows:
     """A section's windows as a symptom: per serial collective, the late rank's stretch of own work
     and the charge (its lone window's length)."""
     rank, g0, idle_last, last = w
     return rank, g0, last, last - idle_last
 
 
-def _prev_sites(run: Any, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray, limit: int) -> dict[str, int]:
+def _prev_sites(run: Run, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray, limit: int) -> dict[str, int]:
     """Call sites of the collectives of ``rank[i]`` that ended at ``t_ns[i]`` (where its serial stretch starts)."""
     mine = np.isin(colls.m_rank, rank) & (colls.m_t1_ns >= 0)
     if not mine.any():
@@ -499,7 +502,7 @@ def _prev_sites(run: Any, colls: Collectives, rank: np.ndarray, t_ns: np.ndarray
 
 
 def _what_it_did(
-    run: Any, sec: np.ndarray, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray, n_sec: int, limit: int
+    run: Run, sec: np.ndarray, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray, n_sec: int, limit: int
 ) -> list[list[dict[str, Any]]]:
     """Per section ``0..n_sec``: the recorded calls of ``rank[i]`` inside its stretch [a_ns[i], b_ns[i]]
     (the windows ``i`` with ``sec[i]`` that section), grouped by (kind, name, site), longest first.
@@ -539,7 +542,7 @@ def _what_it_did(
     return [_calls(run, np.concatenate(p), limit) if p else [] for p in picked]
 
 
-def _calls(run: Any, e: np.ndarray, limit: int) -> list[dict[str, Any]]:
+def _calls(run: Run, e: np.ndarray, limit: int) -> list[dict[str, Any]]:
     """Event rows ``e`` grouped by (kind, name, site): the ``limit`` longest in all, with count and seconds."""
     key = np.stack([e["kind"].astype(np.int64), e["name_id"].astype(np.int64), e["site_id"].astype(np.int64)], 1)
     u, inv, cnt = np.unique(key, axis=0, return_inverse=True, return_counts=True)

@@ -77,7 +77,8 @@ def _node_medians(m: LinkMatrix) -> np.ndarray:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: unmeasured units
-            return np.nanmedian(bw, axis=1)
+            out: np.ndarray = np.nanmedian(bw, axis=1)
+            return out
 
 
 def find_slow(m: LinkMatrix, max_ratio: float) -> tuple[list[int], list[tuple[int, int]], float]:

@@ -59,7 +59,7 @@ Settings (``[analyze.startup]``): ``min_fraction``, ``healthy_call_ms`` (1.0),
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -69,6 +69,9 @@ from distdiag.detectors import register
 from distdiag.findings import Finding, Windows
 from distdiag.replay import Change
 from distdiag.startup_floor import floor_of
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 
 ADVICE = (
@@ -142,7 +145,7 @@ def detect(an: Analysis) -> list[Finding]:
     return [f]
 
 
-def _startup_window(f: Finding, run: Any, colls: Any) -> Windows | None:
+def _startup_window(f: Finding, run: Run, colls: Any) -> Windows | None:
     """The finding's window as a symptom: its binding rank's start-up, charged with the part of the
     price that its module files' excess over the healthy latency makes (its ``module_file_excess_s``):
     what a metadata storm among those files explains. The setup the price also holds (dataset,

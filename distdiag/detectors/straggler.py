@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -87,6 +87,9 @@ from distdiag.lateness import charged_windows, host_indices, nobody_waits, other
 from distdiag.match import MatchState, group_blocks
 from distdiag.run import _ranges
 from distdiag.replay import Change
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +267,7 @@ class P2PLateness(NamedTuple):
     ns: np.ndarray
 
 
-def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None = None) -> P2PLateness:
+def p2p_lateness(run: Run, colls: Any, min_ns: float, have_ns: np.ndarray | None = None) -> P2PLateness:
     """The lateness at point-to-point rendezvous (issue 20), as :func:`own_lateness_ns` at collectives.
 
     A blocking receive, or the WAIT that completes an ``Irecv``
@@ -360,14 +363,14 @@ def p2p_lateness(run: Any, colls: Any, min_ns: float, have_ns: np.ndarray | None
     return P2PLateness(c_r[keep], rows[keep], best[keep])
 
 
-def _p2p_rows(run: Any) -> np.ndarray:
+def _p2p_rows(run: Run) -> np.ndarray:
     from distdiag.rows import rows_of
     from distdiag.schema import Kind
 
     return rows_of(run, (Kind.SEND, Kind.RECV))
 
 
-def _left_before(run: Any, colls: Any, who: np.ndarray, q_rank: np.ndarray,
+def _left_before(run: Run, colls: Any, who: np.ndarray, q_rank: np.ndarray,
                  q_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Per query: the latest exit (ns) of rank ``q_rank`` from a rendezvous (a collective member
     row's return, a blocking point-to-point call's or a wait's) at or before ``q_t`` (-1 where none), and how long that
@@ -415,7 +418,7 @@ def _left_before(run: Any, colls: Any, who: np.ndarray, q_rank: np.ndarray,
 
 
 def _fold_hosts(
-    run: Any,
+    run: Run,
     colls: Any,
     ok: np.ndarray,
     rank_cost_ns: np.ndarray,
