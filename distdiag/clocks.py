@@ -203,7 +203,7 @@ def _fit_rank(rank: int, k: np.ndarray) -> RankClock:
             bound = float(np.max((np.abs(resid) + e_all)[good]))
             lx = np.array([xa[good].min(), xa[good].max()])
             return RankClock(method="sync", knots_x=lx, knots_y=a + b * lx, slope=b, bound_ns=bound,
-                             bound_growth=_slope_err(xa, e_all, resid), **common)  # type: ignore[arg-type]  # fmt: skip
+                             bound_growth=_slope_err(xa, e_all, resid), **common)  # fmt: skip
     keep = e_all <= max(KNOT_KEEP_FACTOR * best, best + KNOT_KEEP_ABS_NS)
     k, e = k[keep], e_all[keep]
     x = (k["x"] - x0).astype(np.float64)
@@ -211,12 +211,12 @@ def _fit_rank(rank: int, k: np.ndarray) -> RankClock:
     if len(k) == 1 and len(e_all) == 1:
         # No drift estimate: the bound grows with the distance from the one knot.
         return RankClock(method="sync-single", knots_x=x, knots_y=y, slope=0.0, bound_ns=best,
-                         bound_growth=DRIFT_PRIOR_PPM * 1e-6, **common)  # type: ignore[arg-type]  # fmt: skip
+                         bound_growth=DRIFT_PRIOR_PPM * 1e-6, **common)  # fmt: skip
     if len(k) == 1:
         # One good knot and poor ones that disagree with it beyond their error bars:
         # trust the good one, with the line's slope.
         return RankClock(method="sync-single", knots_x=x, knots_y=y, slope=b, bound_ns=best,
-                         bound_growth=DRIFT_PRIOR_PPM * 1e-6, **common)  # type: ignore[arg-type]  # fmt: skip
+                         bound_growth=DRIFT_PRIOR_PPM * 1e-6, **common)  # fmt: skip
     # Piecewise linear through the knots. Between two knots the error is at most the larger
     # of their error bars, plus how far the true curve bends away from the chord (estimated
     # as half the largest second difference of the knots).
@@ -226,7 +226,7 @@ def _fit_rank(rank: int, k: np.ndarray) -> RankClock:
         chord = y[:-2] + t * (y[2:] - y[:-2])
         bend = float(np.abs(y[1:-1] - chord).max()) / 2.0
     return RankClock(method="sync-piecewise", knots_x=x, knots_y=y, slope=b,
-                     bound_ns=float(e.max()) + bend, bound_growth=_slope_err(x, e, np.zeros(len(x))), **common)  # type: ignore[arg-type]  # fmt: skip
+                     bound_ns=float(e.max()) + bend, bound_growth=_slope_err(x, e, np.zeros(len(x))), **common)  # fmt: skip
 
 
 def _slope_err(x: np.ndarray, e: np.ndarray, resid: np.ndarray) -> float:

@@ -406,7 +406,8 @@ def group_unit_mask(colls: Collectives, groups: np.ndarray, rank_in: np.ndarray)
     inside = r < len(rank_in)
     hit[inside] = rank_in[r[inside]]
     per_group = np.logical_or.reduceat(hit, colls.g_start[:-1]) if len(hit) else np.zeros(0, bool)
-    return per_group[groups]
+    out: np.ndarray = per_group[groups]
+    return out
 
 
 def union_s(t0_ns: np.ndarray, t1_ns: np.ndarray) -> float:
@@ -429,7 +430,8 @@ def network_bound(ct: CollectiveTransfers, min_transfer_s: float = 1e-3) -> np.n
     its 10 bucket all-reduces at 264-310 ms transfers after launches 75-97 ms apart, ratio 2.9-3.7,
     left out: network_bound priced 1.78 s against 2.88 s of transfers.)"""
     spread_ok = (ct.transfer_s > NETWORK_BOUND_RATIO * ct.arrival_spread_s) | (ct.kind == Kind.COLL_ASYNC)
-    return (ct.transfer_s >= min_transfer_s) & spread_ok
+    ok: np.ndarray = (ct.transfer_s >= min_transfer_s) & spread_ok
+    return ok
 
 
 def transfer_summary(run: Run, colls: Collectives | None = None) -> Any:

@@ -72,9 +72,6 @@ log = logging.getLogger(__name__)
 
 _KIND_VALUES = frozenset(int(k) for k in Kind)
 
-#: the formatter's old name: detectors.straggler and serial_section still import it from here
-_ranges = rank_ranges
-
 
 def _with_rank(dt: np.dtype) -> np.dtype:
     return np.dtype(list(dt.descr) + [("rank", "<i4")])
@@ -1727,7 +1724,8 @@ class _Packer:
         """``rows[keep]``, in order; rows :meth:`read_events` just wrote are compacted in place
         (still to be taken, as before)."""
         if rows is not self._written:
-            return rows[keep]
+            kept: np.ndarray = rows[keep]
+            return kept
         k = int(np.count_nonzero(keep))
         rows[:k] = rows[keep]
         self._written = rows[:k]

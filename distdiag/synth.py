@@ -346,7 +346,8 @@ class _Sim:
     def to_local(self, r: int, t_true: np.ndarray) -> np.ndarray:
         """true -> this rank's clock: local = true - offset - drift * (true - t_start)."""
         h = _host_of(r, self.rph)
-        return (t_true - self.host_off[h] - (self.host_drift[h] * (t_true - self.t_start))).astype(np.int64)
+        t: np.ndarray = (t_true - self.host_off[h] - (self.host_drift[h] * (t_true - self.t_start))).astype(np.int64)
+        return t
 
     def sync_rows(self, r: int, t_end: int) -> np.ndarray | None:
         if r == 0:

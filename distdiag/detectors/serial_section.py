@@ -94,8 +94,8 @@ from distdiag.findings import Finding, Windows
 from distdiag.evidence import secs, tally
 from distdiag.lateness import holds_others, one_to_many_root_late, root_world_ranks
 from distdiag.match import Collectives, MatchState, group_blocks, member_gaps_ns
+from distdiag.ranks import rank_ranges
 from distdiag.replay import Change
-from distdiag.run import _ranges
 from distdiag.schema import Kind
 
 if TYPE_CHECKING:
@@ -427,7 +427,7 @@ def detect(an: Analysis) -> list[Finding]:
         n_here = int(np.count_nonzero(colls.m_site[lr] == site_id))
         every = f"{n_here} of {n_calls}" if n_calls else str(len(mine))
         cap = 1.0 / s if s > 0 else float("inf")
-        who = f"rank {k} works alone" if len(ranks) == 1 else f"ranks {_ranges(ranks)} work"
+        who = f"rank {k} works alone" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)} work"
         summary = (
             f"{who} while the others wait in {top_op} ({every} calls at {_short(top_site)}): "
             f"{secs(cost_s)} serial = {s:.0%} of the run (Amdahl: more ranks can speed it up {cap:.3g}x at most)"
@@ -444,7 +444,7 @@ def detect(an: Analysis) -> list[Finding]:
                 summary=summary,
                 # removed: each lone window (the late rank working while the others wait in the collective), as
                 # rank-time, so that a cause claiming the same time (an I/O finding) counts it once with it
-                change=Change(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranges(ranks)}'s lone windows before "
+                change=Change(f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}'s lone windows before "
                               "the collectives removed", drop_rank=drop[0], drop_t0=drop[1], drop_t1=drop[2]),  # fmt: skip
                 ranks=ranks,
                 hosts=run.hosts_of(ranks),

@@ -85,7 +85,7 @@ from distdiag.intervals import band_of
 from distdiag.evidence import secs, tally
 from distdiag.lateness import charged_windows, host_indices, nobody_waits, other_host_last_ns_from, own_lateness_ns, startup_groups
 from distdiag.match import MatchState, group_blocks
-from distdiag.run import _ranges
+from distdiag.ranks import rank_ranges
 from distdiag.replay import Change
 
 if TYPE_CHECKING:
@@ -494,7 +494,7 @@ def _fold_hosts(
                 kind="straggler",
                 cost_s=cost_s,
                 summary=(
-                    f"host {hosts[h]} (ranks {_ranges(ranks_here)}) arrived last at {frac:.0%} of "
+                    f"host {hosts[h]} (ranks {rank_ranges(ranks_here)}) arrived last at {frac:.0%} of "
                     f"{int(n_part[h])} collectives; the other hosts waited {secs(cost_s)}"
                 ),
                 ranks=ranks_here,
