@@ -27,7 +27,8 @@ from distdiag.config import Config  # noqa: E402
 from distdiag.detectors import load_all  # noqa: E402
 from distdiag.findings import Finding  # noqa: E402
 from distdiag.match import collectives_of  # noqa: E402
-from distdiag.ranking import CLAIMED_KINDS, rank_findings  # noqa: E402
+from distdiag.claims import CLAIMED_KINDS  # noqa: E402
+from distdiag.ranking import rank_findings  # noqa: E402
 from distdiag.run import load_run  # noqa: E402
 from distdiag.schema import Kind  # noqa: E402
 

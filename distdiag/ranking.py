@@ -29,7 +29,7 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
    * *mechanisms* (``MECHANISMS``): ``input_bound``, ``h2d_copy``,
      ``metadata_storm``, ``io_bandwidth``, ``slow_link``: a subsystem that
      held a rank; each claims the rank-time of its own recorded calls
-     (``CLAIMED_KINDS``: loader waits, copies, file calls, point-to-point) on
+     (``distdiag.claims.CLAIMED_KINDS``: loader waits, copies, file calls, point-to-point) on
      the ranks it names, or what its detector states (``Finding.claims``:
      ``io_bandwidth``'s large transfers, ``io_bound``'s bursts);
    * *code paths*: ``serial_section`` claims its charged windows (the
@@ -85,25 +85,14 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.claims import MECHANISMS, claims_of
 from distdiag.findings import Finding, Windows
 from distdiag.intervals import covered_within, union_banded
 from distdiag.match import Collectives
-from distdiag.rows import rows_of
-from distdiag.schema import Kind
 from distdiag.startup_floor import floor_of
 
 log = logging.getLogger(__name__)
 
-#: finding kind -> the event kinds whose rank-time the finding claims, for the mechanisms whose
-#: detectors state no claims of their own (``io_bandwidth``'s episodes and ``io_bound``'s bursts
-#: are :attr:`Finding.claims`)
-CLAIMED_KINDS: dict[str, tuple[int, ...]] = {
-    "input_bound": (Kind.INPUT_WAIT,),
-    "h2d_copy": (Kind.H2D,),
-    "metadata_storm": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR),
-    "slow_link": (Kind.SEND, Kind.RECV, Kind.WAIT),
-}
-MECHANISMS = ("input_bound", "h2d_copy", "metadata_storm", "io_bandwidth", "slow_link", "io_bound")
 #: tier of each kind: lower explains higher (absent kinds are never adjusted nor explain)
 TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2, "startup": 2}
 
@@ -429,7 +418,7 @@ def _deduplicate(findings: list[Finding], run: Any, colls: Collectives, cfg: Any
                 continue
             if replayed(c) and replayed(f):  # the replay counted their seconds once already
                 continue
-            claims = _claims(c, run)
+            claims = claims_of(c, run)
             if claims is None:
                 continue
             all_claims.append(claims)
@@ -455,28 +444,6 @@ def _deduplicate(findings: list[Finding], run: Any, colls: Collectives, cfg: Any
             log.info("%s ranks %s: %.3f s of %.3f s explained by %s; dropped", f.kind, f.ranks, total, before, taken)
             dropped.add(id(f))
     return [f for f in findings if id(f) not in dropped]
-
-
-def _claims(c: Finding, run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The rank-time a cause finding claims: (rank, t0_ns, t1_ns) intervals (its own, when the
-    detector stated them: :attr:`Finding.claims`)."""
-    if c.claims is not None:
-        return c.claims if len(c.claims[0]) else None
-    kinds = CLAIMED_KINDS.get(c.kind)
-    if kinds is None:
-        return None
-    ev = run.events
-    sel = rows_of(run, kinds)  # the run's kind index (distdiag.rows): ascending rows, no scan
-    ranks = list(c.ranks)
-    if c.kind == "slow_link" and c.hosts and not ranks:
-        ranks = [r for r, i in run.ranks.items() if i.host in set(c.hosts)]
-    if ranks:
-        sel = sel[np.isin(ev["rank"][sel], np.asarray(ranks))]
-    if len(sel) == 0:
-        return None
-    t0 = ev["t0_ns"][sel]
-    return (ev["rank"][sel].astype(np.int64), t0.astype(np.int64),
-            np.maximum(ev["t1_ns"][sel], t0).astype(np.int64))  # fmt: skip
 
 
 def _explained_ns(win: Windows, claims: tuple[np.ndarray, np.ndarray, np.ndarray]) -> float:

@@ -1129,13 +1129,13 @@ NOT_REPLAYED = ("it changes only non-blocking collectives or point-to-point call
 
 
 def claims_change(f: Any, run: Any) -> Change | None:
-    """A mechanism finding's counterfactual from its claims (:func:`distdiag.ranking._claims`: the
+    """A mechanism finding's counterfactual from its claims (:func:`distdiag.claims.claims_of`: the
     rank-time of its rows, e.g. an input-bound rank's loader waits): that time removed."""
-    from distdiag.ranking import MECHANISMS, _claims
+    from distdiag.claims import MECHANISMS, claims_of
 
     if f.kind not in MECHANISMS or f.kind in ("slow_link", "metadata_storm"):
         return None  # those state their own (transfers; the storm's windows with the unseen gaps)
-    got = _claims(f, run)
+    got = claims_of(f, run)
     if got is None:
         return None
     r, t0, t1 = got
