@@ -486,3 +486,31 @@ def simulate_p2p(d: Path, n: int, compute: np.ndarray, pattern: str, big: bool, 
                             0, 0, 0.0))  # fmt: skip
             write_rank(d, r, n, sorted(rows[r]), s)
     return t + 0.5
+
+
+def hang_in_phases(d: Path, world: int = 10) -> None:
+    """A job killed in Barrier #4 on world whose missing ranks' last rows are compute phases (the
+    streamed kinds): every rank but 3 and 7 is inside the Barrier. Rank 3's last program rows are
+    a FORWARD then a BACKWARD that ends last (a shim mark after them says nothing) and a file read
+    before them; rank 7 is inside an open ``evaluate`` phase after a file read."""
+    for r in range(world):
+        s = [""]
+        rows = []
+        for i in range(4):  # healthy collectives, with compute phases between them
+            rows.append(coll(10.0 * i + 3, 10.0 * i + 6, -1, s, op="fwd", kind=Kind.FORWARD))
+            rows.append(coll(10.0 * i + 6.5, 10.0 * i + 8, -1, s, op="bwd", kind=Kind.BACKWARD))
+            rows.append(coll(10.0 * i + 0.1 * r, 10.0 * i + 2, i, s))
+        inf = None
+        if r == 3:
+            rows += [coll(45.0, 46.0, -1, s, op="/data/shard-3", kind=Kind.FILE_READ),
+                     coll(47.0, 60.0, -1, s, op="fwd", kind=Kind.FORWARD),
+                     coll(48.0, 70.0, -1, s, op="bwd", kind=Kind.BACKWARD),
+                     coll(65.0, 65.0, -1, s, op="clock", kind=Kind.SHIM)]  # fmt: skip
+        elif r == 7:
+            rows.append(coll(44.0, 45.0, -1, s, op="/data/shard-7", kind=Kind.FILE_READ))
+            inf = [coll(46.0, -1, -1, s, op="evaluate", kind=Kind.PHASE)]
+        else:
+            inf = [coll(50.0 + r, -1, 4, s, op="Barrier")]
+        rows.sort(key=lambda row: row[0])
+        write_rank(d, r, world, rows, s, inflight=inf, closed_cleanly=False, exit_code=None,
+                   end_mono_ns=None, last_flush_mono_ns=int(2000 * MS))  # fmt: skip
