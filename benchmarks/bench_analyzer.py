@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         colls = match_collectives(run)
         rows.append(("match_collectives", time.perf_counter() - t))
-        run.cache["collectives"] = colls
+        run.cache.collectives = colls
         t = time.perf_counter()
         found = load_all()["straggler"](Analysis(run, colls, cfg))
         rows.append(("straggler detector", time.perf_counter() - t))

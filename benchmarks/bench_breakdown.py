@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run: {ns.ranks} ranks x {ns.steps} steps = {n:,} events")
 
         def step_once() -> None:
-            run.cache.pop("step_breakdown", None)
+            run.cache.step_breakdown = None
             step_breakdown(run, colls)
 
         steps = step_breakdown(run, colls)

@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from distdiag.cache import RunCache  # noqa: E402
 from distdiag.clocks import align  # noqa: E402
 from distdiag.config import Config  # noqa: E402
 from distdiag.detectors import load_all  # noqa: E402
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         best = float("inf")
         got = []
         for _ in range(3):
-            run.cache.clear()
+            run.cache = RunCache()
             collectives_of(run)  # matching is shared by all three: not timed
             t = time.perf_counter()
             got = dets[name](Analysis(run, collectives_of(run), cfg))

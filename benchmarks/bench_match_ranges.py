@@ -55,6 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from distdiag.cache import RunCache  # noqa: E402
 from distdiag.clocks import align  # noqa: E402
 from distdiag.match import (  # noqa: E402
     Collectives,
@@ -93,7 +94,7 @@ def main() -> int:
     ns = ap.parse_args()
     ks = [int(k) for k in ns.ks.split(",")]
     run = align(load_run(ns.run_dir, streamed_kinds=STREAMED_KINDS), inplace=True)
-    run.cache.clear()  # align's match: not needed here
+    run.cache = RunCache()  # align's match: not needed here
     assert run.coll_rows is not None
     print(f"{ns.run_dir}: {len(run.coll_rows):,} collective rows ({run.coll_rows.nbytes / 1e6:.0f} MB kept), "
           f"{len(run.inflight)} in flight")  # fmt: skip

@@ -177,7 +177,7 @@ def _child(run_dir: str, parallel: bool) -> int:
 
             cfg = Config(stream_events=int(os.environ["DISTDIAG_BENCH_STREAM_EVENTS"]))
         rep = analyze_parallel(run_dir, cfg)
-        stages = rep.run.cache.get("parallel") if rep is not None else None
+        stages = rep.run.cache.parallel if rep is not None else None
         rank = MPI.COMM_WORLD.Get_rank()
         # every analysis rank's peak (the machine holds them all): rank 0 reports the list
         all_rss = MPI.COMM_WORLD.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, root=0)

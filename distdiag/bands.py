@@ -120,12 +120,12 @@ def n_ranks(run: Any) -> int:
 def rank_rows(run: Any) -> np.ndarray:
     """Per rank r in 0..n_ranks, the number of event rows of ranks < r over ALL events (streamed
     kinds included): rank r has ``rank_rows[r + 1] - rank_rows[r]`` rows. Cached on the run."""
-    got = run.cache.get("bands.rank_rows")
+    got = run.cache.rank_rows
     if got is not None:
         return got  # type: ignore[no-any-return]
     n = n_ranks(run)
     out: np.ndarray = run.stream.rank_rows(n) if getattr(run, "streamed_kinds", ()) else first_rows(run.events["rank"], n)
-    run.cache["bands.rank_rows"] = out
+    run.cache.rank_rows = out
     return out
 
 
@@ -184,7 +184,7 @@ def bands(
 def time_bounds(run: Any) -> tuple[int, int]:
     """(min, max) over the t0_ns and t1_ns of ALL events (streamed kinds included), aligned;
     (0, 0) without events. Cached on the run."""
-    got = run.cache.get("bands.time_bounds")
+    got = run.cache.time_bounds
     if got is not None:
         return got  # type: ignore[no-any-return]
     out: tuple[int, int]
@@ -195,7 +195,7 @@ def time_bounds(run: Any) -> tuple[int, int]:
         out = (int(min(ev["t0_ns"].min(), ev["t1_ns"].min())), int(max(ev["t0_ns"].max(), ev["t1_ns"].max())))
     else:
         out = (0, 0)
-    run.cache["bands.time_bounds"] = out
+    run.cache.time_bounds = out
     return out
 
 

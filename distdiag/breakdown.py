@@ -172,9 +172,6 @@ _CAT_KINDS = tuple(int(k) for k in np.flatnonzero(_CAT_OF_KIND != _NONE))
 STARTUP_END_KINDS = tuple(sorted(int(k) for k in COMM_KINDS | P2P_KINDS | PHASE_KINDS | {Kind.STEP}))
 _IS_STARTUP_END = np.zeros(256, bool)
 _IS_STARTUP_END[list(STARTUP_END_KINDS)] = True
-#: ``run.cache`` key of :func:`startup_ends`' array
-STARTUP_CACHE = "breakdown.startup_end_ns"
-
 #: rows whose start opens a rank's step 0 (before the first one: start-up)
 WINDOW_KINDS = (Kind.INPUT_WAIT, Kind.H2D, Kind.FORWARD, Kind.BACKWARD, Kind.OPTIMIZER, Kind.PHASE)
 #: the optimizer hook's STEP rows; preferred over distdiag.step() rows when both exist
@@ -739,12 +736,12 @@ def startup_ends(run: Run) -> np.ndarray:
     """Per rank (index = rank, every rank of the bands), where its startup ends on the aligned
     timeline (ns): see :func:`_band_startup_ends`. One pass over the bands' rows of those kinds
     (:class:`StartupEndsPass`; the pipeline's sweep makes it with the other passes); cached on
-    ``run.cache`` (the startup detector and the breakdown's coverage read it)."""
-    got = run.cache.get(STARTUP_CACHE)
-    if isinstance(got, np.ndarray):
+    ``run.cache.startup_ends`` (the startup detector and the breakdown's coverage read it)."""
+    got = run.cache.startup_ends
+    if got is not None:
         return got
     out: np.ndarray = run_local(run, [StartupEndsPass()])[0]
-    run.cache[STARTUP_CACHE] = out
+    run.cache.startup_ends = out
     return out
 
 
@@ -909,18 +906,14 @@ def breakdown_part(run: Run, colls: Collectives, part: tuple[int, int]) -> Break
     return got
 
 
-#: ``run.cache`` key of :class:`BreakdownPass`'s result when a sweep made it with the other
-#: per-rank passes (the pipeline's, or ``--parallel``'s blocks put together on rank 0)
-TALLIES = "breakdown.tallies"
-
-
-def _tallies(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, _Steps]:
-    """The per-rank tally (when ``ranks``) and the per-step one: the sweep's
-    (``run.cache[TALLIES]``), else one sweep over every band."""
-    done = run.cache.get(TALLIES)
+def _tallies(run: Run, colls: Collectives, ranks: bool) -> Tallies:
+    """The per-rank tally (when ``ranks``) and the per-step one: the sweep's, when one made them
+    with the other per-rank passes (``run.cache.tallies``: the pipeline's, or ``--parallel``'s
+    blocks put together on rank 0), else one sweep over every band."""
+    done = run.cache.tallies
     if done is not None and (done[0] is not None or not ranks):
-        return done  # type: ignore[no-any-return]
-    got: tuple[_Tally | None, _Steps] = run_local(run, [BreakdownPass(colls, ranks)])[0]
+        return done
+    got: Tallies = run_local(run, [BreakdownPass(colls, ranks)])[0]
     return got
 
 
@@ -939,7 +932,7 @@ def _compute(run: Run, colls: Collectives, ranks: bool) -> tuple[_Tally | None, 
 def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     """One row per present rank: rank, host, wall_s, the COLUMNS and INFO_COLUMNS, in seconds.
 
-    Also leaves :func:`step_breakdown`'s table in ``run.cache`` (computed from the same intervals).
+    Also leaves :func:`step_breakdown`'s table in ``run.cache.step_breakdown`` (computed from the same intervals).
     """
     if colls is None:
         colls = collectives_of(run)
@@ -947,7 +940,7 @@ def breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     t, steps = _compute(run, colls, ranks=True)
     assert t is not None
     # the per-step table from the same intervals (small: one row per STEP row); the JSON and text read it
-    run.cache["step_breakdown"] = steps
+    run.cache.step_breakdown = steps
     present = np.array(sorted(run.ranks), np.int64)
     df = pd.DataFrame({"rank": present, "host": [run.host_of(r) for r in present]})
     for name, col in _columns(t, (end - start).astype(np.float64), present).items():
@@ -981,15 +974,15 @@ def _sorted_by_rank_time(rank: np.ndarray, t: np.ndarray) -> bool:
 def step_breakdown(run: Run, colls: Collectives | None = None) -> pd.DataFrame:
     """One row per (rank, step): rank, step, t_s (start, from the run's start), wall_s, COLUMNS, INFO_COLUMNS.
 
-    Cached on ``run.cache["step_breakdown"]`` (the JSON, text and frames read it).
+    Cached on ``run.cache.step_breakdown`` (the JSON, text and frames read it).
     """
-    cached = run.cache.get("step_breakdown")
+    cached = run.cache.step_breakdown
     if cached is not None:
-        return cached  # type: ignore[no-any-return]
+        return cached
     if colls is None:
         colls = collectives_of(run)
     _, df = _compute(run, colls, ranks=False)
-    run.cache["step_breakdown"] = df
+    run.cache.step_breakdown = df
     return df
 
 
@@ -1091,6 +1084,10 @@ class _Steps:
         return pd.DataFrame(data, columns=cols)
 
 
+#: :class:`BreakdownPass`'s result: (per-rank tally or None, per-step tally)
+Tallies = tuple[_Tally | None, _Steps]
+
+
 class _BdAcc:
     """:class:`BreakdownPass`'s accumulator: the tallies of the bands of block ``part`` (None: every band)."""
 
@@ -1105,7 +1102,7 @@ class _BdAcc:
         self.ctx = None if self.tally is None and self.steps.n == 0 else _Ctx(run, colls, n)
 
 
-class BreakdownPass(Pass[_BdAcc, _BdAcc | BreakdownPart | None, tuple[_Tally | None, _Steps]]):
+class BreakdownPass(Pass[_BdAcc, _BdAcc | BreakdownPart | None, Tallies]):
     """The breakdown's tallies as a per-rank pass (:mod:`distdiag.passes`): each band's
     categorized intervals, tallied per rank (when ``ranks``) and per step. The part of every
     band is its accumulator, whole; a block's is a :class:`BreakdownPart` (only its ranks' and
@@ -1143,7 +1140,7 @@ class BreakdownPass(Pass[_BdAcc, _BdAcc | BreakdownPart | None, tuple[_Tally | N
                                  steps.w0[k_lo:k_hi].copy())  # fmt: skip
         return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), 0, 0, None, None)
 
-    def reduce(self, run: Any, parts: list[_BdAcc | BreakdownPart | None]) -> tuple[_Tally | None, _Steps]:
+    def reduce(self, run: Any, parts: list[_BdAcc | BreakdownPart | None]) -> Tallies:
         if len(parts) == 1 and isinstance(parts[0], _BdAcc):  # every band's, whole
             return parts[0].tally, parts[0].steps
         start, _ = run.rank_bounds()

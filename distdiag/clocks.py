@@ -63,7 +63,7 @@ Violations within the two ranks' stated bounds are expected noise; ones beyond
 them mean the model is wrong for those ranks and become a warning.
 
 The result of the fit and the causality counts sit in
-``run.cache["clock_model"]`` (a :class:`ClockModel`; ``.to_json()``) after
+``run.cache.clock_model`` (a :class:`ClockModel`; ``.to_json()``) after
 :func:`align`.
 """
 
@@ -259,12 +259,12 @@ def _sync_ops(run: Run) -> np.ndarray:
 def _raw_collectives(run: Run) -> Any:
     """Collectives matched on the raw run: matching is by (comm, seq), so it holds for
     any clock model; only the member times need mapping."""
-    c = run.cache.get("raw_collectives")
+    c = run.cache.raw_collectives
     if c is None:
         from distdiag.match import match_collectives
 
         c = match_collectives(run.replace())  # a copy: matching may add warnings
-        run.cache["raw_collectives"] = c
+        run.cache.raw_collectives = c
     return c
 
 
@@ -606,7 +606,7 @@ def check_causality(
 def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     """A new Run whose event, in-flight and GPU times and rank bounds are on rank 0's clock.
 
-    ``run.cache["clock_model"]`` holds the :class:`ClockModel`; ``run.offset_ns``
+    ``run.cache.clock_model`` holds the :class:`ClockModel`; ``run.offset_ns``
     each rank's offset at its start. Sync rows stay raw (each rank's own clock).
 
     ``inplace=True``: the caller gives ``run``'s event table up (the pipeline,
@@ -624,7 +624,7 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     # clock samples), the causality check matches the mapped table, and that
     # match is the pipeline's too (cached on the result) unless a repair moved
     # times. When fit matched the raw run (exit fallback), the check maps it.
-    raw_colls: Any = run.cache.get("raw_collectives")
+    raw_colls: Any = run.cache.raw_collectives
     ev = run.events if inplace else run.events.copy()
     # a streamed run keeps its collective rows apart for the match (distdiag.run.COLL_ROW_DTYPE)
     coll = run.coll_rows if (run.coll_rows is None or inplace) else run.coll_rows.copy()
@@ -667,11 +667,11 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
     pending: list[str] = []
     try:
         if raw_colls is None:
-            from distdiag.match import SELECTED_KEYS, match_collectives
+            from distdiag.match import match_collectives
 
             probe = out.replace()  # matching may add a warning: kept for collectives_of
             if selector is not None:
-                probe.cache[SELECTED_KEYS] = (src, selector)
+                probe.cache.selected_keys = (src, selector)
             del selector
             aligned_colls = match_collectives(probe)
             pending = probe.warnings[len(out.warnings) :]
@@ -685,10 +685,10 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
         model.warnings.append(f"clock causality check failed ({type(e).__name__}: {e}); alignment unrepaired")
         aligned_colls = None
     out.warnings = list(run.warnings) + model.warnings
-    out.cache["clock_model"] = model
+    out.cache.clock_model = model
     if aligned_colls is not None:
         # distdiag.match.collectives_of takes it (and adds ``pending`` to the
         # warnings then, where a fresh match would have added them).
-        out.cache["collectives"] = aligned_colls
-        out.cache["collectives_warnings"] = pending
+        out.cache.collectives = aligned_colls
+        out.cache.collectives_warnings = pending
     return out

@@ -400,8 +400,6 @@ class Priced:
     count: int
 
 
-#: run.cache key of :func:`critical_path_costs` of the kinds :func:`priced` prices (read-only)
-PRICED_KEY = "critical_path.costs"
 #: the kinds :func:`priced` prices in one pass (``input_bound``'s and ``h2d_copy``'s)
 PRICED_KINDS = (int(Kind.INPUT_WAIT), int(Kind.H2D))
 
@@ -426,10 +424,10 @@ def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
     wall_s = run.wall_s
     if wall_s <= 0 or count_of(run, kind) == 0:  # nothing recorded: no pass over the table
         return None
-    costs = run.cache.get(PRICED_KEY)
+    costs = run.cache.priced_costs  # read-only: the other detector reads it too
     if costs is None or int(kind) not in costs:  # both kinds in one pass (the first detector to ask)
         costs = critical_path_costs(run, tuple(sorted({*PRICED_KINDS, int(kind)})))
-        run.cache[PRICED_KEY] = costs
+        run.cache.priced_costs = costs
     res = costs[int(kind)]
     cost_s = res["cost_ns"] / 1e9
     if res["count"] == 0 or cost_s < min_fraction * wall_s:

@@ -113,17 +113,17 @@ def gpu_breakdown(run: Any, cfg: Any = None) -> dict[str, Any] | None:
     """Per rank and per step GPU time by category (see the module docstring), or None
     when the run has no GPU spans of phases. ``cfg``: the analysis's :class:`~distdiag.config.Config`
     (the peaks table and precision of ``[analyze.gpu_underutilized]``; None: the defaults).
-    Cached on ``run.cache["gpu_breakdown"]`` per those two settings."""
+    Cached on ``run.cache.gpu_breakdown`` per those two settings."""
     from distdiag.config import Config
     from distdiag.gpu_peaks import gpus_file
 
     cfg = cfg if cfg is not None else Config()
     key = (str(gpus_file(cfg)), str(cfg.value("gpu_underutilized", "precision", "bf16")))
-    got = run.cache.get("gpu_breakdown")
+    got = run.cache.gpu_breakdown
     if got is not None and got[0] == key:
         return got[1]  # type: ignore[no-any-return]
     out = _gpu_breakdown(run, cfg)
-    run.cache["gpu_breakdown"] = (key, out)
+    run.cache.gpu_breakdown = (key, out)
     return out
 
 

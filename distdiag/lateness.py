@@ -68,7 +68,7 @@ def root_world_ranks(run: Any, colls: Any) -> np.ndarray:
     whose numbering differs from the world's are looked up (a few, in most jobs); on the
     others (COMM_WORLD, torch's global ``src``) the recorded root is the world rank."""
     root = colls.m_peer[colls.g_start[:-1]].astype(np.int64)
-    cached = run.cache.get("root_world_ranks")
+    cached = run.cache.root_world_ranks
     if cached is not None and cached[0] is colls:
         return np.asarray(cached[1])
     out = root
@@ -98,7 +98,7 @@ def root_world_ranks(run: Any, colls: Any) -> np.ndarray:
             found = np.maximum.reduceat(who, starts) if len(who) else np.zeros(0, np.int64)
             out = root.copy()
             out[groups] = np.where(found >= 0, found, root[groups])
-    run.cache["root_world_ranks"] = (colls, out)
+    run.cache.root_world_ranks = (colls, out)
     return np.asarray(out)
 
 

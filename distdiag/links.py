@@ -195,9 +195,9 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     order. ``peer`` is taken as a global rank (true for torch.distributed and
     for MPI's COMM_WORLD). Cached on the run.
     """
-    got = run.cache.get("p2p_transfers")
+    got = run.cache.p2p_transfers
     if got is not None:
-        return got  # type: ignore[no-any-return]
+        return got
     ev = run.events
     peer = ev["peer"]
     # row indices, not row copies: selecting whole packed rows is the slow part;
@@ -262,7 +262,7 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
             "send_row": ms.astype(np.int64),
             "recv_row": mr.astype(np.int64),
         }
-    run.cache["p2p_transfers"] = out
+    run.cache.p2p_transfers = out
     return out
 
 
@@ -277,9 +277,9 @@ def p2p_waits(run: Run) -> tuple[np.ndarray, np.ndarray]:
     holds its send's (an ``Isend``'s); -1 where the side is blocking or no wait holds it. A request
     posted at p and completed at c is held by its rank's WAIT row [w0, w1] with p <= w0 <= c <=
     w1 + :data:`WAIT_SLACK_NS`. Cached on the run."""
-    got = run.cache.get("p2p_waits")
+    got = run.cache.p2p_waits
     if got is not None:
-        return got  # type: ignore[no-any-return]
+        return got
     tr = p2p_transfers(run)
     ev = run.events
     out = []
@@ -307,7 +307,7 @@ def p2p_waits(run: Run) -> tuple[np.ndarray, np.ndarray]:
                 hold[mine[hit]] = w_rows[jj[hit]]
         out.append(hold)
     got = (out[0], out[1])
-    run.cache["p2p_waits"] = got
+    run.cache.p2p_waits = got
     return got
 
 

@@ -472,7 +472,7 @@ class KeySelector:
     """:func:`_select_keys` fed block by block, in table order: whoever streams the
     event table anyway (:func:`distdiag.clocks.align`'s mapping pass) selects the
     collective rows of each block while its rows are in cache, and leaves the
-    result in ``run.cache[SELECTED_KEYS]`` for :func:`match_collectives` (no second
+    result in ``run.cache.selected_keys`` for :func:`match_collectives` (no second
     pass over the table). ``add`` takes consecutive blocks from row 0 on; the match
     takes the result only for the very table it was fed and fed to its end.
     Measured at 64 x 100k (6.4 M rows, mapping then selection, CPU s, 6
@@ -508,10 +508,6 @@ class KeySelector:
 
     def result(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         return self.sel_idx[: self.k], {f: a[: self.k] for f, a in self.out.items()}
-
-
-#: ``run.cache`` key of a :class:`KeySelector`'s (table, selection) for :func:`match_collectives`.
-SELECTED_KEYS = "collective_keys"
 
 
 class _Expanded:
@@ -609,7 +605,8 @@ def match_collectives(run: Run, scope: MatchScope | None = None) -> Collectives:
     # The selection and the sort keys in ONE pass over the table, by blocks that
     # stay in cache (a strided pass per field re-read each 73-byte row once per
     # field, measured), or the one align's mapping pass made (:class:`KeySelector`).
-    pre = run.cache.pop(SELECTED_KEYS, None)
+    pre = run.cache.selected_keys
+    run.cache.selected_keys = None  # taken once
     rows = ev.rows if isinstance(ev, _Expanded) else ev
     if pre is not None and pre[0] is rows and pre[1].next == len(rows):
         sel_idx, got = pre[1].result()
@@ -1115,20 +1112,22 @@ def _mode_per_group(values: np.ndarray, gid: np.ndarray, n_g: int) -> np.ndarray
 
 def collectives_of(run: Run) -> Collectives:
     """The run's matched collectives, computed once and cached on the run."""
-    c = run.cache.get("collectives")
+    c = run.cache.collectives
     if c is None:
         c = match_collectives(run)
-        run.cache["collectives"] = c
+        run.cache.collectives = c
     # distdiag.clocks.align leaves its match here, with the warnings a match adds.
-    run.warnings.extend(run.cache.pop("collectives_warnings", ()))
-    return c  # type: ignore[no-any-return]
+    if run.cache.collectives_warnings is not None:
+        run.warnings.extend(run.cache.collectives_warnings)
+        run.cache.collectives_warnings = None
+    return c
 
 
 def member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray:
     """Per member row: its own time since its previous blocking collective (or its start), in ns.
 
     Computed once per collectives table (straggler, serial_section and the
-    ranking all read it) and kept in ``run.cache``; do not write into it.
+    ranking all read it) and kept in ``run.cache.member_gaps``; do not write into it.
 
     The rank's blocking collectives run one after another on its thread, so
     sorting its rows by arrival, the gap of a row is its arrival minus the
@@ -1143,13 +1142,12 @@ def member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> n
     """
     if async_exits and not np.any(colls.m_kind == Kind.COLL_ASYNC):
         async_exits = False
-    key = "member_gaps_async" if async_exits else "member_gaps"
-    hit = run.cache.get(key)
+    hit = run.cache.member_gaps.get(async_exits)
     if hit is not None and hit[0] is colls:
         return hit[1]  # type: ignore[no-any-return]
     gap = _member_gaps_ns(run, colls, async_exits)
     gap.flags.writeable = False  # shared by every reader
-    run.cache[key] = (colls, gap)
+    run.cache.member_gaps[async_exits] = (colls, gap)
     return gap
 
 

@@ -74,11 +74,15 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
     return out
 
 
-def mismatches(run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | GroupColumn]:
+#: :func:`mismatches`' answer: ``(bad, dtype_bad, skipped, aux)``
+Mismatches = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | GroupColumn]
+
+
+def mismatches(run: Any, colls: Collectives) -> Mismatches:
     """``(bad, dtype_bad, skipped, aux)``: per group, whether it mismatches (any state), whether
     by datatype, whether a member skipped it; and the members' datatype ids (:func:`member_aux`).
     Cached on the run."""
-    got = run.cache.get("collective_mismatch")
+    got = run.cache.collective_mismatch
     if got is not None and got[0] is colls:
         return got[1]  # type: ignore[no-any-return]
     starts = colls.g_start[:-1]
@@ -112,5 +116,5 @@ def mismatches(run: Any, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np
         skipped[g] = len(miss) > 0 and bool((end[miss] > colls.g_exit_ns[g]).all())
     bad = np.isin(colls.g_state, MISMATCH_STATES) | dtype_bad | skipped
     out = (bad, dtype_bad, skipped, aux)
-    run.cache["collective_mismatch"] = (colls, out)
+    run.cache.collective_mismatch = (colls, out)
     return out

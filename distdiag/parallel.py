@@ -82,6 +82,7 @@ from typing import Any
 
 import numpy as np
 
+from distdiag.cache import PassResult, RunCache
 from distdiag.run import (
     COLL_ROW_DTYPE,
     RUN_EVENT_DTYPE,
@@ -298,7 +299,7 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     merged = merge_collectives(parts)
     merged.strings = strings
     t.append(time.perf_counter())
-    if steps is not None:  # rank 0's seconds in each step (cache["parallel"]["match_steps"])
+    if steps is not None:  # rank 0's seconds in each step (cache.parallel["match_steps"])
         steps.update(zip(("ranges_s", "alltoallv_s", "match_s", "gather_s", "merge_s"), np.diff(t).round(3).tolist()))
     return merged
 
@@ -334,7 +335,7 @@ class _Remote:
         self.colls: Any = None
         #: the blocks of the breakdown's bands the analysis ranks swept: [r_lo, r_hi, k_lo, k_hi] each
         self.blocks: list[list[int]] = []
-        #: when rank 0 passed each step (time.perf_counter): the stage figures of cache["parallel"]
+        #: when rank 0 passed each step (time.perf_counter): the stage figures of cache.parallel
         self.t: dict[str, float] = {}
         #: rank 0's seconds in each step of the last match (:func:`_match_share`)
         self.match_steps: dict[str, float] = {}
@@ -374,7 +375,7 @@ class _Remote:
         """The match is made: each of ranks 1..K-1 gets its block of the breakdown's bands, with the
         run and only its ranks' members of the match (:func:`_members_of`); rank 0 keeps block 0."""
         from distdiag.bands import part_edges
-        from distdiag.breakdown import TALLIES, BreakdownPart
+        from distdiag.breakdown import BreakdownPart
         from distdiag.critical_path import needs_costs
         from distdiag.passes import analysis_passes
         from distdiag.slurm import needs_rank_firsts
@@ -383,7 +384,7 @@ class _Remote:
         self.colls = colls
         n = self.comm.Get_size()
         if n > 1 and run.streamed_kinds:
-            cache = {k: run.cache[k] for k in ("clock_model",) if k in run.cache}
+            cache = RunCache(clock_model=run.cache.clock_model)  # their bands' rows are mapped with it
             lite = dataclasses.replace(run, cache=cache, warnings=[], coll_remote=None)
             self.workers = n - 1
             firsts = needs_rank_firsts(run)  # the Slurm view's per-rank pass, before the detectors
@@ -409,13 +410,13 @@ class _Remote:
             got = [own] + [self.comm.recv(source=src, tag=_TAG_PART) for src in range(1, n)]
             self.collected = True
             self.t["parts"] = time.perf_counter()
-            self.blocks = [[b.r_lo, b.r_hi, b.k_lo, b.k_hi] for b in (g.get(TALLIES) for g in got)
+            self.blocks = [[b.r_lo, b.r_hi, b.k_lo, b.k_hi] for b in (g.get("tallies") for g in got)
                            if isinstance(b, BreakdownPart)]  # fmt: skip
             # each pass reduced where every block made its part (else its stage makes it on rank 0)
             for key, ps in analysis_passes(colls, firsts, costs).items():  # a handful
                 parts = [g.get(key, _FAILED) for g in got]
                 if not any(isinstance(x, str) for x in parts):
-                    run.cache[key] = ps.reduce(run, parts)
+                    run.cache.put(key, ps.reduce(run, parts))
             if firsts:
                 self.t["firsts"] = time.perf_counter()
             if costs:
@@ -494,9 +495,9 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
         return f"analysis rank {comm.Get_rank()}: {name} of its collective rows failed ({type(e).__name__}: {e})"
 
 
-def _sweep_block(run: Any, colls: Any, firsts: bool, costs: bool, part: tuple[int, int]) -> dict[str, Any]:
+def _sweep_block(run: Any, colls: Any, firsts: bool, costs: bool, part: tuple[int, int]) -> dict[PassResult, Any]:
     """Block ``part`` of the bands' part of each pass of :func:`distdiag.passes.analysis_passes`,
-    in one sweep (:func:`distdiag.passes.sweep`), by its ``run.cache`` key. A sweep that fails
+    in one sweep (:func:`distdiag.passes.sweep`), by its ``run.cache`` attribute. A sweep that fails
     makes each :data:`_FAILED` (said in the log): rank 0 then leaves those to its stages."""
     from distdiag import passes
 
@@ -525,7 +526,7 @@ def _serve(comm: Any, held: _Held | None) -> None:
             held = None  # matched: the rows are done with
             run, colls, firsts, costs = _recv_big(comm, 0, _TAG_JOB)
             k, n = comm.Get_rank(), comm.Get_size()
-            run.cache["collectives"] = colls  # this rank's members: what its bands read
+            run.cache.collectives = colls  # this rank's members: what its bands read
             # every per-rank pass of this rank's bands, in one sweep: rank 0 waits for them before its detectors
             comm.send(_sweep_block(run, colls, firsts, costs, (k, n)), dest=0, tag=_TAG_PART)
             return
@@ -627,7 +628,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
     analysis holds; the report is the same either way.
 
     Returns the :class:`distdiag.pipeline.Report` on rank 0 and None elsewhere.
-    ``report.run.cache["parallel"]`` holds the seconds of each stage on rank 0.
+    ``report.run.cache.parallel`` holds the seconds of each stage on rank 0.
     """
     from mpi4py import MPI
 
@@ -739,7 +740,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         _bounded(comm, split.abort, ABORT_WAIT_S, "ending the other analysis ranks")
         raise
     t_end = time.perf_counter()
-    report.run.cache["parallel"] = {
+    report.run.cache.parallel = {
         "workers": n_workers,
         "collectives_held": remote,  # matched by key ranges where they were read
         "read_s": t_read - t_start,
@@ -753,7 +754,7 @@ def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, str
         "match_steps": dict(split.match_steps) if remote else None,
         "total_s": t_end - t_start,
     }
-    log.info("parallel analysis on %d ranks: %s", n_workers, report.run.cache["parallel"])
+    log.info("parallel analysis on %d ranks: %s", n_workers, report.run.cache.parallel)
     return report
 
 

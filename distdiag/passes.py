@@ -33,6 +33,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 import numpy as np
 
 from distdiag.bands import Band, bands
+from distdiag.cache import PassResult
 
 A = TypeVar("A")
 P = TypeVar("P")
@@ -66,25 +67,25 @@ def sweep(run: Any, passes: Sequence[Pass[Any, Any, Any]], part: tuple[int, int]
     return [p.part(acc) for p, acc in zip(passes, accs)]
 
 
-def analysis_passes(colls: Any, firsts: bool, costs: bool) -> dict[str, Pass[Any, Any, Any]]:
-    """The per-rank passes an analysis sweeps, keyed by the ``run.cache`` key under which the stage
+def analysis_passes(colls: Any, firsts: bool, costs: bool) -> dict[PassResult, Pass[Any, Any, Any]]:
+    """The per-rank passes an analysis sweeps, keyed by the ``run.cache`` attribute where the stage
     that reads each looks for its result: the Slurm view's per-rank firsts (``firsts``), the
     critical path of input waits and copies (``costs``), the breakdown and each rank's end of
     start-up. Without a match (``colls`` None: an analysis rank whose job could not be made)
     only the passes that need none. The one list the pipeline (:func:`run_local`) and
     ``--parallel``'s blocks (:func:`sweep`) both run."""
-    from distdiag.breakdown import STARTUP_CACHE, TALLIES, BreakdownPass, StartupEndsPass
-    from distdiag.critical_path import PRICED_KEY, PRICED_KINDS, CostsPass
-    from distdiag.slurm import RANK_FIRSTS, FirstsPass
+    from distdiag.breakdown import BreakdownPass, StartupEndsPass
+    from distdiag.critical_path import PRICED_KINDS, CostsPass
+    from distdiag.slurm import FirstsPass
 
-    todo: dict[str, Pass[Any, Any, Any]] = {}
+    todo: dict[PassResult, Pass[Any, Any, Any]] = {}
     if firsts:
-        todo[RANK_FIRSTS] = FirstsPass()
+        todo["rank_firsts"] = FirstsPass()
     if costs and colls is not None:
-        todo[PRICED_KEY] = CostsPass(PRICED_KINDS)
+        todo["priced_costs"] = CostsPass(PRICED_KINDS)
     if colls is not None:
-        todo[TALLIES] = BreakdownPass(colls)
-    todo[STARTUP_CACHE] = StartupEndsPass()
+        todo["tallies"] = BreakdownPass(colls)
+    todo["startup_ends"] = StartupEndsPass()
     return todo
 
 

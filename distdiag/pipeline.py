@@ -95,7 +95,7 @@ def input_json(run: Run) -> dict[str, Any]:
     """``run.input`` of the JSON report for a run read from Kineto traces: the format, the
     files, how the clocks were aligned and the largest alignment bound (ms; None when a rank
     could not be aligned)."""
-    model = run.cache.get("clock_model")
+    model = run.cache.clock_model
     methods = sorted({m.method for m in model.ranks.values()}) if model is not None else []
     b = np.asarray(getattr(model, "bound_ns", []), np.float64)
     b = b[[r for r in run.ranks if r < len(b)]] if len(b) else b
@@ -162,7 +162,7 @@ def _clock_bounds(findings: list[Finding], run: Run) -> None:
     median lateness, a serial section's median lone window) under ATTRIBUTION_BOUNDS times
     the run's largest bound says that the clocks cannot tell which rank it was (issue 20
     item 6)."""
-    model = run.cache.get("clock_model")
+    model = run.cache.clock_model
     b = getattr(model, "bound_ns", None)
     if b is None or len(b) == 0:
         return
@@ -198,7 +198,8 @@ def _sweep(run: Run, colls: Collectives, cfg: Config) -> None:
     except Exception:  # each stage's own pass says what is wrong, or makes it
         log.debug("sweep", exc_info=True)
         return
-    run.cache.update(zip(todo, got))
+    for name, value in zip(todo, got):  # a handful
+        run.cache.put(name, value)
 
 
 def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, split: Any = None) -> Report:

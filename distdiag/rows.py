@@ -20,7 +20,7 @@ sort of the selected rows only.
     weighted_quantile(x, w, q), weighted_median(x, w): each x counted w times (numpy's when all w are 1)
 
 Where it lives, and why it is only built on the final table: the index is
-cached in ``run.cache[KEY]`` on first use. :meth:`distdiag.run.Run.replace`
+cached in ``run.cache.kind_index`` on first use. :meth:`distdiag.run.Run.replace`
 gives every new run an empty cache, and :func:`distdiag.clocks.align` returns
 such a new run (as does the causality repair inside it), so an index built on
 the raw run never reaches the aligned one. Neither reorders rows: each rank's
@@ -84,9 +84,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
 import numpy as np
-
-#: run.cache key of the :class:`KindIndex`
-KEY = "rows.kind_index"
 
 #: one kind (an int or a schema.Kind) or several (any iterable of ints, a uint8 array)
 Kinds = Union[int, np.integer, Iterable[int], np.ndarray]
@@ -211,12 +208,12 @@ def build(table: np.ndarray, block_rows: int = _BLOCK_ROWS) -> KindIndex:
 
 
 def kind_index(run: Any) -> KindIndex:
-    """``run``'s :class:`KindIndex`, built on first use and cached in ``run.cache[KEY]``."""
-    got = run.cache.get(KEY)
+    """``run``'s :class:`KindIndex`, built on first use and cached in ``run.cache.kind_index``."""
+    got = run.cache.kind_index
     if isinstance(got, KindIndex) and got.table is run.events:
         return got
     idx = build(run.events)
-    run.cache[KEY] = idx
+    run.cache.kind_index = idx
     return idx
 
 

@@ -51,6 +51,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from distdiag.cache import RunCache
+
 # DistdiagError is re-exported: modules and tests import it from here too
 from distdiag.errors import DistdiagError as DistdiagError
 from distdiag.errors import SpillLogError, TraceError
@@ -217,8 +219,8 @@ class Run:
     aligned: bool = False
     #: per-rank offset (ns) that align() added, indexed by rank; None before
     offset_ns: np.ndarray | None = None
-    #: stage results cached on the run (e.g. "collectives" from distdiag.match)
-    cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: results the stages make once and share (the clock model, the match, ...)
+    cache: RunCache = field(default_factory=RunCache, repr=False)
     #: kinds whose rows are NOT in ``events`` (streamed: read band by band from the rank
     #: files through :func:`distdiag.bands.bands`); empty when the table holds every row
     streamed_kinds: tuple[int, ...] = ()
@@ -323,7 +325,7 @@ class Run:
         """A shallow copy with ``changes`` (stages return new runs, never mutate)."""
         new = dataclasses.replace(self, **changes)
         new.warnings = list(new.warnings)
-        new.cache = {}
+        new.cache = RunCache()
         return new
 
     def to_frame(self) -> Any:
@@ -2282,7 +2284,7 @@ class _Stream:
         """Raw per-rank instants mapped as align mapped the table's (clock model, then repairs)."""
         from distdiag.clockmodel import _apply_repairs, _map_by_rank
 
-        model = run.cache.get("clock_model") if run.aligned else None
+        model = run.cache.clock_model if run.aligned else None
         if model is None or not raw:
             return dict(raw)
         rk = np.array(sorted(raw), np.int64)
@@ -2338,7 +2340,7 @@ class _Stream:
             return ev
         _sort_late_ranks(ev, spans, [r for r in ranks if self.ranks[r].unsorted])
         _remap_table(ev, ranks, [self.lookups[r] for r in ranks], [self.in_range[r] for r in ranks])
-        model = run.cache.get("clock_model") if run.aligned else None
+        model = run.cache.clock_model if run.aligned else None
         if model is not None:
             _map_inplace(ev, ("t0_ns", "t1_ns"), model.ranks)
             if model.repairs:

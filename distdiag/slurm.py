@@ -457,7 +457,7 @@ def _table(kinds: frozenset[int] | set[int]) -> np.ndarray:
 
 
 @dataclass
-class _RankFirsts:
+class RankFirsts:
     """Per rank (index = rank, :func:`distdiag.bands.n_ranks` entries), the t0_ns of its first
     row of each kind set (``_NONE`` when it has none), on the run's aligned timeline."""
 
@@ -475,7 +475,7 @@ _COMM_TABLE = _table(COMM_KINDS)
 _SYNC_TABLE = _table(_SYNC_KINDS)
 
 
-def _rank_firsts(run: Any) -> _RankFirsts:
+def _rank_firsts(run: Any) -> RankFirsts:
     """The first useful, collective and rendezvous instants of every rank, in one pass over
     :func:`distdiag.bands.bands` (cached on the run).
 
@@ -486,16 +486,12 @@ def _rank_firsts(run: Any) -> _RankFirsts:
     segment is found by a search of the band's per-rank row bounds, no rank
     column is gathered). Nothing depends on where the bands fall: each rank's
     rows are all in one band, and every number is the rank's own."""
-    got = run.cache.get(RANK_FIRSTS)
-    if isinstance(got, _RankFirsts):
+    got = run.cache.rank_firsts  # a sweep's (distdiag.passes.analysis_passes), or this one's
+    if got is not None:
         return got
     got = rank_firsts_part(run, None)
-    run.cache[RANK_FIRSTS] = got
+    run.cache.rank_firsts = got
     return got
-
-
-#: ``run.cache`` key of the per-rank firsts (a sweep puts them there: :func:`distdiag.passes.analysis_passes`)
-RANK_FIRSTS = "slurm.rank_firsts"
 
 
 def needs_rank_firsts(run: Any) -> bool:
@@ -507,17 +503,17 @@ def needs_rank_firsts(run: Any) -> bool:
     return slurm_job_id(run) is not None or load_stored(Path(run.path)) is not None
 
 
-class FirstsPass(Pass[_RankFirsts, _RankFirsts, _RankFirsts]):
+class FirstsPass(Pass[RankFirsts, RankFirsts, RankFirsts]):
     """:func:`_rank_firsts` as a per-rank pass (:mod:`distdiag.passes`): a block's part holds
     every rank's entry, those outside its bands ``_NONE`` / False, so the minima and the or
     over the parts of blocks that cover every rank once are each rank's own."""
 
-    def begin(self, run: Any, part: tuple[int, int] | None) -> _RankFirsts:
+    def begin(self, run: Any, part: tuple[int, int] | None) -> RankFirsts:
         n = n_ranks(run)
-        return _RankFirsts(np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64),
-                           np.zeros(n, bool))  # fmt: skip
+        return RankFirsts(np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64),
+                          np.zeros(n, bool))  # fmt: skip
 
-    def add(self, acc: _RankFirsts, band: Band) -> None:
+    def add(self, acc: RankFirsts, band: Band) -> None:
         """Each of the band's ranks' minima: O(1) numpy calls over the band's rows."""
         rows = band.rows(RENDEZVOUS_KINDS)
         if len(rows) == 0:
@@ -537,13 +533,13 @@ class FirstsPass(Pass[_RankFirsts, _RankFirsts, _RankFirsts]):
         head = hits[np.searchsorted(hits, at)]  # every segment holds its minimum: a hit in it
         acc.lone[r] = ~_SYNC_TABLE[kind[head]]
 
-    def part(self, acc: _RankFirsts) -> _RankFirsts:
+    def part(self, acc: RankFirsts) -> RankFirsts:
         return acc
 
-    def reduce(self, run: Any, parts: list[_RankFirsts]) -> _RankFirsts:
+    def reduce(self, run: Any, parts: list[RankFirsts]) -> RankFirsts:
         if len(parts) == 1:
             return parts[0]
-        return _RankFirsts(
+        return RankFirsts(
             np.minimum.reduce([p.useful_ns for p in parts]),
             np.minimum.reduce([p.coll_ns for p in parts]),
             np.minimum.reduce([p.rendezvous_ns for p in parts]),
@@ -551,9 +547,9 @@ class FirstsPass(Pass[_RankFirsts, _RankFirsts, _RankFirsts]):
         )
 
 
-def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> _RankFirsts:
+def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> RankFirsts:
     """:class:`FirstsPass` over the bands of ``part`` (all when None), not cached."""
-    got: _RankFirsts = sweep(run, [FirstsPass()], part)[0]
+    got: RankFirsts = sweep(run, [FirstsPass()], part)[0]
     return got
 
 
@@ -679,12 +675,11 @@ def accounting_of(run: Any, backend: str = "auto", live: bool | None = None) -> 
     ``live=False`` never calls sacct/pyslurm (only the stored copy);
     the default reads live unless ``DISTDIAG_SLURM_OFFLINE=1``.
     """
-    cache = getattr(run, "cache", None)
-    if isinstance(cache, dict) and isinstance(cache.get("slurm"), SlurmView):
-        return cache["slurm"]
+    got = run.cache.slurm
+    if got is not None:
+        return got
     view = _compute_view(run, backend, live)
-    if isinstance(cache, dict):
-        cache["slurm"] = view
+    run.cache.slurm = view
     return view
 
 

@@ -49,9 +49,9 @@ class Floor:
     cost_s: float
 
 
-def _none(run: Any, key: tuple[str, float, float]) -> Floor | None:
+def _none(run: Any, key: tuple[float, float]) -> Floor | None:
     """No floor to tell, remembered for the run."""
-    run.cache[key] = None
+    run.cache.startup_floor[key] = None
     return None
 
 
@@ -61,9 +61,9 @@ def floor_of(run: Any, cfg: Any) -> Floor | None:
     told from the setup), no rank whose startup lasted."""
     healthy_ns = float(cfg.value("startup", "healthy_call_ms", 1.0)) * 1e6
     gap_ns = float(cfg.value("startup", "import_gap_s", 1.0)) * 1e9
-    key = ("startup_floor", healthy_ns, gap_ns)
-    if key in run.cache:
-        return run.cache[key]  # type: ignore[no-any-return]
+    key = (healthy_ns, gap_ns)
+    if key in run.cache.startup_floor:
+        return run.cache.startup_floor[key]  # type: ignore[no-any-return]
     if float(run.wall_s) <= 0 or not run.ranks:
         return _none(run, key)
     mods = module_rows(run)
@@ -109,7 +109,7 @@ def floor_of(run: Any, cfg: Any) -> Floor | None:
     cost_s = max(0.0, (int(e.max()) - e_cf) / 1e9)
     fl = Floor(present=present, s0=s0, e=e, imp=imp, m=m, excess=excess, file_s=file_s, calls=calls,
                kept=kept, healthy_ns=healthy_ns, cost_s=cost_s)  # fmt: skip
-    run.cache[key] = fl
+    run.cache.startup_floor[key] = fl
     return fl
 
 

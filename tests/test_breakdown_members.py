@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
-from test_breakdown_bands import _ddp_run
+from test_breakdown_bands import _ddp_run, _take_steps
 
 from distdiag import bands
 from distdiag import breakdown as bd
@@ -54,9 +54,9 @@ def _mixed_run(run_dir: Path, ranks: int = 4, iters: int = 8, dup: bool = False)
 
 
 def _tables(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
-    run.cache.pop("step_breakdown", None)
+    run.cache.step_breakdown = None
     per_rank = bd.breakdown(run, collectives_of(run))
-    return per_rank, run.cache.pop("step_breakdown")
+    return per_rank, _take_steps(run)
 
 
 def _spy_on_from_events(monkeypatch: pytest.MonkeyPatch) -> list[bool]:

@@ -153,7 +153,7 @@ def test_skewed_clocks_are_recovered_and_the_straggler_keeps_its_cost(tmp_path: 
     assert truth.rate(1) / truth.rate(0) - 1 == pytest.approx(200e-6, abs=3e-6)
     raw = load_run(run_dir)
     rep = analyze_run(raw, cfg)
-    model = rep.run.cache["clock_model"]
+    model = rep.run.cache.clock_model
 
     # 1. recovered offsets and drifts match the injected ones
     for r in (1, 2, 3):

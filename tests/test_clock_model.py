@@ -156,7 +156,7 @@ def test_offsets_and_drifts_are_recovered_within_the_stated_bound(tmp_path: Path
     sim = simulate(tmp_path / "run")
     raw = load_run(sim.run_dir)
     al = clocks.align(raw, repair=False)
-    model = al.cache["clock_model"]
+    model = al.cache.clock_model
     err = errors_ns(sim, raw, al)
     for r in range(1, 4):
         m = model.ranks[r]
@@ -188,19 +188,19 @@ def test_a_rate_change_makes_the_model_piecewise(tmp_path: Path) -> None:
     sim = simulate(tmp_path / "run", kink=(1, 300.0), iters=300)
     raw = load_run(sim.run_dir)
     al = clocks.align(raw, repair=False)
-    m = al.cache["clock_model"].ranks[1]
+    m = al.cache.clock_model.ranks[1]
     assert m.method == "sync-piecewise"
     err = errors_ns(sim, raw, al)[1]
     # between knots 1 s apart the chord across the kink is off by up to 300 ppm * 0.25 s
     assert err.max() <= m.bound_ns < 100 * US
-    assert al.cache["clock_model"].ranks[2].method == "sync"
+    assert al.cache.clock_model.ranks[2].method == "sync"
 
 
 def test_one_sync_window_gives_a_growing_bound_and_a_warning(tmp_path: Path) -> None:
     sim = simulate(tmp_path / "run", sync={3: "start"})
     raw = load_run(sim.run_dir)
     al = clocks.align(raw, repair=False)
-    model = al.cache["clock_model"]
+    model = al.cache.clock_model
     assert model.ranks[3].method == "sync-single"
     err = errors_ns(sim, raw, al)[3]
     # 100 ppm over ~2.2 s: the error is real, and the stated bound covers it
@@ -213,7 +213,7 @@ def test_ranks_without_samples_are_aligned_from_collective_exits(tmp_path: Path)
     sim = simulate(tmp_path / "run", sync={2: "none", 3: "none"})
     raw = load_run(sim.run_dir)
     al = clocks.align(raw, repair=False)
-    model = al.cache["clock_model"]
+    model = al.cache.clock_model
     err = errors_ns(sim, raw, al)
     for r in (2, 3):
         assert model.ranks[r].method == "collective-exits"
@@ -228,7 +228,7 @@ def test_an_old_run_without_any_samples_still_aligns_on_rank_0(tmp_path: Path) -
     raw = load_run(sim.run_dir)
     al = clocks.align(raw)
     err = errors_ns(sim, raw, al)
-    assert all(al.cache["clock_model"].ranks[r].method == "collective-exits" for r in (1, 2, 3))
+    assert all(al.cache.clock_model.ranks[r].method == "collective-exits" for r in (1, 2, 3))
     assert max(e.max() for e in err.values()) < 50 * US
     rep = analyze_run(raw, Config())
     assert [f.ranks for f in rep.findings if f.kind == "straggler"] == [[2]]
@@ -245,7 +245,7 @@ def test_a_wrong_sample_shows_as_causality_violations_and_is_repaired(tmp_path: 
         f["clock_sync"][...] = s
     raw = load_run(sim.run_dir)
     al = clocks.align(raw)
-    model = al.cache["clock_model"]
+    model = al.cache.clock_model
     assert model.violations > 0 and model.violations_beyond_bound > 0
     assert model.violations_after_repair == 0
     assert any("preceded the last entry" in w and "3" in w for w in al.warnings), al.warnings
@@ -416,7 +416,7 @@ def test_align_keeps_no_key_selection_alive(tmp_path: Path, monkeypatch: pytest.
     # one selection of the table's rows, made in align's mapping pass (the match also selects
     # its in-flight rows, none here), and gone while align still runs
     assert [n for _, n in made if n] == [len(out.events)] and alive_after_match == [False]
-    assert len(out.cache["collectives"]) == sim.iters
+    assert len(out.cache.collectives) == sim.iters
 
 
 @pytest.mark.parametrize("rtt_us, uncertain", [(20.0, False), (20_000.0, True)])

@@ -140,10 +140,10 @@ def test_ddp_bars_bin_like_the_json_per_step(ddp: Report) -> None:
 
 @pytest.mark.torch
 def test_rendering_reads_the_cached_step_table(ddp: Report, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The breakdown stage left the step table in run.cache; the section must not compute it again."""
+    """The breakdown stage left the step table in run.cache.step_breakdown; the section must not compute it again."""
     import distdiag.breakdown
 
-    cached = ddp.run.cache["step_breakdown"]
+    cached = ddp.run.cache.step_breakdown
 
     def boom(*a: Any, **k: Any) -> None:
         raise AssertionError("the step table was recomputed")
@@ -151,7 +151,7 @@ def test_rendering_reads_the_cached_step_table(ddp: Report, monkeypatch: pytest.
     monkeypatch.setattr(distdiag.breakdown, "_compute", boom)
     page = HtmlRenderer().render(ddp)
     assert 'id="fig-steps"' in page
-    assert ddp.run.cache["step_breakdown"] is cached
+    assert ddp.run.cache.step_breakdown is cached
 
 
 def _many_steps(run_dir: Path, n_steps: int, ranks: int = 2) -> None:

@@ -16,7 +16,6 @@ from distdiag.breakdown import AUTO_STEP_NAME, WINDOW_KINDS
 from distdiag.clocks import align
 from distdiag.critical_path import (
     COMPUTE_KINDS,
-    PRICED_KEY,
     _collective_waits,
     critical_path_cost,
     critical_path_costs,
@@ -195,7 +194,7 @@ def test_band_size_changes_no_number(tmp_path: Path, steps: str, kind: int, monk
     p = priced(run, kind, 0.0)
     assert p is not None and p.cost_s == one["cost_ns"] / 1e9
     np.testing.assert_array_equal(p.busy_s, one["busy_ns"] / 1e9)
-    assert set(run.cache[PRICED_KEY]) == {int(Kind.INPUT_WAIT), int(Kind.H2D)}  # the other one is priced too
+    assert set(run.cache.priced_costs) == {int(Kind.INPUT_WAIT), int(Kind.H2D)}  # the other one is priced too
     # streamed: the compute phases are not in run.events, only in the bands read from the files
     st = align(load_run(tmp_path / "r", streamed_kinds=STREAMED_KINDS), inplace=True)
     assert not np.isin(st.events["kind"], COMPUTE_KINDS).any()
@@ -263,7 +262,7 @@ def test_blocks_of_bands_put_together_are_the_one_pass(tmp_path: Path, streamed:
         for j in range(n):  # per analysis rank
             edges = bd.part_edges(run, (j, n), 60)
             own = run.replace()  # an analysis rank's copy: its ranks' members only
-            own.cache["collectives"] = _members_of(colls, edges[0][0], edges[-1][1]) if edges else colls
+            own.cache.collectives = _members_of(colls, edges[0][0], edges[-1][1]) if edges else colls
             parts.append(critical_path_part(own, PRICED_KINDS, (j, n), 60))
         got = costs_of_parts(run, PRICED_KINDS, parts)
         assert list(got) == list(want)

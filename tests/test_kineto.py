@@ -137,7 +137,7 @@ def test_real_gloo_mapping(gloo_ab: tuple[Saving, list[Path], list[Path]]) -> No
     # the bound stated is the clock model's own (its largest over the ranks), and small against the run. It
     # is measured, not a constant: the spread of the exits it is fitted to grows with the machine's load
     # (0.04-0.14 ms on an idle machine here, 11 ms once in CI beside other work), so no fixed ms limit holds
-    model = analyze(faulty[1]).run.cache["clock_model"]
+    model = analyze(faulty[1]).run.cache.clock_model
     assert inp["clock_bound_ms"] == pytest.approx(max(m.bound_ns for m in model.ranks.values()) / 1e6, abs=1e-4)
     assert 0 < inp["clock_bound_ms"] < 0.05 * js["run"]["wall_s"] * 1e3, (inp, js["run"]["wall_s"])
 
@@ -157,7 +157,7 @@ def test_gpu_shaped_straggler_clocks_and_mapping(tmp_path: Path) -> None:
     assert {colls.op_name(g) for g in range(len(colls))} == {"all_reduce"}
     assert {colls.comm_name(g) for g in range(len(colls))} == {"default"}
     # GPU times: a member's arrival is its NCCL kernel's start, not the record_param_comms CPU op
-    model = run.cache["clock_model"]
+    model = run.cache.clock_model
     for r in range(1, 4):
         m = model.ranks[r]
         assert m.method == "collective-exits"

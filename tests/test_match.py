@@ -200,10 +200,10 @@ def test_key_selector_by_blocks_equals_one_pass_and_is_taken_only_for_its_table(
     ks.add(other, 0)
     for pre in ((other, ks), (ev, match.KeySelector(len(ev), ev.dtype))):  # another table; unfinished
         probe = run.replace()
-        probe.cache[match.SELECTED_KEYS] = pre
+        probe.cache.selected_keys = pre
         c = match_collectives(probe)
         np.testing.assert_array_equal(c.m_rank, ref.m_rank)
-        assert match.SELECTED_KEYS not in probe.cache
+        assert probe.cache.selected_keys is None  # taken
     probe = run.replace()
-    probe.cache[match.SELECTED_KEYS] = (ev, ks)  # this table, fed to the end: its keys order the members
+    probe.cache.selected_keys = (ev, ks)  # this table, fed to the end: its keys order the members
     assert list(match_collectives(probe).m_rank[:2]) == [1, 0]

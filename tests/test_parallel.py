@@ -96,7 +96,7 @@ def test_parallel_streams_what_the_serial_analysis_streams(tmp_path: Path) -> No
         "    json.dump({'streamed': sorted(rep.run.streamed_kinds),\n"
         "               'forward_rows': int((ev['kind'] == int(Kind.FORWARD)).sum()),\n"
         "               'coll_rows_after': rep.run.coll_rows is not None,\n"
-        "               'held': rep.run.cache['parallel']['collectives_held']}, open(sys.argv[2], 'w'))\n"
+        "               'held': rep.run.cache.parallel['collectives_held']}, open(sys.argv[2], 'w'))\n"
     )
     got = _run([MPIEXEC or "mpiexec", "-n", "3", sys.executable, "-c", code, str(d), str(out)])
     assert got.returncode == 0, got.stderr
@@ -118,8 +118,8 @@ from distdiag.parallel import analyze_parallel
 from distdiag.render import render
 rep = analyze_parallel(sys.argv[1], Config(stream_events=0))
 if rep is not None:
-    facts = {"parts": rep.run.cache["parallel"]["breakdown_blocks"],
-             "input_costs_split": "input_costs_s" in rep.run.cache["parallel"]}
+    facts = {"parts": rep.run.cache.parallel["breakdown_blocks"],
+             "input_costs_split": "input_costs_s" in rep.run.cache.parallel}
     open(sys.argv[2], "w").write(json.dumps(facts) + "\\n" + render(rep, "json"))
 """
 

@@ -42,7 +42,7 @@ from distdiag.parallel import analyze_parallel
 from distdiag.render import render
 rep = analyze_parallel(sys.argv[1], Config(stream_events=0))
 if rep is not None:
-    assert rep.run.cache["parallel"]["collectives_held"] == (rep.run.cache["parallel"]["workers"] > 1)
+    assert rep.run.cache.parallel["collectives_held"] == (rep.run.cache.parallel["workers"] > 1)
     with open(sys.argv[2], "wb") as f:
         pickle.dump((render(rep, "json"), rep.collectives), f)
 """
@@ -187,12 +187,11 @@ import pickle, sys
 from distdiag.config import Config
 from distdiag.parallel import analyze_parallel
 from distdiag.render import render
-from distdiag.slurm import RANK_FIRSTS
 rep = analyze_parallel(sys.argv[1], Config(stream_events=0))
 if rep is not None:
-    st = rep.run.cache["parallel"]
+    st = rep.run.cache.parallel
     with open(sys.argv[2], "wb") as f:
-        pickle.dump((render(rep, "json"), rep.run.cache.get(RANK_FIRSTS), "slurm_firsts_s" in st), f)
+        pickle.dump((render(rep, "json"), rep.run.cache.rank_firsts, "slurm_firsts_s" in st), f)
 """
 
 

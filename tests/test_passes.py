@@ -4,18 +4,20 @@ for any band size and any cut of the bands into blocks (the local executor is on
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
 
 from distdiag.breakdown import BreakdownPass, StartupEndsPass
+from distdiag.cache import PassResult, RunCache
 from distdiag.clocks import align
 from distdiag.critical_path import PRICED_KINDS, CostsPass
 from distdiag.match import collectives_of
 from distdiag.parallel import _members_of
-from distdiag.passes import RowsPass, run_local, sweep
+from distdiag.passes import RowsPass, analysis_passes, run_local, sweep
 from distdiag.bands import part_edges
 from distdiag.run import STREAMED_KINDS, load_run, stream_out
 from distdiag.slurm import FirstsPass
@@ -75,8 +77,8 @@ def test_one_sweep_of_every_pass_in_any_blocks_is_each_pass_alone(tmp_path: Path
         for j in range(n):  # per analysis rank: its own copy of the run, its ranks' members
             edges = part_edges(run, (j, n))
             own = run.replace()
-            own.cache["collectives"] = _members_of(colls, edges[0][0], edges[-1][1]) if edges else colls
-            mine = [FirstsPass(), CostsPass(PRICED_KINDS), BreakdownPass(own.cache["collectives"]), StartupEndsPass()]
+            own.cache.collectives = _members_of(colls, edges[0][0], edges[-1][1]) if edges else colls
+            mine = [FirstsPass(), CostsPass(PRICED_KINDS), BreakdownPass(own.cache.collectives), StartupEndsPass()]
             parts.append(sweep(own, mine, (j, n)))
         got = [p.reduce(run, [pp[i] for pp in parts]) for i, p in enumerate(passes)]
         _same(_flat(got), want, f"{n} blocks")
@@ -102,3 +104,10 @@ def test_a_gather_of_rows_is_the_table_s_rows_in_table_order(tmp_path: Path, n: 
     assert len(want[0]) > 100 and len(np.unique(want[0])) > 5
     for f, w, g in zip(fields, want, got):
         np.testing.assert_array_equal(g, w, err_msg=f)
+
+
+def test_every_pass_of_an_analysis_has_its_attribute_in_the_run_cache() -> None:
+    """A sweep puts each result by name (``RunCache.put``): every name must be an attribute."""
+    names = set(analysis_passes(colls=object(), firsts=True, costs=True))
+    assert names == set(get_args(PassResult))
+    assert names <= {f.name for f in dataclasses.fields(RunCache)}

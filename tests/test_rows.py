@@ -17,8 +17,8 @@ import pytest
 
 from distdiag import clocks
 from distdiag.pipeline import analyze
-from distdiag.rows import (KEY, build, calls_of, count_of, events_of, kind_index, rows_of, unique_sorted,
-                           weighted_median, weighted_quantile)
+from distdiag.rows import (build, calls_of, count_of, events_of, kind_index, rows_of, unique_sorted, weighted_median,
+                           weighted_quantile)
 from distdiag.run import Run, load_run
 from distdiag.schema import COMM_KINDS, FILE_KINDS, PHASE_KINDS, Kind
 from distdiag.synth import synth
@@ -109,13 +109,13 @@ def test_values_outside_the_kind_range_match_nothing(aligned: Run) -> None:
 
 def test_index_is_built_once_and_belongs_to_its_table(storm_dir: Path) -> None:
     run = clocks.align(load_run(storm_dir))
-    assert KEY not in run.cache
+    assert run.cache.kind_index is None
     idx = kind_index(run)
     assert kind_index(run) is idx  # cached: one pass per analysis
     assert idx.order.dtype == np.int32  # 4 bytes an event below 2**31 rows
     # a stage's new run starts with an empty cache: its own index
     other = run.replace()
-    assert KEY not in other.cache
+    assert other.cache.kind_index is None
     # a table swapped under the same run object is not served the old index
     run.events = run.events[::-1].copy()
     assert kind_index(run) is not idx
@@ -124,7 +124,7 @@ def test_index_is_built_once_and_belongs_to_its_table(storm_dir: Path) -> None:
 
 def test_the_pipeline_indexes_the_final_aligned_table(storm_dir: Path) -> None:
     rep = analyze(storm_dir)
-    idx = rep.run.cache[KEY]  # built by the first consumer (the Slurm view, a detector)
+    idx = rep.run.cache.kind_index  # built by the first consumer (the Slurm view, a detector)
     assert rep.run.aligned
     assert idx.table is rep.run.events
     assert np.array_equal(idx.rows(sorted(FILE_KINDS)), _mask_rows(rep.run, sorted(FILE_KINDS)))
@@ -141,7 +141,7 @@ def test_a_run_with_no_events(tmp_path: Path) -> None:
     assert len(rows_of(run, sorted(FILE_KINDS))) == 0
     assert len(events_of(run, sorted(PHASE_KINDS))) == 0
     rep = analyze(d)  # the consumers run on it without error
-    assert rep.run.cache[KEY].table is rep.run.events
+    assert rep.run.cache.kind_index.table is rep.run.events
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,7 @@ def test_rank_firsts_of_blocks_of_bands_put_together_are_the_whole_pass(run_dir:
                                                                          streamed: bool) -> None:  # fmt: skip
     # --parallel: each analysis rank computes the firsts of its block of bands
     # (rank_firsts_part), rank 0 puts them together (FirstsPass.reduce)
-    from distdiag.slurm import RANK_FIRSTS, FirstsPass, _rank_firsts, needs_rank_firsts, rank_firsts_part
+    from distdiag.slurm import FirstsPass, _rank_firsts, needs_rank_firsts, rank_firsts_part
 
     kinds = STREAMED_KINDS if streamed else ()
     whole = _rank_firsts(load_run(run_dir, streamed_kinds=kinds))
@@ -139,9 +139,8 @@ def test_rank_firsts_of_blocks_of_bands_put_together_are_the_whole_pass(run_dir:
     run = load_run(run_dir, streamed_kinds=kinds)
     assert needs_rank_firsts(run)  # a Slurm job (SLURM_JOB_ID in the ranks' env) with start times
     for n in (1, 2, 3, 5, 40):  # 40: more blocks than bands (empty blocks)
-        run.cache.pop(RANK_FIRSTS, None)
-        run.cache[RANK_FIRSTS] = FirstsPass().reduce(run, [rank_firsts_part(run, (j, n)) for j in range(n)])
-        got = run.cache[RANK_FIRSTS]
+        run.cache.rank_firsts = FirstsPass().reduce(run, [rank_firsts_part(run, (j, n)) for j in range(n)])
+        got = run.cache.rank_firsts
         for f in ("useful_ns", "coll_ns", "rendezvous_ns", "lone"):
             a, b = getattr(whole, f), getattr(got, f)
             assert a.dtype == b.dtype and np.array_equal(a, b), (n, f)

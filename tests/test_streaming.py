@@ -60,7 +60,7 @@ def test_streamed_bands_equal_the_table_when_the_clock_repair_moves_times(tmp_pa
 
     mem = align(load_run(d), inplace=True)
     st = align(load_run(d, streamed_kinds=STREAMED_KINDS), inplace=True)
-    assert mem.cache["clock_model"].repairs, "the corrupted samples must force a repair"
+    assert mem.cache.clock_model.repairs, "the corrupted samples must force a repair"
     assert not np.isin(st.events["kind"], STREAMED_KINDS).any()
     assert bands.time_bounds(st) == bands.time_bounds(mem)
     assert (bands.rank_rows(st) == bands.rank_rows(mem)).all()

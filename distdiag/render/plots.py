@@ -353,20 +353,17 @@ def per_step_of(report: Any) -> pd.DataFrame:
 
     The step table is ``step_breakdown``'s, cached on ``run.cache`` by the
     breakdown stage (not recomputed); its one group-by over (rank, step) rows is
-    cached there too, so the figure and the table share it.
+    cached there too (``run.cache.per_step``), so the figure and the table share it.
     """
     report = as_report(report)
     run = report.run
     steps = step_breakdown(run, report.collectives)
-    hit = run.cache.get(_PER_STEP_KEY)
+    hit = run.cache.per_step
     if hit is not None and hit[0] is steps:
         return hit[1]  # type: ignore[no-any-return]
     agg = per_step(steps)
-    run.cache[_PER_STEP_KEY] = (steps, agg)
+    run.cache.per_step = (steps, agg)
     return agg
-
-
-_PER_STEP_KEY = "render.per_step"
 
 
 @dataclass(frozen=True)
