@@ -127,7 +127,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -364,7 +364,7 @@ class _Band:
             self.m_kind = np.concatenate([self.m_kind, inf["kind"][im]])
         self.m_t0 = col("t0_ns")
         self.m_t1 = col("t1_ns")
-        self._op = lambda: col("name_id")
+        self._op: Callable[[], np.ndarray] = lambda: col("name_id")
         return True
 
     def _from_members(self, ctx: _Ctx) -> None:
@@ -389,7 +389,7 @@ class _Band:
 
     def m_op(self) -> np.ndarray:
         """The members' op (name id)."""
-        return self._op()  # type: ignore[no-any-return]
+        return self._op()
 
 
 #: rows a block of :func:`_take` (300 kB of 73-byte rows: stays in L2), measured best of 4k-64k
@@ -463,7 +463,7 @@ def _split_at_last_arrival(ctx: _Ctx, g: np.ndarray, t0: np.ndarray, t1: np.ndar
     members' last arrival is then the best estimate of the split. So the split is
     ``clip(split_at[g], t0, t1)``, written as numpy's clip is defined.
     """
-    split = np.maximum(ctx.split_at[g], t0)
+    split: np.ndarray = np.maximum(ctx.split_at[g], t0)
     np.minimum(split, t1, out=split)
     return split
 
@@ -777,9 +777,10 @@ class StartupEndsPass(Pass[_EndsAcc, _EndsAcc | tuple[int, int, np.ndarray] | No
 
     def reduce(self, run: Any, parts: list[_EndsAcc | tuple[int, int, np.ndarray] | None]) -> np.ndarray:
         if len(parts) == 1 and isinstance(parts[0], _EndsAcc):
-            return parts[0].out
+            whole: np.ndarray = parts[0].out
+            return whole
         start, _ = run.rank_bounds()
-        out = start.astype(np.int64).copy()
+        out: np.ndarray = start.astype(np.int64).copy()
         for p in parts:  # one per block
             if isinstance(p, tuple):
                 out[p[0] : p[1]] = p[2]

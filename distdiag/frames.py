@@ -55,7 +55,8 @@ _STATE_NAME = np.array([s.name.lower() for s in MatchState], dtype=object)
 
 def kind_names(kinds: np.ndarray) -> np.ndarray:
     """Vectorized ``Kind`` value -> short name (FILE_OPEN -> "open", COLL -> "coll")."""
-    return _KIND_NAME[np.asarray(kinds, dtype=np.int64) & 0xFF]
+    names: np.ndarray = _KIND_NAME[np.asarray(kinds, dtype=np.int64) & 0xFF]
+    return names
 
 
 def _decode(strings: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -116,7 +117,8 @@ class RunFrames:
         for rank, info in r.ranks.items():  # one per rank
             table[rank] = info.host
         ranks = np.asarray(ranks, np.int64)
-        return table[np.clip(ranks, 0, n)]
+        got: np.ndarray = table[np.clip(ranks, 0, n)]
+        return got
 
     # -- frames -----------------------------------------------------------------------
     @cached_property
@@ -269,7 +271,7 @@ class RunFrames:
     @property
     def breakdown(self) -> pd.DataFrame:
         """Per rank: wall_s and where it went (compute_s, comm_wait_s, ... see distdiag.breakdown)."""
-        return self.report.breakdown  # type: ignore[no-any-return]
+        return self.report.breakdown
 
     @property
     def per_step(self) -> pd.DataFrame:

@@ -106,7 +106,8 @@ def _spans(run: Any) -> np.ndarray:
     """The run's GPU_SPAN rows (a copy of their columns: a few per step and rank)."""
     from distdiag.rows import events_of
 
-    return events_of(run, Kind.GPU_SPAN)  # type: ignore[no-any-return]
+    spans: np.ndarray = events_of(run, Kind.GPU_SPAN)
+    return spans
 
 
 def gpu_breakdown(run: Any, cfg: Any = None) -> dict[str, Any] | None:

@@ -61,7 +61,9 @@ def write_traces(
         for r in range(ranks):  # per rank
             o = float(off[r])
             ev = rows[r]
-            us = lambda t: round((t + o) / 1e3, 3)  # noqa: E731 - the trace's unit, on rank r's clock
+            def us(t: float, o: float = o) -> float:  # the trace's unit, on rank r's clock
+                return round((t + o) / 1e3, 3)
+
             exit_r = end + jitter[i, r]
             ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "pid": 100 + r, "tid": 100 + r,
                        "ts": us(s), "dur": round((exit_r - s) / 1e3, 3), "args": {"External id": i}})  # fmt: skip

@@ -147,7 +147,8 @@ class GroupColumn(NDArrayOperatorsMixin):
             raise ValueError("a GroupColumn has no array to view: np.asarray makes one (a copy)")
         out = self.group_values[self.m_group]
         out[self.exc_rows] = self.exc_values
-        return out if dtype is None else out.astype(dtype, copy=False)
+        got: np.ndarray = out if dtype is None else out.astype(dtype, copy=False)
+        return got
 
     def astype(self, dtype: Any, copy: bool = True) -> np.ndarray:
         """The whole column as a plain array of ``dtype`` (materialized: a transient)."""
@@ -203,7 +204,7 @@ class GroupColumn(NDArrayOperatorsMixin):
             idx = np.where(idx < 0, idx + n, idx)
             if int(idx.min()) < 0:
                 raise IndexError(f"index {int(idx.min()) - n} is out of bounds for a column of {n} members")
-        out = self.group_values[self.m_group[idx]]  # raises numpy's IndexError when out of range
+        out: np.ndarray = self.group_values[self.m_group[idx]]  # raises numpy's IndexError when out of range
         if len(self.exc_rows) and out.size:
             flat = idx.reshape(-1)
             p = np.searchsorted(self.exc_rows, flat)
@@ -215,7 +216,7 @@ class GroupColumn(NDArrayOperatorsMixin):
 
     def _mask(self, mask: np.ndarray) -> np.ndarray:
         """Rows where ``mask`` (one flag per row) is True."""
-        out = self.group_values[self.m_group[mask]]  # raises numpy's IndexError on a wrong length
+        out: np.ndarray = self.group_values[self.m_group[mask]]  # raises numpy's IndexError on a wrong length
         e = self.exc_rows
         if len(e) and len(out):
             hit = mask[e]
@@ -303,7 +304,8 @@ class Collectives:
 
     @property
     def complete(self) -> np.ndarray:
-        return self.g_state == MatchState.COMPLETE
+        done: np.ndarray = self.g_state == MatchState.COMPLETE
+        return done
 
     def members(self, g: int) -> slice:
         return slice(int(self.g_start[g]), int(self.g_start[g + 1]))
@@ -681,7 +683,8 @@ def match_collectives(run: Run, scope: MatchScope | None = None) -> Collectives:
         del order, sel_idx
 
         def take(lo: int, hi: int) -> np.ndarray:
-            return ev.take(pick[lo:hi])
+            blk: np.ndarray = ev.take(pick[lo:hi])
+            return blk
 
     else:
         pick = order

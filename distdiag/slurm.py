@@ -239,7 +239,7 @@ def read_sacct(job_id: str, near_wall_s: float | None = None, wait_s: float = 8.
 def read_pyslurm(job_id: str) -> Accounting:
     """The job's record through pyslurm (>= 23.2: ``pyslurm.db.Job.load``)."""
     try:
-        import pyslurm  # type: ignore[import-not-found]
+        import pyslurm
     except ImportError:
         raise SlurmError("pyslurm is not installed") from None
     try:
@@ -272,7 +272,7 @@ def read_accounting(job_id: str, near_wall_s: float | None = None, backend: str 
         return read_pyslurm(job_id)
     if backend == "auto":
         try:
-            import pyslurm  # type: ignore[import-not-found]  # noqa: F401
+            import pyslurm  # noqa: F401
         except ImportError:
             pass
         else:
@@ -486,7 +486,7 @@ def _rank_firsts(run: Any) -> RankFirsts:
     segment is found by a search of the band's per-rank row bounds, no rank
     column is gathered). Nothing depends on where the bands fall: each rank's
     rows are all in one band, and every number is the rank's own."""
-    got = run.cache.rank_firsts  # a sweep's (distdiag.passes.analysis_passes), or this one's
+    got: RankFirsts | None = run.cache.rank_firsts  # a sweep's (distdiag.passes.analysis_passes), or this one's
     if got is not None:
         return got
     got = rank_firsts_part(run, None)
@@ -675,7 +675,7 @@ def accounting_of(run: Any, backend: str = "auto", live: bool | None = None) -> 
     ``live=False`` never calls sacct/pyslurm (only the stored copy);
     the default reads live unless ``DISTDIAG_SLURM_OFFLINE=1``.
     """
-    got = run.cache.slurm
+    got: SlurmView | None = run.cache.slurm
     if got is not None:
         return got
     view = _compute_view(run, backend, live)

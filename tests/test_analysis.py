@@ -60,3 +60,21 @@ def test_the_costs_pass_is_swept_only_for_a_detector_that_requires_it(tmp_path: 
     # the same price input_bound gives from the same pass
     (ib,) = [g for g in analyze(tmp_path, Config(detectors=["input_bound"])).findings]
     assert f.cost_s == pytest.approx(ib.cost_s)
+
+
+def test_every_analyzer_module_is_checked_as_under_mypy_strict() -> None:
+    # issue 19: the analyzer (all of distdiag but the shim) is typed strictly; a new module that
+    # is not in pyproject.toml's strict list would silently escape the check
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    conf = tomllib.loads((root / "pyproject.toml").read_text())
+    strict = next(o for o in conf["tool"]["mypy"]["overrides"] if o.get("disallow_untyped_defs"))
+    listed = set(strict["module"])
+    for p in sorted((root / "distdiag").rglob("*.py")):  # a few dozen modules
+        rel = p.relative_to(root).with_suffix("")
+        if len(rel.parts) > 2 and rel.parts[1] == "shim":
+            continue
+        mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        parent = ".".join(rel.parts[:-1]) + ".*"
+        assert mod in listed or parent in listed, f"{mod} is not in pyproject.toml's mypy strict list"

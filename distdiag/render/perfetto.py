@@ -121,7 +121,7 @@ def _frame_json(df: pd.DataFrame, n_args: int) -> str:
         plain = first.removeprefix(_ARG0)
         s = s.replace(f',"{key}":', f',"args":{{"{plain}":')
     s = s.replace('},{"name":', close + ',\n{"name":')
-    return s[:-1] + close + ",\n"
+    return str(s[:-1]) + close + ",\n"
 
 
 class _Builder:

@@ -235,7 +235,8 @@ def _step_index(run: Any, rank: np.ndarray, t_ns: np.ndarray) -> np.ndarray | No
     skey = np.sort(s_rank * span + (st["t0_ns"] - lo))
     qkey = rank.astype(np.int64) * span + (t_ns - lo)
     first = np.concatenate([[0], np.cumsum(counts)])[rank]
-    return np.searchsorted(skey, qkey, side="right") - first
+    n: np.ndarray = np.searchsorted(skey, qkey, side="right") - first
+    return n
 
 
 def wait_matrix(report: Any, comm: str | None = None, max_cols: int = MAX_HEATMAP_COLS,
@@ -360,7 +361,7 @@ def per_step_of(report: Any) -> pd.DataFrame:
     steps = step_breakdown(run, report.collectives)
     hit = run.cache.per_step
     if hit is not None and hit[0] is steps:
-        return hit[1]  # type: ignore[no-any-return]
+        return hit[1]
     agg = per_step(steps)
     run.cache.per_step = (steps, agg)
     return agg
