@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from distdiag.rows import Kinds, _kind_ids, build, kind_index
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 #: event rows per band (the breakdown measured 2^16-2^18 as the knee: temporaries stay in
 #: cache-sized pieces, and per-band overhead is a few numpy calls)
@@ -56,12 +59,12 @@ class Band:
     inflight: np.ndarray
     #: offset of ``events[0]`` in ``run.events`` when the band is a view of it; None when read from the files
     e_lo: int | None = None
-    _run: Any = field(default=None, repr=False)
+    _run: Run | None = field(default=None, repr=False)
     _kidx: Any = field(default=None, repr=False)
 
     def rows(self, kinds: Kinds) -> np.ndarray:
         """int64 offsets into :attr:`events` of the rows of ``kinds``, ascending."""
-        if self.e_lo is not None:  # a view of run.events: slices of the run's kind index
+        if self.e_lo is not None and self._run is not None:  # a view of run.events: slices of the run's kind index
             return _rows_in(kind_index(self._run), kinds, self.e_lo, self.e_lo + len(self.events))
         if self._kidx is None:
             self._kidx = build(self.events)
@@ -112,17 +115,17 @@ def first_rows(rank: np.ndarray, n: int) -> np.ndarray:
         hi[act[~below]] = mid[~below]
 
 
-def n_ranks(run: Any) -> int:
+def n_ranks(run: Run) -> int:
     """The rank axis every per-rank array uses: world size, or more when a file names a larger rank."""
     return max(int(run.world_size), max(run.ranks, default=-1) + 1)
 
 
-def rank_rows(run: Any) -> np.ndarray:
+def rank_rows(run: Run) -> np.ndarray:
     """Per rank r in 0..n_ranks, the number of event rows of ranks < r over ALL events (streamed
     kinds included): rank r has ``rank_rows[r + 1] - rank_rows[r]`` rows. Cached on the run."""
     got = run.cache.rank_rows
     if got is not None:
-        return got  # type: ignore[no-any-return]
+        return got
     n = n_ranks(run)
     out: np.ndarray = run.stream.rank_rows(n) if getattr(run, "streamed_kinds", ()) else first_rows(run.events["rank"], n)
     run.cache.rank_rows = out
@@ -138,7 +141,7 @@ def band_edges(bounds: np.ndarray, band_events: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
 
 
-def part_edges(run: Any, part: tuple[int, int], band_events: int | None = None) -> list[tuple[int, int]]:
+def part_edges(run: Run, part: tuple[int, int], band_events: int | None = None) -> list[tuple[int, int]]:
     """The bands of block ``j`` of ``n`` (``part = (j, n)``): the run's bands cut into ``n``
     contiguous blocks of about equal band counts (:func:`distdiag.parallel.block_of`'s rule),
     as (r_lo, r_hi) pairs; every band is in exactly one block. ``distdiag analyze --parallel``
@@ -150,7 +153,7 @@ def part_edges(run: Any, part: tuple[int, int], band_events: int | None = None) 
 
 
 def bands(
-    run: Any, band_events: int | None = None, ranks: np.ndarray | None = None, part: tuple[int, int] | None = None
+    run: Run, band_events: int | None = None, ranks: np.ndarray | None = None, part: tuple[int, int] | None = None
 ) -> Iterator[Band]:
     """The run's events as :class:`Band` s of about ``band_events`` rows (default :data:`BAND_EVENTS`),
     in rank order; every rank of ``0..n_ranks(run)`` is in exactly one band.
@@ -181,12 +184,12 @@ def bands(
             yield Band(r_lo, r_hi, run.events[e_lo:e_hi], first, b_inf, e_lo=e_lo, _run=run)
 
 
-def time_bounds(run: Any) -> tuple[int, int]:
+def time_bounds(run: Run) -> tuple[int, int]:
     """(min, max) over the t0_ns and t1_ns of ALL events (streamed kinds included), aligned;
     (0, 0) without events. Cached on the run."""
     got = run.cache.time_bounds
     if got is not None:
-        return got  # type: ignore[no-any-return]
+        return got
     out: tuple[int, int]
     if getattr(run, "streamed_kinds", ()):
         out = run.stream.time_bounds(run)
@@ -199,7 +202,7 @@ def time_bounds(run: Any) -> tuple[int, int]:
     return out
 
 
-def event_ranks(run: Any) -> np.ndarray:
+def event_ranks(run: Run) -> np.ndarray:
     """The ranks with at least one event row (ALL events), ascending int64."""
     b = rank_rows(run)
     return np.flatnonzero(np.diff(b) > 0).astype(np.int64)

@@ -760,7 +760,7 @@ class StartupEndsPass(Pass[_EndsAcc, _EndsAcc | tuple[int, int, np.ndarray] | No
     """:func:`startup_ends` as a per-rank pass (:mod:`distdiag.passes`): a block's part is its
     ranks' ends ``(r_lo, r_hi, ends)`` (None when it holds no band); every band's, the whole array."""
 
-    def begin(self, run: Any, part: tuple[int, int] | None) -> _EndsAcc:
+    def begin(self, run: Run, part: tuple[int, int] | None) -> _EndsAcc:
         return _EndsAcc(run, part)
 
     def add(self, acc: _EndsAcc, band: Band) -> None:
@@ -775,7 +775,7 @@ class StartupEndsPass(Pass[_EndsAcc, _EndsAcc | tuple[int, int, np.ndarray] | No
             return None
         return acc.r_first, acc.r_last, acc.out[acc.r_first : acc.r_last].copy()
 
-    def reduce(self, run: Any, parts: list[_EndsAcc | tuple[int, int, np.ndarray] | None]) -> np.ndarray:
+    def reduce(self, run: Run, parts: list[_EndsAcc | tuple[int, int, np.ndarray] | None]) -> np.ndarray:
         if len(parts) == 1 and isinstance(parts[0], _EndsAcc):
             whole: np.ndarray = parts[0].out
             return whole
@@ -1113,7 +1113,7 @@ class BreakdownPass(Pass[_BdAcc, _BdAcc | BreakdownPart | None, Tallies]):
     def __init__(self, colls: Collectives, ranks: bool = True) -> None:
         self.colls, self.ranks = colls, ranks
 
-    def begin(self, run: Any, part: tuple[int, int] | None) -> _BdAcc:
+    def begin(self, run: Run, part: tuple[int, int] | None) -> _BdAcc:
         return _BdAcc(run, self.colls, self.ranks, part)
 
     def add(self, acc: _BdAcc, band: Band) -> None:
@@ -1141,7 +1141,7 @@ class BreakdownPass(Pass[_BdAcc, _BdAcc | BreakdownPart | None, Tallies]):
                                  steps.w0[k_lo:k_hi].copy())  # fmt: skip
         return BreakdownPart(r_lo, r_hi, _slices(tally, r_lo, r_hi), 0, 0, None, None)
 
-    def reduce(self, run: Any, parts: list[_BdAcc | BreakdownPart | None]) -> Tallies:
+    def reduce(self, run: Run, parts: list[_BdAcc | BreakdownPart | None]) -> Tallies:
         if len(parts) == 1 and isinstance(parts[0], _BdAcc):  # every band's, whole
             return parts[0].tally, parts[0].steps
         start, _ = run.rank_bounds()

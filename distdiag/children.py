@@ -23,12 +23,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from distdiag.rows import calls_of
 from distdiag.schema import FILE_KINDS, Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 #: a forked process's file (distdiag.shim.rankfile.fork_file_name)
 FORK_FILE_RE = re.compile(r"^rank-(\d{5,})\.fork-(\d+)\.h5$")
@@ -141,7 +144,7 @@ def _top_files(parts: list[tuple[np.ndarray, ...]], top: int) -> list[tuple[str,
     return [(str(u[j]), int(calls[j]), float(secs[j]), int(byts[j])) for j in order]
 
 
-def children_io(run: Any, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO]:
+def children_io(run: Run, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO]:
     """Per rank with children, their file I/O (see the module docstring); warnings go to
     ``run.warnings``. Empty for a run without forked processes' files."""
     from distdiag.run import _read_rank

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from distdiag.match import MatchState, collectives_of
 from distdiag.passes import Pass, run_local, sweep
 from distdiag.rows import count_of
 from distdiag.schema import Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ _TABLE_CELLS = 1 << 20
 _MEMBER_BLOCK = 1 << 18
 
 
-def _collective_waits(run: Any, tmin: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+def _collective_waits(run: Run, tmin: int, span: int) -> tuple[np.ndarray, np.ndarray]:
     """Each rank's waits for other ranks at complete collectives, merged: (start, end) of
     segments shifted by ``rank * span`` (times from ``tmin``), ascending, so by (rank, start).
 
@@ -200,7 +203,7 @@ def _fold(band: Band, r_lo: int, r_hi: int, rows: dict[Any, np.ndarray], todo: l
         busy_ns[p_lo:p_hi] = B[mine].sum(axis=1)
 
 
-def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> dict[str, Any]:
+def critical_path_cost(run: Run, kind: int, band_events: int | None = None) -> dict[str, Any]:
     """Per-iteration critical-path cost of the time ranks spend in ``kind`` rows.
 
     Returns ``cost_ns`` (total), ``per_iter_ns`` (array), ``rank_ns`` (each rank's
@@ -246,7 +249,7 @@ def critical_path_cost(run: Any, kind: int, band_events: int | None = None) -> d
     return critical_path_costs(run, (kind,), band_events)[int(kind)]
 
 
-def critical_path_costs(run: Any, kinds: tuple[int, ...], band_events: int | None = None) -> dict[int, dict[str, Any]]:
+def critical_path_costs(run: Run, kinds: tuple[int, ...], band_events: int | None = None) -> dict[int, dict[str, Any]]:
     """:func:`critical_path_cost` of each of ``kinds``, in one pass over the bands: the windows,
     the compute phases' union and the collective waits are the same for every kind, and a
     streamed run reads its phases from the rank files once for all (a pass each was 0.3 s of
@@ -274,7 +277,7 @@ class CostPart:
 class _CostAcc:
     """:class:`CostsPass`'s accumulator: the run-wide facts of the pass, and the block's sums."""
 
-    def __init__(self, run: Any, todo: list[int]) -> None:
+    def __init__(self, run: Run, todo: list[int]) -> None:
         self.ranks = event_ranks(run)
         self.todo = todo
         self.tmin, tmax = time_bounds(run)
@@ -302,7 +305,7 @@ class CostsPass(Pass[_CostAcc | None, CostPart | None, dict[int, dict[str, Any]]
     def __init__(self, kinds: tuple[int, ...]) -> None:
         self.kinds = kinds
 
-    def begin(self, run: Any, part: tuple[int, int] | None) -> _CostAcc | None:
+    def begin(self, run: Run, part: tuple[int, int] | None) -> _CostAcc | None:
         todo = [int(k) for k in self.kinds if count_of(run, k) > 0]
         return _CostAcc(run, todo) if todo else None
 
@@ -332,18 +335,18 @@ class CostsPass(Pass[_CostAcc | None, CostPart | None, dict[int, dict[str, Any]]
         p_lo, p_hi = (0, 0) if acc.r_first < 0 else (int(x) for x in np.searchsorted(acc.ranks, [acc.r_first, acc.r_last]))
         return CostPart(p_lo, p_hi, acc.acc, acc.any_valid)
 
-    def reduce(self, run: Any, parts: list[CostPart | None]) -> dict[int, dict[str, Any]]:
+    def reduce(self, run: Run, parts: list[CostPart | None]) -> dict[int, dict[str, Any]]:
         return costs_of_parts(run, self.kinds, parts)
 
 
-def critical_path_part(run: Any, kinds: tuple[int, ...], part: tuple[int, int] | None,
+def critical_path_part(run: Run, kinds: tuple[int, ...], part: tuple[int, int] | None,
                        band_events: int | None = None) -> CostPart | None:  # fmt: skip
     """:class:`CostsPass` over the bands of ``part`` (see :class:`CostPart`); None when no kind has rows."""
     got: CostPart | None = sweep(run, [CostsPass(kinds)], part, band_events)[0]
     return got
 
 
-def costs_of_parts(run: Any, kinds: tuple[int, ...], parts: list[CostPart | None]) -> dict[int, dict[str, Any]]:
+def costs_of_parts(run: Run, kinds: tuple[int, ...], parts: list[CostPart | None]) -> dict[int, dict[str, Any]]:
     """:func:`critical_path_costs` from the :class:`CostPart` s of blocks that cover every band once."""
     ranks = event_ranks(run)
     R = len(ranks)
@@ -404,7 +407,7 @@ class Priced:
 PRICED_KINDS = (int(Kind.INPUT_WAIT), int(Kind.H2D))
 
 
-def needs_costs(run: Any, cfg: Any) -> bool:
+def needs_costs(run: Run, cfg: Any) -> bool:
     """Whether a detector will price rows by :func:`priced` (a pass over every band): one that
     requires ``costs`` is enabled, there is a wall-clock, and rows of the priced kinds (as
     :func:`priced` asks). A wrong yes costs a pass, never the report."""
@@ -415,7 +418,7 @@ def needs_costs(run: Any, cfg: Any) -> bool:
     return any(count_of(run, k) > 0 for k in PRICED_KINDS)
 
 
-def priced(run: Any, kind: int, min_fraction: float) -> Priced | None:
+def priced(run: Run, kind: int, min_fraction: float) -> Priced | None:
     """:func:`critical_path_cost` of ``kind``, or None when it stays under
     ``min_fraction`` of the wall-clock (or nothing was recorded).
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 
 def secs(x: float) -> str:
@@ -12,7 +15,7 @@ def secs(x: float) -> str:
     return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"
 
 
-def tally(ids: np.ndarray, weight_ns: np.ndarray, run: Any, limit: int, key: str = "wait_s",
+def tally(ids: np.ndarray, weight_ns: np.ndarray, run: Run, limit: int, key: str = "wait_s",
           ndigits: int | None = None) -> dict[str, dict[str, float]]:
     """string id -> {count, <key>: seconds}, heaviest first, at most ``limit`` entries.
 

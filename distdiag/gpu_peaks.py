@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 
 def gpus_file(cfg: Any) -> Path | None:
@@ -46,7 +49,7 @@ def peak_for(name: str, table: list[dict[str, Any]], precision: str) -> tuple[st
     return None
 
 
-def gpu_names(run: Any, ranks: np.ndarray) -> dict[int, dict[str, str]]:
+def gpu_names(run: Run, ranks: np.ndarray) -> dict[int, dict[str, str]]:
     """The ``gpu_names`` attribute of each rank file (JSON {nvml index: name})."""
     out: dict[int, dict[str, str]] = {}
     for r in ranks:  # only ranks that have GPU samples

@@ -44,11 +44,14 @@ transient stays ~80 MB whatever the run's size), no loop per event.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from distdiag.schema import Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 #: categories, in priority order (a moment belongs to the first whose span covers it)
 CATEGORIES = ("kernels_s", "h2d_s", "nccl_s", "idle_input_s", "idle_other_s")
@@ -102,7 +105,7 @@ def substitute_collective_times(ev: np.ndarray) -> int:
     return n_done
 
 
-def _spans(run: Any) -> np.ndarray:
+def _spans(run: Run) -> np.ndarray:
     """The run's GPU_SPAN rows (a copy of their columns: a few per step and rank)."""
     from distdiag.rows import events_of
 
@@ -110,7 +113,7 @@ def _spans(run: Any) -> np.ndarray:
     return spans
 
 
-def gpu_breakdown(run: Any, cfg: Any = None) -> dict[str, Any] | None:
+def gpu_breakdown(run: Run, cfg: Any = None) -> dict[str, Any] | None:
     """Per rank and per step GPU time by category (see the module docstring), or None
     when the run has no GPU spans of phases. ``cfg``: the analysis's :class:`~distdiag.config.Config`
     (the peaks table and precision of ``[analyze.gpu_underutilized]``; None: the defaults).
@@ -122,7 +125,7 @@ def gpu_breakdown(run: Any, cfg: Any = None) -> dict[str, Any] | None:
     key = (str(gpus_file(cfg)), str(cfg.value("gpu_underutilized", "precision", "bf16")))
     got = run.cache.gpu_breakdown
     if got is not None and got[0] == key:
-        return got[1]  # type: ignore[no-any-return]
+        return got[1]
     out = _gpu_breakdown(run, cfg)
     run.cache.gpu_breakdown = (key, out)
     return out
@@ -132,7 +135,7 @@ def gpu_breakdown(run: Any, cfg: Any = None) -> dict[str, Any] | None:
 BLOCK_BOUNDARIES = 1 << 20
 
 
-def _gpu_breakdown(run: Any, cfg: Any) -> dict[str, Any] | None:
+def _gpu_breakdown(run: Run, cfg: Any) -> dict[str, Any] | None:
     from distdiag.breakdown import step_marks
     from distdiag.rows import events_of
 
@@ -314,7 +317,7 @@ def _n_gpu_timed_collectives(sp: np.ndarray) -> int:
     return int(np.count_nonzero(np.isin(sp["aux"], _COMM)))
 
 
-def _flops(run: Any, ranks: np.ndarray, mrank: np.ndarray, mt: np.ndarray, n_marks: np.ndarray) -> np.ndarray:
+def _flops(run: Run, ranks: np.ndarray, mrank: np.ndarray, mt: np.ndarray, n_marks: np.ndarray) -> np.ndarray:
     """Per rank: the flops of the STEP rows (``distdiag.step(flops=...)``) after its first step
     mark and up to its last (its window), as the program gave them."""
     from distdiag.rows import events_of
@@ -338,7 +341,7 @@ def _flops(run: Any, ranks: np.ndarray, mrank: np.ndarray, mt: np.ndarray, n_mar
     return np.bincount(ri[ok], weights=st["value"][ok], minlength=len(ranks)).astype(np.float64)
 
 
-def _peaks(run: Any, ranks: np.ndarray, cfg: Any) -> dict[int, tuple[str, float]]:
+def _peaks(run: Run, ranks: np.ndarray, cfg: Any) -> dict[int, tuple[str, float]]:
     """rank -> (table entry, peak TFLOP/s at the configured precision) from the rank file's
     ``gpu_names`` and the peaks table (``configs/gpus.toml``, or ``[analyze.gpu_underutilized]
     gpus_file``); ranks without a known device are left out."""
@@ -360,7 +363,7 @@ def _peaks(run: Any, ranks: np.ndarray, cfg: Any) -> dict[int, tuple[str, float]
     return out
 
 
-def gpu_json(run: Any, cfg: Any = None) -> dict[str, Any] | None:
+def gpu_json(run: Run, cfg: Any = None) -> dict[str, Any] | None:
     """``breakdown.gpu`` of the JSON report (DESIGN.md), or None without GPU spans."""
     b = gpu_breakdown(run, cfg)
     if b is None:
@@ -368,7 +371,7 @@ def gpu_json(run: Any, cfg: Any = None) -> dict[str, Any] | None:
     return {k: v for k, v in b.items() if not k.startswith("_")}
 
 
-def gpu_text(run: Any, cfg: Any = None) -> list[str]:
+def gpu_text(run: Run, cfg: Any = None) -> list[str]:
     """The text report's lines for the GPU breakdown (none without GPU spans)."""
     b = gpu_breakdown(run, cfg)
     if b is None:

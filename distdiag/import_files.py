@@ -5,9 +5,12 @@ file systems are the node's own: the rules the ``startup`` and ``io_bound`` dete
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 
 #: file systems on the node itself: their calls' latency is the machine's, not a slow server's
@@ -24,7 +27,7 @@ def is_module_path(path: str) -> bool:
     return path.endswith(MODULE_SUFFIXES) or "__pycache__" in path
 
 
-def shared_fs_rows(run: Any, rows: np.ndarray) -> np.ndarray:
+def shared_fs_rows(run: Run, rows: np.ndarray) -> np.ndarray:
     """Which of these file rows are on a file system that is not the node's own (``aux``:
     ``"fstype:mountpoint"``; NFS, Lustre, GPFS, FUSE...): one test a distinct mount."""
     aux = run.events["aux"][rows].astype(np.int64)
@@ -33,7 +36,7 @@ def shared_fs_rows(run: Any, rows: np.ndarray) -> np.ndarray:
     return shared[inv]
 
 
-def import_paths(run: Any, nid: np.ndarray) -> np.ndarray:
+def import_paths(run: Run, nid: np.ndarray) -> np.ndarray:
     """Which of these path ids (``name_id`` of file rows) an import touches: a module path, or a
     directory holding one of the run's module paths at any depth (the import system stats and
     lists each ``sys.path`` entry and package directory it searches). One test a distinct path:

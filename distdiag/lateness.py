@@ -13,11 +13,14 @@ they judge rooted collectives and lateness alike).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from distdiag.match import Collectives, MatchState, group_blocks, member_gaps_ns
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 
 #: Rooted collectives that do not synchronize everyone. One-to-many (the
@@ -29,7 +32,7 @@ ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Isc
 MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
 
 
-def nobody_waits(run: Any, colls: Any) -> np.ndarray:
+def nobody_waits(run: Run, colls: Any) -> np.ndarray:
     """Per group: True where the last arriver made nobody wait (see ONE_TO_MANY / MANY_TO_ONE).
 
     :func:`holds_others` is its negation.
@@ -48,7 +51,7 @@ def nobody_waits(run: Any, colls: Any) -> np.ndarray:
     return np.asarray((one_to_many & ~last_is_root) | (many_to_one & last_is_root))
 
 
-def one_to_many_root_late(run: Any, colls: Any) -> np.ndarray:
+def one_to_many_root_late(run: Run, colls: Any) -> np.ndarray:
     """Per group: True where the last arriver is the root of a one-to-many collective
     (bcast, scatter): the others waited for what only the root had to prepare."""
     if len(colls) == 0:
@@ -58,7 +61,7 @@ def one_to_many_root_late(run: Any, colls: Any) -> np.ndarray:
     return np.asarray((root >= 0) & (colls.g_last_rank.astype(np.int64) == root) & np.isin(colls.g_op, ids))
 
 
-def root_world_ranks(run: Any, colls: Any) -> np.ndarray:
+def root_world_ranks(run: Run, colls: Any) -> np.ndarray:
     """Per group: its root as a world rank (-1: not rooted).
 
     The mpi4py hook records a rooted call's root in its communicator's own numbering; on a
@@ -102,7 +105,7 @@ def root_world_ranks(run: Any, colls: Any) -> np.ndarray:
     return np.asarray(out)
 
 
-def holds_others(run: Any, colls: Collectives) -> np.ndarray:
+def holds_others(run: Run, colls: Collectives) -> np.ndarray:
     """Per group: True where the last arriver really made the others wait.
 
     False for one-to-many collectives whose last arriver is not the root and
@@ -112,7 +115,7 @@ def holds_others(run: Any, colls: Collectives) -> np.ndarray:
     return np.asarray(~nobody_waits(run, colls))
 
 
-def own_lateness_ns(run: Any, colls: Any) -> np.ndarray:
+def own_lateness_ns(run: Run, colls: Any) -> np.ndarray:
     """Per group: ``last - second_to_last`` arrival, less what the last arriver inherited.
 
     A rank leaving its previous collective late arrives late at the next one
@@ -215,7 +218,7 @@ def _early_rows(colls: Any) -> np.ndarray | None:
 _ROWS = 1 << 18
 
 
-def host_indices(run: Any, colls: Any) -> tuple[np.ndarray, np.ndarray]:
+def host_indices(run: Run, colls: Any) -> tuple[np.ndarray, np.ndarray]:
     """(per rank, per group): the index in ``run.hosts`` of each rank's host and of each
     group's last arriver's (-1: unknown)."""
     hosts = run.hosts
@@ -226,7 +229,7 @@ def host_indices(run: Any, colls: Any) -> tuple[np.ndarray, np.ndarray]:
     return host_of_rank, host_of_rank[colls.m_rank[colls.g_start[1:] - 1]]
 
 
-def other_host_last_ns(run: Any, colls: Any, groups: np.ndarray) -> np.ndarray:
+def other_host_last_ns(run: Run, colls: Any, groups: np.ndarray) -> np.ndarray:
     """Per group of ``groups`` (indices): the last arrival among members on another host than
     the last arriver's, the node-level charge's start (the straggler detector's node findings); int64 minimum
     where there is none or the group was not asked for (ranking's explanation of a node)."""
@@ -282,7 +285,7 @@ def other_host_last_ns_from(colls: Any, host_of_rank: np.ndarray, h_last: np.nda
     return out
 
 
-def charged_windows(f: Any, run: Any, colls: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+def charged_windows(f: Any, run: Run, colls: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """A straggler finding's windows as a symptom (:attr:`distdiag.findings.Finding.windows`): per
     collective it charges, the late rank, its stretch of own work before it, the charge.
 

@@ -1126,7 +1126,7 @@ def collectives_of(run: Run) -> Collectives:
     return c
 
 
-def member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray:
+def member_gaps_ns(run: Run, colls: Collectives, async_exits: bool = False) -> np.ndarray:
     """Per member row: its own time since its previous blocking collective (or its start), in ns.
 
     Computed once per collectives table (straggler, serial_section and the
@@ -1147,7 +1147,7 @@ def member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> n
         async_exits = False
     hit = run.cache.member_gaps.get(async_exits)
     if hit is not None and hit[0] is colls:
-        return hit[1]  # type: ignore[no-any-return]
+        return hit[1]
     gap = _member_gaps_ns(run, colls, async_exits)
     gap.flags.writeable = False  # shared by every reader
     run.cache.member_gaps[async_exits] = (colls, gap)
@@ -1376,7 +1376,7 @@ def rank_time_order(colls: Collectives) -> np.ndarray:
     return order
 
 
-def _member_gaps_in_member_order(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray | None:
+def _member_gaps_in_member_order(run: Run, colls: Collectives, async_exits: bool = False) -> np.ndarray | None:
     """:func:`_member_gaps_ns` by blocks of whole groups in member order, or None when
     some rank's rows in member order do not come in arrival order.
 
@@ -1457,7 +1457,7 @@ def _member_gaps_in_member_order(run: Any, colls: Collectives, async_exits: bool
     return gap
 
 
-def _member_gaps_ns(run: Any, colls: Collectives, async_exits: bool = False) -> np.ndarray:
+def _member_gaps_ns(run: Run, colls: Collectives, async_exits: bool = False) -> np.ndarray:
     """See :func:`member_gaps_ns`. The rows are taken in (rank, arrival) order by blocks
     of ``_GAP_ROWS``: every temporary is block-sized (one full-size pass held ~50
     bytes per collective row at once, the straggler detector's peak, measured); the

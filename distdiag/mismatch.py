@@ -5,7 +5,7 @@ reports them; ``hang`` leaves a deadlock inside a mismatched collective to it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,9 @@ from distdiag.match import Collectives, GroupColumn, MatchState
 from distdiag.passes import RowsPass, run_local
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 _COMM_ARR = np.array(sorted(int(k) for k in COMM_KINDS), np.uint8)
 
@@ -23,7 +26,7 @@ def _sequenced(ev: np.ndarray, rows: np.ndarray) -> np.ndarray:
 MISMATCH_STATES = (MatchState.OP_MISMATCH, MatchState.SIZE_MISMATCH, MatchState.ROOT_MISMATCH)
 
 
-def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
+def member_aux(run: Run, colls: Collectives) -> np.ndarray | GroupColumn:
     """The ``aux`` (datatype id) of every member row of ``colls``, aligned with ``m_rank``.
 
     Matching gathers it (``colls.m_aux``, a :class:`~distdiag.match.GroupColumn`:
@@ -78,13 +81,13 @@ def member_aux(run: Any, colls: Collectives) -> np.ndarray | GroupColumn:
 Mismatches = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | GroupColumn]
 
 
-def mismatches(run: Any, colls: Collectives) -> Mismatches:
+def mismatches(run: Run, colls: Collectives) -> Mismatches:
     """``(bad, dtype_bad, skipped, aux)``: per group, whether it mismatches (any state), whether
     by datatype, whether a member skipped it; and the members' datatype ids (:func:`member_aux`).
     Cached on the run."""
     got = run.cache.collective_mismatch
     if got is not None and got[0] is colls:
-        return got[1]  # type: ignore[no-any-return]
+        return got[1]
     starts = colls.g_start[:-1]
     aux = member_aux(run, colls)
     # dtype: the members that recorded one (aux > 0) disagree, and nothing else does.

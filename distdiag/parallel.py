@@ -78,7 +78,7 @@ import os
 import pickle
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -97,6 +97,9 @@ from distdiag.run import (
     rank_files_of,
     streamed_kinds_for,
 )
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +208,7 @@ def _row_type(MPI: Any) -> Any:
     return t
 
 
-def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, run: Any = None,
+def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, run: Run | None = None,
                  steps: dict[str, float] | None = None) -> Any:
     """Every analysis rank's share of the collective match (rank 0 passes the ``run`` being
     matched: its in-flight rows). Returns the merged :class:`Collectives` on rank 0.
@@ -239,6 +242,7 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     inf_keys_at: Any = None
     scopes = [MatchScope.of_rows(rows["comm_id"], rows["seq"], rows["rank"])]
     if k == 0:
+        assert run is not None, "rank 0 passes the run"
         isel, igot = _select_keys(run.inflight)
         inf_rows, inf_keys_at = run.inflight.take(isel), igot
         scopes.append(MatchScope.of_rows(igot["comm_id"], igot["seq"], igot["rank"]))
@@ -361,7 +365,7 @@ class _Remote:
         self._cmd("repair", (repairs, base))
         self._status(_run_op(self.comm, self.held, "repair", (repairs, base)))
 
-    def match(self, run: Any) -> Any:
+    def match(self, run: Run) -> Any:
         from distdiag.match import warn_repeats
 
         self._cmd("match")
@@ -371,7 +375,7 @@ class _Remote:
         return merged
 
     # the pipeline's split hooks (distdiag.pipeline.analyze_run) -------------------------
-    def matched(self, run: Any, colls: Any) -> None:
+    def matched(self, run: Run, colls: Any) -> None:
         """The match is made: each of ranks 1..K-1 gets its block of the breakdown's bands, with the
         run and only its ranks' members of the match (:func:`_members_of`); rank 0 keeps block 0."""
         from distdiag.bands import part_edges
@@ -425,7 +429,7 @@ class _Remote:
             self._cmd("end")
         self.ended = True
 
-    def done(self, run: Any) -> None:
+    def done(self, run: Run) -> None:
         """The detectors are done (a step of the stage timings)."""
         self.t["detected"] = time.perf_counter()
 
@@ -495,7 +499,7 @@ def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
         return f"analysis rank {comm.Get_rank()}: {name} of its collective rows failed ({type(e).__name__}: {e})"
 
 
-def _sweep_block(run: Any, colls: Any, firsts: bool, costs: bool, part: tuple[int, int]) -> dict[PassResult, Any]:
+def _sweep_block(run: Run, colls: Any, firsts: bool, costs: bool, part: tuple[int, int]) -> dict[PassResult, Any]:
     """Block ``part`` of the bands' part of each pass of :func:`distdiag.passes.analysis_passes`,
     in one sweep (:func:`distdiag.passes.sweep`), by its ``run.cache`` attribute. A sweep that fails
     makes each :data:`_FAILED` (said in the log): rank 0 then leaves those to its stages."""

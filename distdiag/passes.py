@@ -28,12 +28,15 @@ that :mod:`distdiag.mismatch` reads, the stalls ``io_bandwidth`` overlaps).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
 from distdiag.bands import Band, bands
 from distdiag.cache import PassResult
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 A = TypeVar("A")
 P = TypeVar("P")
@@ -43,7 +46,7 @@ R = TypeVar("R")
 class Pass(Generic[A, P, R]):
     """A per-rank pass (see the module docstring); subclasses define the four steps."""
 
-    def begin(self, run: Any, part: tuple[int, int] | None) -> A:
+    def begin(self, run: Run, part: tuple[int, int] | None) -> A:
         raise NotImplementedError
 
     def add(self, acc: A, band: Band) -> None:
@@ -52,11 +55,11 @@ class Pass(Generic[A, P, R]):
     def part(self, acc: A) -> P:
         raise NotImplementedError
 
-    def reduce(self, run: Any, parts: list[P]) -> R:
+    def reduce(self, run: Run, parts: list[P]) -> R:
         raise NotImplementedError
 
 
-def sweep(run: Any, passes: Sequence[Pass[Any, Any, Any]], part: tuple[int, int] | None = None,
+def sweep(run: Run, passes: Sequence[Pass[Any, Any, Any]], part: tuple[int, int] | None = None,
           band_events: int | None = None) -> list[Any]:  # fmt: skip
     """Each pass's part of block ``part`` (None: every band), the bands walked once for all."""
     accs = [p.begin(run, part) for p in passes]
@@ -89,7 +92,7 @@ def analysis_passes(colls: Any, firsts: bool, costs: bool) -> dict[PassResult, P
     return todo
 
 
-def run_local(run: Any, passes: Sequence[Pass[Any, Any, Any]], band_events: int | None = None) -> list[Any]:
+def run_local(run: Run, passes: Sequence[Pass[Any, Any, Any]], band_events: int | None = None) -> list[Any]:
     """Each pass's result over every band, in one sweep: the local executor."""
     parts = sweep(run, passes, None, band_events)
     return [p.reduce(run, [got]) for p, got in zip(passes, parts)]
@@ -113,7 +116,7 @@ class RowsPass(Pass[_Gathered, list[np.ndarray], list[np.ndarray]]):
                  keep: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:  # fmt: skip
         self.kinds, self.fields, self.keep = kinds, fields, keep
 
-    def begin(self, run: Any, part: tuple[int, int] | None) -> _Gathered:
+    def begin(self, run: Run, part: tuple[int, int] | None) -> _Gathered:
         return _Gathered(run.events.dtype, self.fields)
 
     def add(self, acc: _Gathered, band: Band) -> None:
@@ -125,7 +128,7 @@ class RowsPass(Pass[_Gathered, list[np.ndarray], list[np.ndarray]]):
     def part(self, acc: _Gathered) -> list[np.ndarray]:
         return self.reduce(None, acc.pieces) if acc.pieces else acc.empty
 
-    def reduce(self, run: Any, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+    def reduce(self, run: Run | None, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
         if len(parts) == 1:
             return parts[0]
         return [np.concatenate([p[i] for p in parts]) for i in range(len(self.fields))]

@@ -81,7 +81,7 @@ the hardware's efficiency (``gpu_underutilized``) or outside the ranks' run
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -90,6 +90,9 @@ from distdiag.findings import Finding, Windows
 from distdiag.intervals import covered_within, union_banded
 from distdiag.match import Collectives
 from distdiag.startup_floor import floor_of
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,7 @@ REMOVAL_ORDER: dict[str, int] = {**{k: 0 for k in MECHANISMS if k != "io_bound"}
 SUBSYSTEM_KINDS = ("io_bound", "network_bound", "startup")
 
 
-def rank_findings(findings: list[Finding], run: Any, colls: Collectives, cfg: Any, model: Any = None) -> list[Finding]:
+def rank_findings(findings: list[Finding], run: Run, colls: Collectives, cfg: Any, model: Any = None) -> list[Finding]:
     """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list.
     ``model``: the replay model (:func:`distdiag.replay.price`) that priced the findings, or None."""
     wall_s = float(run.wall_s)
@@ -298,7 +301,7 @@ BINDS = {
 }  # fmt: skip
 
 
-def coverage(findings: list[Finding], breakdown: Any, run: Any, cfg: Any) -> list[dict[str, Any]]:
+def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Any) -> list[dict[str, Any]]:
     """"Never silent" (issue 20 item 2): each breakdown category that holds more than
     ``[analyze.coverage] min_share`` (0.1) of some rank's wall-clock, with the findings that explain
     it (:data:`EXPLAINS`) or, when none does, what binds (:data:`BINDS`).
@@ -346,7 +349,7 @@ def coverage(findings: list[Finding], breakdown: Any, run: Any, cfg: Any) -> lis
     return out
 
 
-def _charge_lost_runs(findings: list[Finding], run: Any, wall_s: float) -> None:
+def _charge_lost_runs(findings: list[Finding], run: Run, wall_s: float) -> None:
     """A finding that ended the job (``evidence["ends_job"]``: a hang, a fatal mismatch) costs the whole run.
 
     A job that never finishes produced no result: removing that cause saves the
@@ -400,7 +403,7 @@ def outlook(findings: list[Finding], wall_s: float, limit: int = 3) -> list[dict
 # ----------------------------------------------------------------------------------
 
 
-def _deduplicate(findings: list[Finding], run: Any, colls: Collectives, cfg: Any, wall_s: float) -> list[Finding]:
+def _deduplicate(findings: list[Finding], run: Run, colls: Collectives, cfg: Any, wall_s: float) -> list[Finding]:
     symptoms = [f for f in findings if TIER.get(f.kind, -1) >= 1]
     causes = [f for f in findings if TIER.get(f.kind, -1) in (0, 1)]
     if not symptoms or not causes:

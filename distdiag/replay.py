@@ -57,13 +57,16 @@ it is said to be not replayable (:attr:`Model.reason`), never replayed wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from distdiag import intervals, links
 from distdiag.match import Collectives
 from distdiag.schema import Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 #: member roles: whom a member waits for
 _ALL, _ROOT, _SELF, _EVERYONE_AT_ROOT = 0, 1, 2, 3
@@ -246,7 +249,7 @@ class Model:
         return (self.wall_ns - new_wall) / 1e9
 
 
-def model(run: Any, colls: Collectives) -> Model:
+def model(run: Run, colls: Collectives) -> Model:
     """The replay model of ``run`` (aligned) from its matched collectives."""
     from distdiag.lateness import MANY_TO_ONE, ONE_TO_MANY, root_world_ranks
     from distdiag.match import MatchState
@@ -322,7 +325,7 @@ class _P2P:
     site: np.ndarray
 
 
-def _p2p_events(run: Any, taken: np.ndarray) -> _P2P | None:
+def _p2p_events(run: Run, taken: np.ndarray) -> _P2P | None:
     """The point-to-point rendezvous (issue 20): every receive matched with its send
     (:func:`distdiag.links.p2p_transfers`) whose completion the run shows: a blocking ``Recv``,
     or an ``Irecv`` completed in a WAIT row (:func:`distdiag.links.p2p_waits`; not one of
@@ -434,7 +437,7 @@ class _Unschedulable(ValueError):
 WAIT_SLACK_NS = links.WAIT_SLACK_NS
 
 
-def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None, np.ndarray]:
+def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None, np.ndarray]:
     """(the waits, per group: True where every member's completion lies in a wait) for the
     non-blocking groups ``cand`` (complete, two or more members). A member's completion c lies in
     a ``WAIT`` row [w0, w1] of its rank with post <= w0 <= c <= w1 + slack; else in a ``BACKWARD``
@@ -546,7 +549,7 @@ def _waits(run: Any, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     return waits, waited
 
 
-def _kind_rows(run: Any, kind: int, ranks: Callable[[], np.ndarray]) -> tuple[np.ndarray, ...]:
+def _kind_rows(run: Run, kind: int, ranks: Callable[[], np.ndarray]) -> tuple[np.ndarray, ...]:
     """(row in ``run.events`` or -1 where streamed, rank, t0, t1) of the rows of ``kind`` of
     the bands of the ranks ``ranks()`` gives (all of the run's rows of ``kind`` when it is
     resident: then ``ranks`` is not called); int64."""
@@ -699,7 +702,7 @@ ASYNC_SHARE = 0.01
 P2P_SHARE = 0.05
 
 
-def _coupling(run: Any, colls: Collectives, ok: np.ndarray, blocking: np.ndarray, wall_ns: int,
+def _coupling(run: Run, colls: Collectives, ok: np.ndarray, blocking: np.ndarray, wall_ns: int,
               waits: Waits | None = None) -> tuple[int, str]:  # fmt: skip
     """(from when, why) the ranks synchronize through what the replay does not model: complete
     non-blocking collectives of two or more members that are not replayed (``ok``: those whose
@@ -1064,7 +1067,7 @@ def _cuts_of_drops(m: Model, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -
     return s_out, p_out, ns_out, tail
 
 
-def price(findings: list[Any], run: Any, colls: Collectives) -> Model | None:
+def price(findings: list[Any], run: Run, colls: Collectives) -> Model | None:
     """Each finding that states its counterfactual (``Finding.change``) gets ``evidence.replay``:
     the wall-clock the replay saves without it, and the counterfactual in words. Returns the
     model (for :func:`cumulate`), None when nothing was replayed."""
@@ -1128,7 +1131,7 @@ NOT_REPLAYED = ("it changes only non-blocking collectives or point-to-point call
                 "recorded inside the work segments")  # fmt: skip
 
 
-def claims_change(f: Any, run: Any) -> Change | None:
+def claims_change(f: Any, run: Run) -> Change | None:
     """A mechanism finding's counterfactual from its claims (:func:`distdiag.claims.claims_of`: the
     rank-time of its rows, e.g. an input-bound rank's loader waits): that time removed."""
     from distdiag.claims import MECHANISMS, claims_of
@@ -1147,7 +1150,7 @@ def claims_change(f: Any, run: Any) -> Change | None:
     return Change(f"{what} removed", drop_rank=r, drop_t0=t0, drop_t1=t1)
 
 
-def unhidden(run: Any, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unhidden(run: Run, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rank-time intervals less what the rank's compute covered (its compute phases, and on a
     GPU-timed run its GPU's busy spans: :func:`distdiag.critical_path.compute_rows`): a
     loader wait the GPU spends running queued kernels costs nothing, and taking it out of the

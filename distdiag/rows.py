@@ -81,9 +81,12 @@ children per tree, load 2-3::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 #: one kind (an int or a schema.Kind) or several (any iterable of ints, a uint8 array)
 Kinds = Union[int, np.integer, Iterable[int], np.ndarray]
@@ -207,7 +210,7 @@ def build(table: np.ndarray, block_rows: int = _BLOCK_ROWS) -> KindIndex:
     return KindIndex(table=table, order=order, starts=starts)
 
 
-def kind_index(run: Any) -> KindIndex:
+def kind_index(run: Run) -> KindIndex:
     """``run``'s :class:`KindIndex`, built on first use and cached in ``run.cache.kind_index``."""
     got = run.cache.kind_index
     if isinstance(got, KindIndex) and got.table is run.events:
@@ -217,7 +220,7 @@ def kind_index(run: Any) -> KindIndex:
     return idx
 
 
-def _resident(run: Any, kinds: Kinds) -> None:
+def _resident(run: Run, kinds: Kinds) -> None:
     """Raise when ``kinds`` names a kind the run streams (not in ``run.events``): a stage that
     asks for those rows here would silently see none; it must read them through a pass
     (distdiag.passes: a sweep over the bands)."""
@@ -229,14 +232,14 @@ def _resident(run: Any, kinds: Kinds) -> None:
         )
 
 
-def rows_of(run: Any, kinds: Kinds) -> np.ndarray:
+def rows_of(run: Run, kinds: Kinds) -> np.ndarray:
     """int64 row numbers into ``run.events`` of the rows of ``kinds``, ascending:
     the rows ``np.isin(run.events["kind"], kinds)`` selects, in the same order."""
     _resident(run, kinds)
     return kind_index(run).rows(kinds)
 
 
-def count_of(run: Any, kinds: Kinds) -> int:
+def count_of(run: Run, kinds: Kinds) -> int:
     """How many rows of ``run.events`` have one of ``kinds`` (0 for an absent kind: no copy)."""
     _resident(run, kinds)
     return kind_index(run).count(kinds)
@@ -254,7 +257,7 @@ def unique_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return v[first], first
 
 
-def events_of(run: Any, kinds: Kinds) -> np.ndarray:
+def events_of(run: Run, kinds: Kinds) -> np.ndarray:
     """The rows of ``kinds`` (a copy, in table order): ``run.events[np.isin(kind, kinds)]``."""
     return np.asarray(run.events.take(rows_of(run, kinds)))
 

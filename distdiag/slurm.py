@@ -40,7 +40,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from distdiag.errors import SlurmError
 from distdiag.passes import Pass, sweep
 from distdiag.rows import rows_of
 from distdiag.schema import COMM_KINDS, P2P_KINDS, PHASE_KINDS, Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +424,7 @@ class SlurmView:
                  "last_event_s": rel(self.rank_last_event_s, r)} for r in ranks]  # fmt: skip
 
 
-def slurm_job_id(run: Any) -> str | None:
+def slurm_job_id(run: Run) -> str | None:
     """The Slurm job id the ranks ran in, from their recorded environment."""
     ids = {i.env.get("SLURM_JOB_ID") for i in run.ranks.values() if i.env.get("SLURM_JOB_ID")}
     if not ids:
@@ -431,7 +434,7 @@ def slurm_job_id(run: Any) -> str | None:
     return str(max(counts, key=lambda j: counts[j]))
 
 
-def _wall_map_ns(run: Any) -> int | None:
+def _wall_map_ns(run: Run) -> int | None:
     """Add this to a timestamp of the run's (aligned) timeline to get Unix ns.
 
     Each rank recorded time.time_ns() and its event clock at one instant; on
@@ -475,7 +478,7 @@ _COMM_TABLE = _table(COMM_KINDS)
 _SYNC_TABLE = _table(_SYNC_KINDS)
 
 
-def _rank_firsts(run: Any) -> RankFirsts:
+def _rank_firsts(run: Run) -> RankFirsts:
     """The first useful, collective and rendezvous instants of every rank, in one pass over
     :func:`distdiag.bands.bands` (cached on the run).
 
@@ -494,7 +497,7 @@ def _rank_firsts(run: Any) -> RankFirsts:
     return got
 
 
-def needs_rank_firsts(run: Any) -> bool:
+def needs_rank_firsts(run: Run) -> bool:
     """Whether the Slurm view reads the per-rank firsts (:func:`rank_milestones`,
     :func:`rank_busy_until`): a Slurm job, or stored accounting, and a wall-clock map.
     ``--parallel`` computes them on every analysis rank's bands beforehand when so."""
@@ -508,7 +511,7 @@ class FirstsPass(Pass[RankFirsts, RankFirsts, RankFirsts]):
     every rank's entry, those outside its bands ``_NONE`` / False, so the minima and the or
     over the parts of blocks that cover every rank once are each rank's own."""
 
-    def begin(self, run: Any, part: tuple[int, int] | None) -> RankFirsts:
+    def begin(self, run: Run, part: tuple[int, int] | None) -> RankFirsts:
         n = n_ranks(run)
         return RankFirsts(np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64), np.full(n, _NONE, np.int64),
                           np.zeros(n, bool))  # fmt: skip
@@ -536,7 +539,7 @@ class FirstsPass(Pass[RankFirsts, RankFirsts, RankFirsts]):
     def part(self, acc: RankFirsts) -> RankFirsts:
         return acc
 
-    def reduce(self, run: Any, parts: list[RankFirsts]) -> RankFirsts:
+    def reduce(self, run: Run, parts: list[RankFirsts]) -> RankFirsts:
         if len(parts) == 1:
             return parts[0]
         return RankFirsts(
@@ -547,7 +550,7 @@ class FirstsPass(Pass[RankFirsts, RankFirsts, RankFirsts]):
         )
 
 
-def rank_firsts_part(run: Any, part: tuple[int, int] | None) -> RankFirsts:
+def rank_firsts_part(run: Run, part: tuple[int, int] | None) -> RankFirsts:
     """:class:`FirstsPass` over the bands of ``part`` (all when None), not cached."""
     got: RankFirsts = sweep(run, [FirstsPass()], part)[0]
     return got
@@ -559,7 +562,7 @@ def _as_wall_s(first_ns: np.ndarray, wall_map_ns: int) -> dict[int, float]:
     return {int(r): (int(t) + wall_map_ns) / 1e9 for r, t in zip(ranks, first_ns[ranks])}
 
 
-def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[int, float], dict[int, float]]:
+def rank_milestones(run: Run) -> tuple[dict[int, float], dict[int, float], dict[int, float], dict[int, float]]:
     """Per rank, in Unix seconds: shim start, first useful work, first collective, last event.
 
     First useful work is the start of the rank's first collective,
@@ -577,7 +580,7 @@ def rank_milestones(run: Any) -> tuple[dict[int, float], dict[int, float], dict[
     return start, first, first_coll, last
 
 
-def rank_busy_until(run: Any) -> dict[int, float]:
+def rank_busy_until(run: Run) -> dict[int, float]:
     """Per rank, Unix seconds when it last did something of its own before
     its first rendezvous (communicator creation or first useful work).
 
@@ -669,7 +672,7 @@ def timeline(acct: Accounting, start: dict[int, float], first: dict[int, float],
     return [{"what": label, "t_s": round(dt, 3), "ranks": ranks} for dt, label, ranks in timed]
 
 
-def accounting_of(run: Any, backend: str = "auto", live: bool | None = None) -> SlurmView:
+def accounting_of(run: Run, backend: str = "auto", live: bool | None = None) -> SlurmView:
     """The run's Slurm view, computed once per (aligned) run and cached on it.
 
     ``live=False`` never calls sacct/pyslurm (only the stored copy);
@@ -683,7 +686,7 @@ def accounting_of(run: Any, backend: str = "auto", live: bool | None = None) -> 
     return view
 
 
-def _compute_view(run: Any, backend: str, live: bool | None) -> SlurmView:
+def _compute_view(run: Run, backend: str, live: bool | None) -> SlurmView:
     if live is None:
         live = os.environ.get("DISTDIAG_SLURM_OFFLINE", "") not in ("1", "true", "yes")
     job = slurm_job_id(run)

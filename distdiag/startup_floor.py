@@ -14,7 +14,7 @@ example: :mod:`distdiag.detectors.startup`. Settings (``[analyze.startup]``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from distdiag.import_files import is_module_path, shared_fs_rows
 from distdiag.intervals import union_length_by_key
 from distdiag.rows import rows_of
 from distdiag.schema import FILE_KINDS, Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 
 @dataclass(frozen=True)
@@ -49,13 +52,13 @@ class Floor:
     cost_s: float
 
 
-def _none(run: Any, key: tuple[float, float]) -> Floor | None:
+def _none(run: Run, key: tuple[float, float]) -> Floor | None:
     """No floor to tell, remembered for the run."""
     run.cache.startup_floor[key] = None
     return None
 
 
-def floor_of(run: Any, cfg: Any) -> Floor | None:
+def floor_of(run: Run, cfg: Any) -> Floor | None:
     """The run's startup :class:`Floor` (computed once per run and settings), or None where there is
     none to tell: no wall-clock, no module file rows (the fileio hook off: the imports cannot be
     told from the setup), no rank whose startup lasted."""
@@ -63,7 +66,7 @@ def floor_of(run: Any, cfg: Any) -> Floor | None:
     gap_ns = float(cfg.value("startup", "import_gap_s", 1.0)) * 1e9
     key = (healthy_ns, gap_ns)
     if key in run.cache.startup_floor:
-        return run.cache.startup_floor[key]  # type: ignore[no-any-return]
+        return run.cache.startup_floor[key]
     if float(run.wall_s) <= 0 or not run.ranks:
         return _none(run, key)
     mods = module_rows(run)
@@ -113,7 +116,7 @@ def floor_of(run: Any, cfg: Any) -> Floor | None:
     return fl
 
 
-def module_rows(run: Any) -> np.ndarray:
+def module_rows(run: Run) -> np.ndarray:
     """The run's file rows on module paths (imports), ascending (one test a distinct path)."""
     rows = rows_of(run, tuple(int(k) for k in FILE_KINDS))
     if len(rows) == 0:

@@ -25,7 +25,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -33,6 +33,9 @@ import pandas as pd
 from distdiag.breakdown import COLUMNS, LABELS, MAX_STEP_ROWS, per_step, step_breakdown
 from distdiag.match import MatchState
 from distdiag.schema import FILE_KINDS, Kind
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ def _rc() -> Any:
     return matplotlib.rc_context(RC)  # type: ignore[arg-type]
 
 
-def _t0_ns(run: Any) -> int:
+def _t0_ns(run: Run) -> int:
     return int(run.start_ns)
 
 
@@ -124,11 +127,11 @@ def _longest(dur: np.ndarray, limit: int) -> np.ndarray:
     return np.sort(np.argpartition(-dur, limit)[:limit])
 
 
-def _with_inflight(run: Any) -> np.ndarray:
+def _with_inflight(run: Run) -> np.ndarray:
     """The events plus the calls a rank was still inside of (a phase, a read), ending where its record ends."""
     inf = run.inflight
     if len(inf) == 0:
-        return run.events  # type: ignore[no-any-return]
+        return run.events
     inf = inf.copy()
     end = np.asarray(run.rank_bounds()[1], np.int64)
     inf["t1_ns"] = np.maximum(inf["t0_ns"], end[np.clip(inf["rank"], 0, len(end) - 1)])
@@ -215,7 +218,7 @@ def _main_comm(colls: Any) -> int:
     return int(ids[np.argmax(counts)])
 
 
-def _step_index(run: Any, rank: np.ndarray, t_ns: np.ndarray) -> np.ndarray | None:
+def _step_index(run: Run, rank: np.ndarray, t_ns: np.ndarray) -> np.ndarray | None:
     """Per (rank, instant): how many of that rank's ``distdiag.step()`` marks came before it.
 
     None unless every rank in ``rank`` marked at least two steps. Vectorized:

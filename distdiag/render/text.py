@@ -25,13 +25,16 @@ import os
 import re
 import secrets
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
 from distdiag.breakdown import COLUMNS, LABELS, step_breakdown, step_summary
 from distdiag.ranking import outlook
 from distdiag.render.fmt import escape_controls, fmt_s, short_list
+
+if TYPE_CHECKING:
+    from distdiag.run import Run
 
 #: a per-rank table longer than this shows the ranks the findings name plus min/median/max
 MAX_RANK_ROWS = 16
@@ -361,7 +364,7 @@ def _slurm_lines(view: Any) -> list[str]:
 _CAPTURES = {"preload": "libc interposer", "python": "Python-level hooks (no calls made from C)", "off": "off"}
 
 
-def _capture_line(run: Any) -> str:
+def _capture_line(run: Run) -> str:
     """Which capture recorded the file calls (the ``fileio_capture`` attribute), or "" for
     files that do not say (older ones, Kineto traces)."""
     caps = collections.Counter(getattr(r, "fileio_capture", "") for r in run.ranks.values())
@@ -372,7 +375,7 @@ def _capture_line(run: Any) -> str:
     return "file I/O capture: " + ", ".join(parts)
 
 
-def _kineto_line(run: Any) -> str:
+def _kineto_line(run: Run) -> str:
     """The header line of a run read from PyTorch profiler traces: what was read, how the clocks were aligned."""
     from distdiag.pipeline import input_json
 
