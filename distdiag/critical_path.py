@@ -47,6 +47,7 @@ from distdiag.rows import count_of
 from distdiag.schema import Kind
 
 if TYPE_CHECKING:
+    from distdiag.config import Config
     from distdiag.run import Run
 
 log = logging.getLogger(__name__)
@@ -407,7 +408,7 @@ class Priced:
 PRICED_KINDS = (int(Kind.INPUT_WAIT), int(Kind.H2D))
 
 
-def needs_costs(run: Run, cfg: Any) -> bool:
+def needs_costs(run: Run, cfg: Config | None) -> bool:
     """Whether a detector will price rows by :func:`priced` (a pass over every band): one that
     requires ``costs`` is enabled, there is a wall-clock, and rows of the priced kinds (as
     :func:`priced` asks). A wrong yes costs a pass, never the report."""

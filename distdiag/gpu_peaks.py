@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from distdiag.config import Config
     from distdiag.run import Run
 
 
-def gpus_file(cfg: Any) -> Path | None:
+def gpus_file(cfg: Config) -> Path | None:
     """The table of GPU peaks: ``[analyze.gpu_underutilized] gpus_file``, else the project's."""
     p = cfg.value("gpu_underutilized", "gpus_file", "")
     if p:

@@ -51,6 +51,7 @@ import numpy as np
 from distdiag.schema import Kind
 
 if TYPE_CHECKING:
+    from distdiag.config import Config
     from distdiag.run import Run
 
 #: categories, in priority order (a moment belongs to the first whose span covers it)
@@ -113,7 +114,7 @@ def _spans(run: Run) -> np.ndarray:
     return spans
 
 
-def gpu_breakdown(run: Run, cfg: Any = None) -> dict[str, Any] | None:
+def gpu_breakdown(run: Run, cfg: Config | None = None) -> dict[str, Any] | None:
     """Per rank and per step GPU time by category (see the module docstring), or None
     when the run has no GPU spans of phases. ``cfg``: the analysis's :class:`~distdiag.config.Config`
     (the peaks table and precision of ``[analyze.gpu_underutilized]``; None: the defaults).
@@ -135,7 +136,7 @@ def gpu_breakdown(run: Run, cfg: Any = None) -> dict[str, Any] | None:
 BLOCK_BOUNDARIES = 1 << 20
 
 
-def _gpu_breakdown(run: Run, cfg: Any) -> dict[str, Any] | None:
+def _gpu_breakdown(run: Run, cfg: Config) -> dict[str, Any] | None:
     from distdiag.breakdown import step_marks
     from distdiag.rows import events_of
 
@@ -341,7 +342,7 @@ def _flops(run: Run, ranks: np.ndarray, mrank: np.ndarray, mt: np.ndarray, n_mar
     return np.bincount(ri[ok], weights=st["value"][ok], minlength=len(ranks)).astype(np.float64)
 
 
-def _peaks(run: Run, ranks: np.ndarray, cfg: Any) -> dict[int, tuple[str, float]]:
+def _peaks(run: Run, ranks: np.ndarray, cfg: Config) -> dict[int, tuple[str, float]]:
     """rank -> (table entry, peak TFLOP/s at the configured precision) from the rank file's
     ``gpu_names`` and the peaks table (``configs/gpus.toml``, or ``[analyze.gpu_underutilized]
     gpus_file``); ranks without a known device are left out."""
@@ -363,7 +364,7 @@ def _peaks(run: Run, ranks: np.ndarray, cfg: Any) -> dict[int, tuple[str, float]
     return out
 
 
-def gpu_json(run: Run, cfg: Any = None) -> dict[str, Any] | None:
+def gpu_json(run: Run, cfg: Config | None = None) -> dict[str, Any] | None:
     """``breakdown.gpu`` of the JSON report (DESIGN.md), or None without GPU spans."""
     b = gpu_breakdown(run, cfg)
     if b is None:
@@ -371,7 +372,7 @@ def gpu_json(run: Run, cfg: Any = None) -> dict[str, Any] | None:
     return {k: v for k, v in b.items() if not k.startswith("_")}
 
 
-def gpu_text(run: Run, cfg: Any = None) -> list[str]:
+def gpu_text(run: Run, cfg: Config | None = None) -> list[str]:
     """The text report's lines for the GPU breakdown (none without GPU spans)."""
     b = gpu_breakdown(run, cfg)
     if b is None:

@@ -32,7 +32,7 @@ ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Isc
 MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
 
 
-def nobody_waits(run: Run, colls: Any) -> np.ndarray:
+def nobody_waits(run: Run, colls: Collectives) -> np.ndarray:
     """Per group: True where the last arriver made nobody wait (see ONE_TO_MANY / MANY_TO_ONE).
 
     :func:`holds_others` is its negation.
@@ -51,7 +51,7 @@ def nobody_waits(run: Run, colls: Any) -> np.ndarray:
     return np.asarray((one_to_many & ~last_is_root) | (many_to_one & last_is_root))
 
 
-def one_to_many_root_late(run: Run, colls: Any) -> np.ndarray:
+def one_to_many_root_late(run: Run, colls: Collectives) -> np.ndarray:
     """Per group: True where the last arriver is the root of a one-to-many collective
     (bcast, scatter): the others waited for what only the root had to prepare."""
     if len(colls) == 0:
@@ -61,7 +61,7 @@ def one_to_many_root_late(run: Run, colls: Any) -> np.ndarray:
     return np.asarray((root >= 0) & (colls.g_last_rank.astype(np.int64) == root) & np.isin(colls.g_op, ids))
 
 
-def root_world_ranks(run: Run, colls: Any) -> np.ndarray:
+def root_world_ranks(run: Run, colls: Collectives) -> np.ndarray:
     """Per group: its root as a world rank (-1: not rooted).
 
     The mpi4py hook records a rooted call's root in its communicator's own numbering; on a
@@ -115,7 +115,7 @@ def holds_others(run: Run, colls: Collectives) -> np.ndarray:
     return np.asarray(~nobody_waits(run, colls))
 
 
-def own_lateness_ns(run: Run, colls: Any) -> np.ndarray:
+def own_lateness_ns(run: Run, colls: Collectives) -> np.ndarray:
     """Per group: ``last - second_to_last`` arrival, less what the last arriver inherited.
 
     A rank leaving its previous collective late arrives late at the next one
@@ -144,7 +144,7 @@ def own_lateness_ns(run: Run, colls: Any) -> np.ndarray:
     return np.asarray(np.clip(gap - inherited, 0, gap))
 
 
-def startup_groups(colls: Any) -> np.ndarray:
+def startup_groups(colls: Collectives) -> np.ndarray:
     """Per group: True where it is some member's first collective of the run.
 
     The first collective is where the ranks meet after launch: a rank that is
@@ -180,7 +180,7 @@ def startup_groups(colls: Any) -> np.ndarray:
     return out
 
 
-def _early_rows(colls: Any) -> np.ndarray | None:
+def _early_rows(colls: Collectives) -> np.ndarray | None:
     """The member rows (ascending) of the groups whose first arrival is no later than a bound on
     every rank's first arrival; None where no such bound is at hand or those rows are many.
 
@@ -218,7 +218,7 @@ def _early_rows(colls: Any) -> np.ndarray | None:
 _ROWS = 1 << 18
 
 
-def host_indices(run: Run, colls: Any) -> tuple[np.ndarray, np.ndarray]:
+def host_indices(run: Run, colls: Collectives) -> tuple[np.ndarray, np.ndarray]:
     """(per rank, per group): the index in ``run.hosts`` of each rank's host and of each
     group's last arriver's (-1: unknown)."""
     hosts = run.hosts
@@ -229,7 +229,7 @@ def host_indices(run: Run, colls: Any) -> tuple[np.ndarray, np.ndarray]:
     return host_of_rank, host_of_rank[colls.m_rank[colls.g_start[1:] - 1]]
 
 
-def other_host_last_ns(run: Run, colls: Any, groups: np.ndarray) -> np.ndarray:
+def other_host_last_ns(run: Run, colls: Collectives, groups: np.ndarray) -> np.ndarray:
     """Per group of ``groups`` (indices): the last arrival among members on another host than
     the last arriver's, the node-level charge's start (the straggler detector's node findings); int64 minimum
     where there is none or the group was not asked for (ranking's explanation of a node)."""
@@ -242,7 +242,7 @@ def other_host_last_ns(run: Run, colls: Any, groups: np.ndarray) -> np.ndarray:
 _STEPS = 16
 
 
-def other_host_last_ns_from(colls: Any, host_of_rank: np.ndarray, h_last: np.ndarray, groups: np.ndarray) -> np.ndarray:
+def other_host_last_ns_from(colls: Collectives, host_of_rank: np.ndarray, h_last: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """Per group: the last arrival among members on another host than the last arriver's
     (``h_last``), computed for ``groups`` (indices); int64 minimum where there is none
     or the group was not asked for.
@@ -285,7 +285,7 @@ def other_host_last_ns_from(colls: Any, host_of_rank: np.ndarray, h_last: np.nda
     return out
 
 
-def charged_windows(f: Any, run: Run, colls: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+def charged_windows(f: Any, run: Run, colls: Collectives) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """A straggler finding's windows as a symptom (:attr:`distdiag.findings.Finding.windows`): per
     collective it charges, the late rank, its stretch of own work before it, the charge.
 

@@ -100,6 +100,7 @@ from distdiag.run import (
 
 if TYPE_CHECKING:
     from distdiag.run import Run
+    from distdiag.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def _read_block(
     return out, packer
 
 
-def _stream_limit(cfg: Any) -> int:
+def _stream_limit(cfg: Config | None) -> int:
     from distdiag.config import Config
 
     return int((cfg or Config()).stream_events)
@@ -331,7 +332,7 @@ class _Remote:
     """
 
     def __init__(self, comm: Any, held: _Held | None, sigs: np.ndarray | None, strings: np.ndarray,
-                 cfg: Any = None) -> None:  # fmt: skip
+                 cfg: Config | None = None) -> None:  # fmt: skip
         self.comm, self.held, self.sigs, self.strings, self.cfg = comm, held, sigs, strings, cfg
         self.workers = 0
         self.ended = False  # the others left the command loop ("end", or "breakdown" and its jobs)
@@ -623,7 +624,7 @@ def _bounded(comm: Any, fn: Any, seconds: float, what: str) -> None:
         done.set()
 
 
-def analyze_parallel(run_dir: str | Path, cfg: Any = None, comm: Any = None, stream: bool = True) -> Any:
+def analyze_parallel(run_dir: str | Path, cfg: Config | None = None, comm: Any = None, stream: bool = True) -> Any:
     """Analyze ``run_dir`` on every rank of ``comm`` (default COMM_WORLD).
 
     ``stream``: stream a run larger than ``cfg.stream_events`` rows as the serial CLI does

@@ -36,6 +36,7 @@ from distdiag.bands import Band, bands
 from distdiag.cache import PassResult
 
 if TYPE_CHECKING:
+    from distdiag.match import Collectives
     from distdiag.run import Run
 
 A = TypeVar("A")
@@ -70,7 +71,7 @@ def sweep(run: Run, passes: Sequence[Pass[Any, Any, Any]], part: tuple[int, int]
     return [p.part(acc) for p, acc in zip(passes, accs)]
 
 
-def analysis_passes(colls: Any, firsts: bool, costs: bool) -> dict[PassResult, Pass[Any, Any, Any]]:
+def analysis_passes(colls: Collectives, firsts: bool, costs: bool) -> dict[PassResult, Pass[Any, Any, Any]]:
     """The per-rank passes an analysis sweeps, keyed by the ``run.cache`` attribute where the stage
     that reads each looks for its result: the Slurm view's per-rank firsts (``firsts``), the
     critical path of input waits and copies (``costs``), the breakdown and each rank's end of

@@ -92,6 +92,7 @@ from distdiag.match import Collectives
 from distdiag.startup_floor import floor_of
 
 if TYPE_CHECKING:
+    from distdiag.config import Config
     from distdiag.run import Run
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ REMOVAL_ORDER: dict[str, int] = {**{k: 0 for k in MECHANISMS if k != "io_bound"}
 SUBSYSTEM_KINDS = ("io_bound", "network_bound", "startup")
 
 
-def rank_findings(findings: list[Finding], run: Run, colls: Collectives, cfg: Any, model: Any = None) -> list[Finding]:
+def rank_findings(findings: list[Finding], run: Run, colls: Collectives, cfg: Config, model: Any = None) -> list[Finding]:
     """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list.
     ``model``: the replay model (:func:`distdiag.replay.price`) that priced the findings, or None."""
     wall_s = float(run.wall_s)
@@ -153,14 +154,14 @@ def _label(f: Finding) -> str:
     return f"{f.kind} ranks {','.join(map(str, f.ranks))}" if f.ranks else f.kind
 
 
-def _threshold(f: Finding, cfg: Any) -> float:
+def _threshold(f: Finding, cfg: Config) -> float:
     """The share of the run under which a finding that causes above it explained is dropped."""
     if f.kind in SUBSYSTEM_KINDS:
         return float(cfg.value(f.kind, "min_share", 0.1))
     return float(cfg.value(f.kind, "min_fraction", getattr(cfg, "min_fraction", 0.02)))
 
 
-def _price_by_replay(findings: list[Finding], model: Any, cfg: Any, wall_s: float) -> list[Finding]:
+def _price_by_replay(findings: list[Finding], model: Any, cfg: Config, wall_s: float) -> list[Finding]:
     """Each finding the replay priced costs what the replay saves once the causes before it in
     :data:`REMOVAL_ORDER` are removed (:func:`distdiag.replay.cumulate`): each second counted once by
     construction, and never more than the finding's own saving (the synergy of two causes,
@@ -214,7 +215,7 @@ def _price_by_replay(findings: list[Finding], model: Any, cfg: Any, wall_s: floa
     return [f for f in findings if not replayed(f) or id(f) in kept]
 
 
-def _link_explains_network(findings: list[Finding], cfg: Any, wall_s: float) -> list[Finding]:
+def _link_explains_network(findings: list[Finding], cfg: Config, wall_s: float) -> list[Finding]:
     """A slow link found explains part of why the network binds: ``network_bound`` (the
     waits on the network, whatever their cause) keeps what the links' costs leave, and is
     dropped when that is under its ``min_share`` of the run."""
@@ -244,7 +245,7 @@ def _link_explains_network(findings: list[Finding], cfg: Any, wall_s: float) -> 
 SUBSYSTEM_CAUSES = {"io_bound": ("metadata_storm", "io_bandwidth"), "startup": ("launch_overhead",)}
 
 
-def _mechanism_explains_subsystem(findings: list[Finding], cfg: Any, wall_s: float) -> list[Finding]:
+def _mechanism_explains_subsystem(findings: list[Finding], cfg: Config, wall_s: float) -> list[Finding]:
     """As :func:`_link_explains_network`, for the other subsystem findings: ``io_bound`` keeps
     what ``metadata_storm`` and ``io_bandwidth`` leave (reported while that is still its
     ``min_share``), and ``startup`` is dropped when ``launch_overhead`` prices the job's start
@@ -301,7 +302,7 @@ BINDS = {
 }  # fmt: skip
 
 
-def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Any) -> list[dict[str, Any]]:
+def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config) -> list[dict[str, Any]]:
     """"Never silent" (issue 20 item 2): each breakdown category that holds more than
     ``[analyze.coverage] min_share`` (0.1) of some rank's wall-clock, with the findings that explain
     it (:data:`EXPLAINS`) or, when none does, what binds (:data:`BINDS`).
@@ -403,7 +404,7 @@ def outlook(findings: list[Finding], wall_s: float, limit: int = 3) -> list[dict
 # ----------------------------------------------------------------------------------
 
 
-def _deduplicate(findings: list[Finding], run: Run, colls: Collectives, cfg: Any, wall_s: float) -> list[Finding]:
+def _deduplicate(findings: list[Finding], run: Run, colls: Collectives, cfg: Config, wall_s: float) -> list[Finding]:
     symptoms = [f for f in findings if TIER.get(f.kind, -1) >= 1]
     causes = [f for f in findings if TIER.get(f.kind, -1) in (0, 1)]
     if not symptoms or not causes:

@@ -25,6 +25,7 @@ from distdiag.rows import rows_of
 from distdiag.schema import FILE_KINDS, Kind
 
 if TYPE_CHECKING:
+    from distdiag.config import Config
     from distdiag.run import Run
 
 
@@ -58,7 +59,7 @@ def _none(run: Run, key: tuple[float, float]) -> Floor | None:
     return None
 
 
-def floor_of(run: Run, cfg: Any) -> Floor | None:
+def floor_of(run: Run, cfg: Config) -> Floor | None:
     """The run's startup :class:`Floor` (computed once per run and settings), or None where there is
     none to tell: no wall-clock, no module file rows (the fileio hook off: the imports cannot be
     told from the setup), no rank whose startup lasted."""

@@ -75,6 +75,7 @@ from distdiag.rows import calls_of, events_of, weighted_median
 from distdiag.schema import FILE_KINDS, Kind
 
 if TYPE_CHECKING:
+    from distdiag.match import Collectives
     from distdiag.run import Run
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ ADVICE = (
 )
 
 
-def _idle_gaps(rank: np.ndarray, t0: np.ndarray, t1: np.ndarray, colls: Any) -> tuple[np.ndarray, ...]:
+def _idle_gaps(rank: np.ndarray, t0: np.ndarray, t1: np.ndarray, colls: Collectives) -> tuple[np.ndarray, ...]:
     """(rank, start, end) of each gap between consecutive file calls of a rank in which it
     neither was inside a collective nor entered or left one: the storm's time the hooks did
     not see (calls made from C: os.walk's per-entry stats, C readers), up to the rank's

@@ -71,6 +71,7 @@ from distdiag.replay import Change
 from distdiag.startup_floor import floor_of
 
 if TYPE_CHECKING:
+    from distdiag.match import Collectives
     from distdiag.run import Run
 
 
@@ -145,7 +146,7 @@ def detect(an: Analysis) -> list[Finding]:
     return [f]
 
 
-def _startup_window(f: Finding, run: Run, colls: Any) -> Windows | None:
+def _startup_window(f: Finding, run: Run, colls: Collectives) -> Windows | None:
     """The finding's window as a symptom: its binding rank's start-up, charged with the part of the
     price that its module files' excess over the healthy latency makes (its ``module_file_excess_s``):
     what a metadata storm among those files explains. The setup the price also holds (dataset,

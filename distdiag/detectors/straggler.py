@@ -89,6 +89,7 @@ from distdiag.ranks import rank_ranges
 from distdiag.replay import Change
 
 if TYPE_CHECKING:
+    from distdiag.match import Collectives
     from distdiag.run import Run
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ def detect(an: Analysis) -> list[Finding]:
     return out
 
 
-def _members_per_rank(colls: Any, groups: np.ndarray, n: int) -> np.ndarray:
+def _members_per_rank(colls: Collectives, groups: np.ndarray, n: int) -> np.ndarray:
     """Per rank: how many of ``groups`` (a mask per group) it took part in. By blocks of
     whole groups: a member-size mask and int64 copy of the ranks all at once were ~13
     bytes per member row, the detector's peak after the member gaps (measured)."""
@@ -231,7 +232,7 @@ def _members_per_rank(colls: Any, groups: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _ops_per_rank(colls: Any, groups: np.ndarray, ranks: list[int]) -> dict[int, np.ndarray]:
+def _ops_per_rank(colls: Collectives, groups: np.ndarray, ranks: list[int]) -> dict[int, np.ndarray]:
     """rank -> the distinct op ids (ascending) of its member rows in ``groups``, for a few
     ranks, in one pass by blocks of whole groups."""
     out = {r: np.zeros(0, np.int64) for r in ranks}
@@ -267,7 +268,7 @@ class P2PLateness(NamedTuple):
     ns: np.ndarray
 
 
-def p2p_lateness(run: Run, colls: Any, min_ns: float, have_ns: np.ndarray | None = None) -> P2PLateness:
+def p2p_lateness(run: Run, colls: Collectives, min_ns: float, have_ns: np.ndarray | None = None) -> P2PLateness:
     """The lateness at point-to-point rendezvous (issue 20), as :func:`own_lateness_ns` at collectives.
 
     A blocking receive, or the WAIT that completes an ``Irecv``
@@ -370,7 +371,7 @@ def _p2p_rows(run: Run) -> np.ndarray:
     return rows_of(run, (Kind.SEND, Kind.RECV))
 
 
-def _left_before(run: Run, colls: Any, who: np.ndarray, q_rank: np.ndarray,
+def _left_before(run: Run, colls: Collectives, who: np.ndarray, q_rank: np.ndarray,
                  q_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Per query: the latest exit (ns) of rank ``q_rank`` from a rendezvous (a collective member
     row's return, a blocking point-to-point call's or a wait's) at or before ``q_t`` (-1 where none), and how long that
@@ -419,7 +420,7 @@ def _left_before(run: Run, colls: Any, who: np.ndarray, q_rank: np.ndarray,
 
 def _fold_hosts(
     run: Run,
-    colls: Any,
+    colls: Collectives,
     ok: np.ndarray,
     rank_cost_ns: np.ndarray,
     rank_findings: list[Finding],
@@ -522,7 +523,7 @@ def _fold_hosts(
     return out_hosts + [f for f in rank_findings if f.ranks[0] not in folded]
 
 
-def _hosts_per_group(colls: Any, host_of_rank: np.ndarray, use: np.ndarray, n_hosts: int,
+def _hosts_per_group(colls: Collectives, host_of_rank: np.ndarray, use: np.ndarray, n_hosts: int,
                      wanted: list[int]) -> np.ndarray:
     """Per host: how many of the ``use`` groups it took part in, counted for the
     ``wanted`` hosts only (the reported ones: few; 0 for the others), by blocks of

@@ -35,6 +35,7 @@ from distdiag.match import MatchState
 from distdiag.schema import FILE_KINDS, Kind
 
 if TYPE_CHECKING:
+    from distdiag.match import Collectives
     from distdiag.run import Run
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ def plot_timeline(report: Any, ax: Any = None, max_ranks: int = MAX_RANKS, max_b
     return ax
 
 
-def _main_comm(colls: Any) -> int:
+def _main_comm(colls: Collectives) -> int:
     """The communicator with the most matched collectives (string id)."""
     ids, counts = np.unique(colls.g_comm, return_counts=True)
     return int(ids[np.argmax(counts)])
