@@ -260,26 +260,26 @@ def _stages_child(run_dir: str) -> int:
     # an older tree (--baseline) has no packer: it read every file, then assembled a copy
     # a tree that streams (distdiag.bands) keeps the compute phases out of the table on a large run
     drop = runmod.streamed_kinds_for(run_dir, cfg.stream_events) if hasattr(runmod, "streamed_kinds_for") else ()
-    if not hasattr(runmod, "_Packer"):
+    if not hasattr(runmod, "Packer"):
         packer = None
     else:
-        packer = runmod._Packer(runmod._capacity_rows(files), drop=drop) if drop else runmod._Packer(runmod._capacity_rows(files))
+        packer = runmod.Packer(runmod.capacity_rows(files), drop=drop) if drop else runmod.Packer(runmod.capacity_rows(files))
 
     # a packer-aware reader reads the events straight into the packer (load_run's way)
-    into = (packer,) if packer is not None and "packer" in inspect.signature(runmod._read_rank).parameters else ()
+    into = (packer,) if packer is not None and "packer" in inspect.signature(runmod.read_rank).parameters else ()
 
     def read() -> list:
         got = []
         for fp in files:  # one per rank file
-            d = runmod._read_rank(fp, warnings, *into)
-            if packer is not None and isinstance(d, runmod._RankData):
+            d = runmod.read_rank(fp, warnings, *into)
+            if packer is not None and isinstance(d, runmod.RankData):
                 packer.take(d)
             got.append(d)
         return got
 
     got = stage("read + pack", read)
     extra = (packer,) if packer is not None else ()
-    run = stage("assemble", runmod._assemble, run_dir, p, files, got, warnings, *extra)
+    run = stage("assemble", runmod.assemble, run_dir, p, files, got, warnings, *extra)
     del got, packer, extra, into  # the packer holds the buffer: a streamed run frees its collective rows later
     kw = {"inplace": True} if "inplace" in inspect.signature(clocks.align).parameters else {}
     run = stage("align", clocks.align, run, **kw)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from distdiag.rows import Kinds, _kind_ids, build, kind_index
+from distdiag.rows import Kinds, kind_ids, build, kind_index
 
 if TYPE_CHECKING:
     from distdiag.run import Run
@@ -81,7 +81,7 @@ def _rows_in(kidx: Any, kinds: Kinds, e_lo: int, e_hi: int) -> np.ndarray:
     each kind's rows are an ascending slice of the kind index, so two binary searches a kind."""
     order, starts = kidx.order, kidx.starts
     parts = []
-    for k in _kind_ids(kinds):  # a few kinds
+    for k in kind_ids(kinds):  # a few kinds
         sl = order[starts[k] : starts[k + 1]]
         if len(sl):
             # bounds of the slice's own type: int64 ones would make searchsorted cast the whole slice

@@ -12,7 +12,7 @@ files they spent most time on (``Report.children``, ``children`` in the JSON,
 "CHILD PROCESSES" in the text report), and an ``input_bound`` finding for that rank
 carries it in its evidence (``children_io``).
 
-Read like the rank files (the same reader, :func:`distdiag.run._read_rank`: a run dir
+Read like the rank files (the same reader, :func:`distdiag.run.read_rank`: a run dir
 is untrusted), at most ``[analyze.children] max_files`` of them (4,096 by default;
 the rest are counted in a warning). Vectorized per file: one ``np.unique`` over
 each child's rows, nothing per event.
@@ -147,7 +147,7 @@ def _top_files(parts: list[tuple[np.ndarray, ...]], top: int) -> list[tuple[str,
 def children_io(run: Run, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO]:
     """Per rank with children, their file I/O (see the module docstring); warnings go to
     ``run.warnings``. Empty for a run without forked processes' files."""
-    from distdiag.run import _read_rank
+    from distdiag.run import read_rank
 
     run_dir = Path(getattr(run, "path", "") or "")
     if not run_dir.is_dir() or getattr(run, "source", "distdiag") != "distdiag":
@@ -162,7 +162,7 @@ def children_io(run: Run, max_files: int = MAX_CHILD_FILES) -> dict[int, ChildIO
     bad = 0
     for rank, _pid, path in found:  # one per forked process
         warnings: list[str] = []
-        got = _read_rank(path, warnings)
+        got = read_rank(path, warnings)
         if isinstance(got, str):
             bad += 1
             continue

@@ -157,7 +157,7 @@ class ClockModel:
         }
 
 
-def _map_by_rank(times: np.ndarray, ranks: np.ndarray, models: dict[int, RankClock]) -> tuple[np.ndarray, np.ndarray]:
+def map_by_rank(times: np.ndarray, ranks: np.ndarray, models: dict[int, RankClock]) -> tuple[np.ndarray, np.ndarray]:
     """(mapped times, mapped?) for any arrays of local times and their ranks; -1 stays -1."""
     out = times.astype(np.int64).copy()
     done = np.zeros(len(times), bool)
@@ -197,16 +197,16 @@ def _rank_spans(ranks: np.ndarray) -> list[tuple[int, int, int]] | None:
     return [(int(k), int(a), int(b)) for k, a, b in zip(r[lo], lo, hi)]
 
 
-def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, RankClock], on_block: Any = None) -> None:
+def map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, RankClock], on_block: Any = None) -> None:
     """Map the time columns ``cols`` of ``table`` (the event table) in place.
 
-    The same numbers as ``_map_by_rank`` (each row by its own rank's model, -1
+    The same numbers as ``map_by_rank`` (each row by its own rank's model, -1
     stays -1) without a full-size copy of the table or of a column: the table
     goes by blocks of ``_MAP_ROWS`` rows, and each block's rank column (read
     while its rows are in cache) splits it into runs of one rank, each run's
     columns mapped with that rank's model. Rows are mapped one by one, so no
     order of the table is assumed: a block with many runs (a table not
-    sorted by rank) is mapped by :func:`_map_by_rank`, which sorts it.
+    sorted by rank) is mapped by :func:`map_by_rank`, which sorts it.
     Measured at 1024x10k (20.5 M times, CPU s, alternating runs): 0.53 -> 0.32-0.37
     (most of it :meth:`RankClock.offset_ns` without np.interp's per-element
     search). Then at 64 x 100k (12.8 M times): the rank runs found per block
@@ -227,7 +227,7 @@ def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, Ran
         cut = np.flatnonzero(r[1:] != r[:-1])
         if len(cut) > _MAP_MAX_RUNS:  # not rank-sorted here: each rank's rows gathered
             for col in views:  # a couple of time columns
-                col[a:b], _ = _map_by_rank(col[a:b], r, models)
+                col[a:b], _ = map_by_rank(col[a:b], r, models)
         else:
             edges = [0, *(cut + 1).tolist(), b - a]
             for lo, hi in zip(edges[:-1], edges[1:]):  # per run of one rank in the block (1-2 when sorted)
@@ -247,12 +247,12 @@ def _map_inplace(table: np.ndarray, cols: tuple[str, ...], models: dict[int, Ran
             on_block(table[a:b], a)
 
 
-#: More runs of one rank than this in a block of :func:`_map_inplace`: the block is
-#: mapped by :func:`_map_by_rank` (a sort, no Python loop per run).
+#: More runs of one rank than this in a block of :func:`map_inplace`: the block is
+#: mapped by :func:`map_by_rank` (a sort, no Python loop per run).
 _MAP_MAX_RUNS = 16
 
 
-#: Rows per block of :func:`_map_inplace`: both time columns of a block are mapped
+#: Rows per block of :func:`map_inplace`: both time columns of a block are mapped
 #: while its 73-byte rows are in cache (1.2 MB).
 _MAP_ROWS = 1 << 14
 
@@ -276,7 +276,7 @@ def _clc_map(t: np.ndarray, tau: np.ndarray, low: np.ndarray, base: int) -> np.n
     return base + np.rint(f).astype(np.int64)
 
 
-def _apply_repairs(t: np.ndarray, ranks: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]], base: int) -> np.ndarray:
+def apply_repairs(t: np.ndarray, ranks: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]], base: int) -> np.ndarray:
     """Apply every repair pass's per-rank CLC map to times ``t`` of ranks ``ranks`` (-1 stays -1)."""
     out = t.astype(np.int64).copy()
     if not repairs or len(out) == 0:
@@ -300,15 +300,15 @@ def _apply_repairs(t: np.ndarray, ranks: np.ndarray, repairs: list[dict[int, tup
     return out
 
 
-def _repair_table(tab: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]], base: int) -> None:
+def repair_table(tab: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.ndarray]]], base: int) -> None:
     """Apply the repairs to the t0/t1 columns of a table of rows with a rank column, in place."""
     if not len(tab):
         return
     spans = _rank_spans(tab["rank"])
     if spans is None:
         er = tab["rank"].astype(np.int64)
-        tab["t0_ns"] = _apply_repairs(tab["t0_ns"], er, repairs, base)
-        tab["t1_ns"] = _apply_repairs(tab["t1_ns"], er, repairs, base)
+        tab["t0_ns"] = apply_repairs(tab["t0_ns"], er, repairs, base)
+        tab["t1_ns"] = apply_repairs(tab["t1_ns"], er, repairs, base)
         return
     # rank-sorted (always, from load_run): repair only the touched ranks' slices
     touched = {rk for rep in repairs for rk in rep}
@@ -318,4 +318,4 @@ def _repair_table(tab: np.ndarray, repairs: list[dict[int, tuple[np.ndarray, np.
         sl = tab[lo:hi]
         rr = np.full(hi - lo, rk, np.int64)
         for c in ("t0_ns", "t1_ns"):  # two time columns
-            sl[c] = _apply_repairs(sl[c], rr, repairs, base)
+            sl[c] = apply_repairs(sl[c], rr, repairs, base)

@@ -81,12 +81,12 @@ from distdiag.clockmodel import (  # noqa: F401  (the clock model's home; re-exp
     _MAP_ROWS,
     ClockModel,
     RankClock,
-    _apply_repairs,
+    apply_repairs,
     _clc_map,
-    _map_by_rank,
-    _map_inplace,
+    map_by_rank,
+    map_inplace,
     _rank_spans,
-    _repair_table,
+    repair_table,
 )
 from distdiag.ranks import rank_ranges
 from distdiag.run import Run
@@ -284,7 +284,7 @@ def _exit_fallback(run: Run, models: dict[int, RankClock], need: list[int]) -> l
         known = np.isin(r, np.fromiter(models, np.int64, len(models)))
         if not known.any() or not pending:
             break
-        mapped, _ = _map_by_rank(t1[known], r[known], models)
+        mapped, _ = map_by_rank(t1[known], r[known], models)
         ng = len(colls)
         # Reference exit of each group: the mean aligned exit of its aligned members,
         # measured from a common base to keep float64 exact.
@@ -484,8 +484,8 @@ def _count_violations(colls: Any, ok_g: np.ndarray, models: dict[int, RankClock]
             t1 = t1_all[sel]
             if models is not None:
                 r = colls.m_rank[a:b][sel].astype(np.int64)
-                t0, _ = _map_by_rank(t0, r, models)
-                t1, _ = _map_by_rank(t1, r, models)
+                t0, _ = map_by_rank(t0, r, models)
+                t1, _ = map_by_rank(t1, r, models)
             _, late = _violations(gg, t0, t1, g_hi - g_lo)
             checked += int(sel.sum())
             viol += int(np.count_nonzero(late > 0))
@@ -528,8 +528,8 @@ def check_causality(
     t0 = colls.m_t0_ns[sel].copy()
     t1 = colls.m_t1_ns[sel].copy()
     if raw_colls is not None:
-        t0, _ = _map_by_rank(t0, r, model.ranks)
-        t1, _ = _map_by_rank(t1, r, model.ranks)
+        t0, _ = map_by_rank(t0, r, model.ranks)
+        t1, _ = map_by_rank(t1, r, model.ranks)
     ng = len(colls)
     last, late = _violations(g, t0, t1, ng)
     viol = late > 0
@@ -573,8 +573,8 @@ def check_causality(
             m = viol & (r == rank)
             rep[int(rank)] = (t1[m].copy(), last[g[m]] + MIN_LATENCY_NS)
         repairs.append(rep)
-        t0 = _apply_repairs(t0, r, [rep], base)
-        t1 = _apply_repairs(t1, r, [rep], base)
+        t0 = apply_repairs(t0, r, [rep], base)
+        t1 = apply_repairs(t1, r, [rep], base)
         last, late = _violations(g, t0, t1, ng)
         viol = late > 0
     model.repairs = repairs
@@ -584,16 +584,16 @@ def check_causality(
     ev = run.events if inplace else run.events.copy()
     coll = run.coll_rows if (run.coll_rows is None or inplace) else run.coll_rows.copy()
     for tab in (ev,) if coll is None else (ev, coll):  # the table, and the collective rows kept apart
-        _repair_table(tab, repairs, base)
+        repair_table(tab, repairs, base)
     if run.coll_remote is not None:  # --parallel: the analysis ranks repair the rows they hold alike
         run.coll_remote.repair(repairs, base)
     inf = run.inflight.copy()
-    inf["t0_ns"] = _apply_repairs(inf["t0_ns"], inf["rank"].astype(np.int64), repairs, base)
+    inf["t0_ns"] = apply_repairs(inf["t0_ns"], inf["rank"].astype(np.int64), repairs, base)
     gpu = run.gpu.copy()
-    gpu["t_ns"] = _apply_repairs(gpu["t_ns"], gpu["rank"].astype(np.int64), repairs, base)
+    gpu["t_ns"] = apply_repairs(gpu["t_ns"], gpu["rank"].astype(np.int64), repairs, base)
     ranks = {}
     for rk, i in run.ranks.items():  # per rank: two scalars
-        se = _apply_repairs(np.array([i.start_ns, i.end_ns]), np.array([rk, rk]), repairs, base)
+        se = apply_repairs(np.array([i.start_ns, i.end_ns]), np.array([rk, rk]), repairs, base)
         ranks[rk] = dataclasses.replace(i, start_ns=int(se[0]), end_ns=int(se[1]))
     # The CLC map is monotone per rank: (rank, t0) order is kept.
     return run.replace(events=ev, inflight=inf, gpu=gpu, ranks=ranks, coll_rows=coll)
@@ -640,17 +640,17 @@ def align(run: Run, repair: bool = True, inplace: bool = False) -> Run:
 
             selector = KeySelector(len(tab), tab.dtype)
             on_block = selector.add
-        _map_inplace(tab, ("t0_ns", "t1_ns"), models, on_block=on_block)
+        map_inplace(tab, ("t0_ns", "t1_ns"), models, on_block=on_block)
         del on_block  # a bound method: it would keep the selection alive past the match
         # No re-sort: each rank's map is monotone, so (rank, t0) order is kept.
     if run.coll_remote is not None:  # --parallel: the analysis ranks map the rows they hold alike
         run.coll_remote.map(models)
     inf = run.inflight.copy()
     if len(inf):
-        inf["t0_ns"], _ = _map_by_rank(inf["t0_ns"], inf["rank"], models)  # t1 == -1 (never left) stays -1
+        inf["t0_ns"], _ = map_by_rank(inf["t0_ns"], inf["rank"], models)  # t1 == -1 (never left) stays -1
     gpu = run.gpu.copy()
     if len(gpu):
-        gpu["t_ns"], _ = _map_by_rank(gpu["t_ns"], gpu["rank"], models)
+        gpu["t_ns"], _ = map_by_rank(gpu["t_ns"], gpu["rank"], models)
     n = max(run.world_size, max(run.ranks, default=-1) + 1)
     off = np.zeros(n, np.int64)
     ranks = {}

@@ -451,12 +451,12 @@ def _gather_members(
     return hot, cols, gid
 
 
-#: Table rows per block of :func:`_select_keys` (300 kB of 73-byte rows: stays in L2;
+#: Table rows per block of :func:`select_keys` (300 kB of 73-byte rows: stays in L2;
 #: 0.28 s at 1024x10k, 0.30 with 2^14 rows, 0.34 with 2^15, measured).
 _SELECT_ROWS = 1 << 12
 
 
-def _select_keys(ev: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def select_keys(ev: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(indices of the collective rows of ``ev``, ``{f: ev[f][those]}`` for the sort keys),
     in one pass over the table by blocks of ``_SELECT_ROWS`` rows: each block's kind
     and seq pick its rows, whose key fields are read while the block is in cache.
@@ -471,7 +471,7 @@ def _select_keys(ev: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
 
 
 class KeySelector:
-    """:func:`_select_keys` fed block by block, in table order: whoever streams the
+    """:func:`select_keys` fed block by block, in table order: whoever streams the
     event table anyway (:func:`distdiag.clocks.align`'s mapping pass) selects the
     collective rows of each block while its rows are in cache, and leaves the
     result in ``run.cache.selected_keys`` for :func:`match_collectives` (no second
@@ -613,10 +613,10 @@ def match_collectives(run: Run, scope: MatchScope | None = None) -> Collectives:
     if pre is not None and pre[0] is rows and pre[1].next == len(rows):
         sel_idx, got = pre[1].result()
     else:
-        sel_idx, got = _select_keys(rows)
+        sel_idx, got = select_keys(rows)
     del rows
     del pre
-    inf_idx, got_inf = _select_keys(inf)  # the in-flight rows: a handful per rank
+    inf_idx, got_inf = select_keys(inf)  # the in-flight rows: a handful per rank
     n = len(sel_idx) + len(inf_idx)
     if n == 0:
         return _empty(run.strings)
@@ -964,8 +964,8 @@ def split_match(run: Run, k: int) -> tuple[MatchScope, list[MatchPart]]:
     streamed = run.coll_rows is not None and run.coll_sigs is not None
     src = run.coll_rows if streamed else run.events
     assert src is not None  # for mypy: streamed says coll_rows is there
-    sel, got = _select_keys(src)
-    isel, igot = _select_keys(run.inflight)
+    sel, got = select_keys(src)
+    isel, igot = select_keys(run.inflight)
     scope = MatchScope.union([MatchScope.of_rows(g["comm_id"], g["seq"], g["rank"]) for g in (got, igot)])
     pk = [group_keys(g["comm_id"], g["seq"], scope.n_seq) for g in (got, igot)]
     ranges = key_ranges(np.concatenate(pk), k, scope.n_seq)

@@ -10,7 +10,7 @@ exactly (the same functions on the same inputs, reduced in the serial order):
    (metadata pickled; the kept event rows as one raw byte buffer), which
    allocates the run's table once and receives each block straight into its
    slice, then assembles the Run with :func:`distdiag.run.load_run`'s own
-   ``_assemble``.
+   ``assemble``.
 2. **Streaming.** A run over ``Config.stream_events`` rows (text and JSON
    output, as the serial CLI) is read with the compute phases left out on
    every analysis rank: rank 0 holds what a streamed serial analysis holds.
@@ -87,12 +87,12 @@ from distdiag.run import (
     COLL_ROW_DTYPE,
     RUN_EVENT_DTYPE,
     DistdiagError,
-    _assemble,
-    _capacity_rows,
-    _Packer,
-    _populate,
-    _RankData,
-    _read_rank,
+    assemble,
+    capacity_rows,
+    Packer,
+    populate,
+    RankData,
+    read_rank,
     new_table,
     rank_files_of,
     streamed_kinds_for,
@@ -118,15 +118,15 @@ def block_of(k: int, n_workers: int, n_items: int) -> tuple[int, int]:
 
 def _read_block(
     files: list[Path], streamed: tuple[int, ...] = ()
-) -> tuple[list[tuple[_RankData | str, list[str]]], _Packer]:
-    """This analysis rank's files, their event rows packed into one buffer (see ``run._Packer``);
+) -> tuple[list[tuple[RankData | str, list[str]]], Packer]:
+    """This analysis rank's files, their event rows packed into one buffer (see ``run.Packer``);
     rows of the ``streamed`` kinds left out as :func:`distdiag.run.load_run` leaves them."""
     out = []
-    packer = _Packer(_capacity_rows(files), drop=streamed)
+    packer = Packer(capacity_rows(files), drop=streamed)
     for fp in files:  # one per rank file of this block
         w: list[str] = []
-        d = _read_rank(fp, w, packer)
-        if isinstance(d, _RankData):
+        d = read_rank(fp, w, packer)
+        if isinstance(d, RankData):
             packer.take(d)
         out.append((d, w))
     return out, packer
@@ -141,17 +141,17 @@ def _stream_limit(cfg: Config | None) -> int:
 class _Held:
     """One analysis rank's own kept collective rows of a streamed run (``COLL_ROW_DTYPE``):
     they stay where they were read. ``setup`` makes them what the serial run's
-    ``coll_rows`` holds for those ranks (:func:`distdiag.run._finish_coll_rows`: sorted,
+    ``coll_rows`` holds for those ranks (:func:`distdiag.run.finish_coll_rows`: sorted,
     global communicator ids and sigs), in rank order; the clock map and the causality
     repairs are applied to them in place as rank 0's align applies them to its table."""
 
-    def __init__(self, packer: _Packer) -> None:
+    def __init__(self, packer: Packer) -> None:
         self.buf = packer.coll
         self.parts = dict(packer.coll_parts)  # this rank's files only: (offset, rows, sig table)
         self.rows = np.zeros(0, COLL_ROW_DTYPE)
 
     def setup(self, info: dict[Path, tuple[int, np.ndarray, np.ndarray, bool]]) -> None:
-        from distdiag.run import _finish_coll_rows
+        from distdiag.run import finish_coll_rows
 
         mine = sorted((info[q][0], q) for q in self.parts if q in info)  # kept files, by rank
         spans = [self.parts[q][:2] for _, q in mine]
@@ -165,7 +165,7 @@ class _Held:
             if not in_order:
                 sl[:] = self.buf[o : o + n]  # type: ignore[index]
             _, lookup, sig_map, unsorted = info[q]
-            _finish_coll_rows(sl, lookup, sig_map, unsorted)
+            finish_coll_rows(sl, lookup, sig_map, unsorted)
             off += n
         self.rows, self.buf, self.parts = rows, None, {}
 
@@ -230,7 +230,7 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     from distdiag.match import (
         MatchPart,
         MatchScope,
-        _select_keys,
+        select_keys,
         group_keys,
         key_ranges,
         match_part,
@@ -244,7 +244,7 @@ def _match_share(comm: Any, held: _Held, sigs: np.ndarray, strings: np.ndarray, 
     scopes = [MatchScope.of_rows(rows["comm_id"], rows["seq"], rows["rank"])]
     if k == 0:
         assert run is not None, "rank 0 passes the run"
-        isel, igot = _select_keys(run.inflight)
+        isel, igot = select_keys(run.inflight)
         inf_rows, inf_keys_at = run.inflight.take(isel), igot
         scopes.append(MatchScope.of_rows(igot["comm_id"], igot["seq"], igot["rank"]))
     scope = MatchScope.union([s for got in comm.allgather(scopes) for s in got])
@@ -485,16 +485,16 @@ def _spans(t0: float, t: dict[str, float], t_end: float) -> dict[str, float]:
 
 def _run_op(comm: Any, held: _Held | None, name: str, arg: Any) -> str | None:
     """One command on this analysis rank's held rows; an error as one line (None: done)."""
-    from distdiag.clockmodel import _map_inplace, _repair_table
+    from distdiag.clockmodel import map_inplace, repair_table
 
     try:
         if held is not None and name == "setup":
             held.setup(arg)
         elif held is not None and len(held.rows):
             if name == "map":
-                _map_inplace(held.rows, ("t0_ns", "t1_ns"), arg)
+                map_inplace(held.rows, ("t0_ns", "t1_ns"), arg)
             elif name == "repair":
-                _repair_table(held.rows, *arg)
+                repair_table(held.rows, *arg)
         return None
     except Exception as e:
         return f"analysis rank {comm.Get_rank()}: {name} of its collective rows failed ({type(e).__name__}: {e})"
@@ -668,8 +668,8 @@ def analyze_parallel(run_dir: str | Path, cfg: Config | None = None, comm: Any =
         meta = []
         counts = []
         for d, w in mine:  # per rank file
-            counts.append(len(d.events) if isinstance(d, _RankData) else 0)
-            if isinstance(d, _RankData):
+            counts.append(len(d.events) if isinstance(d, RankData) else 0)
+            if isinstance(d, RankData):
                 d = dataclasses.replace(d, events=np.zeros(0, RUN_EVENT_DTYPE))  # the rows go by buffer below
             meta.append((d, w))
         # streaming: what the left-out rows need (per file); the kept collective rows stay
@@ -684,8 +684,8 @@ def analyze_parallel(run_dir: str | Path, cfg: Config | None = None, comm: Any =
 
     # Rank 0: every block's metadata first, so the run's table is allocated once,
     # at its exact size, and each block's rows are received straight into it.
-    blocks: list[list[tuple[_RankData | str, list[str]]]] = [mine]
-    block_counts: list[list[int]] = [[len(d.events) if isinstance(d, _RankData) else 0 for d, _ in mine]]
+    blocks: list[list[tuple[RankData | str, list[str]]]] = [mine]
+    block_counts: list[list[int]] = [[len(d.events) if isinstance(d, RankData) else 0 for d, _ in mine]]
     held = _Held(packer) if remote else None  # rank 0's own rows, before the others' parts join
     for src in range(1, n_workers):  # per analysis rank, in file order
         meta, counts, stats, parts, bad = comm.recv(source=src)
@@ -699,33 +699,33 @@ def analyze_parallel(run_dir: str | Path, cfg: Config | None = None, comm: Any =
         table = packer.buf[:total]
     else:
         table = new_table(total)
-        _populate(table)  # every row is written below: fault the pages in at once (see run.new_table)
+        populate(table)  # every row is written below: fault the pages in at once (see run.new_table)
         table[: packer.used] = packer.buf[: packer.used]
     packer.buf = table  # rank 0's own views are re-pointed below, with everyone's
     off = 0
-    got_all: list[_RankData | str] = []
+    got_all: list[RankData | str] = []
     warnings: list[str] = []
-    views: list[_RankData] = []
+    views: list[RankData] = []
     for src, (blk, counts) in enumerate(zip(blocks, block_counts)):  # per analysis rank, in file order
         n_blk = int(sum(counts))
         if src and n_blk:
             comm.Recv([table[off : off + n_blk].view(np.uint8), MPI.BYTE], source=src, tag=_TAG_EVENTS)
         for (d, w), c in zip(blk, counts):  # per rank file of that block
-            if isinstance(d, _RankData):
+            if isinstance(d, RankData):
                 d.events = table[off : off + c]
                 views.append(d)
             off += c
             got_all.append(d)
             warnings.extend(w)
     packer.used, packer.views = total, views
-    # K > 1 and streamed: _assemble makes the sig table and each file's maps, the rows stay where
+    # K > 1 and streamed: assemble makes the sig table and each file's maps, the rows stay where
     # they are; K = 1 (or in memory): rank 0's packer holds every kept row, as load_run's does
     packer.coll_remote = remote
     t_gather = time.perf_counter()
     assert p is not None
     split = _Remote(comm, held, None, np.zeros(0, object), cfg)
     try:
-        run = _assemble(run_dir, p, files, got_all, warnings, packer)
+        run = assemble(run_dir, p, files, got_all, warnings, packer)
         if remote:
             split.sigs, split.strings = run.coll_sigs, run.strings
             split.setup(run.coll_remote)

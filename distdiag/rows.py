@@ -113,12 +113,12 @@ class KindIndex:
 
     def count(self, kinds: Kinds) -> int:
         """Rows of ``kinds`` (no copy)."""
-        k = _kind_ids(kinds)
+        k = kind_ids(kinds)
         return int((self.starts[k + 1] - self.starts[k]).sum())
 
     def rows(self, kinds: Kinds) -> np.ndarray:
         """int64 row numbers of ``kinds``, ascending (what ``np.flatnonzero(mask)`` gave)."""
-        k = _kind_ids(kinds)
+        k = kind_ids(kinds)
         lo, hi = self.starts[k], self.starts[k + 1]
         have = np.flatnonzero(hi > lo)
         if len(have) == 0:
@@ -132,7 +132,7 @@ class KindIndex:
         return both.astype(np.int64)
 
 
-def _kind_ids(kinds: Kinds) -> np.ndarray:
+def kind_ids(kinds: Kinds) -> np.ndarray:
     """The distinct kind values of ``kinds`` in 0..255, as int64 (others match no row)."""
     if isinstance(kinds, (int, np.integer)):
         k = np.array([int(kinds)], np.int64)
@@ -225,9 +225,9 @@ def _resident(run: Run, kinds: Kinds) -> None:
     asks for those rows here would silently see none; it must read them through a pass
     (distdiag.passes: a sweep over the bands)."""
     streamed = getattr(run, "streamed_kinds", ())
-    if streamed and np.isin(_kind_ids(kinds), np.asarray(streamed, np.int64)).any():
+    if streamed and np.isin(kind_ids(kinds), np.asarray(streamed, np.int64)).any():
         raise RuntimeError(
-            f"rows of kinds {sorted(set(_kind_ids(kinds).tolist()) & set(streamed))} are streamed on this run: "
+            f"rows of kinds {sorted(set(kind_ids(kinds).tolist()) & set(streamed))} are streamed on this run: "
             "read them through a pass over the bands (distdiag.passes), not run.events"
         )
 

@@ -21,7 +21,7 @@ with what is there.
 Timestamps stay in each rank's own clock until :func:`distdiag.clocks.align`
 maps them onto rank 0's timeline (``run.aligned`` says which).
 
-Loading packs each rank's rows into one table as its file is read (:class:`_Packer`,
+Loading packs each rank's rows into one table as its file is read (:class:`Packer`,
 by cache-sized blocks, each scanned for the rank's time bounds, order and string ids:
 :class:`_Scan`); the table is its own anonymous mapping, populated rank by rank.
 Streaming (``load_run(..., streamed_kinds=STREAMED_KINDS)``) keeps the compute phases and
@@ -89,7 +89,7 @@ _RUN_ROW = np.dtype(f"V{RUN_EVENT_DTYPE.itemsize}")
 _PACKED_ROW = np.dtype({"names": ["v", "rank"], "formats": [_FILE_ROW, "<i4"], "offsets": [0, EVENT_DTYPE.itemsize],
                         "itemsize": RUN_EVENT_DTYPE.itemsize})  # fmt: skip
 
-#: A collective row as a streamed run keeps it for the match (:class:`_Packer`, ``coll_rows``):
+#: A collective row as a streamed run keeps it for the match (:class:`Packer`, ``coll_rows``):
 #: the match's keys and times, and ``sig``, an id into the run's table of the row's other
 #: fields (``coll_sigs``, :data:`_SIG_DTYPE`): SPMD ranks repeat a few (op, bytes, root,
 #: site, datatype), so 37 bytes a row instead of 73.
@@ -120,7 +120,7 @@ _AUX_KIND_TABLE[_AUX_STRING_KINDS] = True
 #: Events are read in blocks of this many rows so that a file truncated in the
 #: middle of its events still yields every row before the damage.
 _READ_BLOCK_ROWS = 1 << 20
-#: Rows per block of the packed read's copy and scan (:meth:`_Packer.read_events`):
+#: Rows per block of the packed read's copy and scan (:meth:`Packer.read_events`):
 #: ~1.1 MB of file rows that stay in cache between the two (8,192 rows: same per row,
 #: a second block's overhead at 10k rows a rank; measured).
 _PACK_ROWS = 1 << 14
@@ -233,7 +233,7 @@ class Run:
     coll_sigs: np.ndarray | None = field(default=None, repr=False)
     #: ``--parallel``: the collective rows stay on the analysis ranks that read them
     #: (``distdiag.parallel._Remote``: map, repair, match, fetch them there); None otherwise.
-    #: Right after :func:`_assemble`: per kept rank file, (rank, string lookup, sig map, unsorted).
+    #: Right after :func:`assemble`: per kept rank file, (rank, string lookup, sig map, unsorted).
     coll_remote: Any = field(default=None, repr=False)
     _string_ids: dict[str, int] | None = field(default=None, repr=False)
 
@@ -348,7 +348,7 @@ class Run:
 @dataclass
 class _Scan:
     """What one pass over a rank's event rows, made while they are in cache, tells
-    :func:`_read_rank` (the rank's first and last instants) and :func:`_assemble`
+    :func:`read_rank` (the rank's first and last instants) and :func:`assemble`
     (whether the rank's rows need sorting by t0, whether its string ids need a
     range check or a remap). Before, each was a strided pass over the whole
     73-byte-a-row table after loading (the sort check, the remap's range
@@ -409,14 +409,14 @@ class _Scan:
 
 
 @dataclass
-class _RankData:
+class RankData:
     info: RankInfo
     events: np.ndarray
     strings: np.ndarray
     sync: np.ndarray
     inflight: np.ndarray
     gpu: np.ndarray
-    #: the scan of ``events``, made while reading (:func:`_read_rank`)
+    #: the scan of ``events``, made while reading (:func:`read_rank`)
     scan: _Scan
 
 
@@ -981,7 +981,7 @@ def _int_attr(attrs: Any, name: str, default: Any = None) -> Any:
 
 def _read_table(
     f: Any, name: str, dtype: np.dtype, fname: str, warnings: list[str], refresh: bool = True, size: int | None = -1,
-    packer: _Packer | None = None, rank: int = -1, scan: list[_Scan] | None = None,
+    packer: Packer | None = None, rank: int = -1, scan: list[_Scan] | None = None,
 ) -> np.ndarray:
     """A dataset as ``dtype``; rows up to the first unreadable block if damaged.
 
@@ -993,7 +993,7 @@ def _read_table(
     is read with one low-level read. ``size``: the file's size, if known.
 
     ``packer``: the events table, when healthy and in the shim's layout, goes
-    straight into the packer's buffer with rank ``rank`` (:meth:`_Packer.read_events`),
+    straight into the packer's buffer with rank ``rank`` (:meth:`Packer.read_events`),
     its scan appended to ``scan``; the rows returned are then that view
     (``RUN_EVENT_DTYPE``), to be taken by the packer before its next read."""
     import h5py
@@ -1145,7 +1145,7 @@ def _recorded_span(mono0: int | None, end: int | None, last_flush: int | None) -
 
 def _in_span(
     rows: np.ndarray, scan: _Scan, span: tuple[int | None, int | None], fname: str, warnings: list[str],
-    packer: _Packer | None, what: str = "event",
+    packer: Packer | None, what: str = "event",
 ) -> tuple[np.ndarray, _Scan]:
     """``rows`` without those outside the rank's recorded ``span``, and their scan; one warning
     line counts what was dropped.
@@ -1178,7 +1178,7 @@ def _in_span(
     return kept, _Scan.of(kept)
 
 
-def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -> _RankData | str:
+def read_rank(path: Path, warnings: list[str], packer: Packer | None = None) -> RankData | str:
     """One rank file, or a one-line reason why it cannot be used.
 
     ``packer``: its events may be read straight into the packer's buffer (see
@@ -1333,7 +1333,7 @@ def _read_rank(path: Path, warnings: list[str], packer: _Packer | None = None) -
                 row_span=dropped_span,
                 fileio_capture=str(_attr(attrs, "fileio_capture", "") or "")[:20],
             )
-            return _RankData(info, events, strings, sync, inflight, gpu, scan)
+            return RankData(info, events, strings, sync, inflight, gpu, scan)
     except _H5_ERRORS as e:
         return f"{fname} cannot be read (truncated or corrupt: {_short(e)}); skipped"
 
@@ -1383,7 +1383,7 @@ def _remap(arr: np.ndarray, lookup: np.ndarray) -> int:
     return bad
 
 
-#: Rows per block of the table-wide passes of _assemble (a few MB of temporaries).
+#: Rows per block of the table-wide passes of assemble (a few MB of temporaries).
 _ASSEMBLE_ROWS = 1 << 18
 
 
@@ -1473,7 +1473,7 @@ def _remap_table(
 
 
 def _assemble_collectives(
-    packer: _Packer, paths: list[Path], lookups: list[np.ndarray]
+    packer: Packer, paths: list[Path], lookups: list[np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """The kept collective rows of the ranks whose files are ``paths`` (ascending ranks), as one
     ``COLL_ROW_DTYPE`` table sorted by (rank, t0) with global string ids, the run's sig table,
@@ -1490,7 +1490,7 @@ def _assemble_collectives(
         sl = rows[off : off + n]
         if not in_order:
             sl[:] = packer.coll[o : o + n]
-        _finish_coll_rows(sl, lookup, m, packer.stats[path].unsorted)
+        finish_coll_rows(sl, lookup, m, packer.stats[path].unsorted)
         off += n
     return rows, sigs, sum(packer.coll_bad[p] for p in paths)
 
@@ -1512,7 +1512,7 @@ def _coll_sig_maps(tables: list[np.ndarray], lookups: list[np.ndarray]) -> tuple
     return u.view(_SIG_DTYPE), np.split(inv, cuts) if tables else []
 
 
-def _finish_coll_rows(sl: np.ndarray, lookup: np.ndarray, sig_map: np.ndarray, unsorted: bool) -> None:
+def finish_coll_rows(sl: np.ndarray, lookup: np.ndarray, sig_map: np.ndarray, unsorted: bool) -> None:
     """One rank's kept collective rows as the run holds them, in place: sorted by t0 (stable)
     when the rank's rows came out of order, global communicator ids, global sigs."""
     if unsorted and len(sl) > 1:
@@ -1615,10 +1615,10 @@ def _sig_table(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return u.view(_SIG_DTYPE), inv_raw.reshape(-1).astype(np.int32)
 
 
-class _Packer:
+class Packer:
     """Every rank's event rows, copied as they are read into ONE ``RUN_EVENT_DTYPE`` buffer.
 
-    The run's event table is this buffer (``_assemble`` takes it as is when the
+    The run's event table is this buffer (``assemble`` takes it as is when the
     ranks come in file order, the normal case), so loading never holds the
     per-rank arrays and the table at once (it did: 148 bytes an event at the
     peak, now 73 plus one rank's file rows, up to ``_READ_BLOCK_ROWS``, in a
@@ -1654,7 +1654,7 @@ class _Packer:
         #: per rank file: out-of-range string ids of its kept collective rows (:func:`_coll_bad`)
         self.coll_bad: dict[Path, int] = {}
         #: ``--parallel``: the rows stay on the analysis rank that read them (``Run.coll_remote``):
-        #: :func:`_assemble` makes the sig table and each file's maps, and leaves the rows alone
+        #: :func:`assemble` makes the sig table and each file's maps, and leaves the rows alone
         self.coll_remote = False
         if self.drop is not None and self.drop[[int(k) for k in COMM_KINDS]].all():
             self.coll = _anon(max(1, rows), COLL_ROW_DTYPE)
@@ -1663,7 +1663,7 @@ class _Packer:
         except MemoryError:  # the kernel refuses the reservation (a run larger than RAM + swap): grow instead
             self.buf = new_table(min(max(0, rows), _READ_BLOCK_ROWS))
         self.used = 0
-        self.views: list[_RankData] = []
+        self.views: list[RankData] = []
         self._scratch: np.ndarray | None = None
         self._written: np.ndarray | None = None  # what read_events wrote at ``used``, not taken yet
 
@@ -1671,7 +1671,7 @@ class _Packer:
         """Room for ``n`` more rows after ``used``."""
         if self.used + n > len(self.buf):
             new = new_table(max(2 * len(self.buf), self.used + n))
-            _populate(new[: self.used])
+            populate(new[: self.used])
             new[: self.used] = self.buf[: self.used]
             for v in self.views:  # per rank taken so far: re-point its view
                 lo = self._offset(v.events)
@@ -1699,7 +1699,7 @@ class _Packer:
         scan = _Scan()
         if n == 0:
             return out, scan
-        _populate(out)
+        populate(out)
         step = min(n, _READ_BLOCK_ROWS)
         if self._scratch is None or len(self._scratch) < step:
             self._scratch = np.empty(step, EVENT_DTYPE)
@@ -1733,7 +1733,7 @@ class _Packer:
         self._written = rows[:k]
         return self._written
 
-    def take(self, d: _RankData) -> None:
+    def take(self, d: RankData) -> None:
         """Make ``d.events`` part of the buffer: the rows :meth:`read_events` wrote at
         ``used`` stay where they are; others (file rows) are copied in with the rank
         column, and ``d.events`` becomes the view."""
@@ -1749,7 +1749,7 @@ class _Packer:
         self.views.append(d)
         self._written = None
 
-    def _keep(self, d: _RankData) -> np.ndarray:
+    def _keep(self, d: RankData) -> np.ndarray:
         """Compact ``d``'s rows (at ``used``) to those of kinds not dropped, in order, and note
         what the dropped ones need later (:class:`_RankStream`). One rank's rows: the
         transient is that rank's kept rows."""
@@ -1820,7 +1820,7 @@ class _Packer:
         # ``.ctypes.data``: ~3 us; ``__array_interface__`` spells out this dtype's 13 fields (~40 us)
         return (view.ctypes.data - self.buf.ctypes.data) // RUN_EVENT_DTYPE.itemsize
 
-    def table_of(self, parts: list[_RankData]) -> np.ndarray | None:
+    def table_of(self, parts: list[RankData]) -> np.ndarray | None:
         """The buffer as the run's table when ``parts`` (kept ranks, ascending) fill it in order, else None."""
         off = 0
         for d in parts:  # per rank: two integers
@@ -1844,7 +1844,7 @@ _POPULATE_WRITE: int | None = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.pl
 
 def new_table(rows: int) -> np.ndarray:
     """An uninitialized ``RUN_EVENT_DTYPE`` array of ``rows`` rows (what ``np.empty`` gives)
-    in its own anonymous mapping, so that :func:`_populate` can fault its pages in by
+    in its own anonymous mapping, so that :func:`populate` can fault its pages in by
     ranges, and without numpy's huge-page advice.
 
     Why (issue 10, measured with ``resource.getrusage`` filling 6.4 M rows by
@@ -1863,7 +1863,7 @@ def new_table(rows: int) -> np.ndarray:
     return _anon(rows, RUN_EVENT_DTYPE)
 
 
-def _populate(view: np.ndarray) -> None:
+def populate(view: np.ndarray) -> None:
     """Fault in the pages of ``view`` (a slice of a :func:`new_table` table) in one call;
     nothing for other arrays, or where the kernel does not know the advice."""
     global _POPULATE_WRITE
@@ -1879,7 +1879,7 @@ def _populate(view: np.ndarray) -> None:
         _POPULATE_WRITE = None
 
 
-def _capacity_rows(files: list[Path]) -> int:
+def capacity_rows(files: list[Path]) -> int:
     """Upper bound on the event rows in ``files``: a shim-written file stores its rows uncompressed."""
     total = 0
     for fp in files:  # one stat per rank file
@@ -1906,7 +1906,7 @@ def load_run(
     after each rank file (the CLI's progress bar).
 
     Each rank's rows are copied into one packed table as soon as its file is
-    read (:class:`_Packer`), so the peak is the table plus one rank's rows.
+    read (:class:`Packer`), so the peak is the table plus one rank's rows.
 
     A dir with no ``rank-*.h5`` but with trace JSONs is read as PyTorch profiler
     (Kineto) traces, one per rank (:mod:`distdiag.kineto`), each at most
@@ -1918,24 +1918,24 @@ def load_run(
         return _load_kineto(path, progress, streamed_kinds, max_trace_bytes or kineto.DEFAULT_MAX_TRACE_BYTES)
     p, files = rank_files_of(path)
     warnings: list[str] = []
-    packer = _Packer(_capacity_rows(files), drop=streamed_kinds)
-    got_all = _read_each(files, lambda fp: _read_rank(fp, warnings, packer), packer, progress)
-    return _assemble(path, p, files, got_all, warnings, packer)
+    packer = Packer(capacity_rows(files), drop=streamed_kinds)
+    got_all = _read_each(files, lambda fp: read_rank(fp, warnings, packer), packer, progress)
+    return assemble(path, p, files, got_all, warnings, packer)
 
 
 def _read_each(
     files: list[Path],
-    read: Callable[[Path], _RankData | str],
-    packer: _Packer,
+    read: Callable[[Path], RankData | str],
+    packer: Packer,
     progress: Callable[[int, int], None] | None,
-) -> list[_RankData | str]:
+) -> list[RankData | str]:
     """``read`` each file (a rank file or a trace) in turn, its rows packed at once."""
-    got_all: list[_RankData | str] = []
+    got_all: list[RankData | str] = []
     for i_file, fp in enumerate(files):
         if progress is not None:
             progress(i_file, len(files))
         got = read(fp)
-        if isinstance(got, _RankData):
+        if isinstance(got, RankData):
             packer.take(got)
         got_all.append(got)
     if progress is not None:
@@ -1953,9 +1953,9 @@ def _load_kineto(
     p = Path(path)
     files = kineto.trace_files(p)
     warnings: list[str] = []
-    packer = _Packer(_trace_rows(files), drop=streamed_kinds)
+    packer = Packer(_trace_rows(files), drop=streamed_kinds)
     got_all = _read_each(files, lambda fp: _read_trace_rank(fp, warnings, limit), packer, progress)
-    return _assemble(path, p, files, got_all, warnings, packer, what="trace files")
+    return assemble(path, p, files, got_all, warnings, packer, what="trace files")
 
 
 def _trace_rows(files: list[Path]) -> int:
@@ -1970,8 +1970,8 @@ def _trace_rows(files: list[Path]) -> int:
     return total
 
 
-def _read_trace_rank(path: Path, warnings: list[str], limit: int) -> _RankData | str:
-    """One Kineto trace as :func:`_read_rank` gives a rank file, or a one-line reason why not."""
+def _read_trace_rank(path: Path, warnings: list[str], limit: int) -> RankData | str:
+    """One Kineto trace as :func:`read_rank` gives a rank file, or a one-line reason why not."""
     from distdiag import kineto
 
     try:
@@ -1989,7 +1989,7 @@ def _read_trace_rank(path: Path, warnings: list[str], limit: int) -> _RankData |
         pid=t.pid, start_ns=t.start_ns, end_ns=t.end_ns, closed_cleanly=True, exit_code=None, lost_events=0,
         n_events=len(t.events), wall_ns_at_start=None, mono_ns_at_start=None, source="kineto", read_limit_bytes=limit,
     )  # fmt: skip
-    return _RankData(info, t.events, t.strings, np.zeros(0, SYNC_DTYPE), np.zeros(0, EVENT_DTYPE),
+    return RankData(info, t.events, t.strings, np.zeros(0, SYNC_DTYPE), np.zeros(0, EVENT_DTYPE),
                      np.zeros(0, GPU_DTYPE), _Scan.of(t.events))  # fmt: skip
 
 
@@ -2012,11 +2012,11 @@ def rank_files_of(path: str | Path) -> tuple[Path, list[Path]]:
     return p, files
 
 
-def _assemble(
-    path: str | Path, p: Path, files: list[Path], got_all: list[_RankData | str], warnings: list[str],
-    packer: _Packer | None = None, what: str = "rank files",
+def assemble(
+    path: str | Path, p: Path, files: list[Path], got_all: list[RankData | str], warnings: list[str],
+    packer: Packer | None = None, what: str = "rank files",
 ) -> Run:
-    """One Run from what ``_read_rank`` gave for each of ``files`` (in order); see :func:`load_run`.
+    """One Run from what ``read_rank`` gave for each of ``files`` (in order); see :func:`load_run`.
 
     Split from the reading so that distdiag.parallel can read the files on many
     analysis ranks and assemble the very same Run on one. ``packer``: the
@@ -2025,7 +2025,7 @@ def _assemble(
     order, no duplicate), it becomes the table without a copy and every step
     below works in place on each rank's slice."""
     problems: list[str] = []
-    loaded: dict[int, _RankData] = {}
+    loaded: dict[int, RankData] = {}
     for fp, got in zip(files, got_all):  # one per rank file
         if isinstance(got, str):
             problems.append(got)
@@ -2179,7 +2179,7 @@ def _assemble(
 
 
 def _read_events(info: RankInfo) -> np.ndarray | None:
-    """The events table of ``info``'s file again, read as :func:`_read_rank` read it (the same
+    """The events table of ``info``'s file again, read as :func:`read_rank` read it (the same
     damage handling), without its attributes and other tables: a band pass reads only
     this (measured at 1,024 x 10k: a whole rank file costs ~2.5 ms, mostly h5py's per-attribute
     calls). None when the file cannot be opened any more. A Kineto trace is parsed again."""
@@ -2201,11 +2201,11 @@ def _read_events(info: RankInfo) -> np.ndarray | None:
             )
     except _H5_ERRORS:
         return None
-    # without the rows _read_rank dropped as outside the rank's recorded span (a file with one
+    # without the rows read_rank dropped as outside the rank's recorded span (a file with one
     # implausible timestamp was "changed while analyzed" on every streamed run)
     if info.row_span != (None, None):
         ev, _ = _in_span(ev, _Scan.of(ev), info.row_span, info.path.name, [], None)
-    if info.gpu_timed_collectives:  # as _read_rank gave them: the GPU's times
+    if info.gpu_timed_collectives:  # as read_rank gave them: the GPU's times
         _gpu_times(ev)
     return ev
 
@@ -2282,16 +2282,16 @@ class _Stream:
 
     def _times(self, run: Run, raw: dict[int, int]) -> dict[int, int]:
         """Raw per-rank instants mapped as align mapped the table's (clock model, then repairs)."""
-        from distdiag.clockmodel import _apply_repairs, _map_by_rank
+        from distdiag.clockmodel import apply_repairs, map_by_rank
 
         model = run.cache.clock_model if run.aligned else None
         if model is None or not raw:
             return dict(raw)
         rk = np.array(sorted(raw), np.int64)
         t = np.array([raw[r] for r in rk], np.int64)
-        t, _ = _map_by_rank(t, rk, model.ranks)
+        t, _ = map_by_rank(t, rk, model.ranks)
         if model.repairs:
-            t = _apply_repairs(t, rk, model.repairs, model.repair_base)
+            t = apply_repairs(t, rk, model.repairs, model.repair_base)
         return dict(zip(rk.tolist(), t.tolist()))
 
     def time_bounds(self, run: Run) -> tuple[int, int]:
@@ -2307,18 +2307,18 @@ class _Stream:
     def t0_min(self, models: dict[int, Any]) -> int | None:
         """The smallest t0_ns of every row, mapped with the per-rank clocks ``models`` (before
         any repair), or None without rows: what ``run.events["t0_ns"].min()`` gives in memory."""
-        from distdiag.clockmodel import _map_by_rank
+        from distdiag.clockmodel import map_by_rank
 
         have = sorted(r for r, st in self.ranks.items() if st.n_all)
         if not have:
             return None
         rk = np.array(have, np.int64)
-        t, _ = _map_by_rank(np.array([self.ranks[r].t0_min for r in have], np.int64), rk, models)
+        t, _ = map_by_rank(np.array([self.ranks[r].t0_min for r in have], np.int64), rk, models)
         return int(t.min())
 
     def read_band(self, run: Run, r_lo: int, r_hi: int) -> np.ndarray:
         """Every row (every kind) of the ranks in ``[r_lo, r_hi)``, as the in-memory table holds them."""
-        from distdiag.clockmodel import _apply_repairs, _map_inplace
+        from distdiag.clockmodel import apply_repairs, map_inplace
 
         ranks = [r for r in range(r_lo, r_hi) if r in self.ranks and self.ranks[r].n_all]
         total = sum(self.ranks[r].n_all for r in ranks)
@@ -2342,7 +2342,7 @@ class _Stream:
         _remap_table(ev, ranks, [self.lookups[r] for r in ranks], [self.in_range[r] for r in ranks])
         model = run.cache.clock_model if run.aligned else None
         if model is not None:
-            _map_inplace(ev, ("t0_ns", "t1_ns"), model.ranks)
+            map_inplace(ev, ("t0_ns", "t1_ns"), model.ranks)
             if model.repairs:
                 touched = {rk for rep in model.repairs for rk in rep}
                 for r in ranks:  # per rank of the band
@@ -2352,7 +2352,7 @@ class _Stream:
                     sl = ev[lo:hi]
                     rr = np.full(hi - lo, r, np.int64)
                     for c in ("t0_ns", "t1_ns"):  # two time columns
-                        sl[c] = _apply_repairs(sl[c], rr, model.repairs, model.repair_base)
+                        sl[c] = apply_repairs(sl[c], rr, model.repairs, model.repair_base)
         return ev
 
 

@@ -329,7 +329,7 @@ def test_offsets_of_blocks_on_one_side_of_the_knots_equal_np_interp() -> None:
 
 
 def test_mapping_in_place_by_blocks_equals_mapping_by_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    # _map_inplace maps each row by its rank's model, block by block, whatever the
+    # map_inplace maps each row by its rank's model, block by block, whatever the
     # table's order (sorted runs of ranks, or a shuffled block that goes by sort).
     from distdiag.run import RUN_EVENT_DTYPE
 
@@ -340,7 +340,7 @@ def test_mapping_in_place_by_blocks_equals_mapping_by_rank(monkeypatch: pytest.M
         for r in (0, 1, 3, 4)  # rank 2 has no model: left as it is
     }
     for rows in (1, 7, 64, 1 << 14):
-        monkeypatch.setattr(clockmodel, "_MAP_ROWS", rows)  # where _map_inplace reads it
+        monkeypatch.setattr(clockmodel, "_MAP_ROWS", rows)  # where map_inplace reads it
         ranks = np.sort(rng.integers(0, 5, 3000)).astype(np.int32)
         ranks[1000:1300] = rng.permutation(ranks[1000:1300])  # an unsorted stretch
         ranks[2000:2400] = rng.integers(0, 5, 400)  # many runs in a block
@@ -348,8 +348,8 @@ def test_mapping_in_place_by_blocks_equals_mapping_by_rank(monkeypatch: pytest.M
         tab["rank"] = ranks
         tab["t0_ns"] = BASE + rng.integers(-10**9, 2 * 10**9, len(ranks))
         tab["t1_ns"] = np.where(rng.random(len(ranks)) < 0.1, -1, tab["t0_ns"] + 5)
-        want = {c: clocks._map_by_rank(tab[c], tab["rank"], models)[0] for c in ("t0_ns", "t1_ns")}
-        clocks._map_inplace(tab, ("t0_ns", "t1_ns"), models)
+        want = {c: clocks.map_by_rank(tab[c], tab["rank"], models)[0] for c in ("t0_ns", "t1_ns")}
+        clocks.map_inplace(tab, ("t0_ns", "t1_ns"), models)
         for c in ("t0_ns", "t1_ns"):
             assert np.array_equal(tab[c], want[c]), (rows, c)
 

@@ -179,7 +179,7 @@ def test_key_selector_by_blocks_equals_one_pass_and_is_taken_only_for_its_table(
     write_rank(tmp_path, 1, 2, [coll(2 * i + 0.5, 2 * i + 1.5, i, s) for i in range(40)], strings=s)
     run = load_run(tmp_path)
     ev = run.events
-    want_idx, want = match._select_keys(ev)
+    want_idx, want = match.select_keys(ev)
     assert len(want_idx) == 80
     for cuts in ([0, 80], [0, 1, 2, 50, 80], [0, 7, 13, 80]):
         ks = match.KeySelector(len(ev), ev.dtype)

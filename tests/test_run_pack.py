@@ -1,4 +1,4 @@
-"""load_run's packed table (run._Packer) and the in-place analysis give the same results as copies.
+"""load_run's packed table (run.Packer) and the in-place analysis give the same results as copies.
 
 The loader copies each rank's rows into one buffer as it reads; the table is
 that buffer when ranks come in file order, and a copy otherwise (files named
@@ -36,7 +36,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_packed_table_is_the_buffer_and_equals_a_grown_one(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = load_run(run_dir)
     assert ref.events.base is not None  # a view of the packing buffer: no copy was made
-    monkeypatch.setattr(run_mod, "_capacity_rows", lambda files: 1)  # forces the buffer to grow on every rank
+    monkeypatch.setattr(run_mod, "capacity_rows", lambda files: 1)  # forces the buffer to grow on every rank
     grown = load_run(run_dir)
     assert grown.events.base is not None  # still the (grown) buffer, not a copy: the views were re-pointed
     np.testing.assert_array_equal(grown.events, ref.events)
@@ -70,7 +70,7 @@ def test_inplace_analysis_gives_the_copying_analysis_report(run_dir: Path) -> No
 
 
 def test_the_table_wide_remap_does_not_depend_on_the_block_size(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """_assemble's string-id remap runs by blocks of rows: blocks that mix ranks with and
+    """assemble's string-id remap runs by blocks of rows: blocks that mix ranks with and
     without an identity lookup (shuffled strings), or that end exactly at a rank's edge,
     remap as one block does. (The time-order check is the scan's: see the next test.)"""
     ref = load_run(run_dir)
@@ -82,7 +82,7 @@ def test_the_table_wide_remap_does_not_depend_on_the_block_size(run_dir: Path, m
 
 def test_the_scan_while_reading_finds_late_rows_across_its_block_edges(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The packed read scans each block of rows while it is in cache (run._Scan) and
-    _assemble sorts only the ranks the scan found out of time order: a pair out of
+    assemble sorts only the ranks the scan found out of time order: a pair out of
     order exactly across a scan block's edge, or inside one, is still sorted, also
     when the file is read by row ranges."""
     import h5py
@@ -142,7 +142,7 @@ def test_the_packed_read_and_the_salvaging_read_give_the_same_run(run_dir: Path,
     def fails(*a: object, **k: object) -> None:
         raise OSError("damaged (simulated)")
 
-    monkeypatch.setattr(run_mod._Packer, "read_events", fails)
+    monkeypatch.setattr(run_mod.Packer, "read_events", fails)
     got = load_run(run_dir)
     np.testing.assert_array_equal(got.events, ref.events)
     assert got.ranks == ref.ranks and got.warnings == ref.warnings
@@ -159,7 +159,7 @@ def test_the_table_is_its_own_mapping_and_each_rank_range_is_faulted_in_at_once(
     assert isinstance(owner.base, memoryview) and isinstance(owner.base.obj, mmap.mmap)  # new_table's, no copy
     t = run_mod.new_table(1 << 16)  # 4.6 MB, untouched
     part = t[1000:40_000]
-    run_mod._populate(part)
+    run_mod.populate(part)
     if run_mod._POPULATE_WRITE is None:
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE")
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
