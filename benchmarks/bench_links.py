@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distdiag.analysis import Analysis
 from distdiag.cache import RunCache
 from distdiag.config import Config
 from distdiag.detectors.slow_link import detect as slow_link
@@ -116,7 +117,7 @@ def bench_analysis(n: int, iters: int) -> None:
         _timed("match_collectives", lambda: match_collectives(run), n_ev)  # type: ignore[arg-type]
         _timed("collective_transfers (incl. match)", lambda: collective_transfers(run), n_ev)  # type: ignore[arg-type]
         _timed("probe_matrix", lambda: probe_matrix(run), n_ev)  # type: ignore[arg-type]
-        fs = _timed("slow_link detector (whole)", lambda: slow_link(run, Config()), n_ev)
+        fs = _timed("slow_link detector (whole)", lambda: slow_link(Analysis.of(run, Config())), n_ev)
         for f in fs:  # type: ignore[attr-defined]
             print(f"  -> {f.kind}: {f.summary}")
 

@@ -260,26 +260,32 @@ def _stages_child(run_dir: str) -> int:
     # an older tree (--baseline) has no packer: it read every file, then assembled a copy
     # a tree that streams (distdiag.bands) keeps the compute phases out of the table on a large run
     drop = runmod.streamed_kinds_for(run_dir, cfg.stream_events) if hasattr(runmod, "streamed_kinds_for") else ()
-    if not hasattr(runmod, "Packer"):
+
+    def part(name: str) -> Any:  # a loader part; a tree before 2026-12 named it with a leading underscore
+        return getattr(runmod, name, None) or getattr(runmod, "_" + name, None)
+
+    Packer, capacity_rows, read_rank, RankData, assemble = (part(x) for x in ("Packer", "capacity_rows", "read_rank",
+                                                                              "RankData", "assemble"))  # fmt: skip
+    if Packer is None:
         packer = None
     else:
-        packer = runmod.Packer(runmod.capacity_rows(files), drop=drop) if drop else runmod.Packer(runmod.capacity_rows(files))
+        packer = Packer(capacity_rows(files), drop=drop) if drop else Packer(capacity_rows(files))
 
     # a packer-aware reader reads the events straight into the packer (load_run's way)
-    into = (packer,) if packer is not None and "packer" in inspect.signature(runmod.read_rank).parameters else ()
+    into = (packer,) if packer is not None and "packer" in inspect.signature(read_rank).parameters else ()
 
     def read() -> list:
         got = []
         for fp in files:  # one per rank file
-            d = runmod.read_rank(fp, warnings, *into)
-            if packer is not None and isinstance(d, runmod.RankData):
+            d = read_rank(fp, warnings, *into)
+            if packer is not None and isinstance(d, RankData):
                 packer.take(d)
             got.append(d)
         return got
 
     got = stage("read + pack", read)
     extra = (packer,) if packer is not None else ()
-    run = stage("assemble", runmod.assemble, run_dir, p, files, got, warnings, *extra)
+    run = stage("assemble", assemble, run_dir, p, files, got, warnings, *extra)
     del got, packer, extra, into  # the packer holds the buffer: a streamed run frees its collective rows later
     kw = {"inplace": True} if "inplace" in inspect.signature(clocks.align).parameters else {}
     run = stage("align", clocks.align, run, **kw)
@@ -291,7 +297,14 @@ def _stages_child(run_dir: str) -> int:
     dets = load_all()
     findings: list[Any] = []
     for name in cfg.detectors or list(dets):  # one per detector
-        findings.extend(f for f in stage("det " + name, dets[name], run, cfg) if np.isfinite(float(f.cost_s)))
+        # what a detector is given: one Analysis (a tree before 2026-12: the run and the config)
+        if len(inspect.signature(dets[name]).parameters) == 1:
+            from distdiag.analysis import Analysis
+
+            inputs: tuple[Any, ...] = (Analysis(run, colls, cfg),)
+        else:
+            inputs = (run, cfg)
+        findings.extend(f for f in stage("det " + name, dets[name], *inputs) if np.isfinite(float(f.cost_s)))
     findings = stage("rank findings", rank_findings, findings, run, colls, cfg)
     bd = stage("breakdown", breakdown, run, colls)
     rep = pipeline.Report(run=run, findings=findings, breakdown=bd, collectives=colls, config=cfg, slurm=sv)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from distdiag.config import Config
+from distdiag.analysis import Analysis
 from distdiag.detectors import load_all
 from distdiag.detectors.slow_link import detect as slow_link
 from distdiag.detectors.straggler import detect as straggler
@@ -180,7 +181,7 @@ def test_collective_transfer_phase_and_bus_bandwidth(tmp_path: Path) -> None:
 def test_slow_node_is_named_with_cost_near_truth(tmp_path: Path) -> None:
     truth_s = make_link_run(tmp_path, pair_bw=_slow_node(2, 4, 6 * MB), noise=0.1)
     run = load_run(tmp_path)
-    fs = slow_link(run, Config())
+    fs = slow_link(Analysis.of(run, Config()))
     assert len(fs) == 1
     f = fs[0]
     assert f.kind == "slow_link" and f.hosts == ["node2"] and f.ranks == [2]
@@ -204,13 +205,13 @@ def test_pipeline_ranks_slow_link_first_and_no_straggler_is_blamed(tmp_path: Pat
 def test_healthy_network_with_noise_stays_silent(tmp_path: Path) -> None:
     make_link_run(tmp_path, noise=0.3)
     run = load_run(tmp_path)
-    assert slow_link(run, Config()) == []
+    assert slow_link(Analysis.of(run, Config())) == []
 
 
 @pytest.mark.parametrize("ratio,expect", [(0.55, False), (0.45, True)])
 def test_threshold_at_half_the_median_pair(tmp_path: Path, ratio: float, expect: bool) -> None:
     make_link_run(tmp_path, pair_bw=_slow_node(3, 4, ratio * 1000 * MB), nbytes=64 << 20, iters=20, compute_ms=5)
-    fs = slow_link(load_run(tmp_path), Config())
+    fs = slow_link(Analysis.of(load_run(tmp_path), Config()))
     assert bool(fs) == expect
     if expect:
         assert fs[0].hosts == ["node3"]
@@ -218,7 +219,7 @@ def test_threshold_at_half_the_median_pair(tmp_path: Path, ratio: float, expect:
 
 def test_slow_pair_between_healthy_nodes(tmp_path: Path) -> None:
     make_link_run(tmp_path, n=5, pair_bw={(1, 2): 20 * MB}, noise=0.05)
-    fs = slow_link(load_run(tmp_path), Config())
+    fs = slow_link(Analysis.of(load_run(tmp_path), Config()))
     assert len(fs) == 1
     assert fs[0].links == [["node1", "node2"]] and fs[0].hosts == ["node1", "node2"]
     assert fs[0].ranks == [1, 2]
@@ -227,7 +228,7 @@ def test_slow_pair_between_healthy_nodes(tmp_path: Path) -> None:
 def test_cost_below_min_fraction_is_not_reported(tmp_path: Path) -> None:
     # a slow node, but the job barely communicates: 64 KiB per 200 ms step
     make_link_run(tmp_path, pair_bw=_slow_node(2, 4, 100 * MB), nbytes=64 << 10, compute_ms=200, iters=10)
-    assert slow_link(load_run(tmp_path), Config()) == []
+    assert slow_link(Analysis.of(load_run(tmp_path), Config())) == []
 
 
 def test_passive_p2p_matrix_localizes_without_the_probe(tmp_path: Path) -> None:
@@ -239,7 +240,7 @@ def test_passive_p2p_matrix_localizes_without_the_probe(tmp_path: Path) -> None:
     assert m.bw_bytes_per_s[0, 1] == pytest.approx(8 * MB, rel=0.02)
     assert m.bw_bytes_per_s[2, 3] == pytest.approx(1000 * MB, rel=0.02)
     assert np.isnan(m.bw_bytes_per_s[0, 2])  # the ring never sends 0 -> 2
-    fs = slow_link(run, Config())
+    fs = slow_link(Analysis.of(run, Config()))
     assert len(fs) == 1 and fs[0].hosts == ["node1"]
     assert fs[0].evidence["source"] == "p2p"
     assert fs[0].cost_s == pytest.approx(truth_s, rel=0.25)
@@ -249,7 +250,7 @@ def test_one_host_uses_rank_pairs(tmp_path: Path) -> None:
     make_link_run(tmp_path, hosts=["h"] * 4, pair_bw=_slow_node(0, 4, 5 * MB))
     run = load_run(tmp_path)
     assert units_of(run).kind == "rank"
-    fs = slow_link(run, Config())
+    fs = slow_link(Analysis.of(run, Config()))
     assert len(fs) == 1 and fs[0].ranks == [0] and fs[0].hosts == []
     assert ["rank 0", "rank 1"] in fs[0].links
 
@@ -257,9 +258,9 @@ def test_one_host_uses_rank_pairs(tmp_path: Path) -> None:
 def test_no_probe_no_p2p_no_finding(tmp_path: Path) -> None:
     make_link_run(tmp_path, probe=False, pair_bw=_slow_node(2, 4, 6 * MB))
     run = load_run(tmp_path)
-    assert slow_link(run, Config()) == []
+    assert slow_link(Analysis.of(run, Config())) == []
     # the straggler detector does not blame anyone for the slow collectives either
-    assert straggler(run, Config()) == []
+    assert straggler(Analysis.of(run, Config())) == []
 
 
 def test_p2p_matching_by_communicator_pair_and_order(tmp_path: Path) -> None:
