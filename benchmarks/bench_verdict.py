@@ -27,7 +27,7 @@ from distdiag.config import Config  # noqa: E402
 from distdiag.detectors import load_all  # noqa: E402
 from distdiag.findings import Finding  # noqa: E402
 from distdiag.match import collectives_of  # noqa: E402
-from distdiag.claims import CLAIMED_KINDS  # noqa: E402
+from distdiag.roles import ROLES, Role  # noqa: E402
 from distdiag.ranking import rank_findings  # noqa: E402
 from distdiag.run import load_run  # noqa: E402
 from distdiag.schema import Kind  # noqa: E402
@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
         strag = dets["straggler"](Analysis(run, colls, cfg))
         # a cause claiming the slow rank's file reads (the claims rank_findings intersects)
-        CLAIMED_KINDS.setdefault("bench_cause", (Kind.FILE_READ,))
-        from distdiag import ranking
-
-        ranking.TIER.setdefault("bench_cause", 0)
+        ROLES.setdefault("bench_cause", Role(tier=0, claims=(Kind.FILE_READ,)))
 
         def ranked() -> None:
             fs = [Finding(f.kind, f.cost_s, f.summary, ranks=list(f.ranks), evidence={}) for f in strag]

@@ -1,6 +1,7 @@
-"""What a cause finding claims: the rank-time its subsystem held (the ranking takes it out of the
-symptoms' windows it covers, :mod:`distdiag.ranking`; the replay removes it to price the finding,
-:func:`distdiag.replay.claims_change`)."""
+"""What a cause finding claims: the rank-time its subsystem held, its detector's own claims or the
+rows of the kinds its :class:`distdiag.roles.Role` names. The ranking takes it out of the symptoms'
+windows it covers (:mod:`distdiag.ranking`); the replay removes it to price the finding
+(:func:`distdiag.replay.claims_change`)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from distdiag.findings import Finding
+from distdiag.roles import role_of
 from distdiag.rows import rows_of
-from distdiag.schema import Kind
 
 if TYPE_CHECKING:
     from distdiag.run import Run
-
-#: finding kind -> the event kinds whose rank-time the finding claims, for the mechanisms whose
-#: detectors state no claims of their own (``io_bandwidth``'s episodes and ``io_bound``'s bursts
-#: are :attr:`Finding.claims`)
-CLAIMED_KINDS: dict[str, tuple[int, ...]] = {
-    "input_bound": (Kind.INPUT_WAIT,),
-    "h2d_copy": (Kind.H2D,),
-    "metadata_storm": (Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR),
-    "slow_link": (Kind.SEND, Kind.RECV, Kind.WAIT),
-}
-#: the findings that name a subsystem that held a rank (the causes the ranking and the replay remove first)
-MECHANISMS = ("input_bound", "h2d_copy", "metadata_storm", "io_bandwidth", "slow_link", "io_bound")
 
 
 def claims_of(c: Finding, run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -33,13 +22,14 @@ def claims_of(c: Finding, run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     detector stated them: :attr:`Finding.claims`)."""
     if c.claims is not None:
         return c.claims if len(c.claims[0]) else None
-    kinds = CLAIMED_KINDS.get(c.kind)
-    if kinds is None:
+    role = role_of(c.kind)
+    kinds = role.claims
+    if not kinds:
         return None
     ev = run.events
     sel = rows_of(run, kinds)  # the run's kind index (distdiag.rows): ascending rows, no scan
     ranks = list(c.ranks)
-    if c.kind == "slow_link" and c.hosts and not ranks:
+    if role.claims_hosts and c.hosts and not ranks:
         ranks = [r for r, i in run.ranks.items() if i.host in set(c.hosts)]
     if ranks:
         sel = sel[np.isin(ev["rank"][sel], np.asarray(ranks))]

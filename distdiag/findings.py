@@ -35,7 +35,7 @@ class Finding:
     change: Any = field(default=None, repr=False, compare=False)
     #: the rank-time this cause holds, ``(rank, t0_ns, t1_ns)`` int64 intervals: what the ranking
     #: takes out of the findings it explains and what the replay removes when ``change`` is None.
-    #: None: the rows of its kinds on its ranks (``distdiag.claims.CLAIMED_KINDS``). Not in the JSON.
+    #: None: the rows of the kinds its role claims on its ranks (``distdiag.roles.Role.claims``). Not in the JSON.
     claims: tuple[Any, Any, Any] | None = field(default=None, repr=False, compare=False)
     #: as a symptom (a late rank, a serial stretch, a start-up), what it charges: ``windows(run,
     #: colls)`` gives its :data:`Windows` (or None), asked only when some cause may explain it (the

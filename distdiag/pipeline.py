@@ -29,6 +29,7 @@ from distdiag.match import Collectives, MatchState, collectives_of
 from distdiag.passes import analysis_passes, run_local
 from distdiag.ranking import coverage, rank_findings
 from distdiag.ranks import rank_ranges
+from distdiag.roles import role_of
 from distdiag.run import Run, load_run, stream_out, streamed_kinds_for
 from distdiag.slurm import needs_rank_firsts
 from distdiag.slurm import accounting_of as slurm_accounting_of
@@ -145,20 +146,12 @@ def _incomplete_warnings(run: Run, colls: Collectives, limit: int = 3) -> list[s
 
 #: an attribution to one rank needs its lateness above this many clock-alignment bounds
 ATTRIBUTION_BOUNDS = 3.0
-#: kind -> (the evidence key holding the cross-rank time that names the rank, what it is,
-#: what the clocks then cannot tell): the findings whose rank is named by comparing
-#: arrivals across ranks' clocks. The others name ranks from one rank's own clock (an
-#: input wait, a copy, a probe) or from who is where (a hang, a mismatch).
-ATTRIBUTED_BY_ARRIVALS = {
-    "straggler": ("median_wait_ms", "median lateness", "which rank was late"),
-    "serial_section": ("median_window_ms", "median lone window", "which rank worked alone"),
-}
 
 
 def _clock_bounds(findings: list[Finding], run: Run) -> None:
     """Each finding that names ranks carries their clock-alignment bound (``clock_bound_ms``:
     the largest of the named ranks' and of the reference's, at the end of their records);
-    a finding named by arrivals across clocks (:data:`ATTRIBUTED_BY_ARRIVALS`: a straggler's
+    a finding named by arrivals across clocks (its ``Role.attributed_by``: a straggler's
     median lateness, a serial section's median lone window) under ATTRIBUTION_BOUNDS times
     the run's largest bound says that the clocks cannot tell which rank it was (issue 20
     item 6)."""
@@ -175,7 +168,7 @@ def _clock_bounds(findings: list[Finding], run: Run) -> None:
             continue
         mine = float(bound[named].max()) / 1e6
         f.evidence["clock_bound_ms"] = round(mine, 4) if np.isfinite(mine) else None
-        by = ATTRIBUTED_BY_ARRIVALS.get(f.kind)
+        by = role_of(f.kind).attributed_by
         late = f.evidence.get(by[0]) if by is not None else None
         if by is not None and late is not None and float(late) < ATTRIBUTION_BOUNDS * worst_ms:
             f.evidence["attribution"] = "uncertain"

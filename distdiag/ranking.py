@@ -12,7 +12,7 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
 
 0. **By replay, where the replay priced it** (issue 20, :func:`_price_by_replay`):
    the findings whose counterfactual the replay priced (``evidence.replay.saving_s``)
-   are removed one after another in causal order (:data:`REMOVAL_ORDER`:
+   are removed one after another in causal order (each kind's ``Role.removal``, :mod:`distdiag.roles`:
    the subsystem that held a rank, then the subsystem finding it explains,
    then the code path, then the symptom), and each costs what it adds to
    those before it. Each second is then counted once by construction, and
@@ -26,10 +26,10 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
 
 1. **Symptoms vs causes.** Findings come in three tiers:
 
-   * *mechanisms* (``MECHANISMS``): ``input_bound``, ``h2d_copy``,
+   * *mechanisms* (``Role.tier`` 0): ``input_bound``, ``h2d_copy``,
      ``metadata_storm``, ``io_bandwidth``, ``slow_link``: a subsystem that
      held a rank; each claims the rank-time of its own recorded calls
-     (``distdiag.claims.CLAIMED_KINDS``: loader waits, copies, file calls, point-to-point) on
+     (``Role.claims``: loader waits, copies, file calls, point-to-point) on
      the ranks it names, or what its detector states (``Finding.claims``:
      ``io_bandwidth``'s large transfers, ``io_bound``'s bursts);
    * *code paths*: ``serial_section`` claims its charged windows (the
@@ -85,8 +85,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from distdiag.claims import MECHANISMS, claims_of
+from distdiag.claims import claims_of
 from distdiag.findings import Finding, Windows
+from distdiag.roles import role_of
 from distdiag.intervals import covered_within, union_banded
 from distdiag.match import Collectives
 from distdiag.startup_floor import floor_of
@@ -96,19 +97,6 @@ if TYPE_CHECKING:
     from distdiag.run import Run
 
 log = logging.getLogger(__name__)
-
-#: tier of each kind: lower explains higher (absent kinds are never adjusted nor explain)
-TIER = {**{k: 0 for k in MECHANISMS}, "serial_section": 1, "straggler": 2, "startup": 2}
-
-
-#: the order in which the replay removes the causes it prices (issue 20): a subsystem that held a
-#: rank first, then a subsystem finding it explains (``io_bound`` after a storm, ``network_bound``
-#: after a slow link), then the code path, then the symptom; by own saving within one step
-REMOVAL_ORDER: dict[str, int] = {**{k: 0 for k in MECHANISMS if k != "io_bound"}, "io_bound": 1,
-                                 "network_bound": 1, "startup": 1, "serial_section": 2, "straggler": 3}  # fmt: skip
-#: subsystem findings, reported while what they keep is still ``min_share`` of the run
-SUBSYSTEM_KINDS = ("io_bound", "network_bound", "startup")
-
 
 def rank_findings(findings: list[Finding], run: Run, colls: Collectives, cfg: Config, model: Any = None) -> list[Finding]:
     """De-duplicate (see the module docstring), set ``fraction``, sort by cost; returns the reported list.
@@ -156,14 +144,14 @@ def _label(f: Finding) -> str:
 
 def _threshold(f: Finding, cfg: Config) -> float:
     """The share of the run under which a finding that causes above it explained is dropped."""
-    if f.kind in SUBSYSTEM_KINDS:
+    if role_of(f.kind).subsystem:
         return float(cfg.value(f.kind, "min_share", 0.1))
     return float(cfg.value(f.kind, "min_fraction", getattr(cfg, "min_fraction", 0.02)))
 
 
 def _price_by_replay(findings: list[Finding], model: Any, cfg: Config, wall_s: float) -> list[Finding]:
     """Each finding the replay priced costs what the replay saves once the causes before it in
-    :data:`REMOVAL_ORDER` are removed (:func:`distdiag.replay.cumulate`): each second counted once by
+    their ``Role.removal`` order are removed (:func:`distdiag.replay.cumulate`): each second counted once by
     construction, and never more than the finding's own saving (the synergy of two causes,
     each hiding the other, stays in ``together_s``). The detector's own price stays in
     ``evidence.detector_cost_s``. A finding that the causes before it explain in part says by
@@ -177,7 +165,7 @@ def _price_by_replay(findings: list[Finding], model: Any, cfg: Config, wall_s: f
         return findings
     from distdiag.replay import cumulate, overlap_s
 
-    mine.sort(key=lambda f: (REMOVAL_ORDER.get(f.kind, 1), -float(f.evidence["replay"]["saving_s"])))
+    mine.sort(key=lambda f: (role_of(f.kind).removal, -float(f.evidence["replay"]["saving_s"])))
     above: list[Finding] = []
 
     def keep(f: Finding, added: float) -> bool:
@@ -241,10 +229,6 @@ def _link_explains_network(findings: list[Finding], cfg: Config, wall_s: float) 
     return out
 
 
-#: a subsystem finding (never silent) -> the findings that name its cause, whose seconds are its first
-SUBSYSTEM_CAUSES = {"io_bound": ("metadata_storm", "io_bandwidth"), "startup": ("launch_overhead",)}
-
-
 def _mechanism_explains_subsystem(findings: list[Finding], cfg: Config, wall_s: float) -> list[Finding]:
     """As :func:`_link_explains_network`, for the other subsystem findings: ``io_bound`` keeps
     what ``metadata_storm`` and ``io_bandwidth`` leave (reported while that is still its
@@ -252,7 +236,7 @@ def _mechanism_explains_subsystem(findings: list[Finding], cfg: Config, wall_s: 
     (job start to the last rank's first work holds the startup window)."""
     out = []
     for f in findings:
-        causes = [c for c in findings if c.kind in SUBSYSTEM_CAUSES.get(f.kind, ())
+        causes = [c for c in findings if c.kind in role_of(f.kind).explained_by
                   and not (replayed(c) and replayed(f))]  # fmt: skip
         if not causes:
             out.append(f)
@@ -405,12 +389,13 @@ def outlook(findings: list[Finding], wall_s: float, limit: int = 3) -> list[dict
 
 
 def _deduplicate(findings: list[Finding], run: Run, colls: Collectives, cfg: Config, wall_s: float) -> list[Finding]:
-    symptoms = [f for f in findings if TIER.get(f.kind, -1) >= 1]
-    causes = [f for f in findings if TIER.get(f.kind, -1) in (0, 1)]
+    tier = {f.kind: role_of(f.kind).tier for f in findings}
+    symptoms = [f for f in findings if tier[f.kind] in (1, 2)]
+    causes = [f for f in findings if tier[f.kind] in (0, 1)]
     if not symptoms or not causes:
         return list(findings)
     dropped: set[int] = set()
-    for f in sorted(symptoms, key=lambda f: TIER[f.kind]):  # few findings
+    for f in sorted(symptoms, key=lambda f: tier[f.kind] or 0):  # few findings
         win = f.windows(run, colls) if f.windows is not None else None  # made by its detector
         if win is None:
             continue
@@ -418,7 +403,7 @@ def _deduplicate(findings: list[Finding], run: Run, colls: Collectives, cfg: Con
         taken: dict[str, float] = {}
         all_claims = []
         for c in causes:  # few
-            if c is f or TIER[c.kind] >= TIER[f.kind] or id(c) in dropped:
+            if c is f or (tier[c.kind] or 0) >= (tier[f.kind] or 0) or id(c) in dropped:
                 continue
             if replayed(c) and replayed(f):  # the replay counted their seconds once already
                 continue

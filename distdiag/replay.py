@@ -1134,15 +1134,17 @@ NOT_REPLAYED = ("it changes only non-blocking collectives or point-to-point call
 def claims_change(f: Any, run: Run) -> Change | None:
     """A mechanism finding's counterfactual from its claims (:func:`distdiag.claims.claims_of`: the
     rank-time of its rows, e.g. an input-bound rank's loader waits): that time removed."""
-    from distdiag.claims import MECHANISMS, claims_of
+    from distdiag.claims import claims_of
+    from distdiag.roles import role_of
 
-    if f.kind not in MECHANISMS or f.kind in ("slow_link", "metadata_storm"):
-        return None  # those state their own (transfers; the storm's windows with the unseen gaps)
+    how = role_of(f.kind).replay_claims
+    if not how:
+        return None  # not a mechanism, or one that states its own (a link's transfers; a storm's windows)
     got = claims_of(f, run)
     if got is None:
         return None
     r, t0, t1 = got
-    if f.kind in ("input_bound", "h2d_copy"):  # the detector prices what compute did not hide: so does the replay
+    if how == "unhidden":  # the detector prices what compute did not hide (input waits, copies): so does the replay
         r, t0, t1 = unhidden(run, r, t0, t1)
         return Change(f"the {f.kind} rows of the finding's ranks that compute did not hide removed", drop_rank=r,
                       drop_t0=t0, drop_t1=t1)  # fmt: skip

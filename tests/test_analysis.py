@@ -78,3 +78,34 @@ def test_every_analyzer_module_is_checked_as_under_mypy_strict() -> None:
         mod = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         parent = ".".join(rel.parts[:-1]) + ".*"
         assert mod in listed or parent in listed, f"{mod} is not in pyproject.toml's mypy strict list"
+
+
+def test_a_new_kind_takes_its_place_in_the_ranking_from_the_role_it_declares(tmp_path: Path) -> None:
+    # the ranking keeps no table of detector names: a cause of a kind it has never seen explains a
+    # straggler's window when its detector declares it a mechanism, and nothing when it declares none
+    import numpy as np
+
+    from distdiag.ranking import rank_findings
+    from distdiag.roles import ROLES, Role
+
+    make_torch_run(tmp_path, world=3, iters=11, compute_ms=30.0)
+    run = align(load_run(tmp_path))
+    an = Analysis.of(run, Config())
+    one = np.array([1], np.int64)
+    win = (one, np.array([0], np.int64), np.array([10**9], np.int64), np.array([4 * 10**8], np.int64))
+    claim = (one, np.array([0], np.int64), np.array([10**9], np.int64))
+
+    def ranked(role: Role | None) -> list[Finding]:
+        if role is not None:
+            ROLES["cause_test_only"] = role
+        try:
+            late = Finding(kind="straggler", cost_s=0.4, summary="late", ranks=[1], windows=lambda r, c: win)
+            cause = Finding(kind="cause_test_only", cost_s=1.0, summary="held", ranks=[1], claims=claim)
+            return rank_findings([late, cause], an.run, an.colls, an.cfg)
+        finally:
+            ROLES.pop("cause_test_only", None)
+
+    assert [f.kind for f in ranked(None)] == ["cause_test_only", "straggler"]  # no role: explains nothing
+    got = ranked(Role(tier=0))
+    assert [f.kind for f in got] == ["cause_test_only"]  # a mechanism: the straggler's 0.4 s are its own
+    assert got[0].evidence["includes"] == {"straggler ranks 1": 0.4}

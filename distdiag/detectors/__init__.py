@@ -3,7 +3,8 @@
 A detector is ``detect(a: Analysis) -> list[Finding]`` (:class:`distdiag.analysis.Analysis`):
 it reads the aligned run, the matched collectives and the passes' results it declares in
 ``requires`` (names of :data:`distdiag.analysis.PRODUCTS`), returns data, never prints, and
-never imports another detector.
+never imports another detector. Its ``role`` (:class:`distdiag.roles.Role`) says where its
+findings stand in the ranking: the ranking keeps no table of detector names.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from distdiag.analysis import PRODUCTS
 from distdiag.findings import Finding
+from distdiag.roles import NO_ROLE, ROLES, Role
 
 if TYPE_CHECKING:
     from distdiag.analysis import Analysis
@@ -25,8 +27,11 @@ DETECTORS: dict[str, Detector] = {}
 REQUIRES: dict[str, tuple[str, ...]] = {}
 
 
-def register(name: str, requires: tuple[str, ...] = ()) -> Callable[[Detector], Detector]:
-    """Register ``detect`` under ``name``; ``requires``: the products it reads besides the run."""
+def register(
+    name: str, requires: tuple[str, ...] = (), role: Role | None = None
+) -> Callable[[Detector], Detector]:
+    """Register ``detect`` under ``name`` (the kind of its findings); ``requires``: the products it
+    reads besides the run; ``role``: its findings' place in the ranking (:class:`distdiag.roles.Role`)."""
     unknown = [r for r in requires if r not in PRODUCTS]
     if unknown:
         raise ValueError(f"detector {name!r} requires unknown products {unknown} (known: {sorted(PRODUCTS)})")
@@ -34,6 +39,7 @@ def register(name: str, requires: tuple[str, ...] = ()) -> Callable[[Detector], 
     def deco(fn: Detector) -> Detector:
         DETECTORS[name] = fn
         REQUIRES[name] = tuple(requires)
+        ROLES[name] = role if role is not None else NO_ROLE
         return fn
 
     return deco

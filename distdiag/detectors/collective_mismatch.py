@@ -143,8 +143,7 @@ def _describe(run: Run, colls: Collectives, g: int, aux: np.ndarray | GroupColum
 
 @register("collective_mismatch", requires=("collectives",))
 def detect(an: Analysis) -> list[Finding]:
-    run, cfg = an.run, an.cfg
-    colls = an.colls
+    run, colls = an.run, an.colls
     if len(colls) == 0:
         return []
     bad, dtype_bad, _, aux = mismatches(run, colls)

@@ -17,12 +17,13 @@ held the iteration up on its critical path).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.rows import rows_of
 from distdiag.schema import Kind
@@ -65,7 +66,8 @@ def _gpu_copy_totals(run: Run) -> tuple[int, int, int]:
     return int(len(sp)), int(dur.sum()), int(ev["nbytes"][sp].sum())
 
 
-@register("h2d_copy", requires=("costs",))
+@register("h2d_copy", requires=("costs",),
+          role=Role(tier=0, claims=(Kind.H2D,), replay_claims="unhidden", removal=0))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     p = an.priced(Kind.H2D, float(cfg.value("h2d_copy", "min_fraction", 0.02)))

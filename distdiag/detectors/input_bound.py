@@ -15,13 +15,15 @@ import numpy as np
 
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.schema import Kind
 
 log = logging.getLogger(__name__)
 
 
-@register("input_bound", requires=("costs",))
+@register("input_bound", requires=("costs",),
+          role=Role(tier=0, claims=(Kind.INPUT_WAIT,), replay_claims="unhidden", removal=0))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     p = an.priced(Kind.INPUT_WAIT, float(cfg.value("input_bound", "min_fraction", 0.02)))

@@ -45,6 +45,7 @@ import pandas as pd
 
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.intervals import covered_within, union_by_key, union_length
 from distdiag.bands import n_ranks
@@ -91,7 +92,8 @@ def _ended(ev: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return ev["t1_ns"][rows] >= ev["t0_ns"][rows]  # type: ignore[no-any-return]
 
 
-@register("io_bandwidth")
+@register("io_bandwidth",
+          role=Role(tier=0, replay_claims="claims", removal=0))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     sec = "io_bandwidth"

@@ -48,6 +48,7 @@ from distdiag.import_files import import_paths, shared_fs_rows
 from distdiag.intervals import union_length_by_key
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.rows import calls_of, rows_of, weighted_median, weighted_quantile
 from distdiag.schema import FILE_KINDS, Kind
@@ -80,7 +81,9 @@ def bursts(r: np.ndarray, t0: np.ndarray, t1: np.ndarray, gap_ns: float) -> tupl
     return r[at], t0[at], b1
 
 
-@register("io_bound", requires=("startup_ends",))
+@register("io_bound", requires=("startup_ends",),
+          role=Role(tier=0, replay_claims="claims", removal=1, subsystem=True,
+                    explained_by=("metadata_storm", "io_bandwidth")))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     min_share = float(cfg.value("io_bound", "min_share", 0.1))

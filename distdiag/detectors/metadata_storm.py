@@ -68,6 +68,7 @@ import pandas as pd
 from distdiag.intervals import union_length_by_key
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.import_files import LOCAL_FSTYPES
 from distdiag.replay import Change
@@ -243,7 +244,9 @@ def _top_paths(run: Run, name_id: np.ndarray, dur_ns: np.ndarray, calls: np.ndar
     return top_dirs, top_files
 
 
-@register("metadata_storm", requires=("collectives",))
+@register("metadata_storm", requires=("collectives",),
+          role=Role(tier=0, claims=(Kind.FILE_OPEN, Kind.FILE_CLOSE, Kind.FILE_STAT, Kind.FILE_LISTDIR),
+                    removal=0))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     sec = "metadata_storm"

@@ -35,12 +35,13 @@ Settings (``[analyze.network_bound]``): ``min_share`` (0.1), ``top`` (5), ``fabr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.intervals import union_length_by_key
 from distdiag.links import collective_transfers, network_bound, probe_matrix, union_s
@@ -94,7 +95,8 @@ def fabric_bw(run: Run, cfg: Config) -> tuple[float, str]:
     return float(np.median(bw)), f"the link probe (the median of {len(bw)} pairs)"
 
 
-@register("network_bound", requires=("collectives",))
+@register("network_bound", requires=("collectives",),
+          role=Role(removal=1, subsystem=True))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     min_share = float(cfg.value("network_bound", "min_share", 0.1))

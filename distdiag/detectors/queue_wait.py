@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @register("queue_wait", requires=("slurm",))
 def detect(an: Analysis) -> list[Finding]:
-    run, cfg = an.run, an.cfg
+    cfg = an.cfg
     view = an.slurm()
     a = view.acct
     turnaround_s = view.turnaround_s

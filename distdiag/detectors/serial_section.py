@@ -90,6 +90,7 @@ import numpy as np
 from distdiag.bands import Band, bands
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding, Windows
 from distdiag.evidence import secs, tally
 from distdiag.lateness import holds_others, one_to_many_root_late, root_world_ranks
@@ -286,7 +287,9 @@ def _activity_ns(run: Run, rank: np.ndarray, a_ns: np.ndarray, b_ns: np.ndarray)
     return out
 
 
-@register("serial_section", requires=("collectives",))
+@register("serial_section", requires=("collectives",),
+          role=Role(tier=1, removal=2,
+                    attributed_by=("median_window_ms", "median lone window", "which rank worked alone")))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     colls = an.colls

@@ -47,6 +47,8 @@ import numpy as np
 
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
+from distdiag.schema import Kind
 from distdiag.findings import Finding
 from distdiag.links import (
     LinkMatrix,
@@ -100,7 +102,8 @@ def find_slow(m: LinkMatrix, max_ratio: float) -> tuple[list[int], list[tuple[in
     return slow_units, slow_pairs, ref
 
 
-@register("slow_link", requires=("collectives",))
+@register("slow_link", requires=("collectives",),
+          role=Role(tier=0, claims=(Kind.SEND, Kind.RECV, Kind.WAIT), claims_hosts=True, removal=0))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     max_ratio = float(cfg.value("slow_link", "max_ratio", 0.5))

@@ -59,13 +59,14 @@ Settings (``[analyze.startup]``): ``min_fraction``, ``healthy_call_ms`` (1.0),
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from distdiag.analysis import Analysis
 from distdiag.breakdown import startup_ends
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding, Windows
 from distdiag.replay import Change
 from distdiag.startup_floor import floor_of
@@ -82,7 +83,8 @@ ADVICE = (
 )
 
 
-@register("startup", requires=("startup_ends",))
+@register("startup", requires=("startup_ends",),
+          role=Role(tier=2, removal=1, subsystem=True, explained_by=("launch_overhead",)))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     wall_s = float(run.wall_s)

@@ -74,12 +74,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
+from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.intervals import band_of
 from distdiag.evidence import secs, tally
@@ -95,7 +96,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@register("straggler", requires=("collectives",))
+@register("straggler", requires=("collectives",),
+          role=Role(tier=2, removal=3, attributed_by=("median_wait_ms", "median lateness", "which rank was late")))
 def detect(an: Analysis) -> list[Finding]:
     run, cfg = an.run, an.cfg
     colls = an.colls
