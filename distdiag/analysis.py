@@ -56,15 +56,6 @@ class Analysis:
 
         return cls(run, collectives_of(run), cfg if cfg is not None else Config())
 
-    @property
-    def wall_s(self) -> float:
-        """The run's wall-clock (first rank's start to last rank's end), in seconds."""
-        return float(self.run.wall_s)
-
-    def setting(self, section: str, key: str, default: Any) -> Any:
-        """``[analyze.<section>] key`` (:meth:`distdiag.config.Config.value`)."""
-        return self.cfg.value(section, key, default)
-
     def priced(self, kind: int, min_fraction: float) -> Priced | None:
         """``PRODUCTS["costs"]`` of event kind ``kind``, None under ``min_fraction`` of the wall-clock."""
         from distdiag.critical_path import priced

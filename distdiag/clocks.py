@@ -76,16 +76,11 @@ from typing import Any
 import numpy as np
 
 from distdiag.clockmodel import (  # noqa: F401  (the clock model's home; re-exported for the callers of clocks)
-    GAMMA,
-    _MAP_MAX_RUNS,
-    _MAP_ROWS,
     ClockModel,
     RankClock,
     apply_repairs,
-    _clc_map,
     map_by_rank,
     map_inplace,
-    _rank_spans,
     repair_table,
 )
 from distdiag.ranks import rank_ranges

@@ -5,7 +5,7 @@ file systems are the node's own: the rules the ``startup`` and ``io_bound`` dete
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 

@@ -5,7 +5,7 @@ reports them; ``hang`` leaves a deadlock inside a mismatched collective to it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 

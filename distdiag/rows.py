@@ -81,7 +81,7 @@ children per tree, load 2-3::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Union
+from typing import TYPE_CHECKING, Iterable, Union
 
 import numpy as np
 

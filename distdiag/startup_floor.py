@@ -14,7 +14,7 @@ example: :mod:`distdiag.detectors.startup`. Settings (``[analyze.startup]``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 

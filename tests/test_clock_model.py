@@ -265,7 +265,7 @@ def test_controlled_logical_clock_moves_minimally_and_decays() -> None:
     t = np.arange(0, 10_000_000, 100_000, dtype=np.int64)  # 100 timestamps, 0.1 ms apart
     tau = np.array([1_000_000], np.int64)
     low = np.array([1_050_000], np.int64)  # the exit at 1 ms must move to 1.05 ms
-    f = clocks._clc_map(t, tau, low, base=0)
+    f = clockmodel._clc_map(t, tau, low, base=0)
     assert (f >= t).all() and (np.diff(f) > 0).all()
     assert f[10] == 1_050_000  # exactly to the bound, no further
     assert (f[:10] == t[:10]).all()  # nothing before the violation moves

@@ -42,16 +42,13 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, IO, Any
+from typing import IO, Any
 
 import numpy as np
 import pandas as pd
 
 from distdiag.match import MatchState
 from distdiag.schema import FILE_KINDS, P2P_KINDS, PHASE_KINDS, Kind
-
-if TYPE_CHECKING:
-    from distdiag.run import Run
 
 log = logging.getLogger(__name__)
 
