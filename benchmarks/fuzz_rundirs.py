@@ -1,7 +1,11 @@
 """Hostile run dirs at volume: N structurally mutated copies of a real run, each analyzed alone.
 
     python benchmarks/fuzz_rundirs.py [--cases 10000] [--workers 2] [--seed 0] [--timeout-s 10]
-                                      [--json out.json] [--keep-failures DIR]
+                                      [--json out.json] [--keep-failures DIR] [--flips]
+
+``--flips``: each case flips random bytes of one rank file instead (``mutations.flip_bytes``:
+1-24 anywhere or 1-8 in the first 4 KiB); it found libhdf5's endless global heap walk
+(``distdiag/gheap.py``).
 
 One real 2-rank ``mpiexec distdiag-wrap`` job is recorded once (``tests/mutations.py``'s
 ``JOB``). Each case copies its run dir, applies 1 to 4 of the structural mutations of
@@ -54,12 +58,12 @@ def names_of(seed: int) -> list[str]:
 _W: dict[str, Any] = {}
 
 
-def _init(real_run: str, outside: str, scratch: str, timeout_s: float, keep: str | None) -> None:
+def _init(real_run: str, outside: str, scratch: str, timeout_s: float, keep: str | None, flips: bool = False) -> None:
     import distdiag.pipeline  # noqa: F401  (once per worker: each case's child starts warm)
     import distdiag.render  # noqa: F401
 
     _W.update(real_run=Path(real_run), outside=Path(outside), scratch=Path(scratch), timeout_s=timeout_s,
-              keep=Path(keep) if keep else None)  # fmt: skip
+              keep=Path(keep) if keep else None, flips=flips)  # fmt: skip
 
 
 def _special(d: str, names: list[str]) -> list[str]:
@@ -71,13 +75,16 @@ def _special(d: str, names: list[str]) -> list[str]:
 
 
 def one_case(seed: int) -> dict[str, Any]:
-    names = names_of(seed)
+    names = ["flip_bytes"] if _W["flips"] else names_of(seed)
     case = Path(tempfile.mkdtemp(prefix=f"case-{seed}-", dir=_W["scratch"]))
     d = case / "run"
     shutil.copytree(_W["real_run"], d)
     row: dict[str, Any] = {"seed": seed, "names": names}
     try:
-        mutations.mutate(d, _W["outside"], names, seed)
+        if _W["flips"]:
+            row["flipped"] = mutations.flip_bytes(d, seed)
+        else:
+            mutations.mutate(d, _W["outside"], names, seed)
     except Exception as e:  # a mutation that h5py refused: nothing to analyze, not a finding
         row.update(kind="skipped", detail=f"{type(e).__name__}: {e}")
         shutil.rmtree(case, ignore_errors=True)
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=10.0)
     ap.add_argument("--json", type=Path, help="write every case's outcome here")
     ap.add_argument("--keep-failures", type=Path, help="copy failing cases' dirs and outputs here")
+    ap.add_argument("--flips", action="store_true",
+                    help="random byte flips in one rank file per case (mutations.flip_bytes) instead of structural mutations")
     ns = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="distdiag-fuzz-") as td:
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         ctx = mp.get_context("spawn")  # fork from this threaded pool deadlocked a respawned worker
         init = (str(real_run), str(outside), str(scratch), ns.timeout_s,
-                str(ns.keep_failures) if ns.keep_failures else None)  # fmt: skip
+                str(ns.keep_failures) if ns.keep_failures else None, ns.flips)  # fmt: skip
         lost: list[int] = []
         with ctx.Pool(ns.workers, initializer=_init, initargs=init, maxtasksperchild=500) as pool:
             it = pool.imap_unordered(one_case, seeds)  # chunksize 1: its iterator has next(timeout)
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     hangs = [r for r in done if r["kind"] == "hang" or r["seconds"] > ns.timeout_s]
     over = [r for r in done if r["over"]]
     quoted = [r for r in done if r["quoted"]]
-    per_name: dict[str, list[int]] = {n: [0, 0] for n in _NAMES}  # cases with it, of which reports
+    per_name: dict[str, list[int]] = {n: [0, 0] for n in (["flip_bytes"] if ns.flips else _NAMES)}  # cases, reports
     for r in done:
         for n in set(r["names"]):
             per_name[n][0] += 1
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
           f"reports quoting bytes from outside {len(quoted)}  cases lost with a worker {len(lost)}")  # fmt: skip
     for label, bad in (("crash", crashes), ("hang", hangs), ("rss", over), ("quoted", quoted)):
         for r in bad[:5]:
-            print(f"  {label}: seed {r['seed']} {r['names']}: {r['detail'][-300:]!r}")
+            print(f"  {label}: seed {r['seed']} {r.get('flipped', r['names'])}: {r['detail'][-300:]!r}")
     if ns.json:
         ns.json.write_text(json.dumps({"cases": rows, "wall_s": wall, "lost": lost}, indent=1))
     return 1 if crashes or hangs or over or quoted or lost else 0

@@ -51,11 +51,13 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from distdiag import gheap
 from distdiag.cache import RunCache
 
 # DistdiagError is re-exported: modules and tests import it from here too
 from distdiag.errors import DistdiagError as DistdiagError
 from distdiag.errors import SpillLogError, TraceError
+from distdiag.gheap import VLEN_REF
 from distdiag.ranks import rank_ranges
 from distdiag.schema import (
     COMM_KINDS,
@@ -647,6 +649,10 @@ def _dtype_of(tid: Any) -> tuple[np.dtype, Any]:
     return dt, mt
 
 
+#: what :meth:`_Attrs._fast` gives for an attribute it must not read
+_REFUSED = object()
+
+
 class _Attrs:
     """A rank file's attributes with the values ``f.attrs.get`` gives, read with the
     low-level API on first use (``f.attrs[name]`` costs ~100 us in h5py, ~2 ms a
@@ -654,9 +660,11 @@ class _Attrs:
     scalar, damaged) is asked of ``f.attrs.get``, so a damaged one raises where
     it did before."""
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, heap: _Heap | None = None) -> None:
         self._h5 = f.attrs
         self._fid = f.id
+        #: the file's global heap is damaged: its text attributes (there) read as absent
+        self._no_text = heap is not None and bool(heap.damaged)
         self._vals: dict[str, Any] = {}
         #: the file's attribute names, listed on first use; None when they could not be listed
         self._names: frozenset[bytes] | None = None
@@ -685,7 +693,11 @@ class _Attrs:
         try:
             v = self._fast(name)
         except _H5_ERRORS:
+            if self._no_text:
+                return default  # h5py's way could reach the damaged heap
             v = self  # sentinel: not read
+        if v is _REFUSED:
+            return default
         if v is self:
             return self._h5.get(name, default)
         self._vals[name] = v
@@ -696,6 +708,8 @@ class _Attrs:
 
         aid = h5py.h5a.open(self._fid, name.encode())
         dt, mt = _dtype_of(aid.get_type())
+        if self._no_text and (dt.kind == "O" or dt.hasobject):
+            return _REFUSED  # variable-length: in the global heap that libhdf5 must not walk
         if aid.shape != () or dt.subdtype is not None:
             return self  # arrays, empty dataspaces: h5py's way
         arr = np.zeros((), dtype=dt)
@@ -825,15 +839,11 @@ _STRING_BYTES_PER_FILE_BYTE = 4
 #: strings decoded at a time when their lengths cannot be read first
 _STRING_BLOCK = 256
 
-#: A variable-length element as HDF5 stores it: its length, then the global heap id
-#: (collection address, object index) of its bytes.
-_VLEN_REF = np.dtype([("len", "<u4"), ("addr", "<u8"), ("idx", "<u4")])
-
-
-def _vlen_lengths(ds: Any, n: int) -> np.ndarray | None:
-    """The declared lengths of the first ``n`` variable-length strings of ``ds``, read from its
-    storage without decoding (~4 us a chunk of 1,024); None when that cannot be told (filtered
-    chunks, another layout), and then the caller decodes by blocks."""
+def _vlen_refs(ds: Any, n: int) -> np.ndarray | None:
+    """The first ``n`` variable-length references of ``ds`` (:data:`distdiag.gheap.VLEN_REF`:
+    length, collection address, object index), read from its storage without decoding
+    (~4 us a chunk of 1,024); None when that cannot be told (filtered chunks, another
+    layout), and then the caller decodes by blocks. Rows never written are null (0, 0, 0)."""
     import h5py
 
     try:
@@ -841,28 +851,88 @@ def _vlen_lengths(ds: Any, n: int) -> np.ndarray | None:
         if dcpl.get_layout() != h5py.h5d.CHUNKED or dcpl.get_nfilters():
             return None
         rows = int(dcpl.get_chunk()[0])
-        out = np.zeros(n, np.int64)
+        out = np.zeros(n, VLEN_REF)
         for lo in range(0, n, max(1, rows)):  # one read a chunk
             try:
                 _, raw = ds.id.read_direct_chunk((lo,))
             except _H5_ERRORS:
                 continue  # a chunk never written: empty strings
-            k = min(rows, n - lo, len(raw) // _VLEN_REF.itemsize)
-            out[lo : lo + k] = np.frombuffer(raw, _VLEN_REF, count=k)["len"]
+            k = min(rows, n - lo, len(raw) // VLEN_REF.itemsize)
+            out[lo : lo + k] = np.frombuffer(raw, VLEN_REF, count=k)
         return out
     except _H5_ERRORS:
         return None
 
 
-def _strings_in_budget(ds: Any, n: int, budget: int) -> tuple[int, int | None]:
-    """How many of the first ``n`` strings fit ``budget`` bytes decoded, and their declared total
-    (None: unknown, see :func:`_vlen_lengths`)."""
-    lengths = _vlen_lengths(ds, n)
-    if lengths is None:
-        return n, None
+class _Heap:
+    """The global heap collections a rank file's strings point at, each read and walked by
+    :mod:`distdiag.gheap` before anything of the file is decoded by libhdf5 (whose walk of a
+    damaged one never ends). ``damaged``: why some cannot be used ("" when all can)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.good: dict[int, Any] = {}
+        self.damaged = ""
+        self._seen: set[int] = set()
+        #: the string table and its references as :meth:`of` read them (None: not read)
+        self.ds: Any = None
+        self.shape: Any = None
+        self.dtype: tuple[np.dtype, Any] | None = None
+        self.refs: np.ndarray | None = None
+
+    def check(self, refs: np.ndarray) -> None:
+        """Walk the collections of ``refs`` not walked yet."""
+        new = [a for a in np.unique(refs["addr"]).tolist() if a and a not in self._seen]
+        if not new:
+            return
+        self._seen.update(new)
+        good, bad = gheap.collections(new, self._pread, self.size())
+        self.good.update(good)
+        if bad and not self.damaged:
+            self.damaged = bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+
+    def size(self) -> int:
+        """The file's size (0: unknown), of a file in memory too."""
+        try:
+            return int(self._f.id.get_filesize())
+        except _H5_ERRORS:
+            return _file_size(self._f) or 0
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        try:
+            fd = int(self._f.id.get_vfd_handle())
+            return os.pread(fd, n, offset)
+        except (OSError, TypeError, ValueError, *_H5_ERRORS):
+            image = self._f.id.get_file_image()  # a file in memory (a spill log's): its bytes
+            return bytes(image[offset : offset + n])
+
+    @classmethod
+    def of(cls, f: Any) -> _Heap:
+        """The heap of ``f``'s string table as it is now (no table, or not the shim's layout:
+        nothing walked)."""
+        import h5py
+
+        heap = cls(f)
+        try:
+            heap.ds = ds = _open_obj(f, "strings")
+            heap.shape = shape = getattr(ds, "shape", None)
+            if shape is not None and len(shape) == 1:
+                heap.dtype = _dtype_of(ds.id.get_type())
+                info = h5py.check_string_dtype(heap.dtype[0])
+                if info is not None and info.length is None:
+                    heap.refs = _vlen_refs(ds, min(int(shape[0]), _max_rows(f, 16, heap.size() or None)))
+                    if heap.refs is not None:
+                        heap.check(heap.refs)
+        except (RefusedTable, *_H5_ERRORS):
+            pass  # said when the table is read
+        return heap
+
+
+def _strings_in_budget(lengths: np.ndarray, budget: int) -> tuple[int, int]:
+    """How many of the strings of ``lengths`` fit ``budget`` bytes decoded, and their declared total."""
     total = np.cumsum(lengths)
     fit = int(np.searchsorted(total, budget, side="right"))
-    return fit, int(total[-1]) if n else 0
+    return fit, int(total[-1]) if len(lengths) else 0
 
 
 def _written_rows(ds: Any, n: int, itemsize: int) -> int:
@@ -894,20 +964,27 @@ def _written_rows(ds: Any, n: int, itemsize: int) -> int:
         return n
 
 
-def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1) -> np.ndarray | str:
+def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1, heap: _Heap | None = None) -> np.ndarray | str:
     """The rank's string table, or a one-line reason why it cannot be used.
 
     Decoding is bounded by the file's size (:data:`_STRING_BYTES_PER_FILE_BYTE`): a
     hostile file whose entries all point at one shared 1 MB heap object would otherwise
     decode to a copy per entry (2.9 GB from a 1.5 MB file). The strings beyond the
-    bound are read as "" and said in one warning line."""
+    bound are read as "" and said in one warning line.
+
+    Variable-length strings in chunks (the shim's table) are decoded from their global
+    heap by :mod:`distdiag.gheap`, never by libhdf5 (``heap``: the collections already
+    walked); a string in a damaged collection reads as "" and is said."""
     import h5py
 
-    try:
-        ds = _open_obj(f, "strings")
-    except RefusedTable as e:
-        return f"{fname}: {e}; skipped (a rank file's tables are read from the file itself only)"
-    shape = getattr(ds, "shape", None)
+    if heap is not None and heap.ds is not None:  # opened before the attributes
+        ds, shape = heap.ds, heap.shape
+    else:
+        try:
+            ds = _open_obj(f, "strings")
+        except RefusedTable as e:
+            return f"{fname}: {e}; skipped (a rank file's tables are read from the file itself only)"
+        shape = getattr(ds, "shape", None)
     if shape is None or len(shape) != 1:
         return f"{fname}: /strings is not a table of strings (corrupt); skipped"
     n = int(shape[0])
@@ -924,11 +1001,20 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
         size = _file_size(f)
     budget = _STRING_BYTES_PER_FILE_BYTE * (size if size is not None else 1 << 40) + (1 << 20)
     try:
-        dt, mt = _dtype_of(ds.id.get_type())
+        dt, _ = heap.dtype if heap is not None and heap.dtype is not None else _dtype_of(ds.id.get_type())
         info = h5py.check_string_dtype(dt)
         vlen = info is not None and info.length is None
-        if vlen:
-            fit, total = _strings_in_budget(ds, n, budget)
+        if not vlen:
+            refs = None
+        elif heap is not None and heap.refs is not None and len(heap.refs) >= n:
+            refs = heap.refs[:n]  # read before the attributes
+        else:
+            refs = _vlen_refs(ds, n)
+        total: int | None
+        if refs is not None:
+            fit, total = _strings_in_budget(refs["len"].astype(np.int64), budget)
+        elif vlen:
+            fit, total = n, None
         else:  # fixed-length: the size is the type's
             fit, total = min(n, budget // max(1, dt.itemsize)), n * dt.itemsize
         if fit < n:
@@ -938,8 +1024,19 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
             )
         out = np.empty(n, dtype=object)
         out[fit:] = ""
-        if vlen and total is None:
-            # lengths unknown (filtered chunks): decode by blocks, within the budget
+        if refs is not None:
+            if heap is None:
+                heap = _Heap(f)
+            heap.check(refs[:fit])
+            got, damaged = gheap.decode(refs[:fit], heap.good, "ascii" if info is not None and info.encoding == "ascii" else "utf-8")
+            out[:fit] = got
+            if damaged:
+                why = heap.damaged or "they name no object of their heap collection, or one of another length"
+                warnings.append(f"{fname}: {damaged} of its {n} strings cannot be read ({why}; corrupt); "
+                                "they read as \"\"")  # fmt: skip
+            return out
+        if vlen:
+            # lengths unknown (filtered chunks, another layout): decode by blocks, within the budget
             used = 0
             for lo in range(0, fit, _STRING_BLOCK):
                 part = ds.asstr()[lo : min(fit, lo + _STRING_BLOCK)]
@@ -950,17 +1047,6 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
                                     f"the file's size (corrupt or hostile); reading the first {lo + len(part)} of {n} strings")  # fmt: skip
                     out[lo + len(part) :] = ""
                     break
-            return out
-        if vlen and info is not None and info.encoding == "utf-8" and n == int(shape[0]):
-            # The shim's table: one low-level read, decoded as asstr() does (strict utf-8).
-            raw = np.empty(fit, dtype=dt)
-            if fit == n and n:
-                ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, raw, mtype=mt)
-            elif fit:
-                fspace = ds.id.get_space()
-                fspace.select_hyperslab((0,), (fit,))
-                ds.id.read(h5py.h5s.create_simple((fit,)), fspace, raw, mtype=mt)
-            out[:fit] = [b.decode("utf-8") if isinstance(b, bytes) else b for b in raw]
             return out
         out[:fit] = list(ds.asstr()[:fit])
         return out
@@ -1206,7 +1292,8 @@ def read_rank(path: Path, warnings: list[str], packer: Packer | None = None) -> 
         return f"{fname} cannot be opened as HDF5 (truncated or corrupt: {_short(e).strip('()')}); skipped"
     try:
         with f:
-            attrs = _Attrs(f)
+            heap = _Heap.of(f)  # before any attribute: see distdiag.gheap
+            attrs = _Attrs(f, heap)
             try:
                 version = _attr(attrs, SCHEMA_ATTR)
             except _H5_ERRORS as e:
@@ -1265,9 +1352,12 @@ def read_rank(path: Path, warnings: list[str], packer: Packer | None = None) -> 
                 n_gpu = _gpu_times(events)
                 if n_gpu:
                     scan = _Scan.of(events)
-            strings = _read_strings(f, fname, warnings, size)
+            strings = _read_strings(f, fname, warnings, size, heap)
             if isinstance(strings, str):
                 return strings
+            if heap.damaged:
+                warnings.append(f"{fname}: its text attributes (host, launch id, command line) are not read: "
+                                f"{heap.damaged} (corrupt)")  # fmt: skip
             if len(strings) == 0:
                 strings = np.array([""], dtype=object)
             sync = _read_table(f, "clock_sync", SYNC_DTYPE, fname, warnings, refresh=live, size=size)

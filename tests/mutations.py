@@ -624,3 +624,64 @@ def analyze_isolated(run_dir: Path, out: Path, timeout_s: float = 10.0, mem_byte
         return Outcome("memory", seconds, growth, quoted, err)
     crash = (out / "crash").read_text(errors="replace") if (out / "crash").exists() else err
     return Outcome("crash", seconds, growth, quoted, crash)
+
+
+def flip_bytes(run_dir: Path, seed: int) -> str:
+    """Random byte flips in one rank file of ``run_dir`` (as ``test_byte_flips_*`` makes them):
+    1 to 24 anywhere, or 1 to 8 in the first 4 KiB (the superblock and root headers). Says what."""
+    rng = random.Random(seed)
+    f = _rank_files(run_dir)[rng.randrange(len(_rank_files(run_dir)))]
+    a = bytearray(f.read_bytes())
+    front = rng.random() < 0.5
+    at = []
+    for _ in range(rng.randint(1, 8 if front else 24)):
+        pos = rng.randrange(min(4096, len(a))) if front else rng.randrange(len(a))
+        a[pos] ^= rng.randint(1, 255)
+        at.append(pos)
+    f.write_bytes(bytes(a))
+    return f"{f.name}: bytes {sorted(at)} flipped"
+
+
+def in_child(fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    """``fn()`` run in a forked child: its result (pickled back), or its exception raised here as
+    an AssertionError with the child's traceback, or an AssertionError when it has not finished
+    in ``timeout_s`` (a hang; the child is ended by PID). A libhdf5 loop on a damaged file holds
+    the GIL and cannot be interrupted in the process: only a child can be bounded."""
+    import pickle
+    import signal
+    import tempfile
+    import time
+    import traceback
+
+    with tempfile.TemporaryDirectory() as td:
+        box = Path(td) / "result"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller
+            code = 3
+            try:
+                try:
+                    got = ("ok", fn())
+                except BaseException:
+                    got = ("fail", traceback.format_exc())
+                box.write_bytes(pickle.dumps(got))
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"did not finish in {timeout_s:.0f} s (a hang)")
+            time.sleep(0.005)
+        if not box.exists():
+            raise AssertionError(f"the child ended without a result (status {status})")
+        kind, value = pickle.loads(box.read_bytes())
+        if kind == "fail":
+            raise AssertionError(value)
+        return value
