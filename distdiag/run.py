@@ -839,24 +839,36 @@ _STRING_BYTES_PER_FILE_BYTE = 4
 #: strings decoded at a time when their lengths cannot be read first
 _STRING_BLOCK = 256
 
-def _vlen_refs(ds: Any, n: int) -> np.ndarray | None:
+def _vlen_refs(ds: Any, n: int, heap: _Heap) -> np.ndarray | None:
     """The first ``n`` variable-length references of ``ds`` (:data:`distdiag.gheap.VLEN_REF`:
     length, collection address, object index), read from its storage without decoding
     (~4 us a chunk of 1,024); None when that cannot be told (filtered chunks, another
-    layout), and then the caller decodes by blocks. Rows never written are null (0, 0, 0)."""
+    layout), and then the caller decodes by blocks. Rows never written are null (0, 0, 0).
+
+    Each chunk's place comes from the chunk index and its bytes from ``heap``'s ``pread``,
+    at most a healthy chunk's size and never past the file's end. h5py's
+    ``read_direct_chunk`` sizes its buffer by one lookup and libhdf5 reads by another: a
+    damaged index made it write past the buffer (a segfault; benchmarks/fuzz_rundirs.py
+    --flips, seed 2920)."""
     import h5py
 
     try:
         dcpl = ds.id.get_create_plist()
         if dcpl.get_layout() != h5py.h5d.CHUNKED or dcpl.get_nfilters():
             return None
-        rows = int(dcpl.get_chunk()[0])
+        rows = max(1, int(dcpl.get_chunk()[0]))
+        full = rows * VLEN_REF.itemsize
+        size = heap.size()
         out = np.zeros(n, VLEN_REF)
-        for lo in range(0, n, max(1, rows)):  # one read a chunk
+        for lo in range(0, n, rows):  # one read a chunk
             try:
-                _, raw = ds.id.read_direct_chunk((lo,))
+                info = ds.id.get_chunk_info_by_coord((lo,))
             except _H5_ERRORS:
-                continue  # a chunk never written: empty strings
+                continue  # a damaged index entry: those rows read as null
+            if info.byte_offset is None or int(info.byte_offset) >= size:
+                continue  # a chunk never written (or placed past the end): empty strings
+            at = int(info.byte_offset)
+            raw = heap.pread(at, min(int(info.size), full, size - at))
             k = min(rows, n - lo, len(raw) // VLEN_REF.itemsize)
             out[lo : lo + k] = np.frombuffer(raw, VLEN_REF, count=k)
         return out
@@ -886,7 +898,7 @@ class _Heap:
         if not new:
             return
         self._seen.update(new)
-        good, bad = gheap.collections(new, self._pread, self.size())
+        good, bad = gheap.collections(new, self.pread, self.size())
         self.good.update(good)
         if bad and not self.damaged:
             self.damaged = bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
@@ -898,7 +910,7 @@ class _Heap:
         except _H5_ERRORS:
             return _file_size(self._f) or 0
 
-    def _pread(self, offset: int, n: int) -> bytes:
+    def pread(self, offset: int, n: int) -> bytes:
         try:
             fd = int(self._f.id.get_vfd_handle())
             return os.pread(fd, n, offset)
@@ -920,7 +932,7 @@ class _Heap:
                 heap.dtype = _dtype_of(ds.id.get_type())
                 info = h5py.check_string_dtype(heap.dtype[0])
                 if info is not None and info.length is None:
-                    heap.refs = _vlen_refs(ds, min(int(shape[0]), _max_rows(f, 16, heap.size() or None)))
+                    heap.refs = _vlen_refs(ds, min(int(shape[0]), _max_rows(f, 16, heap.size() or None)), heap)
                     if heap.refs is not None:
                         heap.check(heap.refs)
         except (RefusedTable, *_H5_ERRORS):
@@ -1004,12 +1016,14 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
         dt, _ = heap.dtype if heap is not None and heap.dtype is not None else _dtype_of(ds.id.get_type())
         info = h5py.check_string_dtype(dt)
         vlen = info is not None and info.length is None
+        if heap is None:
+            heap = _Heap(f)
         if not vlen:
             refs = None
-        elif heap is not None and heap.refs is not None and len(heap.refs) >= n:
+        elif heap.refs is not None and len(heap.refs) >= n:
             refs = heap.refs[:n]  # read before the attributes
         else:
-            refs = _vlen_refs(ds, n)
+            refs = _vlen_refs(ds, n, heap)
         total: int | None
         if refs is not None:
             fit, total = _strings_in_budget(refs["len"].astype(np.int64), budget)
@@ -1025,8 +1039,6 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
         out = np.empty(n, dtype=object)
         out[fit:] = ""
         if refs is not None:
-            if heap is None:
-                heap = _Heap(f)
             heap.check(refs[:fit])
             got, damaged = gheap.decode(refs[:fit], heap.good, "ascii" if info is not None and info.encoding == "ascii" else "utf-8")
             out[:fit] = got
