@@ -8,10 +8,12 @@ Slurm, so there a missing Slurm FAILS the Slurm tests instead of skipping them.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +208,30 @@ def slurm() -> SlurmCluster:
             pytest.fail(f"Slurm required (DISTDIAG_SLURM_REQUIRED=1) but {why}", pytrace=False)
         pytest.skip(f"no test Slurm: {why}")
     return SlurmCluster(dir=d, conf=d / "etc" / "slurm.conf")
+
+
+# -- a hard bound on each test -------------------------------------------------------------------------
+#: No test runs longer (setup, call and teardown); a hung one ends the whole run with every
+#: thread's stack on stderr, where CI shows it. An in-process bound (SIGALRM, a timer thread)
+#: cannot end a loop inside a C library that holds the GIL (libhdf5's, see distdiag.gheap);
+#: faulthandler's own thread can. Before this bound a hang ran CI into its 80-minute limit
+#: with no word of where.
+_TEST_LIMIT_S = float(os.environ.get("DISTDIAG_TEST_LIMIT_S", "900"))
+_STDERR_FD: list[int] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _STDERR_FD.append(os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if _STDERR_FD and _TEST_LIMIT_S > 0:
+        faulthandler.dump_traceback_later(_TEST_LIMIT_S, exit=True, file=_STDERR_FD[0])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 # -- the corpus of real runs (tests/corpus.py): DISTDIAG_CORPUS_DIR=DIR copies each test's run dirs --------

@@ -105,8 +105,11 @@ def test_ddp_section_has_one_bar_per_step_and_names_the_rank_that_slept(ddp: Rep
     rows = _slowest_rows(page)
     assert len(rows) == STEPS
     by_step = {int(r[0]): r for r in rows}
-    # the two slowest: the step rank 1 slept in, and the next one, where rank 0 waited for it
-    assert {int(r[0]) for r in rows[:2]} == {SLOW_STEP, SLOW_STEP + 1}, rows[:3]
+    # the two slowest: the step rank 1 slept in, and the next one, where rank 0 waited for it.
+    # Step 0 may rank above them: DDP's first step builds its buckets and warms up (0.6 s of
+    # it seen beside a busy core, against ~0.25 s a step after); every other step ranks below.
+    order = [int(r[0]) for r in rows if int(r[0]) != 0]
+    assert set(order[:2]) == {SLOW_STEP, SLOW_STEP + 1}, rows[:3]
     slept = by_step[SLOW_STEP]
     assert int(slept[5]) == SLOW_RANK and slept[7].startswith("compute "), slept
     waited = by_step[SLOW_STEP + 1]
