@@ -206,11 +206,22 @@ def test_every_fuzzed_dir_through_the_cli_is_exit_0_or_one_line_exit_2(real_run:
 
 
 def _refs(path: Path) -> np.ndarray:
-    """The string table's references as its chunks hold them."""
+    """The string table's references as its storage holds them (chunked or contiguous)."""
     with h5py.File(path, "r") as f:
         ds = f["strings"]
+        if ds.chunks is None:
+            at = ds.id.get_offset()
+            return np.frombuffer(path.read_bytes()[at : at + 16 * ds.shape[0]], gheap.VLEN_REF)
         raw = b"".join(ds.id.read_direct_chunk((lo,))[1] for lo in range(0, ds.shape[0], ds.chunks[0]))
         return np.frombuffer(raw, gheap.VLEN_REF, count=ds.shape[0])
+
+
+def _rewrite_strings(path: Path, **layout: Any) -> None:
+    """The rank file's string table written again, the same strings, in another layout."""
+    with h5py.File(path, "r+") as f:
+        table = list(f["strings"].asstr()[:])
+        del f["strings"]
+        f.create_dataset("strings", data=np.array(table, dtype=object), dtype=h5py.string_dtype(), **layout)
 
 
 def _objects(data: bytes) -> list[tuple[int, int, int]]:
@@ -223,11 +234,19 @@ def _objects(data: bytes) -> list[tuple[int, int, int]]:
     return out
 
 
-def test_a_collection_libhdf5_would_walk_forever_reads_as_damage_not_a_hang(real_run: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["chunked", "contiguous"])
+def test_a_collection_libhdf5_would_walk_forever_reads_as_damage_not_a_hang(real_run: Path, tmp_path: Path,
+                                                                           layout: str) -> None:  # fmt: skip
     """The free-space object of the string table's last collection says 0 bytes: libhdf5's
     walk stops moving (checked here: reading the table with h5py does not finish). The
     analyzer reads the rank with those strings as "" and says so; its healthy twin reads
-    every string as h5py does, every text attribute, and warns of nothing."""
+    every string as h5py does, every text attribute, and warns of nothing. ``contiguous``:
+    the table rewritten unchunked (the shim writes chunks; another writer need not)."""
+    if layout == "contiguous":
+        healthy = tmp_path / "healthy"
+        shutil.copytree(real_run, healthy)
+        _rewrite_strings(healthy / rank_file_name(1))
+        real_run = healthy
     d = tmp_path / "run"
     shutil.copytree(real_run, d)
     path = d / rank_file_name(1)
@@ -272,6 +291,23 @@ def test_a_collection_libhdf5_would_walk_forever_reads_as_damage_not_a_hang(real
 def _summary(d: Path) -> tuple[bool, str | None, list[str]]:
     rep, err = report_or_error(d)
     return rep is not None, err, [] if rep is None else list(rep.run.warnings)
+
+
+@pytest.mark.parametrize("layout", [{"chunks": (64,), "compression": "gzip"}, {"chunks": (64,), "shuffle": True}],
+                         ids=["gzip", "shuffle"])  # fmt: skip
+def test_a_string_table_only_libhdf5_could_decode_skips_its_rank_with_why(real_run: Path, tmp_path: Path,
+                                                                          layout: dict[str, Any]) -> None:  # fmt: skip
+    """Filtered chunks hold their references compressed: only libhdf5 could read them, and it
+    would walk their heap unchecked. The shim never writes them: that rank is skipped, said,
+    and the rest analyzed."""
+    d = tmp_path / "run"
+    shutil.copytree(real_run, d)
+    _rewrite_strings(d / rank_file_name(0), **layout)
+    warnings: list[str] = []
+    got = read_rank(d / rank_file_name(0), warnings)
+    assert isinstance(got, str) and "a layout the shim never writes" in got and "skipped" in got, got
+    rep, err, run_warnings = mutations.in_child(lambda: _summary(d), timeout_s=60)
+    assert rep and any(w.startswith(rank_file_name(0)) and "never writes" in w for w in run_warnings), run_warnings
 
 
 def test_a_heap_walk_refuses_what_would_send_libhdf5_astray(real_run: Path) -> None:
