@@ -651,6 +651,8 @@ def _dtype_of(tid: Any) -> tuple[np.dtype, Any]:
 
 #: what :meth:`_Attrs._fast` gives for an attribute it must not read
 _REFUSED = object()
+#: the HDF5 type classes of the attributes a rank file holds (H5T_INTEGER, H5T_FLOAT, H5T_STRING, H5T_ENUM)
+_ATTR_CLASSES = frozenset((0, 1, 3, 8))
 
 
 class _Attrs:
@@ -665,6 +667,8 @@ class _Attrs:
         self._fid = f.id
         #: the file's global heap is damaged: its text attributes (there) read as absent
         self._no_text = heap is not None and bool(heap.damaged)
+        #: attributes of a type class the shim never writes (damage), read as absent
+        self.refused: list[str] = []
         self._vals: dict[str, Any] = {}
         #: the file's attribute names, listed on first use; None when they could not be listed
         self._names: frozenset[bytes] | None = None
@@ -707,7 +711,14 @@ class _Attrs:
         import h5py
 
         aid = h5py.h5a.open(self._fid, name.encode())
-        dt, mt = _dtype_of(aid.get_type())
+        tid = aid.get_type()
+        if tid.get_class() not in _ATTR_CLASSES:
+            # the shim writes numbers, booleans and strings: another class is damage (a flipped
+            # byte made one a variable-length sequence, whose read segfaulted libhdf5:
+            # benchmarks/fuzz_rundirs.py --flips, seed 7601), never handed to libhdf5 to convert
+            self.refused.append(name)
+            return _REFUSED
+        dt, mt = _dtype_of(tid)
         if self._no_text and (dt.kind == "O" or dt.hasobject):
             return _REFUSED  # variable-length: in the global heap that libhdf5 must not walk
         if aid.shape != () or dt.subdtype is not None:
@@ -1429,6 +1440,9 @@ def read_rank(path: Path, warnings: list[str], packer: Packer | None = None) -> 
                 row_span=dropped_span,
                 fileio_capture=str(_attr(attrs, "fileio_capture", "") or "")[:20],
             )
+            if attrs.refused:
+                warnings.append(f"{fname}: attributes {', '.join(sorted(set(attrs.refused)))} have a type the shim "
+                                "never writes (corrupt); read as absent")  # fmt: skip
             return RankData(info, events, strings, sync, inflight, gpu, scan)
     except _H5_ERRORS as e:
         return f"{fname} cannot be read (truncated or corrupt: {_short(e)}); skipped"

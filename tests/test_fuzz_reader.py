@@ -310,6 +310,27 @@ def test_a_string_table_only_libhdf5_could_decode_skips_its_rank_with_why(real_r
     assert rep and any(w.startswith(rank_file_name(0)) and "never writes" in w for w in run_warnings), run_warnings
 
 
+def test_an_attribute_of_a_type_the_shim_never_writes_reads_as_absent_and_is_said(real_run: Path,
+                                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """A flipped byte made ``host`` a variable-length sequence, and libhdf5 segfaulted converting
+    it (benchmarks/fuzz_rundirs.py --flips, seed 7601). Here a well-formed one stands in for it:
+    the reader hands no attribute of another class than numbers, booleans and strings to libhdf5."""
+    d = tmp_path / "run"
+    shutil.copytree(real_run, d)
+    with h5py.File(d / rank_file_name(1), "r+") as f:
+        del f.attrs["host"]
+        seq = np.empty(1, h5py.vlen_dtype(np.int32))
+        seq[0] = np.arange(3, dtype=np.int32)
+        f.attrs.create("host", seq, dtype=h5py.vlen_dtype(np.int32))
+    warnings: list[str] = []
+    got = read_rank(d / rank_file_name(1), warnings)
+    assert not isinstance(got, str), got
+    assert got.info.host == "" and warnings == [f"{rank_file_name(1)}: attributes host have a type the shim never "
+                                                "writes (corrupt); read as absent"], (got.info.host, warnings)  # fmt: skip
+    twin: list[str] = []
+    assert read_rank(real_run / rank_file_name(1), twin).info.host and not twin  # type: ignore[union-attr]
+
+
 def test_a_heap_walk_refuses_what_would_send_libhdf5_astray(real_run: Path) -> None:
     """Each rule of :func:`distdiag.gheap.walk` on a real collection, broken one at a time."""
     path = real_run / rank_file_name(0)
