@@ -568,6 +568,33 @@ def _child(run_dir: Path, out: Path, timeout_s: float, mem_bytes: int) -> int:
         return 3
 
 
+def _forked(fn: Callable[[], int], timeout_s: float) -> tuple[int, Any, bool]:
+    """``fn()`` in a forked child whose exit code it gives (3 if it raised); (the child's wait
+    status, its rusage, whether it was still running after ``timeout_s`` and ended by PID)."""
+    import signal
+    import time
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller
+        code = 3
+        try:
+            code = fn()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got, status, ru = os.wait4(pid, os.WNOHANG)
+        if got:
+            return status, ru, False
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status, ru = os.wait4(pid, 0)
+            return status, ru, True
+        time.sleep(0.005)
+
+
 def analyze_isolated(run_dir: Path, out: Path, timeout_s: float = 10.0, mem_bytes: int = 2 << 30) -> Outcome:
     """Analyze ``run_dir`` in a forked child under ``timeout_s`` and an address-space bound of
     ``mem_bytes`` over the parent's; ``out`` (an empty dir) gets its report or error."""
@@ -580,25 +607,8 @@ def analyze_isolated(run_dir: Path, out: Path, timeout_s: float = 10.0, mem_byte
     out.mkdir(parents=True, exist_ok=True)
     base = _rss_bytes()
     t0 = time.perf_counter()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the caller
-        code = 3
-        try:
-            code = _child(run_dir, out, timeout_s, mem_bytes)
-        finally:
-            os._exit(code)
-    deadline = t0 + timeout_s + 5
-    while True:
-        got, status, ru = os.wait4(pid, os.WNOHANG)
-        if got:
-            break
-        if time.perf_counter() > deadline:  # ignored the alarm: end it (ours, by PID)
-            os.kill(pid, signal.SIGKILL)
-            got, status, ru = os.wait4(pid, 0)
-            break
-        time.sleep(0.005)
+    # past the child's own alarm: it ignored it
+    status, ru, _ = _forked(lambda: _child(run_dir, out, timeout_s, mem_bytes), timeout_s + 5)
     seconds = time.perf_counter() - t0
     try:
         base = int((out / "rss0").read_text())
@@ -648,37 +658,23 @@ def in_child(fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     in ``timeout_s`` (a hang; the child is ended by PID). A libhdf5 loop on a damaged file holds
     the GIL and cannot be interrupted in the process: only a child can be bounded."""
     import pickle
-    import signal
     import tempfile
-    import time
     import traceback
 
     with tempfile.TemporaryDirectory() as td:
         box = Path(td) / "result"
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into the caller
-            code = 3
+
+        def child() -> int:
             try:
-                try:
-                    got = ("ok", fn())
-                except BaseException:
-                    got = ("fail", traceback.format_exc())
-                box.write_bytes(pickle.dumps(got))
-                code = 0
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError(f"did not finish in {timeout_s:.0f} s (a hang)")
-            time.sleep(0.005)
+                got = ("ok", fn())
+            except BaseException:
+                got = ("fail", traceback.format_exc())
+            box.write_bytes(pickle.dumps(got))
+            return 0
+
+        status, _, ended = _forked(child, timeout_s)
+        if ended:
+            raise AssertionError(f"did not finish in {timeout_s:.0f} s (a hang)")
         if not box.exists():
             raise AssertionError(f"the child ended without a result (status {status})")
         kind, value = pickle.loads(box.read_bytes())
