@@ -121,8 +121,8 @@ def test_ddp_section_has_one_bar_per_step_and_names_the_rank_that_slept(ddp: Rep
     assert slow.loc[SLOW_STEP, "max_wall_s"] == one[SLOW_RANK] >= SLEEP_S
     assert slow.loc[SLOW_STEP, "median_wall_s"] == pytest.approx(one.median(), rel=1e-12)
     assert slow.loc[SLOW_STEP, "top_s"] >= SLEEP_S
-    # every other step is far shorter than the sleep
-    assert (slow.drop([SLOW_STEP, SLOW_STEP + 1])["max_wall_s"] < SLEEP_S / 2).all(), slow
+    # every other step is far shorter than the sleep (but step 0, DDP's warm-up: 0.77 s seen beside a busy core)
+    assert (slow.drop([0, SLOW_STEP, SLOW_STEP + 1])["max_wall_s"] < SLEEP_S / 2).all(), slow
 
 
 @pytest.mark.torch
