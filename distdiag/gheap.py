@@ -45,10 +45,9 @@ VLEN_REF = np.dtype([("len", "<u4"), ("addr", "<u8"), ("idx", "<u4")])
 class Collection:
     """One walked collection: where each object's bytes begin (-1: no such object) and its size."""
 
-    __slots__ = ("addr", "data", "begin", "size")
+    __slots__ = ("data", "begin", "size")
 
-    def __init__(self, addr: int, data: bytes, begin: np.ndarray, size: np.ndarray) -> None:
-        self.addr = addr
+    def __init__(self, data: bytes, begin: np.ndarray, size: np.ndarray) -> None:
         self.data = data
         self.begin = begin
         self.size = size
@@ -92,7 +91,7 @@ def walk(addr: int, data: bytes) -> Collection | str:
     s[keys] = sizes
     if len(np.unique(keys)) != len(keys):
         return f"the global heap collection at byte {addr} holds an object twice"
-    return Collection(addr, data, b, s)
+    return Collection(data, b, s)
 
 
 def collections(addrs: list[int], pread: Callable[[int, int], bytes], file_size: int) -> tuple[dict[int, Collection], list[str]]:
@@ -128,8 +127,9 @@ def collections(addrs: list[int], pread: Callable[[int, int], bytes], file_size:
 
 def decode(refs: np.ndarray, good: dict[int, Collection], encoding: str) -> tuple[list[str], int]:
     """The strings ``refs`` (:data:`VLEN_REF` rows) name, and how many could not be read (they
-    read as ""). A null reference (address 0) is "", as libhdf5 reads it. Bytes that are
-    not valid in ``encoding`` are replaced, never raised."""
+    read as ""): a reference into a collection not in ``good``, to no object of it, or to one
+    of another length. A null reference (address 0) is "", as libhdf5 reads it. Bytes that
+    are not valid in ``encoding`` are replaced, never raised."""
     n = len(refs)
     addr = refs["addr"]
     idx = refs["idx"].astype(np.int64)
@@ -137,20 +137,12 @@ def decode(refs: np.ndarray, good: dict[int, Collection], encoding: str) -> tupl
     start = np.full(n, -1, np.int64)
     which = np.zeros(n, np.int64)
     for k, (a, col) in enumerate(good.items()):
-        rows = addr == a
-        if len(good) == 1:  # the common case: no per-collection row list
-            i = idx
-        else:
-            rows = np.flatnonzero(rows)
-            i = idx[rows]
+        rows = np.flatnonzero(addr == a)
+        i = idx[rows]
         i = np.where((i > 0) & (i < len(col.begin)), i, 0)  # 0: never an object (begin -1)
-        ok = (col.begin[i] >= 0) & (col.size[i] == (length if len(good) == 1 else length[rows]))
-        if len(good) == 1:
-            ok &= rows
-            start[ok] = col.begin[i[ok]]
-        else:
-            start[rows[ok]] = col.begin[i[ok]]
-            which[rows[ok]] = k
+        ok = (col.begin[i] >= 0) & (col.size[i] == length[rows])
+        start[rows[ok]] = col.begin[i[ok]]
+        which[rows[ok]] = k
     datas = [col.data for col in good.values()]
     damaged = int(np.count_nonzero((start < 0) & (addr != 0)))
     out: list[str] = [""] * n

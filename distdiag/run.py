@@ -907,6 +907,10 @@ class _Heap:
         self.shape: Any = None
         self.dtype: tuple[np.dtype, Any] | None = None
         self.refs: np.ndarray | None = None
+        #: how the file's bytes are read, chosen on the first read: its descriptor, or its image
+        #: (a file in memory: a spill log's)
+        self._fd: int | None = None
+        self._image: bytes | None = None
 
     def check(self, refs: np.ndarray) -> None:
         """Walk the collections of ``refs`` not walked yet."""
@@ -927,12 +931,15 @@ class _Heap:
             return _file_size(self._f) or 0
 
     def pread(self, offset: int, n: int) -> bytes:
-        try:
-            fd = int(self._f.id.get_vfd_handle())
-            return os.pread(fd, n, offset)
-        except (OSError, TypeError, ValueError, *_H5_ERRORS):
-            image = self._f.id.get_file_image()  # a file in memory (a spill log's): its bytes
-            return bytes(image[offset : offset + n])
+        if self._fd is None and self._image is None:
+            if self._f.driver == "sec2":  # a rank file on disk (_open_h5_file)
+                self._fd = int(self._f.id.get_vfd_handle())
+            else:
+                self._image = bytes(self._f.id.get_file_image())
+        if self._fd is not None:
+            return os.pread(self._fd, n, offset)
+        assert self._image is not None
+        return self._image[offset : offset + n]
 
     @classmethod
     def of(cls, f: Any) -> _Heap:
@@ -992,7 +999,7 @@ def _written_rows(ds: Any, n: int, itemsize: int) -> int:
         return n
 
 
-def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1, heap: _Heap | None = None) -> np.ndarray | str:
+def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None, heap: _Heap) -> np.ndarray | str:
     """The rank's string table, or a one-line reason why it cannot be used.
 
     Decoding is bounded by the file's size (:data:`_STRING_BYTES_PER_FILE_BYTE`): a
@@ -1002,12 +1009,13 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
 
     Variable-length strings in chunks (the shim's table) are decoded from their global
     heap by :mod:`distdiag.gheap`, never by libhdf5 (``heap``: the collections already
-    walked); a string in a damaged collection reads as "" and is said."""
+    walked, and the table as it read it before the attributes); a string in a damaged
+    collection reads as "" and is said."""
     import h5py
 
-    if heap is not None and heap.ds is not None:  # opened before the attributes
+    if heap.ds is not None:
         ds, shape = heap.ds, heap.shape
-    else:
+    else:  # it could not be opened then: opened again, for the reason
         try:
             ds = _open_obj(f, "strings")
         except RefusedTable as e:
@@ -1025,15 +1033,11 @@ def _read_strings(f: Any, fname: str, warnings: list[str], size: int | None = -1
         warnings.append(f"{fname}: /strings declares {int(shape[0])} strings but only its first {written} were "
                         "written (corrupt header); reading those")  # fmt: skip
         n = written
-    if size == -1:
-        size = _file_size(f)
     budget = _STRING_BYTES_PER_FILE_BYTE * (size if size is not None else 1 << 40) + (1 << 20)
     try:
-        dt, _ = heap.dtype if heap is not None and heap.dtype is not None else _dtype_of(ds.id.get_type())
+        dt, _ = heap.dtype if heap.dtype is not None else _dtype_of(ds.id.get_type())
         info = h5py.check_string_dtype(dt)
         vlen = info is not None and info.length is None
-        if heap is None:
-            heap = _Heap(f)
         if not vlen:
             refs = None
         elif heap.refs is not None and len(heap.refs) >= n:

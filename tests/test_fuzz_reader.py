@@ -96,13 +96,14 @@ def _mutated(real_run: Path, mutate: Callable[[bytes], bytes], which: int) -> tu
         shutil.copytree(real_run, d)
         f = sorted(d.glob("rank-*.h5"))[which]
         f.write_bytes(mutate(f.read_bytes()))
-
-        def analyze() -> tuple[bool, str | None, list[str]]:
-            rep, err = report_or_error(d)
-            return rep is not None, err, [] if rep is None else list(rep.run.warnings)
-
-        got: tuple[bool, str | None, list[str]] = mutations.in_child(analyze, timeout_s=60)
+        got: tuple[bool, str | None, list[str]] = mutations.in_child(lambda: _summary(d), timeout_s=60)
         return got
+
+
+def _summary(d: Path) -> tuple[bool, str | None, list[str]]:
+    """(whether there is a report, the one-line error, the report's warnings) of run dir ``d``."""
+    rep, err = report_or_error(d)
+    return rep is not None, err, [] if rep is None else list(rep.run.warnings)
 
 
 def test_the_unmutated_real_run_is_clean(real_run: Path) -> None:
@@ -286,11 +287,6 @@ def test_a_collection_libhdf5_would_walk_forever_reads_as_damage_not_a_hang(real
     # the whole run: a report (the other rank is intact), the damage said
     rep, err, run_warnings = mutations.in_child(lambda: _summary(d), timeout_s=60)
     assert rep and [w for w in run_warnings if w.startswith(rank_file_name(1))], (err, run_warnings)
-
-
-def _summary(d: Path) -> tuple[bool, str | None, list[str]]:
-    rep, err = report_or_error(d)
-    return rep is not None, err, [] if rep is None else list(rep.run.warnings)
 
 
 @pytest.mark.parametrize("layout", [{"chunks": (64,), "compression": "gzip"}, {"chunks": (64,), "shuffle": True}],
