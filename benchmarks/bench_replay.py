@@ -10,7 +10,8 @@ counterfactual) and the ranking's cumulative replay (``ranking._price_by_replay`
 the causes removed one after another, and the overlaps of a finding explained in
 part) are timed where the pipeline calls them, in the same process and the same
 run, so the ratio holds on a loaded machine. Issue 20's target: the
-replay at most 20% of the analysis.
+replay at most 20% of the analysis. numpy's huge-page advice is off, as ``distdiag
+analyze`` has it (``cli._no_huge_page_advice``); ``NUMPY_MADVISE_HUGEPAGE=1`` measures with it.
 
 ``--ddp``: instead of ``distdiag.synth``, a DDP-shaped run whose every step is a BACKWARD
 row and two gradient buckets (``COLL_ASYNC``; the first done behind the backward's
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from distdiag import ranking, replay
+from distdiag.cli import _no_huge_page_advice
 from distdiag.config import Config
 from distdiag.pipeline import analyze
 from distdiag.synth import synth
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault", default="straggler")
     ap.add_argument("--ddp", action="store_true", help="a DDP-shaped run (see the docstring) instead of synth's")
     ns = ap.parse_args(argv)
+    _no_huge_page_advice()
     spent: list[float] = []
     real = replay.price
 

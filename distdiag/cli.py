@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from distdiag.errors import EXIT_USAGE, DistdiagError
@@ -74,6 +75,28 @@ def _analyze(ns: argparse.Namespace) -> int:
     return emit(analyze_run(run, cfg, inplace=True), ns)
 
 
+def _no_huge_page_advice() -> None:
+    """Turn off numpy's ``madvise(MADV_HUGEPAGE)`` on its large arrays for this process (the
+    analysis's own), unless ``NUMPY_MADVISE_HUGEPAGE`` says otherwise (numpy's documented knob).
+
+    Why: the analysis allocates many fresh arrays of millions of rows as its memory grows, and
+    a fresh 2 MB page is zeroed whole at its first touch (on a virtual machine, where the host
+    backs the guest's memory lazily, far dearer still). Measured on the 2-core VM the
+    benchmarks run on (``benchmarks/NOTES.md``, "Huge pages"): a fresh 16 MB result 33 ms with
+    the advice, 7.4 ms without; the replay of a 1024-rank DDP-shaped run 2.3-2.6 s with it,
+    1.3 s without; the loader's own table already went without it (``run.new_table``).
+    Only the CLI does this: the library API leaves the caller's numpy as it is."""
+    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+        return
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    setter = getattr(multiarray, "_set_madvise_hugepage", None)
+    if setter is not None:
+        setter(False)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
@@ -91,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         format="distdiag: %(message)s",
         stream=sys.stderr,
     )
+    if ns.command == "analyze":
+        _no_huge_page_advice()
     try:
         if ns.command == "synth":
             from distdiag.synth import main_from_args
