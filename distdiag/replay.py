@@ -540,9 +540,11 @@ def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     # _schedule's sort by (rank, time) merges two sorted runs
     launch_t = np.ascontiguousarray(t0_k)
     cat = np.concatenate
+    w_rows = cat(w_row)[u].astype(np.int64)  # rows: -1 where streamed
+    if len(w_rows) > 1 and not bool(np.all(w_rows[1:] >= w_rows[:-1])):  # one kind's rows come sorted
+        w_rows.sort()
     waits = Waits(cat([r_k, all_r]), cat([launch_t, entry]), cat([launch_t, exit_]),
-                  np.zeros(0, np.int64), pos, np.zeros(0, np.int64), a_off, n_a,
-                  np.sort(cat(w_row)[u]).astype(np.int64), seen_a,  # rows: -1 where streamed
+                  np.zeros(0, np.int64), pos, np.zeros(0, np.int64), a_off, n_a, w_rows, seen_a,
                   cat([np.ones(n_a, bool), np.zeros(len(u), bool)]),
                   cat([pos, np.full(len(u), -1, np.int64)]))  # fmt: skip
     waits.cov_of = n_a + inv
@@ -765,11 +767,20 @@ def _events(m: Model, want: np.ndarray) -> tuple[np.ndarray, ...]:
             np.r_[ext, W.exit_ns[wi]])  # fmt: skip
 
 
+#: events a block of :func:`_in_each_ranks_order` takes (its temporaries stay in cache)
+_ORDER_ROWS = 1 << 17
+
+
 def _in_each_ranks_order(m: Model) -> bool:
     """True when replaying the steps in order meets every rank's events (collectives, launches,
     waits) in the order it made them: taken step by step, then stably by rank, arrivals never go
-    back within a rank. (One stable sort by the rank column: 0.06 s against 0.64 s for a sort by
-    (rank, arrival, place) at 1024 ranks x 5,000 groups.)"""
+    back within a rank.
+
+    By blocks of whole steps of ~:data:`_ORDER_ROWS` events, as ``match._member_gaps_in_member_order``
+    walks the members: a block is sorted stably by rank (a 16-bit radix sort of a column in cache),
+    each rank's last arrival carries from block to block. The run-wide stable sort by rank and its
+    gathers (which jump a group's length at every row) cost 7.2 s at 1024 x 10^5 events (51 M
+    members), the most of the model's 7.4 (benchmarks/NOTES.md, "The replay's order check")."""
     n_s = len(m.step_kind)
     if n_s == 0:
         return True
@@ -781,23 +792,50 @@ def _in_each_ranks_order(m: Model) -> bool:
     size = np.zeros(n_s, np.int64)
     start[is_g] = gs[ref[is_g]]
     size[is_g] = gs[ref[is_g] + 1] - start[is_g]
-    if W is not None and is_b.any():
+    with_waits = W is not None and bool(is_b.any())
+    if with_waits:
+        assert W is not None
         start[is_b] = ref[is_b]
         size[is_b] = W.batch_end[ref[is_b]] - ref[is_b]
-    first = np.cumsum(size) - size  # where each step's events begin in the order of the steps
-    idx = np.repeat(start - first, size) + np.arange(int(size.sum()), dtype=np.int64)
-    if W is None or not is_b.any():
-        r, t = m.colls.m_rank[idx], m.colls.m_t0_ns[idx]
-    else:
-        on_g = np.repeat(is_g, size)
-        r = np.where(on_g, m.colls.m_rank[np.where(on_g, idx, 0)], W.rank[np.where(on_g, 0, idx)])
-        t = np.where(on_g, m.colls.m_t0_ns[np.where(on_g, idx, 0)], W.entry_ns[np.where(on_g, 0, idx)])
-    if len(r) == 0:
+    ends = np.cumsum(size)  # where each step's events end in the order of the steps
+    n_e = int(ends[-1])
+    if n_e == 0:
         return True
-    # stable sorts of 16-bit keys are radix sorts: 4x faster than of the int32 column (5M members)
-    o = np.argsort(r.astype(np.uint16) if int(r.max()) < 1 << 16 else r, kind="stable")
-    r, t = r[o], t[o]
-    return not bool(((r[1:] == r[:-1]) & (t[1:] < t[:-1])).any())
+    n_rank = max(int(m.colls.m_rank.max(initial=0)), int(W.rank.max(initial=0)) if W is not None else 0) + 1
+    small = n_rank <= 1 << 16
+    none = np.iinfo(np.int64).min
+    carry = np.full(n_rank, none, np.int64)  # per rank: its last arrival in the steps so far
+    s_lo = 0
+    while s_lo < n_s:  # per block of whole steps
+        a = int(ends[s_lo - 1]) if s_lo else 0
+        s_hi = max(s_lo + 1, int(np.searchsorted(ends, a + _ORDER_ROWS, side="right")))
+        sz = size[s_lo:s_hi]
+        b = int(ends[s_hi - 1])
+        idx = np.repeat(start[s_lo:s_hi] - (ends[s_lo:s_hi] - sz), sz) + np.arange(a, b, dtype=np.int64)
+        if not with_waits:
+            r, t = m.colls.m_rank[idx], m.colls.m_t0_ns[idx]
+        else:
+            assert W is not None
+            on_g = np.repeat(is_g[s_lo:s_hi], sz)
+            r = np.where(on_g, m.colls.m_rank[np.where(on_g, idx, 0)], W.rank[np.where(on_g, 0, idx)])
+            t = np.where(on_g, m.colls.m_t0_ns[np.where(on_g, idx, 0)], W.entry_ns[np.where(on_g, 0, idx)])
+        s_lo = s_hi
+        if len(r) == 0:
+            continue
+        # stable sorts of 16-bit keys are radix sorts: 4x faster than of the int32 column (5M members)
+        o = np.argsort(r.astype(np.uint16) if small else r, kind="stable")
+        r, t = r[o].astype(np.int64), t[o].astype(np.int64)
+        first = np.ones(len(r), bool)  # each rank's first event in the block
+        np.not_equal(r[1:], r[:-1], out=first[1:])
+        prev = np.empty_like(t)
+        prev[1:] = t[:-1]
+        prev[first] = carry[r[first]]
+        if bool((t < prev).any()):
+            return False
+        last = np.ones(len(r), bool)
+        last[:-1] = first[1:]
+        carry[r[last]] = t[last]
+    return True
 
 
 def _replay(m: Model, change: Change | None) -> np.ndarray:

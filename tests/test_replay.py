@@ -9,6 +9,7 @@ are in tests/test_serial_section.py.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -632,3 +633,56 @@ def test_point_to_point_transfers_cut_shorten_the_rendezvous(tmp_path: Path, pat
     assert cut.touches(m)
     none = Change("elsewhere", p2p_rows=np.array([len(ev) + 5]), p2p_cut_ns=np.array([MS]), p2p_t_ns=np.array([0]))
     assert not none.touches(m) and m.saving_s(none) == 0.0
+
+
+def _order_oracle(m: replay.Model) -> bool:
+    """The order check spelled out: each rank's events (members, launches, waits) in step order,
+    one rank at a time, never go back in time."""
+    per_rank: dict[int, list[int]] = {}
+    c, w = m.colls, m.waits
+    for kind, ref in zip(m.step_kind.tolist(), m.step_ref.tolist()):
+        if kind == 0:
+            members = range(int(c.g_start[ref]), int(c.g_start[ref + 1]))
+            pairs = [(int(c.m_rank[i]), int(c.m_t0_ns[i])) for i in members]
+        elif kind == 1:
+            assert w is not None
+            pairs = [(int(w.rank[i]), int(w.entry_ns[i])) for i in range(ref, int(w.batch_end[ref]))]
+        else:
+            pairs = []
+        for r, t in pairs:
+            per_rank.setdefault(r, []).append(t)
+    return all(ts == sorted(ts) for ts in per_rank.values())
+
+
+@pytest.mark.parametrize("block", [1, 3, 7, 1 << 17])
+def test_the_order_check_by_blocks_is_the_whole_runs(tmp_path: Path, block: int, monkeypatch: Any) -> None:
+    """``_in_each_ranks_order`` walks blocks of steps and carries each rank's last arrival: at any
+    block size it answers as the whole-run oracle, on random waited runs, on copies of them with one
+    event moved before its rank's previous one, and on a run whose order breaks."""
+    monkeypatch.setattr(replay, "_ORDER_ROWS", block)
+    answers = []
+    for seed in range(6):
+        m = _random_async_run(tmp_path / f"r{seed}", seed)
+        answers.append((replay._in_each_ranks_order(m), _order_oracle(m)))
+        assert m.waits is not None
+        rng = np.random.default_rng(seed)
+        for _ in range(3):  # move one event of a later step of a rank before that rank's earlier one
+            bad = replay.Model(**{**m.__dict__})
+            bad.colls = copy.copy(m.colls)
+            bad.colls.m_t0_ns = m.colls.m_t0_ns.copy()
+            bad.waits = copy.copy(m.waits)
+            bad.waits.entry_ns = m.waits.entry_ns.copy()
+            if rng.integers(0, 2) and len(bad.waits.entry_ns):
+                i = int(rng.integers(0, len(bad.waits.entry_ns)))
+                bad.waits.entry_ns[i] -= 50 * MS
+            else:
+                i = int(rng.integers(0, len(bad.colls.m_t0_ns)))
+                bad.colls.m_t0_ns[i] -= 50 * MS
+            answers.append((replay._in_each_ranks_order(bad), _order_oracle(bad)))
+    for got, want in answers:
+        assert got == want
+    assert {w for _, w in answers} == {True, False}  # both answers were asked for
+    d = tmp_path / "broken"
+    test_a_run_whose_order_breaks_is_not_replayed(d)
+    m = model_of(d)
+    assert replay._in_each_ranks_order(m) is False and _order_oracle(m) is False
