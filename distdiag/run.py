@@ -606,6 +606,7 @@ def _open_h5_file(path: Path) -> Any:
     if not stat.S_ISREG(st.st_mode):
         raise NotOwnFile("is not a regular file")
     _wait_for_writer(path)
+    _check_headers(path)
     try:
         f = h5py.File(path, "r", libver="latest", swmr=True, locking=False, rdcc_nbytes=0)
     except _H5_ERRORS:
@@ -620,6 +621,19 @@ def _open_h5_file(path: Path) -> Any:
         f.close()
         raise NotOwnFile("changed while it was opened (replaced by another file or a link); not read")
     return f
+
+
+def _check_headers(path: Path) -> None:
+    """:func:`distdiag.h5guard.check` of the file at ``path`` (a regular file, not followed
+    through a link): raises :class:`distdiag.h5guard.UnsafeHeader` (a ValueError: the file is
+    skipped as a corrupt one) where a header declares a size libhdf5 would allocate unchecked."""
+    from distdiag import h5guard
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        h5guard.check(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 #: (HDF5 class, size) -> [(datatype, numpy dtype, memory type)] of datatypes met before.

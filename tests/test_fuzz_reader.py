@@ -621,3 +621,108 @@ def test_other_schema_version_says_what_to_do(tmp_path: Path) -> None:
     assert rep is not None, err
     line = next(w for w in rep.run.warnings if "rank-00002.h5" in w)
     assert "schema 99" in line and "pip install" in line
+
+
+# -- sizes libhdf5 allocates unchecked (distdiag.h5guard) ----------------------------------------
+def _messages(blob: bytes, header: int) -> list[tuple[int, int, int]]:
+    """(type, offset of its data in the file, size) of each message of the version-1 object header
+    at ``header``, in its first chunk and each continuation chunk (the tests' own reading of the
+    format, HDF5 spec IV.A.1.a and IV.A.2.q)."""
+    first = int.from_bytes(blob[header + 8 : header + 12], "little")
+    chunks, out = [(header + 16, first)], []
+    while chunks:
+        start, n = chunks.pop()
+        p = start
+        while p + 8 <= start + n:
+            mtype, size = int.from_bytes(blob[p : p + 2], "little"), int.from_bytes(blob[p + 2 : p + 4], "little")
+            out.append((mtype, p + 8, size))
+            if mtype == 0x10:
+                chunks.append((int.from_bytes(blob[p + 8 : p + 16], "little"), int.from_bytes(blob[p + 16 : p + 24],
+                                                                                             "little")))  # fmt: skip
+            p += 8 + size
+    return out
+
+
+def _root_header(blob: bytes) -> int:
+    assert blob[8] == 0, "the shim writes a version-0 superblock"
+    return int.from_bytes(blob[64:72], "little")  # the root entry's object header address
+
+
+def _damage(blob: bytearray, where: str) -> str:
+    """Make one header of a real rank file declare what libhdf5 would allocate unchecked; the
+    line the reader must then give."""
+    root = _root_header(bytes(blob))
+    msgs = _messages(bytes(blob), root)
+    if where == "continuation":
+        at = [p for t, p, _ in msgs if t == 0x10][0]
+        blob[at + 8 : at + 16] = (1 << 30).to_bytes(8, "little")
+        return "the root group's object header continues at byte"
+    if where == "free list":
+        at = [p for t, p, _ in msgs if t == 0x11][0]
+        heap = int.from_bytes(blob[at + 8 : at + 16], "little")
+        assert blob[heap : heap + 4] == b"HEAP"
+        head = int.from_bytes(blob[heap + 16 : heap + 24], "little")
+        data = int.from_bytes(blob[heap + 24 : heap + 32], "little")
+        assert head != 1, "the shim's name heap has free space"
+        blob[data + head : data + head + 8] = head.to_bytes(8, "little")  # the free block is its own successor
+        return "name heap at byte"
+    assert where == "table header"
+    with tempfile.NamedTemporaryFile(suffix=".h5") as tf:  # libhdf5 says where /events's header is
+        tf.write(bytes(blob))
+        tf.flush()
+        with h5py.File(tf.name, "r") as f:
+            table = int(h5py.h5g.get_objinfo(f.id, b"events").objno[0])
+    assert blob[table] == 1, "a version-1 object header"
+    blob[table + 8 : table + 12] = (1 << 30).to_bytes(4, "little")
+    return f"of the root group's object header at byte {table} declares"
+
+
+def _vm_limited(fn: Callable[[], Any], extra: int = 512 << 20) -> Callable[[], Any]:
+    """``fn`` run under an address-space bound of the process's size now plus ``extra`` (in the
+    forked child that runs it: the bound is the child's)."""
+    import resource
+
+    def bounded() -> Any:
+        with open("/proc/self/status") as st:
+            vm = next(int(x.split()[1]) * 1024 for x in st if x.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + extra, resource.RLIM_INFINITY))
+        return fn()
+
+    return bounded
+
+
+@pytest.mark.parametrize("where", ["continuation", "free list", "table header"])
+def test_a_header_that_declares_more_than_the_file_is_refused_before_libhdf5_allocates_it(
+        real_run: Path, tmp_path: Path, where: str) -> None:  # fmt: skip
+    """Version-1 headers carry no checksum: one flipped byte in a size made libhdf5 allocate and
+    fill 721 MB opening the file, or allocate free-list nodes until memory ran out (fuzzing,
+    seeds 8273, 12019, 13576, 15919). Each such size in a real rank file: under a memory bound
+    libhdf5 fails on it (the fault is real), the reader skips the rank with why, and the healthy
+    twin reads under the same bound."""
+    d = tmp_path / "run"
+    shutil.copytree(real_run, d)
+    path = d / rank_file_name(1)
+    blob = bytearray(path.read_bytes())
+    said = _damage(blob, where)
+    path.write_bytes(bytes(blob))
+
+    def with_h5py(p: Path) -> Callable[[], Any]:
+        def fn() -> Any:
+            with h5py.File(p, "r") as f:
+                return [int(f[k].id.get_type().get_size()) for k in f]
+
+        return fn
+
+    with pytest.raises(AssertionError):  # the fault is real: libhdf5 fails (or crashes) under the bound
+        mutations.in_child(_vm_limited(with_h5py(path)), timeout_s=60)
+    assert mutations.in_child(_vm_limited(with_h5py(real_run / rank_file_name(1))), timeout_s=60)  # the control
+
+    def read(p: Path) -> Any:
+        got = read_rank(p, [])
+        return got if isinstance(got, str) else sorted(got.info.__dict__)
+
+    line = mutations.in_child(_vm_limited(lambda: read(path)), timeout_s=60)
+    assert isinstance(line, str) and line.startswith(f"{path.name} cannot be opened as HDF5 (truncated or corrupt: "), line
+    assert said in line and ("past the end of the file" in line or "loops" in line), line
+    assert not isinstance(mutations.in_child(_vm_limited(lambda: read(real_run / rank_file_name(1))), timeout_s=60),
+                          str)  # fmt: skip
