@@ -53,14 +53,14 @@ How (vectorized over events; loops only over file systems and windows):
 
 Settings (``[analyze.metadata_storm]``): ``bin_s`` (0.1), ``min_rate_per_s``
 (20: a saturated server's rate is *low*, it is its throughput; the rate only
-rules out one long call that is not a storm), ``min_calls`` (100), ``min_blocked_ranks`` (0.5), ``gap_bins`` (2), ``min_latency_ratio``
+rules out one long call that is not a storm), ``min_calls`` (100), ``min_blocked_ranks`` (0.5), ``gap_bins`` (2; below 0 reads as 0), ``min_latency_ratio``
 (2.0), ``slow_latency_ms`` (1.0), ``local_slow_latency_ms`` (10.0), ``min_fraction`` ([analyze], 0.02), ``top`` (5).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -135,23 +135,44 @@ def _idle_gaps(rank: np.ndarray, t0: np.ndarray, t1: np.ndarray, colls: Collecti
     return ranks[g_r].astype(np.int64), g_a, g_b
 
 
-def _binned(b0: np.ndarray, b1: np.ndarray, n_of: np.ndarray, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Calls and busy ns per bin: each row's in the bin it starts in (``b0``), but an overflow
-    sum's (``n_of`` > 1: calls made one after another for as long as the row lasts) spread
-    evenly over the bins ``[b0, b1]`` it spans, so a storm the interposer summed is as hot,
-    bin by bin, as the calls it stands for."""
+def _hot_windows(b0: np.ndarray, b1: np.ndarray, n_of: np.ndarray, dur: np.ndarray,
+                 hot_of: Callable[[np.ndarray, np.ndarray], np.ndarray], gap_bins: int) -> list[tuple[int, int]]:
+    """Runs of hot bins ``[first, last]``, merging runs whose gap is <= ``gap_bins``. Per bin, the
+    calls and busy ns: each row's in the bin it starts in (``b0``), but an overflow sum's
+    (``n_of`` > 1: calls made one after another for as long as the row lasts) spread evenly
+    over the bins ``[b0, b1]`` it spans, so a storm the interposer summed is as hot, bin by
+    bin, as the calls it stands for; ``hot_of(calls, busy_ns)`` says which bins are hot.
+
+    The bins are not made one by one: they are cut into segments where some row's bins begin or
+    end, and a segment's bins hold the same sums (each row alone in its start bin is a segment of
+    one bin; a sum adds the same share to each bin it spans). So the memory follows the rows,
+    not the time they span: a run dir is untrusted, and one timestamp flipped 63 days ahead
+    made 55 M bins of 0.1 s, 1.4 GB (``benchmarks/fuzz_rundirs.py --flips``, seed 10923). The sums
+    are added in the order the bins' were (each bin's rows in row order, the sums after): the
+    same numbers."""
     one = n_of <= 1
-    n_bins = int(max(b0.max(), b1.max())) + 1
-    calls = np.bincount(b0[one], weights=n_of[one].astype(np.float64), minlength=n_bins)
-    busy = np.bincount(b0[one], weights=dur[one], minlength=n_bins)
     multi = np.flatnonzero(~one)  # a few: one per (call, directory, thread) and drain
+    m0 = b0[multi]
+    m1 = np.maximum(b1[multi], m0)
+    cuts = np.unique(np.concatenate([b0[one], b0[one] + 1, b1[one] + 1, m0, m1 + 1, [0]]))
+    n_seg = len(cuts) - 1  # segment j: bins cuts[j] .. cuts[j + 1] - 1
+    seg_one = np.searchsorted(cuts, b0[one], side="right") - 1
+    calls = np.bincount(seg_one, weights=n_of[one].astype(np.float64), minlength=n_seg)
+    busy = np.bincount(seg_one, weights=dur[one], minlength=n_seg)
     if len(multi):
-        k = (np.maximum(b1[multi], b0[multi]) - b0[multi] + 1).astype(np.int64)
-        rep = np.repeat(np.arange(len(multi)), k)
-        bins = b0[multi][rep] + (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k))
-        calls += np.bincount(bins, weights=(n_of[multi] / k)[rep], minlength=n_bins)
-        busy += np.bincount(bins, weights=(dur[multi] / k)[rep], minlength=n_bins)
-    return calls, busy
+        k = (m1 - m0 + 1).astype(np.int64)  # the bins a sum spans
+        s_lo = np.searchsorted(cuts, m0, side="right") - 1
+        n_s = np.searchsorted(cuts, m1, side="right") - s_lo  # the segments it spans
+        rep = np.repeat(np.arange(len(multi)), n_s)
+        segs = s_lo[rep] + (np.arange(int(n_s.sum())) - np.repeat(np.cumsum(n_s) - n_s, n_s))
+        calls += np.bincount(segs, weights=(n_of[multi] / k)[rep], minlength=n_seg)
+        busy += np.bincount(segs, weights=(dur[multi] / k)[rep], minlength=n_seg)
+    hot = np.flatnonzero(hot_of(calls, busy))
+    if len(hot) == 0:
+        return []
+    first, last = cuts[hot], cuts[hot + 1] - 1
+    breaks = np.flatnonzero(first[1:] - last[:-1] - 1 > max(0, gap_bins))
+    return list(zip(np.r_[first[0], first[breaks + 1]].tolist(), np.r_[last[breaks], last[-1]].tolist()))
 
 
 def concurrency_at_start(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
@@ -194,17 +215,6 @@ def _import_share(run: Run, name_id: np.ndarray) -> float:
     import storm (one process's, too: at scale every rank imports the same files at once)."""
     names = np.asarray(run.strings, dtype=object)[np.unique(name_id)].astype(str)
     return float(pd.Series(names).str.endswith(_IMPORT_SUFFIXES).mean()) if len(names) else 0.0
-
-
-def _windows(hot: np.ndarray, gap_bins: int) -> list[tuple[int, int]]:
-    """Runs of hot bins ``[first, last]``, merging runs whose gap is <= gap_bins."""
-    idx = np.flatnonzero(hot)
-    if len(idx) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) > gap_bins + 1)
-    starts = np.r_[idx[0], idx[breaks + 1]]
-    ends = np.r_[idx[breaks], idx[-1]]
-    return list(zip(starts.tolist(), ends.tolist()))
 
 
 def _latency_by_concurrency(lat_ns: np.ndarray, w: np.ndarray, conc: np.ndarray, max_level: int = 8) -> dict[str, float]:
@@ -284,9 +294,9 @@ def detect(an: Analysis) -> list[Finding]:
         lat = dur / n_of  # per call
         base = int(t0.min())
         b = (t0 - base) // bin_ns
-        calls, busy_ns = _binned(b, (meta["t1_ns"] - base) // bin_ns, n_of, dur.astype(np.float64))
-        hot = (calls / bin_s >= min_rate) & (busy_ns / bin_ns >= min_blocked)
-        wins = _windows(hot, gap_bins)
+        wins = _hot_windows(b, (meta["t1_ns"] - base) // bin_ns, n_of, dur.astype(np.float64),
+                            lambda calls, busy_ns: (calls / bin_s >= min_rate) & (busy_ns / bin_ns >= min_blocked),
+                            gap_bins)  # fmt: skip
         if not wins:
             continue
         fs_name = run.s(int(fs_id))
