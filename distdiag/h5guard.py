@@ -5,9 +5,10 @@ superblock and version-1 object headers (the default file format, which the shim
 have none. libhdf5 allocates what a header declares before it reads it, and finds out
 that the bytes are not there only after: one flipped byte in the length of the root
 group's header continuation made it allocate and fill 721 MB while *opening* the file,
-and segfault where the allocation failed under a memory bound
-(``benchmarks/fuzz_rundirs.py --flips``, seeds 8273, 12019, 13576, 15919: byte 131 of
-the file, the continuation's length, or 151).
+and segfault where the allocation failed under a memory bound; another made the root
+group's name heap's free list loop, and libhdf5 allocated a node per turn until memory ran
+out (``benchmarks/fuzz_rundirs.py --flips``: seeds 8273, 12019 and 13576 at byte 131 of the
+file, the continuation's length; seed 15919 at byte 776, the free list's first link).
 
 :func:`check` walks the structures libhdf5 reads when it opens the file and its
 top-level tables, each read with ``pread`` and bounded: the superblock, the object
@@ -31,7 +32,7 @@ import struct
 #: HDF5's file signature
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 #: the most object headers, B-tree nodes and header chunks one check reads (the shim's files
-#: hold 6 tables: a few dozen reads)
+#: hold 5 tables: ~22 reads)
 MAX_READS = 4096
 #: object header message types (HDF5 file format, IV.A.2)
 _CONTINUATION = 0x0010

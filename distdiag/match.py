@@ -1380,6 +1380,30 @@ def rank_time_order(colls: Collectives) -> np.ndarray:
     return order
 
 
+def by_rank_in_order(r: np.ndarray, t: np.ndarray, carry: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """One block of events taken in order (their ranks ``r``, arrivals ``t``), regrouped by rank:
+    ``(o, r[o], t[o], first, last)``, ``o`` the stable order by rank (a 16-bit radix sort of a
+    block in cache where the ranks allow), ``first``/``last`` each rank's first and last event in
+    it; or None when a rank's arrival goes back, within the block or against ``carry`` (indexed
+    by rank: its last arrival in the blocks before, int64 min for none), which is moved on to
+    this block's. The step of the walks by blocks with a per-rank carry that stand in for a
+    run-wide sort by rank: :func:`_member_gaps_in_member_order`, ``replay._in_each_ranks_order``."""
+    small = len(r) == 0 or (int(r.min()) >= 0 and int(r.max()) < 1 << 16)
+    o = np.argsort(r.astype(np.uint16) if small else r, kind="stable")
+    r_s, t_s = r[o], t[o].astype(np.int64, copy=False)
+    first = np.ones(len(o), bool)
+    np.not_equal(r_s[1:], r_s[:-1], out=first[1:])
+    prev = np.empty_like(t_s)
+    prev[1:] = t_s[:-1]
+    prev[first] = carry[r_s[first]]
+    if bool((t_s < prev).any()):
+        return None
+    last = np.ones(len(o), bool)
+    last[:-1] = first[1:]
+    carry[r_s[last]] = t_s[last]
+    return o, r_s, t_s, first, last
+
+
 def _member_gaps_in_member_order(run: Run, colls: Collectives, async_exits: bool = False) -> np.ndarray | None:
     """:func:`_member_gaps_ns` by blocks of whole groups in member order, or None when
     some rank's rows in member order do not come in arrival order.
@@ -1409,16 +1433,10 @@ def _member_gaps_in_member_order(run: Run, colls: Collectives, async_exits: bool
     carry_t0 = np.full(n_rank, none, np.int64)  # per rank: its last arrival so far
     gap = np.empty(n, np.int64)
     for _g_lo, _g_hi, a, b in group_blocks(colls, _GAP_ROWS // 2):  # per block of ~131,072 member rows
-        o = np.argsort(colls.m_rank[a:b].astype(np.uint16), kind="stable")
-        r_s = colls.m_rank[a:b][o]
-        t0 = colls.m_t0_ns[a:b][o]
-        first = np.ones(len(o), bool)  # each rank's first row in the block
-        np.not_equal(r_s[1:], r_s[:-1], out=first[1:])
-        prev_t0 = np.empty_like(t0)
-        prev_t0[1:] = t0[:-1]
-        prev_t0[first] = carry_t0[r_s[first]]
-        if np.any(t0 < prev_t0):
+        got = by_rank_in_order(colls.m_rank[a:b], colls.m_t0_ns[a:b], carry_t0)
+        if got is None:
             return None  # a rank's rows out of arrival order: the global order it is
+        o, r_s, t0, first, last = got
         x = colls.m_t1_ns[a:b][o]
         x = np.where(x < 0, t0, x)  # the exit, the arrival while in flight
         if not async_exits:
@@ -1454,9 +1472,6 @@ def _member_gaps_in_member_order(run: Run, colls: Collectives, async_exits: bool
         t0 -= prev_exit
         np.maximum(t0, 0, out=t0)
         gap[a + o] = t0
-        last = np.ones(len(o), bool)  # each rank's last row in the block
-        last[:-1] = first[1:]
-        carry_t0[r_s[last]] = colls.m_t0_ns[a:b][o[last]]
         carry_x[r_s[last]] = np.where(rel[last] == 0, none, rel[last] + (base - 1))
     return gap
 

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from distdiag import intervals, links
-from distdiag.match import Collectives
+from distdiag.match import Collectives, by_rank_in_order
 from distdiag.schema import Kind
 
 if TYPE_CHECKING:
@@ -777,8 +777,8 @@ def _in_each_ranks_order(m: Model) -> bool:
     back within a rank.
 
     By blocks of whole steps of ~:data:`_ORDER_ROWS` events, as ``match._member_gaps_in_member_order``
-    walks the members: a block is sorted stably by rank (a 16-bit radix sort of a column in cache),
-    each rank's last arrival carries from block to block. The run-wide stable sort by rank and its
+    walks the members (:func:`distdiag.match.by_rank_in_order`: a block sorted stably by rank in
+    cache, each rank's last arrival carried from block to block). The run-wide stable sort by rank and its
     gathers (which jump a group's length at every row) cost 7.2 s at 1024 x 10^5 events (51 M
     members), the most of the model's 7.4 (benchmarks/NOTES.md, "The replay's order check")."""
     n_s = len(m.step_kind)
@@ -802,7 +802,6 @@ def _in_each_ranks_order(m: Model) -> bool:
     if n_e == 0:
         return True
     n_rank = max(int(m.colls.m_rank.max(initial=0)), int(W.rank.max(initial=0)) if W is not None else 0) + 1
-    small = n_rank <= 1 << 16
     none = np.iinfo(np.int64).min
     carry = np.full(n_rank, none, np.int64)  # per rank: its last arrival in the steps so far
     s_lo = 0
@@ -820,21 +819,8 @@ def _in_each_ranks_order(m: Model) -> bool:
             r = np.where(on_g, m.colls.m_rank[np.where(on_g, idx, 0)], W.rank[np.where(on_g, 0, idx)])
             t = np.where(on_g, m.colls.m_t0_ns[np.where(on_g, idx, 0)], W.entry_ns[np.where(on_g, 0, idx)])
         s_lo = s_hi
-        if len(r) == 0:
-            continue
-        # stable sorts of 16-bit keys are radix sorts: 4x faster than of the int32 column (5M members)
-        o = np.argsort(r.astype(np.uint16) if small else r, kind="stable")
-        r, t = r[o].astype(np.int64), t[o].astype(np.int64)
-        first = np.ones(len(r), bool)  # each rank's first event in the block
-        np.not_equal(r[1:], r[:-1], out=first[1:])
-        prev = np.empty_like(t)
-        prev[1:] = t[:-1]
-        prev[first] = carry[r[first]]
-        if bool((t < prev).any()):
+        if len(r) and by_rank_in_order(r, t, carry) is None:
             return False
-        last = np.ones(len(r), bool)
-        last[:-1] = first[1:]
-        carry[r[last]] = t[last]
     return True
 
 

@@ -889,7 +889,6 @@ def _vlen_refs(ds: Any, n: int, heap: _Heap) -> np.ndarray | None:
             return None
         rows = max(1, int(dcpl.get_chunk()[0]))
         full = rows * VLEN_REF.itemsize
-        out = np.zeros(n, VLEN_REF)
         for lo in range(0, n, rows):  # one read a chunk
             try:
                 info = ds.id.get_chunk_info_by_coord((lo,))
