@@ -13,6 +13,11 @@ run, so the ratio holds on a loaded machine. Issue 20's target: the
 replay at most 20% of the analysis. numpy's huge-page advice is off, as ``distdiag
 analyze`` has it (``cli._no_huge_page_advice``); ``NUMPY_MADVISE_HUGEPAGE=1`` measures with it.
 
+``--p2p PATTERN``: instead, a point-to-point job of ``tests/factories.simulate_p2p`` (``ring``,
+``nonblocking``, ``halo2``, ...: each rank computes 1.0-1.2 ms a step, rank 1 0.3 ms more, then
+exchanges with its neighbours; an all-reduce every other step), ``events / 3`` steps a rank: the
+shape where the replay's batches of point-to-point events (three a step) weigh most.
+
 ``--ddp``: instead of ``distdiag.synth``, a DDP-shaped run whose every step is a BACKWARD
 row and two gradient buckets (``COLL_ASYNC``; the first done behind the backward's
 compute, the second waited for by DDP's finalize), ``events / 3`` steps a rank: the
@@ -41,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", type=int, default=10_000, help="per rank")
     ap.add_argument("--fault", default="straggler")
     ap.add_argument("--ddp", action="store_true", help="a DDP-shaped run (see the docstring) instead of synth's")
+    ap.add_argument("--p2p", metavar="PATTERN", help="a point-to-point job (see the docstring) instead of synth's")
     ns = ap.parse_args(argv)
     _no_huge_page_advice()
     spent: list[float] = []
@@ -65,15 +71,32 @@ def main(argv: list[str] | None = None) -> int:
         d = Path(tmp) / "run"
         if ns.ddp:
             _ddp_run(d, ns.ranks, max(1, ns.events // 3))
+        elif ns.p2p:
+            _p2p_run(d, ns.ranks, max(1, ns.events // 3), ns.p2p)
         else:
             synth(d, ranks=ns.ranks, events=ns.events, fault=ns.fault)
         t = time.perf_counter()
         rep = analyze(d, Config())
         total = time.perf_counter() - t
     priced = [f.kind for f in rep.findings if "replay" in f.evidence]
-    print(f"{ns.ranks} ranks x {ns.events} events ({'DDP-shaped' if ns.ddp else ns.fault}): analysis {total:.2f} s, "
+    shape = "DDP-shaped" if ns.ddp else f"point-to-point {ns.p2p}" if ns.p2p else ns.fault
+    print(f"{ns.ranks} ranks x {ns.events} events ({shape}): analysis {total:.2f} s, "
           f"replay {sum(spent):.2f} s = {sum(spent) / total:.1%} of it; replayed: {', '.join(priced) or 'none'}")
     return 0
+
+
+def _p2p_run(d: Path, ranks: int, steps: int, pattern: str) -> None:
+    """The point-to-point job of ``--p2p``: ``tests/factories.simulate_p2p``, rank 1 a straggler."""
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from factories import simulate_p2p
+
+    compute = np.random.default_rng(0).uniform(1.0, 1.2, (steps, ranks))
+    compute[:, 1] += 0.3
+    simulate_p2p(d, ranks, compute, pattern, big=False)
 
 
 def _ddp_run(d: Path, ranks: int, steps: int) -> None:
