@@ -686,3 +686,50 @@ def test_the_order_check_by_blocks_is_the_whole_runs(tmp_path: Path, block: int,
     test_a_run_whose_order_breaks_is_not_replayed(d)
     m = model_of(d)
     assert replay._in_each_ranks_order(m) is False and _order_oracle(m) is False
+
+
+def test_the_replays_median_is_numpys() -> None:
+    """``replay._median`` (one partition) gives ``np.median``'s very float on integer arrays of odd
+    and even lengths, with repeats, negatives and values past float64's integers, so the pace it
+    sets is the one np.median set."""
+    rng = np.random.default_rng(3)
+    for i in range(3000):
+        n = int(rng.integers(1, 40))
+        scale = (3, 10**6, 10**13, 2**62)[i % 4]
+        x = rng.integers(-scale, scale, n)
+        got, want = replay._median(x), float(np.median(x))
+        assert got == want and np.int64(got) == np.int64(want), (x, got, want)
+
+
+def test_the_step_bits_say_what_each_batch_holds() -> None:
+    """``replay._step_bits`` against each batch asked directly (what the replay loop asked before):
+    random batches tiling random events, with launches, point-to-point events and waits mixed in
+    a batch and batches of one kind only, in shuffled step order; a group's step gets 0."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        n = int(rng.integers(1, 60))
+        cuts = np.unique(rng.integers(1, n, int(rng.integers(0, n)))) if n > 1 else np.zeros(0, np.int64)
+        lo = np.r_[0, cuts].astype(np.int64)
+        end = np.r_[cuts, n].astype(np.int64)
+        batch_end = np.zeros(n, np.int64)
+        batch_end[lo] = end
+        mode = trial % 4  # all launches, all point-to-point, no point-to-point at all, mixed
+        launch = rng.random(n) < (1.0 if mode == 0 else 0.0 if mode == 1 else 0.4)
+        p2p = None if mode == 2 else (~launch & (rng.random(n) < (1.0 if mode == 1 else 0.5)))
+        kinds = np.r_[np.ones(len(lo), np.int8), np.zeros(int(rng.integers(0, 4)), np.int8)]
+        refs = np.r_[lo, np.arange(len(kinds) - len(lo), dtype=np.int64)]
+        o = rng.permutation(len(kinds))
+        W = SimpleNamespace(rank=np.zeros(n, np.int64), launch=launch, p2p=p2p, batch_end=batch_end)
+        m = SimpleNamespace(step_kind=kinds[o], step_ref=refs[o], waits=W)
+        bits = replay._step_bits(m)  # type: ignore[arg-type]
+        for k, ref, b in zip(m.step_kind, m.step_ref, bits):
+            if k != 1:
+                assert b == 0
+                continue
+            is_l = launch[ref : batch_end[ref]]
+            is_p = p2p[ref : batch_end[ref]] if p2p is not None else np.zeros(len(is_l), bool)
+            want = (replay._HAS_LAUNCH * bool(is_l.any()) + replay._HAS_P2P * bool(is_p.any())
+                    + replay._NO_WAIT * bool((is_l | is_p).all()))  # fmt: skip
+            assert b == want, (trial, ref, b, want)
