@@ -858,6 +858,10 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     gs, m_rank, m_t0, m_t1 = c.g_start, c.m_rank, c.m_t0_ns, c.m_t1_ns
     scheme, root = m.scheme, m.root
     W = m.waits
+    slow_p = peer_p = None  # per event: a point-to-point event of a slow rank; of another rank
+    if any_slow and W is not None and W.p2p is not None:
+        slow_p = W.p2p & slow[W.rank]
+        peer_p = W.p2p & ~slow[W.rank]
     n_a = W.n_async if W is not None else 0
     launch_new = np.zeros(n_a, np.int64)  # per async member: its launch, replayed
     done_rec = np.zeros(n_a, np.int64)  # per async member: its collective done, recorded and replayed
@@ -891,9 +895,12 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 np.maximum(seg, 0, out=seg)
             if p2p_new is not None:
                 is_p = W.p2p[i0:i1]  # type: ignore[index]
-                if any_slow and bits & _HAS_P2P:
-                    site = W.p2p_site[i0:i1]  # type: ignore[index]
-                    seg = _p2p_pace(seg, is_p & slow[r] & started[r], is_p & ~slow[r], site)
+                if slow_p is not None and peer_p is not None and bits & _HAS_P2P:
+                    sl_p, pe_p = slow_p[i0:i1] & started[r], peer_p[i0:i1]
+                    if bits & _ONE_SITE:  # every exchange of the batch from one line (a halo)
+                        seg = _p2p_pace_one(seg, sl_p, pe_p)
+                    else:
+                        seg = _p2p_pace(seg, sl_p, pe_p, W.p2p_site[i0:i1])  # type: ignore[index]
             arr_new = new_last[r] + seg
             if bits & _HAS_LAUNCH:
                 launch_new[a_i[is_l]] = arr_new[is_l]
@@ -989,14 +996,15 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
 
 
 #: :func:`_step_bits`: a batch holds a launch; a point-to-point event; no wait that completes a non-blocking
-#: collective (launches and point-to-point events alone)
-_HAS_LAUNCH, _HAS_P2P, _NO_WAIT = 1, 2, 4
+#: collective (launches and point-to-point events alone); point-to-point events from one line only (or none)
+_HAS_LAUNCH, _HAS_P2P, _NO_WAIT, _ONE_SITE = 1, 2, 4, 8
 
 
 def _step_bits(m: Model) -> np.ndarray:
     """Per step of ``m``: what its batch holds, as :data:`_HAS_LAUNCH` | :data:`_HAS_P2P` |
-    :data:`_NO_WAIT` (0 for a group's step). Once per model, numpy over the batches, so that the
-    replay loop asks a Python int instead of three or four ``any``/``all`` a batch."""
+    :data:`_NO_WAIT` | :data:`_ONE_SITE` (0 for a group's step). Once per model, numpy over the
+    batches, so that the replay loop asks a Python int instead of three or four ``any``/``all``
+    a batch."""
     bits = np.zeros(len(m.step_kind), np.int64)
     W = m.waits
     at = np.flatnonzero(m.step_kind == 1)
@@ -1012,8 +1020,15 @@ def _step_bits(m: Model) -> np.ndarray:
     has_l = np.logical_or.reduceat(W.launch, lo_o)
     has_p = np.logical_or.reduceat(p2p, lo_o)
     no_w = np.logical_and.reduceat(W.launch | p2p, lo_o)
+    one = ~has_p
+    if W.p2p is not None and W.p2p_site is not None and has_p.any():
+        big = np.iinfo(np.int64).max
+        site = W.p2p_site.astype(np.int64, copy=False)
+        lo_s = np.minimum.reduceat(np.where(p2p, site, big), lo_o)
+        hi_s = np.maximum.reduceat(np.where(p2p, site, -big), lo_o)
+        one |= lo_s == hi_s
     b = np.empty(len(at), np.int64)
-    b[o] = has_l * _HAS_LAUNCH + has_p * _HAS_P2P + no_w * _NO_WAIT
+    b[o] = has_l * _HAS_LAUNCH + has_p * _HAS_P2P + no_w * _NO_WAIT + one * _ONE_SITE
     bits[at] = b
     return bits
 
@@ -1048,6 +1063,15 @@ def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.nda
             med = np.int64(_median(seg[same]))
             out = np.where(slow & on & (out > med), med, out)
     return out
+
+
+def _p2p_pace_one(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray) -> np.ndarray:
+    """:func:`_p2p_pace` of a batch whose point-to-point events all come from one line: the
+    same segments, without asking which line each came from."""
+    if not slow.any() or not peers.any():
+        return seg
+    med = np.int64(_median(seg[peers]))
+    return np.where(slow & (seg > med), med, seg)
 
 
 def _median(x: np.ndarray) -> float:

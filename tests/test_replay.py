@@ -704,7 +704,8 @@ def test_the_replays_median_is_numpys() -> None:
 def test_the_step_bits_say_what_each_batch_holds() -> None:
     """``replay._step_bits`` against each batch asked directly (what the replay loop asked before):
     random batches tiling random events, with launches, point-to-point events and waits mixed in
-    a batch and batches of one kind only, in shuffled step order; a group's step gets 0."""
+    a batch and batches of one kind only, their exchanges from one line or two, in shuffled step
+    order; a group's step gets 0."""
     from types import SimpleNamespace
 
     rng = np.random.default_rng(5)
@@ -721,7 +722,8 @@ def test_the_step_bits_say_what_each_batch_holds() -> None:
         kinds = np.r_[np.ones(len(lo), np.int8), np.zeros(int(rng.integers(0, 4)), np.int8)]
         refs = np.r_[lo, np.arange(len(kinds) - len(lo), dtype=np.int64)]
         o = rng.permutation(len(kinds))
-        W = SimpleNamespace(rank=np.zeros(n, np.int64), launch=launch, p2p=p2p, batch_end=batch_end)
+        site = np.where(p2p, rng.integers(0, 2 if trial % 3 else 1, n), -1) if p2p is not None else None
+        W = SimpleNamespace(rank=np.zeros(n, np.int64), launch=launch, p2p=p2p, p2p_site=site, batch_end=batch_end)
         m = SimpleNamespace(step_kind=kinds[o], step_ref=refs[o], waits=W)
         bits = replay._step_bits(m)  # type: ignore[arg-type]
         for k, ref, b in zip(m.step_kind, m.step_ref, bits):
@@ -730,6 +732,29 @@ def test_the_step_bits_say_what_each_batch_holds() -> None:
                 continue
             is_l = launch[ref : batch_end[ref]]
             is_p = p2p[ref : batch_end[ref]] if p2p is not None else np.zeros(len(is_l), bool)
+            lines = set(site[ref : batch_end[ref]][is_p].tolist()) if site is not None else set()
             want = (replay._HAS_LAUNCH * bool(is_l.any()) + replay._HAS_P2P * bool(is_p.any())
-                    + replay._NO_WAIT * bool((is_l | is_p).all()))  # fmt: skip
+                    + replay._NO_WAIT * bool((is_l | is_p).all()) + replay._ONE_SITE * (len(lines) <= 1))  # fmt: skip
             assert b == want, (trial, ref, b, want)
+
+
+def test_a_straggler_is_paced_at_its_peers_median_from_the_same_line() -> None:
+    """``_p2p_pace``: a slow rank's segment before an exchange becomes the median of its peers'
+    before an exchange from the same line (worked by hand), never longer than its own; and
+    ``_p2p_pace_one`` (a batch from one line) gives what ``_p2p_pace`` gives there, on random
+    batches."""
+    seg = np.array([10, 1, 2, 3, 4, 9, 0], np.int64)
+    slow = np.array([1, 0, 0, 0, 0, 1, 1], bool)
+    peers = np.array([0, 1, 1, 1, 1, 0, 0], bool)
+    # the peers' median is 2.5 -> 2; the slow ones at 10 and 9 go down to 2, the one at 0 keeps 0
+    np.testing.assert_array_equal(replay._p2p_pace_one(seg, slow, peers), [2, 1, 2, 3, 4, 2, 0])
+    site = np.array([7, 7, 7, 5, 5, 5, 7])  # by line: 7's peers [1, 2] -> 1; 5's peers [3, 4] -> 3
+    np.testing.assert_array_equal(replay._p2p_pace(seg, slow, peers, site), [1, 1, 2, 3, 4, 3, 0])
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n = int(rng.integers(1, 30))
+        seg = rng.integers(-5, 50, n)
+        kind = rng.integers(0, 3, n)  # 0 not an exchange, 1 slow, 2 a peer
+        sl, pe = kind == 1, kind == 2
+        site = np.where(kind > 0, 4, -1)
+        np.testing.assert_array_equal(replay._p2p_pace_one(seg, sl, pe), replay._p2p_pace(seg, sl, pe, site))
