@@ -457,9 +457,14 @@ def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     a_rows = np.flatnonzero(cand[colls.m_group])
     if len(a_rows) == 0:
         return None, waited
-    r_a = colls.m_rank[a_rows].astype(np.int64)
-    p_a = colls.m_t0_ns[a_rows].astype(np.int64)
-    c_a = np.maximum(colls.m_t1_ns[a_rows], p_a).astype(np.int64)
+    every = len(a_rows) == len(colls.m_group)  # every member is one (a DDP run's): no gathers, read only
+
+    def of(col: np.ndarray) -> np.ndarray:
+        return col if every else col[a_rows]
+
+    r_a = of(colls.m_rank).astype(np.int64)
+    p_a = of(colls.m_t0_ns).astype(np.int64, copy=False)
+    c_a = np.maximum(of(colls.m_t1_ns), p_a).astype(np.int64, copy=False)
     # the members by rank (then group: about time), so that the searches below walk in order
     by_r = np.argsort(r_a.astype(np.uint16) if int(r_a.max()) < 1 << 16 else r_a, kind="stable")
     wid = np.full(len(a_rows), -1, np.int64)  # per async member: its wait (an index into the rows below)
@@ -485,16 +490,17 @@ def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
             continue
         lo, span = band
         key = r * span + (t1 + slack - lo)
-        if bool(np.all(key[1:] >= key[:-1])):  # the run's rows come by (rank, t0): ends too, unless they nest
-            o = np.arange(len(key))
-        else:
+        o = None  # the run's rows come by (rank, t0): by (rank, end) too, unless they nest
+        if not bool(np.all(key[1:] >= key[:-1])):
             o = np.argsort(key, kind="stable")  # by (rank, end)
             key = key[o]
         j = np.empty(len(a_rows), np.int64)  # the first row of the rank ending at or after it
         j[by_r] = np.searchsorted(key, (r_a * span + (at - lo))[by_r])
-        jj = o[np.minimum(j, len(o) - 1)]  # the row itself
+        jj = np.minimum(j, len(key) - 1)  # the row itself
+        if o is not None:
+            jj = o[jj]
         t0_j = t0[jj]
-        hit = free & (j < len(o)) & (r[jj] == r_a) & (t0_j <= at)
+        hit = free & (j < len(key)) & (r[jj] == r_a) & (t0_j <= at)
         if kind == Kind.WAIT:
             hit &= t0_j >= p_a
         wid[hit] = int(sum(len(x) for x in w_r)) + jj[hit]
@@ -504,7 +510,7 @@ def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
         w_bw.append(np.full(len(r), kind == Kind.BACKWARD))
         w_row.append(rows)
     cov_m = wid >= 0
-    g_a = colls.m_group[a_rows]
+    g_a = of(colls.m_group)
     n_cov = np.bincount(g_a[cov_m], minlength=n_g)
     waited = cand & (n_cov == colls.g_n_members) & (n_cov == np.diff(colls.g_start))
     if not waited.any():
