@@ -202,26 +202,26 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
     peer = ev["peer"]
     # row indices, not row copies: selecting whole packed rows is the slow part;
     # the rows of each side from the run's kind index (distdiag.rows), ascending. A column is
-    # gathered with take: the table's fields are unaligned, where fancy indexing costs twice as
-    # much (benchmarks/NOTES.md, "Gathering a column of the table")
+    # gathered by fancy indexing, not take: take copies the (strided) column whole before it
+    # gathers (benchmarks/NOTES.md, "Gathering a column of the table")
     si = rows_of(run, (Kind.SEND, Kind.SEND_ASYNC))
-    si = si[(peer.take(si) >= 0) & (ev["t1_ns"].take(si) >= ev["t0_ns"].take(si))]
+    si = si[(peer[si] >= 0) & (ev["t1_ns"][si] >= ev["t0_ns"][si])]
     ri = rows_of(run, (Kind.RECV, Kind.RECV_ASYNC))
-    ri = ri[(peer.take(ri) >= 0) & (ev["t1_ns"].take(ri) >= ev["t0_ns"].take(ri))]
+    ri = ri[(peer[ri] >= 0) & (ev["t1_ns"][ri] >= ev["t0_ns"][ri])]
     out: dict[str, np.ndarray] = {k: np.zeros(0, np.int64) for k in ("src", "dst", "nbytes", "t0_ns", "t1_ns",
                                                                        "send_row", "recv_row")}  # fmt: skip
     out["xfer_s"] = np.zeros(0)
     if len(si) and len(ri):
         both = np.concatenate([si, ri])
-        rank = ev["rank"].take(both).astype(np.int64)
-        other = peer.take(both).astype(np.int64)
+        rank = ev["rank"][both].astype(np.int64)
+        other = peer[both].astype(np.int64)
         # one table of both sides: (comm, src, dst, t0, side); side 0 = send, 1 = receive
         side = np.r_[np.zeros(len(si), np.int64), np.ones(len(ri), np.int64)]
         is_send = side == 0
-        comm = ev["comm_id"].take(both).astype(np.int64)
+        comm = ev["comm_id"][both].astype(np.int64)
         src = np.where(is_send, rank, other)
         dst = np.where(is_send, other, rank)
-        t0 = ev["t0_ns"].take(both)
+        t0 = ev["t0_ns"][both]
         rb = max(int(src.max()), int(dst.max()), 1).bit_length()
         if comm.max() < (1 << max(0, 61 - 2 * rb)):
             # (comm, src, dst) packed into one int64 (with the side as its last bit)
@@ -252,12 +252,12 @@ def p2p_transfers(run: Run) -> dict[str, np.ndarray]:
         ms = both[order[o_s][a]]  # event rows of the matched sends
         mr = both[order[~o_s][b]]  # and of their receives
         t0_all, t1_all, nb_all = ev["t0_ns"], ev["t1_ns"], ev["nbytes"]
-        start_ns = np.maximum(t0_all.take(ms), t0_all.take(mr))
-        end_ns = t1_all.take(mr)
+        start_ns = np.maximum(t0_all[ms], t0_all[mr])
+        end_ns = t1_all[mr]
         out = {
-            "src": ev["rank"].take(ms).astype(np.int64),
-            "dst": ev["rank"].take(mr).astype(np.int64),
-            "nbytes": np.maximum(nb_all.take(ms), nb_all.take(mr)).astype(np.int64),
+            "src": ev["rank"][ms].astype(np.int64),
+            "dst": ev["rank"][mr].astype(np.int64),
+            "nbytes": np.maximum(nb_all[ms], nb_all[mr]).astype(np.int64),
             "t0_ns": start_ns.astype(np.int64),
             "t1_ns": end_ns.astype(np.int64),
             "xfer_s": np.maximum(end_ns - start_ns, 1) / 1e9,
@@ -290,16 +290,16 @@ def p2p_waits(run: Run) -> tuple[np.ndarray, np.ndarray]:
     for col, kind in (("recv_row", Kind.RECV_ASYNC), ("send_row", Kind.SEND_ASYNC)):
         rows = tr[col]
         hold = np.full(len(rows), -1, np.int64)
-        mine = np.flatnonzero(ev["kind"].take(rows) == kind) if len(rows) else rows
+        mine = np.flatnonzero(ev["kind"][rows] == kind) if len(rows) else rows
         if len(mine) and len(w_rows):
             q = rows[mine]
-            r_q = ev["rank"].take(q).astype(np.int64)
-            p_q = ev["t0_ns"].take(q).astype(np.int64, copy=False)
-            c_q = np.maximum(ev["t1_ns"].take(q), p_q)
+            r_q = ev["rank"][q].astype(np.int64)
+            p_q = ev["t0_ns"][q].astype(np.int64, copy=False)
+            c_q = np.maximum(ev["t1_ns"][q], p_q)
             if r_w is None or w0 is None or w1 is None:
-                r_w = ev["rank"].take(w_rows).astype(np.int64)
-                w0 = ev["t0_ns"].take(w_rows).astype(np.int64, copy=False)
-                w1 = np.maximum(ev["t1_ns"].take(w_rows), w0) + WAIT_SLACK_NS
+                r_w = ev["rank"][w_rows].astype(np.int64)
+                w0 = ev["t0_ns"][w_rows].astype(np.int64, copy=False)
+                w1 = np.maximum(ev["t1_ns"][w_rows], w0) + WAIT_SLACK_NS
             lo = int(min(w0.min(), p_q.min()))
             span = int(max(w1.max(), c_q.max())) - lo + 1
             if int(max(r_w.max(), r_q.max())) + 1 < np.iinfo(np.int64).max // span - 1:

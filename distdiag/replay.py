@@ -354,7 +354,7 @@ def _p2p_events(run: Run, taken: np.ndarray) -> _P2P | None:
     if len(taken):
         w_recv = np.where(np.isin(w_recv, taken), -1, w_recv)
         w_send = np.where(np.isin(w_send, taken), -1, w_send)
-    k_s, k_r = kind.take(ms), kind.take(mr)  # take: see links.p2p_transfers
+    k_s, k_r = kind[ms], kind[mr]
     ok = (k_r == Kind.RECV) | ((k_r == Kind.RECV_ASYNC) & (w_recv >= 0))
     ok &= (k_s == Kind.SEND) | (k_s == Kind.SEND_ASYNC)
     if not ok.any():
@@ -369,10 +369,10 @@ def _p2p_events(run: Run, taken: np.ndarray) -> _P2P | None:
     rows = np.concatenate([ms, mr, waits_u])
     o = np.argsort(rows, kind="stable")  # row order: run.events comes by (rank, t0)
     rows_o = rows[o]
-    r = ev["rank"].take(rows_o).astype(np.int64)
-    t0 = ev["t0_ns"].take(rows_o).astype(np.int64, copy=False)
-    t1 = np.maximum(ev["t1_ns"].take(rows_o), t0)
-    k = kind.take(rows_o)
+    r = ev["rank"][rows_o].astype(np.int64)
+    t0 = ev["t0_ns"][rows_o].astype(np.int64, copy=False)
+    t1 = np.maximum(ev["t1_ns"][rows_o], t0)
+    k = kind[rows_o]
     blocking = (k == Kind.SEND) | (k == Kind.RECV)
     # one event per (rank, t0, t1) of blocking rows (a Sendrecv's two are next to each other); a
     # post or a wait is one of its own (a wait that holds several requests is listed once)
@@ -412,7 +412,7 @@ def _p2p_events(run: Run, taken: np.ndarray) -> _P2P | None:
     row_ev = eid.copy()
     row_ev[n_p : 2 * n_p] = recv_done
     row_ev[:n_p] = np.where(send_done >= 0, send_done, send_e)
-    site = ev["site_id"].take(rows_o[head]).astype(np.int64)
+    site = ev["site_id"][rows_o[head]].astype(np.int64)
     return _P2P(r[head], e_entry, e_exit, dep_e.astype(np.int64), dep_p.astype(np.int64), rows_o.astype(np.int64),
                 row_ev[o], site)  # fmt: skip
 
@@ -573,9 +573,9 @@ def _kind_rows(run: Run, kind: int, ranks: Callable[[], np.ndarray]) -> tuple[np
 
     if kind not in getattr(run, "streamed_kinds", ()):
         rows = rows_of(run, (kind,))
-        ev = run.events  # take: see links.p2p_transfers
-        return (rows, ev["rank"].take(rows).astype(np.int64), ev["t0_ns"].take(rows).astype(np.int64, copy=False),
-                ev["t1_ns"].take(rows).astype(np.int64, copy=False))  # fmt: skip
+        ev = run.events
+        return (rows, ev["rank"][rows].astype(np.int64), ev["t0_ns"][rows].astype(np.int64, copy=False),
+                ev["t1_ns"][rows].astype(np.int64, copy=False))  # fmt: skip
     got = []
     for band in bands(run, ranks=ranks()):  # streamed: the bands of the ranks asked about, read again
         rr = band.rows(kind)

@@ -300,8 +300,8 @@ def p2p_lateness(run: Run, colls: Collectives, min_ns: float, have_ns: np.ndarra
     ev = run.events
     kind = ev["kind"]
 
-    def col(name: str, rows: np.ndarray) -> np.ndarray:  # take: see links.p2p_transfers
-        return ev[name].take(rows).astype(np.int64, copy=False)
+    def col(name: str, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(ev[name][rows], dtype=np.int64)
 
     w_recv, w_send = p2p_waits(run)
     # where each side waits: its blocking call, or the WAIT completing its request (an Isend's only
