@@ -285,8 +285,10 @@ def p2p_waits(run: Run) -> tuple[np.ndarray, np.ndarray]:
     tr = p2p_transfers(run)
     ev = run.events
     out = []
-    w_rows = rows_of(run, (Kind.WAIT,))
-    r_w = w0 = w1 = None  # the WAIT rows' columns, read once for both sides
+    w_rows = rows_of(run, (Kind.WAIT,))  # their columns, read once for both sides
+    r_w = ev["rank"][w_rows].astype(np.int64)
+    w0 = ev["t0_ns"][w_rows].astype(np.int64, copy=False)
+    w1 = np.maximum(ev["t1_ns"][w_rows], w0) + WAIT_SLACK_NS
     for col, kind in (("recv_row", Kind.RECV_ASYNC), ("send_row", Kind.SEND_ASYNC)):
         rows = tr[col]
         hold = np.full(len(rows), -1, np.int64)
@@ -296,10 +298,6 @@ def p2p_waits(run: Run) -> tuple[np.ndarray, np.ndarray]:
             r_q = ev["rank"][q].astype(np.int64)
             p_q = ev["t0_ns"][q].astype(np.int64, copy=False)
             c_q = np.maximum(ev["t1_ns"][q], p_q)
-            if r_w is None or w0 is None or w1 is None:
-                r_w = ev["rank"][w_rows].astype(np.int64)
-                w0 = ev["t0_ns"][w_rows].astype(np.int64, copy=False)
-                w1 = np.maximum(ev["t1_ns"][w_rows], w0) + WAIT_SLACK_NS
             lo = int(min(w0.min(), p_q.min()))
             span = int(max(w1.max(), c_q.max())) - lo + 1
             if int(max(r_w.max(), r_q.max())) + 1 < np.iinfo(np.int64).max // span - 1:

@@ -457,14 +457,9 @@ def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
     a_rows = np.flatnonzero(cand[colls.m_group])
     if len(a_rows) == 0:
         return None, waited
-    every = len(a_rows) == len(colls.m_group)  # every member is one (a DDP run's): no gathers, read only
-
-    def of(col: np.ndarray) -> np.ndarray:
-        return col if every else col[a_rows]
-
-    r_a = of(colls.m_rank).astype(np.int64)
-    p_a = of(colls.m_t0_ns).astype(np.int64, copy=False)
-    c_a = np.maximum(of(colls.m_t1_ns), p_a).astype(np.int64, copy=False)
+    r_a = colls.m_rank[a_rows].astype(np.int64)
+    p_a = colls.m_t0_ns[a_rows].astype(np.int64, copy=False)
+    c_a = np.maximum(colls.m_t1_ns[a_rows], p_a).astype(np.int64, copy=False)
     # the members by rank (then group: about time), so that the searches below walk in order
     by_r = np.argsort(r_a.astype(np.uint16) if int(r_a.max()) < 1 << 16 else r_a, kind="stable")
     wid = np.full(len(a_rows), -1, np.int64)  # per async member: its wait (an index into the rows below)
@@ -510,7 +505,7 @@ def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
         w_bw.append(np.full(len(r), kind == Kind.BACKWARD))
         w_row.append(rows)
     cov_m = wid >= 0
-    g_a = of(colls.m_group)
+    g_a = colls.m_group[a_rows]
     n_cov = np.bincount(g_a[cov_m], minlength=n_g)
     waited = cand & (n_cov == colls.g_n_members) & (n_cov == np.diff(colls.g_start))
     if not waited.any():
@@ -903,10 +898,9 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 is_p = W.p2p[i0:i1]  # type: ignore[index]
                 if slow_p is not None and peer_p is not None and bits & _HAS_P2P:
                     sl_p, pe_p = slow_p[i0:i1] & started[r], peer_p[i0:i1]
-                    if bits & _ONE_SITE:  # every exchange of the batch from one line (a halo)
-                        seg = _p2p_pace_one(seg, sl_p, pe_p)
-                    else:
-                        seg = _p2p_pace(seg, sl_p, pe_p, W.p2p_site[i0:i1])  # type: ignore[index]
+                    # where every exchange of the batch comes from one line (a halo), no line is asked
+                    site = None if bits & _ONE_SITE else W.p2p_site[i0:i1]  # type: ignore[index]
+                    seg = _p2p_pace(seg, sl_p, pe_p, site)
             arr_new = new_last[r] + seg
             if bits & _HAS_LAUNCH:
                 launch_new[a_i[is_l]] = arr_new[is_l]
@@ -1053,13 +1047,17 @@ def _p2p_cuts(W: Waits, change: Change) -> np.ndarray | None:
     return out
 
 
-def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.ndarray) -> np.ndarray:
+def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.ndarray | None) -> np.ndarray:
     """A batch's segments with each slow rank's before a point-to-point call at the median of its
     peers' before a call from the same line in the batch (a halo exchange: every rank's k-th
     exchange), where that is shorter; a call no peer makes from its line keeps its own (a
-    pipeline's stages run different code)."""
+    pipeline's stages run different code). ``site``: each event's line; None when the batch's
+    point-to-point events all come from one (then no line is asked)."""
     if not slow.any() or not peers.any():
         return seg
+    if site is None:
+        med = np.int64(_median(seg[peers]))
+        return np.where(slow & (seg > med), med, seg)
     out = seg
     at = site[slow]
     for s in ([int(at[0])] if bool((at == at[0]).all()) else np.unique(at).tolist()):  # a few sites
@@ -1069,15 +1067,6 @@ def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.nda
             med = np.int64(_median(seg[same]))
             out = np.where(slow & on & (out > med), med, out)
     return out
-
-
-def _p2p_pace_one(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray) -> np.ndarray:
-    """:func:`_p2p_pace` of a batch whose point-to-point events all come from one line: the
-    same segments, without asking which line each came from."""
-    if not slow.any() or not peers.any():
-        return seg
-    med = np.int64(_median(seg[peers]))
-    return np.where(slow & (seg > med), med, seg)
 
 
 def _median(x: np.ndarray) -> float:
