@@ -32,6 +32,26 @@ ONE_TO_MANY = frozenset({"Bcast", "Ibcast", "bcast", "Scatter", "Scatterv", "Isc
 MANY_TO_ONE = frozenset({"Reduce", "Ireduce", "reduce", "Gather", "Gatherv", "Igather", "Igatherv", "gather"})
 
 
+#: :func:`wait_scheme`: every member waits for every member; a non-root for the root (one-to-many);
+#: the root for every member, a non-root for nobody (many-to-one)
+EVERY_MEMBER, FROM_ROOT, TO_ROOT = 0, 1, 2
+
+
+def wait_scheme(run: Run, colls: Collectives) -> np.ndarray:
+    """Per group (int8): whom its members wait for, :data:`EVERY_MEMBER`, :data:`FROM_ROOT` (a rooted
+    one-to-many collective) or :data:`TO_ROOT` (a rooted many-to-one one)."""
+    root = root_world_ranks(run, colls)
+
+    def ids(names: frozenset[str]) -> np.ndarray:
+        return np.array([i for i in (run.sid(n) for n in names) if i >= 0], np.int64)
+
+    scheme = np.full(len(colls), EVERY_MEMBER, np.int8)
+    rooted = root >= 0
+    scheme[rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))] = FROM_ROOT
+    scheme[rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))] = TO_ROOT
+    return scheme
+
+
 def nobody_waits(run: Run, colls: Collectives) -> np.ndarray:
     """Per group: True where the last arriver made nobody wait (see ONE_TO_MANY / MANY_TO_ONE).
 

@@ -92,7 +92,11 @@ class Change:
     out of the segments they fall in, or out of the rank's tail after its last
     rendezvous (a serial section's lone windows, a storm's blocked time, a loader's waits).
     Time is dropped as rank-time, never as a length cut from a segment, so that two causes
-    claiming the same stretch count it once (:meth:`plus`)."""
+    claiming the same stretch count it once (:meth:`plus`). ``balance``: at each blocking
+    collective every member waits for (all-reduce, barrier, all-gather, ...: not the rooted
+    one-to-many and many-to-one ones, where who waits depends on the root), the members'
+    segments before it run at their mean (the same work spread evenly over the members: a
+    load imbalance rebalanced; the first collective of each rank, launch skew, is kept)."""
 
     what: str
     median_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -106,6 +110,7 @@ class Change:
     p2p_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     p2p_cut_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     p2p_t_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    balance: bool = False
 
     def plus(self, other: Change) -> Change:
         """Both changes at once (the cumulative ranking: the first cause removed, then the next).
@@ -127,11 +132,12 @@ class Change:
             p2p_rows=np.concatenate([self.p2p_rows, other.p2p_rows]).astype(np.int64),  # a row twice: the larger cut
             p2p_cut_ns=np.concatenate([self.p2p_cut_ns, other.p2p_cut_ns]).astype(np.int64),
             p2p_t_ns=np.concatenate([self.p2p_t_ns, other.p2p_t_ns]).astype(np.int64),
+            balance=self.balance or other.balance,
         )
 
     def reaches(self, m: Model, t_ns: int) -> bool:
         """True when the change alters the run at or after ``t_ns`` (a straggler's pace: always)."""
-        if len(self.median_ranks) or (len(self.drop_t1) and bool((self.drop_t1 > t_ns).any())):
+        if self.balance or len(self.median_ranks) or (len(self.drop_t1) and bool((self.drop_t1 > t_ns).any())):
             return True
         if len(self.p2p_t_ns) and bool((self.p2p_t_ns[self.p2p_cut_ns > 0] >= t_ns).any()):
             return True
@@ -141,6 +147,8 @@ class Change:
     def touches(self, m: Model) -> bool:
         """True when the change alters something the replay replays (else it would price 0 wrongly)."""
         if len(self.median_ranks) or len(self.drop_rank):
+            return True
+        if self.balance and bool((m.scheme[m.order] == _ALL).any()):
             return True
         if len(self.p2p_rows) and m.waits is not None and len(m.waits.p2p_rows):
             if bool(np.isin(self.p2p_rows[self.p2p_cut_ns > 0], m.waits.p2p_rows).any()):
@@ -253,7 +261,7 @@ class Model:
 
 def model(run: Run, colls: Collectives) -> Model:
     """The replay model of ``run`` (aligned) from its matched collectives."""
-    from distdiag.lateness import MANY_TO_ONE, ONE_TO_MANY, root_world_ranks
+    from distdiag.lateness import root_world_ranks, wait_scheme
     from distdiag.match import MatchState
 
     start, end = run.rank_bounds()
@@ -276,14 +284,7 @@ def model(run: Run, colls: Collectives) -> Model:
     groups = np.flatnonzero(ok | waited)
     order = groups[np.lexsort((groups, colls.g_first_ns[groups], colls.g_last_ns[groups]))]
     root = root_world_ranks(run, colls).astype(np.int64)
-
-    def ids(names: frozenset[str]) -> np.ndarray:
-        return np.array([i for i in (run.sid(n) for n in names) if i >= 0], np.int64)
-
-    scheme = np.zeros(n_g, np.int8)
-    rooted = root >= 0
-    scheme[rooted & np.isin(colls.g_op, ids(ONE_TO_MANY))] = 1
-    scheme[rooted & np.isin(colls.g_op, ids(MANY_TO_ONE))] = 2
+    scheme = wait_scheme(run, colls)
     p2p = _p2p_events(run, waits.rows if waits is not None else np.zeros(0, np.int64))
     in_order = False  # the order check passed on the model kept (it depends on the steps alone)
     for with_p2p in ((True, False) if p2p is not None else (False,)):
@@ -856,6 +857,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
         cap = change.transfer_cut_ns
         cap_ref = change.transfer_ref_ns
     any_slow = bool(slow.any())
+    balance = change is not None and change.balance
     gs, m_rank, m_t0, m_t1 = c.g_start, c.m_rank, c.m_t0_ns, c.m_t1_ns
     scheme, root = m.scheme, m.root
     W = m.waits
@@ -951,6 +953,8 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                     if sl.any() and not sl.all():
                         pace = _median(seg[~sl])
                         seg = np.where(sl & (seg > pace), np.int64(pace), seg)
+                if balance and scheme[g] == _ALL:
+                    seg = _balanced(seg, started[r])
                 hit = cuts.get(s)
                 if hit is not None:
                     seg = seg.copy()
@@ -1066,6 +1070,17 @@ def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.nda
         if same.any():
             med = np.int64(_median(seg[same]))
             out = np.where(slow & on & (out > med), med, out)
+    return out
+
+
+def _balanced(seg: np.ndarray, started: np.ndarray) -> np.ndarray:
+    """A group's members' segments with those of the ``started`` ones (past their first
+    rendezvous) at their mean, rounded down: the same work spread evenly over them."""
+    k = int(np.count_nonzero(started))
+    if k < 2:
+        return seg
+    out = seg.copy()
+    out[started] = int(seg[started].sum()) // k
     return out
 
 
