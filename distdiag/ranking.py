@@ -14,7 +14,8 @@ The rule, applied by :func:`rank_findings` (the pipeline's last stage):
    the findings whose counterfactual the replay priced (``evidence.replay.saving_s``)
    are removed one after another in causal order (each kind's ``Role.removal``, :mod:`distdiag.roles`:
    the subsystem that held a rank, then the subsystem finding it explains,
-   then the code path, then the symptom), and each costs what it adds to
+   then the code path, then the symptom, then what is left of the waiting: a
+   load imbalance that moves between ranks), and each costs what it adds to
    those before it. Each second is then counted once by construction, and
    rule 1 below applies only to a pair of which one was not replayed (a
    change the replay cannot see, a Slurm finding, a hang). A finding whose own replayed
@@ -263,7 +264,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "startup_s": ("startup", "launch_overhead"),
     "comm_wait_s": ("straggler", "serial_section", "input_bound", "h2d_copy", "metadata_storm", "io_bandwidth",
                     "io_bound", "startup", "slow_link", "network_bound", "hang", "collective_mismatch",
-                    "launch_overhead", "compute_bound"),
+                    "launch_overhead", "compute_bound", "load_imbalance"),
     "comm_transfer_s": ("network_bound", "slow_link"),
     "io_s": ("io_bound", "metadata_storm", "io_bandwidth", "startup"),
     "input_wait_s": ("input_bound",),

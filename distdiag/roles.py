@@ -27,7 +27,8 @@ class Role:
     #: rank-time removed; "unhidden": the part of it that compute did not hide removed
     replay_claims: str = ""
     #: the step at which the ranking's cumulative replay removes it: a subsystem that held a rank
-    #: (0), a subsystem finding it explains and the start-up (1), the code path (2), the symptom (3)
+    #: (0), a subsystem finding it explains and the start-up (1), the code path (2), the symptom (3),
+    #: what is left of the waiting once they are gone (4: a load imbalance that moves between ranks)
     removal: int = 1
     #: a subsystem finding ("never silent"): reported while what it keeps is ``min_share`` of the run
     subsystem: bool = False

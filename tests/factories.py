@@ -80,6 +80,8 @@ def make_run(
     slow_rank: int | Sequence[int] | None = None,
     slow_ms: float = 0.0,
     slow_every: int = 1,
+    rotate_ms: float = 0.0,
+    spread_ms: float = 0.0,
     io_ms: float = 0.0,
     seed: int = 0,
     hosts: Sequence[str] | None = None,
@@ -95,7 +97,10 @@ def make_run(
     """Simulate and write one run; see the module docstring.
 
     ``slow_rank`` (one rank or several) computes ``slow_ms`` longer every
-    ``slow_every``-th iteration.
+    ``slow_every``-th iteration. ``rotate_ms``: rank ``i % world_size`` computes that much
+    longer in iteration ``i`` (a load imbalance that moves); ``spread_ms``: every rank
+    computes that much longer in every iteration (``rotate_ms / world_size``: the same work
+    balanced). Both leave the random draws as they are: a run and its twin share their jitter.
     ``io_ms`` adds a FILE_READ of that length at the start of every iteration on
     every rank. ``killed_ranks`` stop recording half-way through, with the
     all-reduce they were inside of left in flight and no clean close.
@@ -118,6 +123,8 @@ def make_run(
     comp = compute_ms * MS + rng.uniform(-jitter_ms, jitter_ms, (iters, n)) * MS
     if slow_rank is not None:
         comp[::slow_every, np.atleast_1d(slow_rank)] += slow_ms * MS
+    comp[np.arange(iters), np.arange(iters) % n] += rotate_ms * MS
+    comp += spread_ms * MS
     comp = comp.astype(np.int64)
     io = np.full((iters, n), int(io_ms * MS), np.int64)
     start = np.zeros((iters, n), np.int64)
