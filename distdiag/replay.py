@@ -870,6 +870,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     done_rec = np.zeros(n_a, np.int64)  # per async member: its collective done, recorded and replayed
     done_new = np.zeros(n_a, np.int64)
     med_a = _launch_medians(m, slow) if (any_slow and W is not None and W.n_async) else None
+    mean_a = _launch_means(m) if (balance and W is not None and W.n_async) else None
     #: per event: a point-to-point event's arrival, replayed (its partners read it in its batch or later)
     p2p_new = np.zeros(len(W.rank), np.int64) if W is not None and W.p2p is not None else None
     p2p_cut = _p2p_cuts(W, change) if W is not None and p2p_new is not None and change is not None else None
@@ -891,6 +892,9 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
             if med_a is not None:  # a straggler's launch after its peers' median segment before it
                 med = np.where(is_l, med_a[np.maximum(a_i, 0)], -1)
                 seg = np.where((med >= 0) & slow[r] & started[r] & (seg > med), med, seg)
+            if mean_a is not None and bits & _HAS_LAUNCH:  # each launch after its group's mean segment
+                mean = np.where(is_l, mean_a[np.maximum(a_i, 0)], -1)
+                seg = np.where((mean >= 0) & started[r], mean, seg)
             hit = cuts.get(s) if change is not None else None
             if hit is not None:
                 seg = seg.copy()
@@ -1100,6 +1104,26 @@ def _launch_medians(m: Model, slow: np.ndarray) -> np.ndarray:
     the launch over the members whose ranks are not ``slow`` (-1 where none is, or none is slow):
     a straggler's launch at its peers' pace, as a blocking member's arrival. The segments come
     from one plain replay per model (:attr:`Waits.seg_ns`)."""
+    c = m.colls
+    g_w, sizes, mem, seg = _async_groups(m)
+    a_slow = slow[c.m_rank[mem]]
+    grp = np.repeat(np.arange(len(g_w), dtype=np.int64), sizes)
+    k = np.bincount(grp, weights=~a_slow, minlength=len(g_w)).astype(np.int64)  # the non-slow members
+    big = np.iinfo(np.int64).max
+    o = np.lexsort((np.where(a_slow, big, seg), grp))  # by group, the non-slow segments first
+    v = np.where(a_slow, big, seg)[o]
+    first = np.cumsum(sizes) - sizes
+    ok = (k > 0) & (k < sizes)
+    lo = first + np.maximum(k - 1, 0) // 2
+    hi = first + k // 2
+    med = np.where(ok, (v[np.minimum(lo, len(v) - 1)] + v[np.minimum(hi, len(v) - 1)]) // 2, -1)
+    return np.repeat(med, sizes)
+
+
+def _async_groups(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The replayed async groups in the async members' numbering (``a_off`` order): (the groups,
+    their sizes, each async member's member row, its recorded segment before its launch:
+    :attr:`Waits.seg_ns`, which the first call fills by one plain replay)."""
     W = m.waits
     assert W is not None
     c = m.colls
@@ -1110,18 +1134,20 @@ def _launch_medians(m: Model, slow: np.ndarray) -> np.ndarray:
     if W.seg_ns is None:
         _replay(m, None)  # fills W.seg_ns: each launch's recorded segment, as the loop reads it
     assert W.seg_ns is not None
-    a_slow = slow[c.m_rank[mem]]
-    grp = np.repeat(np.arange(len(g_w), dtype=np.int64), sizes)
-    k = np.bincount(grp, weights=~a_slow, minlength=len(g_w)).astype(np.int64)  # the non-slow members
-    big = np.iinfo(np.int64).max
-    o = np.lexsort((np.where(a_slow, big, W.seg_ns), grp))  # by group, the non-slow segments first
-    v = np.where(a_slow, big, W.seg_ns)[o]
+    return g_w, sizes, mem, W.seg_ns
+
+
+def _launch_means(m: Model) -> np.ndarray:
+    """Per async member (``a_off`` numbering): the mean of its group's recorded segments before
+    the launch, rounded down (a balanced counterfactual's launch, as :func:`_balanced` sets a
+    blocking member's arrival); -1 in a group whose members do not all wait for each other."""
+    g_w, sizes, _, seg = _async_groups(m)
     first = np.cumsum(sizes) - sizes
-    ok = (k > 0) & (k < sizes)
-    lo = first + np.maximum(k - 1, 0) // 2
-    hi = first + k // 2
-    med = np.where(ok, (v[np.minimum(lo, len(v) - 1)] + v[np.minimum(hi, len(v) - 1)]) // 2, -1)
-    return np.repeat(med, sizes)
+    nz = sizes > 0
+    mean = np.full(len(g_w), -1, np.int64)
+    mean[nz] = np.add.reduceat(seg, first[nz]) // sizes[nz]
+    mean[m.scheme[g_w] != _ALL] = -1
+    return np.repeat(mean, sizes)
 
 
 def _cuts_of_drops(m: Model, rank: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, ...]:

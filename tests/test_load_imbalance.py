@@ -145,3 +145,47 @@ def test_mpi_balanced_twin_has_no_finding_and_no_unexplained_wait(rotating: Twin
         assert [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall] == []
         cov = {c["category"]: c for c in rep.coverage}
         assert "comm_wait_s" not in cov, cov
+
+
+# ---------------------------------------------------------------------------------------------
+# a real DDP job (gloo): the imbalance shows at the gradient buckets' launches
+
+
+DDP_JOB = Path(__file__).resolve().parent / "jobs" / "torch_ddp.py"
+
+
+def run_ddp(d: Path, faulty: bool) -> float:
+    """2 ranks under torchrun through distdiag.wrap, 30 steps: 40 ms more on rank step % 2 (faulty) or
+    20 ms more on both (the twin); the loop's wall-clock between two barriers."""
+    import json
+    import os
+
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "distdiag.wrap", str(DDP_JOB), "--out", str(d / "out"), "--steps", "30", "--batch", "8", "--timed",
+           "--rotate-ms" if faulty else "--spread-ms", "40"]  # fmt: skip
+    env = dict(os.environ, DISTDIAG_DIR=str(d / "run"), DISTDIAG_HOOKS="fileio=0", PYTHONUNBUFFERED="1")
+    run_in_session(cmd, 400, cwd=d, env=env, check=True, merged=True)
+    return float(json.loads((d / "out" / "rank0.json").read_text())["loop_s"])
+
+
+@pytest.fixture(scope="module")
+def ddp_rotating(tmp_path_factory: pytest.TempPathFactory) -> Twins[Report]:
+    pytest.importorskip("torch")
+    twins = measure_twins(tmp_path_factory.mktemp("ddp_rotating"), run_ddp, pairs=2)
+    return twins.map(lambda d: analyze(d / "run", Config()))
+
+
+@pytest.mark.torch
+def test_ddp_imbalance_at_the_buckets_is_found_and_priced(ddp_rotating: Twins[Report]) -> None:
+    costs = []
+    for rep in ddp_rotating.faulty:
+        top = rep.verdict
+        assert top is not None and top.kind == "load_imbalance", [(f.kind, f.cost_s) for f in rep.findings]
+        assert top.evidence["replay"]["saving_s"] == pytest.approx(top.cost_s)  # priced by the replay
+        costs.append(top.cost_s)
+    print(f"DDP load_imbalance priced {', '.join(f'{c:.3f}' for c in costs)} s: {ddp_rotating.saving}")
+    assert_prices_median(ddp_rotating.saving, costs, rel=0.25, what="DDP load_imbalance cost")
+    for rep in ddp_rotating.healthy:
+        wall = float(rep.run.wall_s)
+        assert [(f.kind, f.cost_s) for f in rep.findings if f.kind == "load_imbalance" or f.cost_s > 0.02 * wall] == []

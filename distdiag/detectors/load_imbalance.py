@@ -8,16 +8,18 @@ mesh partition, a rotating duty), a different one each time, so every rank is la
 as often and the straggler detector rightly names none. The ranks then spend much of the
 run waiting in collectives that no finding explained, and the report said "healthy".
 
-Measure: at each collective every member waits for (all-reduce, barrier, all-gather, ...),
-each member's *work* is its own time since its previous blocking collective
-(:func:`distdiag.match.member_gaps_ns`). The collective costs the job ``max - mean`` of
+Measure: at each collective every member waits for (all-reduce, barrier, all-gather, ...,
+blocking or not: a DDP job's gradient buckets), each member's *work* is its own time since
+its previous collective's exit, a non-blocking one's completion included
+(:func:`distdiag.match.member_gaps_ns` with ``async_exits``). The collective costs the job ``max - mean`` of
 its members' work: with the same work spread evenly, every member would arrive at the
 mean. Over the run, the load balance is ``sum(mean) / sum(max)`` (the POP Centre of
 Excellence's load-balance efficiency, here per collective: 1 is perfectly balanced).
 
 Counterfactual (the price, :class:`distdiag.replay.Change` ``balance``): at each such
 collective the members' work before it at their mean (the work rebalanced, its total
-kept), replayed. The detector's own price, ``sum(max - mean)``, is the check beside it.
+kept), replayed; a non-blocking collective's members launch after their group's mean
+segment. The detector's own price, ``sum(max - mean)``, is the check beside it.
 
 Worked example: 4 ranks compute 20 ms a step, and at step i rank ``i % 4`` computes
 40 ms more. Each all-reduce waits for a 60 ms rank while the others did 20 ms: the mean
@@ -26,14 +28,14 @@ is 30 ms, so each step costs 30 ms; 40 steps cost 1.2 s, the load balance is 30/
 ran 1.19 s shorter.
 
 Not in scope: the rooted one-to-many and many-to-one collectives (bcast, reduce: whether
-a member's lateness holds anyone depends on the root), non-blocking collectives and
-point-to-point calls (a DDP job's buckets); each rank's first collective (launch skew:
-``startup``, ``launch_overhead``).
+a member's lateness holds anyone depends on the root), point-to-point calls (a halo
+exchange's imbalance stays in the coverage's line), each rank's first collective (launch
+skew: ``startup``, ``launch_overhead``).
 
 Reported when the load balance is under ``max_balance`` (0.8; the line under which
 POP's reports flag an efficiency: a healthy run of 4 ranks with ±1 ms of jitter on 5 ms
 of work measured 0.89), the price is ``min_fraction`` (0.05) of the wall-clock, and no
-rank takes ``max_top_share`` (0.5) of it (a rank late most of the time is a straggler or
+rank takes ``max_top_share`` (0.67) of it (a rank late most of the time is a straggler or
 a serial section, which their detectors price). The ranking removes it after every other
 cause (``Role.removal`` 4): it keeps only what they leave.
 Settings (``[analyze.load_imbalance]``): ``max_balance``, ``min_fraction``, ``max_top_share``.
@@ -73,17 +75,19 @@ def detect(an: Analysis) -> list[Finding]:
         return []
     max_balance = float(cfg.value("load_imbalance", "max_balance", 0.8))
     min_fraction = float(cfg.value("load_imbalance", "min_fraction", 0.05))
-    max_top_share = float(cfg.value("load_imbalance", "max_top_share", 0.5))
+    max_top_share = float(cfg.value("load_imbalance", "max_top_share", 0.67))
 
     sizes = np.diff(colls.g_start)
-    blocking = np.zeros(len(colls), bool)
+    coll = np.zeros(len(colls), bool)
     nz = sizes > 0
-    blocking[nz] = colls.m_kind[colls.g_start[:-1][nz]] == Kind.COLL  # a group's members share their kind
-    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & blocking
+    kind = colls.m_kind[colls.g_start[:-1][nz]]  # a group's members share their kind
+    coll[nz] = (kind == Kind.COLL) | (kind == Kind.COLL_ASYNC)
+    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & coll
     ok &= ~startup_groups(colls) & (wait_scheme(run, colls) == EVERY_MEMBER)
     if not ok.any():
         return []
-    gs, mx, mean, top = _most_loaded(colls, np.asarray(member_gaps_ns(run, colls)), ok)
+    # a DDP step's work begins where its previous step's buckets completed
+    gs, mx, mean, top = _most_loaded(colls, np.asarray(member_gaps_ns(run, colls, async_exits=True)), ok)
     excess = np.maximum(mx - mean, 0.0)
     cost_s = float(excess.sum()) / 1e9
     balance = float(mean.sum() / mx.sum()) if mx.sum() > 0 else 1.0

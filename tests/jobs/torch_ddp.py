@@ -7,6 +7,10 @@ nothing hides it), ``--slow-rank R --slow-iters K`` makes rank R do K extra
 matrix products per step before its backward. Each rank writes
 ``<out>/rank<r>.json`` with its losses and what it checked.
 
+``--rotate-ms X``: rank ``step % world`` sleeps X ms more before its forward (a load imbalance
+that moves between ranks); ``--spread-ms X``: every rank sleeps X / world ms more (the same
+work, balanced: its twin).
+
 ``--timed``: a barrier before the loop and one after it, so each rank's
 ``loop_s`` is the job's loop wall-clock between two synchronizations: what a
 test compares with the same job run without its fault (tests/truth.py).
@@ -36,6 +40,8 @@ ap.add_argument("--width", type=int, default=256)
 ap.add_argument("--sleep-ms", type=float, default=0.0)
 ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-iters", type=int, default=0)
+ap.add_argument("--rotate-ms", type=float, default=0.0)
+ap.add_argument("--spread-ms", type=float, default=0.0)
 ap.add_argument("--user-hook", action="store_true")
 ap.add_argument("--bucket-mb", type=float, default=0.0, help="DDP bucket_cap_mb (0: torch's default)")
 ap.add_argument("--timed", action="store_true", help="barriers around the loop: loop_s is the job's wall-clock")
@@ -111,7 +117,11 @@ losses = []
 if args.timed:
     dist.barrier()
 t_start = time.perf_counter()
-for x, y in loader:
+for step, (x, y) in enumerate(loader):
+    if args.rotate_ms and step % world == rank:
+        time.sleep(args.rotate_ms / 1000.0)
+    if args.spread_ms:
+        time.sleep(args.spread_ms / 1000.0 / world)
     opt.zero_grad()
     out = ddp(x)
     if rank == args.slow_rank:
