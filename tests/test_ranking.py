@@ -141,6 +141,29 @@ def test_healthy_job_says_so_plainly(tmp_path: Path) -> None:
     assert first.startswith("VERDICT: healthy"), text
 
 
+def test_a_run_held_by_what_no_finding_explains_is_not_called_healthy(tmp_path: Path) -> None:
+    """"Healthy" means nothing holds the run: collective transfers of 0.9 ms after 2 ms of work
+    (under network_bound's 1 ms a transfer) hold a third of it, and no detector prices them."""
+    from distdiag.render.html import HtmlRenderer
+    from distdiag.render.fmt import unpriced_binding
+    from factories import make_run
+
+    make_run(tmp_path / "r", iters=100, compute_ms=2.0, transfer_ms=0.9)
+    rep = analyze(tmp_path / "r", Config())
+    assert rep.findings == [], [(f.kind, f.cost_s) for f in rep.findings]
+    c = unpriced_binding(rep)
+    assert c is not None and c["category"] == "comm_transfer_s" and c["share"] > 0.25, rep.coverage
+    first = TextRenderer(color=False).render(rep).splitlines()[2]
+    assert first.startswith(f"VERDICT: no cause priced -- yet collective transfer holds {c['share']:.0%} of rank"), first
+    page = HtmlRenderer().render(rep)
+    assert "No cause priced" in page and "Healthy." not in page
+    # compute holding the run is what a balanced job looks like: that one stays healthy
+    make_run(tmp_path / "c", iters=100, compute_ms=5.0, transfer_ms=0.3)
+    rep = analyze(tmp_path / "c", Config())
+    assert unpriced_binding(rep) is None and [c["category"] for c in rep.coverage if c["binds"]] == ["compute_s"]
+    assert TextRenderer(color=False).render(rep).splitlines()[2].startswith("VERDICT: healthy.")
+
+
 def test_text_report_puts_the_verdict_first_with_the_next_one(tmp_path: Path) -> None:
     sim = simulate(tmp_path / "r", serial=(0, 40.0, 5), slow=(2, 1.5))
     rep = analyze(sim.run_dir, Config())

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from distdiag.breakdown import COLUMNS, LABELS
-from distdiag.render.fmt import fmt_s, short_list
+from distdiag.render.fmt import fmt_s, short_list, unpriced_binding
 from distdiag.schema import FILE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,15 @@ class HtmlRenderer:
         run = report.run
         if f is None:
             thr = report.config.min_fraction
+            c = unpriced_binding(report)
+            if c is not None:  # nothing priced, yet something other than compute holds the run
+                share = f"{float(c['share']):.0%}"
+                return (
+                    f'<div class="verdict"><b class="k">No cause priced</b> &mdash; yet '
+                    f"{e(LABELS.get(c['category'], c['category']))} holds {e(share)} of rank "
+                    f"{e(c['rank'])}'s wall-clock ({e(fmt_s(c['seconds']))}), which no finding explains: "
+                    f"{e(c['binds'])}.</div>"
+                )
             return (
                 '<div class="verdict healthy"><b class="k">Healthy.</b> No cause costs more than '
                 f"{e(f'{thr:.0%}')} of the {e(fmt_s(run.wall_s))} wall-clock.</div>"

@@ -31,7 +31,7 @@ import numpy as np
 
 from distdiag.breakdown import COLUMNS, LABELS, step_breakdown, step_summary
 from distdiag.ranking import outlook
-from distdiag.render.fmt import escape_controls, fmt_s, short_list
+from distdiag.render.fmt import escape_controls, fmt_s, short_list, unpriced_binding
 
 if TYPE_CHECKING:
     from distdiag.run import Run
@@ -158,11 +158,19 @@ class TextRenderer:
         run = report.run
         if f is None:
             thr = report.config.min_fraction
-            out = [
-                self._c("healthy", "VERDICT: healthy.")
-                + f" No cause costs more than {thr:.0%} of the {fmt_s(run.wall_s)} wall-clock "
-                "(no straggler, no serial section, no I/O, input or link bottleneck found)."
-            ]
+            c = unpriced_binding(report)
+            if c is None:
+                out = [
+                    self._c("healthy", "VERDICT: healthy.")
+                    + f" No cause costs more than {thr:.0%} of the {fmt_s(run.wall_s)} wall-clock "
+                    "(no straggler, no serial section, no I/O, input or link bottleneck found)."
+                ]
+            else:  # nothing priced, yet something other than compute holds the run: not "healthy"
+                out = [
+                    self._c("verdict", "VERDICT: no cause priced")
+                    + f" -- yet {LABELS.get(c['category'], c['category'])} holds {c['share']:.0%} of rank "
+                    f"{c['rank']}'s wall-clock ({fmt_s(c['seconds'])}), which no finding explains (see binds below)"
+                ]
             out.append("  time went to: " + self._shares(report))
             return out
         out = [self._c("verdict", f"VERDICT: {f.kind}") + f" -- {f.summary}"]
