@@ -58,7 +58,9 @@ from distdiag.schema import Kind
 ADVICE = (
     "spread the work of each step evenly over the ranks: partition by cost rather than by count (bucket or "
     "pack variable-length samples by length, weight mesh partitions by their work), hand out work "
-    "dynamically, or give the rank that has the extra duty this step less of the shared work"
+    "dynamically, or give the rank that has the extra duty this step less of the shared work; if every "
+    "rank is given the same work, the variation is the machine's (OS noise, frequency scaling, memory "
+    "placement): pin the ranks to cores and keep system services off them"
 )
 
 COUNTERFACTUAL = (
