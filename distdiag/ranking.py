@@ -328,7 +328,8 @@ def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config) -> 
         else:
             ok = v[i] - kept <= share_min * wall[i]
         if not by and kept > 0 and ok:
-            what = {"startup_s": "imports", "io_s": "imports' file calls", "other_s": "MPI_Init"}.get(col, col)
+            what = {"startup_s": "imports", "io_s": "imports' file calls", "other_s": "MPI_Init",
+                    "comm_wait_s": "the wait at the first collective for the last rank's imports"}.get(col, col)
             by.append(f"startup floor: {what} ({kept:.3g} s, kept by the startup counterfactual)")
         out.append({"category": col, "share": round(float(sh[i]), 4), "rank": rank, "seconds": round(float(v[i]), 4),
                     "explained_by": by, "binds": None if by else BINDS.get(col)})  # fmt: skip
