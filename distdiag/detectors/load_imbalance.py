@@ -105,7 +105,7 @@ def detect(an: Analysis) -> list[Finding]:
     last_row = colls.g_start[1:][gs] - 1  # the groups' last arrivers' rows: their op and call site
     summary = (
         f"load imbalance: at {len(gs)} collectives the ranks waited for the most-loaded member, "
-        f"{n_top} different ranks in turn (none more than {top_share:.0%} of the time); "
+        f"{n_top} different ranks in turn (none holding more than {top_share:.0%} of the wait); "
         f"the work between collectives is balanced to {balance:.0%} (mean / max), and spread evenly "
         f"it would save {secs(cost_s)}"
     )
