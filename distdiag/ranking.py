@@ -329,11 +329,20 @@ def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config) -> 
             ok = v[i] - kept <= share_min * wall[i]
         if not by and kept > 0 and ok:
             what = {"startup_s": "imports", "io_s": "imports' file calls", "other_s": "MPI_Init",
-                    "comm_wait_s": "the wait at the first collective for the last rank's imports"}.get(col, col)
+                    "comm_wait_s": "the wait at the first collective for the last rank's imports and MPI_Init"}.get(col, col)
             by.append(f"startup floor: {what} ({kept:.3g} s, kept by the startup counterfactual)")
         out.append({"category": col, "share": round(float(sh[i]), 4), "rank": rank, "seconds": round(float(v[i]), 4),
                     "explained_by": by, "binds": None if by else BINDS.get(col)})  # fmt: skip
     return out
+
+
+def unpriced_binding(cov: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The costliest entry of a :func:`coverage` that holds a rank's run with no finding to explain
+    it, compute aside (a balanced job that computes most of the time is a healthy one); None when
+    there is none. With no finding, such a category means the job is not healthy, only unpriced:
+    the renderers' verdict says so instead of "healthy"."""
+    got = [c for c in cov if c.get("binds") and c.get("category") != "compute_s"]
+    return max(got, key=lambda c: float(c["share"])) if got else None
 
 
 def _charge_lost_runs(findings: list[Finding], run: Run, wall_s: float) -> None:

@@ -62,15 +62,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from distdiag import intervals, links
+from distdiag.lateness import EVERY_MEMBER, FROM_ROOT, root_world_ranks, wait_scheme
 from distdiag.match import Collectives, by_rank_in_order
 from distdiag.schema import Kind
 
 if TYPE_CHECKING:
     from distdiag.run import Run
-
-#: member roles: whom a member waits for
-_ALL, _ROOT, _SELF, _EVERYONE_AT_ROOT = 0, 1, 2, 3
-
 
 @dataclass(frozen=True)
 class Change:
@@ -92,11 +89,12 @@ class Change:
     out of the segments they fall in, or out of the rank's tail after its last
     rendezvous (a serial section's lone windows, a storm's blocked time, a loader's waits).
     Time is dropped as rank-time, never as a length cut from a segment, so that two causes
-    claiming the same stretch count it once (:meth:`plus`). ``balance``: at each blocking
-    collective every member waits for (all-reduce, barrier, all-gather, ...: not the rooted
-    one-to-many and many-to-one ones, where who waits depends on the root), the members'
-    segments before it run at their mean (the same work spread evenly over the members: a
-    load imbalance rebalanced; the first collective of each rank, launch skew, is kept)."""
+    claiming the same stretch count it once (:meth:`plus`). ``balance``: at each collective
+    every member waits for (all-reduce, barrier, all-gather, ...: not the rooted one-to-many
+    and many-to-one ones, where who waits depends on the root), the members' segments before
+    it run at their mean (the same work spread evenly over the members: a load imbalance
+    rebalanced; each rank's segment before its first rendezvous, launch skew, is kept); a
+    non-blocking one's members launch after their group's mean recorded segment."""
 
     what: str
     median_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -148,7 +146,7 @@ class Change:
         """True when the change alters something the replay replays (else it would price 0 wrongly)."""
         if len(self.median_ranks) or len(self.drop_rank):
             return True
-        if self.balance and bool((m.scheme[m.order] == _ALL).any()):
+        if self.balance and bool((m.scheme[m.order] == EVERY_MEMBER).any()):
             return True
         if len(self.p2p_rows) and m.waits is not None and len(m.waits.p2p_rows):
             if bool(np.isin(self.p2p_rows[self.p2p_cut_ns > 0], m.waits.p2p_rows).any()):
@@ -221,7 +219,7 @@ class Model:
     colls: Collectives
     #: the groups replayed, in replay order
     order: np.ndarray
-    #: per group: the member role scheme (0 all, 1 one-to-many, 2 many-to-one) and the root's world rank
+    #: per group: whom its members wait for (:func:`distdiag.lateness.wait_scheme`) and the root's world rank
     scheme: np.ndarray
     root: np.ndarray
     #: indexed by rank: the rank's start and end (ns), True where the rank is in the run
@@ -261,7 +259,6 @@ class Model:
 
 def model(run: Run, colls: Collectives) -> Model:
     """The replay model of ``run`` (aligned) from its matched collectives."""
-    from distdiag.lateness import root_world_ranks, wait_scheme
     from distdiag.match import MatchState
 
     start, end = run.rank_bounds()
@@ -957,7 +954,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                     if sl.any() and not sl.all():
                         pace = _median(seg[~sl])
                         seg = np.where(sl & (seg > pace), np.int64(pace), seg)
-                if balance and scheme[g] == _ALL:
+                if balance and scheme[g] == EVERY_MEMBER:
                     seg = _balanced(seg, started[r])
                 hit = cuts.get(s)
                 if hit is not None:
@@ -966,7 +963,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                     np.maximum(seg, 0, out=seg)
             arr_new = new_last[r] + seg
         sch = int(scheme[g])
-        if sch == _ALL:
+        if sch == EVERY_MEMBER:
             ref_rec = np.full(len(r), t0.max())
             ref_new = np.full(len(r), arr_new.max())
         else:
@@ -974,7 +971,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
             if not at_root.any():  # the root never came: as every member
                 ref_rec = np.full(len(r), t0.max())
                 ref_new = np.full(len(r), arr_new.max())
-            elif sch == 1:  # one-to-many: a non-root waits for the root
+            elif sch == FROM_ROOT:  # one-to-many: a non-root waits for the root
                 k = int(np.argmax(at_root))
                 ref_rec = np.maximum(t0, t0[k])
                 ref_new = np.maximum(arr_new, arr_new[k])
@@ -1140,13 +1137,15 @@ def _async_groups(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 def _launch_means(m: Model) -> np.ndarray:
     """Per async member (``a_off`` numbering): the mean of its group's recorded segments before
     the launch, rounded down (a balanced counterfactual's launch, as :func:`_balanced` sets a
-    blocking member's arrival); -1 in a group whose members do not all wait for each other."""
+    blocking member's arrival); -1 in a group whose members do not all wait for each other.
+    Unlike a blocking group's, the mean is over every member: a group's members are past their
+    first rendezvous alike (a DDP step's buckets), and the loop applies it only to those that are."""
     g_w, sizes, _, seg = _async_groups(m)
     first = np.cumsum(sizes) - sizes
     nz = sizes > 0
     mean = np.full(len(g_w), -1, np.int64)
     mean[nz] = np.add.reduceat(seg, first[nz]) // sizes[nz]
-    mean[m.scheme[g_w] != _ALL] = -1
+    mean[m.scheme[g_w] != EVERY_MEMBER] = -1
     return np.repeat(mean, sizes)
 
 

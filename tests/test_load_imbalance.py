@@ -143,8 +143,9 @@ def test_mpi_balanced_twin_has_no_finding_and_no_unexplained_wait(rotating: Twin
     for rep in rotating.healthy:
         wall = float(rep.run.wall_s)
         assert [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall] == []
+        # waiting, if it holds 10% of a rank's run (the first Barrier's launch skew under load), is explained
         cov = {c["category"]: c for c in rep.coverage}
-        assert "comm_wait_s" not in cov, cov
+        assert "comm_wait_s" not in cov or cov["comm_wait_s"]["binds"] is None, cov
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,50 +191,3 @@ def test_ddp_imbalance_at_the_buckets_is_found_and_priced(ddp_rotating: Twins[Re
         wall = float(rep.run.wall_s)
         assert [(f.kind, f.cost_s) for f in rep.findings if f.kind == "load_imbalance" or f.cost_s > 0.02 * wall] == []
 
-
-def _startup_run(d: Path, wait_at: int, setup_ms: int = 0) -> None:
-    """2 ranks: 100 ms of imports (500 module stats), then 10 all-reduces 150 ms apart. Rank 0
-    waits 0.4 s in all-reduce ``wait_at``: the first, where rank 1 imports 0.5 s; or a later
-    one, before which rank 1 works 0.4 s longer. ``setup_ms``: rank 0's setup between its imports
-    and its first all-reduce (it then waits that much less there)."""
-    from distdiag.schema import Kind
-    from factories import write_rank
-
-    ms = 1_000_000
-    strings = ["", "Allreduce", "world", "job.py:9", "/usr/lib/python3/m.py"]
-    late = {r: [0] * 10 for r in range(2)}
-    late[1][wait_at] = 400 * ms
-    for r in range(2):
-        imp = 100 * ms + late[r][0]
-        rows = [(k * imp // 500, (k + 1) * imp // 500 - 1000, Kind.FILE_STAT, 4, 0, -1, -1, 0, 0, 3, 0, 0.0)
-                for k in range(500)]  # fmt: skip
-        t = 0  # the previous all-reduce's exit, the same on both ranks
-        for i in range(10):
-            work = 100 * ms if i == 0 else 150 * ms
-            arrive = t + work + late[r][i] + (setup_ms * ms if (r == 0 and i == 0) else 0)
-            exit_ = t + work + max(late[0][i], late[1][i]) + ms
-            rows.append((arrive, exit_, Kind.COLL, 1, 2, i, -1, 64, 0, 3, 0, 0.0))
-            t = exit_
-        write_rank(d, r, 2, rows, strings, end_mono_ns=t + 10 * ms, last_flush_mono_ns=t + 10 * ms)
-
-
-@pytest.mark.parametrize("wait_at", [0, 5])
-def test_the_wait_at_the_first_collective_for_anothers_imports_is_the_startup_floors(tmp_path: Path,
-                                                                                     wait_at: int) -> None:
-    from distdiag.startup_floor import floor_of
-
-    _startup_run(tmp_path / "s", 0, setup_ms=300)  # the floors 0.4 s apart, but rank 0 waited 0.1 s
-    kept = floor_of(analyze(tmp_path / "s", Config()).run, Config()).kept  # type: ignore[union-attr]
-    assert kept[0]["comm_wait_s"] == pytest.approx(0.1, abs=0.01)
-    _startup_run(tmp_path / "r", wait_at)
-    rep = analyze(tmp_path / "r", Config())
-    kept = floor_of(rep.run, Config()).kept  # type: ignore[union-attr]
-    wait = {c["category"]: c for c in rep.coverage}["comm_wait_s"]
-    assert wait["rank"] == 0 and wait["seconds"] == pytest.approx(0.4, abs=0.01), rep.coverage
-    if wait_at == 0:  # kept by the startup counterfactual: rank 1's imports are its floor
-        assert kept[0]["comm_wait_s"] == pytest.approx(0.4, abs=0.01) and kept[1]["comm_wait_s"] == 0.0
-        assert wait["explained_by"][0].startswith("startup floor: the wait at the first collective"), wait
-        assert wait["binds"] is None
-    else:  # the same wait later in the run is no startup's: nothing of it kept
-        assert kept[0]["comm_wait_s"] == 0.0 and kept[1]["comm_wait_s"] == 0.0
-        assert not any(str(x).startswith("startup floor") for x in wait["explained_by"]), wait

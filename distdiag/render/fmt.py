@@ -47,11 +47,3 @@ def short_list(xs: list[Any], limit: int, sep: str = ", ") -> str:
     s = sep.join(str(x) for x in xs[:limit])
     return s + (f"{sep}+{len(xs) - limit}" if len(xs) > limit else "")
 
-
-def unpriced_binding(report: Any) -> dict[str, Any] | None:
-    """The costliest category of the report's coverage that holds a rank's run with no finding
-    to explain it, compute aside (a balanced job that computes most of the time is a healthy one:
-    :data:`distdiag.ranking.BINDS`); None when there is none. With no finding, such a category
-    means the job is not healthy, only unpriced: the verdict says so instead of "healthy"."""
-    got = [c for c in getattr(report, "coverage", None) or [] if c.get("binds") and c.get("category") != "compute_s"]
-    return max(got, key=lambda c: float(c["share"])) if got else None

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from distdiag.breakdown import COLUMNS, LABELS
-from distdiag.render.fmt import fmt_s, short_list, unpriced_binding
+from distdiag.ranking import unpriced_binding
+from distdiag.render.fmt import fmt_s, short_list
 from distdiag.schema import FILE_KINDS, Kind
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class HtmlRenderer:
         run = report.run
         if f is None:
             thr = report.config.min_fraction
-            c = unpriced_binding(report)
+            c = unpriced_binding(getattr(report, "coverage", None) or [])
             if c is not None:  # nothing priced, yet something other than compute holds the run
                 share = f"{float(c['share']):.0%}"
                 return (

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 
 from distdiag.breakdown import COLUMNS, LABELS, step_breakdown, step_summary
-from distdiag.ranking import outlook
-from distdiag.render.fmt import escape_controls, fmt_s, short_list, unpriced_binding
+from distdiag.ranking import outlook, unpriced_binding
+from distdiag.render.fmt import escape_controls, fmt_s, short_list
 
 if TYPE_CHECKING:
     from distdiag.run import Run
@@ -158,7 +158,7 @@ class TextRenderer:
         run = report.run
         if f is None:
             thr = report.config.min_fraction
-            c = unpriced_binding(report)
+            c = unpriced_binding(getattr(report, "coverage", None) or [])
             if c is None:
                 out = [
                     self._c("healthy", "VERDICT: healthy.")
