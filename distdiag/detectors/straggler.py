@@ -85,9 +85,9 @@ from distdiag.findings import Finding
 from distdiag.intervals import band_of
 from distdiag.evidence import secs, tally
 from distdiag.lateness import charged_windows, host_indices, nobody_waits, other_host_last_ns_from, own_lateness_ns, startup_groups
-from distdiag.match import MatchState, group_blocks
+from distdiag.match import MatchState, group_blocks, member_gaps_ns
 from distdiag.ranks import rank_ranges
-from distdiag.replay import Change
+from distdiag.replay import Change, peer_excess
 
 if TYPE_CHECKING:
     from distdiag.match import Collectives
@@ -148,6 +148,9 @@ def detect(an: Analysis) -> list[Finding]:
             continue
         blamed.append((r, peer_median_ns))
     rank_ops = _ops_per_rank(colls, complete, [r for r, _ in blamed])
+    slow = np.zeros(n, bool)  # the blamed ranks: no rank's typical peer is one of them
+    slow[[r for r, _ in blamed]] = True
+    like = _like_peers(run, colls, ok, slow, [r for r, _ in blamed])
 
     findings = []
     ev = run.events
@@ -196,9 +199,10 @@ def detect(an: Analysis) -> list[Finding]:
                     "top_sites": by_site,
                 },
                 change=Change(f"rank {r}'s work before each collective at the other members' median"
+                              + (" plus a typical peer's excess over it" if r in like else "")
                               + (", and before each point-to-point call at that of the ranks calling from the same line"
                                  if p_mine.any() else ""),
-                              median_ranks=np.array([r], np.int64)),
+                              median_ranks=np.array([r], np.int64), like_peers={r: like[r]} if r in like else {}),
                 advice=(
                     f"Find what rank {r}{' on ' + host if host else ''} does before its "
                     f"{'point-to-point calls and collectives' if p_mine.any() else 'collectives'}{where} "
@@ -481,6 +485,10 @@ def _fold_hosts(
     if not blamed:
         return rank_findings
     n_part = _hosts_per_group(colls, host_of_rank, use, len(hosts), [h for h, _, _ in blamed])
+    slow = np.zeros(len(rank_cost_ns), bool)  # every blamed rank and host: a typical peer is none of them
+    slow[[r for f in rank_findings for r in f.ranks if r < len(slow)]] = True
+    for _, _, ranks_here in blamed:
+        slow[ranks_here] = True
 
     out_hosts: list[Finding] = []
     folded: set[int] = set()
@@ -514,7 +522,9 @@ def _fold_hosts(
                     "level": "host",
                 },
                 change=Change(f"the work of host {hosts[h]}'s ranks before each collective at the other "
-                              "members' median", median_ranks=np.asarray(ranks_here, np.int64)),
+                              "members' median plus a typical peer's excess over it",
+                              median_ranks=np.asarray(ranks_here, np.int64),
+                              like_peers=_like_peers(run, colls, ok, slow, ranks_here)),
                 advice=(
                     f"Every rank on {hosts[h]} is late, not one: look at the node (a slower or throttled CPU/GPU, "
                     "other jobs on it, a slower file system mount, a different software stack)."
@@ -523,6 +533,56 @@ def _fold_hosts(
         )
         folded.update(ranks_here)
     return out_hosts + [f for f in rank_findings if f.ranks[0] not in folded]
+
+
+#: groups sampled per straggler for its excess table (:func:`_like_peers`): ~5 per quantile
+_TABLE_GROUPS = 512
+
+
+def _like_peers(run: Run, colls: Collectives, ok: np.ndarray, slow: np.ndarray,
+                ranks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per rank of ``ranks``: the table mapping its excess over the median of the members that
+    are not ``slow`` (its work since its previous collective, :func:`distdiag.match.member_gaps_ns`,
+    minus theirs) to those members' own excess over it (:func:`distdiag.replay.peer_excess`), read
+    off up to ``_TABLE_GROUPS`` of its ``ok`` groups evenly spread over the run. The replay then
+    takes the rank to a typical peer's pace, not to the median at every collective: a peer
+    also takes its turns at a duty that rotates, and is sometimes last by jitter."""
+    gaps = member_gaps_ns(run, colls, async_exits=True)
+    gs = colls.g_start
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for r in ranks:  # the blamed ranks: few
+        rows = np.flatnonzero(colls.m_rank == r)
+        g = np.searchsorted(gs, rows, side="right") - 1
+        keep = ok[g]
+        rows, g = rows[keep], g[keep]
+        if len(g) == 0:
+            continue
+        pick = np.unique(np.linspace(0, len(g) - 1, min(len(g), _TABLE_GROUPS)).round().astype(np.int64))
+        rows, g = rows[pick], g[pick]
+        sizes = (gs[g + 1] - gs[g]).astype(np.int64)
+        mem = np.repeat(gs[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+        grp = np.repeat(np.arange(len(g), dtype=np.int64), sizes)
+        peer = ~slow[colls.m_rank[mem]]
+        pace, has = _group_medians(gaps[mem][peer], grp[peer], len(g))
+        own = gaps[rows][has] - pace[has]
+        on = peer & has[grp]
+        peers = gaps[mem][on] - pace[grp[on]]
+        if len(own) and len(peers):
+            out[r] = peer_excess(own, peers)
+    return out
+
+
+def _group_medians(v: np.ndarray, grp: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group ``0..n-1``: the median of its values ``v`` (``grp`` says whose each is) and
+    whether it has any."""
+    o = np.lexsort((v, grp))
+    v, k = v[o].astype(np.float64), np.bincount(grp, minlength=n)
+    first = np.cumsum(k) - k
+    has = k > 0
+    lo = np.minimum(first + np.maximum(k - 1, 0) // 2, max(len(v) - 1, 0))
+    hi = np.minimum(first + k // 2, max(len(v) - 1, 0))
+    med = np.where(has, (v[lo] + v[hi]) / 2, 0.0) if len(v) else np.zeros(n)
+    return med, has
 
 
 def _hosts_per_group(colls: Collectives, host_of_rank: np.ndarray, use: np.ndarray, n_hosts: int,

@@ -2,8 +2,9 @@
 
 Every rank computes ``--work-s`` a step, then all-reduces; ``--extra-s`` of work more goes
 each step to rank ``step % size`` (``--rotate``), or is spread evenly over every rank
-(``--even``: the same total work, balanced; the healthy twin), or to nobody. Rank 0 prints
-``loop <s> s``: the first Barrier to the last.
+(``--even``: the same total work, balanced; the healthy twin), or to nobody. ``--slow-rank R
+--slow-s X``: rank R also works X s more every step (a straggler beside the imbalance). Rank 0
+prints ``loop <s> s``: the first Barrier to the last.
 """
 
 import argparse
@@ -26,6 +27,8 @@ def main() -> None:
     how = ap.add_mutually_exclusive_group()
     how.add_argument("--rotate", action="store_true")
     how.add_argument("--even", action="store_true")
+    ap.add_argument("--slow-rank", type=int, default=-1)
+    ap.add_argument("--slow-s", type=float, default=0.0)
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -38,6 +41,8 @@ def main() -> None:
             s += a.extra_s
         elif a.even:
             s += a.extra_s / size
+        if rank == a.slow_rank:
+            s += a.slow_s
         work(s)
         comm.Allreduce(MPI.IN_PLACE, x)
     comm.Barrier()
