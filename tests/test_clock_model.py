@@ -175,7 +175,9 @@ def test_alignment_is_what_makes_the_straggler_analysis_right(tmp_path: Path) ->
     rep = analyze_run(load_run(sim.run_dir), cfg)
     strag = [f for f in rep.findings if f.kind == "straggler"]
     assert [f.ranks for f in strag] == [[2]]
-    assert strag[0].cost_s == pytest.approx(sim.straggler_cost_s(2), rel=0.001)
+    # its lateness summed, within 2%: the replay's price takes rank 2 to a typical peer's pace,
+    # last now and then by the +-1 ms jitter, which saves 1% less than the lateness
+    assert strag[0].cost_s == pytest.approx(sim.straggler_cost_s(2), rel=0.02)
     # Without alignment rank 1 (clock 0.5 s ahead) "arrives last" everywhere
     # and hides the real straggler. (It is not blamed either: it also "leaves"
     # every collective 0.5 s late, which the straggler discounts as inherited.)
