@@ -266,7 +266,7 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     kids = _children(findings, run, cfg)
     # never silent: each category above 10% of a rank's wall, and what explains it (distdiag/ranking.py)
     return Report(run=run, findings=findings, breakdown=bd, collectives=colls, config=cfg, slurm=slurm_view,
-                  coverage=coverage(findings, bd, run, cfg), children=kids)  # fmt: skip
+                  coverage=coverage(findings, bd, run, cfg, colls), children=kids)  # fmt: skip
 
 
 #: an input-bound rank's advice names the file system when each of its loader processes spent

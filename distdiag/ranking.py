@@ -264,8 +264,8 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "startup_s": ("startup", "launch_overhead"),
     "comm_wait_s": ("straggler", "serial_section", "input_bound", "h2d_copy", "metadata_storm", "io_bandwidth",
                     "io_bound", "startup", "slow_link", "network_bound", "hang", "collective_mismatch",
-                    "launch_overhead", "compute_bound", "load_imbalance"),
-    "comm_transfer_s": ("network_bound", "slow_link"),
+                    "launch_overhead", "compute_bound", "load_imbalance", "small_collectives"),
+    "comm_transfer_s": ("network_bound", "slow_link", "small_collectives"),
     "io_s": ("io_bound", "metadata_storm", "io_bandwidth", "startup"),
     "input_wait_s": ("input_bound",),
     "h2d_s": ("h2d_copy",),
@@ -287,7 +287,48 @@ BINDS = {
 }  # fmt: skip
 
 
-def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config) -> list[dict[str, Any]]:
+#: collectives moving at most this many bytes a member are small: their time is per-call latency on
+#: any fabric (NCCL's and MPI's small-message protocols run up to tens of KiB)
+SMALL_COLLECTIVE_BYTES = 64 << 10
+
+
+def _transfer_binds(colls: Collectives | None) -> str:
+    """What binds, in words, when collective transfers hold the run and no finding explains them:
+    :data:`BINDS`' line with what the collectives were, measured in one pass over the groups (no
+    sort of the member rows): how many moved bytes after their last arrival, the size (bytes a
+    member) under which half of that time went, and the median time a call. Small ones (under
+    :data:`SMALL_COLLECTIVE_BYTES`) cost their per-call latency whatever they carry; called back to
+    back they are ``small_collectives``' (which then explains them), so here they have work between
+    them (a step's one all-reduce, which the next step's needs): overlap or call less often."""
+    from distdiag.match import MatchState
+
+    base = BINDS["comm_transfer_s"]
+    if colls is None or len(colls) == 0 or len(colls.m_t1_ns) == 0:
+        return base
+    gs = colls.g_start
+    at = np.minimum(gs[:-1], len(colls.m_t1_ns) - 1)
+    xfer = np.maximum.reduceat(colls.m_t1_ns, at) - colls.g_last_ns  # last exit - last arrival
+    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & (xfer > 0)
+    if not ok.any():
+        return base
+    x = xfer[ok].astype(np.float64)
+    nb = colls.m_nbytes.group_max()[ok]
+    o = np.argsort(nb, kind="stable")
+    half = int(np.searchsorted(np.cumsum(x[o]), x.sum() / 2))
+    size = int(nb[o][min(half, len(o) - 1)])
+    per_call = float(np.median(x)) / 1e3  # us
+    what = (f"{int(ok.sum()):,} collectives; half of their transfer time in calls of {size:,} bytes a member "
+            f"or less, {per_call:.3g} us a call (median)")
+    if size <= SMALL_COLLECTIVE_BYTES:
+        return (f"collective transfers hold the run, in small calls between the ranks' work: {what}; each "
+                "costs its latency whatever it carries: overlap them with the work (non-blocking "
+                "collectives), call less often, or measure the links (`distdiag-wrap --probe-links`)")
+    return (f"{base}: {what}; measure the links (`distdiag-wrap --probe-links`), or communicate less or "
+            "overlap it")
+
+
+def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config,
+             colls: Collectives | None = None) -> list[dict[str, Any]]:
     """"Never silent" (issue 20 item 2): each breakdown category that holds more than
     ``[analyze.coverage] min_share`` (0.1) of some rank's wall-clock, with the findings that explain
     it (:data:`EXPLAINS`) or, when none does, what binds (:data:`BINDS`).
@@ -299,7 +340,8 @@ def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config) -> 
     holds all but ``min_share`` of them (the startup category: when what the counterfactual
     removes, its ``cost_s``, is under ``min_share``): a short MPI job's 0.4 s in
     MPI_Init is no finding.
-    Entries: ``{"category", "share", "rank", "seconds", "explained_by": [...], "binds": str|None}``."""
+    Entries: ``{"category", "share", "rank", "seconds", "explained_by": [...], "binds": str|None}``; with
+    ``colls``, the line for collective transfers says what they were (:func:`_transfer_binds`)."""
     share_min = float(cfg.value("coverage", "min_share", 0.1))
     if breakdown is None or len(breakdown) == 0:
         return []
@@ -331,8 +373,9 @@ def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config) -> 
             what = {"startup_s": "imports", "io_s": "imports' file calls", "other_s": "MPI_Init",
                     "comm_wait_s": "the wait at the first collective for the last rank's imports and MPI_Init"}.get(col, col)
             by.append(f"startup floor: {what} ({kept:.3g} s, kept by the startup counterfactual)")
+        binds = None if by else _transfer_binds(colls) if col == "comm_transfer_s" else BINDS.get(col)
         out.append({"category": col, "share": round(float(sh[i]), 4), "rank": rank, "seconds": round(float(v[i]), 4),
-                    "explained_by": by, "binds": None if by else BINDS.get(col)})  # fmt: skip
+                    "explained_by": by, "binds": binds})  # fmt: skip
     return out
 
 

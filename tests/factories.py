@@ -93,6 +93,7 @@ def make_run(
     comm: str = "world",
     op: str = "Allreduce",
     shuffle_strings: bool = False,
+    nbytes: int = 8192,
 ) -> Truth:
     """Simulate and write one run; see the module docstring.
 
@@ -105,7 +106,8 @@ def make_run(
     every rank. ``killed_ranks`` stop recording half-way through, with the
     all-reduce they were inside of left in flight and no clean close.
     ``shuffle_strings`` gives every rank its own order of string ids (as real
-    ranks have: ids follow the order each rank first met a string).
+    ranks have: ids follow the order each rank first met a string). ``nbytes``: what each
+    all-reduce moves.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +171,7 @@ def make_run(
         coll["comm_id"] = sid[comm]
         coll["seq"] = np.arange(n_it)
         coll["peer"] = -1
-        coll["nbytes"] = 8192
+        coll["nbytes"] = nbytes
         coll["site_id"] = sid["train.py:42"]
         rows.append(coll)
         if io_ms > 0:

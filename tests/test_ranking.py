@@ -158,6 +158,14 @@ def test_a_run_held_by_what_no_finding_explains_is_not_called_healthy(tmp_path: 
     assert first.startswith(f"VERDICT: no cause priced -- yet collective transfer holds {c['share']:.0%} of rank"), first
     page = HtmlRenderer().render(rep)
     assert "No cause priced" in page and "Healthy." not in page
+    # what the collectives were, and what to do: 8 KiB calls are small, each after 2 ms of work
+    # (no burst to fuse: small_collectives stays silent)
+    want = "in small calls between the ranks' work: 100 collectives; half of their transfer time in calls of 8,192 bytes"
+    assert want in c["binds"] and "overlap them with the work" in c["binds"], c
+    make_run(tmp_path / "big", iters=100, compute_ms=2.0, transfer_ms=0.9, nbytes=4 << 20)
+    (big,) = [c for c in analyze(tmp_path / "big", Config()).coverage if c["category"] == "comm_transfer_s"]
+    assert "calls of 4,194,304 bytes" in big["binds"] and "--probe-links" in big["binds"], big
+    assert "small calls" not in big["binds"]
     # compute holding the run is what a balanced job looks like: that one stays healthy
     make_run(tmp_path / "c", iters=100, compute_ms=5.0, transfer_ms=0.3)
     rep = analyze(tmp_path / "c", Config())

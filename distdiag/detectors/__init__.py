@@ -48,7 +48,7 @@ def register(
 _MODULES = ("straggler", "input_bound", "h2d_copy", "gpu_underutilized", "metadata_storm", "io_bandwidth", "io_bound", "slow_link",
             "network_bound",
             "queue_wait", "launch_overhead", "serial_section", "hang", "startup", "compute_bound",
-            "collective_mismatch", "load_imbalance")
+            "collective_mismatch", "load_imbalance", "small_collectives")
 
 
 def load_all() -> dict[str, Detector]:

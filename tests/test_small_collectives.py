@@ -1,0 +1,85 @@
+"""small_collectives: small collectives called back to back, each paying its per-call latency.
+
+A real 4-rank MPI job (tests/jobs/small_collectives.py) that all-reduces 2,000 values one
+a call each step, run by turns with its twin that all-reduces the same values in one call:
+the price is checked against what the twin saved, measured in the test. Synthetic runs
+(tests/factories.make_run) for what stays silent: a step's one small all-reduce after work.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from distdiag.config import Config
+from distdiag.pipeline import Report, analyze
+from factories import make_run
+from helpers import run_in_session
+from truth import Twins, assert_prices_median, loop_s, measure_twins
+
+JOB = Path(__file__).resolve().parent / "jobs" / "small_collectives.py"
+
+
+def of_kind(rep: Report, kind: str) -> list:
+    return [f for f in rep.findings if f.kind == kind]
+
+
+def test_a_small_all_reduce_after_each_steps_work_is_no_finding(tmp_path: Path) -> None:
+    # 8 KiB all-reduces, 0.9 ms each, after 2 ms of work: small, but not back to back (the next
+    # step's call needs this one's result); and back to back with 0.05 ms of work between calls
+    # of 0.3 ms, priced at what their transfers took
+    make_run(tmp_path / "r", iters=100, compute_ms=2.0, transfer_ms=0.9)
+    assert of_kind(analyze(tmp_path / "r", Config()), "small_collectives") == []
+    make_run(tmp_path / "b", iters=2000, compute_ms=0.05, jitter_ms=0.01, transfer_ms=0.3)
+    rep = analyze(tmp_path / "b", Config())
+    (f,) = of_kind(rep, "small_collectives")
+    assert f.evidence["calls"] == 1999 and f.evidence["median_bytes"] == 8192, f.evidence
+    # each call's last arrival to its last exit: 0.3 ms and the members' exits, up to 20 us apart
+    assert f.evidence["detector_cost_s"] == pytest.approx(1999 * 0.315e-3, rel=0.03)
+    assert rep.verdict is f
+    # large calls back to back are not small ones
+    make_run(tmp_path / "l", iters=2000, compute_ms=0.05, jitter_ms=0.01, transfer_ms=0.3, nbytes=1 << 20)
+    assert of_kind(analyze(tmp_path / "l", Config()), "small_collectives") == []
+
+
+def run_job(d: Path, faulty: bool) -> float:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(d / "run"), sys.executable,
+           str(JOB), "--per-call", "1" if faulty else "2000"]  # fmt: skip
+    return loop_s(run_in_session(cmd, 120, cwd=d, check=True).stdout)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Twins[Report]:
+    """2 pairs by turns: 10 steps of 20 ms of work, then 2,000 values all-reduced one a call
+    (faulty) or in one call (the twin)."""
+    twins = measure_twins(tmp_path_factory.mktemp("small"), run_job, pairs=2)
+    return twins.map(lambda d: analyze(d / "run", Config()))
+
+
+@pytest.mark.mpi
+def test_mpi_small_collectives_are_the_verdict_at_what_fusing_saves(small: Twins[Report]) -> None:
+    costs = []
+    for rep in small.faulty:
+        top = rep.verdict
+        assert top is not None and top.kind == "small_collectives", [(f.kind, f.cost_s) for f in rep.findings]
+        assert top.evidence["replay"]["saving_s"] == pytest.approx(top.cost_s)  # priced by the replay
+        assert top.evidence["calls"] >= 19_000 and top.evidence["median_bytes"] == 8
+        costs.append(top.cost_s)
+    print(f"small_collectives priced {', '.join(f'{c:.3f}' for c in costs)} s: {small.saving}")
+    assert_prices_median(small.saving, costs, rel=0.25, what="small_collectives cost")
+
+
+@pytest.mark.mpi
+def test_mpi_fused_twin_has_no_finding_and_no_unexplained_transfer(small: Twins[Report]) -> None:
+    for rep in small.healthy:
+        wall = float(rep.run.wall_s)
+        assert [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall] == []
+        cov = {c["category"]: c for c in rep.coverage}
+        assert "comm_transfer_s" not in cov or cov["comm_transfer_s"]["binds"] is None, cov
