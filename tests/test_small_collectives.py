@@ -8,8 +8,6 @@ the price is checked against what the twin saved, measured in the test. Syntheti
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,7 @@ import pytest
 from distdiag.config import Config
 from distdiag.pipeline import Report, analyze
 from factories import make_run
-from helpers import run_in_session
-from truth import Twins, assert_prices_median, loop_s, measure_twins
+from truth import Twins, assert_prices_median, assert_silent_twin, measure_twins, mpi_loop_s, verdict_prices
 
 JOB = Path(__file__).resolve().parent / "jobs" / "small_collectives.py"
 
@@ -46,13 +43,7 @@ def test_a_small_all_reduce_after_each_steps_work_is_no_finding(tmp_path: Path) 
 
 
 def run_job(d: Path, faulty: bool) -> float:
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
-    d.mkdir(parents=True, exist_ok=True)
-    cmd = [mpiexec, "-n", "4", sys.executable, "-m", "distdiag.wrap", "--dir", str(d / "run"), sys.executable,
-           str(JOB), "--per-call", "1" if faulty else "2000"]  # fmt: skip
-    return loop_s(run_in_session(cmd, 120, cwd=d, check=True).stdout)
+    return mpi_loop_s(d, JOB, "--per-call", "1" if faulty else "2000")
 
 
 @pytest.fixture(scope="module")
@@ -65,21 +56,14 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Twins[Report]:
 
 @pytest.mark.mpi
 def test_mpi_small_collectives_are_the_verdict_at_what_fusing_saves(small: Twins[Report]) -> None:
-    costs = []
+    costs = verdict_prices(small.faulty, "small_collectives")
     for rep in small.faulty:
-        top = rep.verdict
-        assert top is not None and top.kind == "small_collectives", [(f.kind, f.cost_s) for f in rep.findings]
-        assert top.evidence["replay"]["saving_s"] == pytest.approx(top.cost_s)  # priced by the replay
-        assert top.evidence["calls"] >= 19_000 and top.evidence["median_bytes"] == 8
-        costs.append(top.cost_s)
+        ev = rep.findings[0].evidence
+        assert ev["calls"] >= 19_000 and ev["median_bytes"] == 8, ev
     print(f"small_collectives priced {', '.join(f'{c:.3f}' for c in costs)} s: {small.saving}")
     assert_prices_median(small.saving, costs, rel=0.25, what="small_collectives cost")
 
 
 @pytest.mark.mpi
 def test_mpi_fused_twin_has_no_finding_and_no_unexplained_transfer(small: Twins[Report]) -> None:
-    for rep in small.healthy:
-        wall = float(rep.run.wall_s)
-        assert [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall] == []
-        cov = {c["category"]: c for c in rep.coverage}
-        assert "comm_transfer_s" not in cov or cov["comm_transfer_s"]["binds"] is None, cov
+    assert_silent_twin(small.healthy, "comm_transfer_s")

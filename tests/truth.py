@@ -25,7 +25,7 @@ import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 LOOP_RE = re.compile(r"\bloop ([0-9]+(?:\.[0-9]+)?) s\b")
 SCHED_RE = re.compile(r"\brank ([0-9]+) sched_delay ([0-9]+(?:\.[0-9]+)?) s\b")
@@ -36,6 +36,25 @@ def loop_s(stdout: str) -> float:
     m = LOOP_RE.search(stdout)
     assert m, f"the job printed no 'loop <seconds> s' line:\n{stdout[-2000:]}"
     return float(m.group(1))
+
+
+def mpi_loop_s(d: Path, job: Path, *args: str, n: int = 4) -> float:
+    """Run ``job`` on ``n`` ranks under ``mpiexec ... distdiag.wrap --dir d/run`` from ``d`` (made
+    here) and return the loop's wall-clock it printed (:func:`loop_s`)."""
+    import shutil
+    import sys
+
+    import pytest
+
+    from helpers import run_in_session
+
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "distdiag.wrap", "--dir", str(d / "run"), sys.executable,
+           str(job), *args]  # fmt: skip
+    return loop_s(run_in_session(cmd, 120, cwd=d, check=True).stdout)
 
 
 def sched_imbalance_s(stdout: str) -> float:
@@ -153,6 +172,31 @@ def measure_savings(run: Callable[[str, int], float], twins: Sequence[str], roun
         for t in twins:
             twin_s[t].append(run(t, i))
     return {t: Saving(tuple(faulty), tuple(xs)) for t, xs in twin_s.items()}
+
+
+def verdict_prices(reports: Sequence[Any], kind: str) -> list[float]:
+    """Per report (a :class:`distdiag.pipeline.Report` of a faulty run): its verdict is a finding of
+    ``kind`` priced by the replay (its ``cost_s`` the replay's saving); returns their ``cost_s``."""
+    import pytest
+
+    costs = []
+    for rep in reports:
+        top = rep.verdict
+        assert top is not None and top.kind == kind, [(f.kind, f.cost_s) for f in rep.findings]
+        assert top.evidence["replay"]["saving_s"] == pytest.approx(top.cost_s)  # priced by the replay
+        costs.append(float(top.cost_s))
+    return costs
+
+
+def assert_silent_twin(reports: Sequence[Any], category: str) -> None:
+    """Each healthy twin's report (:class:`distdiag.pipeline.Report`) has no finding above 2% of its
+    wall-clock, and its breakdown ``category`` (``comm_wait_s``, ...), if it holds 10% of a rank's
+    run, is explained: no ``binds:`` line for it."""
+    for rep in reports:
+        wall = float(rep.run.wall_s)
+        assert [(f.kind, f.cost_s) for f in rep.findings if f.cost_s > 0.02 * wall] == []
+        cov = {c["category"]: c for c in rep.coverage}
+        assert category not in cov or cov[category]["binds"] is None, cov
 
 
 def assert_prices_median(saving: Saving, costs_s: Sequence[float], rel: float, what: str = "cost") -> None:
