@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from distdiag.analysis import Analysis
 from distdiag.config import Config
+from distdiag.detectors import small_collectives
 from distdiag.pipeline import Report, analyze
 from factories import make_run
 from truth import Twins, assert_prices_median, assert_silent_twin, measure_twins, mpi_loop_s, verdict_prices
@@ -29,7 +31,11 @@ def test_a_small_all_reduce_after_each_steps_work_is_no_finding(tmp_path: Path) 
     # step's call needs this one's result); and back to back with 0.05 ms of work between calls
     # of 0.3 ms, priced at what their transfers took
     make_run(tmp_path / "r", iters=100, compute_ms=2.0, transfer_ms=0.9)
-    assert of_kind(analyze(tmp_path / "r", Config()), "small_collectives") == []
+    rep = analyze(tmp_path / "r", Config())
+    assert of_kind(rep, "small_collectives") == []
+    # nothing to fuse is no finding, whatever the threshold (it was a crash at min_fraction 0)
+    zero = Config(sections={"small_collectives": {"min_fraction": 0.0}})
+    assert small_collectives.detect(Analysis.of(rep.run, zero)) == []
     make_run(tmp_path / "b", iters=2000, compute_ms=0.05, jitter_ms=0.01, transfer_ms=0.3)
     rep = analyze(tmp_path / "b", Config())
     (f,) = of_kind(rep, "small_collectives")

@@ -92,7 +92,7 @@ def detect(an: Analysis) -> list[Finding]:
     same[1:] = (colls.g_comm[1:] == colls.g_comm[:-1]) & (colls.g_op[1:] == colls.g_op[:-1])
     fused = ok & same & (gap <= max_gap_ns) & (gap <= xfer)
     det_s = float(xfer[fused].sum()) / 1e9
-    if det_s < min_fraction * wall_s:
+    if not fused.any() or det_s < min_fraction * wall_s:
         return []
     g = np.flatnonzero(fused)
     n_calls = len(g)
