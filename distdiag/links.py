@@ -422,6 +422,17 @@ def union_s(t0_ns: np.ndarray, t1_ns: np.ndarray) -> float:
 NETWORK_BOUND_RATIO = 4.0
 
 
+def tail_ns(colls: Collectives) -> np.ndarray:
+    """Per group: its last member's exit minus its last arrival (ns; negative where a member is
+    still inside): the transfer at its longest, in one pass over the member rows, no sort (the
+    cheap bound before :func:`collective_transfers`, whose transfer ends at the median exit)."""
+    if len(colls.m_t1_ns) == 0:
+        return np.zeros(len(colls), np.int64)
+    at = np.minimum(colls.g_start[:-1], len(colls.m_t1_ns) - 1)
+    out: np.ndarray = np.maximum.reduceat(colls.m_t1_ns, at) - colls.g_last_ns
+    return out
+
+
 def network_bound(ct: CollectiveTransfers, min_transfer_s: float = 1e-3) -> np.ndarray:
     """Per collective: transfer phase long while every rank arrived on time.
 

@@ -287,27 +287,22 @@ BINDS = {
 }  # fmt: skip
 
 
-#: collectives moving at most this many bytes a member are small: their time is per-call latency on
-#: any fabric (NCCL's and MPI's small-message protocols run up to tens of KiB)
-SMALL_COLLECTIVE_BYTES = 64 << 10
-
-
-def _transfer_binds(colls: Collectives | None) -> str:
+def _transfer_binds(colls: Collectives | None, cfg: Config) -> str:
     """What binds, in words, when collective transfers hold the run and no finding explains them:
     :data:`BINDS`' line with what the collectives were, measured in one pass over the groups (no
     sort of the member rows): how many moved bytes after their last arrival, the size (bytes a
     member) under which half of that time went, and the median time a call. Small ones (under
-    :data:`SMALL_COLLECTIVE_BYTES`) cost their per-call latency whatever they carry; called back to
+    ``[analyze.small_collectives] max_bytes``) cost their per-call latency whatever they carry; called back to
     back they are ``small_collectives``' (which then explains them), so here they have work between
     them (a step's one all-reduce, which the next step's needs): overlap or call less often."""
+    from distdiag.detectors.small_collectives import max_bytes_of
+    from distdiag.links import tail_ns
     from distdiag.match import MatchState
 
     base = BINDS["comm_transfer_s"]
     if colls is None or len(colls) == 0 or len(colls.m_t1_ns) == 0:
         return base
-    gs = colls.g_start
-    at = np.minimum(gs[:-1], len(colls.m_t1_ns) - 1)
-    xfer = np.maximum.reduceat(colls.m_t1_ns, at) - colls.g_last_ns  # last exit - last arrival
+    xfer = tail_ns(colls)
     ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & (xfer > 0)
     if not ok.any():
         return base
@@ -319,7 +314,7 @@ def _transfer_binds(colls: Collectives | None) -> str:
     per_call = float(np.median(x)) / 1e3  # us
     what = (f"{int(ok.sum()):,} collectives; half of their transfer time in calls of {size:,} bytes a member "
             f"or less, {per_call:.3g} us a call (median)")
-    if size <= SMALL_COLLECTIVE_BYTES:
+    if size <= max_bytes_of(cfg):
         return (f"collective transfers hold the run, in small calls between the ranks' work: {what}; each "
                 "costs its latency whatever it carries: overlap them with the work (non-blocking "
                 "collectives), call less often, or measure the links (`distdiag-wrap --probe-links`)")
@@ -373,7 +368,7 @@ def coverage(findings: list[Finding], breakdown: Any, run: Run, cfg: Config,
             what = {"startup_s": "imports", "io_s": "imports' file calls", "other_s": "MPI_Init",
                     "comm_wait_s": "the wait at the first collective for the last rank's imports and MPI_Init"}.get(col, col)
             by.append(f"startup floor: {what} ({kept:.3g} s, kept by the startup counterfactual)")
-        binds = None if by else _transfer_binds(colls) if col == "comm_transfer_s" else BINDS.get(col)
+        binds = None if by else _transfer_binds(colls, cfg) if col == "comm_transfer_s" else BINDS.get(col)
         out.append({"category": col, "share": round(float(sh[i]), 4), "rank": rank, "seconds": round(float(v[i]), 4),
                     "explained_by": by, "binds": binds})  # fmt: skip
     return out

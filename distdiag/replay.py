@@ -1148,18 +1148,25 @@ def _launch_medians(m: Model, slow: np.ndarray) -> np.ndarray:
     from one plain replay per model (:attr:`Waits.seg_ns`)."""
     c = m.colls
     g_w, sizes, mem, seg = _async_groups(m)
-    a_slow = slow[c.m_rank[mem]]
+    peer = ~slow[c.m_rank[mem]]
     grp = np.repeat(np.arange(len(g_w), dtype=np.int64), sizes)
-    k = np.bincount(grp, weights=~a_slow, minlength=len(g_w)).astype(np.int64)  # the non-slow members
-    big = np.iinfo(np.int64).max
-    o = np.lexsort((np.where(a_slow, big, seg), grp))  # by group, the non-slow segments first
-    v = np.where(a_slow, big, seg)[o]
-    first = np.cumsum(sizes) - sizes
-    ok = (k > 0) & (k < sizes)
-    lo = first + np.maximum(k - 1, 0) // 2
-    hi = first + k // 2
-    med = np.where(ok, (v[np.minimum(lo, len(v) - 1)] + v[np.minimum(hi, len(v) - 1)]) // 2, -1)
-    return np.repeat(med, sizes)
+    med, has = group_medians(seg[peer], grp[peer], len(g_w))
+    ok = has & (np.bincount(grp[peer], minlength=len(g_w)) < sizes)  # some member is slow
+    return np.repeat(np.where(ok, np.floor(med).astype(np.int64), -1), sizes)
+
+
+def group_medians(v: np.ndarray, grp: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group ``0..n-1``: the median of its values ``v`` (``grp`` says whose each is; float, the
+    middle two averaged) and whether it has any. One sort by (group, value), no loop."""
+    o = np.lexsort((v, grp))
+    vs, k = v[o].astype(np.float64), np.bincount(grp, minlength=n)
+    first = np.cumsum(k) - k
+    has = k > 0
+    if len(vs) == 0:
+        return np.zeros(n), has
+    lo = np.minimum(first + np.maximum(k - 1, 0) // 2, len(vs) - 1)
+    hi = np.minimum(first + k // 2, len(vs) - 1)
+    return np.where(has, (vs[lo] + vs[hi]) / 2, 0.0), has
 
 
 def _async_groups(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -44,7 +44,7 @@ from distdiag.detectors import register
 from distdiag.roles import Role
 from distdiag.findings import Finding
 from distdiag.intervals import union_length_by_key
-from distdiag.links import collective_transfers, network_bound, probe_matrix, union_s
+from distdiag.links import collective_transfers, network_bound, probe_matrix, tail_ns, union_s
 from distdiag.replay import Change
 
 if TYPE_CHECKING:
@@ -111,9 +111,9 @@ def detect(an: Analysis) -> list[Finding]:
     # the groups holds the union below; most runs stop here (collective_transfers sorts
     # every member row: +12% of a 2.5 M-event analysis when it ran on every run)
     if len(colls.m_t1_ns):
-        last_exit = np.maximum.reduceat(colls.m_t1_ns, np.minimum(colls.g_start[:-1], len(colls.m_t1_ns) - 1))
-        up = last_exit > colls.g_last_ns
-        if union_s(colls.g_last_ns[up], last_exit[up]) < min_share * wall_s:
+        tail = tail_ns(colls)
+        up = tail > 0
+        if union_s(colls.g_last_ns[up], colls.g_last_ns[up] + tail[up]) < min_share * wall_s:
             return []
     ct = collective_transfers(run, colls)
     sel = network_bound(ct) & (ct.bus_bytes > 0)

@@ -42,7 +42,9 @@ import numpy as np
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.evidence import secs, tally
+from distdiag.config import Config
 from distdiag.findings import Finding
+from distdiag.links import tail_ns
 from distdiag.match import MatchState, member_gaps_ns
 from distdiag.replay import Change
 from distdiag.roles import Role
@@ -60,6 +62,17 @@ COUNTERFACTUAL = (
     "the others' transfers taking no time (the loop's own time between them kept)"
 )
 
+#: a collective moving at most this many bytes a member is small: its time is per-call latency on
+#: any fabric (NCCL's and MPI's small-message protocols run up to tens of KiB)
+MAX_BYTES = 64 << 10
+
+
+def max_bytes_of(cfg: Config) -> int:
+    """``[analyze.small_collectives] max_bytes``: the size under which a collective is small (the
+    detector's and the coverage line's one threshold)."""
+    return int(cfg.value("small_collectives", "max_bytes", MAX_BYTES))
+
+
 #: a transfer cut longer than any transfer: the call takes no time
 _NO_TIME_NS = 1 << 60
 
@@ -71,7 +84,7 @@ def detect(an: Analysis) -> list[Finding]:
     if len(colls) == 0 or wall_s <= 0 or len(colls.m_t1_ns) == 0:
         return []
     min_fraction = float(cfg.value("small_collectives", "min_fraction", 0.05))
-    max_bytes = int(cfg.value("small_collectives", "max_bytes", 65536))
+    max_bytes = max_bytes_of(cfg)
     max_gap_ns = int(float(cfg.value("small_collectives", "max_gap_us", 1000)) * 1e3)
 
     gs = colls.g_start
@@ -83,7 +96,7 @@ def detect(an: Analysis) -> list[Finding]:
     ok &= nbytes <= max_bytes
     if not ok.any():
         return []
-    xfer = np.maximum(np.maximum.reduceat(colls.m_t1_ns, first) - colls.g_last_ns, 0)  # last arrival to last exit
+    xfer = np.maximum(tail_ns(colls), 0)  # last arrival to last exit
     # one pass per block of the run-wide gaps: the largest member's work before each group
     gap = np.maximum.reduceat(np.asarray(member_gaps_ns(run, colls, async_exits=True)), first)
     # the same call again: the communicator's previous collective (groups are in (comm, seq) order)

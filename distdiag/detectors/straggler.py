@@ -87,7 +87,7 @@ from distdiag.evidence import secs, tally
 from distdiag.lateness import charged_windows, host_indices, nobody_waits, other_host_last_ns_from, own_lateness_ns, startup_groups
 from distdiag.match import MatchState, group_blocks, member_gaps_ns
 from distdiag.ranks import rank_ranges
-from distdiag.replay import Change, peer_excess
+from distdiag.replay import Change, group_medians, peer_excess
 
 if TYPE_CHECKING:
     from distdiag.match import Collectives
@@ -563,26 +563,13 @@ def _like_peers(run: Run, colls: Collectives, ok: np.ndarray, slow: np.ndarray,
         mem = np.repeat(gs[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
         grp = np.repeat(np.arange(len(g), dtype=np.int64), sizes)
         peer = ~slow[colls.m_rank[mem]]
-        pace, has = _group_medians(gaps[mem][peer], grp[peer], len(g))
+        pace, has = group_medians(gaps[mem][peer], grp[peer], len(g))
         own = gaps[rows][has] - pace[has]
         on = peer & has[grp]
         peers = gaps[mem][on] - pace[grp[on]]
         if len(own) and len(peers):
             out[r] = peer_excess(own, peers)
     return out
-
-
-def _group_medians(v: np.ndarray, grp: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per group ``0..n-1``: the median of its values ``v`` (``grp`` says whose each is) and
-    whether it has any."""
-    o = np.lexsort((v, grp))
-    v, k = v[o].astype(np.float64), np.bincount(grp, minlength=n)
-    first = np.cumsum(k) - k
-    has = k > 0
-    lo = np.minimum(first + np.maximum(k - 1, 0) // 2, max(len(v) - 1, 0))
-    hi = np.minimum(first + k // 2, max(len(v) - 1, 0))
-    med = np.where(has, (v[lo] + v[hi]) / 2, 0.0) if len(v) else np.zeros(n)
-    return med, has
 
 
 def _hosts_per_group(colls: Collectives, host_of_rank: np.ndarray, use: np.ndarray, n_hosts: int,
