@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from distdiag.clockmodel import ClockModel
     from distdiag.match import Collectives, KeySelector
     from distdiag.mismatch import Mismatches
+    from distdiag.replay import Model
     from distdiag.rows import KindIndex
     from distdiag.slurm import RankFirsts, SlurmView
     from distdiag.startup_floor import Floor
@@ -77,6 +78,8 @@ class RunCache:
     p2p_transfers: dict[str, np.ndarray] | None = None
     #: per transfer, the WAIT rows holding its receive's and its send's completion (distdiag.links.p2p_waits)
     p2p_waits: tuple[np.ndarray, np.ndarray] | None = None
+    #: (colls, the replay model of the run from them) (distdiag.replay.model_of)
+    replay_model: tuple[Collectives, Model] | None = None
     #: ``--parallel``: rank 0's seconds in each stage (distdiag.parallel.analyze_parallel)
     parallel: dict[str, Any] | None = None
 

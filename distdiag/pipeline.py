@@ -259,6 +259,7 @@ def analyze_run(run: Run, cfg: Config | None = None, inplace: bool = False, spli
     # One ranking: each second counted once (the replayed causes removed one after another), shares,
     # order (distdiag/ranking.py)
     findings = rank_findings(findings, run, colls, cfg, model)
+    run.cache.replay_model = model = None  # its arrays go with it: the report does not replay
     _clock_bounds(findings, run)
     if split is not None:
         split.done(run)

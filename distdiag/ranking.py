@@ -269,7 +269,7 @@ EXPLAINS: dict[str, tuple[str, ...]] = {
     "io_s": ("io_bound", "metadata_storm", "io_bandwidth", "startup"),
     "input_wait_s": ("input_bound",),
     "h2d_s": ("h2d_copy",),
-    "other_s": ("slow_link", "hang", "network_bound"),
+    "other_s": ("slow_link", "hang", "network_bound", "load_imbalance"),
 }  # fmt: skip
 #: what binds, in words, when a category holds the run and no finding explains it
 BINDS = {

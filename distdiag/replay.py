@@ -114,6 +114,9 @@ class Change:
     p2p_cut_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     p2p_t_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     balance: bool = False
+    #: ``balance`` for the replayed point-to-point calls too: each one's segment at the mean of its
+    #: exchange's (:func:`p2p_work`: every rank's k-th call from the same line, a halo's exchange)
+    balance_p2p: bool = False
     #: per rank of ``median_ranks`` that has one: (its excess quantiles, a typical peer's), ns
     like_peers: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -138,12 +141,13 @@ class Change:
             p2p_cut_ns=np.concatenate([self.p2p_cut_ns, other.p2p_cut_ns]).astype(np.int64),
             p2p_t_ns=np.concatenate([self.p2p_t_ns, other.p2p_t_ns]).astype(np.int64),
             balance=self.balance or other.balance,
+            balance_p2p=self.balance_p2p or other.balance_p2p,
             like_peers={**other.like_peers, **self.like_peers},
         )
 
     def reaches(self, m: Model, t_ns: int) -> bool:
         """True when the change alters the run at or after ``t_ns`` (a straggler's pace: always)."""
-        if self.balance or len(self.median_ranks) or (len(self.drop_t1) and bool((self.drop_t1 > t_ns).any())):
+        if self.balance or self.balance_p2p or len(self.median_ranks) or (len(self.drop_t1) and bool((self.drop_t1 > t_ns).any())):
             return True
         if len(self.p2p_t_ns) and bool((self.p2p_t_ns[self.p2p_cut_ns > 0] >= t_ns).any()):
             return True
@@ -155,6 +159,8 @@ class Change:
         if len(self.median_ranks) or len(self.drop_rank):
             return True
         if self.balance and bool((m.scheme[m.order] == EVERY_MEMBER).any()):
+            return True
+        if self.balance_p2p and len(_p2p_means(m)) and bool((_p2p_means(m) >= 0).any()):
             return True
         if len(self.p2p_rows) and m.waits is not None and len(m.waits.p2p_rows):
             if bool(np.isin(self.p2p_rows[self.p2p_cut_ns > 0], m.waits.p2p_rows).any()):
@@ -218,6 +224,11 @@ class Waits:
     p2p_site: np.ndarray | None = None
     #: per entry of ``p2p_rows``: its event
     p2p_row_event: np.ndarray | None = None
+    #: per event: a point-to-point event's recorded segment before it where its rank is past its
+    #: first rendezvous, else -1 (filled by the first plain replay; :func:`p2p_work`)
+    p2p_seg_ns: np.ndarray | None = None
+    #: per event: the mean segment of its exchange (:func:`_p2p_means`), -1 where none; made once
+    p2p_mean_ns: np.ndarray | None = None
 
 
 @dataclass
@@ -263,6 +274,14 @@ class Model:
         first = int(self.start_ns[self.present].min()) if self.present.any() else 0
         new_wall = int(end[self.present].max()) - first if self.present.any() else 0
         return (self.wall_ns - new_wall) / 1e9
+
+
+def model_of(run: Run, colls: Collectives) -> Model:
+    """:func:`model`, made once per run and collectives (a detector that reads it, then the pricing)."""
+    got = run.cache.replay_model
+    if got is None or got[0] is not colls:
+        got = run.cache.replay_model = (colls, model(run, colls))
+    return got[1]
 
 
 def model(run: Run, colls: Collectives) -> Model:
@@ -741,6 +760,9 @@ def _coupling(run: Run, colls: Collectives, ok: np.ndarray, blocking: np.ndarray
         rows = rows[~np.isin(rows, waits.rows)]
     if waits is not None and len(waits.p2p_rows):  # replayed rendezvous
         rows = rows[~np.isin(rows, waits.p2p_rows, assume_unique=True)]
+        # and the other half of a replayed call: a Sendrecv's to or from MPI_PROC_NULL (a line's end
+        # rank in a halo that is not periodic), same rank and times, waits for nobody else
+        rows = rows[~_same_call(run, rows, waits.p2p_rows)]
     if len(rows) and wall_ns > 0:
         ev = run.events
         r = ev["rank"][rows].astype(np.int64)
@@ -753,6 +775,20 @@ def _coupling(run: Run, colls: Collectives, ok: np.ndarray, blocking: np.ndarray
         return t, ""
     return t, ("from then on the ranks also synchronize through " + " and ".join(why) + ", which the replay "
                "keeps as recorded: a change there is not replayed")  # fmt: skip
+
+
+def _same_call(run: Run, rows: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """Per row of ``rows`` (``run.events``): True where a row of ``of`` has its rank, start and end."""
+    if not len(rows) or not len(of):
+        return np.zeros(len(rows), bool)
+    ev = run.events
+
+    def key(x: np.ndarray) -> np.ndarray:
+        k = np.stack([ev["rank"][x].astype(np.int64), ev["t0_ns"][x].astype(np.int64),
+                      ev["t1_ns"][x].astype(np.int64)], axis=1)  # fmt: skip
+        return np.ascontiguousarray(k).view(np.dtype((np.void, 24))).ravel()
+
+    return np.isin(key(rows), key(of))
 
 
 def _events(m: Model, want: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -880,9 +916,12 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     #: per event: a point-to-point event's arrival, replayed (its partners read it in its batch or later)
     p2p_new = np.zeros(len(W.rank), np.int64) if W is not None and W.p2p is not None else None
     p2p_cut = _p2p_cuts(W, change) if W is not None and p2p_new is not None and change is not None else None
-    fill_seg = None
+    fill_seg = fill_p2p = None
     if W is not None and W.seg_ns is None and change is None:
         fill_seg = W.seg_ns = np.zeros(n_a, np.int64)
+    if W is not None and W.p2p is not None and W.p2p_seg_ns is None and change is None:
+        fill_p2p = W.p2p_seg_ns = np.full(len(W.rank), -1, np.int64)
+    mean_p = _p2p_means(m) if (change is not None and change.balance_p2p and p2p_new is not None) else None
     if m.step_bits is None:
         m.step_bits = _step_bits(m)
     steps = zip(m.step_kind.tolist(), m.step_ref.tolist(), m.step_bits.tolist())
@@ -895,12 +934,17 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
             seg = entry - rec_last[r]
             if fill_seg is not None and bits & _HAS_LAUNCH:  # the recorded segments, for the medians (once per model)
                 fill_seg[a_i[is_l]] = seg[is_l]
+            if fill_p2p is not None and bits & _HAS_P2P:  # and the point-to-point events' (p2p_work)
+                fill_p2p[i0:i1] = np.where(W.p2p[i0:i1] & started[r], seg, -1)  # type: ignore[index]
             if med_a is not None:  # a straggler's launch after its peers' median segment before it
                 med = np.where(is_l, med_a[np.maximum(a_i, 0)], -1)
                 seg = np.where((med >= 0) & slow[r] & started[r] & (seg > med), med, seg)
             if mean_a is not None and bits & _HAS_LAUNCH:  # each launch after its group's mean segment
                 mean = np.where(is_l, mean_a[np.maximum(a_i, 0)], -1)
                 seg = np.where((mean >= 0) & started[r], mean, seg)
+            if mean_p is not None and bits & _HAS_P2P:  # each exchange after its mean segment
+                mean = mean_p[i0:i1]
+                seg = np.where(mean >= 0, mean, seg)
             hit = cuts.get(s) if change is not None else None
             if hit is not None:
                 seg = seg.copy()
@@ -1130,6 +1174,52 @@ def _balanced(seg: np.ndarray, started: np.ndarray) -> np.ndarray:
     return out
 
 
+def p2p_work(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The replayed point-to-point calls as a halo's exchanges: the point-to-point events of one
+    batch (:func:`_schedule`: each rank's k-th such event between two collective steps, raised
+    past the partners it waits for), of two ranks or more past their first rendezvous, are one
+    exchange, whatever line each comes from (an odd-even ring's even ranks send first where its
+    odd ones receive). Returns (per event of an exchange, in exchange order: its exchange, its
+    event, its rank, its recorded segment before it, ns), or None when the model replays no
+    point-to-point call. Where ranks make different numbers of calls a step and no collective
+    realigns them, the k-th calls drift apart: an exchange then holds different steps' work
+    (a line's end ranks calling with ``MPI_PROC_NULL`` make as many calls as the others)."""
+    W = m.waits
+    if W is None or W.p2p is None or not W.p2p.any() or m.reason:
+        return None
+    if W.p2p_seg_ns is None:
+        _replay(m, None)  # fills W.p2p_seg_ns
+    assert W.p2p_seg_ns is not None and W.p2p_site is not None
+    lo = np.sort(m.step_ref[m.step_kind == 1])
+    batch = np.repeat(np.arange(len(lo), dtype=np.int64), np.diff(np.r_[lo, len(W.rank)]))
+    ev = np.flatnonzero(W.p2p_seg_ns >= 0)
+    b = batch[ev]
+    new = np.r_[True, b[1:] != b[:-1]] if len(ev) else np.zeros(0, bool)
+    grp = np.cumsum(new) - 1
+    size = np.bincount(grp)
+    keep = size[grp] >= 2
+    ev, grp = ev[keep], grp[keep]
+    grp = np.unique(grp, return_inverse=True)[1].astype(np.int64) if len(grp) else grp
+    return grp, ev, W.rank[ev].astype(np.int64), W.p2p_seg_ns[ev]
+
+
+def _p2p_means(m: Model) -> np.ndarray:
+    """Per event of ``m.waits``: the mean recorded segment of its exchange (:func:`p2p_work`),
+    rounded down, where it is in one; -1 elsewhere (a balanced counterfactual's point-to-point
+    call, as :func:`_balanced` sets a blocking collective's arrival). Made once per model."""
+    W = m.waits
+    if W is None:
+        return np.zeros(0, np.int64)
+    if W.p2p_mean_ns is None:
+        out = np.full(len(W.rank), -1, np.int64)
+        got = p2p_work(m)
+        if got is not None and len(got[0]):
+            grp, ev, _, seg = got
+            out[ev] = (np.bincount(grp, weights=seg) // np.bincount(grp)).astype(np.int64)[grp]
+        W.p2p_mean_ns = out
+    return W.p2p_mean_ns
+
+
 def _median(x: np.ndarray) -> float:
     """``np.median(x)`` of a non-empty integer array, the same float, a quarter of its cost (~2 us
     against ~8 on 256 values: the replay takes one per batch of a paced straggler): one partition
@@ -1265,7 +1355,7 @@ def price(findings: list[Any], run: Run, colls: Collectives) -> Model | None:
     mine = [f for f in findings if f.change is not None]
     if not mine or len(colls) == 0:
         return None
-    m = model(run, colls)
+    m = model_of(run, colls)
     for f in mine:  # a handful
         why = m.reason or ("" if f.change.touches(m) else NOT_REPLAYED)
         if not why and f.change.reaches(m, m.coupled_from_ns):

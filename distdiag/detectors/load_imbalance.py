@@ -27,10 +27,19 @@ is 30 ms, so each step costs 30 ms; 40 steps cost 1.2 s, the load balance is 30/
 0.5. The same job with the extra work spread evenly (10 ms more on every rank each step)
 ran 1.19 s shorter.
 
+Point-to-point exchanges count too (a halo, where each step's work ends in ``Sendrecv`` or
+``Isend``/``Irecv`` + ``Waitall`` with the neighbours: the ranks wait there, not at a
+collective): every rank's k-th replayed point-to-point call between two collectives is one
+exchange (:func:`distdiag.replay.p2p_work`), each rank's work before it its own time since its
+previous rendezvous, and it weighs in the load balance and the top rank's share as a collective
+does. Counterfactual (``Change.balance_p2p``): that work at the exchange's mean too. A rank
+there waits for its neighbours only, and a late rank's delay spreads or dies out along them,
+so ``sum(max - mean)`` is no price: the replay's is (a 4-rank line, each step's duty rotating:
+0.84 s saved, 0.84 priced, 1.21 summed).
+
 Not in scope: the rooted one-to-many and many-to-one collectives (bcast, reduce: whether
-a member's lateness holds anyone depends on the root), point-to-point calls (a halo
-exchange's imbalance stays in the coverage's line), each rank's first collective (launch
-skew: ``startup``, ``launch_overhead``).
+a member's lateness holds anyone depends on the root), each rank's first collective or
+exchange (launch skew: ``startup``, ``launch_overhead``).
 
 Reported when the load balance is under ``max_balance`` (0.8; the line under which
 POP's reports flag an efficiency: a healthy run of 4 ranks with ±1 ms of jitter on 5 ms
@@ -42,6 +51,9 @@ Settings (``[analyze.load_imbalance]``): ``max_balance``, ``min_fraction``, ``ma
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -55,12 +67,20 @@ from distdiag.replay import Change
 from distdiag.roles import Role
 from distdiag.schema import Kind
 
+if TYPE_CHECKING:
+    from distdiag.run import Run
+
 ADVICE = (
     "spread the work of each step evenly over the ranks: partition by cost rather than by count (bucket or "
     "pack variable-length samples by length, weight mesh partitions by their work), hand out work "
     "dynamically, or give the rank that has the extra duty this step less of the shared work; if every "
     "rank is given the same work, the variation is the machine's (OS noise, frequency scaling, memory "
     "placement): pin the ranks to cores and keep system services off them"
+)
+
+COUNTERFACTUAL_P2P = (
+    "; at each point-to-point exchange (every rank's k-th call from one line between two collectives: a "
+    "halo's), the ranks' work since their previous rendezvous at its mean"
 )
 
 COUNTERFACTUAL = (
@@ -86,10 +106,18 @@ def detect(an: Analysis) -> list[Finding]:
     coll[nz] = (kind == Kind.COLL) | (kind == Kind.COLL_ASYNC)
     ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & coll
     ok &= ~startup_groups(colls) & (wait_scheme(run, colls) == EVERY_MEMBER)
-    if not ok.any():
+    p2p = _exchanges(run, colls, min_fraction * wall_s)
+    if not ok.any() and p2p is None:
         return []
     # a DDP step's work begins where its previous step's buckets completed
     gs, mx, mean, top = _most_loaded(colls, np.asarray(member_gaps_ns(run, colls, async_exits=True)), ok)
+    n_coll = len(gs)
+    ops, sites = colls.m_op[colls.g_start[1:][gs] - 1], colls.m_site[colls.g_start[1:][gs] - 1]  # the last arrivers'
+    if p2p is not None:
+        mx, mean, top = np.r_[mx, p2p.mx], np.r_[mean, p2p.mean], np.r_[top, p2p.top]
+        ops, sites = np.r_[ops, p2p.op], np.r_[sites, p2p.site]
+    if len(mx) == 0:
+        return []
     excess = np.maximum(mx - mean, 0.0)
     cost_s = float(excess.sum()) / 1e9
     balance = float(mean.sum() / mx.sum()) if mx.sum() > 0 else 1.0
@@ -102,12 +130,20 @@ def detect(an: Analysis) -> list[Finding]:
     if top_share > max_top_share:
         return []  # one rank most of the time: the straggler's or the serial section's
     n_top = int(np.count_nonzero(per_rank > 0))
-    last_row = colls.g_start[1:][gs] - 1  # the groups' last arrivers' rows: their op and call site
+    n_p2p = len(excess) - n_coll
+    where = f"{n_coll} collective{'s' if n_coll != 1 else ''}"
+    if n_p2p:
+        where += f" and {n_p2p} point-to-point exchange{'s' if n_p2p != 1 else ''}"
+    # At collectives every member waits for the last: sum(max - mean) is what spreading the work
+    # saves. At a halo's exchanges a rank waits for its neighbours only, and a late rank's delay
+    # spreads or dies out along them: only the replay says what it costs (an open line's ends wait
+    # for one neighbour: 0.84 s saved where sum(max - mean) is 1.21)
+    saves = f"and spread evenly it would save {secs(cost_s)}" if not n_p2p else "and the replay prices spreading it evenly"
     summary = (
-        f"load imbalance: at {len(gs)} collectives the ranks waited for the most-loaded member, "
+        f"load imbalance: at {where} the ranks waited for the most-loaded member, "
         f"{n_top} different ranks in turn (none holding more than {top_share:.0%} of the wait); "
-        f"the work between collectives is balanced to {balance:.0%} (mean / max), and spread evenly "
-        f"it would save {secs(cost_s)}"
+        f"the work between {'rendezvous' if n_p2p else 'collectives'} is balanced to {balance:.0%} (mean / max), "
+        f"{saves}"
     )
     f = Finding(
         kind="load_imbalance",
@@ -118,20 +154,72 @@ def detect(an: Analysis) -> list[Finding]:
         advice=ADVICE,
         evidence={
             "load_balance": round(balance, 4),
-            "collectives": int(len(gs)),
+            "collectives": n_coll,
+            "p2p_exchanges": n_p2p,
             "most_loaded_ranks": n_top,
             "top_rank": top_rank,
             "top_rank_share": round(top_share, 4),
             "excess_s_per_collective": {"median": round(float(np.median(excess)) / 1e9, 6),
                                         "max": round(float(excess.max()) / 1e9, 6)},  # fmt: skip
-            "per_op": tally(colls.m_op[last_row], excess, run, limit=5, key="excess_s", ndigits=4),
-            "top_sites": tally(colls.m_site[last_row], excess, run, limit=5, key="excess_s", ndigits=4),
-            "counterfactual": COUNTERFACTUAL,
+            "per_op": tally(ops, excess, run, limit=5, key="excess_s", ndigits=4),
+            "top_sites": tally(sites, excess, run, limit=5, key="excess_s", ndigits=4),
+            "counterfactual": COUNTERFACTUAL + (COUNTERFACTUAL_P2P if n_p2p else ""),
         },
-        change=Change("the work before each collective every member waits for spread evenly over its members",
-                      balance=True),  # fmt: skip
+        change=Change("the work before each collective every member waits for spread evenly over its members"
+                      + (", and before each point-to-point exchange over its ranks" if n_p2p else ""),
+                      balance=True, balance_p2p=n_p2p > 0),  # fmt: skip
     )
     return [f]
+
+
+@dataclass(frozen=True)
+class _Exchanges:
+    """The point-to-point exchanges (:func:`distdiag.replay.p2p_work`): per exchange, its ranks'
+    largest and mean work (ns), the rank of its first event at the largest, and that event's op
+    and call site (string ids)."""
+
+    mx: np.ndarray
+    mean: np.ndarray
+    top: np.ndarray
+    op: np.ndarray
+    site: np.ndarray
+
+
+def _exchanges(run: Run, colls: Collectives, min_s: float) -> _Exchanges | None:
+    """The run's point-to-point exchanges, as the replay model groups them (a halo: each rank's
+    k-th call between two collectives), with each rank's work before its call: its own time
+    since its previous rendezvous. None when the run replays none, or no rank spent ``min_s``
+    inside them."""
+    from distdiag.links import p2p_transfers
+    from distdiag.replay import model_of, p2p_work
+
+    if not len(p2p_transfers(run)["send_row"]):
+        return None
+    m = model_of(run, colls)
+    W = m.waits
+    if W is None or W.p2p is None:
+        return None
+    # waiting at exchanges is time inside them: where no rank spent min_s there, no imbalance at
+    # them can cost that much, and the plain replay that reads the work before them is spared
+    held = np.bincount(W.rank[W.p2p], weights=(W.exit_ns - W.entry_ns)[W.p2p])
+    if not len(held) or float(held.max()) < min_s * 1e9:
+        return None
+    got = p2p_work(m)
+    if got is None or not len(got[0]):
+        return None
+    grp, ev, rank, seg = got
+    assert W.p2p_row_event is not None and W.p2p_site is not None
+    st = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+    size = np.diff(np.r_[st, len(grp)])
+    mx = np.maximum.reduceat(seg, st)
+    mean = np.add.reduceat(seg, st) / size
+    at = np.flatnonzero(seg == mx[grp])
+    first = at[np.r_[True, grp[at][1:] != grp[at][:-1]]]  # one an exchange: its first event at the largest
+    row = np.full(len(W.rank), -1, np.int64)
+    np.maximum.at(row, W.p2p_row_event, W.p2p_rows)  # an event's last row: a Sendrecv's, a post's, a wait's
+    top_row = row[ev[first]]
+    op = np.where(top_row >= 0, run.events["name_id"][np.maximum(top_row, 0)], 0).astype(np.int64)
+    return _Exchanges(mx.astype(np.float64), mean, rank[first], op, W.p2p_site[ev[first]])
 
 
 def _most_loaded(colls: Collectives, work_ns: np.ndarray,
@@ -155,4 +243,7 @@ def _most_loaded(colls: Collectives, work_ns: np.ndarray,
         first = at[np.r_[True, mg[at][1:] != mg[at][:-1]]]  # one a group: its first member at the largest
         out.append((np.flatnonzero(ne)[keep] + g_lo, mx[keep].astype(np.float64), mean[keep],
                     colls.m_rank[a:b][first][keep].astype(np.int64)))  # fmt: skip
+    if not out:
+        z = np.zeros(0, np.int64)
+        return z, np.zeros(0), np.zeros(0), z
     return tuple(np.concatenate([o[i] for o in out]) for i in range(4))  # type: ignore[return-value]
