@@ -115,10 +115,13 @@ class Change:
     p2p_t_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     balance: bool = False
     #: ``balance`` for the replayed point-to-point calls too: each one's segment at the mean of its
-    #: exchange's (:func:`p2p_work`: every rank's k-th call from the same line, a halo's exchange)
+    #: exchange's (:func:`p2p_work`: every rank's k-th call between two collectives, a halo's exchange)
     balance_p2p: bool = False
     #: per rank of ``median_ranks`` that has one: (its excess quantiles, a typical peer's), ns
     like_peers: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    #: the same at the point-to-point exchanges (read off them: work before an exchange is not
+    #: work between collectives)
+    like_p2p: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def plus(self, other: Change) -> Change:
         """Both changes at once (the cumulative ranking: the first cause removed, then the next).
@@ -143,6 +146,7 @@ class Change:
             balance=self.balance or other.balance,
             balance_p2p=self.balance_p2p or other.balance_p2p,
             like_peers={**other.like_peers, **self.like_peers},
+            like_p2p={**other.like_p2p, **self.like_p2p},
         )
 
     def reaches(self, m: Model, t_ns: int) -> bool:
@@ -160,7 +164,7 @@ class Change:
             return True
         if self.balance and bool((m.scheme[m.order] == EVERY_MEMBER).any()):
             return True
-        if self.balance_p2p and len(_p2p_means(m)) and bool((_p2p_means(m) >= 0).any()):
+        if self.balance_p2p and bool(_exchanged(m).any()):
             return True
         if len(self.p2p_rows) and m.waits is not None and len(m.waits.p2p_rows):
             if bool(np.isin(self.p2p_rows[self.p2p_cut_ns > 0], m.waits.p2p_rows).any()):
@@ -227,8 +231,8 @@ class Waits:
     #: per event: a point-to-point event's recorded segment before it where its rank is past its
     #: first rendezvous, else -1 (filled by the first plain replay; :func:`p2p_work`)
     p2p_seg_ns: np.ndarray | None = None
-    #: per event: the mean segment of its exchange (:func:`_p2p_means`), -1 where none; made once
-    p2p_mean_ns: np.ndarray | None = None
+    #: per event: True where it is in an exchange (:func:`_exchanged`); made once
+    exchanged: np.ndarray | None = None
 
 
 @dataclass
@@ -899,6 +903,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
         cap_ref = change.transfer_ref_ns
     any_slow = bool(slow.any())
     like = change.like_peers if change is not None and any_slow else {}
+    like_p = change.like_p2p if change is not None and any_slow else {}
     balance = change is not None and change.balance
     gs, m_rank, m_t0, m_t1 = c.g_start, c.m_rank, c.m_t0_ns, c.m_t1_ns
     scheme, root = m.scheme, m.root
@@ -921,7 +926,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
         fill_seg = W.seg_ns = np.zeros(n_a, np.int64)
     if W is not None and W.p2p is not None and W.p2p_seg_ns is None and change is None:
         fill_p2p = W.p2p_seg_ns = np.full(len(W.rank), -1, np.int64)
-    mean_p = _p2p_means(m) if (change is not None and change.balance_p2p and p2p_new is not None) else None
+    in_x = _exchanged(m) if (change is not None and change.balance_p2p and p2p_new is not None) else None
     if m.step_bits is None:
         m.step_bits = _step_bits(m)
     steps = zip(m.step_kind.tolist(), m.step_ref.tolist(), m.step_bits.tolist())
@@ -936,27 +941,26 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 fill_seg[a_i[is_l]] = seg[is_l]
             if fill_p2p is not None and bits & _HAS_P2P:  # and the point-to-point events' (p2p_work)
                 fill_p2p[i0:i1] = np.where(W.p2p[i0:i1] & started[r], seg, -1)  # type: ignore[index]
-            if med_a is not None:  # a straggler's launch after its peers' median segment before it
+            if med_a is not None:  # a straggler's launch after its peers' pace before it
                 med = np.where(is_l, med_a[np.maximum(a_i, 0)], -1)
-                seg = np.where((med >= 0) & slow[r] & started[r] & (seg > med), med, seg)
+                seg = _at_peer_pace(seg, (med >= 0) & slow[r] & started[r], med, r, like)
             if mean_a is not None and bits & _HAS_LAUNCH:  # each launch after its group's mean segment
                 mean = np.where(is_l, mean_a[np.maximum(a_i, 0)], -1)
                 seg = np.where((mean >= 0) & started[r], mean, seg)
-            if mean_p is not None and bits & _HAS_P2P:  # each exchange after its mean segment
-                mean = mean_p[i0:i1]
-                seg = np.where(mean >= 0, mean, seg)
-            hit = cuts.get(s) if change is not None else None
-            if hit is not None:
-                seg = seg.copy()
-                np.subtract.at(seg, hit[0], hit[1])
-                np.maximum(seg, 0, out=seg)
             if p2p_new is not None:
                 is_p = W.p2p[i0:i1]  # type: ignore[index]
                 if slow_p is not None and peer_p is not None and bits & _HAS_P2P:
                     sl_p, pe_p = slow_p[i0:i1] & started[r], peer_p[i0:i1]
                     # where every exchange of the batch comes from one line (a halo), no line is asked
                     site = None if bits & _ONE_SITE else W.p2p_site[i0:i1]  # type: ignore[index]
-                    seg = _p2p_pace(seg, sl_p, pe_p, site)
+                    seg = _p2p_pace(seg, sl_p, pe_p, site, r, like_p)
+                if in_x is not None and bits & _HAS_P2P:  # the batch's exchange after its mean segment
+                    seg = _balanced(seg, in_x[i0:i1])
+            hit = cuts.get(s) if change is not None else None
+            if hit is not None:
+                seg = seg.copy()
+                np.subtract.at(seg, hit[0], hit[1])
+                np.maximum(seg, 0, out=seg)
             arr_new = new_last[r] + seg
             if bits & _HAS_LAUNCH:
                 launch_new[a_i[is_l]] = arr_new[is_l]
@@ -1005,11 +1009,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 if any_slow:
                     sl = slow[r] & started[r]
                     if sl.any() and not sl.all():
-                        pace = _median(seg[~sl])
-                        if like:
-                            seg = _at_peer_pace(seg, sl, pace, r, like)
-                        else:
-                            seg = np.where(sl & (seg > pace), np.int64(pace), seg)
+                        seg = _at_peer_pace(seg, sl, _median(seg[~sl]), r, like)
                 if balance and scheme[g] == EVERY_MEMBER:
                     seg = _balanced(seg, started[r])
                 hit = cuts.get(s)
@@ -1108,40 +1108,44 @@ def _p2p_cuts(W: Waits, change: Change) -> np.ndarray | None:
     return out
 
 
-def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.ndarray | None) -> np.ndarray:
-    """A batch's segments with each slow rank's before a point-to-point call at the median of its
-    peers' before a call from the same line in the batch (a halo exchange: every rank's k-th
-    exchange), where that is shorter; a call no peer makes from its line keeps its own (a
-    pipeline's stages run different code). ``site``: each event's line; None when the batch's
-    point-to-point events all come from one (then no line is asked)."""
+def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.ndarray | None, ranks: np.ndarray,
+              like: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:  # fmt: skip
+    """A batch's segments with each slow rank's before a point-to-point call at its peers' pace
+    before a call from the same line in the batch (a halo exchange: every rank's k-th exchange):
+    their median, plus a typical peer's excess over it where ``like`` has the rank's table
+    (:func:`_at_peer_pace`), where that is shorter; a call no peer makes from its line keeps its
+    own (a pipeline's stages run different code). ``site``: each event's line; None when the
+    batch's point-to-point events all come from one (then no line is asked)."""
     if not slow.any() or not peers.any():
         return seg
     if site is None:
-        med = np.int64(_median(seg[peers]))
-        return np.where(slow & (seg > med), med, seg)
+        return _at_peer_pace(seg, slow, _median(seg[peers]), ranks, like)
     out = seg
     at = site[slow]
     for s in ([int(at[0])] if bool((at == at[0]).all()) else np.unique(at).tolist()):  # a few sites
         on = site == s
         same = peers & on
         if same.any():
-            med = np.int64(_median(seg[same]))
-            out = np.where(slow & on & (out > med), med, out)
+            out = _at_peer_pace(out, slow & on, _median(seg[same]), ranks, like)
     return out
 
 
-def _at_peer_pace(seg: np.ndarray, slow: np.ndarray, pace: float, ranks: np.ndarray,
+def _at_peer_pace(seg: np.ndarray, slow: np.ndarray, pace: float | np.ndarray, ranks: np.ndarray,
                   like: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """A blocking group's segments with each slow member's (``slow``) over the others' median
-    ``pace`` at a typical peer's excess over it instead: its excess mapped through its rank's
-    quantile table in ``like`` (at the median where its rank has none), never longer than
-    recorded. The slow members of a group are few (one for a rank's straggler)."""
+    """Segments with each slow one's (``slow``) over ``pace`` (the others' median: one, or one
+    each) at a typical peer's excess over it instead: its excess mapped through its rank's
+    quantile table in ``like`` (at the pace itself where its rank has none), never longer than
+    recorded. The slow ones are few (one for a rank's straggler): a Python step each."""
+    hit = np.flatnonzero(slow & (seg > pace))
+    if not len(hit):
+        return seg
+    p = np.broadcast_to(np.asarray(pace, np.float64), seg.shape)
     out = seg.copy()
-    for i in np.flatnonzero(slow & (seg > pace)).tolist():
-        table = like.get(int(ranks[i]))
-        e = float(seg[i]) - pace
+    for i in hit.tolist():
+        table = like.get(int(ranks[i])) if like else None
+        e = float(seg[i]) - float(p[i])
         e_new = max(0.0, min(e, float(np.interp(e, table[0], table[1])))) if table is not None else 0.0
-        out[i] = int(pace + e_new)
+        out[i] = int(float(p[i]) + e_new)
     return out
 
 
@@ -1203,21 +1207,19 @@ def p2p_work(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] 
     return grp, ev, W.rank[ev].astype(np.int64), W.p2p_seg_ns[ev]
 
 
-def _p2p_means(m: Model) -> np.ndarray:
-    """Per event of ``m.waits``: the mean recorded segment of its exchange (:func:`p2p_work`),
-    rounded down, where it is in one; -1 elsewhere (a balanced counterfactual's point-to-point
-    call, as :func:`_balanced` sets a blocking collective's arrival). Made once per model."""
+def _exchanged(m: Model) -> np.ndarray:
+    """Per event of ``m.waits``: True where it is in an exchange (:func:`p2p_work`: a batch's
+    point-to-point events past their ranks' first rendezvous, two or more). Made once per model."""
     W = m.waits
     if W is None:
-        return np.zeros(0, np.int64)
-    if W.p2p_mean_ns is None:
-        out = np.full(len(W.rank), -1, np.int64)
+        return np.zeros(0, bool)
+    if W.exchanged is None:
+        out = np.zeros(len(W.rank), bool)
         got = p2p_work(m)
-        if got is not None and len(got[0]):
-            grp, ev, _, seg = got
-            out[ev] = (np.bincount(grp, weights=seg) // np.bincount(grp)).astype(np.int64)[grp]
-        W.p2p_mean_ns = out
-    return W.p2p_mean_ns
+        if got is not None:
+            out[got[1]] = True
+        W.exchanged = out
+    return W.exchanged
 
 
 def _median(x: np.ndarray) -> float:

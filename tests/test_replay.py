@@ -740,16 +740,22 @@ def test_the_step_bits_say_what_each_batch_holds() -> None:
 
 def test_a_straggler_is_paced_at_its_peers_median_from_the_same_line() -> None:
     """``_p2p_pace``: a slow rank's segment before an exchange becomes the median of its peers'
-    before an exchange from the same line (worked by hand), never longer than its own; and a
-    batch said to come from one line (``site=None``) gets what asking each event's line gives
-    there, on random batches."""
+    before an exchange from the same line (worked by hand), never longer than its own, plus a
+    typical peer's excess over it where its rank has a table (``Change.like_peers``); and a batch
+    said to come from one line (``site=None``) gets what asking each event's line gives there, on
+    random batches."""
     seg = np.array([10, 1, 2, 3, 4, 9, 0], np.int64)
     slow = np.array([1, 0, 0, 0, 0, 1, 1], bool)
     peers = np.array([0, 1, 1, 1, 1, 0, 0], bool)
+    ranks = np.arange(7)
     # the peers' median is 2.5 -> 2; the slow ones at 10 and 9 go down to 2, the one at 0 keeps 0
-    np.testing.assert_array_equal(replay._p2p_pace(seg, slow, peers, None), [2, 1, 2, 3, 4, 2, 0])
+    np.testing.assert_array_equal(replay._p2p_pace(seg, slow, peers, None, ranks, {}), [2, 1, 2, 3, 4, 2, 0])
     site = np.array([7, 7, 7, 5, 5, 5, 7])  # by line: 7's peers [1, 2] -> 1; 5's peers [3, 4] -> 3
-    np.testing.assert_array_equal(replay._p2p_pace(seg, slow, peers, site), [1, 1, 2, 3, 4, 3, 0])
+    np.testing.assert_array_equal(replay._p2p_pace(seg, slow, peers, site, ranks, {}), [1, 1, 2, 3, 4, 3, 0])
+    # rank 0's table maps its excess of 7.5 (10 over 2.5) to 6 (0 -> 0, 10 -> 8): 2.5 + 6 -> 8;
+    # rank 5 has none: at the median
+    like = {0: (np.array([0.0, 10.0]), np.array([0.0, 8.0]))}
+    np.testing.assert_array_equal(replay._p2p_pace(seg, slow, peers, None, ranks, like), [8, 1, 2, 3, 4, 2, 0])
     rng = np.random.default_rng(11)
     for _ in range(300):
         n = int(rng.integers(1, 30))
@@ -757,4 +763,6 @@ def test_a_straggler_is_paced_at_its_peers_median_from_the_same_line() -> None:
         kind = rng.integers(0, 3, n)  # 0 not an exchange, 1 slow, 2 a peer
         sl, pe = kind == 1, kind == 2
         site = np.where(kind > 0, 4, -1)
-        np.testing.assert_array_equal(replay._p2p_pace(seg, sl, pe, None), replay._p2p_pace(seg, sl, pe, site))
+        r = np.arange(n)
+        np.testing.assert_array_equal(replay._p2p_pace(seg, sl, pe, None, r, like),
+                                      replay._p2p_pace(seg, sl, pe, site, r, like))  # fmt: skip

@@ -151,6 +151,7 @@ def detect(an: Analysis) -> list[Finding]:
     slow = np.zeros(n, bool)  # the blamed ranks: no rank's typical peer is one of them
     slow[[r for r, _ in blamed]] = True
     like = _like_peers(run, colls, ok, slow, [r for r, _ in blamed])
+    like_p2p = _like_peers_p2p(run, colls, slow, [r for r, _ in blamed])
 
     findings = []
     ev = run.events
@@ -201,8 +202,10 @@ def detect(an: Analysis) -> list[Finding]:
                 change=Change(f"rank {r}'s work before each collective at the other members' median"
                               + (" plus a typical peer's excess over it" if r in like else "")
                               + (", and before each point-to-point call at that of the ranks calling from the same line"
+                                 + (" plus a typical peer's excess over it" if r in like_p2p else "")
                                  if p_mine.any() else ""),
-                              median_ranks=np.array([r], np.int64), like_peers={r: like[r]} if r in like else {}),
+                              median_ranks=np.array([r], np.int64), like_peers={r: like[r]} if r in like else {},
+                              like_p2p={r: like_p2p[r]} if r in like_p2p else {}),
                 advice=(
                     f"Find what rank {r}{' on ' + host if host else ''} does before its "
                     f"{'point-to-point calls and collectives' if p_mine.any() else 'collectives'}{where} "
@@ -524,7 +527,8 @@ def _fold_hosts(
                 change=Change(f"the work of host {hosts[h]}'s ranks before each collective at the other "
                               "members' median plus a typical peer's excess over it",
                               median_ranks=np.asarray(ranks_here, np.int64),
-                              like_peers=_like_peers(run, colls, ok, slow, ranks_here)),
+                              like_peers=_like_peers(run, colls, ok, slow, ranks_here),
+                              like_p2p=_like_peers_p2p(run, colls, slow, ranks_here)),
                 advice=(
                     f"Every rank on {hosts[h]} is late, not one: look at the node (a slower or throttled CPU/GPU, "
                     "other jobs on it, a slower file system mount, a different software stack)."
@@ -557,7 +561,7 @@ def _like_peers(run: Run, colls: Collectives, ok: np.ndarray, slow: np.ndarray,
         rows, g = rows[keep], g[keep]
         if len(g) == 0:
             continue
-        pick = np.unique(np.linspace(0, len(g) - 1, min(len(g), _TABLE_GROUPS)).round().astype(np.int64))
+        pick = _evenly(len(g))
         rows, g = rows[pick], g[pick]
         sizes = (gs[g + 1] - gs[g]).astype(np.int64)
         mem = np.repeat(gs[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
@@ -569,6 +573,43 @@ def _like_peers(run: Run, colls: Collectives, ok: np.ndarray, slow: np.ndarray,
         peers = gaps[mem][on] - pace[grp[on]]
         if len(own) and len(peers):
             out[r] = peer_excess(own, peers)
+    return out
+
+
+def _evenly(n: int) -> np.ndarray:
+    """Up to ``_TABLE_GROUPS`` positions of ``0..n-1``, evenly spread."""
+    return np.unique(np.linspace(0, n - 1, min(n, _TABLE_GROUPS)).round().astype(np.int64))
+
+
+def _like_peers_p2p(run: Run, colls: Collectives, slow: np.ndarray,
+                    ranks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    """:func:`_like_peers` at the point-to-point exchanges (a halo's: each rank's k-th replayed
+    call between two collectives, :func:`distdiag.replay.p2p_work`), for the replay's pace there
+    (``Change.like_p2p``): per rank of ``ranks`` that takes part in them, its excess over the
+    median work of the ranks that are not ``slow``, mapped to theirs, read off up to
+    ``_TABLE_GROUPS`` of its exchanges evenly spread over the run. A table of its own: work before
+    an exchange is not work between collectives (in a halo with an all-reduce every other step,
+    a neighbour's time between collectives holds its waits for the straggler)."""
+    from distdiag.links import p2p_transfers
+    from distdiag.replay import model_of, p2p_work
+
+    if not ranks or not len(p2p_transfers(run)["send_row"]):
+        return {}
+    got = p2p_work(model_of(run, colls))
+    if got is None or not len(got[0]):
+        return {}
+    grp, _, rank, seg = got
+    n_g = int(grp[-1]) + 1
+    peer = ~slow[np.minimum(rank, len(slow) - 1)] & (rank < len(slow))
+    pace, has = group_medians(seg[peer], grp[peer], n_g)
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for r in ranks:  # the blamed ranks: few
+        mine = np.flatnonzero((rank == r) & has[grp])
+        if not len(mine):
+            continue
+        mine = mine[_evenly(len(mine))]
+        on = peer & np.isin(grp, grp[mine])
+        out[r] = peer_excess(seg[mine] - pace[grp[mine]], seg[on] - pace[grp[on]])
     return out
 
 
