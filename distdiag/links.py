@@ -433,6 +433,71 @@ def tail_ns(colls: Collectives) -> np.ndarray:
     return out
 
 
+#: a collective moving at most this many bytes a member is small: its time is per-call latency on
+#: any fabric (NCCL's and MPI's small-message protocols run up to tens of KiB)
+SMALL_BYTES = 64 << 10
+#: a small collective following its previous one within this much of a member's work is "back to back"
+BACK_TO_BACK_NS = 1_000_000
+
+
+def small_limits(cfg: Any) -> tuple[int, int]:
+    """``[analyze.small_collectives]`` ``max_bytes`` and ``max_gap_us`` (in ns): what makes a
+    collective small and its calls back to back (small_collectives', network_bound's and the
+    coverage line's one definition)."""
+    return (int(cfg.value("small_collectives", "max_bytes", SMALL_BYTES)),
+            int(float(cfg.value("small_collectives", "max_gap_us", BACK_TO_BACK_NS / 1e3)) * 1e3))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SmallBursts:
+    """Small collectives called back to back (:func:`small_bursts`), per group: ``fused`` (the
+    calls that follow their communicator's previous one of the same op directly: fused into it),
+    ``cut`` (the calls whose transfer the fused counterfactual takes away: the fused ones, and the
+    first call of a non-blocking burst, whose completion is seen only where the ranks wait for the
+    whole burst) and ``tail`` (last arrival to last exit, ns, >= 0)."""
+
+    fused: np.ndarray
+    cut: np.ndarray
+    tail: np.ndarray
+
+
+def small_bursts(run: Run, colls: Collectives, max_bytes: int, max_gap_ns: int) -> SmallBursts:
+    """Which collectives are small ones called back to back: complete, of two or more members, at
+    most ``max_bytes`` a member, repeating their communicator's previous collective's op, and no
+    member worked longer than ``max_gap_ns`` since its previous collective's exit or completion
+    (:func:`distdiag.match.member_gaps_ns`), nor longer than the call itself took (last arrival
+    to last exit): nothing but the loop stands between the calls, and they could be one.
+    Blocking or not: ``Iallreduce(...).Wait()`` one by one, or 2,000 ``Iallreduce`` then one
+    ``Waitall``, cost a call's latency each like blocking ones (measured: 0.92 and 3.11 s against
+    0.21 s for the same bytes in one call a step)."""
+    from distdiag.match import member_gaps_ns
+
+    n = len(colls)
+    none = np.zeros(n, bool)
+    if n == 0 or len(colls.m_t1_ns) == 0:
+        return SmallBursts(none, none, np.zeros(n, np.int64))
+    gs = colls.g_start
+    sizes = np.diff(gs)
+    first = np.minimum(gs[:-1], len(colls.m_t1_ns) - 1)
+    kind = colls.m_kind[first]  # a group's members share their kind
+    is_async = (sizes > 0) & (kind == Kind.COLL_ASYNC)
+    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & (((sizes > 0) & (kind == Kind.COLL)) | is_async)
+    ok &= colls.m_nbytes.group_max() <= max_bytes
+    tail = np.maximum(tail_ns(colls), 0)
+    if not ok.any():
+        return SmallBursts(none, none, tail)
+    # one pass per block of the run-wide gaps: the largest member's work before each group
+    gap = np.maximum.reduceat(np.asarray(member_gaps_ns(run, colls, async_exits=True)), first)
+    # the same call again: the communicator's previous collective (groups are in (comm, seq) order)
+    # was of the same op (an all-reduce after a bcast is no burst of one thing to fuse)
+    same = np.zeros(n, bool)
+    same[1:] = (colls.g_comm[1:] == colls.g_comm[:-1]) & (colls.g_op[1:] == colls.g_op[:-1])
+    fused = ok & same & (gap <= max_gap_ns) & (gap <= tail)
+    head = np.zeros(n, bool)  # a non-blocking burst's first call, whose next call is fused into it
+    head[:-1] = is_async[:-1] & ok[:-1] & ~fused[:-1] & fused[1:] & same[1:]
+    return SmallBursts(fused, fused | head, tail)
+
+
 def network_bound(ct: CollectiveTransfers, min_transfer_s: float = 1e-3) -> np.ndarray:
     """Per collective: transfer phase long while every rank arrived on time.
 

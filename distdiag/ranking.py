@@ -295,8 +295,7 @@ def _transfer_binds(colls: Collectives | None, cfg: Config) -> str:
     ``[analyze.small_collectives] max_bytes``) cost their per-call latency whatever they carry; called back to
     back they are ``small_collectives``' (which then explains them), so here they have work between
     them (a step's one all-reduce, which the next step's needs): overlap or call less often."""
-    from distdiag.detectors.small_collectives import max_bytes_of
-    from distdiag.links import tail_ns
+    from distdiag.links import small_limits, tail_ns
     from distdiag.match import MatchState
 
     base = BINDS["comm_transfer_s"]
@@ -314,7 +313,7 @@ def _transfer_binds(colls: Collectives | None, cfg: Config) -> str:
     per_call = float(np.median(x)) / 1e3  # us
     what = (f"{int(ok.sum()):,} collectives; half of their transfer time in calls of {size:,} bytes a member "
             f"or less, {per_call:.3g} us a call (median)")
-    if size <= max_bytes_of(cfg):
+    if size <= small_limits(cfg)[0]:
         return (f"collective transfers hold the run, in small calls between the ranks' work: {what}; each "
                 "costs its latency whatever it carries: overlap them with the work (non-blocking "
                 "collectives), call less often, or measure the links (`distdiag-wrap --probe-links`)")

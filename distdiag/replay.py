@@ -513,20 +513,31 @@ def _waits(run: Run, colls: Collectives, cand: np.ndarray) -> tuple[Waits | None
         if band is None:
             continue
         lo, span = band
-        key = r * span + (t1 + slack - lo)
-        o = None  # the run's rows come by (rank, t0): by (rank, end) too, unless they nest
-        if not bool(np.all(key[1:] >= key[:-1])):
-            o = np.argsort(key, kind="stable")  # by (rank, end)
-            key = key[o]
-        j = np.empty(len(a_rows), np.int64)  # the first row of the rank ending at or after it
-        j[by_r] = np.searchsorted(key, (r_a * span + (at - lo))[by_r])
-        jj = np.minimum(j, len(key) - 1)  # the row itself
-        if o is not None:
-            jj = o[jj]
-        t0_j = t0[jj]
-        hit = free & (j < len(key)) & (r[jj] == r_a) & (t0_j <= at)
+        o = None
+        j = np.empty(len(a_rows), np.int64)
         if kind == Kind.WAIT:
-            hit &= t0_j >= p_a
+            # the rank's last wait entered at or before the completion, which must hold it (entered
+            # after the post, left no more than the slack before it): not the first wait ending
+            # within the slack of it, which with calls 30 us apart is an earlier one
+            key = r * span + (t0 - lo)  # the run's rows come by (rank, t0)
+            if not bool(np.all(key[1:] >= key[:-1])):
+                o = np.argsort(key, kind="stable")
+                key = key[o]
+            j[by_r] = np.searchsorted(key, (r_a * span + (at - lo))[by_r], side="right") - 1
+            jj = np.maximum(j, 0)
+            if o is not None:
+                jj = o[jj]
+            hit = free & (j >= 0) & (r[jj] == r_a) & (t0[jj] >= p_a) & (at <= t1[jj] + slack)
+        else:
+            key = r * span + (t1 + slack - lo)
+            if not bool(np.all(key[1:] >= key[:-1])):  # by (rank, end) too, unless they nest
+                o = np.argsort(key, kind="stable")
+                key = key[o]
+            j[by_r] = np.searchsorted(key, (r_a * span + (at - lo))[by_r])  # the first row ending at or after it
+            jj = np.minimum(j, len(key) - 1)  # the row itself
+            if o is not None:
+                jj = o[jj]
+            hit = free & (j < len(key)) & (r[jj] == r_a) & (t0[jj] <= at)
         wid[hit] = int(sum(len(x) for x in w_r)) + jj[hit]
         w_r.append(r)
         w_0.append(t0)

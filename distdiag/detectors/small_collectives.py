@@ -9,27 +9,33 @@ of 64 bytes on 4 ranks took 3.59 s, the same bytes in 50 calls 0.006 s, and only
 line said that collective transfers held the run. network_bound leaves them out on purpose:
 its collectives take a millisecond or more (a shorter transfer is no measure of a link).
 
-Which collectives: complete blocking ones of two or more members that move at most
-``max_bytes`` (64 KiB) a member, that repeat their communicator's previous collective's op,
-and that follow the members' previous collective directly: no member worked longer than
-``max_gap_us`` (1 ms) since its previous collective's exit (:func:`distdiag.match.member_gaps_ns`),
+Which collectives (:func:`distdiag.links.small_bursts`, network_bound's exclusion too): complete
+ones of two or more members, blocking or not, that move at most ``max_bytes`` (64 KiB) a
+member, that repeat their communicator's previous collective's op, and that follow the
+members' previous collective directly: no member worked longer than ``max_gap_us`` (1 ms)
+since its previous collective's exit or completion (:func:`distdiag.match.member_gaps_ns`),
 nor longer than the call itself took (last arrival to last exit): then nothing but the loop
 stands between the calls, and they could be one. The first call of each such burst is not
-one of them: it stays, as the fused call.
+one of them: it stays, as the fused call. Non-blocking calls cost their latency as well:
+``Iallreduce(...).Wait()`` one by one, or a step's 2,000 ``Iallreduce`` then one ``Waitall``
+(before, that one read ``network_bound`` at "0.0 MB/s", and this one nothing).
 
 Cost (the price, :class:`distdiag.replay.Change` ``transfer_cut_ns``): the burst fused into its
 first call, replayed: the other calls' transfers (last arrival to exit) take no time, and the
-waits at them go with the arrivals they no longer spread. The loop's own time between the
-calls is kept (fused, it would go too: the price is a lower bound of that much). The
-detector's own price, the calls' transfers summed, is the check beside it.
+waits at them go with the arrivals they no longer spread. A non-blocking burst's first call
+goes too: its completion is seen only where the ranks wait for the whole burst, so its
+recorded transfer is the burst's (the one fused call's own latency, tens of microseconds, is
+left out). The loop's own time between the calls is kept (fused, it would go too: the price is
+a lower bound of that much). The detector's own price, the union of the calls' transfers, is
+the check beside it.
 
 Worked example: 4 ranks, 100,000 all-reduces of 8 doubles back to back, 36 us a call on 2
 cores: 99,991 of them follow the previous one within 1 us; replayed without their transfers
 the run ends 3.47 s sooner; the same job with the same bytes in 50 calls ran 3.58 s shorter.
 
-Not in scope: non-blocking collectives (their latency overlaps the work after the launch),
-small collectives with work between them (a step's one all-reduce: it cannot be fused with
-the next step's, which needs this one's result).
+Not in scope: small collectives with work between them (a step's one all-reduce: it cannot
+be fused with the next step's, which needs this one's result; a non-blocking one's latency
+overlaps that work).
 
 Settings (``[analyze.small_collectives]``): ``min_fraction`` (0.05), ``max_bytes`` (65536),
 ``max_gap_us`` (1000).
@@ -42,10 +48,8 @@ import numpy as np
 from distdiag.analysis import Analysis
 from distdiag.detectors import register
 from distdiag.evidence import secs, tally
-from distdiag.config import Config
 from distdiag.findings import Finding
-from distdiag.links import tail_ns
-from distdiag.match import MatchState, member_gaps_ns
+from distdiag.links import small_bursts, small_limits, union_s
 from distdiag.replay import Change
 from distdiag.roles import Role
 from distdiag.schema import Kind
@@ -62,17 +66,6 @@ COUNTERFACTUAL = (
     "the others' transfers taking no time (the loop's own time between them kept)"
 )
 
-#: a collective moving at most this many bytes a member is small: its time is per-call latency on
-#: any fabric (NCCL's and MPI's small-message protocols run up to tens of KiB)
-MAX_BYTES = 64 << 10
-
-
-def max_bytes_of(cfg: Config) -> int:
-    """``[analyze.small_collectives] max_bytes``: the size under which a collective is small (the
-    detector's and the coverage line's one threshold)."""
-    return int(cfg.value("small_collectives", "max_bytes", MAX_BYTES))
-
-
 #: a transfer cut longer than any transfer: the call takes no time
 _NO_TIME_NS = 1 << 60
 
@@ -84,36 +77,23 @@ def detect(an: Analysis) -> list[Finding]:
     if len(colls) == 0 or wall_s <= 0 or len(colls.m_t1_ns) == 0:
         return []
     min_fraction = float(cfg.value("small_collectives", "min_fraction", 0.05))
-    max_bytes = max_bytes_of(cfg)
-    max_gap_ns = int(float(cfg.value("small_collectives", "max_gap_us", 1000)) * 1e3)
-
-    gs = colls.g_start
-    sizes = np.diff(gs)
-    first = np.minimum(gs[:-1], len(colls.m_t1_ns) - 1)
-    blocking = (sizes > 0) & (colls.m_kind[first] == Kind.COLL)  # a group's members share their kind
-    ok = (colls.g_state == MatchState.COMPLETE) & (colls.g_n_members >= 2) & blocking
-    nbytes = colls.m_nbytes.group_max()
-    ok &= nbytes <= max_bytes
-    if not ok.any():
-        return []
-    xfer = np.maximum(tail_ns(colls), 0)  # last arrival to last exit
-    # one pass per block of the run-wide gaps: the largest member's work before each group
-    gap = np.maximum.reduceat(np.asarray(member_gaps_ns(run, colls, async_exits=True)), first)
-    # the same call again: the communicator's previous collective (groups are in (comm, seq) order)
-    # was of the same op (an all-reduce after a bcast is no burst of one thing to fuse)
-    same = np.zeros(len(colls), bool)
-    same[1:] = (colls.g_comm[1:] == colls.g_comm[:-1]) & (colls.g_op[1:] == colls.g_op[:-1])
-    fused = ok & same & (gap <= max_gap_ns) & (gap <= xfer)
-    det_s = float(xfer[fused].sum()) / 1e9
+    b = small_bursts(run, colls, *small_limits(cfg))
+    fused, xfer = b.fused, b.tail
+    # the calls' transfers, each second once: a non-blocking burst's calls complete together, in its wait
+    det_s = union_s(colls.g_last_ns[b.cut], colls.g_last_ns[b.cut] + xfer[b.cut])
     if not fused.any() or det_s < min_fraction * wall_s:
         return []
     g = np.flatnonzero(fused)
     n_calls = len(g)
     bursts = int(np.count_nonzero(~fused[np.maximum(g - 1, 0)] | (g == 0)))  # calls whose predecessor stays
-    per_call_us = float(np.median(xfer[g])) / 1e3
-    size = int(np.median(nbytes[g]))
-    row = gs[:-1][g]  # each group's first member row: its op and call site
-    per_op = tally(colls.m_op[row], xfer[g].astype(np.float64), run, limit=5, key="transfer_s", ndigits=4)
+    row = colls.g_start[:-1][g]  # each group's first member row: its op and call site
+    # a call's time: its transfer; a non-blocking one's completes with its burst's in the wait, so
+    # each of them is its share of the calls' union
+    n_cut = int(np.count_nonzero(b.cut))
+    each = np.where(colls.m_kind[row] == Kind.COLL_ASYNC, det_s * 1e9 / max(n_cut, 1), xfer[g]).astype(np.float64)
+    per_call_us = float(np.median(each)) / 1e3
+    size = int(np.median(colls.m_nbytes.group_max()[g]))
+    per_op = tally(colls.m_op[row], each, run, limit=5, key="transfer_s", ndigits=4)
     top_op = next(iter(per_op), "collective")
     summary = (
         f"{n_calls:,} small collectives ({top_op} of ~{size:,} bytes a member) called back to back, "
@@ -135,11 +115,10 @@ def detect(an: Analysis) -> list[Finding]:
                 "median_call_us": round(per_call_us, 3),
                 "detector_cost_s": round(det_s, 4),
                 "per_op": per_op,
-                "top_sites": tally(colls.m_site[row], xfer[g].astype(np.float64), run, limit=5, key="transfer_s",
-                                   ndigits=4),
+                "top_sites": tally(colls.m_site[row], each, run, limit=5, key="transfer_s", ndigits=4),
                 "counterfactual": COUNTERFACTUAL,
             },
             change=Change("the small collectives called back to back fused into one call per burst",
-                          transfer_cut_ns=np.where(fused, _NO_TIME_NS, 0).astype(np.int64)),
+                          transfer_cut_ns=np.where(b.cut, _NO_TIME_NS, 0).astype(np.int64)),
         )
     ]
