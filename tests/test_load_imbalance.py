@@ -21,7 +21,8 @@ from distdiag.detectors import load_imbalance
 from distdiag.pipeline import Report, analyze
 from factories import make_run, simulate_p2p
 from helpers import run_in_session
-from truth import Twins, assert_prices_median, assert_silent_twin, measure_savings, measure_twins, mpi_loop_s, verdict_prices
+from truth import (Twins, assert_prices_median, assert_silent_twin, measure_savings, measure_twins, mpi_loop_s,
+                   mpi_twins, verdict_prices)
 
 JOB = Path(__file__).resolve().parent / "jobs" / "rotating_imbalance.py"
 
@@ -144,16 +145,11 @@ def test_a_halo_exchange_imbalance_is_priced_at_what_balancing_saves(tmp_path: P
 # real MPI jobs
 
 
-def run_job(d: Path, faulty: bool) -> float:
-    return mpi_loop_s(d, JOB, "--rotate" if faulty else "--even")
-
-
 @pytest.fixture(scope="module")
 def rotating(tmp_path_factory: pytest.TempPathFactory) -> Twins[Report]:
     """2 pairs by turns: 40 steps of 20 ms, 40 ms more on rank step % 4 (faulty) or 10 ms more on
     every rank (the twin: the same work, balanced)."""
-    twins = measure_twins(tmp_path_factory.mktemp("rotating"), run_job, pairs=2)
-    return twins.map(lambda d: analyze(d / "run", Config()))
+    return mpi_twins(tmp_path_factory.mktemp("rotating"), JOB, ("--rotate",), ("--even",))
 
 
 @pytest.mark.mpi
@@ -183,13 +179,8 @@ def halo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """2 pairs by turns: the rotating duty (faulty) or the balanced work (twin) of ``rotating``, each
     step ending in a halo exchange (two Sendrecv, right then left) and no all-reduce; around a ring,
     or along a line (the end ranks' missing neighbour MPI_PROC_NULL)."""
-    shape = ("--open",) if request.param == "line" else ()
-
-    def run(d: Path, faulty: bool) -> float:
-        return mpi_loop_s(d, JOB, "--rotate" if faulty else "--even", "--halo", "--no-allreduce", *shape)
-
-    twins = measure_twins(tmp_path_factory.mktemp(f"halo_{request.param}"), run, pairs=2)
-    return twins.map(lambda d: analyze(d / "run", Config()))
+    shape = ("--halo", "--no-allreduce", *(("--open",) if request.param == "line" else ()))
+    return mpi_twins(tmp_path_factory.mktemp(f"halo_{request.param}"), JOB, ("--rotate", *shape), ("--even", *shape))
 
 
 @pytest.mark.mpi

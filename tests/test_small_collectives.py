@@ -18,7 +18,7 @@ from distdiag.config import Config
 from distdiag.detectors import small_collectives
 from distdiag.pipeline import Report, analyze
 from factories import make_run
-from truth import Twins, assert_prices_median, assert_silent_twin, measure_twins, mpi_loop_s, verdict_prices
+from truth import Twins, assert_prices_median, assert_silent_twin, mpi_twins, verdict_prices
 
 JOB = Path(__file__).resolve().parent / "jobs" / "small_collectives.py"
 
@@ -55,12 +55,8 @@ def small(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     (faulty) or in one call (the twin): blocking, each call an ``Iallreduce`` waited for at once
     (``each``), or the step's calls posted and then waited for in one ``Waitall`` (``all``)."""
     how = () if request.param == "blocking" else ("--nonblocking", request.param)
-
-    def run(d: Path, faulty: bool) -> float:
-        return mpi_loop_s(d, JOB, "--per-call", "1" if faulty else "2000", *how)
-
-    twins = measure_twins(tmp_path_factory.mktemp(f"small_{request.param}"), run, pairs=2)
-    return twins.map(lambda d: analyze(d / "run", Config()))
+    return mpi_twins(tmp_path_factory.mktemp(f"small_{request.param}"), JOB, ("--per-call", "1", *how),
+                     ("--per-call", "2000", *how))  # fmt: skip
 
 
 @pytest.mark.mpi

@@ -158,6 +158,18 @@ def measure_twins(tmp: Path, run: Callable[[Path, bool], float], pairs: int,
     return Twins(measure_saving(one, pairs), dirs[True], dirs[False])
 
 
+def mpi_twins(tmp: Path, job: Path, faulty: Sequence[str], healthy: Sequence[str], pairs: int = 2) -> Twins[Any]:
+    """An MPI job launched with the fault's arguments and with its healthy twin's, by turns
+    (:func:`measure_twins`, :func:`mpi_loop_s`), each run analyzed (its ``Report``)."""
+    from distdiag.config import Config
+    from distdiag.pipeline import analyze
+
+    def run(d: Path, is_faulty: bool) -> float:
+        return mpi_loop_s(d, job, *(faulty if is_faulty else healthy))
+
+    return measure_twins(tmp, run, pairs).map(lambda d: analyze(d / "run", Config()))
+
+
 def measure_savings(run: Callable[[str, int], float], twins: Sequence[str], rounds: int) -> dict[str, Saving]:
     """A job with several faults, each priced by itself: what the job saves without one of them.
 
