@@ -233,6 +233,8 @@ class Waits:
     p2p_seg_ns: np.ndarray | None = None
     #: per event: True where it is in an exchange (:func:`_exchanged`); made once
     exchanged: np.ndarray | None = None
+    #: :func:`p2p_work`'s result, made once
+    exchanges: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -1202,20 +1204,25 @@ def p2p_work(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] 
     W = m.waits
     if W is None or W.p2p is None or not W.p2p.any() or m.reason:
         return None
+    if W.exchanges is not None:
+        return W.exchanges
     if W.p2p_seg_ns is None:
         _replay(m, None)  # fills W.p2p_seg_ns
-    assert W.p2p_seg_ns is not None and W.p2p_site is not None
-    lo = np.sort(m.step_ref[m.step_kind == 1])
-    batch = np.repeat(np.arange(len(lo), dtype=np.int64), np.diff(np.r_[lo, len(W.rank)]))
+    assert W.p2p_seg_ns is not None
+    # the batches tile the events in replay order: an event's batch is how many batches start at or before it
+    starts = np.zeros(len(W.rank), np.int64)
+    starts[m.step_ref[m.step_kind == 1]] = 1
     ev = np.flatnonzero(W.p2p_seg_ns >= 0)
-    b = batch[ev]
+    b = np.cumsum(starts)[ev]  # non-decreasing
     new = np.r_[True, b[1:] != b[:-1]] if len(ev) else np.zeros(0, bool)
     grp = np.cumsum(new) - 1
-    size = np.bincount(grp)
-    keep = size[grp] >= 2
+    keep = np.bincount(grp)[grp] >= 2 if len(ev) else np.zeros(0, bool)
     ev, grp = ev[keep], grp[keep]
-    grp = np.unique(grp, return_inverse=True)[1].astype(np.int64) if len(grp) else grp
-    return grp, ev, W.rank[ev].astype(np.int64), W.p2p_seg_ns[ev]
+    if len(grp):  # numbered 0, 1, ... again
+        grp = np.cumsum(np.r_[True, grp[1:] != grp[:-1]]) - 1
+    grp = grp.astype(np.int64)
+    W.exchanges = (grp, ev, W.rank[ev].astype(np.int64), W.p2p_seg_ns[ev])
+    return W.exchanges
 
 
 def _exchanged(m: Model) -> np.ndarray:

@@ -599,17 +599,24 @@ def _like_peers_p2p(run: Run, colls: Collectives, slow: np.ndarray,
     if got is None or not len(got[0]):
         return {}
     grp, _, rank, seg = got
-    n_g = int(grp[-1]) + 1
     peer = ~slow[np.minimum(rank, len(slow) - 1)] & (rank < len(slow))
-    pace, has = group_medians(seg[peer], grp[peer], n_g)
+    # an exchange's events are one slice (they come exchange by exchange)
+    start = np.searchsorted(grp, np.arange(int(grp[-1]) + 2))
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for r in ranks:  # the blamed ranks: few
-        mine = np.flatnonzero((rank == r) & has[grp])
+        mine = np.flatnonzero(rank == r)
         if not len(mine):
             continue
-        mine = mine[_evenly(len(mine))]
-        on = peer & np.isin(grp, grp[mine])
-        out[r] = peer_excess(seg[mine] - pace[grp[mine]], seg[on] - pace[grp[on]])
+        g = grp[mine[_evenly(len(mine))]]  # its sampled exchanges, ascending
+        sizes = start[g + 1] - start[g]
+        at = np.repeat(start[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+        local = np.repeat(np.arange(len(g), dtype=np.int64), sizes)  # each event's exchange among them
+        pe = peer[at]
+        pace, has = group_medians(seg[at][pe], local[pe], len(g))
+        mine_at = (rank[at] == r) & has[local]
+        on = pe & has[local]
+        if mine_at.any() and on.any():
+            out[r] = peer_excess(seg[at][mine_at] - pace[local[mine_at]], seg[at][on] - pace[local[on]])
     return out
 
 
