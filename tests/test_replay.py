@@ -405,7 +405,8 @@ def _cut_on(m: replay.Model, bucket: int, ns: int) -> Change:
 def test_ddp_buckets_are_replayed_through_the_finalize_that_waits_for_them(tmp_path: Path) -> None:
     """The buckets are rendezvous (no coupling left); the recorded run replays exactly; the network
     taking no time saves the 5 ms a step waited after the last launch; rank 1 at rank 0's pace
-    saves its 2 ms a step; bucket 1's transfer, hidden behind compute, saves nothing."""
+    saves its 2 ms a step (at a typical peer's excess over it, what that leaves); bucket 1's
+    transfer, hidden behind compute, saves nothing."""
     n = 5
     m = _ddp_steps(tmp_path, n)
     assert m.reason == "" and m.coupled_why == "" and len(m.order) == 2 * n
@@ -414,6 +415,10 @@ def test_ddp_buckets_are_replayed_through_the_finalize_that_waits_for_them(tmp_p
     assert m.saving_s(_cut_on(m, 1, 10**12)) == pytest.approx(n * 0.005, abs=1e-9)  # done at the last launch
     assert m.saving_s(_cut_on(m, 1, 2 * MS)) == pytest.approx(n * 0.002, abs=1e-9)
     assert m.saving_s(Change("rank 1 at the median", median_ranks=np.array([1]))) == pytest.approx(n * 0.002, abs=1e-9)
+    # at a typical peer's pace instead (Change.like_peers: its 2 ms over the median mapped to 1 ms), half of it
+    like = {1: (np.array([0.0, 2.0 * MS]), np.array([0.0, 1.0 * MS]))}
+    paced = Change("rank 1 like its peers", median_ranks=np.array([1]), like_peers=like)
+    assert m.saving_s(paced) == pytest.approx(n * 0.001, abs=1e-9)
     assert m.saving_s(_cut_on(m, 0, 10**12)) == 0.0
     # rank 1's 2 ms before its last launch taken out (a drop inside the backward's compute) saves them
     assert m.saving_s(drop("late grads", 1, 28.0, 30.0)) == pytest.approx(0.002, abs=1e-9)
