@@ -795,17 +795,24 @@ def _coupling(run: Run, colls: Collectives, ok: np.ndarray, blocking: np.ndarray
 
 
 def _same_call(run: Run, rows: np.ndarray, of: np.ndarray) -> np.ndarray:
-    """Per row of ``rows`` (``run.events``): True where a row of ``of`` has its rank, start and end."""
+    """Per row of ``rows`` (``run.events``): True where a row of ``of`` (ascending) next to it has its
+    rank, start and end: the other half of one call (a ``Sendrecv``'s two rows are written one
+    after the other, and the table comes by (rank, start)). Integer searches, not a sort of
+    (rank, start, end) keys: those sort as bytes, 3.4 s for a million against a million."""
+    out = np.zeros(len(rows), bool)
     if not len(rows) or not len(of):
-        return np.zeros(len(rows), bool)
+        return out
     ev = run.events
-
-    def key(x: np.ndarray) -> np.ndarray:
-        k = np.stack([ev["rank"][x].astype(np.int64), ev["t0_ns"][x].astype(np.int64),
-                      ev["t1_ns"][x].astype(np.int64)], axis=1)  # fmt: skip
-        return np.ascontiguousarray(k).view(np.dtype((np.void, 24))).ravel()
-
-    return np.isin(key(rows), key(of))
+    n = len(ev)
+    rank, t0, t1 = ev["rank"][rows], ev["t0_ns"][rows], ev["t1_ns"][rows]
+    for d in (-1, 1):
+        nb = np.clip(rows + d, 0, n - 1)
+        at = np.minimum(np.searchsorted(of, nb), len(of) - 1)
+        hit = (of[at] == nb) & (nb == rows + d)
+        if hit.any():
+            hit &= (ev["rank"][nb] == rank) & (ev["t0_ns"][nb] == t0) & (ev["t1_ns"][nb] == t1)
+            out |= hit
+    return out
 
 
 def _events(m: Model, want: np.ndarray) -> tuple[np.ndarray, ...]:

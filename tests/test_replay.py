@@ -771,3 +771,27 @@ def test_a_straggler_is_paced_at_its_peers_median_from_the_same_line() -> None:
         r = np.arange(n)
         np.testing.assert_array_equal(replay._p2p_pace(seg, sl, pe, None, r, like),
                                       replay._p2p_pace(seg, sl, pe, site, r, like))  # fmt: skip
+
+
+def test_a_sendrecv_half_to_mpi_proc_null_is_part_of_its_replayed_call(tmp_path: Path) -> None:
+    """A line of 3 ranks, 10 steps of 1, 5 and 1 ms of work, then one Sendrecv to the right from
+    the left: rank 0 receives from MPI_PROC_NULL, rank 2 sends to it (rows with peer -1, nobody's
+    partner). Rank 2 waits 4 ms a step in its Sendrecv for rank 1; the half of that call to
+    MPI_PROC_NULL, same rank and times, is not point-to-point time the replay leaves as recorded:
+    the run is replayed (it was said to be coupled from the first step), exactly."""
+    s: list[str] = [""]
+    rows: list[list[tuple[Any, ...]]] = [[], [], []]
+    t = np.zeros(3)
+    for _ in range(10):
+        a = t + np.array([1.0, 5.0, 1.0])
+        ex = np.array([a[0], max(a[1], a[0]), max(a[2], a[1])]) + XFER_MS
+        for r in range(3):
+            rows[r].append(p2p_row(a[r], ex[r], Kind.SEND, r + 1 if r < 2 else -1, s, "Sendrecv"))
+            rows[r].append(p2p_row(a[r], ex[r], Kind.RECV, r - 1 if r > 0 else -1, s, "Sendrecv"))
+        t = ex
+    for r in range(3):
+        rows[r] += [coll(t.max() + 0.5, t.max() + 1.0, 0, s), phase(t.max() + 1.0, t.max() + 2.0, s)]
+        write_rank(tmp_path, r, 3, rows[r], s)
+    m = model_of(tmp_path)
+    assert m.coupled_why == "" and m.waits is not None and m.waits.p2p is not None
+    np.testing.assert_array_equal(m.replay(None)[m.present], m.end_ns[m.present])
