@@ -77,6 +77,24 @@ def test_a_rank_loaded_most_of_the_time_is_a_straggler_not_a_load_imbalance(tmp_
     assert [(f.kind, f.ranks) for f in opened.findings] == [("straggler", [2])]
 
 
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_straggler_beside_a_rotating_duty_on_hosts_of_two_is_the_rank_not_its_host(tmp_path: Path, n: int) -> None:
+    """Two ranks a host, 4 ms more on rank ``i % n`` and rank 1 2 ms slower every iteration: rank
+    1's host is last at half the collectives (its two ranks' turns of the duty, and rank 1 a little
+    later at the others'), one rank at a time. It was a host straggler, priced 0.30 s where fixing
+    rank 1 saves 0.10 s (4 ranks): a slow node's ranks are late together, these are not. The
+    straggler and the imbalance, priced against the twins (the same draws)."""
+    t = make_run(tmp_path / "f", world_size=n, iters=200, rotate_ms=4.0, slow_rank=1, slow_ms=2.0, seed=3)
+    fixed = make_run(tmp_path / "fixed", world_size=n, iters=200, rotate_ms=4.0, seed=3)
+    both = make_run(tmp_path / "both", world_size=n, iters=200, spread_ms=4.0 / n, seed=3)
+    rep = analyze(tmp_path / "f", Config())
+    (st,) = of_kind(rep, "straggler")
+    (li,) = of_kind(rep, "load_imbalance")
+    assert st.ranks == [1] and "level" not in st.evidence, (st.ranks, st.summary)
+    assert st.cost_s == pytest.approx((t.wall_ns - fixed.wall_ns) / 1e9, rel=0.1)
+    assert st.cost_s + li.cost_s == pytest.approx((t.wall_ns - both.wall_ns) / 1e9, rel=0.1)
+
+
 @pytest.mark.parametrize("side", [-0.01, 0.01])
 def test_reported_below_max_balance_only(tmp_path: Path, side: float) -> None:
     make_run(tmp_path / "r", iters=200, rotate_ms=2.0, seed=5)

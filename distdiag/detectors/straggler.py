@@ -449,9 +449,12 @@ def _fold_hosts(
     13.0, 13.1 ms: rank-level charge 0.1 ms, node n1's charge 13.1 - 10.1 = 3.0 ms.
 
     A node is reported when its charge passes the wall-clock threshold, stands
-    out from the other nodes' (``peer_ratio``), and is not one rank's doing (it
-    exceeds 1.5x the largest charge of a single rank on it); the node's rank
-    findings are then folded into it, so one cause is counted once.
+    out from the other nodes' (``peer_ratio``), is not one rank's doing (it
+    exceeds 1.5x the largest charge of a single rank on it) and its ranks are late
+    together (all of them after every other host's last arrival at ``HOST_TOGETHER``
+    of the collectives it was last at: ranks taking turns at a duty, one of them a
+    straggler, make a host last at half of them one rank at a time); the node's
+    rank findings are then folded into it, so one cause is counted once.
     """
     hosts = run.hosts
     if len(hosts) < 2:
@@ -472,10 +475,18 @@ def _fold_hosts(
 
     rank_cost = {f.ranks[0]: f.cost_s for f in rank_findings}
     blamed: list[tuple[int, np.ndarray, list[int]]] = []  # (host, other hosts' charges, its ranks)
+    together: np.ndarray | None = None
     for h_ in np.flatnonzero(cost_ns > min_fraction * wall_s * 1e9):  # hosts over threshold: few
         h = int(h_)
         others = np.delete(cost_ns, h)
         if len(others) and cost_ns[h] <= peer_ratio * float(np.median(others)):
+            continue
+        if together is None:
+            together = _late_together(colls, host_of_rank, g, other_max, h_last)
+        # a slow node's ranks are late together; ranks taking turns at a duty, one of them also a
+        # straggler, make a host last half the time with one rank at a time (4 ranks on 2 hosts:
+        # the host was priced 0.30 s where fixing the straggler saved 0.10)
+        if float(together[hl == h].mean()) < HOST_TOGETHER:
             continue
         ranks_here = sorted(r for r, i in run.ranks.items() if i.host == hosts[h])
         if len(ranks_here) < 2:
@@ -617,6 +628,27 @@ def _like_peers_p2p(run: Run, colls: Collectives, slow: np.ndarray,
         on = pe & has[local]
         if mine_at.any() and on.any():
             out[r] = peer_excess(seg[at][mine_at] - pace[local[mine_at]], seg[at][on] - pace[local[on]])
+    return out
+
+
+#: a host is a straggler of its own when all its ranks in a collective arrived after every other
+#: host's last at this share of the collectives it was last at, or more
+HOST_TOGETHER = 0.8
+
+
+def _late_together(colls: Collectives, host_of_rank: np.ndarray, groups: np.ndarray, other_max: np.ndarray,
+                   h_last: np.ndarray) -> np.ndarray:  # fmt: skip
+    """Per group of ``groups`` (ascending): True where every member on its last arriver's host
+    (``h_last``) arrived after the last arrival from any other host (``other_max``), by blocks of
+    whole groups."""
+    early = np.zeros(len(colls), bool)  # per group: one of the last host's ranks came before the others' last
+    for g_lo, g_hi, a, b in group_blocks(colls):  # per block of ~2^18 member rows
+        grp = colls.m_group[a:b].astype(np.int64)
+        mine = host_of_rank[colls.m_rank[a:b]] == h_last[grp]
+        bad = mine & (colls.m_t0_ns[a:b] <= other_max[grp])
+        if bad.any():
+            early[np.unique(grp[bad])] = True
+    out: np.ndarray = ~early[groups]
     return out
 
 
