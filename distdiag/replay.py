@@ -164,7 +164,7 @@ class Change:
             return True
         if self.balance and bool((m.scheme[m.order] == EVERY_MEMBER).any()):
             return True
-        if self.balance_p2p and bool(_exchanged(m).any()):
+        if self.balance_p2p and (got := p2p_work(m)) is not None and len(got[0]) > 0:
             return True
         if len(self.p2p_rows) and m.waits is not None and len(m.waits.p2p_rows):
             if bool(np.isin(self.p2p_rows[self.p2p_cut_ns > 0], m.waits.p2p_rows).any()):
@@ -231,8 +231,6 @@ class Waits:
     #: per event: a point-to-point event's recorded segment before it where its rank is past its
     #: first rendezvous, else -1 (filled by the first plain replay; :func:`p2p_work`)
     p2p_seg_ns: np.ndarray | None = None
-    #: per event: True where it is in an exchange (:func:`_exchanged`); made once
-    exchanged: np.ndarray | None = None
     #: :func:`p2p_work`'s result, made once
     exchanges: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -1234,17 +1232,12 @@ def p2p_work(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] 
 
 def _exchanged(m: Model) -> np.ndarray:
     """Per event of ``m.waits``: True where it is in an exchange (:func:`p2p_work`: a batch's
-    point-to-point events past their ranks' first rendezvous, two or more). Made once per model."""
-    W = m.waits
-    if W is None:
-        return np.zeros(0, bool)
-    if W.exchanged is None:
-        out = np.zeros(len(W.rank), bool)
-        got = p2p_work(m)
-        if got is not None:
-            out[got[1]] = True
-        W.exchanged = out
-    return W.exchanged
+    point-to-point events past their ranks' first rendezvous, two or more)."""
+    out = np.zeros(len(m.waits.rank) if m.waits is not None else 0, bool)
+    got = p2p_work(m)
+    if got is not None:
+        out[got[1]] = True
+    return out
 
 
 def _median(x: np.ndarray) -> float:

@@ -79,8 +79,8 @@ ADVICE = (
 )
 
 COUNTERFACTUAL_P2P = (
-    "; at each point-to-point exchange (every rank's k-th call from one line between two collectives: a "
-    "halo's), the ranks' work since their previous rendezvous at its mean"
+    "; at each point-to-point exchange (every rank's k-th call between two collectives: a halo's), the "
+    "ranks' work since their previous rendezvous at its mean"
 )
 
 COUNTERFACTUAL = (
@@ -112,7 +112,8 @@ def detect(an: Analysis) -> list[Finding]:
     # a DDP step's work begins where its previous step's buckets completed
     gs, mx, mean, top = _most_loaded(colls, np.asarray(member_gaps_ns(run, colls, async_exits=True)), ok)
     n_coll = len(gs)
-    ops, sites = colls.m_op[colls.g_start[1:][gs] - 1], colls.m_site[colls.g_start[1:][gs] - 1]  # the last arrivers'
+    last_row = colls.g_start[1:][gs] - 1  # the groups' last arrivers' rows: their op and call site
+    ops, sites = colls.m_op[last_row], colls.m_site[last_row]
     if p2p is not None:
         mx, mean, top = np.r_[mx, p2p.mx], np.r_[mean, p2p.mean], np.r_[top, p2p.top]
         ops, sites = np.r_[ops, p2p.op], np.r_[sites, p2p.site]

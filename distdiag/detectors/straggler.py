@@ -563,44 +563,23 @@ def _like_peers(run: Run, colls: Collectives, ok: np.ndarray, slow: np.ndarray,
     takes the rank to a typical peer's pace, not to the median at every collective: a peer
     also takes its turns at a duty that rotates, and is sometimes last by jitter."""
     gaps = member_gaps_ns(run, colls, async_exits=True)
-    gs = colls.g_start
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for r in ranks:  # the blamed ranks: few
-        rows = np.flatnonzero(colls.m_rank == r)
-        g = np.searchsorted(gs, rows, side="right") - 1
-        keep = ok[g]
-        rows, g = rows[keep], g[keep]
-        if len(g) == 0:
-            continue
-        pick = _evenly(len(g))
-        rows, g = rows[pick], g[pick]
-        sizes = (gs[g + 1] - gs[g]).astype(np.int64)
-        mem = np.repeat(gs[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
-        grp = np.repeat(np.arange(len(g), dtype=np.int64), sizes)
-        peer = ~slow[colls.m_rank[mem]]
-        pace, has = group_medians(gaps[mem][peer], grp[peer], len(g))
-        own = gaps[rows][has] - pace[has]
-        on = peer & has[grp]
-        peers = gaps[mem][on] - pace[grp[on]]
-        if len(own) and len(peers):
-            out[r] = peer_excess(own, peers)
+        g = colls.m_group[colls.m_rank == r].astype(np.int64)
+        g = g[ok[g]]
+        table = _excess_table(gaps, colls.m_rank, colls.g_start, g, slow, r)
+        if table is not None:
+            out[r] = table
     return out
-
-
-def _evenly(n: int) -> np.ndarray:
-    """Up to ``_TABLE_GROUPS`` positions of ``0..n-1``, evenly spread."""
-    return np.unique(np.linspace(0, n - 1, min(n, _TABLE_GROUPS)).round().astype(np.int64))
 
 
 def _like_peers_p2p(run: Run, colls: Collectives, slow: np.ndarray,
                     ranks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """:func:`_like_peers` at the point-to-point exchanges (a halo's: each rank's k-th replayed
     call between two collectives, :func:`distdiag.replay.p2p_work`), for the replay's pace there
-    (``Change.like_p2p``): per rank of ``ranks`` that takes part in them, its excess over the
-    median work of the ranks that are not ``slow``, mapped to theirs, read off up to
-    ``_TABLE_GROUPS`` of its exchanges evenly spread over the run. A table of its own: work before
-    an exchange is not work between collectives (in a halo with an all-reduce every other step,
-    a neighbour's time between collectives holds its waits for the straggler)."""
+    (``Change.like_p2p``). A table of its own: work before an exchange is not work between
+    collectives (in a halo with an all-reduce every other step, a neighbour's time between
+    collectives holds its waits for the straggler)."""
     from distdiag.links import p2p_transfers
     from distdiag.replay import model_of, p2p_work
 
@@ -610,25 +589,35 @@ def _like_peers_p2p(run: Run, colls: Collectives, slow: np.ndarray,
     if got is None or not len(got[0]):
         return {}
     grp, _, rank, seg = got
-    peer = ~slow[np.minimum(rank, len(slow) - 1)] & (rank < len(slow))
-    # an exchange's events are one slice (they come exchange by exchange)
-    start = np.searchsorted(grp, np.arange(int(grp[-1]) + 2))
+    start = np.searchsorted(grp, np.arange(int(grp[-1]) + 2))  # an exchange's events are one slice
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for r in ranks:  # the blamed ranks: few
-        mine = np.flatnonzero(rank == r)
-        if not len(mine):
-            continue
-        g = grp[mine[_evenly(len(mine))]]  # its sampled exchanges, ascending
-        sizes = start[g + 1] - start[g]
-        at = np.repeat(start[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
-        local = np.repeat(np.arange(len(g), dtype=np.int64), sizes)  # each event's exchange among them
-        pe = peer[at]
-        pace, has = group_medians(seg[at][pe], local[pe], len(g))
-        mine_at = (rank[at] == r) & has[local]
-        on = pe & has[local]
-        if mine_at.any() and on.any():
-            out[r] = peer_excess(seg[at][mine_at] - pace[local[mine_at]], seg[at][on] - pace[local[on]])
+        table = _excess_table(seg, rank, start, grp[rank == r], slow, r)
+        if table is not None:
+            out[r] = table
     return out
+
+
+def _excess_table(v: np.ndarray, rank: np.ndarray, start: np.ndarray, g: np.ndarray, slow: np.ndarray,
+                  r: int) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    """Rank ``r``'s table (:func:`distdiag.replay.peer_excess`) read off up to ``_TABLE_GROUPS`` of
+    its groups ``g`` (ascending), evenly spread: per group (rows ``start[g]:start[g + 1]`` of the
+    values ``v`` and their ``rank``), its value and the others' that are not ``slow``, less the
+    median of those. None where no group has both."""
+    if not len(g):
+        return None
+    g = g[np.unique(np.linspace(0, len(g) - 1, min(len(g), _TABLE_GROUPS)).round().astype(np.int64))]
+    sizes = (start[g + 1] - start[g]).astype(np.int64)
+    at = np.repeat(start[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+    local = np.repeat(np.arange(len(g), dtype=np.int64), sizes)  # each row's group among them
+    rk = rank[at].astype(np.int64)
+    peer = ~slow[np.minimum(rk, len(slow) - 1)] & (rk < len(slow))
+    pace, has = group_medians(v[at][peer], local[peer], len(g))
+    mine = (rk == r) & has[local]
+    on = peer & has[local]
+    if not mine.any() or not on.any():
+        return None
+    return peer_excess(v[at][mine] - pace[local[mine]], v[at][on] - pace[local[on]])
 
 
 #: a host is a straggler of its own when all its ranks in a collective arrived after every other
