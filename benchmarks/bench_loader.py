@@ -1,6 +1,7 @@
 """A DataLoader job's step time wrapped against plain (issue 21's cost), side by side in one run.
 
     python benchmarks/bench_loader.py [--workers 4] [--steps 2000] [--rounds 7] [--stats 1000000]
+                                      [--batch 4] [--decode 0]
 
 A single-process training loop fed by a torch DataLoader whose ``--workers`` worker
 processes each read one small file per sample (``os.stat``, open, read, close: what a
@@ -13,7 +14,10 @@ worker). Each run prints its own loop time (first batch to last, so the interpre
 start stays out of it) and its step time after the first fifth of the steps (the steady
 state: the workers' start, which the wrapper makes longer by a fixed amount per worker, and
 their first batches stay out of it); the figures are each variant's medians over the
-rounds, as ratios to plain's. Issue 21's target (step time): <= 1.02.
+rounds, as ratios to plain's. Issue 21's target (step time): <= 1.02. ``--batch`` samples a
+step; ``--decode N``: each sample also does N 64x64 matmuls (~25 us each on one core), a
+fixed amount of work standing for its decoding (0, the default: the file calls are the whole
+sample, the worst case for the capture's share).
 
 Also per-rank bytes per million calls: a wrapped loop of ``--stats`` ``os.stat`` calls on
 one file with each capture, the rank file's size over the calls.
@@ -52,12 +56,17 @@ class Files(Dataset):
         p = self.paths[i]
         os.stat(p)
         with open(p, "rb") as f:
-            return torch.tensor(len(f.read()), dtype=torch.float32)
+            x = torch.tensor(len(f.read()), dtype=torch.float32)
+        for _ in range(decode):  # the sample's decoding: a fixed amount of work, not of time
+            x = (m @ m).sum() * 0 + x
+        return x
 
 
 root, workers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+batch, decode = int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(1)
-loader = DataLoader(Files(root), batch_size=4, num_workers=workers, shuffle=False)
+m = torch.randn(64, 64)
+loader = DataLoader(Files(root), batch_size=batch, num_workers=workers, shuffle=False)
 w = torch.randn(128, 128)
 n = 0
 t0 = tw = None
@@ -131,12 +140,15 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=0, help="default: 4 x steps (one epoch: the workers start once)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=4, help="samples a step")
+    ap.add_argument("--decode", type=int, default=0,
+                    help="64x64 matmuls a sample, its decoding (0: none, the worst case for the capture's share)")
     ap.add_argument("--stats", type=int, default=1_000_000, help="calls of the bytes-per-call loop (0: skip it)")
     ap.add_argument("--samples", type=int, default=0, help="only the per-sample CPU of one process's loop")
     a = ap.parse_args()
     if a.samples:
         return _per_sample(a)
-    a.files = a.files or 4 * a.steps
+    a.files = a.files or a.batch * a.steps
     tmp = Path(tempfile.mkdtemp(prefix="bench_loader_"))
     try:
         data = tmp / "data"
@@ -145,10 +157,12 @@ def main() -> int:
             (data / f"s{i:05d}.bin").write_bytes(os.urandom(4096))
         job = tmp / "job.py"
         job.write_text(JOB)
-        by_key = _by_turns(tmp, job, a.rounds, ("loop ", "steady "), str(data), str(a.workers), str(a.steps))
+        by_key = _by_turns(tmp, job, a.rounds, ("loop ", "steady "), str(data), str(a.workers), str(a.steps),
+                           str(a.batch), str(a.decode))  # fmt: skip
         if by_key is None:
             return 1
-        print(f"DataLoader job, {a.workers} workers, {a.steps} steps of 4 samples (one 4 KiB file each), "
+        print(f"DataLoader job, {a.workers} workers, {a.steps} steps of {a.batch} samples (one 4 KiB file each, "
+              f"{a.decode} 64x64 matmuls of decoding), "
               f"{a.rounds} rounds by turns; load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
         for key, label, unit in (("loop ", "whole loop (first batch to last)", "s"),
                                  ("steady ", f"step time after the first {a.steps // 5} steps", "us")):  # fmt: skip
