@@ -16,10 +16,10 @@ step forward), and slices each string out of the bytes it walked. A string whose
 collection or object fails a rule reads as "" and is counted; the others are kept.
 
 Attributes that are variable-length strings live in the same collections (the shim
-writes its text attributes before its first string). A file with a damaged collection
-therefore has those attributes read as absent (:class:`distdiag.run._Attrs`), since
-libhdf5 would decode the collection to read them. An attribute whose collection no
-string points at is still read by libhdf5: that is the case this module cannot see.
+writes its text attributes before its first string). Their references are decoded from
+the root group's header (:mod:`distdiag.h5attrs`) and their collections walked here too,
+so a file with a damaged collection has those attributes read as absent
+(:class:`distdiag.run._Attrs`): libhdf5 would decode the collection to read them.
 """
 
 from __future__ import annotations

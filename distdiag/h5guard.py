@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Callable
 
 #: HDF5's file signature
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -44,9 +45,11 @@ class UnsafeHeader(ValueError):
     allocate it unchecked. The message says which header and where."""
 
 
-class _File:
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd = fd
+class Bounded:
+    """A file's bytes as ``pread(offset, n)`` reads them, ``size`` in all, read a bounded number of times."""
+
+    def __init__(self, pread: Callable[[int, int], bytes], size: int) -> None:
+        self.pread = pread
         self.size = size
         self.reads = 0
 
@@ -57,7 +60,7 @@ class _File:
             raise UnsafeHeader(f"more than {MAX_READS} headers to read (a loop of addresses?)")
         if addr < 0 or addr >= self.size or n <= 0:
             return b""
-        return os.pread(self.fd, min(n, self.size - addr), addr)
+        return self.pread(addr, min(n, self.size - addr))
 
     def fits(self, addr: int, n: int) -> bool:
         return 0 <= addr and 0 <= n and addr + n <= self.size
@@ -67,7 +70,7 @@ def check(fd: int, size: int) -> None:
     """Raise :class:`UnsafeHeader` where a size the headers of the HDF5 file open as ``fd``
     (of ``size`` bytes) declare does not fit inside it; return quietly otherwise, also for
     what this does not read (see the module docstring). Reads at most a few kB a table."""
-    f = _File(fd, size)
+    f = Bounded(lambda at, n: os.pread(fd, n, at), size)
     sb = f.read(0, 128)
     if len(sb) < 24 or sb[:8] != SIGNATURE:
         return  # no signature at 0 (a user block, or not HDF5): libhdf5's call
@@ -77,9 +80,9 @@ def check(fd: int, size: int) -> None:
     at = 24 if version == 0 else 28
     if len(sb) < at + 32 + 40:
         return
-    base, stored_eof = _u64(sb, at), _u64(sb, at + 16)
+    base, stored_eof = u64(sb, at), u64(sb, at + 16)
     root = sb[at + 32 : at + 72]  # the root group's symbol table entry
-    header = _u64(root, 8)
+    header = u64(root, 8)
     if base != 0:
         return  # a user block: addresses are relative to it, libhdf5's call
     if stored_eof > size:
@@ -93,15 +96,29 @@ def check(fd: int, size: int) -> None:
         _object_header(f, addr, f"object {i} of the root group")
 
 
-def _u64(b: bytes, at: int) -> int:
+def u64(b: bytes, at: int) -> int:
     v: int = struct.unpack_from("<Q", b, at)[0]
     return v
 
 
-def _object_header(f: _File, addr: int, what: str) -> tuple[int, int] | None:
+def _object_header(f: Bounded, addr: int, what: str) -> tuple[int, int] | None:
     """Check the version-1 object header at ``addr``: its first chunk and each continuation
     chunk must fit in the file. Returns its symbol table message's (B-tree, local heap)
     addresses, or None."""
+    messages = header_messages(f, addr, what)
+    if messages is None:
+        return None
+    table: tuple[int, int] | None = None
+    for mtype, _, data in messages:
+        if mtype == _SYMBOL_TABLE and len(data) >= 16:
+            table = (u64(data, 0), u64(data, 8))
+    return table
+
+
+def header_messages(f: Bounded, addr: int, what: str) -> list[tuple[int, int, bytes]] | None:
+    """The messages (type, flags, data) of the version-1 object header at ``addr``, of its first
+    chunk and of each continuation chunk, each chunk read once; None where there is no
+    version-1 header. Raises :class:`UnsafeHeader` where a chunk does not fit in the file."""
     pre = f.read(addr, 16)
     if len(pre) < 16 or pre[0] != 1:
         return None  # past the end, or not a version-1 header: libhdf5 refuses it itself
@@ -110,7 +127,7 @@ def _object_header(f: _File, addr: int, what: str) -> tuple[int, int] | None:
         raise UnsafeHeader(f"{what}'s object header at byte {addr} declares {first} bytes, past the end of "
                            f"the file ({f.size} bytes)")  # fmt: skip
     chunks = [(addr + 16, first)]
-    table: tuple[int, int] | None = None
+    out: list[tuple[int, int, bytes]] = []
     seen = set()
     while chunks:  # per header chunk: the first, then each continuation
         start, n = chunks.pop()
@@ -120,25 +137,24 @@ def _object_header(f: _File, addr: int, what: str) -> tuple[int, int] | None:
         buf = f.read(start, n)
         p = 0
         while p + 8 <= len(buf):  # per message: type, size, flags, 3 reserved bytes, data
-            mtype, msize = struct.unpack_from("<HH", buf, p)
+            mtype, msize, flags = struct.unpack_from("<HHB", buf, p)
             data = buf[p + 8 : p + 8 + msize]
             if mtype == _CONTINUATION and len(data) >= 16:
-                c_addr, c_len = _u64(data, 0), _u64(data, 8)
+                c_addr, c_len = u64(data, 0), u64(data, 8)
                 if not f.fits(c_addr, c_len):
                     raise UnsafeHeader(f"{what}'s object header continues at byte {c_addr} with {c_len} bytes, past "
                                        f"the end of the file ({f.size} bytes)")  # fmt: skip
                 chunks.append((c_addr, c_len))
-            elif mtype == _SYMBOL_TABLE and len(data) >= 16:
-                table = (_u64(data, 0), _u64(data, 8))
+            out.append((mtype, flags, data))
             p += 8 + msize
-    return table
+    return out
 
 
 #: a local heap's "no free block" offset (H5HL_FREE_NULL)
 _FREE_NULL = 1
 
 
-def _local_heap(f: _File, addr: int) -> None:
+def _local_heap(f: Bounded, addr: int) -> None:
     """The root group's local heap: its data segment must fit in the file, and its free list
     must end inside it. libhdf5 follows the list a node at a time and allocates each: a list
     that loops (one flipped byte made a block its own successor: seed 15919) allocates until
@@ -146,7 +162,7 @@ def _local_heap(f: _File, addr: int) -> None:
     h = f.read(addr, 32)
     if len(h) < 32 or h[:4] != b"HEAP":
         return
-    n, head, data = _u64(h, 8), _u64(h, 16), _u64(h, 24)
+    n, head, data = u64(h, 8), u64(h, 16), u64(h, 24)
     where = f"the root group's name heap at byte {addr}"
     if not f.fits(data, n):
         raise UnsafeHeader(f"{where} declares {n} bytes at byte {data}, past the end of the file ({f.size} bytes)")
@@ -161,10 +177,10 @@ def _local_heap(f: _File, addr: int) -> None:
         if at + 16 > len(seg):
             return  # outside the heap: libhdf5 refuses it ("bad heap free list") before allocating more
         seen.add(at)
-        at = _u64(seg, at)
+        at = u64(seg, at)
 
 
-def _group_entries(f: _File, btree: int) -> list[int]:
+def _group_entries(f: Bounded, btree: int) -> list[int]:
     """The object header addresses the group B-tree at ``btree`` lists (its symbol table nodes'
     entries), walked breadth first within :data:`MAX_READS`."""
     out: list[int] = []
@@ -181,7 +197,7 @@ def _group_entries(f: _File, btree: int) -> list[int]:
         level, used = h[5], struct.unpack_from("<H", h, 6)[0]
         body = f.read(addr + 24, 8 + used * 16)  # key 0, then (child, key) per entry
         for i in range(min(used, (len(body) - 8) // 16)):  # per child
-            child = _u64(body, 8 + 16 * i)
+            child = u64(body, 8 + 16 * i)
             if level > 0:
                 nodes.append(child)
             else:
@@ -189,11 +205,11 @@ def _group_entries(f: _File, btree: int) -> list[int]:
     return out
 
 
-def _symbol_node(f: _File, addr: int) -> list[int]:
+def _symbol_node(f: Bounded, addr: int) -> list[int]:
     """The object header addresses of a symbol table node's entries."""
     h = f.read(addr, 8)
     if len(h) < 8 or h[:4] != b"SNOD":
         return []
     n = struct.unpack_from("<H", h, 6)[0]
     body = f.read(addr + 8, 40 * n)
-    return [_u64(body, 40 * i + 8) for i in range(len(body) // 40)]
+    return [u64(body, 40 * i + 8) for i in range(len(body) // 40)]

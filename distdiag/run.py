@@ -58,6 +58,7 @@ from distdiag.cache import RunCache
 from distdiag.errors import DistdiagError as DistdiagError
 from distdiag.errors import SpillLogError, TraceError
 from distdiag.gheap import VLEN_REF
+from distdiag.h5attrs import RootAttributes, root_attributes
 from distdiag.ranks import rank_ranges
 from distdiag.schema import (
     COMM_KINDS,
@@ -670,15 +671,17 @@ _ATTR_CLASSES = frozenset((0, 1, 3, 8))
 
 
 class _Attrs:
-    """A rank file's attributes with the values ``f.attrs.get`` gives, read with the
-    low-level API on first use (``f.attrs[name]`` costs ~100 us in h5py, ~2 ms a
-    rank file; this ~50). An attribute the fast path cannot read (absent, not a
-    scalar, damaged) is asked of ``f.attrs.get``, so a damaged one raises where
-    it did before."""
+    """A rank file's attributes with the values ``f.attrs.get`` gives. With ``heap``, those the
+    shim writes are decoded from the root group's header (:mod:`distdiag.h5attrs`: ~40 us a
+    rank file for all of them); the others are read with the low-level API on first use
+    (``f.attrs[name]`` costs ~100 us in h5py; this 25-40). An attribute neither can read
+    (absent, not a scalar, damaged) is asked of ``f.attrs.get``, so a damaged one raises
+    where it did before."""
 
     def __init__(self, f: Any, heap: _Heap | None = None) -> None:
-        self._h5 = f.attrs
+        self._f = f  # its h5py attribute manager (~40 us to make) only where h5py must read one
         self._fid = f.id
+        self._heap = heap
         #: the file's global heap is damaged: its text attributes (there) read as absent
         self._no_text = heap is not None and bool(heap.damaged)
         #: attributes of a type class the shim never writes (damage), read as absent
@@ -687,6 +690,44 @@ class _Attrs:
         #: the file's attribute names, listed on first use; None when they could not be listed
         self._names: frozenset[bytes] | None = None
         self._listed = False
+        self._native: RootAttributes | None = None
+        self._strings_checked = False
+        if heap is not None:
+            try:
+                self._native = root_attributes(heap.pread, heap.size())
+            except Exception:  # whatever the bytes hold, libhdf5 reads them as before
+                self._native = None
+            if self._native is not None:
+                self._names, self._listed = self._native.names, True
+
+    def _from_header(self, name: str) -> Any:
+        """``name``'s value as the root group's header holds it (:mod:`distdiag.h5attrs`), ``_REFUSED``
+        for text whose heap is damaged, or ``self`` where the header's bytes do not say (libhdf5's
+        to read)."""
+        nat = self._native
+        if nat is None:
+            return self
+        if name in nat.values:
+            return nat.values[name]
+        ref = nat.strings.get(name)
+        if ref is None:
+            return self
+        heap = self._heap
+        assert heap is not None
+        if not self._strings_checked:  # the collections the text attributes point at: walked once, all
+            self._strings_checked = True
+            refs = np.array(list(nat.strings.values()), VLEN_REF)
+            heap.check(refs)
+            self._no_text = self._no_text or bool(heap.damaged)
+        if self._no_text:
+            return _REFUSED  # as libhdf5 must not walk a damaged heap, its text reads as absent
+        length, addr, idx = ref
+        col = heap.good.get(addr)
+        if col is None or not 0 < idx < len(col.begin) or col.begin[idx] < 0 or col.size[idx] != length:
+            return self
+        lo = int(col.begin[idx])
+        raw = col.data[lo : lo + length].split(b"\0", 1)[0]  # a C string, as h5py reads it
+        return raw.decode("utf-8", "surrogateescape")
 
     def _has(self, name: str) -> bool:
         """Whether the file has attribute ``name`` (its names listed once: ~7 us, where asking
@@ -709,7 +750,9 @@ class _Attrs:
         if not self._has(name):
             return default
         try:
-            v = self._fast(name)
+            v = self._from_header(name)
+            if v is self:
+                v = self._fast(name)
         except _H5_ERRORS:
             if self._no_text:
                 return default  # h5py's way could reach the damaged heap
@@ -717,7 +760,7 @@ class _Attrs:
         if v is _REFUSED:
             return default
         if v is self:
-            return self._h5.get(name, default)
+            return self._f.attrs.get(name, default)
         self._vals[name] = v
         return v
 
