@@ -122,6 +122,10 @@ class Change:
     #: the same at the point-to-point exchanges (read off them: work before an exchange is not
     #: work between collectives)
     like_p2p: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    #: per rank of ``median_ranks`` whose collectives have one or two peers (a job of 2 or 3 ranks):
+    #: per group, the pace its excess is measured from there instead of the median (NaN: the
+    #: median), and the excess may be negative (:func:`distdiag.detectors.straggler._peer_ref`)
+    peer_ref: dict[int, np.ndarray] = field(default_factory=dict)
 
     def plus(self, other: Change) -> Change:
         """Both changes at once (the cumulative ranking: the first cause removed, then the next).
@@ -147,6 +151,7 @@ class Change:
             balance_p2p=self.balance_p2p or other.balance_p2p,
             like_peers={**other.like_peers, **self.like_peers},
             like_p2p={**other.like_p2p, **self.like_p2p},
+            peer_ref={**other.peer_ref, **self.peer_ref},
         )
 
     def reaches(self, m: Model, t_ns: int) -> bool:
@@ -922,6 +927,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     any_slow = bool(slow.any())
     like = change.like_peers if change is not None and any_slow else {}
     like_p = change.like_p2p if change is not None and any_slow else {}
+    refs = change.peer_ref if change is not None and any_slow else {}
     balance = change is not None and change.balance
     gs, m_rank, m_t0, m_t1 = c.g_start, c.m_rank, c.m_t0_ns, c.m_t1_ns
     scheme, root = m.scheme, m.root
@@ -935,7 +941,15 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     done_rec = np.zeros(n_a, np.int64)  # per async member: its collective done, recorded and replayed
     done_new = np.zeros(n_a, np.int64)
     med_a = _launch_medians(m, slow) if (any_slow and W is not None and W.n_async) else None
-    mean_a = _launch_means(m) if (balance and W is not None and W.n_async) else None
+    ref_a = _launch_refs(m, refs) if (refs and med_a is not None) else None
+    mean_a = None
+    if balance and W is not None and W.n_async:
+        paced = None
+        if med_a is not None:  # the straggler removed too: the mean of the work at its peers' pace
+            _, sz, mem, rec = _async_groups(m)
+            r_a = m.colls.m_rank[mem].astype(np.int64)
+            paced = _at_peer_pace(rec, (med_a >= 0) & slow[r_a], med_a, r_a, like, ref_a)
+        mean_a = _launch_means(m, paced)
     #: per event: a point-to-point event's arrival, replayed (its partners read it in its batch or later)
     p2p_new = np.zeros(len(W.rank), np.int64) if W is not None and W.p2p is not None else None
     p2p_cut = _p2p_cuts(W, change) if W is not None and p2p_new is not None and change is not None else None
@@ -961,7 +975,8 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 fill_p2p[i0:i1] = np.where(W.p2p[i0:i1] & started[r], seg, -1)  # type: ignore[index]
             if med_a is not None:  # a straggler's launch after its peers' pace before it
                 med = np.where(is_l, med_a[np.maximum(a_i, 0)], -1)
-                seg = _at_peer_pace(seg, (med >= 0) & slow[r] & started[r], med, r, like)
+                ref_l = None if ref_a is None else np.where(is_l, ref_a[np.maximum(a_i, 0)], np.nan)
+                seg = _at_peer_pace(seg, (med >= 0) & slow[r] & started[r], med, r, like, ref_l)
             if mean_a is not None and bits & _HAS_LAUNCH:  # each launch after its group's mean segment
                 mean = np.where(is_l, mean_a[np.maximum(a_i, 0)], -1)
                 seg = np.where((mean >= 0) & started[r], mean, seg)
@@ -1027,7 +1042,14 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
                 if any_slow:
                     sl = slow[r] & started[r]
                     if sl.any() and not sl.all():
-                        seg = _at_peer_pace(seg, sl, _median(seg[~sl]), r, like)
+                        ref_g = None
+                        if refs:
+                            ref_g = np.full(len(r), np.nan)
+                            for k in np.flatnonzero(sl).tolist():  # the slow members: few
+                                got = refs.get(int(r[k]))
+                                if got is not None:
+                                    ref_g[k] = got[g]
+                        seg = _at_peer_pace(seg, sl, _median(seg[~sl]), r, like, ref_g)
                 if balance and scheme[g] == EVERY_MEMBER:
                     seg = _balanced(seg, started[r])
                 hit = cuts.get(s)
@@ -1149,18 +1171,28 @@ def _p2p_pace(seg: np.ndarray, slow: np.ndarray, peers: np.ndarray, site: np.nda
 
 
 def _at_peer_pace(seg: np.ndarray, slow: np.ndarray, pace: float | np.ndarray, ranks: np.ndarray,
-                  like: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+                  like: dict[int, tuple[np.ndarray, np.ndarray]], ref: np.ndarray | None = None) -> np.ndarray:
     """Segments with each slow one's (``slow``) over ``pace`` (the others' median: one, or one
     each) at a typical peer's excess over it instead: its excess mapped through its rank's
     quantile table in ``like`` (at the pace itself where its rank has none), never longer than
-    recorded. The slow ones are few (one for a rank's straggler): a Python step each."""
-    hit = np.flatnonzero(slow & (seg > pace))
+    recorded. ``ref``: per segment, the pace of a rank whose collectives have one or two peers
+    (:attr:`Change.peer_ref`; NaN: ``pace``), from which its excess is mapped also where it is
+    negative. The slow ones are few (one for a rank's straggler): a Python step each."""
+    use_ref = None if ref is None else slow & np.isfinite(ref)
+    hit = np.flatnonzero(slow & (seg > pace) if use_ref is None else (slow & ~use_ref & (seg > pace)) | use_ref)
     if not len(hit):
         return seg
     p = np.broadcast_to(np.asarray(pace, np.float64), seg.shape)
     out = seg.copy()
     for i in hit.tolist():
         table = like.get(int(ranks[i])) if like else None
+        if use_ref is not None and use_ref[i]:
+            assert ref is not None
+            base = float(ref[i])
+            e = float(seg[i]) - base
+            e_new = min(e, float(np.interp(e, table[0], table[1]))) if table is not None else min(e, 0.0)
+            out[i] = max(0, int(base + e_new))
+            continue
         e = float(seg[i]) - float(p[i])
         e_new = max(0.0, min(e, float(np.interp(e, table[0], table[1])))) if table is not None else 0.0
         out[i] = int(float(p[i]) + e_new)
@@ -1265,6 +1297,19 @@ def _launch_medians(m: Model, slow: np.ndarray) -> np.ndarray:
     return np.repeat(np.where(ok, np.floor(med).astype(np.int64), -1), sizes)
 
 
+def _launch_refs(m: Model, refs: dict[int, np.ndarray]) -> np.ndarray:
+    """Per async member (``a_off`` numbering): its group's :attr:`Change.peer_ref` of its rank (NaN
+    where its rank has none, or none there)."""
+    g_w, sizes, mem, _ = _async_groups(m)
+    out = np.full(len(mem), np.nan)
+    grp = np.repeat(g_w, sizes)
+    rk = m.colls.m_rank[mem]
+    for r, ref in refs.items():  # the slow ranks: few
+        on = rk == r
+        out[on] = ref[grp[on]]
+    return out
+
+
 def group_medians(v: np.ndarray, grp: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per group ``0..n-1``: the median of its values ``v`` (``grp`` says whose each is; float, the
     middle two averaged) and whether it has any. One sort by (group, value), no loop."""
@@ -1296,13 +1341,16 @@ def _async_groups(m: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     return g_w, sizes, mem, W.seg_ns
 
 
-def _launch_means(m: Model) -> np.ndarray:
+def _launch_means(m: Model, seg: np.ndarray | None = None) -> np.ndarray:
     """Per async member (``a_off`` numbering): the mean of its group's recorded segments before
-    the launch, rounded down (a balanced counterfactual's launch, as :func:`_balanced` sets a
-    blocking member's arrival); -1 in a group whose members do not all wait for each other.
+    the launch (or of ``seg``, one per async member: a straggler's at its peers' pace), rounded
+    down (a balanced counterfactual's launch, as :func:`_balanced` sets a blocking member's
+    arrival); -1 in a group whose members do not all wait for each other.
     Unlike a blocking group's, the mean is over every member: a group's members are past their
     first rendezvous alike (a DDP step's buckets), and the loop applies it only to those that are."""
-    g_w, sizes, _, seg = _async_groups(m)
+    g_w, sizes, _, recorded = _async_groups(m)
+    if seg is None:
+        seg = recorded
     first = np.cumsum(sizes) - sizes
     nz = sizes > 0
     mean = np.full(len(g_w), -1, np.int64)

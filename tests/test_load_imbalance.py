@@ -77,16 +77,25 @@ def test_a_rank_loaded_most_of_the_time_is_a_straggler_not_a_load_imbalance(tmp_
     assert [(f.kind, f.ranks) for f in opened.findings] == [("straggler", [2])]
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_a_straggler_beside_a_rotating_duty_on_hosts_of_two_is_the_rank_not_its_host(tmp_path: Path, n: int) -> None:
     """Two ranks a host, 4 ms more on rank ``i % n`` and rank 1 2 ms slower every iteration: rank
     1's host is last at half the collectives (its two ranks' turns of the duty, and rank 1 a little
     later at the others'), one rank at a time. It was a host straggler, priced 0.30 s where fixing
     rank 1 saves 0.10 s (4 ranks): a slow node's ranks are late together, these are not. The
-    straggler and the imbalance, priced against the twins (the same draws)."""
-    t = make_run(tmp_path / "f", world_size=n, iters=200, rotate_ms=4.0, slow_rank=1, slow_ms=2.0, seed=3)
-    fixed = make_run(tmp_path / "fixed", world_size=n, iters=200, rotate_ms=4.0, seed=3)
-    both = make_run(tmp_path / "both", world_size=n, iters=200, spread_ms=4.0 / n, seed=3)
+    straggler and the imbalance, priced against the twins (the same draws).
+
+    With 2 or 3 ranks (6 ms of duty, rank 1 3 ms slower) the one or two peers' median hid their turns of the duty,
+    and rank 1 at that pace lost its own turns too: priced 0.60 s where fixing it saves 0.20 (2
+    ranks), 0.27 against 0.13 (3); the straggler's pace comes from a rolling mean there
+    (``straggler._peer_ref``). With 2, rank 1 also took 75% of the excess, and the imbalance
+    was left unreported: without each rank's constant lag it is half each
+    (``load_imbalance._moves_without_offsets``)."""
+    # 2 ranks, 4 and 2 ms: balanced to 80% (mean / max), at the detector's gate
+    duty, lag = (4.0, 2.0) if n >= 4 else (6.0, 3.0)
+    t = make_run(tmp_path / "f", world_size=n, iters=200, rotate_ms=duty, slow_rank=1, slow_ms=lag, seed=3)
+    fixed = make_run(tmp_path / "fixed", world_size=n, iters=200, rotate_ms=duty, seed=3)
+    both = make_run(tmp_path / "both", world_size=n, iters=200, spread_ms=duty / n, seed=3)
     rep = analyze(tmp_path / "f", Config())
     (st,) = of_kind(rep, "straggler")
     (li,) = of_kind(rep, "load_imbalance")
@@ -221,7 +230,7 @@ def test_mpi_halo_balanced_twin_has_no_finding(halo: Twins[Report]) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("shape", ["allreduce", "halo"])
+@pytest.mark.parametrize("shape", ["allreduce", "halo", "two_ranks"])
 def test_mpi_straggler_beside_a_rotating_duty_is_priced_without_its_turns(tmp_path: Path, shape: str) -> None:
     """Rank 1 20 ms slower every step, and 40 ms more on rank ``step % 4``: fixing the straggler
     alone saves only its own 20 ms at its turns of the duty (at the others' it is hidden behind
@@ -229,8 +238,12 @@ def test_mpi_straggler_beside_a_rotating_duty_is_priced_without_its_turns(tmp_pa
     turns of the duty away: priced 0.60 s against 0.20 s saved; at a typical peer's pace
     (``replay.Change.like_peers``) 0.20 s. The imbalance is priced in what is left. The same
     where each step ends in a halo exchange and no collective (``halo``): the pace is read off
-    the exchanges, and the balanced exchange is the mean of the paced work."""
+    the exchanges, and the balanced exchange is the mean of the paced work. And with 2 ranks
+    (``two_ranks``, the duty on rank ``step % 2``), where the one peer's median is the peer's own
+    work: priced 1.20 s and no imbalance against 0.40 s saved, before ``straggler._peer_ref`` and
+    ``load_imbalance._moves_without_offsets``."""
     halo = ("--halo", "--no-allreduce") if shape == "halo" else ()
+    n = 2 if shape == "two_ranks" else 4
     variants = {"faulty": ("--rotate", "--slow-rank", "1", "--slow-s", "0.02", *halo),
                 "no_straggler": ("--rotate", *halo), "neither": ("--even", *halo)}  # fmt: skip
     faulty: list[Path] = []
@@ -239,7 +252,7 @@ def test_mpi_straggler_beside_a_rotating_duty_is_priced_without_its_turns(tmp_pa
         d = tmp_path / f"{variant}{i}"
         if variant == "faulty":
             faulty.append(d / "run")
-        return mpi_loop_s(d, JOB, *variants[variant])
+        return mpi_loop_s(d, JOB, *variants[variant], n=n)
 
     savings = measure_savings(run, ["no_straggler", "neither"], rounds=2)
     costs: dict[str, list[float]] = {"straggler": [], "together": []}
@@ -254,7 +267,8 @@ def test_mpi_straggler_beside_a_rotating_duty_is_priced_without_its_turns(tmp_pa
     print(f"priced {costs}: straggler {savings['no_straggler']}; both {savings['neither']}")
     # Measured here (2 cores): the faulty loop 2.62 s, without the straggler 2.42 s, with neither
     # 1.22 s; priced 0.200 s and 1.200 s; the halo alike, 0.200 s and 1.395 s. In the halo at the
-    # median of the exchange: 0.60 s; the balance at the recorded (unpaced) mean: 1.195 s.
+    # median of the exchange: 0.60 s; the balance at the recorded (unpaced) mean: 1.195 s. Two
+    # ranks: 2.81 s, 2.41 s without the straggler, 1.61 s with neither; priced 0.40 and 1.19 s.
     assert_prices_median(savings["no_straggler"], costs["straggler"], rel=0.25, what="straggler cost")
     assert_prices_median(savings["neither"], costs["together"], rel=0.25, what="straggler + load_imbalance cost")
 
@@ -266,16 +280,17 @@ def test_mpi_straggler_beside_a_rotating_duty_is_priced_without_its_turns(tmp_pa
 DDP_JOB = Path(__file__).resolve().parent / "jobs" / "torch_ddp.py"
 
 
-def run_ddp(d: Path, faulty: bool) -> float:
+def run_ddp(d: Path, faulty: bool, *extra: str) -> float:
     """2 ranks under torchrun through distdiag.wrap, 30 steps: 40 ms more on rank step % 2 (faulty) or
-    20 ms more on both (the twin); the loop's wall-clock between two barriers."""
+    20 ms more on both (the twin), and ``extra`` (the job's options); the loop's wall-clock between
+    two barriers."""
     import json
     import os
 
     d.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "distdiag.wrap", str(DDP_JOB), "--out", str(d / "out"), "--steps", "30", "--batch", "8", "--timed",
-           "--rotate-ms" if faulty else "--spread-ms", "40"]  # fmt: skip
+           "--rotate-ms" if faulty else "--spread-ms", "40", *extra]  # fmt: skip
     env = dict(os.environ, DISTDIAG_DIR=str(d / "run"), DISTDIAG_HOOKS="fileio=0", PYTHONUNBUFFERED="1")
     run_in_session(cmd, 400, cwd=d, env=env, check=True, merged=True)
     return float(json.loads((d / "out" / "rank0.json").read_text())["loop_s"])
@@ -298,3 +313,31 @@ def test_ddp_imbalance_at_the_buckets_is_found_and_priced(ddp_rotating: Twins[Re
         wall = float(rep.run.wall_s)
         assert [(f.kind, f.cost_s) for f in rep.findings if f.kind == "load_imbalance" or f.cost_s > 0.02 * wall] == []
 
+
+
+@pytest.mark.torch
+def test_ddp_straggler_beside_a_rotating_duty_on_two_ranks(tmp_path: Path) -> None:
+    """2 DDP ranks, the duty on rank ``step % 2`` (40 ms) and rank 1 20 ms slower every step:
+    at its one peer's median rank 1 lost its turns of the duty too, priced 0.86 s where fixing it
+    saved 0.30 s, and the imbalance went unreported (``straggler._peer_ref``,
+    ``load_imbalance._moves_without_offsets``); the balanced launches, at the recorded mean, also
+    kept rank 1's lag (together 0.57 s against 0.89 s saved)."""
+    pytest.importorskip("torch")
+    slow = ("--slow-rank", "1", "--slow-ms", "20")
+
+    def run(variant: str, i: int) -> float:
+        d = tmp_path / f"{variant}{i}"
+        return run_ddp(d, variant != "neither", *(slow if variant == "faulty" else ()))
+
+    savings = measure_savings(run, ["no_straggler", "neither"], rounds=2)
+    costs: dict[str, list[float]] = {"straggler": [], "together": []}
+    for i in range(2):
+        rep = analyze(tmp_path / f"faulty{i}" / "run", Config())
+        (st,) = of_kind(rep, "straggler")
+        (li,) = of_kind(rep, "load_imbalance")
+        assert st.ranks == [1], [(f.kind, f.ranks, f.cost_s) for f in rep.findings]
+        costs["straggler"].append(st.cost_s)
+        costs["together"].append(st.cost_s + li.cost_s)
+    print(f"DDP priced {costs}: straggler {savings['no_straggler']}; both {savings['neither']}")
+    assert_prices_median(savings["no_straggler"], costs["straggler"], rel=0.25, what="DDP straggler cost")
+    assert_prices_median(savings["neither"], costs["together"], rel=0.25, what="DDP straggler + load_imbalance cost")

@@ -150,7 +150,7 @@ def detect(an: Analysis) -> list[Finding]:
     rank_ops = _ops_per_rank(colls, complete, [r for r, _ in blamed])
     slow = np.zeros(n, bool)  # the blamed ranks: no rank's typical peer is one of them
     slow[[r for r, _ in blamed]] = True
-    like = _like_peers(run, colls, ok, slow, [r for r, _ in blamed])
+    like, refs = _like_peers(run, colls, ok, slow, [r for r, _ in blamed])
     like_p2p = _like_peers_p2p(run, colls, slow, [r for r, _ in blamed])
 
     findings = []
@@ -205,7 +205,8 @@ def detect(an: Analysis) -> list[Finding]:
                                  + (" plus a typical peer's excess over it" if r in like_p2p else "")
                                  if p_mine.any() else ""),
                               median_ranks=np.array([r], np.int64), like_peers={r: like[r]} if r in like else {},
-                              like_p2p={r: like_p2p[r]} if r in like_p2p else {}),
+                              like_p2p={r: like_p2p[r]} if r in like_p2p else {},
+                              peer_ref={r: refs[r]} if r in refs else {}),
                 advice=(
                     f"Find what rank {r}{' on ' + host if host else ''} does before its "
                     f"{'point-to-point calls and collectives' if p_mine.any() else 'collectives'}{where} "
@@ -514,6 +515,7 @@ def _fold_hosts(
         frac = float(n_last[h]) / max(1, int(n_part[h]))
         sites = colls.m_site[colls.g_start[1:][g][mine] - 1]  # the last arrivers' own rows
         by_site = tally(sites, wait_ns[mine], run, limit=top_sites)
+        host_like, host_refs = _like_peers(run, colls, ok, slow, ranks_here)
         out_hosts.append(
             Finding(
                 kind="straggler",
@@ -538,8 +540,8 @@ def _fold_hosts(
                 change=Change(f"the work of host {hosts[h]}'s ranks before each collective at the other "
                               "members' median plus a typical peer's excess over it",
                               median_ranks=np.asarray(ranks_here, np.int64),
-                              like_peers=_like_peers(run, colls, ok, slow, ranks_here),
-                              like_p2p=_like_peers_p2p(run, colls, slow, ranks_here)),
+                              like_peers=host_like, like_p2p=_like_peers_p2p(run, colls, slow, ranks_here),
+                              peer_ref=host_refs),
                 advice=(
                     f"Every rank on {hosts[h]} is late, not one: look at the node (a slower or throttled CPU/GPU, "
                     "other jobs on it, a slower file system mount, a different software stack)."
@@ -552,25 +554,79 @@ def _fold_hosts(
 
 #: groups sampled per straggler for its excess table (:func:`_like_peers`): ~5 per quantile
 _TABLE_GROUPS = 512
+#: a collective of this many members or fewer takes a straggler's pace from a rolling mean
+#: (:func:`_peer_ref`), not from its own median
+FEW_MEMBERS = 3
+#: collectives of one call site that rolling mean takes (a multiple of 2, 3, 4, 6 and 8: a duty
+#: rotating over that many ranks averages out whole)
+REF_WINDOW = 24
 
 
 def _like_peers(run: Run, colls: Collectives, ok: np.ndarray, slow: np.ndarray,
-                ranks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+                ranks: list[int]) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, np.ndarray]]:
     """Per rank of ``ranks``: the table mapping its excess over the median of the members that
     are not ``slow`` (its work since its previous collective, :func:`distdiag.match.member_gaps_ns`,
     minus theirs) to those members' own excess over it (:func:`distdiag.replay.peer_excess`), read
     off up to ``_TABLE_GROUPS`` of its ``ok`` groups evenly spread over the run. The replay then
     takes the rank to a typical peer's pace, not to the median at every collective: a peer
-    also takes its turns at a duty that rotates, and is sometimes last by jitter."""
+    also takes its turns at a duty that rotates, and is sometimes last by jitter.
+
+    And per rank that has collectives of ``FEW_MEMBERS`` members or fewer (a job of 2 or 3 ranks):
+    the reference those take instead of their median (:func:`_peer_ref`; ``Change.peer_ref``)."""
     gaps = member_gaps_ns(run, colls, async_exits=True)
     out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    refs: dict[int, np.ndarray] = {}
     for r in ranks:  # the blamed ranks: few
-        g = colls.m_group[colls.m_rank == r].astype(np.int64)
-        g = g[ok[g]]
-        table = _excess_table(gaps, colls.m_rank, colls.g_start, g, slow, r)
+        rows = np.flatnonzero(colls.m_rank == r)
+        g = colls.m_group[rows].astype(np.int64)
+        keep = ok[g]
+        rows, g = rows[keep], g[keep]
+        ref = _peer_ref(gaps, colls, rows, g, slow)
+        if ref is not None:
+            refs[r] = ref
+        table = _excess_table(gaps, colls.m_rank, colls.g_start, g, slow, r, ref)
         if table is not None:
             out[r] = table
-    return out
+    return out, refs
+
+
+def _peer_ref(gaps: np.ndarray, colls: Collectives, rows: np.ndarray, g: np.ndarray,
+              slow: np.ndarray) -> np.ndarray | None:  # fmt: skip
+    """Per group (``len(colls)``; NaN elsewhere): the pace a straggler's member row of ``rows`` (in
+    its groups ``g``, ascending) is measured from where the group has 2 to ``FEW_MEMBERS`` members
+    (a job, or a communicator, of 2 or 3 ranks), some not ``slow``: the mean of those members'
+    median work (``gaps``) over the ``REF_WINDOW`` collectives of its call site around it. None
+    where no group is such. (Two slow ranks of a node among 4 keep their groups' median: with
+    jitter, the rolling mean priced that node 2.6% under what the model says, the median 0.1%.)
+
+    At the median of one or two peers, a peer's own variation is lost: with 2 ranks, the other
+    rank's work *is* the median, so its turns of a rotating duty look like no excess at all,
+    and the straggler at that pace loses its own turns too (priced 0.86 s where fixing it saves
+    0.30 s, a 2-rank DDP job). Over a window the duty averages out and the peer's turns stay
+    its excess, which the straggler's table maps to."""
+    sizes = (colls.g_start[g + 1] - colls.g_start[g]).astype(np.int64)
+    at = np.repeat(colls.g_start[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+    local = np.repeat(np.arange(len(g), dtype=np.int64), sizes)
+    rk = colls.m_rank[at].astype(np.int64)
+    peer = ~slow[np.minimum(rk, len(slow) - 1)] & (rk < len(slow))
+    n_peer = np.bincount(local[peer], minlength=len(g))
+    sel = np.flatnonzero((n_peer > 0) & (sizes <= FEW_MEMBERS))
+    if not len(sel):
+        return None
+    med, _ = group_medians(gaps[at][peer], local[peer], len(g))
+    site = colls.m_site[rows[sel]].astype(np.int64)
+    o = np.lexsort((colls.g_last_ns[g[sel]], site))  # by call site, then time
+    x, s_o = med[sel][o], site[o]
+    head = np.flatnonzero(np.r_[True, s_o[1:] != s_o[:-1]])
+    end = np.r_[head[1:], len(o)]
+    block = np.repeat(np.arange(len(head)), end - head)
+    i = np.arange(len(o))
+    lo = np.maximum(head[block], i - REF_WINDOW // 2)
+    hi = np.minimum(end[block], i + REF_WINDOW // 2)
+    cs = np.r_[0.0, np.cumsum(x)]
+    ref = np.full(len(colls), np.nan)
+    ref[g[sel][o]] = (cs[hi] - cs[lo]) / (hi - lo)
+    return ref
 
 
 def _like_peers_p2p(run: Run, colls: Collectives, slow: np.ndarray,
@@ -599,11 +655,12 @@ def _like_peers_p2p(run: Run, colls: Collectives, slow: np.ndarray,
 
 
 def _excess_table(v: np.ndarray, rank: np.ndarray, start: np.ndarray, g: np.ndarray, slow: np.ndarray,
-                  r: int) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+                  r: int, ref: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
     """Rank ``r``'s table (:func:`distdiag.replay.peer_excess`) read off up to ``_TABLE_GROUPS`` of
     its groups ``g`` (ascending), evenly spread: per group (rows ``start[g]:start[g + 1]`` of the
     values ``v`` and their ``rank``), its value and the others' that are not ``slow``, less the
-    median of those. None where no group has both."""
+    median of those, or less ``ref[group]`` where that is given (:func:`_peer_ref`). None where no
+    group has both."""
     if not len(g):
         return None
     g = g[np.unique(np.linspace(0, len(g) - 1, min(len(g), _TABLE_GROUPS)).round().astype(np.int64))]
@@ -613,6 +670,9 @@ def _excess_table(v: np.ndarray, rank: np.ndarray, start: np.ndarray, g: np.ndar
     rk = rank[at].astype(np.int64)
     peer = ~slow[np.minimum(rk, len(slow) - 1)] & (rk < len(slow))
     pace, has = group_medians(v[at][peer], local[peer], len(g))
+    if ref is not None:
+        rg = ref[g]
+        pace = np.where(np.isfinite(rg), rg, pace)
     mine = (rk == r) & has[local]
     on = peer & has[local]
     if not mine.any() or not on.any():

@@ -7,7 +7,8 @@ nothing hides it), ``--slow-rank R --slow-iters K`` makes rank R do K extra
 matrix products per step before its backward. Each rank writes
 ``<out>/rank<r>.json`` with its losses and what it checked.
 
-``--rotate-ms X``: rank ``step % world`` sleeps X ms more before its forward (a load imbalance
+``--slow-ms X``: rank R sleeps X ms more every step, before its forward (a straggler beside the
+imbalance below). ``--rotate-ms X``: rank ``step % world`` sleeps X ms more before its forward (a load imbalance
 that moves between ranks); ``--spread-ms X``: every rank sleeps X / world ms more (the same
 work, balanced: its twin).
 
@@ -40,6 +41,7 @@ ap.add_argument("--width", type=int, default=256)
 ap.add_argument("--sleep-ms", type=float, default=0.0)
 ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-iters", type=int, default=0)
+ap.add_argument("--slow-ms", type=float, default=0.0, help="rank --slow-rank sleeps this much more every step")
 ap.add_argument("--rotate-ms", type=float, default=0.0)
 ap.add_argument("--spread-ms", type=float, default=0.0)
 ap.add_argument("--user-hook", action="store_true")
@@ -122,6 +124,8 @@ for step, (x, y) in enumerate(loader):
         time.sleep(args.rotate_ms / 1000.0)
     if args.spread_ms:
         time.sleep(args.spread_ms / 1000.0 / world)
+    if rank == args.slow_rank and args.slow_ms:
+        time.sleep(args.slow_ms / 1000.0)
     opt.zero_grad()
     out = ddp(x)
     if rank == args.slow_rank:
