@@ -946,7 +946,7 @@ def _replay(m: Model, change: Change | None) -> np.ndarray:
     if balance and W is not None and W.n_async:
         paced = None
         if med_a is not None:  # the straggler removed too: the mean of the work at its peers' pace
-            _, sz, mem, rec = _async_groups(m)
+            _, _, mem, rec = _async_groups(m)
             r_a = m.colls.m_rank[mem].astype(np.int64)
             paced = _at_peer_pace(rec, (med_a >= 0) & slow[r_a], med_a, r_a, like, ref_a)
         mean_a = _launch_means(m, paced)

@@ -604,11 +604,7 @@ def _peer_ref(gaps: np.ndarray, colls: Collectives, rows: np.ndarray, g: np.ndar
     and the straggler at that pace loses its own turns too (priced 0.86 s where fixing it saves
     0.30 s, a 2-rank DDP job). Over a window the duty averages out and the peer's turns stay
     its excess, which the straggler's table maps to."""
-    sizes = (colls.g_start[g + 1] - colls.g_start[g]).astype(np.int64)
-    at = np.repeat(colls.g_start[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
-    local = np.repeat(np.arange(len(g), dtype=np.int64), sizes)
-    rk = colls.m_rank[at].astype(np.int64)
-    peer = ~slow[np.minimum(rk, len(slow) - 1)] & (rk < len(slow))
+    sizes, at, local, _, peer = _rows_of(colls.g_start, g, colls.m_rank, slow)
     n_peer = np.bincount(local[peer], minlength=len(g))
     sel = np.flatnonzero((n_peer > 0) & (sizes <= FEW_MEMBERS))
     if not len(sel):
@@ -664,11 +660,7 @@ def _excess_table(v: np.ndarray, rank: np.ndarray, start: np.ndarray, g: np.ndar
     if not len(g):
         return None
     g = g[np.unique(np.linspace(0, len(g) - 1, min(len(g), _TABLE_GROUPS)).round().astype(np.int64))]
-    sizes = (start[g + 1] - start[g]).astype(np.int64)
-    at = np.repeat(start[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
-    local = np.repeat(np.arange(len(g), dtype=np.int64), sizes)  # each row's group among them
-    rk = rank[at].astype(np.int64)
-    peer = ~slow[np.minimum(rk, len(slow) - 1)] & (rk < len(slow))
+    _, at, local, rk, peer = _rows_of(start, g, rank, slow)
     pace, has = group_medians(v[at][peer], local[peer], len(g))
     if ref is not None:
         rg = ref[g]
@@ -678,6 +670,18 @@ def _excess_table(v: np.ndarray, rank: np.ndarray, start: np.ndarray, g: np.ndar
     if not mine.any() or not on.any():
         return None
     return peer_excess(v[at][mine] - pace[local[mine]], v[at][on] - pace[local[on]])
+
+
+def _rows_of(start: np.ndarray, g: np.ndarray, rank: np.ndarray,
+             slow: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The rows of the groups ``g`` (rows ``start[g]:start[g + 1]``, their ``rank``): (each group's
+    size, the rows, each row's group among ``g``, its rank, whether that rank is not ``slow``)."""
+    sizes = (start[g + 1] - start[g]).astype(np.int64)
+    at = np.repeat(start[g] - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
+    local = np.repeat(np.arange(len(g), dtype=np.int64), sizes)
+    rk = rank[at].astype(np.int64)
+    peer = ~slow[np.minimum(rk, len(slow) - 1)] & (rk < len(slow))
+    return sizes, at, local, rk, peer
 
 
 #: a host is a straggler of its own when all its ranks in a collective arrived after every other
