@@ -254,7 +254,9 @@ def test_mpi_straggler_beside_a_rotating_duty_is_priced_without_its_turns(tmp_pa
             faulty.append(d / "run")
         return mpi_loop_s(d, JOB, *variants[variant], n=n)
 
-    savings = measure_savings(run, ["no_straggler", "neither"], rounds=2)
+    # 3 rounds: the median of the faulty runs stands one the machine stalled (seen: a 2-rank faulty
+    # loop 3.28 s, the other 2.82 s, beside a busy core)
+    savings = measure_savings(run, ["no_straggler", "neither"], rounds=3)
     costs: dict[str, list[float]] = {"straggler": [], "together": []}
     for d in faulty:
         rep = analyze(d, Config())
@@ -329,9 +331,11 @@ def test_ddp_straggler_beside_a_rotating_duty_on_two_ranks(tmp_path: Path) -> No
         d = tmp_path / f"{variant}{i}"
         return run_ddp(d, variant != "neither", *(slow if variant == "faulty" else ()))
 
-    savings = measure_savings(run, ["no_straggler", "neither"], rounds=2)
+    # 3 rounds: the median of the faulty runs stands one the machine stalled (seen: a 2-rank faulty
+    # loop 3.28 s, the other 2.82 s, beside a busy core)
+    savings = measure_savings(run, ["no_straggler", "neither"], rounds=3)
     costs: dict[str, list[float]] = {"straggler": [], "together": []}
-    for i in range(2):
+    for i in range(3):
         rep = analyze(tmp_path / f"faulty{i}" / "run", Config())
         (st,) = of_kind(rep, "straggler")
         (li,) = of_kind(rep, "load_imbalance")
